@@ -1,0 +1,3 @@
+from registry.cli import main
+
+main()

@@ -1,0 +1,129 @@
+"""The catalog schema as typed SQLAlchemy 2 models.
+
+The live schema is created only by the migrations in ``registry/migrations``;
+these models describe it for queries, and a test checks that the two agree.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import (BigInteger, Boolean, CheckConstraint, DateTime, Float, ForeignKey, Index,
+                        Integer, MetaData, String, Text, UniqueConstraint)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+STATUS_SQL = "status IN ('staging', 'published', 'verified', 'failed', 'corrupt', 'deleted')"
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class Run(Base):
+    __tablename__ = "runs"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class Attempt(Base):
+    """One process's stint of training a run; a resume starts a new attempt."""
+    __tablename__ = "attempts"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    writer: Mapped[str] = mapped_column(String(255))
+    resumed_from: Mapped[int | None] = mapped_column(BigInteger)
+    started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class CheckpointRow(Base):
+    __tablename__ = "checkpoints"
+    __table_args__ = (
+        UniqueConstraint("run_id", "step"),
+        CheckConstraint(STATUS_SQL, name="status"),
+        Index("ix_checkpoints_run_status_step", "run_id", "status", "step"),
+        Index("ix_checkpoints_run_policy", "run_id", "policy_version"),
+    )
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    step: Mapped[int] = mapped_column(BigInteger)
+    status: Mapped[str] = mapped_column(String(16))
+    path: Mapped[str] = mapped_column(String(1024))
+    writer: Mapped[str | None] = mapped_column(String(255))
+    attempt_id: Mapped[int | None] = mapped_column(ForeignKey("attempts.id", ondelete="SET NULL"))
+    epoch: Mapped[int] = mapped_column(BigInteger, default=0)
+    consumed_samples: Mapped[int] = mapped_column(BigInteger, default=0)
+    optimizer_step: Mapped[int | None] = mapped_column(BigInteger)
+    policy_version: Mapped[int | None] = mapped_column(BigInteger)
+    manifest_sha256: Mapped[str | None] = mapped_column(String(64))
+    total_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    published_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    verified_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    deleted_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class CheckpointFile(Base):
+    __tablename__ = "checkpoint_files"
+    checkpoint_id: Mapped[int] = mapped_column(ForeignKey("checkpoints.id", ondelete="CASCADE"),
+                                               primary_key=True)
+    name: Mapped[str] = mapped_column(String(255), primary_key=True)
+    size: Mapped[int] = mapped_column(BigInteger)
+    sha256: Mapped[str] = mapped_column(String(64))
+
+
+class Metric(Base):
+    """A metric point. A newer point for the same (run, key, step) supersedes
+    older ones, and so does a resume below its step; superseded rows stay as history."""
+    __tablename__ = "metrics"
+    __table_args__ = (
+        Index("ix_metrics_best", "run_id", "key", "superseded", "value", "step"),
+        Index("ix_metrics_run_step", "run_id", "step", "key"),
+    )
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    step: Mapped[int] = mapped_column(BigInteger)
+    key: Mapped[str] = mapped_column(String(255))
+    value: Mapped[float] = mapped_column(Float)
+    attempt_id: Mapped[int | None] = mapped_column(ForeignKey("attempts.id", ondelete="SET NULL"))
+    superseded: Mapped[bool] = mapped_column(Boolean, default=False)
+    logged_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class Tag(Base):
+    __tablename__ = "tags"
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), primary_key=True)
+    checkpoint_id: Mapped[int] = mapped_column(ForeignKey("checkpoints.id", ondelete="CASCADE"), index=True)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class Event(Base):
+    __tablename__ = "events"
+    __table_args__ = (Index("ix_events_run_id_id", "run_id", "id"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int | None] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    step: Mapped[int | None] = mapped_column(BigInteger)
+    kind: Mapped[str] = mapped_column(String(32))
+    detail: Mapped[str] = mapped_column(Text, default="{}")
+    actor: Mapped[str | None] = mapped_column(String(255))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class Lease(Base):
+    """A reader's claim on a checkpoint; retention never deletes a leased step."""
+    __tablename__ = "leases"
+    __table_args__ = (Index("ix_leases_checkpoint_expires", "checkpoint_id", "expires_at"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    checkpoint_id: Mapped[int] = mapped_column(ForeignKey("checkpoints.id", ondelete="CASCADE"))
+    holder: Mapped[str] = mapped_column(String(255))
+    expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))

@@ -1,0 +1,465 @@
+"""The catalog: every question and every state change, as one method each.
+
+Knows SQL and nothing of torch or files. Each public method is one
+transaction; writes go through :func:`session.write_connection` (``BEGIN
+IMMEDIATE`` on SQLite) and are retried as a whole on lock timeouts,
+serialization failures and deadlocks, so none of those reach the caller.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Connection, Engine, and_, delete, func, insert, select, text, update
+from sqlalchemy.exc import IntegrityError
+
+from registry.catalog.models import (Attempt, CheckpointFile, CheckpointRow, Event, Lease, Metric,
+                                     Run, Tag)
+from registry.catalog.session import head_revision, open_engine, retrying, write_connection
+from registry.errors import CheckpointNotFoundError, StepExistsError
+from registry.records import LIVE, RANKABLE, CheckpointInfo, EventInfo, MetricPoint, RunInfo
+from registry.refs import Ref
+
+NOTIFY_CHANNEL = "registry_checkpoints"
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def _aware(value: datetime | None) -> datetime | None:
+    if value is not None and value.tzinfo is None:
+        return value.replace(tzinfo=timezone.utc)
+    return value
+
+
+@dataclass(frozen=True, kw_only=True)
+class Claim:
+    checkpoint_id: int
+    run_id: int
+    previous_status: str | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class FileRecord:
+    name: str
+    size: int
+    sha256: str
+
+
+class Catalog:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    @classmethod
+    def open(cls, url: str, *, migrate: bool = True) -> Catalog:
+        return cls(open_engine(url, migrate=migrate))
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    @property
+    def dialect(self) -> str:
+        return self.engine.dialect.name
+
+    def _write(self, fn: Any) -> Any:
+        def txn() -> Any:
+            with write_connection(self.engine) as conn:
+                return fn(conn)
+        return retrying(txn)
+
+    def _read(self, fn: Any) -> Any:
+        def txn() -> Any:
+            with self.engine.connect() as conn, conn.begin():
+                return fn(conn)
+        return retrying(txn)
+
+    # ------------------------------------------------------------------ helpers
+
+    @staticmethod
+    def _run_id(conn: Connection, run: str, *, create: bool = False) -> int | None:
+        run_id = conn.scalar(select(Run.id).where(Run.name == run))
+        if run_id is None and create:
+            conn.execute(insert(Run).values(name=run, created_at=utcnow()))
+            run_id = conn.scalar(select(Run.id).where(Run.name == run))
+        return run_id
+
+    def _require_run(self, conn: Connection, run: str) -> int:
+        run_id = self._run_id(conn, run)
+        if run_id is None:
+            raise CheckpointNotFoundError(f"no run named {run!r}", run=run)
+        return run_id
+
+    @staticmethod
+    def _event(conn: Connection, run_id: int | None, step: int | None, kind: str,
+               actor: str | None = None, **detail: Any) -> None:
+        conn.execute(insert(Event).values(run_id=run_id, step=step, kind=kind, actor=actor,
+                                          detail=json.dumps(detail, sort_keys=True), created_at=utcnow()))
+
+    def _infos(self, conn: Connection, run: str, rows: Sequence[Any]) -> list[CheckpointInfo]:
+        if not rows:
+            return []
+        run_id = rows[0].run_id
+        ids = [r.id for r in rows]
+        steps = [r.step for r in rows]
+        metrics: dict[int, dict[str, float]] = {}
+        tags: dict[int, list[str]] = {}
+        for chunk_start in range(0, len(ids), 500):
+            step_chunk = steps[chunk_start:chunk_start + 500]
+            id_chunk = ids[chunk_start:chunk_start + 500]
+            for step, key, value in conn.execute(
+                    select(Metric.step, Metric.key, Metric.value)
+                    .where(Metric.run_id == run_id, Metric.step.in_(step_chunk), Metric.superseded.is_(False))
+                    .order_by(Metric.id)):
+                metrics.setdefault(step, {})[key] = value
+            for cid, name in conn.execute(select(Tag.checkpoint_id, Tag.name)
+                                          .where(Tag.checkpoint_id.in_(id_chunk)).order_by(Tag.name)):
+                tags.setdefault(cid, []).append(name)
+        return [CheckpointInfo(
+            run=run, step=r.step, status=r.status, path=Path(r.path), epoch=r.epoch,
+            consumed_samples=r.consumed_samples, policy_version=r.policy_version,
+            optimizer_step=r.optimizer_step, metrics=metrics.get(r.step, {}),
+            tags=tuple(tags.get(r.id, ())), total_bytes=r.total_bytes,
+            manifest_sha256=r.manifest_sha256, created_at=_aware(r.created_at),
+            verified_at=_aware(r.verified_at), writer=r.writer) for r in rows]
+
+    # ------------------------------------------------------------------ publish
+
+    def claim(self, run: str, step: int, *, path: str, writer: str, overwrite: bool,
+              writer_alive: Callable[[str | None], bool] = lambda _: True) -> Claim:
+        """Phase 1: a ``staging`` row decides between racing writers.
+
+        A ``staging`` row left by a writer that ``writer_alive`` says is dead
+        (a crashed trainer that is now resuming) is taken over.
+        """
+        def fn(conn: Connection) -> Claim:
+            run_id = self._run_id(conn, run, create=True)
+            assert run_id is not None
+            now = utcnow()
+            query = select(CheckpointRow.__table__).where(CheckpointRow.run_id == run_id, CheckpointRow.step == step)
+            if conn.dialect.name == "postgresql":
+                query = query.with_for_update()
+            row = conn.execute(query).first()
+            if row is None:
+                try:
+                    with conn.begin_nested():
+                        cid = conn.execute(insert(CheckpointRow).values(
+                            run_id=run_id, step=step, status="staging", path=path, writer=writer,
+                            epoch=0, consumed_samples=0, total_bytes=0, created_at=now,
+                            updated_at=now).returning(CheckpointRow.id)).scalar_one()
+                except IntegrityError:
+                    raise StepExistsError(f"{run}@{step} is being published by another writer",
+                                          run=run, step=step) from None
+                return Claim(checkpoint_id=cid, run_id=run_id, previous_status=None)
+            if row.status == "staging" and writer_alive(row.writer):
+                raise StepExistsError(f"{run}@{step} is being published by {row.writer}",
+                                      run=run, step=step)
+            if row.status in ("published", "verified", "corrupt") and not overwrite:
+                raise StepExistsError(f"{run}@{step} already exists ({row.status}); "
+                                      "pass overwrite=True to replace it", run=run, step=step)
+            conn.execute(update(CheckpointRow).where(CheckpointRow.id == row.id)
+                         .values(status="staging", writer=writer, path=path, updated_at=now))
+            previous = row.status if row.status != "staging" else None
+            if row.status == "staging":
+                self._event(conn, run_id, step, "takeover", actor=writer, dead_writer=row.writer)
+            return Claim(checkpoint_id=row.id, run_id=run_id, previous_status=previous)
+        return self._write(fn)
+
+    def abort_claim(self, claim: Claim, *, reason: str, old_payload_intact: bool) -> None:
+        """Undo phase 1 after a failure: restore an overwritten step or mark it failed."""
+        def fn(conn: Connection) -> None:
+            restore = claim.previous_status in ("published", "verified", "corrupt") and old_payload_intact
+            status = claim.previous_status if restore else "failed"
+            conn.execute(update(CheckpointRow).where(CheckpointRow.id == claim.checkpoint_id,
+                                                     CheckpointRow.status == "staging")
+                         .values(status=status, updated_at=utcnow()))
+            step = conn.scalar(select(CheckpointRow.step).where(CheckpointRow.id == claim.checkpoint_id))
+            self._event(conn, claim.run_id, step, "publish-failed", reason=reason, restored=restore)
+        self._write(fn)
+
+    def start_attempt(self, run: str, *, writer: str, resumed_from: int | None) -> int:
+        def fn(conn: Connection) -> int:
+            run_id = self._run_id(conn, run, create=True)
+            return conn.execute(insert(Attempt).values(run_id=run_id, writer=writer, resumed_from=resumed_from,
+                                                       started_at=utcnow()).returning(Attempt.id)).scalar_one()
+        return self._write(fn)
+
+    def commit_publish(self, claim: Claim, *, status: str, manifest_sha256: str,
+                       files: Iterable[FileRecord], total_bytes: int, epoch: int, consumed_samples: int,
+                       optimizer_step: int | None, policy_version: int | None,
+                       metrics: Sequence[tuple[int, str, float]], attempt_id: int | None,
+                       tags: Sequence[str], writer: str) -> None:
+        """Phase 4: the step becomes visible together with its files, metrics and tags."""
+        files = list(files)
+
+        def fn(conn: Connection) -> None:
+            now = utcnow()
+            cid = claim.checkpoint_id
+            step = conn.scalar(select(CheckpointRow.step).where(CheckpointRow.id == cid))
+            conn.execute(update(CheckpointRow).where(CheckpointRow.id == cid).values(
+                status=status, manifest_sha256=manifest_sha256, total_bytes=total_bytes,
+                epoch=epoch, consumed_samples=consumed_samples, optimizer_step=optimizer_step,
+                policy_version=policy_version, attempt_id=attempt_id, writer=writer, updated_at=now,
+                published_at=now, verified_at=now if status == "verified" else None, deleted_at=None))
+            conn.execute(delete(CheckpointFile).where(CheckpointFile.checkpoint_id == cid))
+            if files:
+                conn.execute(insert(CheckpointFile), [
+                    {"checkpoint_id": cid, "name": f.name, "size": f.size, "sha256": f.sha256} for f in files])
+            self._insert_metrics(conn, claim.run_id, metrics, attempt_id)
+            self._event(conn, claim.run_id, step, "publish", actor=writer, status=status,
+                        manifest_sha256=manifest_sha256, overwrite=claim.previous_status is not None)
+            for name in tags:
+                self._set_tag(conn, claim.run_id, step, cid, name, actor=writer)
+            self._notify(conn, claim.run_id, step, status)
+        self._write(fn)
+
+    def _notify(self, conn: Connection, run_id: int, step: int | None, status: str) -> None:
+        if conn.dialect.name == "postgresql":
+            run = conn.scalar(select(Run.name).where(Run.id == run_id))
+            conn.execute(text("SELECT pg_notify(:c, :p)"),
+                         {"c": NOTIFY_CHANNEL, "p": json.dumps({"run": run, "step": step, "status": status})})
+
+    @staticmethod
+    def _insert_metrics(conn: Connection, run_id: int, metrics: Sequence[tuple[int, str, float]],
+                        attempt_id: int | None) -> None:
+        if not metrics:
+            return
+        now = utcnow()
+        latest: dict[tuple[int, str], float] = {}
+        for step, key, value in metrics:
+            latest[(step, key)] = value
+        for (step, key) in latest:
+            conn.execute(update(Metric).where(Metric.run_id == run_id, Metric.step == step, Metric.key == key,
+                                              Metric.superseded.is_(False)).values(superseded=True))
+        conn.execute(insert(Metric), [
+            {"run_id": run_id, "step": step, "key": key, "value": value, "attempt_id": attempt_id,
+             "superseded": False, "logged_at": now} for (step, key), value in latest.items()])
+
+    def add_metrics(self, run: str, metrics: Sequence[tuple[int, str, float]], *,
+                    attempt_id: int | None) -> None:
+        """Durably record metric points outside a publish (``flush``, late evaluation)."""
+        def fn(conn: Connection) -> None:
+            run_id = self._run_id(conn, run, create=True)
+            assert run_id is not None
+            self._insert_metrics(conn, run_id, metrics, attempt_id)
+        self._write(fn)
+
+    # ------------------------------------------------------------------ status changes
+
+    def set_status(self, run: str, step: int, status: str, *, kind: str, actor: str | None = None,
+                   only_from: Sequence[str] | None = None, **detail: Any) -> bool:
+        """Move a step to ``status`` (when it is in ``only_from``) and record an event."""
+        def fn(conn: Connection) -> bool:
+            run_id = self._require_run(conn, run)
+            cond = [CheckpointRow.run_id == run_id, CheckpointRow.step == step]
+            if only_from is not None:
+                cond.append(CheckpointRow.status.in_(only_from))
+            now = utcnow()
+            values: dict[str, Any] = {"status": status, "updated_at": now}
+            if status == "verified":
+                values["verified_at"] = now
+            if status == "deleted":
+                values["deleted_at"] = now
+            changed = conn.execute(update(CheckpointRow).where(*cond).values(**values)).rowcount
+            if changed:
+                self._event(conn, run_id, step, kind, actor=actor, status=status, **detail)
+            return bool(changed)
+        return self._write(fn)
+
+    # ------------------------------------------------------------------ tags
+
+    def _set_tag(self, conn: Connection, run_id: int, step: int, checkpoint_id: int, name: str,
+                 actor: str | None) -> None:
+        old = conn.execute(select(Tag.checkpoint_id, CheckpointRow.step)
+                           .join(CheckpointRow, CheckpointRow.id == Tag.checkpoint_id)
+                           .where(Tag.run_id == run_id, Tag.name == name)).first()
+        if old is not None and old.checkpoint_id == checkpoint_id:
+            return
+        now = utcnow()
+        if old is None:
+            conn.execute(insert(Tag).values(run_id=run_id, name=name, checkpoint_id=checkpoint_id, updated_at=now))
+        else:
+            conn.execute(update(Tag).where(Tag.run_id == run_id, Tag.name == name)
+                         .values(checkpoint_id=checkpoint_id, updated_at=now))
+        self._event(conn, run_id, step, "tag", actor=actor, tag=name,
+                    old_step=old.step if old is not None else None, new_step=step)
+
+    def tag(self, run: str, step: int, name: str, *, actor: str | None = None) -> None:
+        def fn(conn: Connection) -> None:
+            run_id = self._require_run(conn, run)
+            row = conn.execute(select(CheckpointRow.id, CheckpointRow.status)
+                               .where(CheckpointRow.run_id == run_id, CheckpointRow.step == step)).first()
+            if row is None or row.status not in ("published", "verified"):
+                raise CheckpointNotFoundError(
+                    f"cannot tag {run}@{step}: no published checkpoint at that step", run=run, step=step)
+            self._set_tag(conn, run_id, step, row.id, name, actor)
+        self._write(fn)
+
+    def untag(self, run: str, name: str, *, actor: str | None = None) -> int:
+        def fn(conn: Connection) -> int:
+            run_id = self._require_run(conn, run)
+            old = conn.execute(select(Tag.checkpoint_id, CheckpointRow.step)
+                               .join(CheckpointRow, CheckpointRow.id == Tag.checkpoint_id)
+                               .where(Tag.run_id == run_id, Tag.name == name)).first()
+            if old is None:
+                raise CheckpointNotFoundError(f"run {run!r} has no tag {name!r}", run=run)
+            conn.execute(delete(Tag).where(Tag.run_id == run_id, Tag.name == name))
+            self._event(conn, run_id, old.step, "untag", actor=actor, tag=name, old_step=old.step)
+            return int(old.step)
+        return self._write(fn)
+
+    # ------------------------------------------------------------------ queries
+
+    def resolve(self, ref: Ref, *, below: int | None = None, min_policy_version: int | None = None) -> CheckpointInfo:
+        """The checkpoint a ref names now. ``below`` restricts latest refs to older steps (fallback)."""
+        def fn(conn: Connection) -> CheckpointInfo:
+            run_id = self._require_run(conn, ref.run)
+            c = CheckpointRow
+            query = select(c.__table__).where(c.run_id == run_id)
+            if ref.kind in ("latest", "latest-published"):
+                statuses = ("verified",) if ref.kind == "latest" else LIVE
+                query = query.where(c.status.in_(statuses))
+                if below is not None:
+                    query = query.where(c.step < below)
+                if min_policy_version is not None:
+                    query = query.where(c.policy_version >= min_policy_version)
+                query = query.order_by(c.step.desc()).limit(1)
+                what = f"no {'verified' if ref.kind == 'latest' else 'published'} checkpoint"
+            elif ref.kind == "step":
+                query = query.where(c.step == ref.step, c.status.in_(LIVE + ("corrupt",)))
+                what = f"no checkpoint at step {ref.step}"
+            elif ref.kind == "tag":
+                query = query.join(Tag, Tag.checkpoint_id == c.id).where(Tag.run_id == run_id, Tag.name == ref.tag)
+                what = f"no tag {ref.tag!r}"
+            else:
+                m = Metric
+                order = m.value.asc() if ref.mode == "min" else m.value.desc()
+                query = (query.join(m, and_(m.run_id == c.run_id, m.step == c.step))
+                         .where(m.run_id == run_id, m.key == ref.metric, m.superseded.is_(False),
+                                c.status.in_(RANKABLE))
+                         .order_by(order, c.step.desc()).limit(1))
+                what = f"no published checkpoint has metric {ref.metric!r}"
+            row = conn.execute(query).first()
+            if row is None:
+                raise CheckpointNotFoundError(f"{ref}: {what}", run=ref.run, step=ref.step)
+            if ref.kind in ("tag", "step") and row.status not in LIVE + ("corrupt",):
+                raise CheckpointNotFoundError(f"{ref}: step {row.step} is {row.status}", run=ref.run, step=row.step)
+            return self._infos(conn, ref.run, [row])[0]
+        return self._read(fn)
+
+    def get(self, run: str, step: int) -> CheckpointInfo | None:
+        def fn(conn: Connection) -> CheckpointInfo | None:
+            run_id = self._run_id(conn, run)
+            if run_id is None:
+                return None
+            row = conn.execute(select(CheckpointRow.__table__).where(CheckpointRow.run_id == run_id,
+                                                                     CheckpointRow.step == step)).first()
+            return self._infos(conn, run, [row])[0] if row is not None else None
+        return self._read(fn)
+
+    def checkpoints(self, run: str, *, include_deleted: bool = False,
+                    statuses: Sequence[str] | None = None,
+                    policy_version: int | None = None) -> list[CheckpointInfo]:
+        def fn(conn: Connection) -> list[CheckpointInfo]:
+            run_id = self._require_run(conn, run)
+            query = select(CheckpointRow.__table__).where(CheckpointRow.run_id == run_id)
+            if statuses is not None:
+                query = query.where(CheckpointRow.status.in_(statuses))
+            elif not include_deleted:
+                query = query.where(CheckpointRow.status.not_in(("deleted", "failed")))
+            if policy_version is not None:
+                query = query.where(CheckpointRow.policy_version == policy_version)
+            rows = conn.execute(query.order_by(CheckpointRow.step)).all()
+            return self._infos(conn, run, rows)
+        return self._read(fn)
+
+    def runs(self) -> list[RunInfo]:
+        def fn(conn: Connection) -> list[RunInfo]:
+            live = CheckpointRow.status.in_(LIVE)
+            stats = (select(CheckpointRow.run_id,
+                            func.count(CheckpointRow.id).label("n"),
+                            func.max(CheckpointRow.step).label("latest"),
+                            func.coalesce(func.sum(CheckpointRow.total_bytes), 0).label("bytes"))
+                     .where(live).group_by(CheckpointRow.run_id).subquery())
+            rows = conn.execute(select(Run.name, Run.created_at, stats.c.n, stats.c.latest, stats.c.bytes)
+                                .outerjoin(stats, stats.c.run_id == Run.id).order_by(Run.name)).all()
+            return [RunInfo(name=r.name, created_at=_aware(r.created_at), checkpoints=int(r.n or 0),
+                            latest_step=r.latest, total_bytes=int(r.bytes or 0)) for r in rows]
+        return self._read(fn)
+
+    def metrics(self, run: str, *, key: str | None = None, history: bool = False) -> list[MetricPoint]:
+        def fn(conn: Connection) -> list[MetricPoint]:
+            run_id = self._require_run(conn, run)
+            query = select(Metric.__table__).where(Metric.run_id == run_id)
+            if key is not None:
+                query = query.where(Metric.key == key)
+            if not history:
+                query = query.where(Metric.superseded.is_(False))
+            rows = conn.execute(query.order_by(Metric.step, Metric.key, Metric.id)).all()
+            return [MetricPoint(step=r.step, key=r.key, value=r.value, logged_at=_aware(r.logged_at),
+                                attempt=r.attempt_id, current=not r.superseded) for r in rows]
+        return self._read(fn)
+
+    def files(self, run: str, step: int) -> list[FileRecord]:
+        def fn(conn: Connection) -> list[FileRecord]:
+            run_id = self._require_run(conn, run)
+            rows = conn.execute(select(CheckpointFile.__table__).join(CheckpointRow, CheckpointRow.id == CheckpointFile.checkpoint_id)
+                                .where(CheckpointRow.run_id == run_id, CheckpointRow.step == step)
+                                .order_by(CheckpointFile.name)).all()
+            return [FileRecord(name=r.name, size=r.size, sha256=r.sha256) for r in rows]
+        return self._read(fn)
+
+    def events(self, run: str | None = None, *, step: int | None = None, limit: int = 1000) -> list[EventInfo]:
+        def fn(conn: Connection) -> list[EventInfo]:
+            query = select(Event.__table__, Run.name.label("run_name")).outerjoin(Run, Run.id == Event.run_id)
+            if run is not None:
+                query = query.where(Event.run_id == self._require_run(conn, run))
+            if step is not None:
+                query = query.where(Event.step == step)
+            rows = conn.execute(query.order_by(Event.id.desc()).limit(limit)).all()
+            return [EventInfo(id=e.id, run=e.run_name, step=e.step, kind=e.kind, detail=json.loads(e.detail),
+                              actor=e.actor, created_at=_aware(e.created_at)) for e in reversed(rows)]
+        return self._read(fn)
+
+    # ------------------------------------------------------------------ reader leases
+
+    def acquire_lease(self, run: str, step: int, *, holder: str, ttl: timedelta) -> int | None:
+        def fn(conn: Connection) -> int | None:
+            run_id = self._require_run(conn, run)
+            cid = conn.scalar(select(CheckpointRow.id).where(CheckpointRow.run_id == run_id,
+                                                             CheckpointRow.step == step,
+                                                             CheckpointRow.status.in_(LIVE)))
+            if cid is None:
+                return None
+            return conn.execute(insert(Lease).values(checkpoint_id=cid, holder=holder,
+                                                     expires_at=utcnow() + ttl).returning(Lease.id)).scalar_one()
+        return self._write(fn)
+
+    def release_lease(self, lease_id: int) -> None:
+        self._write(lambda conn: conn.execute(delete(Lease).where(Lease.id == lease_id)))
+
+    def leased_steps(self, run: str) -> set[int]:
+        def fn(conn: Connection) -> set[int]:
+            run_id = self._require_run(conn, run)
+            return set(conn.scalars(select(CheckpointRow.step).join(Lease, Lease.checkpoint_id == CheckpointRow.id)
+                                    .where(CheckpointRow.run_id == run_id, Lease.expires_at > utcnow())))
+        return self._read(fn)
+
+    # ------------------------------------------------------------------ schema
+
+    def revision(self) -> str | None:
+        from registry.catalog.session import current_revision
+        with self.engine.connect() as conn:
+            return current_revision(conn)
+
+    @staticmethod
+    def head() -> str:
+        return head_revision()
+
+
+__all__ = ["Catalog", "Claim", "FileRecord", "NOTIFY_CHANNEL", "utcnow"]

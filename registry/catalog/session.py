@@ -1,0 +1,179 @@
+"""Engines, transactions and schema migration for the catalog.
+
+SQLite is opened in WAL mode with ``foreign_keys`` and a ``busy_timeout``;
+write transactions start with ``BEGIN IMMEDIATE`` so two writers queue on the
+lock up front instead of deadlocking on an upgrade from a read lock, which is
+what turns into "database is locked" under concurrency. Read transactions
+stay deferred so readers never wait for each other.
+
+The schema belongs to Alembic. ``open_engine`` brings an empty or older
+database to head under a lock (``BEGIN IMMEDIATE`` on SQLite, an advisory
+lock on PostgreSQL), so eight processes opening a fresh catalog at once apply
+each migration exactly once, and it refuses a database whose revision this
+code does not know: it was migrated by a newer registry.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TypeVar
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import Connection, Engine, create_engine, event, text
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError, DBAPIError, OperationalError
+from sqlalchemy.pool import NullPool
+
+from registry.errors import CatalogError, SchemaTooNewError
+
+MIGRATIONS = Path(__file__).resolve().parent.parent / "migrations"
+BUSY_TIMEOUT_MS = 60_000
+_ADVISORY_KEY = 0x5E61_57E7  # "registry" migrations lock on PostgreSQL
+T = TypeVar("T")
+
+
+def alembic_config() -> Config:
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS))
+    return cfg
+
+
+def head_revision() -> str:
+    head = ScriptDirectory.from_config(alembic_config()).get_current_head()
+    assert head is not None
+    return head
+
+
+def _sqlite_pragmas(dbapi_conn, _record) -> None:  # type: ignore[no-untyped-def]
+    dbapi_conn.isolation_level = None  # we issue BEGIN ourselves
+    cur = dbapi_conn.cursor()
+    cur.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+    cur.execute("PRAGMA foreign_keys = ON")
+    mode = cur.execute("PRAGMA journal_mode").fetchone()[0]
+    if str(mode).lower() != "wal":
+        cur.execute("PRAGMA journal_mode = WAL")
+    cur.execute("PRAGMA synchronous = FULL")
+    cur.close()
+
+
+def _sqlite_begin(conn: Connection) -> None:
+    immediate = conn.get_execution_options().get("registry_write", False)
+    conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
+
+
+def make_engine(url: str) -> Engine:
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        raise CatalogError(f"invalid catalog URL {url!r}") from None
+    backend = parsed.get_backend_name()
+    if backend == "sqlite":
+        database = parsed.database or ""
+        if database in ("", ":memory:"):
+            raise CatalogError("the catalog needs a SQLite file, not an in-memory database")
+        Path(database).parent.mkdir(parents=True, exist_ok=True)
+        engine = create_engine(parsed, poolclass=NullPool)
+        event.listen(engine, "connect", _sqlite_pragmas)
+        event.listen(engine, "begin", _sqlite_begin)
+        return engine
+    if backend == "postgresql":
+        if parsed.drivername == "postgresql":
+            parsed = parsed.set(drivername="postgresql+psycopg")
+        return create_engine(parsed, pool_pre_ping=True, pool_size=2, max_overflow=4,
+                             connect_args={"connect_timeout": 10})
+    raise CatalogError(f"unsupported catalog backend {backend!r}: use sqlite or postgresql")
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Errors that a retry of the whole transaction cures."""
+    if not isinstance(exc, DBAPIError):
+        return False
+    if exc.connection_invalidated:
+        return True
+    text_ = str(exc.orig).lower() if exc.orig is not None else ""
+    code = getattr(exc.orig, "sqlstate", None)
+    return ("database is locked" in text_ or "database table is locked" in text_
+            or code in ("40001", "40P01", "55P03"))
+
+
+def retrying(fn: Callable[[], T], *, attempts: int = 8) -> T:
+    """Run a whole transaction again after a lock timeout, serialization failure or deadlock."""
+    for attempt in range(attempts):
+        try:
+            return fn()
+        except DBAPIError as exc:
+            if attempt == attempts - 1 or not is_transient(exc):
+                raise
+            time.sleep(min(1.0, 0.01 * 2 ** attempt) * (0.5 + random.random()))
+    raise AssertionError("unreachable")
+
+
+def current_revision(conn: Connection) -> str | None:
+    return MigrationContext.configure(conn).get_current_revision()
+
+
+@contextmanager
+def write_connection(engine: Engine) -> Iterator[Connection]:
+    with engine.connect() as conn:
+        conn.execution_options(registry_write=True)
+        with conn.begin():
+            yield conn
+
+
+def _check_known(revision: str | None, url: str) -> None:
+    if revision is None:
+        return
+    script = ScriptDirectory.from_config(alembic_config())
+    try:
+        script.get_revision(revision)
+    except Exception:
+        raise SchemaTooNewError(
+            f"catalog {url} is at schema revision {revision!r}, which this version of the "
+            "registry does not know; upgrade the registry package") from None
+
+
+def upgrade(engine: Engine, target: str = "head") -> tuple[str | None, str]:
+    """Bring the schema to ``target``; returns (revision before, revision after)."""
+    url = engine.url.render_as_string(hide_password=True)
+
+    def run() -> tuple[str | None, str]:
+        with write_connection(engine) as conn:
+            if conn.dialect.name == "postgresql":
+                conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _ADVISORY_KEY})
+            before = current_revision(conn)
+            _check_known(before, url)
+            if before != head_revision() or target != "head":
+                cfg = alembic_config()
+                cfg.attributes["connection"] = conn
+                command.upgrade(cfg, target)
+            after = current_revision(conn)
+            return before, after or ""
+
+    return retrying(run)
+
+
+def open_engine(url: str, *, migrate: bool = True) -> Engine:
+    """An engine on a catalog whose schema is at head, or a clear error."""
+    engine = make_engine(url)
+    safe_url = engine.url.render_as_string(hide_password=True)
+    try:
+        with engine.connect() as conn:
+            revision = current_revision(conn)
+    except OperationalError as exc:
+        engine.dispose()
+        reason = str(exc.orig).strip().splitlines()[0] if exc.orig is not None else str(exc)
+        raise CatalogError(f"cannot reach catalog {safe_url}: {reason}") from None
+    _check_known(revision, safe_url)
+    if revision != head_revision():
+        if not migrate:
+            raise CatalogError(f"catalog {safe_url} is at revision {revision!r}, not "
+                               f"{head_revision()!r}; run 'registry db upgrade'")
+        upgrade(engine)
+    return engine

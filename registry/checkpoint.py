@@ -1,0 +1,84 @@
+"""The catalog-free ``Checkpoint``: the reference module's dataclass, made safe.
+
+It reads and writes the same directories as the reference module, so a
+trainer can move to the registry one side at a time. Differences that matter:
+files are hashed while written (never re-read), ``.pt`` extras load with
+``weights_only=True`` unless ``trust_pickle=True``, and every file name in a
+manifest is checked to stay inside the directory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from registry.store import Loaded, Payload, now_timestamp, read_directory, save_directory
+from registry.tensorio import check_state_dict
+
+if TYPE_CHECKING:
+    from registry.api import CheckpointInfo
+
+
+@dataclass
+class Checkpoint:
+    state_dict: dict[str, torch.Tensor] = field(default_factory=dict)
+    epoch: int = 0
+    consumed_samples: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+    config: dict[str, Any] = field(default_factory=dict)
+    step: int | None = None
+    policy_version: int | None = None
+    info: CheckpointInfo | None = None
+
+    def payload(self, *, max_shard_size: int | None = None) -> Payload:
+        meta = {"epoch": self.epoch, "consumed_samples": self.consumed_samples,
+                "timestamp": now_timestamp(), **self.meta}
+        if self.policy_version is not None:
+            meta.setdefault("policy_version", self.policy_version)
+        return Payload(state_dict=check_state_dict(self.state_dict), meta=meta,
+                       config=self.config, extra=self.extra, max_shard_size=max_shard_size)
+
+    def save(self, save_dir: str | Path, *, max_shard_size: int | None = None) -> None:
+        """Atomically write this checkpoint to ``save_dir`` (replacing it if present)."""
+        save_directory(Path(save_dir), self.payload(max_shard_size=max_shard_size))
+
+    @classmethod
+    def from_loaded(cls, loaded: Loaded, *, step: int | None = None,
+                    info: CheckpointInfo | None = None) -> Checkpoint:
+        meta = loaded.meta
+        policy = meta.get("policy_version")
+        if loaded.manifest is not None and loaded.manifest.policy_version is not None:
+            policy = loaded.manifest.policy_version
+        return cls(state_dict=loaded.state_dict, epoch=meta.get("epoch", 0),
+                   consumed_samples=meta.get("consumed_samples", 0), extra=loaded.extra,
+                   meta=meta, config=loaded.config, step=step,
+                   policy_version=policy if isinstance(policy, int) else None, info=info)
+
+    @classmethod
+    def load(cls, save_dir: str | Path, broadcast: bool = False, verify_checksums: bool = False,
+             *, trust_pickle: bool = False, map_location: Any = "cpu") -> Checkpoint:
+        """Load a directory; with ``broadcast`` rank 0 reads and every rank gets its tensors."""
+        path = Path(save_dir)
+        if broadcast:
+            from registry.loader import broadcast_directory
+            loaded = broadcast_directory(path, verify=verify_checksums, trust_pickle=trust_pickle,
+                                         map_location=map_location)
+        else:
+            loaded = read_directory(path, verify=verify_checksums, trust_pickle=trust_pickle,
+                                    map_location=map_location)
+        return cls.from_loaded(loaded)
+
+    @classmethod
+    def load_any(cls, save_dir: str | Path, broadcast: bool = False, verify_checksums: bool = False,
+                 *, trust_pickle: bool = False, map_location: Any = "cpu") -> Checkpoint | None:
+        """Like :meth:`load`, but None for a directory with no weights at all."""
+        path = Path(save_dir)
+        if not any((path / n).is_file() for n in ("meta.json", "model.safetensors",
+                                                  "model.safetensors.index.json")):
+            return None
+        return cls.load(path, broadcast, verify_checksums, trust_pickle=trust_pickle,
+                        map_location=map_location)

@@ -1,0 +1,266 @@
+"""``registry``: the command line. Every command is one library call of the same name.
+
+Exit status: 0 on success, 1 with a one-line message on a registry error,
+2 on a usage error (click's own).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import click
+
+from registry.errors import RegistryError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class State:
+    def __init__(self, url: str | None, root: str | None) -> None:
+        self.url = url
+        self.root = root
+        self._registry: Any = None
+
+    def registry(self, *, migrate: bool = True) -> Any:
+        if self._registry is None:
+            from registry.api import Registry
+            self._registry = Registry.open(url=self.url, root=self.root, migrate=migrate)
+        return self._registry
+
+    def close(self) -> None:
+        if self._registry is not None:
+            self._registry.close()
+
+
+def command(fn: F) -> F:
+    """Turn a RegistryError into ``registry: <message>`` and exit status 1."""
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except RegistryError as exc:
+            click.echo(f"registry: error: {exc}", err=True)
+            sys.exit(1)
+    return wrapper  # type: ignore[return-value]
+
+
+def emit_json(doc: Any) -> None:
+    click.echo(json.dumps(doc, indent=2, sort_keys=False, default=str))
+
+
+def human_bytes(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    cells = [[str(c) for c in headers]] + [["" if c is None else str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    for r in cells:
+        click.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+
+
+json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+
+
+@click.group()
+@click.option("--url", envvar="REGISTRY_URL", help="Catalog URL (default sqlite:///ROOT/catalog.db).")
+@click.option("--root", envvar="REGISTRY_ROOT", type=click.Path(path_type=str),
+              help="Checkpoint root (default ./checkpoints).")
+@click.pass_context
+def main(ctx: click.Context, url: str | None, root: str | None) -> None:
+    """A checkpoint registry for PyTorch training."""
+    state = State(url, root)
+    ctx.obj = state
+    ctx.call_on_close(state.close)
+
+
+@main.group()
+def db() -> None:
+    """Catalog schema migrations."""
+
+
+@db.command("upgrade")
+@click.pass_obj
+@command
+def db_upgrade(state: State) -> None:
+    """Bring the catalog schema to the newest revision."""
+    from registry.api import locations
+    from registry.catalog.session import make_engine, upgrade
+    from registry.store import Store
+    root, url = locations(state.url, state.root)
+    Store(root)
+    engine = make_engine(url)
+    try:
+        before, after = upgrade(engine)
+    except Exception as exc:
+        if isinstance(exc, RegistryError):
+            raise
+        from registry.errors import CatalogError
+        raise CatalogError(f"cannot upgrade catalog: {str(exc).splitlines()[0]}") from None
+    finally:
+        engine.dispose()
+    click.echo(f"upgraded {before or '(empty)'} -> {after}" if before != after else f"already at {after}")
+
+
+@db.command("current")
+@click.pass_obj
+@command
+def db_current(state: State) -> None:
+    """Print the catalog's schema revision and the newest this code knows."""
+    from sqlalchemy.exc import OperationalError
+
+    from registry.api import locations
+    from registry.catalog.session import current_revision, head_revision, make_engine
+    from registry.errors import CatalogError
+    engine = make_engine(locations(state.url, state.root)[1])
+    try:
+        with engine.connect() as conn:
+            revision = current_revision(conn)
+    except OperationalError as exc:
+        raise CatalogError(f"cannot reach catalog: {str(exc.orig).splitlines()[0]}") from None
+    finally:
+        engine.dispose()
+    head = head_revision()
+    click.echo(f"{revision or '(empty)'} (head: {head}{', up to date' if revision == head else ''})")
+
+
+@main.command()
+@json_option
+@click.pass_obj
+@command
+def runs(state: State, as_json: bool) -> None:
+    """List runs."""
+    result = state.registry().runs()
+    if as_json:
+        emit_json([r.to_json() for r in result])
+        return
+    table(["RUN", "CHECKPOINTS", "LATEST", "SIZE"],
+          [[r.name, r.checkpoints, r.latest_step, human_bytes(r.total_bytes)] for r in result])
+
+
+@main.command("ls")
+@click.argument("run")
+@click.option("--all", "include_deleted", is_flag=True, help="Include deleted and failed steps.")
+@json_option
+@click.pass_obj
+@command
+def ls(state: State, run: str, include_deleted: bool, as_json: bool) -> None:
+    """List the checkpoints of RUN, oldest first."""
+    infos = state.registry().checkpoints(run, include_deleted=include_deleted)
+    if as_json:
+        emit_json([i.to_json() for i in infos])
+        return
+    table(["STEP", "STATUS", "POLICY", "SIZE", "TAGS", "METRICS"],
+          [[i.step, i.status, i.policy_version, human_bytes(i.total_bytes), ",".join(i.tags),
+            " ".join(f"{k}={v:.4g}" for k, v in sorted(i.metrics.items()))] for i in infos])
+
+
+@main.command()
+@click.argument("ref")
+@json_option
+@click.pass_obj
+@command
+def show(state: State, ref: str, as_json: bool) -> None:
+    """Show one checkpoint: status, sizes, metrics, tags, files and events."""
+    reg = state.registry()
+    info = reg.resolve(ref)
+    files = reg.catalog.files(info.run, info.step)
+    events = reg.events(info.run, step=info.step)
+    if as_json:
+        doc = info.to_json()
+        doc["files"] = [{"name": f.name, "size": f.size, "sha256": f.sha256} for f in files]
+        doc["events"] = [e.to_json() for e in events]
+        emit_json(doc)
+        return
+    click.echo(f"{info.run}@{info.step}  {info.status}  {human_bytes(info.total_bytes)}")
+    click.echo(f"path:     {info.path}")
+    click.echo(f"epoch:    {info.epoch}  consumed_samples: {info.consumed_samples}  "
+               f"policy_version: {info.policy_version}")
+    click.echo(f"tags:     {', '.join(info.tags) or '-'}")
+    click.echo(f"metrics:  {', '.join(f'{k}={v:.6g}' for k, v in sorted(info.metrics.items())) or '-'}")
+    click.echo(f"manifest: {info.manifest_sha256}")
+    for f in files:
+        click.echo(f"  {f.name:<40} {human_bytes(f.size):>10}  {f.sha256[:16]}")
+    for e in events:
+        click.echo(f"  {e.created_at:%Y-%m-%d %H:%M:%S}  {e.kind:<14} {json.dumps(e.detail, sort_keys=True)}")
+
+
+@main.command()
+@click.argument("ref")
+@click.pass_obj
+@command
+def resolve(state: State, ref: str) -> None:
+    """Print the directory that REF names."""
+    click.echo(str(state.registry().resolve(ref).path))
+
+
+@main.command()
+@click.argument("run")
+@click.argument("step", type=int)
+@click.argument("name")
+@click.pass_obj
+@command
+def tag(state: State, run: str, step: int, name: str) -> None:
+    """Point tag NAME of RUN at STEP (moving it if it exists)."""
+    state.registry().tag(run, step, name)
+    click.echo(f"{run}@{name} -> {step}")
+
+
+@main.command()
+@click.argument("run")
+@click.argument("name")
+@click.pass_obj
+@command
+def untag(state: State, run: str, name: str) -> None:
+    """Remove tag NAME from RUN."""
+    state.registry().untag(run, name)
+    click.echo(f"removed {run}@{name}")
+
+
+@main.command()
+@click.argument("run")
+@click.option("--key", default=None, help="Only this metric.")
+@click.option("--history", is_flag=True, help="Include superseded points.")
+@json_option
+@click.pass_obj
+@command
+def metrics(state: State, run: str, key: str | None, history: bool, as_json: bool) -> None:
+    """List the metric points of RUN."""
+    points = state.registry().metrics(run, key, history=history)
+    if as_json:
+        emit_json([p.to_json() for p in points])
+        return
+    table(["STEP", "KEY", "VALUE"] + (["CURRENT"] if history else []),
+          [[p.step, p.key, f"{p.value:.6g}"] + (["yes" if p.current else "no"] if history else [])
+           for p in points])
+
+
+@main.command()
+@click.argument("targets", nargs=-1, required=True)
+@json_option
+@click.pass_obj
+@command
+def verify(state: State, targets: tuple[str, ...], as_json: bool) -> None:
+    """Re-hash checkpoints (every live step of a RUN, or one REF); exit 1 if any is corrupt."""
+    results = state.registry().verify(*targets)
+    if as_json:
+        emit_json([{"run": r.run, "step": r.step, "ok": r.ok, "status": r.status,
+                    "problems": list(r.problems)} for r in results])
+    else:
+        table(["RUN", "STEP", "RESULT", "PROBLEMS"],
+              [[r.run, r.step, "ok" if r.ok else "CORRUPT", "; ".join(r.problems)] for r in results])
+    if not all(r.ok for r in results):
+        sys.exit(1)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,34 @@
+"""Named points of the publish and retention protocols where a test may kill us.
+
+The kill-test harness starts a subprocess with ``REGISTRY_CRASH_AT=<name>``
+and the process SIGKILLs itself on reaching that point, so every window of
+the two-phase commit is exercised deterministically, not just by luck.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+_TARGET = os.environ.get("REGISTRY_CRASH_AT") or None
+
+POINTS = (
+    "after-claim",           # catalog row is staging, nothing on disk
+    "after-write",           # staging dir written and fsynced
+    "after-retire",          # old payload renamed to .retired-, new not yet in place
+    "after-rename",          # new payload in place, catalog still says staging
+    "after-commit",          # catalog says published/verified
+    "gc-after-mark",         # retention: row marked, payload still in place
+    "gc-after-retire",       # retention: payload renamed to .retired-
+)
+
+
+def arm(name: str | None) -> None:
+    """Die at ``name`` from now on (or never, with None); for demos and in-process harnesses."""
+    global _TARGET
+    _TARGET = name
+
+
+def crashpoint(name: str) -> None:
+    if _TARGET is not None and _TARGET == name:
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,87 @@
+"""Every error the registry raises on purpose.
+
+One root, :class:`RegistryError`, so callers can catch the registry's own
+failures without swallowing bugs. Each subclass also derives from the builtin
+that describes it best, so ``except LookupError`` keeps working for code that
+knows nothing of the registry. Errors carry the offending run, step or path as
+attributes and print as one line.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class RegistryError(Exception):
+    """Root of every error raised by the registry."""
+
+    def __init__(self, message: str, *, path: str | Path | None = None,
+                 run: str | None = None, step: int | None = None) -> None:
+        super().__init__(" ".join(str(message).split()))
+        self.path = Path(path) if path is not None else None
+        self.run = run
+        self.step = step
+
+
+class InvalidNameError(RegistryError, ValueError):
+    """A run name, tag name or step that does not follow the rules."""
+
+
+class InvalidRefError(RegistryError, ValueError):
+    """A checkpoint reference that does not parse."""
+
+
+class InvalidStateError(RegistryError, TypeError):
+    """A state dict, metric or option that cannot be published."""
+
+
+class CheckpointNotFoundError(RegistryError, LookupError):
+    """A reference that resolves to no checkpoint."""
+
+
+class StepExistsError(RegistryError, FileExistsError):
+    """The step is already published, or another writer holds it."""
+
+
+class CorruptCheckpointError(RegistryError, ValueError):
+    """A checkpoint whose files are missing, truncated or fail their checksum."""
+
+
+class ManifestError(CorruptCheckpointError):
+    """A manifest that is not valid JSON or breaks the format's rules."""
+
+
+class UnsafePathError(CorruptCheckpointError):
+    """A file name that would reach outside the checkpoint directory."""
+
+
+class SafetensorsFormatError(CorruptCheckpointError):
+    """A safetensors file whose header or offsets are malformed."""
+
+
+class UnsafePickleError(RegistryError, ValueError):
+    """A ``.pt`` extra that needs full unpickling and was not trusted."""
+
+
+class CatalogError(RegistryError, RuntimeError):
+    """The catalog cannot be reached, or is in a state we cannot use."""
+
+
+class SchemaTooNewError(CatalogError):
+    """The catalog was migrated by a newer version of the registry."""
+
+
+class RootError(RegistryError, NotADirectoryError):
+    """The checkpoint root is not a usable directory."""
+
+
+class PublishError(RegistryError, OSError):
+    """Publishing failed on the filesystem; nothing was made visible."""
+
+    def __init__(self, message: str, *, errno: int | None = None, **kwargs: object) -> None:
+        super().__init__(message, **kwargs)  # type: ignore[arg-type]
+        self.errno = errno
+
+
+class DistributedError(RegistryError, RuntimeError):
+    """A collective load failed or timed out on some rank."""

@@ -1,0 +1,146 @@
+"""``manifest.json``: what a checkpoint directory must contain, and its checksums.
+
+Format version 1 is the reference module's: ``format_version``, ``created_at``,
+``optimizer_step``, ``policy_version``, ``tensors`` (sorted names) and
+``files`` (name -> size, sha256). We only ever add fields. Parsing treats the
+file as hostile: it is size-capped before it is read, every field is
+type-checked, and every file name must be a plain name inside the directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from registry.errors import ManifestError, UnsafePathError
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+META = "meta.json"
+CONFIG = "config.json"
+WEIGHTS = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+MAX_MANIFEST_BYTES = 64 << 20
+_SHA256_RE = re.compile(r"[0-9a-f]{64}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FileEntry:
+    name: str
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Manifest:
+    files: dict[str, FileEntry]
+    tensors: tuple[str, ...] = ()
+    created_at: str | None = None
+    optimizer_step: int | None = None
+    policy_version: int | None = None
+    extra_fields: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files.values())
+
+    def to_json(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {
+            "format_version": FORMAT_VERSION,
+            "created_at": self.created_at,
+            "optimizer_step": self.optimizer_step,
+            "policy_version": self.policy_version,
+            "tensors": sorted(self.tensors),
+            "files": {name: {"size": f.size, "sha256": f.sha256}
+                      for name, f in sorted(self.files.items())},
+        }
+        for key, value in self.extra_fields.items():
+            doc.setdefault(key, value)
+        return doc
+
+    def encode(self) -> bytes:
+        return (json.dumps(self.to_json(), indent=2) + "\n").encode()
+
+
+def digest_bytes(raw: bytes) -> str:
+    return hashlib.sha256(raw).hexdigest()
+
+
+def check_file_name(name: object, *, where: Path | None = None) -> str:
+    """A manifest may only name plain files directly inside the checkpoint."""
+    if (not isinstance(name, str) or not name or name in (".", "..") or "/" in name
+            or "\\" in name or "\x00" in name or name.startswith("~")
+            or Path(name).name != name or Path(name).is_absolute()):
+        raise UnsafePathError(f"unsafe file name {name!r} in manifest" + (f" of {where}" if where else ""),
+                              path=where)
+    return name
+
+
+def _int_or_none(doc: dict[str, Any], key: str, path: Path) -> int | None:
+    value = doc.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ManifestError(f"manifest {path}: {key} must be an integer or null", path=path)
+    return value
+
+
+def parse_manifest(raw: bytes, *, path: Path) -> Manifest:
+    """Validate a manifest's bytes. ``path`` is only used in error messages."""
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise ManifestError(f"manifest {path} is larger than {MAX_MANIFEST_BYTES} bytes", path=path)
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise ManifestError(f"manifest {path} is not valid JSON", path=path) from None
+    if not isinstance(doc, dict):
+        raise ManifestError(f"manifest {path} is not a JSON object", path=path)
+    version = doc.get("format_version")
+    if version != FORMAT_VERSION or isinstance(version, bool):
+        raise ManifestError(f"manifest {path} has unsupported format_version {version!r}", path=path)
+    files_doc = doc.get("files")
+    if not isinstance(files_doc, dict) or not files_doc:
+        raise ManifestError(f"manifest {path} has no file table", path=path)
+    files: dict[str, FileEntry] = {}
+    for name, entry in files_doc.items():
+        check_file_name(name, where=path)
+        if name == MANIFEST:
+            raise UnsafePathError(f"manifest {path} lists itself", path=path)
+        if not isinstance(entry, dict):
+            raise ManifestError(f"manifest {path}: entry {name!r} is not an object", path=path)
+        size, sha = entry.get("size"), entry.get("sha256")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise ManifestError(f"manifest {path}: {name!r} has an invalid size", path=path)
+        if not isinstance(sha, str) or not _SHA256_RE.fullmatch(sha):
+            raise ManifestError(f"manifest {path}: {name!r} has an invalid sha256", path=path)
+        files[name] = FileEntry(name=name, size=size, sha256=sha)
+    tensors = doc.get("tensors", [])
+    if not isinstance(tensors, list) or not all(isinstance(t, str) for t in tensors):
+        raise ManifestError(f"manifest {path}: tensors must be a list of names", path=path)
+    created_at = doc.get("created_at")
+    if created_at is not None and not isinstance(created_at, str):
+        raise ManifestError(f"manifest {path}: created_at must be a string", path=path)
+    known = {"format_version", "files", "tensors", "created_at", "optimizer_step", "policy_version"}
+    return Manifest(
+        files=files, tensors=tuple(tensors), created_at=created_at,
+        optimizer_step=_int_or_none(doc, "optimizer_step", path),
+        policy_version=_int_or_none(doc, "policy_version", path),
+        extra_fields={k: v for k, v in doc.items() if k not in known},
+    )
+
+
+def read_manifest(directory: Path) -> tuple[Manifest, str]:
+    """The parsed manifest of ``directory`` and the sha256 of its bytes."""
+    path = directory / MANIFEST
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_MANIFEST_BYTES + 1)
+    except FileNotFoundError:
+        raise ManifestError(f"no manifest.json in {directory}", path=directory) from None
+    except OSError as exc:
+        raise ManifestError(f"cannot read {path}: {exc.strerror}", path=path) from None
+    return parse_manifest(raw, path=path), digest_bytes(raw)

@@ -1,0 +1,31 @@
+"""Alembic environment for the registry catalog.
+
+Run programmatically by ``registry.catalog.session.upgrade`` with an open
+connection in ``config.attributes["connection"]``; the ``alembic`` command
+line works too given ``-x url=...``. Batch mode lets SQLite alter tables.
+"""
+
+from __future__ import annotations
+
+from alembic import context
+from sqlalchemy import create_engine
+
+config = context.config
+connection = config.attributes.get("connection")
+
+
+def run(conn) -> None:  # type: ignore[no-untyped-def]
+    context.configure(connection=conn, target_metadata=None,
+                      render_as_batch=conn.dialect.name == "sqlite",
+                      transactional_ddl=True)
+    with context.begin_transaction():
+        context.run_migrations()
+
+
+if connection is not None:
+    run(connection)
+else:
+    url = context.get_x_argument(as_dictionary=True).get("url") or config.get_main_option("sqlalchemy.url")
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        run(conn)

@@ -1,0 +1,91 @@
+"""Frozen result types shared by the catalog, the loader and the API.
+
+Plain data with no torch and no SQL, so every layer can return them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Literal
+
+Status = Literal["staging", "published", "verified", "failed", "corrupt", "deleted"]
+STATUSES: tuple[str, ...] = ("staging", "published", "verified", "failed", "corrupt", "deleted")
+LIVE = ("published", "verified")          # loadable and resolvable by latest-published
+RANKABLE = ("published", "verified")      # eligible for best:
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointInfo:
+    run: str
+    step: int
+    status: Status
+    path: Path
+    epoch: int = 0
+    consumed_samples: int = 0
+    policy_version: int | None = None
+    optimizer_step: int | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    tags: tuple[str, ...] = ()
+    total_bytes: int = 0
+    manifest_sha256: str | None = None
+    created_at: datetime | None = None
+    verified_at: datetime | None = None
+    writer: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "run": self.run, "step": self.step, "status": self.status, "path": str(self.path),
+            "epoch": self.epoch, "consumed_samples": self.consumed_samples,
+            "policy_version": self.policy_version, "optimizer_step": self.optimizer_step,
+            "metrics": dict(self.metrics), "tags": list(self.tags), "total_bytes": self.total_bytes,
+            "manifest_sha256": self.manifest_sha256,
+            "created_at": self.created_at.isoformat() if self.created_at else None,
+            "verified_at": self.verified_at.isoformat() if self.verified_at else None,
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunInfo:
+    name: str
+    created_at: datetime | None = None
+    checkpoints: int = 0
+    latest_step: int | None = None
+    total_bytes: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "checkpoints": self.checkpoints, "latest_step": self.latest_step,
+                "total_bytes": self.total_bytes,
+                "created_at": self.created_at.isoformat() if self.created_at else None}
+
+
+@dataclass(frozen=True, kw_only=True)
+class MetricPoint:
+    step: int
+    key: str
+    value: float
+    logged_at: datetime | None = None
+    attempt: int | None = None
+    current: bool = True
+
+    def to_json(self) -> dict[str, Any]:
+        return {"step": self.step, "key": self.key, "value": self.value, "attempt": self.attempt,
+                "current": self.current,
+                "logged_at": self.logged_at.isoformat() if self.logged_at else None}
+
+
+@dataclass(frozen=True, kw_only=True)
+class EventInfo:
+    id: int
+    run: str | None
+    step: int | None
+    kind: str
+    detail: dict[str, Any]
+    actor: str | None
+    created_at: datetime | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "run": self.run, "step": self.step, "kind": self.kind,
+                "detail": self.detail, "actor": self.actor,
+                "created_at": self.created_at.isoformat() if self.created_at else None}

@@ -1,0 +1,120 @@
+"""Names and references: the grammar of the public contract (design section 5).
+
+Everything here is pure string handling so it can be used by the CLI, the
+loader and the catalog alike without importing torch or SQL.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+from registry.errors import InvalidNameError, InvalidRefError
+
+RUN_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+TAG_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,127}")
+METRIC_KEY_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_./\-]{0,254}")
+RESERVED_TAGS = frozenset({"latest", "latest-published"})
+
+RefKind = Literal["latest", "latest-published", "best", "step", "tag"]
+
+
+def check_run_name(name: object) -> str:
+    if not isinstance(name, str) or not RUN_NAME_RE.fullmatch(name):
+        raise InvalidNameError(
+            f"invalid run name {name!r}: use letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit, at most 128 characters")
+    return name
+
+
+def check_step(step: object) -> int:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise InvalidNameError(f"invalid step {step!r}: steps are non-negative integers")
+    return step
+
+
+def check_tag_name(name: object) -> str:
+    if not isinstance(name, str) or not TAG_NAME_RE.fullmatch(name):
+        raise InvalidNameError(
+            f"invalid tag name {name!r}: use letters, digits, '.', '_', '/' or '-', "
+            "at most 128 characters")
+    if name.isdigit():
+        raise InvalidNameError(f"invalid tag name {name!r}: a tag may not be all digits")
+    if name in RESERVED_TAGS:
+        raise InvalidNameError(f"invalid tag name {name!r}: {name!r} is a reserved ref")
+    return name
+
+
+def check_metric_key(key: object) -> str:
+    if not isinstance(key, str) or not METRIC_KEY_RE.fullmatch(key):
+        raise InvalidNameError(
+            f"invalid metric key {key!r}: use letters, digits, '_', '.', '/' or '-'")
+    return key
+
+
+def step_dirname(step: int) -> str:
+    """``step-00001000``: zero-padded so a plain ``ls`` sorts by step."""
+    return f"step-{step:08d}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Ref:
+    """A parsed reference. ``value`` is the step, tag or metric as fits ``kind``."""
+
+    run: str
+    kind: RefKind
+    step: int | None = None
+    tag: str | None = None
+    metric: str | None = None
+    mode: Literal["min", "max"] = "min"
+
+    @property
+    def names_one_step(self) -> bool:
+        """True when the ref names a single step rather than "the newest good one"."""
+        return self.kind not in ("latest", "latest-published")
+
+    def __str__(self) -> str:
+        if self.kind in ("latest", "latest-published"):
+            return f"{self.run}@{self.kind}"
+        if self.kind == "step":
+            return f"{self.run}@{self.step}"
+        if self.kind == "tag":
+            return f"{self.run}@{self.tag}"
+        return f"{self.run}@best:{self.metric}:{self.mode}"
+
+
+def parse_ref(text: object) -> Ref:
+    """Parse ``RUN``, ``RUN@latest``, ``RUN@latest-published``, ``RUN@1000``,
+    ``RUN@best:METRIC[:min|max]`` or ``RUN@TAG``."""
+    if isinstance(text, Ref):
+        return text
+    if not isinstance(text, str) or not text:
+        raise InvalidRefError(f"invalid ref {text!r}: expected RUN or RUN@SELECTOR")
+    run, sep, selector = text.partition("@")
+    try:
+        check_run_name(run)
+    except InvalidNameError as exc:
+        raise InvalidRefError(f"invalid ref {text!r}: {exc}") from None
+    if not sep:
+        return Ref(run=run, kind="latest")
+    if selector in ("latest", "latest-published"):
+        return Ref(run=run, kind=selector)  # type: ignore[arg-type]
+    if selector.isdigit() and selector.isascii():
+        return Ref(run=run, kind="step", step=int(selector))
+    if selector.startswith("best:"):
+        body = selector[len("best:"):]
+        metric, mode = body, "min"
+        if body.endswith((":min", ":max")):
+            metric, mode = body[:-4], body[-3:]
+        try:
+            check_metric_key(metric)
+        except InvalidNameError:
+            raise InvalidRefError(
+                f"invalid ref {text!r}: expected RUN@best:METRIC[:min|max]") from None
+        return Ref(run=run, kind="best", metric=metric, mode=mode)  # type: ignore[arg-type]
+    try:
+        check_tag_name(selector)
+    except InvalidNameError as exc:
+        raise InvalidRefError(f"invalid ref {text!r}: {exc}") from None
+    return Ref(run=run, kind="tag", tag=selector)

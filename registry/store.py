@@ -1,0 +1,450 @@
+"""The filesystem layer: staged, checksummed, fsync'd checkpoint directories.
+
+This module knows paths and bytes, never SQL. A checkpoint becomes a final
+directory in exactly one ``os.replace`` of a fully written and fsync'd hidden
+staging sibling, so a reader that finds ``step-N/`` finds all of it. The
+catalog decides *when* that happens; this module makes sure it is atomic.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import shutil
+import socket
+import tempfile
+import time
+import zipfile
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from registry.crashpoints import crashpoint
+from registry.errors import (CorruptCheckpointError, InvalidStateError, ManifestError, PublishError, RootError,
+                             SafetensorsFormatError, UnsafePathError, UnsafePickleError)
+from registry.manifest import (CONFIG, MANIFEST, META, WEIGHTS, WEIGHTS_INDEX, FileEntry, Manifest,
+                               check_file_name, digest_bytes, read_manifest)
+from registry.refs import step_dirname
+from registry.tensorio import HashingWriter, read_safetensors, sha256_file, write_safetensors
+
+MAX_JSON_BYTES = 64 << 20
+
+
+def writer_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def writer_alive(writer: str | None) -> bool:
+    """Whether the process named ``host:pid`` may still be writing.
+
+    Only a process on this host can be proven dead; any other is presumed alive.
+    """
+    if not writer or ":" not in writer:
+        return False
+    host, _, pid_text = writer.rpartition(":")
+    if host != socket.gethostname() or not pid_text.isdigit():
+        return True
+    try:
+        os.kill(int(pid_text), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_staging(final: Path) -> list[Path]:
+    """Remove ``.NAME.tmp-*`` siblings of ``final``; call only while owning its catalog row."""
+    removed = []
+    for candidate in final.parent.glob(f".{final.name}.tmp-*"):
+        shutil.rmtree(candidate, ignore_errors=True)
+        removed.append(candidate)
+    return removed
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _json_bytes(doc: Mapping[str, Any], what: str) -> bytes:
+    try:
+        return (json.dumps(doc, indent=2, allow_nan=False) + "\n").encode()
+    except (TypeError, ValueError) as exc:
+        raise InvalidStateError(f"{what} is not JSON-serialisable: {exc}") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Payload:
+    """Everything that goes into one checkpoint directory."""
+
+    state_dict: Mapping[str, torch.Tensor]
+    meta: Mapping[str, Any]
+    config: Mapping[str, Any] = field(default_factory=dict)
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    max_shard_size: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Written:
+    manifest: Manifest
+    manifest_sha256: str
+    total_bytes: int  # every file, the manifest included
+
+
+def _shards(state_dict: Mapping[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name in sorted(state_dict):
+        t = state_dict[name]
+        n = t.numel() * t.element_size()
+        if shards[-1] and size + n > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += n
+    return shards
+
+
+def write_payload(staging: Path, payload: Payload) -> Written:
+    """Write every file of ``payload`` into ``staging``, hashing as it goes.
+
+    The manifest is written last and everything, the directory included, is
+    fsync'd before return. Nothing is ever read back to hash it.
+    """
+    entries: dict[str, FileEntry] = {}
+
+    def put(name: str, writer_fn: Any) -> None:
+        out = HashingWriter(staging / name)
+        with out:
+            writer_fn(out)
+        assert out.sha256 is not None
+        entries[name] = FileEntry(name=name, size=out.size, sha256=out.sha256)
+
+    meta_raw = _json_bytes(payload.meta, "meta")
+    config_raw = _json_bytes(payload.config, "config")
+    put(META, lambda out: out.write(meta_raw))
+    put(CONFIG, lambda out: out.write(config_raw))
+    state = payload.state_dict
+    if payload.max_shard_size is None:
+        put(WEIGHTS, lambda out: write_safetensors(out, state, {"format": "pt"}))
+    else:
+        groups = _shards(state, payload.max_shard_size)
+        weight_map: dict[str, str] = {}
+        for i, names in enumerate(groups, start=1):
+            shard = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
+            put(shard, lambda out, names=names: write_safetensors(
+                out, {n: state[n] for n in names}, {"format": "pt"}))
+            weight_map.update({n: shard for n in names})
+        total = sum(t.numel() * t.element_size() for t in state.values())
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        index_raw = _json_bytes(index, "weights index")
+        put(WEIGHTS_INDEX, lambda out: out.write(index_raw))
+    for key, value in payload.extra.items():
+        name = check_file_name(f"{key}.pt")
+        try:
+            put(name, lambda out, value=value: torch.save(value, out))
+        except (pickle.PicklingError, AttributeError, TypeError) as exc:
+            raise InvalidStateError(f"extra {key!r} cannot be saved: {exc}") from None
+
+    manifest = Manifest(
+        files=entries, tensors=tuple(sorted(state)),
+        created_at=payload.meta.get("timestamp"),
+        optimizer_step=payload.meta.get("optimizer_step"),
+        policy_version=payload.meta.get("policy_version"),
+    )
+    raw = manifest.encode()
+    with HashingWriter(staging / MANIFEST) as out:
+        out.write(raw)
+    fsync_dir(staging)
+    return Written(manifest=manifest, manifest_sha256=digest_bytes(raw),
+                   total_bytes=manifest.total_bytes + len(raw))
+
+
+def new_staging(final: Path) -> Path:
+    final.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+
+
+def install(staging: Path, final: Path) -> None:
+    """Atomically make ``staging`` the directory ``final``.
+
+    An existing ``final`` is first renamed to a hidden ``.retired-`` sibling;
+    a crash between the two renames leaves the old payload under that name,
+    which fsck restores. The parent is fsync'd so the rename survives power loss.
+    """
+    retired: Path | None = None
+    if final.exists():
+        retired = Path(tempfile.mkdtemp(prefix=f".{final.name}.retired-", dir=final.parent))
+        retired.rmdir()
+        os.replace(final, retired)
+        crashpoint("after-retire")
+    try:
+        os.replace(staging, final)
+    except BaseException:
+        if retired is not None:
+            os.replace(retired, final)
+        raise
+    fsync_dir(final.parent)
+    crashpoint("after-rename")
+    if retired is not None:
+        shutil.rmtree(retired, ignore_errors=True)
+
+
+def discard(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def save_directory(directory: Path, payload: Payload) -> Written:
+    """Catalog-free atomic save: stage, write, fsync, rename into place."""
+    if directory.exists() and not directory.is_dir():
+        raise RootError(f"checkpoint path exists and is not a directory: {directory}", path=directory)
+    staging = new_staging(directory)
+    try:
+        written = write_payload(staging, payload)
+        install(staging, directory)
+    except OSError as exc:
+        discard(staging)
+        raise PublishError(f"could not write checkpoint {directory}: {exc.strerror or exc}",
+                           errno=exc.errno, path=directory) from exc
+    except BaseException:
+        discard(staging)
+        raise
+    return written
+
+
+# --------------------------------------------------------------------------- reading
+
+
+@dataclass(frozen=True, kw_only=True)
+class Loaded:
+    state_dict: dict[str, torch.Tensor]
+    extra: dict[str, Any]
+    meta: dict[str, Any]
+    config: dict[str, Any]
+    manifest: Manifest | None
+    manifest_sha256: str | None
+
+
+def _open_inside(directory: Path, name: str) -> io.FileIO:
+    check_file_name(name, where=directory)
+    try:
+        fd = os.open(directory / name, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"checkpoint file is missing: {directory / name}",
+                                     path=directory / name) from None
+    except OSError as exc:
+        if exc.errno == 40:  # ELOOP: a symlink, which could point anywhere
+            raise UnsafePathError(f"checkpoint file is a symlink: {directory / name}",
+                                  path=directory / name) from None
+        raise CorruptCheckpointError(f"cannot read {directory / name}: {exc.strerror}",
+                                     path=directory / name) from None
+    return io.FileIO(fd, "rb", closefd=True)
+
+
+def _check_entry(directory: Path, entry: FileEntry, digest: str | None, size: int) -> None:
+    path = directory / entry.name
+    if size != entry.size:
+        raise CorruptCheckpointError(
+            f"checkpoint file size mismatch: {path} is {size} bytes, manifest says {entry.size}", path=path)
+    if digest is not None and digest != entry.sha256:
+        raise CorruptCheckpointError(f"checkpoint file checksum mismatch: {path}", path=path)
+
+
+def _read_bytes(directory: Path, name: str, entry: FileEntry | None, verify: bool,
+                limit: int | None = None) -> bytes:
+    with _open_inside(directory, name) as f:
+        size = os.fstat(f.fileno()).st_size
+        if entry is not None and size != entry.size:
+            _check_entry(directory, entry, None, size)
+        if limit is not None and size > limit:
+            raise CorruptCheckpointError(f"{directory / name} is larger than {limit} bytes",
+                                         path=directory / name)
+        raw = f.read()
+    if entry is not None:
+        _check_entry(directory, entry, digest_bytes(raw) if verify else None, len(raw))
+    return raw
+
+
+def _read_json(directory: Path, name: str, entry: FileEntry | None, verify: bool) -> dict[str, Any]:
+    raw = _read_bytes(directory, name, entry, verify, limit=MAX_JSON_BYTES)
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise ManifestError(f"{directory / name} is not valid JSON", path=directory / name) from None
+    if not isinstance(doc, dict):
+        raise ManifestError(f"{directory / name} is not a JSON object", path=directory / name)
+    return doc
+
+
+def _read_weights(directory: Path, name: str, entry: FileEntry | None,
+                  verify: bool) -> dict[str, torch.Tensor]:
+    check_file_name(name, where=directory)
+    path = directory / name
+    if path.is_symlink():
+        raise UnsafePathError(f"checkpoint file is a symlink: {path}", path=path)
+    if not path.is_file():
+        raise CorruptCheckpointError(f"checkpoint file is missing: {path}", path=path)
+    if entry is not None and path.stat().st_size != entry.size:
+        _check_entry(directory, entry, None, path.stat().st_size)
+    tensors, digest = read_safetensors(path, checksum=verify and entry is not None)
+    if entry is not None:
+        _check_entry(directory, entry, digest, path.stat().st_size)
+    return tensors
+
+
+def _load_pickle(raw: bytes, path: Path, *, trust_pickle: bool, map_location: Any) -> Any:
+    try:
+        return torch.load(io.BytesIO(raw), map_location=map_location, weights_only=not trust_pickle)
+    except pickle.UnpicklingError as exc:
+        if trust_pickle:
+            raise CorruptCheckpointError(f"cannot unpickle {path}: {exc}".splitlines()[0], path=path) from None
+        raise UnsafePickleError(
+            f"{path} needs full unpickling, which can run arbitrary code; "
+            "pass trust_pickle=True only if you trust its author", path=path) from None
+    except (RuntimeError, zipfile.BadZipFile, EOFError, ValueError) as exc:
+        raise CorruptCheckpointError(f"cannot load {path}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
+                                     path=path) from None
+
+
+def _weights_files(directory: Path, names: set[str] | None) -> tuple[str | None, list[str]]:
+    """(index file or None, weight files) by what the directory or manifest holds."""
+    has = (lambda n: n in names) if names is not None else (lambda n: (directory / n).is_file())
+    if has(WEIGHTS):
+        return None, [WEIGHTS]
+    if has(WEIGHTS_INDEX):
+        return WEIGHTS_INDEX, []
+    raise CorruptCheckpointError(f"no model weights in {directory}", path=directory)
+
+
+def read_directory(directory: Path, *, verify: bool = True, trust_pickle: bool = False,
+                   map_location: Any = "cpu") -> Loaded:
+    """Load a checkpoint directory written by us, the reference module, or a legacy trainer.
+
+    With a manifest, only the files it lists are read and every size is
+    checked; with ``verify`` every byte is hashed too. Without a manifest the
+    reference's layout is read as-is (``meta.json``, ``config.json``, weights
+    single or sharded, ``*.pt``) and nothing can be verified.
+    """
+    if not directory.is_dir():
+        raise CorruptCheckpointError(f"checkpoint directory is missing: {directory}", path=directory)
+    manifest: Manifest | None = None
+    manifest_sha: str | None = None
+    if (directory / MANIFEST).exists():
+        manifest, manifest_sha = read_manifest(directory)
+    listed = manifest.files if manifest is not None else None
+
+    def entry(name: str) -> FileEntry | None:
+        return listed.get(name) if listed is not None else None
+
+    names = set(listed) if listed is not None else None
+    has = (lambda n: n in names) if names is not None else (lambda n: (directory / n).is_file())
+    meta = _read_json(directory, META, entry(META), verify) if has(META) else {}
+    config = _read_json(directory, CONFIG, entry(CONFIG), verify) if has(CONFIG) else {}
+
+    index_name, weight_files = _weights_files(directory, names)
+    expected_owner: dict[str, str] | None = None
+    if index_name is not None:
+        index = _read_json(directory, index_name, entry(index_name), verify)
+        weight_map = index.get("weight_map")
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+            raise ManifestError(f"{directory / index_name} has no valid weight_map", path=directory / index_name)
+        expected_owner = weight_map
+        weight_files = sorted(set(weight_map.values()))
+        if listed is not None:
+            missing = [w for w in weight_files if w not in listed]
+            if missing:
+                raise ManifestError(f"manifest of {directory} does not cover shard {missing[0]!r}",
+                                    path=directory)
+    state: dict[str, torch.Tensor] = {}
+    for name in weight_files:
+        for key, tensor in _read_weights(directory, name, entry(name), verify).items():
+            if key in state:
+                raise SafetensorsFormatError(f"tensor {key!r} appears in two shards of {directory}",
+                                             path=directory / name)
+            if expected_owner is not None and expected_owner.get(key) != name:
+                raise SafetensorsFormatError(f"tensor {key!r} in {name} is not mapped there by the index",
+                                             path=directory / name)
+            state[key] = tensor
+    if expected_owner is not None and set(expected_owner) != set(state):
+        raise SafetensorsFormatError(f"shards of {directory} do not hold every tensor of the index",
+                                     path=directory)
+
+    extra_names = sorted(n for n in (names if names is not None else
+                                     {p.name for p in directory.iterdir() if p.is_file()})
+                         if n.endswith(".pt"))
+    extra: dict[str, Any] = {}
+    for name in extra_names:
+        raw = _read_bytes(directory, name, entry(name), verify)
+        extra[name[:-3]] = _load_pickle(raw, directory / name, trust_pickle=trust_pickle,
+                                         map_location=map_location)
+    if map_location not in (None, "cpu") and not (isinstance(map_location, torch.device)
+                                                   and map_location.type == "cpu"):
+        state = {k: v.to(map_location) for k, v in state.items()}
+    return Loaded(state_dict=state, extra=extra, meta=meta, config=config,
+                  manifest=manifest, manifest_sha256=manifest_sha)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FileProblem:
+    name: str
+    problem: str
+
+
+def verify_directory(directory: Path, manifest: Manifest | None = None) -> list[FileProblem]:
+    """Re-hash every file the manifest lists; an empty list means intact."""
+    if manifest is None:
+        try:
+            manifest, _ = read_manifest(directory)
+        except CorruptCheckpointError as exc:
+            return [FileProblem(name=MANIFEST, problem=str(exc))]
+    problems: list[FileProblem] = []
+    for name, entry in sorted(manifest.files.items()):
+        path = directory / name
+        if path.is_symlink() or not path.is_file():
+            problems.append(FileProblem(name=name, problem="missing or not a regular file"))
+            continue
+        size, digest = sha256_file(path)
+        if size != entry.size:
+            problems.append(FileProblem(name=name, problem=f"size {size}, manifest says {entry.size}"))
+        elif digest != entry.sha256:
+            problems.append(FileProblem(name=name, problem="checksum mismatch"))
+    return problems
+
+
+# --------------------------------------------------------------------------- layout
+
+
+class Store:
+    """Where a run's checkpoints live under the root, and how they are named."""
+
+    def __init__(self, root: Path) -> None:
+        if root.exists() and not root.is_dir():
+            raise RootError(f"checkpoint root is not a directory: {root}", path=root)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise RootError(f"cannot create checkpoint root {root}: {exc.strerror}", path=root) from None
+        self.root = root
+
+    def run_dir(self, run: str) -> Path:
+        return self.root / run
+
+    def step_dir(self, run: str, step: int) -> Path:
+        return self.root / run / step_dirname(step)
+
+    def relpath(self, path: Path) -> str:
+        return path.relative_to(self.root).as_posix()
+
+
+def now_timestamp() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S")

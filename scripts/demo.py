@@ -1,0 +1,141 @@
+"""The main job: a real (small) PyTorch training run published through the registry.
+
+1. A trainer process trains an MLP on synthetic data, publishing every
+   ``--every`` steps with its eval loss, and is SIGKILLed in the middle of
+   publishing step ``--crash-at`` (after its files are written, before the
+   rename), the way a preempted node dies.
+2. A second trainer process resumes from ``demo@latest``: the half-written
+   step is invisible to it, it restores weights, optimizer and RNG state, and
+   trains to the end, publishing the steps again.
+3. The run is summarised: every checkpoint with status and metrics, the best
+   step by eval loss (tagged ``best-eval``), and a verified reload.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+RUN = "demo"
+
+
+def make_data(n: int = 2048, dim: int = 32, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, dim, generator=g)
+    w = torch.randn(dim, 1, generator=g)
+    y = torch.tanh(x @ w) + 0.05 * torch.randn(n, 1, generator=g)
+    return x[: n * 3 // 4], y[: n * 3 // 4], x[n * 3 // 4:], y[n * 3 // 4:]
+
+
+def make_model(dim: int = 32) -> nn.Module:
+    return nn.Sequential(nn.Linear(dim, 128), nn.GELU(), nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 1))
+
+
+def train(args: argparse.Namespace) -> None:
+    from registry import CheckpointNotFoundError, Registry, crashpoints
+
+    torch.manual_seed(0)
+    x_train, y_train, x_eval, y_eval = make_data()
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.steps)
+    start = 0
+    with Registry.open() as reg:
+        try:
+            ckpt = reg.load(f"{RUN}@latest")
+        except CheckpointNotFoundError:
+            print(f"[trainer pid {os.getpid()}] starting a new run")
+        else:
+            model.load_state_dict(ckpt.state_dict)
+            opt.load_state_dict(ckpt.extra["optimizer"])
+            sched.load_state_dict(ckpt.extra["scheduler"])
+            torch.set_rng_state(ckpt.extra["rng"])
+            start = ckpt.step or 0
+            print(f"[trainer pid {os.getpid()}] resumed from {RUN}@{start} (verified)")
+
+        g = torch.Generator().manual_seed(1234 + start)
+        for step in range(start + 1, args.steps + 1):
+            idx = torch.randint(0, len(x_train), (64,), generator=g)
+            loss = nn.functional.mse_loss(model(x_train[idx]), y_train[idx])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
+            if step % 10 == 0:
+                reg.log_metrics(RUN, step, {"train/loss": loss.item()})
+            if step % args.every == 0:
+                with torch.no_grad():
+                    eval_loss = nn.functional.mse_loss(model(x_eval), y_eval).item()
+                if step == args.crash_at:
+                    print(f"[trainer pid {os.getpid()}] step {step}: killed mid-publish (SIGKILL)", flush=True)
+                    crashpoints.arm("after-write")
+                reg.publish(RUN, step, model.state_dict(),
+                            extra={"optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                                   "rng": torch.get_rng_state()},
+                            config={"dim": 32, "hidden": 128, "lr": 3e-3},
+                            metrics={"eval/loss": eval_loss}, epoch=step * 64 // len(x_train),
+                            consumed_samples=step * 64)
+                print(f"[trainer pid {os.getpid()}] step {step}: eval/loss {eval_loss:.4f} published")
+
+
+def summary() -> None:
+    from registry import Registry
+
+    with Registry.open() as reg:
+        best = reg.resolve(f"{RUN}@best:eval/loss")
+        reg.tag(RUN, best.step, "best-eval")
+        print(f"\nRun {RUN!r} in {reg.store.root}:")
+        print(f"{'step':>6}  {'status':<9} {'eval/loss':>9}  {'size':>9}  tags")
+        for info in reg.checkpoints(RUN, include_deleted=True):
+            loss = info.metrics.get("eval/loss")
+            print(f"{info.step:>6}  {info.status:<9} {loss if loss is None else f'{loss:9.4f}':>9}  "
+                  f"{info.total_bytes / 1024:7.1f}KB  {','.join(info.tags)}")
+        latest = reg.load(f"{RUN}@latest")
+        events = [e.kind for e in reg.events(RUN)]
+        print(f"\nlatest verified: step {latest.step}; best by eval/loss: step {best.step} "
+              f"({best.metrics['eval/loss']:.4f}), tagged best-eval")
+        print(f"events: {len(events)} ({', '.join(sorted(set(events)))})")
+        hidden = sorted(p.name for p in (reg.store.root / RUN).iterdir() if p.name.startswith("."))
+        print(f"hidden leftovers on disk: {hidden or 'none'}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--every", type=int, default=50)
+    parser.add_argument("--crash-at", type=int, default=200)
+    parser.add_argument("--role", choices=["main", "trainer"], default="main")
+    parser.add_argument("--keep", action="store_true", help="keep checkpoints from an earlier demo")
+    args = parser.parse_args()
+    if args.role == "trainer":
+        train(args)
+        return
+
+    root = Path(os.environ.setdefault("REGISTRY_ROOT", str(Path.cwd() / "demo-checkpoints")))
+    if root.exists() and not args.keep:
+        shutil.rmtree(root)
+    child = [sys.executable, __file__, "--role", "trainer", "--steps", str(args.steps),
+             "--every", str(args.every), "--crash-at", str(args.crash_at)]
+    t0 = time.perf_counter()
+    first = subprocess.run(child)
+    if first.returncode != -signal.SIGKILL:
+        sys.exit(f"expected the first trainer to be killed, it exited with {first.returncode}")
+    print(f"-- trainer died with SIGKILL; starting a new one\n")
+    second = subprocess.run(child[:-2] + ["--crash-at", "-1"])
+    if second.returncode != 0:
+        sys.exit(second.returncode)
+    summary()
+    print(f"\ndone in {time.perf_counter() - t0:.1f}s; try: registry --root {root} ls {RUN}")
+
+
+if __name__ == "__main__":
+    main()
