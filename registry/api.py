@@ -351,6 +351,16 @@ class Registry:
         with ThreadPoolExecutor(max_workers=min(4, max(1, len(targets)))) as pool:
             return list(pool.map(check, targets))
 
+    # ------------------------------------------------------------------ followers (issue 3)
+
+    # ------------------------------------------------------------------ retention (issue 4)
+
+    # ------------------------------------------------------------------ import (issue 5)
+
+    # ------------------------------------------------------------------ fsck (issue 6)
+
+    # ------------------------------------------------------------------ async publish (issue 7)
+
     def __repr__(self) -> str:
         return f"Registry(url={self.catalog.engine.url.render_as_string(hide_password=True)!r}, root={str(self.store.root)!r})"
 
