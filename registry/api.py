@@ -16,9 +16,10 @@ restores the overwritten step or marks the row ``failed``.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -48,14 +49,19 @@ def _check_metrics(run: str, step: int, metrics: Mapping[str, Any] | None) -> li
     out = []
     for key, value in metrics.items():
         check_metric_key(key)
-        if isinstance(value, torch.Tensor) and value.numel() == 1:
+        if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.dtype.is_complex:
             value = value.item()
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        # numbers.Real admits numpy scalars; bools are numbers to Python but never a metric
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise InvalidStateError(f"metric {key!r} at {run}@{step} is {value!r}, not a number", run=run, step=step)
-        if not math.isfinite(float(value)):
+        try:
+            number = float(value)
+        except OverflowError:
+            number = math.inf
+        if not math.isfinite(number):
             raise InvalidStateError(f"metric {key!r} at {run}@{step} is {value!r}; only finite values can be ranked",
                                     run=run, step=step)
-        out.append((step, key, float(value)))
+        out.append((step, key, number))
     return out
 
 
@@ -87,6 +93,7 @@ class Registry:
         self._pending_metrics: dict[str, list[tuple[int, str, float]]] = {}
         self._attempts: dict[str, int] = {}
         self._resumed_from: dict[str, int] = {}
+        self._published: set[str] = set()  # runs this Registry's current attempt has published to
         self._closed = False
 
     @classmethod
@@ -122,6 +129,10 @@ class Registry:
         return replace(info, path=self.store.root / info.path)
 
     def _attempt(self, run: str) -> int:
+        """This process's attempt at ``run``, started lazily at its first metric or publish.
+
+        See :meth:`begin_attempt` for what an attempt means for metrics.
+        """
         if run not in self._attempts:
             self._attempts[run] = self.catalog.start_attempt(
                 run, writer=self.writer, resumed_from=self._resumed_from.get(run))
@@ -172,10 +183,12 @@ class Registry:
                        for f in written.manifest.files.values()], total_bytes=written.total_bytes,
                 epoch=epoch, consumed_samples=consumed_samples,
                 optimizer_step=full_meta["optimizer_step"], policy_version=policy_version,
-                metrics=due + new_metrics, attempt_id=self._attempt(run), tags=tags, writer=self.writer)
+                metrics=due + new_metrics, attempt_id=self._attempt(run), tags=tags, writer=self.writer,
+                resumed_from=self._resumed_from.get(run) if run not in self._published else None)
         except BaseException:
             self._pending_metrics[run] = due + self._pending_metrics[run]
             raise
+        self._published.add(run)
         crashpoint("after-commit")
         info = self.catalog.get(run, step)
         assert info is not None
@@ -213,19 +226,30 @@ class Registry:
 
     # ------------------------------------------------------------------ metrics
 
-    def log_metrics(self, run: str, step: int, metrics: Mapping[str, Any]) -> None:
-        """Buffer metric points; durable at the next publish of a step >= ``step``, or ``flush()``."""
+    def log_metrics(self, run: str, step: int, metrics: Mapping[str, Any], *, flush: bool = False) -> None:
+        """Buffer metric points; durable at the next publish of a step >= ``step``, or at ``flush()``.
+
+        Buffering is what ties metrics to publication: a published step always
+        carries the points logged up to it (same transaction), and a trainer
+        that dies before publishing step S leaves no points claiming S.
+        ``flush=True`` writes this run's buffer at once: the call for late
+        metrics from an evaluator in another process, which ``best:`` then
+        uses immediately. Non-numeric and non-finite values raise
+        ``InvalidStateError`` and nothing of the call is buffered.
+        """
         check_run_name(run)
         check_step(step)
         self._pending_metrics.setdefault(run, []).extend(_check_metrics(run, step, metrics))
+        if flush:
+            self.flush(run)
 
-    def flush(self) -> None:
-        """Make every buffered metric point durable."""
-        for run in list(self._pending_metrics):
-            points = self._pending_metrics[run]
+    def flush(self, run: str | None = None) -> None:
+        """Make every buffered metric point (of ``run``, or of every run) durable."""
+        for name in [run] if run is not None else list(self._pending_metrics):
+            points = self._pending_metrics.get(name)
             if points:
-                self.catalog.add_metrics(run, points, attempt_id=self._attempt(run))
-            self._pending_metrics.pop(run, None)
+                self.catalog.add_metrics(name, points, attempt_id=self._attempt(name))
+            self._pending_metrics.pop(name, None)
 
     def metrics(self, run: str, key: str | None = None, *, history: bool = False) -> list[MetricPoint]:
         check_run_name(run)
@@ -288,7 +312,8 @@ class Registry:
                               RuntimeWarning, stacklevel=3)
                 below = info.step
                 continue
-            self._resumed_from[info.run] = info.step
+            if info.run not in self._published:
+                self._resumed_from[info.run] = info.step  # this attempt resumes from here
             return Checkpoint.from_loaded(loaded, step=info.step, info=info)
 
     def read_checked(self, info: CheckpointInfo, *, verify: bool, map_location: Any,
@@ -352,6 +377,79 @@ class Registry:
             return list(pool.map(check, targets))
 
     # ------------------------------------------------------------------ followers (issue 3)
+
+    def begin_attempt(self, run: str, *, resumed_from: int | None) -> int:
+        """Start a new attempt at ``run`` from this process; returns its id.
+
+        An attempt is one process's stint of training (or evaluating) a run;
+        every metric point records the attempt that logged it. When an attempt
+        that resumed from step N publishes for the first time, the current
+        metric points at steps > N logged by *other* attempts (the dead
+        trainer's, evaluators' scores of its abandoned steps) become
+        superseded: kept in ``metrics(history=True)``, ignored by ``metrics()``
+        and ``best:``. Checkpoints of the abandoned steps stay as they are.
+
+        Loading through :meth:`load` before the first publish sets
+        ``resumed_from`` by itself. Call this when the trainer resumed some
+        other way (from a directory, from its own files), with the step it
+        resumed from, or ``resumed_from=None`` for a fresh start that
+        supersedes nothing. Points still buffered are flushed under the
+        previous attempt first. An evaluator that never publishes never
+        supersedes anything.
+        """
+        check_run_name(run)
+        if resumed_from is not None:
+            check_step(resumed_from)
+        self.flush(run)
+        self._published.discard(run)
+        self._attempts.pop(run, None)
+        if resumed_from is None:
+            self._resumed_from.pop(run, None)
+        else:
+            self._resumed_from[run] = resumed_from
+        return self._attempt(run)
+
+    def latest(self, run: str, *, min_policy_version: int | None = None,
+               published: bool = False) -> CheckpointInfo:
+        """``run@latest`` (or ``@latest-published``), optionally only steps whose policy version is at
+        least ``min_policy_version``: what an RL rollout worker may act with."""
+        check_run_name(run)
+        if min_policy_version is not None:
+            check_step(min_policy_version)
+        ref = Ref(run=run, kind="latest-published" if published else "latest")
+        return self._absolute(self.catalog.resolve(ref, min_policy_version=min_policy_version))
+
+    def wait_for_new(self, run: str, after_step: int | None = None, timeout: float | None = None, *,
+                     newest: bool = False, min_policy_version: int | None = None) -> CheckpointInfo | None:
+        """Block until ``run`` has a ``verified`` step above ``after_step``; return it.
+
+        Returns the *next* such step (the lowest, so an evaluator sees every
+        one), or with ``newest=True`` the newest (a rollout worker skipping
+        ahead). Returns ``None`` when ``timeout`` seconds pass first
+        (``None`` waits forever), so a caller loops without try/except. The
+        run need not exist yet. PostgreSQL wakes on the NOTIFY sent in the
+        publish transaction; SQLite polls with backoff. Either way the answer
+        comes from the catalog, never from a notification's payload, so a
+        step is never returned before its publish committed.
+        """
+        from registry.follow import Follower
+        with Follower(self.catalog, run, newest=newest, min_policy_version=min_policy_version) as follower:
+            info = follower.wait(after_step, timeout=timeout)
+        return self._absolute(info) if info is not None else None
+
+    def follow(self, run: str, after_step: int | None = None, *, timeout: float | None = None,
+               newest: bool = False, min_policy_version: int | None = None) -> Iterator[CheckpointInfo]:
+        """Yield each new verified step of ``run`` above ``after_step`` as it is published.
+
+        Stops when ``timeout`` seconds pass without a new step (``None``: never).
+        Keeps one listener open across steps, so nothing published between two
+        yields is missed.
+        """
+        from registry.follow import Follower
+        with Follower(self.catalog, run, newest=newest, min_policy_version=min_policy_version) as follower:
+            while (info := follower.wait(after_step, timeout=timeout)) is not None:
+                after_step = info.step
+                yield self._absolute(info)
 
     # ------------------------------------------------------------------ retention (issue 4)
 

@@ -150,12 +150,14 @@ def runs(state: State, as_json: bool) -> None:
 @main.command("ls")
 @click.argument("run")
 @click.option("--all", "include_deleted", is_flag=True, help="Include deleted and failed steps.")
+@click.option("--policy-version", type=click.IntRange(min=0), default=None,
+              help="Only steps with this policy version.")
 @json_option
 @click.pass_obj
 @command
-def ls(state: State, run: str, include_deleted: bool, as_json: bool) -> None:
-    """List the checkpoints of RUN, oldest first."""
-    infos = state.registry().checkpoints(run, include_deleted=include_deleted)
+def ls(state: State, run: str, include_deleted: bool, policy_version: int | None, as_json: bool) -> None:
+    """List the checkpoints of RUN, oldest first, with their tags and metrics."""
+    infos = state.registry().checkpoints(run, include_deleted=include_deleted, policy_version=policy_version)
     if as_json:
         emit_json([i.to_json() for i in infos])
         return
@@ -175,13 +177,21 @@ def show(state: State, ref: str, as_json: bool) -> None:
     info = reg.resolve(ref)
     files = reg.catalog.files(info.run, info.step)
     events = reg.events(info.run, step=info.step)
+    manifest = manifest_summary(info.path)
     if as_json:
         doc = info.to_json()
+        doc["ref"] = ref
         doc["files"] = [{"name": f.name, "size": f.size, "sha256": f.sha256} for f in files]
+        doc["manifest"] = manifest
         doc["events"] = [e.to_json() for e in events]
         emit_json(doc)
         return
     click.echo(f"{info.run}@{info.step}  {info.status}  {human_bytes(info.total_bytes)}")
+    if "error" in manifest:
+        click.echo(f"manifest: unreadable: {manifest['error']}")
+    else:
+        click.echo(f"manifest: format {manifest['format_version']}, {manifest['tensors']} tensors, "
+                   f"{manifest['files']} files, created {manifest['created_at']}")
     click.echo(f"path:     {info.path}")
     click.echo(f"epoch:    {info.epoch}  consumed_samples: {info.consumed_samples}  "
                f"policy_version: {info.policy_version}")
@@ -192,6 +202,19 @@ def show(state: State, ref: str, as_json: bool) -> None:
         click.echo(f"  {f.name:<40} {human_bytes(f.size):>10}  {f.sha256[:16]}")
     for e in events:
         click.echo(f"  {e.created_at:%Y-%m-%d %H:%M:%S}  {e.kind:<14} {json.dumps(e.detail, sort_keys=True)}")
+
+
+def manifest_summary(directory: Any) -> dict[str, Any]:
+    """What the manifest on disk says, or why it cannot be read (``show`` must work on a corrupt step)."""
+    from registry.manifest import FORMAT_VERSION, read_manifest
+    try:
+        manifest, digest = read_manifest(directory)
+    except (RegistryError, OSError) as exc:
+        return {"error": str(exc)}
+    return {"format_version": FORMAT_VERSION, "sha256": digest,
+            "files": len(manifest.files), "tensors": len(manifest.tensors),
+            "created_at": manifest.created_at, "optimizer_step": manifest.optimizer_step,
+            "policy_version": manifest.policy_version}
 
 
 @main.command()
@@ -239,8 +262,8 @@ def metrics(state: State, run: str, key: str | None, history: bool, as_json: boo
     if as_json:
         emit_json([p.to_json() for p in points])
         return
-    table(["STEP", "KEY", "VALUE"] + (["CURRENT"] if history else []),
-          [[p.step, p.key, f"{p.value:.6g}"] + (["yes" if p.current else "no"] if history else [])
+    table(["STEP", "KEY", "VALUE"] + (["CURRENT", "ATTEMPT"] if history else []),
+          [[p.step, p.key, f"{p.value:.6g}"] + (["yes" if p.current else "no", p.attempt] if history else [])
            for p in points])
 
 

@@ -16,6 +16,7 @@ RUN_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 TAG_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,127}")
 METRIC_KEY_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_./\-]{0,254}")
 RESERVED_TAGS = frozenset({"latest", "latest-published"})
+MAX_STEP = 2**63 - 1  # the catalog stores steps as 64-bit integers
 
 RefKind = Literal["latest", "latest-published", "best", "step", "tag"]
 
@@ -29,8 +30,8 @@ def check_run_name(name: object) -> str:
 
 
 def check_step(step: object) -> int:
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise InvalidNameError(f"invalid step {step!r}: steps are non-negative integers")
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
+        raise InvalidNameError(f"invalid step {step!r}: steps are non-negative 64-bit integers")
     return step
 
 
@@ -101,6 +102,8 @@ def parse_ref(text: object) -> Ref:
     if selector in ("latest", "latest-published"):
         return Ref(run=run, kind=selector)  # type: ignore[arg-type]
     if selector.isdigit() and selector.isascii():
+        if int(selector) > MAX_STEP:
+            raise InvalidRefError(f"invalid ref {text!r}: steps are 64-bit integers")
         return Ref(run=run, kind="step", step=int(selector))
     if selector.startswith("best:"):
         body = selector[len("best:"):]

@@ -15,7 +15,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Connection, Engine, and_, delete, func, insert, select, text, update
+from sqlalchemy import Connection, Engine, and_, delete, func, insert, or_, select, text, update
 from sqlalchemy.exc import IntegrityError
 
 from registry.catalog.models import (Attempt, CheckpointFile, CheckpointRow, Event, Lease, Metric,
@@ -193,8 +193,16 @@ class Catalog:
                        files: Iterable[FileRecord], total_bytes: int, epoch: int, consumed_samples: int,
                        optimizer_step: int | None, policy_version: int | None,
                        metrics: Sequence[tuple[int, str, float]], attempt_id: int | None,
-                       tags: Sequence[str], writer: str) -> None:
-        """Phase 4: the step becomes visible together with its files, metrics and tags."""
+                       tags: Sequence[str], writer: str, resumed_from: int | None = None) -> None:
+        """Phase 4: the step becomes visible together with its files, metrics and tags.
+
+        ``resumed_from=N`` says this is the first publish of an attempt that
+        resumed from step N: in the same transaction, current metric points of
+        the run at steps > N logged by any *other* attempt become superseded
+        (kept as history), because they describe a timeline that was abandoned.
+        Overwriting a step supersedes the points other attempts logged at that
+        step: they scored weights that no longer exist.
+        """
         files = list(files)
 
         def fn(conn: Connection) -> None:
@@ -206,6 +214,18 @@ class Catalog:
                 epoch=epoch, consumed_samples=consumed_samples, optimizer_step=optimizer_step,
                 policy_version=policy_version, attempt_id=attempt_id, writer=writer, updated_at=now,
                 published_at=now, verified_at=now if status == "verified" else None, deleted_at=None))
+            self._lock_run(conn, claim.run_id)
+            others = or_(Metric.attempt_id.is_(None), Metric.attempt_id != attempt_id)
+            current = [Metric.run_id == claim.run_id, Metric.superseded.is_(False), others]
+            if resumed_from is not None:
+                n = conn.execute(update(Metric).where(*current, Metric.step > resumed_from)
+                                 .values(superseded=True)).rowcount
+                if attempt_id is not None:
+                    conn.execute(update(Attempt).where(Attempt.id == attempt_id).values(resumed_from=resumed_from))
+                self._event(conn, claim.run_id, step, "resume", actor=writer, attempt=attempt_id,
+                            resumed_from=resumed_from, superseded_points=n)
+            if claim.previous_status is not None:
+                conn.execute(update(Metric).where(*current, Metric.step == step).values(superseded=True))
             conn.execute(delete(CheckpointFile).where(CheckpointFile.checkpoint_id == cid))
             if files:
                 conn.execute(insert(CheckpointFile), [
@@ -225,10 +245,18 @@ class Catalog:
                          {"c": NOTIFY_CHANNEL, "p": json.dumps({"run": run, "step": step, "status": status})})
 
     @staticmethod
-    def _insert_metrics(conn: Connection, run_id: int, metrics: Sequence[tuple[int, str, float]],
+    def _lock_run(conn: Connection, run_id: int) -> None:
+        """Serialize metric writers of one run on PostgreSQL (SQLite's BEGIN IMMEDIATE already does),
+        so two racing writers cannot both leave a current point for the same (step, key)."""
+        if conn.dialect.name == "postgresql":
+            conn.execute(select(Run.id).where(Run.id == run_id).with_for_update())
+
+    @classmethod
+    def _insert_metrics(cls, conn: Connection, run_id: int, metrics: Sequence[tuple[int, str, float]],
                         attempt_id: int | None) -> None:
         if not metrics:
             return
+        cls._lock_run(conn, run_id)
         now = utcnow()
         latest: dict[tuple[int, str], float] = {}
         for step, key, value in metrics:
@@ -268,6 +296,8 @@ class Catalog:
             changed = conn.execute(update(CheckpointRow).where(*cond).values(**values)).rowcount
             if changed:
                 self._event(conn, run_id, step, kind, actor=actor, status=status, **detail)
+                if status == "verified":
+                    self._notify(conn, run_id, step, status)  # followers wait for verified steps
             return bool(changed)
         return self._write(fn)
 
@@ -316,7 +346,22 @@ class Catalog:
     # ------------------------------------------------------------------ queries
 
     def resolve(self, ref: Ref, *, below: int | None = None, min_policy_version: int | None = None) -> CheckpointInfo:
-        """The checkpoint a ref names now. ``below`` restricts latest refs to older steps (fallback)."""
+        """The checkpoint a ref names now (design section 5).
+
+        - ``latest``: the newest ``verified`` step; ``latest-published``: the
+          newest ``published`` or ``verified`` one. ``below`` restricts them to
+          older steps (the loader's fallback past a corrupt step) and
+          ``min_policy_version`` to steps whose policy version is at least that.
+        - ``best:METRIC[:min|max]``: among ``published``/``verified`` steps, the
+          one whose *current* (not superseded) point for METRIC at its own step
+          is lowest (highest). Ties go to the newest step. Metric points at
+          steps without a checkpoint, and steps that are deleted, corrupt,
+          failed or still staging, never take part.
+        - a step number or a tag: that step when it is ``published``,
+          ``verified`` or ``corrupt`` (a corrupt one resolves so it can be shown
+          and re-verified; loading it raises ``CorruptCheckpointError``); any
+          other status is a ``CheckpointNotFoundError`` that names the status.
+        """
         def fn(conn: Connection) -> CheckpointInfo:
             run_id = self._require_run(conn, ref.run)
             c = CheckpointRow
@@ -330,26 +375,53 @@ class Catalog:
                     query = query.where(c.policy_version >= min_policy_version)
                 query = query.order_by(c.step.desc()).limit(1)
                 what = f"no {'verified' if ref.kind == 'latest' else 'published'} checkpoint"
+                if min_policy_version is not None:
+                    what += f" with policy version >= {min_policy_version}"
             elif ref.kind == "step":
-                query = query.where(c.step == ref.step, c.status.in_(LIVE + ("corrupt",)))
+                query = query.where(c.step == ref.step)
                 what = f"no checkpoint at step {ref.step}"
             elif ref.kind == "tag":
                 query = query.join(Tag, Tag.checkpoint_id == c.id).where(Tag.run_id == run_id, Tag.name == ref.tag)
                 what = f"no tag {ref.tag!r}"
             else:
                 m = Metric
-                order = m.value.asc() if ref.mode == "min" else m.value.desc()
+                # ORDER BY the index's own columns (m.step, not c.step) so the
+                # planner walks ix_metrics_best and stops at the first live step.
+                order = (m.value.asc(), m.step.desc()) if ref.mode == "min" else (m.value.desc(), m.step.desc())
                 query = (query.join(m, and_(m.run_id == c.run_id, m.step == c.step))
                          .where(m.run_id == run_id, m.key == ref.metric, m.superseded.is_(False),
                                 c.status.in_(RANKABLE))
-                         .order_by(order, c.step.desc()).limit(1))
-                what = f"no published checkpoint has metric {ref.metric!r}"
+                         .order_by(*order).limit(1))
+                what = f"no published or verified checkpoint has a current value of {ref.metric!r}"
             row = conn.execute(query).first()
             if row is None:
                 raise CheckpointNotFoundError(f"{ref}: {what}", run=ref.run, step=ref.step)
             if ref.kind in ("tag", "step") and row.status not in LIVE + ("corrupt",):
                 raise CheckpointNotFoundError(f"{ref}: step {row.step} is {row.status}", run=ref.run, step=row.step)
             return self._infos(conn, ref.run, [row])[0]
+        return self._read(fn)
+
+    def next_after(self, run: str, after_step: int | None, *, newest: bool = False,
+                   statuses: Sequence[str] = ("verified",),
+                   min_policy_version: int | None = None) -> CheckpointInfo | None:
+        """The first (or, with ``newest``, the last) step above ``after_step`` in ``statuses``.
+
+        ``None`` when there is none yet, also when the run does not exist yet:
+        a follower may start before its trainer. One indexed lookup, cheap
+        enough to poll.
+        """
+        def fn(conn: Connection) -> CheckpointInfo | None:
+            run_id = self._run_id(conn, run)
+            if run_id is None:
+                return None
+            c = CheckpointRow
+            query = select(c.__table__).where(c.run_id == run_id, c.status.in_(statuses))
+            if after_step is not None:
+                query = query.where(c.step > after_step)
+            if min_policy_version is not None:
+                query = query.where(c.policy_version >= min_policy_version)
+            row = conn.execute(query.order_by(c.step.desc() if newest else c.step.asc()).limit(1)).first()
+            return self._infos(conn, run, [row])[0] if row is not None else None
         return self._read(fn)
 
     def get(self, run: str, step: int) -> CheckpointInfo | None:
