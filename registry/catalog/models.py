@@ -87,7 +87,7 @@ class Metric(Base):
     __tablename__ = "metrics"
     __table_args__ = (
         Index("ix_metrics_best", "run_id", "key", "superseded", "value", "step"),
-        Index("ix_metrics_run_step", "run_id", "step", "key"),
+        Index("ix_metrics_run_step_current", "run_id", "step", "superseded", "key", "value"),
     )
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
