@@ -16,7 +16,7 @@ Waking up:
   databases on the server may use the same run names. A slow re-poll covers a
   dropped listener connection.
 - SQLite has no notifications: the follower polls one indexed query, backing
-  off from 10 ms to a quarter second, which costs well under a millisecond
+  off from 10 ms to 100 ms; each poll costs well under a millisecond
   per poll.
 """
 
@@ -35,7 +35,7 @@ from registry.records import CheckpointInfo
 from registry.refs import check_run_name, check_step
 
 POLL_MIN_S = 0.01
-POLL_MAX_S = 0.25
+POLL_MAX_S = 0.1
 PG_RECHECK_S = 5.0  # a re-query even without notifications, in case the listener lost its connection
 
 

@@ -28,6 +28,7 @@ import random
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -43,6 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from registry.catalog import Catalog  # noqa: E402
 from registry.catalog.models import CheckpointRow, Metric, Run, Tag  # noqa: E402
 from registry.catalog.session import write_connection  # noqa: E402
+from registry.errors import CheckpointNotFoundError  # noqa: E402
+from registry.follow import POLL_MAX_S  # noqa: E402
 from registry.refs import Ref, parse_ref  # noqa: E402
 
 CHUNK = 20_000
@@ -156,6 +159,36 @@ def bare_query(catalog: Catalog, ref: Ref) -> Callable[[], Any]:
     return fn
 
 
+def follower_wakeups(catalog: Catalog, samples: int) -> list[tuple[float, float]]:
+    """Milliseconds from the start of a publish's commit transaction, and from its end (negative: the
+    follower returned before the publisher's call did), to a waiting follower returning.
+
+    The follower waits in a thread for the next step; the "trainer" commits it
+    after a random 50-300 ms, as a catalog-only publish (this measures the
+    wake-up path, not the payload write).
+    """
+    from registry.follow import Follower
+    run = "follow-bench"
+    rng = random.Random(2)
+    out = []
+    with Follower(catalog, run) as follower:
+        for i in range(samples):
+            woke: list[float] = []
+            waiter = threading.Thread(target=lambda after=(i - 1 if i else None): (
+                follower.wait(after, timeout=60), woke.append(time.perf_counter())))
+            waiter.start()
+            time.sleep(rng.uniform(0.05, 0.3))
+            claim = catalog.claim(run, i, path=f"{run}/step-{i:08d}", writer="bench:1", overwrite=False)
+            t0 = time.perf_counter()
+            catalog.commit_publish(claim, status="verified", manifest_sha256="0" * 64, files=[], total_bytes=0,
+                                   epoch=0, consumed_samples=0, optimizer_step=None, policy_version=None,
+                                   metrics=[], attempt_id=None, tags=[], writer="bench:1")
+            t1 = time.perf_counter()
+            waiter.join()
+            out.append(((woke[0] - t0) * 1000, (woke[0] - t1) * 1000))
+    return out
+
+
 @contextmanager
 def backend(name: str, workdir: Path) -> Iterator[str]:
     if name == "sqlite":
@@ -183,14 +216,18 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=200)
     ap.add_argument("--backends", default="sqlite,postgresql")
     ap.add_argument("--no-explain", action="store_true")
+    ap.add_argument("--follow-samples", type=int, default=20, help="follower wake-ups to time (0: skip)")
     args = ap.parse_args()
     if args.runs < 1 or args.checkpoints < args.runs * 3 or args.metrics < 1 or args.rounds < 5:
         ap.error("need runs >= 1, checkpoints >= 3 * runs, metrics >= 1, rounds >= 5")
     targets = {"sqlite": 2.0, "postgresql": 5.0}
     refs = {"@latest": "latest", "@latest-published": "latest-published", f"@best:{BEST_KEY}": f"best:{BEST_KEY}",
-            f"@best:{BEST_KEY}:max": f"best:{BEST_KEY}:max", "@tag3": "tag3"}
+            f"@best:{BEST_KEY}:max": f"best:{BEST_KEY}:max", "@tag3": "tag3",
+            # worst case: every train/loss point is at a step without a checkpoint, so best: probes them all
+            "@best:train/loss (miss)": "best:train/loss"}
     results: list[list[str]] = []
     plans: dict[str, dict[str, list[str]]] = {}
+    wakeups: dict[str, tuple[float, float, float]] = {}
     for name in args.backends.split(","):
         with tempfile.TemporaryDirectory(prefix="regbench-") as tmp, backend(name, Path(tmp)) as url:
             catalog = Catalog.open(url)
@@ -205,17 +242,29 @@ def main() -> None:
                 for label, selector in refs.items():
                     parsed = [parse_ref(f"{run}@{selector}") for run in run_names]
                     it = iter(range(10**12))
-                    api = timed(lambda: catalog.resolve(parsed[next(it) % len(parsed)]),
-                                rounds=args.rounds, iterations=args.iterations)
+                    def call() -> None:
+                        try:
+                            catalog.resolve(parsed[next(it) % len(parsed)])
+                        except CheckpointNotFoundError:
+                            pass  # the "(miss)" row: finding nothing is its answer
+                    api = timed(call, rounds=args.rounds, iterations=args.iterations)
                     bare = bare_query(catalog, parsed[rng.randrange(len(parsed))])
                     sel = timed(bare, rounds=args.rounds, iterations=args.iterations)
                     bare.close()  # type: ignore[attr-defined]
                     ok = "yes" if api[0] < targets[name] else "NO"
+                    if "(miss)" in label:
+                        ok = "(no target)"
                     results.append([name, label, f"{api[0]:.3f}", f"{api[1]:.3f}-{api[2]:.3f}", f"{sel[0]:.3f}",
                                     f"< {targets[name]:g}", ok])
                     print("  " + "  ".join(results[-1]), flush=True)
                     if not args.no_explain:
                         plans.setdefault(name, {})[label] = explain(catalog, parsed[0])
+                if args.follow_samples:
+                    wake = follower_wakeups(catalog, args.follow_samples)
+                    start, end = [w[0] for w in wake], [w[1] for w in wake]
+                    wakeups[name] = (statistics.median(start), max(start), statistics.median(end))
+                    print(f"  follower wake-up: median {wakeups[name][0]:.1f} ms, max {wakeups[name][1]:.1f} ms",
+                          flush=True)
             finally:
                 catalog.close()
     headers = ["backend", "ref", "resolve median ms", "round medians", "SELECT only ms", "target", "met"]
@@ -226,6 +275,13 @@ def main() -> None:
     print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     for r in results:
         print("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |")
+    if wakeups:
+        print(f"\nfollower wake-up ({args.follow_samples} samples): from the start of the publish's commit "
+              "transaction to wait_for_new returning, and from the commit call returning")
+        for name, (median, worst, after) in wakeups.items():
+            how = "LISTEN/NOTIFY" if name == "postgresql" else f"polling, backoff to {POLL_MAX_S * 1000:.0f} ms"
+            print(f"  {name:<10} median {median:.1f} ms, max {worst:.1f} ms; after the call returned: median "
+                  f"{after:.1f} ms  ({how})")
     for name, by_ref in plans.items():
         print(f"\nquery plans, {name}:")
         for label, lines in by_ref.items():
