@@ -12,12 +12,11 @@ Waking up:
   transaction, so the notification is delivered only after the commit. The
   follower LISTENs on a dedicated connection *before* its first query (no
   lost wake-up between query and wait) and re-queries on every notification
-  for its run name. The payload only says "look again": other schemas and
-  databases on the server may use the same run names. A slow re-poll covers a
+  for its run name. The payload only says "look again": other schemas of
+  the same database may use the same run names. A slow re-poll covers a
   dropped listener connection.
 - SQLite has no notifications: the follower polls one indexed query, backing
-  off from 10 ms to 100 ms; each poll costs well under a millisecond
-  per poll.
+  off from 10 ms to 100 ms; each poll costs well under a millisecond.
 """
 
 from __future__ import annotations

@@ -196,4 +196,8 @@ def test_cli_show_metrics_tags(catalog_url: str, root: Path) -> None:
                 ["show", "run@best:nope"]):
         result = cli(*bad)
         assert result.exit_code == 1 and result.output.startswith("registry: error:"), (bad, result.output)
+    for ref, step in (("run@best:eval/loss:max", 10), ("run@latest-published", 20), ("run@release", 20),
+                      ("run@10", 10), ("run", 20)):
+        assert cli("resolve", ref).output.strip() == str(root.absolute() / "run" / f"step-{step:08d}"), ref
+    assert json.loads(cli("verify", "run@release", "--json").output)[0]["step"] == 20
     assert cli("untag", "run", "release").exit_code == 0
