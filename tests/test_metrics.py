@@ -164,3 +164,32 @@ def test_overwrite_supersedes_other_attempts_scores_of_the_old_weights(reg: Regi
     reg.log_metrics("run", 10, {"train/loss": 2.0}, flush=True)
     reg.publish("run", 10, make_state(11), overwrite=True)
     assert reg.resolve("run@10").metrics == {"eval/loss": 1.0, "train/loss": 2.0}
+
+
+def test_racing_writers_leave_one_current_point(catalog_url: str, root: Path) -> None:
+    """Two processes' worth of writers (own Registry, own connections) log the same (step, key) at once."""
+    import threading
+
+    barrier = threading.Barrier(2)
+    errors: list[BaseException] = []
+
+    def writer(offset: int) -> None:
+        try:
+            with Registry.open(url=catalog_url, root=root) as reg:
+                for i in range(15):
+                    barrier.wait()  # every write overlaps the other thread's
+                    reg.log_metrics("run", 1, {"eval/loss": float(offset + i)}, flush=True)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below in the test thread
+            errors.append(exc)
+
+    with Registry.open(url=catalog_url, root=root) as reg:
+        reg.log_metrics("run", 0, {"x": 0.0}, flush=True)  # the run exists before the race
+        threads = [threading.Thread(target=writer, args=(offset,)) for offset in (0, 100)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        history = reg.metrics("run", "eval/loss", history=True)
+        assert len(history) == 30
+        assert len([p for p in history if p.current]) == 1
