@@ -295,9 +295,10 @@ class Catalog:
     @staticmethod
     def _lock_run(conn: Connection, run_id: int) -> None:
         """Serialize metric writers of one run on PostgreSQL (SQLite's BEGIN IMMEDIATE already does),
-        so two racing writers cannot both leave a current point for the same (step, key)."""
+        so two racing writers cannot both leave a current point for the same (step, key).
+        ``FOR NO KEY UPDATE`` does not block other transactions' foreign-key checks on the run."""
         if conn.dialect.name == "postgresql":
-            conn.execute(select(Run.id).where(Run.id == run_id).with_for_update())
+            conn.execute(select(Run.id).where(Run.id == run_id).with_for_update(key_share=True))
 
     @classmethod
     def _insert_metrics(cls, conn: Connection, run_id: int, metrics: Sequence[tuple[int, str, float]],
