@@ -260,13 +260,19 @@ class Registry:
     # ------------------------------------------------------------------ load
 
     def load(self, ref: str | Ref, broadcast: bool = False, verify: bool = True,
-             map_location: Any = "cpu", *, trust_pickle: bool = False) -> Checkpoint:
-        """Resolve ``ref`` and load it; a corrupt ``@latest`` falls back to an older step."""
+             map_location: Any = "cpu", *, trust_pickle: bool = False, strategy: str = "auto",
+             timeout: float | None = None) -> Checkpoint:
+        """Resolve ``ref`` and load it; a corrupt ``@latest`` falls back to an older step.
+
+        With ``broadcast`` inside a process group, ``strategy`` ("auto",
+        "broadcast", "shared-fs") and ``timeout`` (seconds per collective) are
+        described in :mod:`registry.loader`.
+        """
         parsed = parse_ref(ref)
         if broadcast:
             from registry.loader import distributed_load
             return distributed_load(self, parsed, verify=verify, map_location=map_location,
-                                    trust_pickle=trust_pickle)
+                                    trust_pickle=trust_pickle, strategy=strategy, timeout=timeout)
         return self.load_local(parsed, verify=verify, map_location=map_location, trust_pickle=trust_pickle)
 
     def load_local(self, parsed: Ref, *, verify: bool, map_location: Any, trust_pickle: bool) -> Checkpoint:

@@ -60,13 +60,17 @@ class Checkpoint:
 
     @classmethod
     def load(cls, save_dir: str | Path, broadcast: bool = False, verify_checksums: bool = False,
-             *, trust_pickle: bool = False, map_location: Any = "cpu") -> Checkpoint:
-        """Load a directory; with ``broadcast`` rank 0 reads and every rank gets its tensors."""
+             *, trust_pickle: bool = False, map_location: Any = "cpu", strategy: str = "auto",
+             timeout: float | None = None) -> Checkpoint:
+        """Load a directory; with ``broadcast`` rank 0 checks it and every rank gets the same contents.
+
+        ``strategy`` and ``timeout`` are those of :mod:`registry.loader`.
+        """
         path = Path(save_dir)
         if broadcast:
             from registry.loader import broadcast_directory
             loaded = broadcast_directory(path, verify=verify_checksums, trust_pickle=trust_pickle,
-                                         map_location=map_location)
+                                         map_location=map_location, strategy=strategy, timeout=timeout)
         else:
             loaded = read_directory(path, verify=verify_checksums, trust_pickle=trust_pickle,
                                     map_location=map_location)
