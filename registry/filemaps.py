@@ -139,7 +139,10 @@ class _ViewReader:
 def tensors_of(buf: torch.Tensor, path: Path) -> dict[str, torch.Tensor]:
     """The tensors of a safetensors file held in ``buf``, as views into it."""
     size = buf.numel()
-    head = _host_bytes(buf, min(size, 8 + MAX_HEADER))
+    prefix = _host_bytes(buf, min(size, 8))
+    declared = int.from_bytes(prefix, "little") if len(prefix) == 8 else 0
+    # only the header is copied out; its parser checks the declared length against the limits
+    head = _host_bytes(buf, min(size, 8 + min(declared, MAX_HEADER + 1)))
     header = read_safetensors_header(_ViewReader(head), size, path)  # type: ignore[arg-type]
     out: dict[str, torch.Tensor] = {}
     for entry in header.entries:

@@ -96,6 +96,7 @@ class Plan:
     files: tuple[tuple[str, int], ...]
     manifest_sha256: str | None
     fingerprint: str
+    bucket_bytes: int
     step: int | None = None
     info: CheckpointInfo | None = None
     warnings: tuple[str, ...] = ()
@@ -354,9 +355,10 @@ def collective_load(*, request: tuple[Any, ...], source: Callable[[], _Source], 
         if failure is not None:
             raise failure.error()
     if any(req != gathered[0][0] for req, _ in gathered):
-        described = "; ".join(f"rank {r}: {req[1]}" for r, (req, _) in enumerate(gathered))
-        raise DistributedError(f"ranks asked for different checkpoints ({described}); every rank must load the same ref")
-    limit = bucket_bytes or BUCKET_BYTES
+        described = "; ".join(f"rank {r}: {req[1]!s} {req[2:]}" for r, (req, _) in enumerate(gathered))
+        raise DistributedError(f"ranks called load with different arguments ({described}); "
+                               "every rank must load the same ref with the same options")
+    limit = bucket_bytes or BUCKET_BYTES  # rank 0's value travels in the plan
     src = source() if comm.rank == 0 else None
     try:
         while True:
@@ -381,14 +383,15 @@ def _one_round(comm: Comm, src: _Source | None, *, verify: bool, device: torch.d
                 mapped = map_checkpoint(path, expected_digest=info.manifest_sha256 if info else None)
                 outcome = Plan(path=str(path), files=tuple((n, b.numel()) for n, b in mapped.buffers.items()),
                                manifest_sha256=mapped.manifest_sha256, fingerprint=mapped.fingerprint,
-                               step=info.step if info else None, info=info, warnings=tuple(src.notes))
+                               bucket_bytes=limit, step=info.step if info else None, info=info,
+                               warnings=tuple(src.notes))
                 break
             except CorruptCheckpointError as exc:
                 if src.fall_back(exc):
                     continue
                 outcome = Failure.of(exc, 0)
                 break
-            except RegistryError as exc:
+            except Exception as exc:  # whatever it is, every rank must hear of it, not wait for a plan
                 outcome = Failure.of(exc, 0)
                 break
         src.notes.clear()
@@ -441,7 +444,8 @@ def _one_round(comm: Comm, src: _Source | None, *, verify: bool, device: torch.d
                 files, mine = {}, Failure.of(exc, comm.rank)
     else:
         sources = [mapped.buffers[n] for n in names] if mapped is not None else None
-        bufs, digests = transfer(comm, sizes, sources, limit=limit, hash_files=verify and comm.rank == 0)
+        bufs, digests = transfer(comm, sizes, sources, limit=plan.bucket_bytes,
+                                 hash_files=verify and comm.rank == 0)
         files = dict(zip(names, bufs))
         mine = None
         if comm.rank == 0:

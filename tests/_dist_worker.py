@@ -57,7 +57,10 @@ def main() -> None:
     rank, world, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     spec = json.loads(Path(sys.argv[4]).read_text())
     out = Path(spec["out"]) / f"rank{rank}.json"
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    backend = spec.get("backend", "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=spec.get("pg_timeout", 30)))
     from registry import Checkpoint, Registry, loader
     from registry.crashpoints import arm
@@ -83,6 +86,7 @@ def main() -> None:
                         ckpt = reg.load(ref, broadcast=True, map_location=where, strategy=sc["strategy"],
                                         timeout=sc.get("timeout"))
                 results[sc["name"]] = {"ok": True, "fp": checkpoint_fingerprint(ckpt), "step": ckpt.step,
+                                       "devices": sorted({t.device.type for t in ckpt.state_dict.values()}),
                                        "warnings": [str(w.message) for w in caught
                                                     if issubclass(w.category, RuntimeWarning)]}
             except Exception as exc:  # recorded for the parent to compare across ranks

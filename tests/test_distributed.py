@@ -123,7 +123,8 @@ def launch(base: Path, world: int, scenarios: list[dict[str, Any]], data: dict[s
     spec_path = out / "spec.json"
     spec_path.write_text(json.dumps(spec))
     port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
     env.pop("REGISTRY_CRASH_AT", None)
     procs = [subprocess.Popen([sys.executable, "-m", "tests._dist_worker", str(r), str(world), str(port),
                                str(spec_path)], cwd=REPO, env=env) for r in range(world)]
@@ -192,7 +193,8 @@ def outcomes(session: dict[str, Any], name: str) -> list[dict[str, Any]]:
 def assert_loaded(session: dict[str, Any], name: str, expected_key: str, step: int | None) -> None:
     got = outcomes(session, name)
     assert all(g["ok"] for g in got), got
-    assert {g["fp"] for g in got} == {session["expected"][expected_key]}, f"{name}: ranks differ or differ from a local load"
+    assert {g["fp"] for g in got} == {session["expected"][expected_key]}, \
+        f"{name}: ranks differ from each other or from a local load"
     assert {g["step"] for g in got} == {step}
 
 
@@ -279,10 +281,33 @@ def test_buckets_pack_small_files_and_split_big_ones() -> None:
     assert covered == {0: 10, 2: 100, 3: 5, 4: 7, 5: 40}
 
 
+def cuda_scenarios(where: str) -> list[dict[str, Any]]:
+    return [{"name": f"{s}-{where}", "ref": "main@2", "strategy": s, "bucket": 1 << 20,
+             "map_locations": {"0": where, "1": where}} for s in ("broadcast", "shared-fs")]
+
+
 @pytest.mark.cuda
-def test_cuda_map_location_single_process(sqlite_reg: Registry) -> None:
+def test_map_location_cuda_over_gloo(tmp_path: Path) -> None:
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    sqlite_reg.publish("g", 1, state(1))
-    ckpt = sqlite_reg.load("g@1", broadcast=True, map_location="cuda")
-    assert all(t.device.type == "cuda" for t in ckpt.state_dict.values())
+    data = build(tmp_path)
+    results, codes = launch(tmp_path, 2, cuda_scenarios("cuda"), data)
+    assert codes == [0, 0]
+    for name in ("broadcast-cuda", "shared-fs-cuda"):
+        got = [r.get(name) for r in results]
+        assert all(g and g["ok"] and g["devices"] == ["cuda"] for g in got), got
+        assert {g["fp"] for g in got} == {data["expected"]["main@2"]}  # type: ignore[index]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("where", ["cpu", "cuda"])
+def test_nccl_buckets_travel_on_the_device(tmp_path: Path, where: str) -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip("NCCL needs one CUDA device per rank (2 ranks)")
+    data = build(tmp_path)
+    results, codes = launch(tmp_path, 2, cuda_scenarios(where), {**data, "backend": "nccl"})
+    assert codes == [0, 0]
+    for name in (f"broadcast-{where}", f"shared-fs-{where}"):
+        got = [r.get(name) for r in results]
+        assert all(g and g["ok"] and g["devices"] == [where] for g in got), got
+        assert {g["fp"] for g in got} == {data["expected"]["main@2"]}  # type: ignore[index]

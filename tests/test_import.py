@@ -61,7 +61,8 @@ def test_import_reference_directory(reference, reg: Registry, tmp_path: Path) ->
     assert reg.verify("imp@120")[0].ok
 
 
-def test_import_legacy_directory_without_manifest(reference, sqlite_reg: Registry, tmp_path: Path) -> None:  # noqa: F811
+def test_import_legacy_directory_without_manifest(reference, sqlite_reg: Registry,  # noqa: F811
+                                                  tmp_path: Path) -> None:
     src = tmp_path / "legacy"
     state = write_reference(reference, src, seed=2)
     (src / "manifest.json").unlink()
