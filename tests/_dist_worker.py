@@ -76,15 +76,16 @@ def main() -> None:
                 arm("loader-after-bucket")
             ref = sc.get("refs", {}).get(str(rank), sc.get("ref"))
             where = sc.get("map_locations", {}).get(str(rank), "cpu")
+            timeout = sc.get("timeouts", {}).get(str(rank), sc.get("timeout"))
             try:
                 with warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always")
                     if "dir" in sc:
                         ckpt = Checkpoint.load(sc["dir"], broadcast=True, verify_checksums=True,
-                                               strategy=sc["strategy"], timeout=sc.get("timeout"))
+                                               strategy=sc["strategy"], timeout=timeout)
                     else:
                         ckpt = reg.load(ref, broadcast=True, map_location=where, strategy=sc["strategy"],
-                                        timeout=sc.get("timeout"))
+                                        timeout=timeout)
                 results[sc["name"]] = {"ok": True, "fp": checkpoint_fingerprint(ckpt), "step": ckpt.step,
                                        "devices": sorted({t.device.type for t in ckpt.state_dict.values()}),
                                        "warnings": [str(w.message) for w in caught

@@ -160,6 +160,7 @@ def scenarios(world: int, dirs: str) -> list[dict[str, Any]]:
         {"name": "missing-step", "ref": "main@99", "strategy": "shared-fs"},
         {"name": "mismatched-refs", "ref": "main@2", "refs": {last: "main@1"}, "strategy": "auto"},
         {"name": "bad-map-location", "ref": "main@2", "map_locations": {last: "nonsense"}, "strategy": "auto"},
+        {"name": "bad-timeout", "ref": "main@2", "timeouts": {last: -1}, "strategy": "broadcast"},
         {"name": "sharded-broadcast", "ref": "shard@1", "strategy": "broadcast"},
         {"name": "sharded-shared-fs", "ref": "shard@1", "strategy": "shared-fs"},
         {"name": "after-errors", "ref": "main@1", "strategy": "broadcast", "timeout": 20},
@@ -181,6 +182,8 @@ def session(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     with Registry.open(url=data["url"], root=data["root"]) as reg:
         statuses = {f"{run}@{step}": reg.catalog.get(run, step).status  # type: ignore[union-attr]
                     for run, step in (("fb", 2), ("fb", 3), ("fb", 4), ("fb2", 1), ("fb2", 2), ("bad", 1))}
+        leases = {run: reg.catalog.leased_steps(run) for run in ("main", "fb", "fb2", "bad", "shard")}
+    assert leases == {run: set() for run in leases}, f"reader leases left behind: {leases}"
     return {"world": world, "results": results, "expected": data["expected"], "statuses": statuses}
 
 
@@ -228,6 +231,7 @@ def test_corrupt_latest_falls_back_on_every_rank(session: dict[str, Any]) -> Non
     ("missing-step", "CheckpointNotFoundError"),
     ("mismatched-refs", "DistributedError"),
     ("bad-map-location", "InvalidStateError"),
+    ("bad-timeout", "InvalidStateError"),
 ])
 def test_failures_are_raised_on_every_rank_alike(session: dict[str, Any], name: str, error: str) -> None:
     got = outcomes(session, name)
