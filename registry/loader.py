@@ -425,8 +425,9 @@ def _one_round(comm: Comm, src: _Source | None, *, verify: bool, device: torch.d
         if comm.rank == 0:
             assert mapped is not None
             files = mapped.buffers
+            checkable = verify and mapped.manifest is not None  # a legacy directory has no checksums
             _, mine = _status(lambda: integrity(mapped, hashes={
-                n: sha256_buffer(b) for n, b in files.items() if n != MANIFEST} if verify else None), 0)
+                n: sha256_buffer(b) for n, b in files.items() if n != MANIFEST} if checkable else None), 0)
         else:
             def open_same() -> dict[str, torch.Tensor]:
                 got = {n: map_file(directory, n, expected_size=s) for n, s in plan.files}
@@ -445,7 +446,7 @@ def _one_round(comm: Comm, src: _Source | None, *, verify: bool, device: torch.d
     else:
         sources = [mapped.buffers[n] for n in names] if mapped is not None else None
         bufs, digests = transfer(comm, sizes, sources, limit=plan.bucket_bytes,
-                                 hash_files=verify and comm.rank == 0)
+                                 hash_files=verify and mapped is not None and mapped.manifest is not None)
         files = dict(zip(names, bufs))
         mine = None
         if comm.rank == 0:
