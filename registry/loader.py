@@ -40,7 +40,6 @@ import hashlib
 import json
 import warnings
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
@@ -48,8 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from registry.collectives import Comm, Failure, active, as_timedelta, first_failure
-from registry.crashpoints import crashpoint
+from registry.collectives import Comm, Failure, active, as_timedelta, first_failure, transfer
 from registry.errors import (CorruptCheckpointError, DistributedError, InvalidStateError, ManifestError,
                              RegistryError)
 from registry.filemaps import host_view, json_object, map_file, parse_files, sha256_buffer, weight_map
@@ -64,7 +62,6 @@ if TYPE_CHECKING:
 
 STRATEGIES = ("auto", "broadcast", "shared-fs")
 BUCKET_BYTES = 128 << 20
-_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="registry-load-hash")
 
 
 def target_device(map_location: Any) -> torch.device | None:
@@ -231,79 +228,6 @@ class _Source:
                 self.registry.catalog.release_lease(lease)
             except Exception:  # an expired lease is harmless; never mask the load's own outcome
                 pass
-
-
-# --------------------------------------------------------------------------- moving bytes
-
-
-def buckets(sizes: list[int], limit: int) -> list[list[tuple[int, int, int]]]:
-    """(file, offset, length) pieces per bucket; big files alone, small ones packed together."""
-    out: list[list[tuple[int, int, int]]] = []
-    packed: list[tuple[int, int, int]] = []
-    used = 0
-    for i, size in enumerate(sizes):
-        if size == 0:
-            continue
-        if size >= max(1, limit // 8):
-            out.extend([[(i, start, min(limit, size - start))] for start in range(0, size, limit)])
-            continue
-        if packed and used + size > limit:
-            out.append(packed)
-            packed, used = [], 0
-        packed.append((i, 0, size))
-        used += size
-    if packed:
-        out.append(packed)
-    return out
-
-
-def _hash_pieces(hashers: list[Any], bufs: list[torch.Tensor], pieces: list[tuple[int, int, int]]) -> None:
-    for i, start, length in pieces:
-        view = host_view(bufs[i][start:start + length])
-        for at in range(0, length, 16 << 20):
-            hashers[i].update(view[at:at + (16 << 20)])
-
-
-def transfer(comm: Comm, sizes: list[int], sources: list[torch.Tensor] | None, *, limit: int,
-             hash_files: bool) -> tuple[list[torch.Tensor], list[str] | None]:
-    """Broadcast rank 0's buffers into buffers allocated ahead on the others.
-
-    On rank 0, each bucket is hashed on a worker thread while it is on the
-    wire, so verification costs no extra pass over the bytes.
-    """
-    root = comm.rank == 0
-    bufs = sources if root and sources is not None else [torch.empty(s, dtype=torch.uint8) for s in sizes]
-    plan = buckets(sizes, limit)
-    hashers = [hashlib.sha256() for _ in sizes] if root and hash_files else None
-    stage: torch.Tensor | None = None
-    for pieces in plan:
-        total = sum(p[2] for p in pieces)
-        direct = len(pieces) == 1 and comm.device.type == "cpu"
-        if direct:
-            i, start, length = pieces[0]
-            wire = bufs[i][start:start + length]
-        else:
-            if stage is None or stage.numel() < total:
-                stage = torch.empty(max(total, min(limit, sum(sizes))), dtype=torch.uint8, device=comm.device)
-            wire = stage[:total]
-            if root:
-                at = 0
-                for i, start, length in pieces:
-                    wire[at:at + length].copy_(bufs[i][start:start + length])
-                    at += length
-        pending: Future[None] | None = _POOL.submit(_hash_pieces, hashers, bufs, pieces) if hashers else None
-        try:
-            comm.broadcast(wire, "checkpoint bucket broadcast")
-        finally:
-            if pending is not None:
-                pending.result()
-        if not root and not direct:
-            at = 0
-            for i, start, length in pieces:
-                bufs[i][start:start + length].copy_(wire[at:at + length])
-                at += length
-        crashpoint("loader-after-bucket")
-    return bufs, ([h.hexdigest() for h in hashers] if hashers is not None else None)
 
 
 # --------------------------------------------------------------------------- the protocol
@@ -496,5 +420,5 @@ def broadcast_directory(path: Path, *, verify: bool, trust_pickle: bool, map_loc
     return loaded
 
 
-__all__ = ["BUCKET_BYTES", "STRATEGIES", "Plan", "broadcast_directory", "buckets", "collective_load",
+__all__ = ["BUCKET_BYTES", "STRATEGIES", "Plan", "broadcast_directory", "collective_load",
            "distributed_load", "map_checkpoint", "target_device"]

@@ -23,7 +23,7 @@ import safetensors.torch as st
 import torch
 
 from registry import Checkpoint, Registry
-from registry.loader import buckets
+from registry.collectives import buckets
 from tests._dist_worker import checkpoint_fingerprint
 
 pytestmark = pytest.mark.distributed
