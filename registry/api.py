@@ -385,6 +385,9 @@ class Registry:
         if final.resolve() == foreign.directory.resolve():
             raise InvalidStateError(f"{foreign.directory} already is {run}@{step}'s directory; "
                                     "'registry fsck --repair' adopts directories written outside the catalog")
+        if move and foreign.directory.resolve().is_relative_to(self.store.root.resolve()):
+            raise InvalidStateError(f"{foreign.directory} is inside the registry root, where moving it could "
+                                    "take files from a published checkpoint; import it without --move")
         claim = self.catalog.claim(run, step, path=self.store.relpath(final), writer=self.writer,
                                    overwrite=overwrite, writer_alive=writer_alive)
         remove_stale_staging(final)

@@ -12,8 +12,8 @@ import safetensors.torch as st
 import torch
 from click.testing import CliRunner
 
-from registry import (CheckpointNotFoundError, CorruptCheckpointError, Registry, StepExistsError,
-                      UnsafePathError)
+from registry import (CheckpointNotFoundError, CorruptCheckpointError, InvalidStateError, Registry,
+                      StepExistsError, UnsafePathError)
 from registry.cli import main
 from tests.conftest import assert_state_equal, make_state
 from tests.test_interop import reference  # noqa: F401  (the module fixture)
@@ -144,6 +144,18 @@ def test_existing_step_needs_overwrite(sqlite_reg: Registry, tmp_path: Path) -> 
     assert_state_equal(sqlite_reg.load("e@1").state_dict, make_state(1))
     sqlite_reg.import_checkpoint(src, run="e", step=1, overwrite=True)
     assert_state_equal(sqlite_reg.load("e@1").state_dict, state)
+
+
+def test_moving_out_of_the_registry_root_is_refused(sqlite_reg: Registry) -> None:
+    info = sqlite_reg.publish("a", 1, make_state(1))
+    with pytest.raises(InvalidStateError, match="inside the registry root"):
+        sqlite_reg.import_checkpoint(info.path, run="b", step=1, move=True)
+    copied = sqlite_reg.import_checkpoint(info.path, run="b", step=1)
+    assert_state_equal(sqlite_reg.load("b@1").state_dict, make_state(1))
+    assert_state_equal(sqlite_reg.load("a@1").state_dict, make_state(1))
+    assert copied.path != info.path
+    with pytest.raises(InvalidStateError, match="already is"):
+        sqlite_reg.import_checkpoint(info.path, run="a", step=1, overwrite=True)
 
 
 def test_cli_import(tmp_path: Path) -> None:
