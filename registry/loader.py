@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -60,6 +61,7 @@ if TYPE_CHECKING:
     from registry.api import Registry
     from registry.checkpoint import Checkpoint
 
+log = logging.getLogger(__name__)
 STRATEGIES = ("auto", "broadcast", "shared-fs")
 BUCKET_BYTES = 128 << 20
 
@@ -385,6 +387,8 @@ def _one_round(comm: Comm, src: _Source | None, *, verify: bool, device: torch.d
     if _settle(comm, src, mine, "agreeing on the parsed checkpoint") == "retry":
         return None, plan
     assert loaded is not None
+    log.debug("rank %d loaded %s (step %s) by %s: %d files, %d bytes", comm.rank, plan.path, plan.step, chosen,
+              len(sizes), sum(sizes))
     return loaded, plan
 
 
@@ -415,7 +419,7 @@ def broadcast_directory(path: Path, *, verify: bool, trust_pickle: bool, map_loc
         return read_directory(path, verify=verify, trust_pickle=trust_pickle, map_location=map_location)
     loaded, _ = collective_load(
         request=("directory", str(path), verify, trust_pickle, strategy, bucket_bytes),
-        source=lambda: _Source(directory=path), verify=verify, map_location=map_location,
+        source=lambda: _Source(directory=path.absolute()), verify=verify, map_location=map_location,
         trust_pickle=trust_pickle, strategy=strategy, timeout=timeout, bucket_bytes=bucket_bytes)
     return loaded
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import sys
 import warnings
@@ -65,6 +66,15 @@ def main() -> None:
     from registry import Checkpoint, Registry, loader
     from registry.crashpoints import arm
 
+    chosen: list[str] = []
+
+    class Chosen(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            chosen.append(record.getMessage().split(" by ")[-1].split(":")[0])
+
+    loader.log.addHandler(Chosen())
+    loader.log.setLevel(logging.DEBUG)
+
     # Only rank 0 may consult the catalog: the others get an empty catalog of their own,
     # so any lookup they made would fail with CheckpointNotFoundError.
     url = spec["url"] if rank == 0 else f"sqlite:///{Path(spec['out']) / f'empty-{rank}.db'}"
@@ -77,6 +87,7 @@ def main() -> None:
             ref = sc.get("refs", {}).get(str(rank), sc.get("ref"))
             where = sc.get("map_locations", {}).get(str(rank), "cpu")
             timeout = sc.get("timeouts", {}).get(str(rank), sc.get("timeout"))
+            chosen.clear()
             try:
                 with warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always")
@@ -88,6 +99,7 @@ def main() -> None:
                                         timeout=timeout)
                 results[sc["name"]] = {"ok": True, "fp": checkpoint_fingerprint(ckpt), "step": ckpt.step,
                                        "devices": sorted({t.device.type for t in ckpt.state_dict.values()}),
+                                       "strategy": chosen[-1] if chosen else None,
                                        "warnings": [str(w.message) for w in caught
                                                     if issubclass(w.category, RuntimeWarning)]}
             except Exception as exc:  # recorded for the parent to compare across ranks

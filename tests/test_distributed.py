@@ -208,6 +208,9 @@ def test_every_rank_gets_the_identical_checkpoint(session: dict[str, Any], name:
 
 def test_auto_latest_resolves_once_for_everyone(session: dict[str, Any]) -> None:
     assert_loaded(session, "auto-latest", "main@3", 3)
+    # every rank sees rank 0's files here, so auto must not send them over the network
+    assert {g["strategy"] for g in outcomes(session, "auto-latest")} == {"shared-fs"}
+    assert {g["strategy"] for g in outcomes(session, "broadcast")} == {"broadcast"}
 
 
 def test_sharded_checkpoint_loads_on_every_rank(session: dict[str, Any]) -> None:
