@@ -367,8 +367,12 @@ def _one_round(comm: Comm, src: _Source | None, *, verify: bool, device: torch.d
                 return got
             try:
                 files, mine = open_same(), None
-            except Exception as exc:
+            except DistributedError as exc:
                 files, mine = {}, Failure.of(exc, comm.rank)
+            except Exception as exc:  # not the checkpoint's fault: this rank does not share rank 0's files
+                files, mine = {}, Failure.of(DistributedError(
+                    f"rank {comm.rank} cannot read the checkpoint at {directory} ({exc}); the root is not "
+                    "shared: use strategy='broadcast'"), comm.rank)
     else:
         sources = [mapped.buffers[n] for n in names] if mapped is not None else None
         bufs, digests = transfer(comm, sizes, sources, limit=plan.bucket_bytes,

@@ -116,7 +116,7 @@ def free_port() -> int:
 
 
 def launch(base: Path, world: int, scenarios: list[dict[str, Any]], data: dict[str, Any],
-           *, pg_timeout: int = 30) -> tuple[list[dict[str, Any]], list[int]]:
+           *, pg_timeout: int = 30, wrap: dict[int, list[str]] | None = None) -> tuple[list[dict[str, Any]], list[int]]:
     out = base / f"out-{world}-{time.monotonic_ns()}"
     out.mkdir()
     spec = {**data, "out": str(out), "scenarios": scenarios, "pg_timeout": pg_timeout}
@@ -126,8 +126,8 @@ def launch(base: Path, world: int, scenarios: list[dict[str, Any]], data: dict[s
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
     env.pop("REGISTRY_CRASH_AT", None)
-    procs = [subprocess.Popen([sys.executable, "-m", "tests._dist_worker", str(r), str(world), str(port),
-                               str(spec_path)], cwd=REPO, env=env) for r in range(world)]
+    procs = [subprocess.Popen([*(wrap or {}).get(r, []), sys.executable, "-m", "tests._dist_worker", str(r),
+                               str(world), str(port), str(spec_path)], cwd=REPO, env=env) for r in range(world)]
     end = time.monotonic() + DEADLINE_S
     codes: list[int] = []
     try:
@@ -274,6 +274,37 @@ def test_a_killed_rank_does_not_hang_the_others(tmp_path: Path, dead: int) -> No
         got = results[rank].get("killed")
         assert got is not None and not got["ok"], got
         assert got["type"] == "DistributedError", got
+
+
+def private_mounts_work() -> bool:
+    try:
+        return subprocess.run(["unshare", "-m", "--propagation", "private", "true"],
+                              capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def test_a_rank_without_the_files_gets_them_by_broadcast(tmp_path: Path) -> None:
+    """Rank 1 runs in its own mount namespace with an empty tmpfs over the root: not a shared filesystem."""
+    if not private_mounts_work():
+        pytest.skip("cannot create a private mount namespace here (needs unshare -m)")
+    data = build(tmp_path)
+    hide = ["unshare", "-m", "--propagation", "private", "sh", "-c",
+            f'mount -t tmpfs none "{data["root"]}" && exec "$0" "$@"']
+    results, codes = launch(tmp_path, 2, [
+        {"name": "auto", "ref": "main@2", "strategy": "auto", "timeout": 20},
+        {"name": "shared-fs", "ref": "main@2", "strategy": "shared-fs", "timeout": 20},
+        {"name": "after", "ref": "main@1", "strategy": "auto", "timeout": 20},
+    ], data, wrap={1: hide})
+    assert codes == [0, 0], codes
+    auto = [r["auto"] for r in results]
+    assert all(g["ok"] and g["strategy"] == "broadcast" for g in auto), auto
+    assert {g["fp"] for g in auto} == {data["expected"]["main@2"]}
+    shared = [r["shared-fs"] for r in results]
+    assert [g["type"] for g in shared] == ["DistributedError"] * 2 and "not shared" in shared[0]["msg"], shared
+    assert {g["fp"] for g in (r["after"] for r in results)} == {data["expected"]["main@1"]}
+    with Registry.open(url=data["url"], root=data["root"]) as reg:
+        assert reg.resolve("main@2").status == "verified", "a rank that cannot see the files must not mark them corrupt"
 
 
 def test_buckets_pack_small_files_and_split_big_ones() -> None:
