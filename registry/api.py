@@ -284,13 +284,19 @@ class Registry:
     # ------------------------------------------------------------------ load
 
     def load(self, ref: str | Ref, broadcast: bool = False, verify: bool = True,
-             map_location: Any = "cpu", *, trust_pickle: bool = False) -> Checkpoint:
-        """Resolve ``ref`` and load it; a corrupt ``@latest`` falls back to an older step."""
+             map_location: Any = "cpu", *, trust_pickle: bool = False, strategy: str = "auto",
+             timeout: float | None = None) -> Checkpoint:
+        """Resolve ``ref`` and load it; a corrupt ``@latest`` falls back to an older step.
+
+        With ``broadcast`` inside a process group, ``strategy`` ("auto",
+        "broadcast", "shared-fs") and ``timeout`` (seconds per collective) are
+        described in :mod:`registry.loader`.
+        """
         parsed = parse_ref(ref)
         if broadcast:
             from registry.loader import distributed_load
             return distributed_load(self, parsed, verify=verify, map_location=map_location,
-                                    trust_pickle=trust_pickle)
+                                    trust_pickle=trust_pickle, strategy=strategy, timeout=timeout)
         return self.load_local(parsed, verify=verify, map_location=map_location, trust_pickle=trust_pickle)
 
     def load_local(self, parsed: Ref, *, verify: bool, map_location: Any, trust_pickle: bool) -> Checkpoint:
@@ -454,6 +460,65 @@ class Registry:
     # ------------------------------------------------------------------ retention (issue 4)
 
     # ------------------------------------------------------------------ import (issue 5)
+
+    def import_checkpoint(self, path: str | os.PathLike[str], *, run: str, step: int, move: bool = False,
+                          overwrite: bool = False, tags: Iterable[str] = ()) -> CheckpointInfo:
+        """Adopt a checkpoint directory written elsewhere as ``run@step``.
+
+        Accepts the reference module's layout (its manifest checksums are
+        checked), a legacy directory without a manifest, and a Hugging Face
+        style one with shards (see :mod:`registry.importer`). The files go
+        through the same two-phase publish as :meth:`publish` and get a
+        manifest of their own. By default they are copied; with ``move`` they
+        are hard-linked into the staging directory (same filesystem only) and
+        the originals removed once the catalog has committed, so a crash at
+        any moment leaves the source intact.
+        """
+        from registry.importer import int_field, remove_originals, scan, stage
+        check_run_name(run)
+        check_step(step)
+        tags = tuple(check_tag_name(t) for t in tags)
+        foreign = scan(Path(path).absolute())
+        final = self.store.step_dir(run, step)
+        if final.resolve() == foreign.directory.resolve():
+            raise InvalidStateError(f"{foreign.directory} already is {run}@{step}'s directory; "
+                                    "'registry fsck --repair' adopts directories written outside the catalog")
+        if move and foreign.directory.resolve().is_relative_to(self.store.root.resolve()):
+            raise InvalidStateError(f"{foreign.directory} is inside the registry root, where moving it could "
+                                    "take files from a published checkpoint; import it without --move")
+        claim = self.catalog.claim(run, step, path=self.store.relpath(final), writer=self.writer,
+                                   overwrite=overwrite, writer_alive=writer_alive)
+        remove_stale_staging(final)
+        staging = new_staging(final)
+        installed = False
+        try:
+            written = stage(foreign, staging, move=move)
+            install(staging, final)
+            installed = True
+        except BaseException as exc:
+            discard(staging)
+            try:
+                self.catalog.abort_claim(claim, reason=str(exc) or type(exc).__name__,
+                                         old_payload_intact=not installed and final.is_dir())
+            except Exception:
+                pass  # fsck repairs a staging row whose writer is gone
+            if isinstance(exc, OSError):
+                raise PublishError(f"could not import {foreign.directory}: {exc.strerror or exc}",
+                                   errno=exc.errno, path=foreign.directory) from exc
+            raise
+        meta = foreign.meta
+        self.catalog.commit_publish(
+            claim, status="verified", manifest_sha256=written.manifest_sha256,
+            files=[FileRecord(name=f.name, size=f.size, sha256=f.sha256) for f in written.manifest.files.values()],
+            total_bytes=written.total_bytes, epoch=int_field(meta, "epoch", 0) or 0,
+            consumed_samples=int_field(meta, "consumed_samples", 0) or 0,
+            optimizer_step=written.manifest.optimizer_step, policy_version=written.manifest.policy_version,
+            metrics=[], attempt_id=None, tags=tags, writer=self.writer)
+        if move:
+            remove_originals(foreign)
+        info = self.catalog.get(run, step)
+        assert info is not None
+        return self._absolute(info)
 
     # ------------------------------------------------------------------ fsck (issue 6)
 

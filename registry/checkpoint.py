@@ -60,13 +60,17 @@ class Checkpoint:
 
     @classmethod
     def load(cls, save_dir: str | Path, broadcast: bool = False, verify_checksums: bool = False,
-             *, trust_pickle: bool = False, map_location: Any = "cpu") -> Checkpoint:
-        """Load a directory; with ``broadcast`` rank 0 reads and every rank gets its tensors."""
+             *, trust_pickle: bool = False, map_location: Any = "cpu", strategy: str = "auto",
+             timeout: float | None = None) -> Checkpoint:
+        """Load a directory; with ``broadcast`` rank 0 checks it and every rank gets the same contents.
+
+        ``strategy`` and ``timeout`` are those of :mod:`registry.loader`.
+        """
         path = Path(save_dir)
         if broadcast:
             from registry.loader import broadcast_directory
             loaded = broadcast_directory(path, verify=verify_checksums, trust_pickle=trust_pickle,
-                                         map_location=map_location)
+                                         map_location=map_location, strategy=strategy, timeout=timeout)
         else:
             loaded = read_directory(path, verify=verify_checksums, trust_pickle=trust_pickle,
                                     map_location=map_location)
@@ -77,8 +81,13 @@ class Checkpoint:
                  *, trust_pickle: bool = False, map_location: Any = "cpu") -> Checkpoint | None:
         """Like :meth:`load`, but None for a directory with no weights at all."""
         path = Path(save_dir)
-        if not any((path / n).is_file() for n in ("meta.json", "model.safetensors",
-                                                  "model.safetensors.index.json")):
+        found = any((path / n).is_file() for n in ("meta.json", "model.safetensors",
+                                                   "model.safetensors.index.json"))
+        if broadcast:
+            from registry.collectives import Comm, active
+            if active():  # rank 0 decides, or ranks without the files would skip the collective load
+                found = bool(Comm(timeout=None).broadcast_object(found, "checking for weights"))
+        if not found:
             return None
         return cls.load(path, broadcast, verify_checksums, trust_pickle=trust_pickle,
                         map_location=map_location)

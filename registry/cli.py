@@ -291,6 +291,28 @@ def verify(state: State, targets: tuple[str, ...], as_json: bool) -> None:
 # ---------------------------------------------------------------------- import (issue 5)
 
 
+@main.command("import")
+@click.argument("path", type=click.Path(path_type=str))
+@click.option("--run", required=True, help="Run to import into.")
+@click.option("--step", required=True, type=int, help="Step to publish it as.")
+@click.option("--move", is_flag=True, help="Move the files (same filesystem) instead of copying them.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing step.")
+@click.option("--tag", "tags", multiple=True, help="Tag the imported step (repeatable).")
+@json_option
+@click.pass_obj
+@command
+def import_(state: State, path: str, run: str, step: int, move: bool, overwrite: bool,
+            tags: tuple[str, ...], as_json: bool) -> None:
+    """Adopt the checkpoint directory PATH (reference, legacy or Hugging Face layout) as RUN@STEP."""
+    info = state.registry().import_checkpoint(path, run=run, step=step, move=move, overwrite=overwrite,
+                                              tags=tags)
+    if as_json:
+        emit_json(info.to_json())
+        return
+    click.echo(f"{'moved' if move else 'copied'} {path} -> {info.run}@{info.step} "
+               f"({info.status}, {human_bytes(info.total_bytes)}) at {info.path}")
+
+
 # ---------------------------------------------------------------------- fsck (issue 6)
 
 

@@ -1,19 +1,59 @@
-"""Rank-consistent loading for ``torch.distributed`` jobs.
+"""Rank-consistent loading for ``torch.distributed`` jobs (design section 6).
 
-Only rank 0 touches the catalog and the files; every other rank receives the
-outcome from it. Errors on rank 0 travel as (type name, message) and are
-raised again on every rank as the same ``RegistryError`` subclass, so no rank
-waits forever for tensors that will never come.
+Protocol (every rank runs the same rounds, so nobody waits for a message
+that will never come):
+
+0. *agree*: every rank gathers every rank's request (ref or directory,
+   options) and any local argument error. Different requests, or an error on
+   any rank, make every rank raise.
+1. *plan*: only rank 0 touches the catalog. It resolves the ref, takes a
+   reader lease, checks the manifest against the catalog's digest, and maps
+   the files the load needs; it broadcasts the plan (step, info, manifest
+   digest, file names and sizes). A corrupt ``@latest`` falls back to an
+   older step here when the damage shows before any byte is sent.
+2. *move the bytes*, by strategy:
+   ``broadcast``: rank 0 sends the files' bytes in large flat uint8 buckets
+   into buffers the others allocated ahead (one collective per bucket, never
+   per tensor), hashing each bucket on a worker thread while it is on the
+   wire; ``shared-fs``: rank 0 hashes its mapped files, the others map the
+   same files and check that they see the same manifest digest. Nothing but
+   the plan crosses the network.
+3. *integrity*: all ranks gather every rank's status. Rank 0's checksum
+   failure on a ``latest`` ref marks the step corrupt and everyone goes round
+   again with an older step; any other failure is raised on every rank.
+4. *parse*: each rank parses the same bytes with the same code
+   (:mod:`registry.filemaps`); statuses are gathered once more.
+
+``strategy="auto"`` (the default) picks ``shared-fs`` when every rank can read
+the directory at rank 0's path and sees the very same manifest (same sha256;
+for a directory without a manifest: same names, sizes and mtimes), and
+``broadcast`` otherwise. One small extra all-gather decides it.
+
+Every collective waits at most ``timeout`` seconds (default: the process
+group's own timeout); a dead or diverging peer ends in ``DistributedError``
+on the others, never a hang.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch.distributed as dist
+import torch
 
-from registry import errors
+from registry.collectives import Comm, Failure, active, as_timedelta, first_failure, transfer
+from registry.errors import (CorruptCheckpointError, DistributedError, InvalidStateError, ManifestError,
+                             RegistryError)
+from registry.filemaps import host_view, json_object, map_file, parse_files, sha256_buffer, weight_map
+from registry.manifest import CONFIG, MANIFEST, META, WEIGHTS, WEIGHTS_INDEX, Manifest, parse_manifest, digest_bytes
+from registry.records import CheckpointInfo
 from registry.refs import Ref
 from registry.store import Loaded, read_directory
 
@@ -21,52 +61,372 @@ if TYPE_CHECKING:
     from registry.api import Registry
     from registry.checkpoint import Checkpoint
 
-
-def _active() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _raise_remote(kind: str, message: str) -> None:
-    cls = getattr(errors, kind, None)
-    if not (isinstance(cls, type) and issubclass(cls, errors.RegistryError)):
-        cls = errors.DistributedError
-        message = f"rank 0 failed: {kind}: {message}"
-    raise cls(message)
+log = logging.getLogger(__name__)
+STRATEGIES = ("auto", "broadcast", "shared-fs")
+BUCKET_BYTES = 128 << 20
 
 
-def _share(produce: Any) -> Any:
-    """Run ``produce`` on rank 0 and hand its result (or its error) to every rank."""
-    if not _active():
-        return produce()
-    box: list[Any] = [None]
-    if dist.get_rank() == 0:
-        try:
-            box[0] = ("ok", produce())
-        except Exception as exc:  # sent to every rank, then raised here too
-            box[0] = ("err", type(exc).__name__, str(exc))
-    dist.broadcast_object_list(box, src=0)
-    outcome = box[0]
-    if outcome[0] == "err":
-        _raise_remote(outcome[1], outcome[2])
-    return outcome[1]
+def target_device(map_location: Any) -> torch.device | None:
+    """None for CPU (tensors stay views of their buffers), else the device to move them to."""
+    if map_location is None:
+        return None
+    if not isinstance(map_location, (str, torch.device)):
+        raise InvalidStateError(f"map_location must be 'cpu', 'cuda', 'cuda:N' or a torch.device, "
+                                f"got {map_location!r}")
+    try:
+        device = torch.device(map_location)
+    except RuntimeError:
+        raise InvalidStateError(f"invalid map_location {map_location!r}") from None
+    if device.type == "cpu":
+        return None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidStateError(f"map_location {map_location!r} asks for CUDA, which this process does not have")
+    return device
 
 
-def broadcast_directory(path: Path, *, verify: bool, trust_pickle: bool, map_location: Any) -> Loaded:
-    """Rank 0 reads ``path``; every rank returns the same tensors."""
-    return _share(lambda: read_directory(path, verify=verify, trust_pickle=trust_pickle,
-                                         map_location="cpu"))
+# --------------------------------------------------------------------------- plan (rank 0)
 
 
-def distributed_load(registry: Registry, ref: Ref, *, verify: bool, map_location: Any,
-                     trust_pickle: bool) -> Checkpoint:
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """What rank 0 tells everyone before a byte of payload moves."""
+
+    path: str
+    files: tuple[tuple[str, int], ...]
+    manifest_sha256: str | None
+    fingerprint: str
+    bucket_bytes: int
+    step: int | None = None
+    info: CheckpointInfo | None = None
+    warnings: tuple[str, ...] = ()
+
+
+def fingerprint(directory: Path, names: list[str], manifest_raw: bytes | None) -> str:
+    """The manifest's digest, or for a legacy directory a digest of names, sizes and mtimes."""
+    if manifest_raw is not None:
+        return digest_bytes(manifest_raw)
+    listing = []
+    for name in names:
+        st = (directory / name).lstat()
+        listing.append([name, st.st_size, st.st_mtime_ns])
+    return "legacy:" + hashlib.sha256(json.dumps(listing).encode()).hexdigest()
+
+
+@dataclass(kw_only=True)
+class Mapped:
+    """A checkpoint directory mapped on rank 0: the files a load needs, in transfer order."""
+
+    directory: Path
+    buffers: dict[str, torch.Tensor]
+    manifest: Manifest | None
+    manifest_sha256: str | None
+    fingerprint: str
+
+
+def map_checkpoint(directory: Path, *, expected_digest: str | None) -> Mapped:
+    """Map what ``read_directory`` would read, checking names, sizes and the catalog's digest."""
+    if not directory.is_dir():
+        raise CorruptCheckpointError(f"checkpoint directory is missing: {directory}", path=directory)
+    buffers: dict[str, torch.Tensor] = {}
+    manifest: Manifest | None = None
+    digest: str | None = None
+    raw: bytes | None = None
+    if (directory / MANIFEST).exists() or (directory / MANIFEST).is_symlink():
+        buffers[MANIFEST] = map_file(directory, MANIFEST)
+        raw = bytes(host_view(buffers[MANIFEST]))
+        manifest, digest = parse_manifest(raw, path=directory / MANIFEST), digest_bytes(raw)
+        if expected_digest and digest != expected_digest:
+            raise CorruptCheckpointError(f"manifest of {directory} does not match the catalog's record",
+                                         path=directory)
+    listed = manifest.files if manifest is not None else None
+
+    def has(name: str) -> bool:
+        return name in listed if listed is not None else (directory / name).is_file()
+
+    def add(name: str) -> torch.Tensor:
+        entry = listed.get(name) if listed is not None else None
+        buffers[name] = map_file(directory, name, expected_size=entry.size if entry is not None else None)
+        return buffers[name]
+
+    for name in (META, CONFIG):
+        if has(name):
+            add(name)
+    if has(WEIGHTS):
+        add(WEIGHTS)
+    elif has(WEIGHTS_INDEX):
+        index = weight_map(json_object(add(WEIGHTS_INDEX), directory / WEIGHTS_INDEX), directory / WEIGHTS_INDEX)
+        for shard in sorted(set(index.values())):
+            if listed is not None and shard not in listed:
+                raise ManifestError(f"manifest of {directory} does not cover shard {shard!r}", path=directory)
+            add(shard)
+    else:
+        raise CorruptCheckpointError(f"no model weights in {directory}", path=directory)
+    candidates = listed if listed is not None else {p.name for p in directory.iterdir() if p.is_file()}
+    for name in sorted(n for n in candidates if n.endswith(".pt")):
+        add(name)
+    return Mapped(directory=directory, buffers=buffers, manifest=manifest, manifest_sha256=digest,
+                  fingerprint=fingerprint(directory, [n for n in buffers if n != MANIFEST], raw))
+
+
+def integrity(mapped: Mapped, *, hashes: dict[str, str] | None) -> None:
+    """Compare computed sha256s with the manifest's (only files a manifest lists can be checked)."""
+    if mapped.manifest is None or hashes is None:
+        return
+    for name, digest in hashes.items():
+        entry = mapped.manifest.files.get(name)
+        if entry is not None and entry.sha256 != digest:
+            raise CorruptCheckpointError(f"checkpoint file checksum mismatch: {mapped.directory / name}",
+                                         path=mapped.directory / name)
+
+
+# --------------------------------------------------------------------------- sources (rank 0)
+
+
+@dataclass(kw_only=True)
+class _Source:
+    """Where rank 0 finds candidates; a catalog source can fall back to older steps."""
+
+    registry: Registry | None = None
+    ref: Ref | None = None
+    directory: Path | None = None
+    below: int | None = None
+    lease: int | None = None
+    info: CheckpointInfo | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def next(self) -> tuple[Path, CheckpointInfo | None]:
+        self.release()
+        if self.registry is None:
+            assert self.directory is not None
+            return self.directory, None
+        assert self.ref is not None
+        reg = self.registry
+        raw = reg.catalog.resolve(self.ref, below=self.below)
+        info = replace(raw, path=reg.store.root / raw.path)
+        self.info = info
+        if info.status == "corrupt":
+            raise CorruptCheckpointError(f"{self.ref} is marked corrupt (step {info.step}); "
+                                         "run 'registry verify' after repairing it",
+                                         run=info.run, step=info.step, path=info.path)
+        self.lease = reg.catalog.acquire_lease(info.run, info.step, holder=reg.writer, ttl=reg.lease_ttl)
+        return info.path, info
+
+    def fall_back(self, exc: BaseException) -> bool:
+        """Mark the current step corrupt; True when the ref allows trying an older one."""
+        if self.registry is None or self.info is None or self.ref is None:
+            return False
+        self.registry.mark_corrupt(self.info, str(exc))
+        if self.ref.names_one_step:
+            return False
+        self.notes.append(f"{self.info.run}@{self.info.step} is corrupt ({exc}); falling back to an older step")
+        self.below = self.info.step
+        self.release()
+        return True
+
+    def release(self) -> None:
+        if self.lease is not None and self.registry is not None:
+            lease, self.lease = self.lease, None
+            try:
+                self.registry.catalog.release_lease(lease)
+            except Exception:  # an expired lease is harmless; never mask the load's own outcome
+                pass
+
+
+# --------------------------------------------------------------------------- the protocol
+
+
+def _status(fn: Callable[[], Any], rank: int) -> tuple[Any, Failure | None]:
+    try:
+        return fn(), None
+    except DistributedError:
+        raise
+    except Exception as exc:
+        return None, Failure.of(exc, rank)
+
+
+def _settle(comm: Comm, source: _Source | None, mine: Failure | None, what: str) -> str:
+    """Gather statuses; 'retry' when rank 0 fell back, 'ok' when all are fine, else raise."""
+    if comm.rank == 0 and mine is not None and mine.corrupt and source is not None:
+        if source.fall_back(CorruptCheckpointError(mine.message)):
+            mine = Failure(kind=mine.kind, message=source.notes.pop(), rank=0, corrupt=True, retry=True)
+    statuses = comm.all_gather_object(mine, what)
+    head = statuses[0]
+    if head is not None and head.retry:
+        warnings.warn(head.message, RuntimeWarning, stacklevel=4)
+        return "retry"
+    failure = first_failure(statuses)
+    if failure is not None:
+        raise failure.error()
+    return "ok"
+
+
+def collective_load(*, request: tuple[Any, ...], source: Callable[[], _Source], verify: bool,
+                    map_location: Any, trust_pickle: bool, strategy: str,
+                    timeout: float | timedelta | None, bucket_bytes: int | None) -> tuple[Loaded, Plan]:
+    comm = Comm(timeout=None)
+    local: Failure | None = None
+    device: torch.device | None = None
+    try:
+        comm.timeout = as_timedelta(timeout)
+        if strategy not in STRATEGIES:
+            raise InvalidStateError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+        if bucket_bytes is not None and (isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int)
+                                         or bucket_bytes <= 0):
+            raise InvalidStateError(f"bucket_bytes must be a positive integer, got {bucket_bytes!r}")
+        device = target_device(map_location)
+    except RegistryError as exc:
+        local = Failure.of(exc, comm.rank)
+    gathered = comm.all_gather_object((request, local), "agreeing on the request")
+    for _, failure in gathered:
+        if failure is not None:
+            raise failure.error()
+    if any(req != gathered[0][0] for req, _ in gathered):
+        described = "; ".join(f"rank {r}: {req[1]!s} {req[2:]}" for r, (req, _) in enumerate(gathered))
+        raise DistributedError(f"ranks called load with different arguments ({described}); "
+                               "every rank must load the same ref with the same options")
+    limit = bucket_bytes or BUCKET_BYTES  # rank 0's value travels in the plan
+    src = source() if comm.rank == 0 else None
+    try:
+        while True:
+            loaded, plan = _one_round(comm, src, verify=verify, device=device, trust_pickle=trust_pickle,
+                                      strategy=strategy, limit=limit)
+            if loaded is not None:
+                return loaded, plan
+    finally:
+        if src is not None:
+            src.release()
+
+
+def _one_round(comm: Comm, src: _Source | None, *, verify: bool, device: torch.device | None, trust_pickle: bool,
+               strategy: str, limit: int) -> tuple[Loaded | None, Plan]:
+    mapped: Mapped | None = None
+    if comm.rank == 0:
+        assert src is not None
+        outcome: Any
+        while True:
+            try:
+                path, info = src.next()
+                mapped = map_checkpoint(path, expected_digest=info.manifest_sha256 if info else None)
+                outcome = Plan(path=str(path), files=tuple((n, b.numel()) for n, b in mapped.buffers.items()),
+                               manifest_sha256=mapped.manifest_sha256, fingerprint=mapped.fingerprint,
+                               bucket_bytes=limit, step=info.step if info else None, info=info,
+                               warnings=tuple(src.notes))
+                break
+            except CorruptCheckpointError as exc:
+                if src.fall_back(exc):
+                    continue
+                outcome = Failure.of(exc, 0)
+                break
+            except Exception as exc:  # whatever it is, every rank must hear of it, not wait for a plan
+                outcome = Failure.of(exc, 0)
+                break
+        src.notes.clear()
+    else:
+        outcome = None
+    outcome = comm.broadcast_object(outcome, "sending the plan")
+    if isinstance(outcome, Failure):
+        raise outcome.error()
+    plan: Plan = outcome
+    for note in plan.warnings:
+        warnings.warn(note, RuntimeWarning, stacklevel=4)
+    names = [n for n, _ in plan.files]
+    sizes = [s for _, s in plan.files]
+    directory = Path(plan.path)
+
+    chosen = strategy
+    if strategy == "auto":
+        def sees_same() -> bool:
+            if comm.rank == 0:
+                return True
+            try:
+                raw = (directory / MANIFEST).read_bytes() if plan.manifest_sha256 else None
+                return fingerprint(directory, [n for n in names if n != MANIFEST], raw) == plan.fingerprint
+            except OSError:
+                return False
+        chosen = "shared-fs" if all(comm.all_gather_object(sees_same(), "probing for a shared filesystem")) \
+            else "broadcast"
+
+    files: dict[str, torch.Tensor] = {}
+    if chosen == "shared-fs":
+        if comm.rank == 0:
+            assert mapped is not None
+            files = mapped.buffers
+            checkable = verify and mapped.manifest is not None  # a legacy directory has no checksums
+            _, mine = _status(lambda: integrity(mapped, hashes={
+                n: sha256_buffer(b) for n, b in files.items() if n != MANIFEST} if checkable else None), 0)
+        else:
+            def open_same() -> dict[str, torch.Tensor]:
+                got = {n: map_file(directory, n, expected_size=s) for n, s in plan.files}
+                if MANIFEST in got:
+                    seen = digest_bytes(bytes(host_view(got[MANIFEST])))
+                else:
+                    seen = fingerprint(directory, [n for n in names if n != MANIFEST], None)
+                if seen != (plan.manifest_sha256 or plan.fingerprint):
+                    raise DistributedError(f"rank {comm.rank} sees a different checkpoint at {directory}; "
+                                           "the root is not shared: use strategy='broadcast'")
+                return got
+            try:
+                files, mine = open_same(), None
+            except DistributedError as exc:
+                files, mine = {}, Failure.of(exc, comm.rank)
+            except Exception as exc:  # not the checkpoint's fault: this rank does not share rank 0's files
+                files, mine = {}, Failure.of(DistributedError(
+                    f"rank {comm.rank} cannot read the checkpoint at {directory} ({exc}); the root is not "
+                    "shared: use strategy='broadcast'"), comm.rank)
+    else:
+        sources = [mapped.buffers[n] for n in names] if mapped is not None else None
+        bufs, digests = transfer(comm, sizes, sources, limit=plan.bucket_bytes,
+                                 hash_files=verify and mapped is not None and mapped.manifest is not None)
+        files = dict(zip(names, bufs))
+        mine = None
+        if comm.rank == 0:
+            assert mapped is not None
+            hashes = {n: d for n, d in zip(names, digests) if n != MANIFEST} if digests is not None else None
+            _, mine = _status(lambda: integrity(mapped, hashes=hashes), 0)
+    if _settle(comm, src, mine, "agreeing on integrity") == "retry":
+        return None, plan
+
+    loaded, mine = _status(lambda: parse_files(directory, files, trust_pickle=trust_pickle, device=device),
+                           comm.rank)
+    if _settle(comm, src, mine, "agreeing on the parsed checkpoint") == "retry":
+        return None, plan
+    assert loaded is not None
+    log.debug("rank %d loaded %s (step %s) by %s: %d files, %d bytes", comm.rank, plan.path, plan.step, chosen,
+              len(sizes), sum(sizes))
+    return loaded, plan
+
+
+# --------------------------------------------------------------------------- entry points
+
+
+def distributed_load(registry: Registry, ref: Ref, *, verify: bool, map_location: Any, trust_pickle: bool,
+                     strategy: str = "auto", timeout: float | timedelta | None = None,
+                     bucket_bytes: int | None = None) -> Checkpoint:
+    """``Registry.load(ref, broadcast=True)``: the same step and bit-identical contents on every rank."""
     from registry.checkpoint import Checkpoint
+    if not active():
+        return registry.load_local(ref, verify=verify, map_location=map_location, trust_pickle=trust_pickle)
+    loaded, plan = collective_load(
+        request=("ref", str(ref), verify, trust_pickle, strategy, bucket_bytes),
+        source=lambda: _Source(registry=registry, ref=ref), verify=verify, map_location=map_location,
+        trust_pickle=trust_pickle, strategy=strategy, timeout=timeout, bucket_bytes=bucket_bytes)
+    if plan.info is not None:
+        registry._resumed_from[plan.info.run] = plan.info.step
+    return Checkpoint.from_loaded(loaded, step=plan.step, info=plan.info)
 
-    def produce() -> tuple[Any, Checkpoint]:
-        ckpt = registry.load_local(ref, verify=verify, map_location="cpu", trust_pickle=trust_pickle)
-        return ckpt
 
-    ckpt = _share(produce)
-    if map_location not in (None, "cpu"):
-        ckpt.state_dict = {k: v.to(map_location) for k, v in ckpt.state_dict.items()}
-    return Checkpoint(**{f: getattr(ckpt, f) for f in ("state_dict", "epoch", "consumed_samples", "extra",
-                                                       "meta", "config", "step", "policy_version", "info")})
+def broadcast_directory(path: Path, *, verify: bool, trust_pickle: bool, map_location: Any,
+                        strategy: str = "auto", timeout: float | timedelta | None = None,
+                        bucket_bytes: int | None = None) -> Loaded:
+    """``Checkpoint.load(dir, broadcast=True)``: rank 0 checks ``dir``; every rank gets its contents."""
+    if not active():
+        return read_directory(path, verify=verify, trust_pickle=trust_pickle, map_location=map_location)
+    loaded, _ = collective_load(
+        request=("directory", str(path), verify, trust_pickle, strategy, bucket_bytes),
+        source=lambda: _Source(directory=path.absolute()), verify=verify, map_location=map_location,
+        trust_pickle=trust_pickle, strategy=strategy, timeout=timeout, bucket_bytes=bucket_bytes)
+    return loaded
+
+
+__all__ = ["BUCKET_BYTES", "STRATEGIES", "Plan", "broadcast_directory", "collective_load",
+           "distributed_load", "map_checkpoint", "target_device"]

@@ -1,0 +1,215 @@
+"""Collectives with a deadline, and failures that every rank raises alike.
+
+Why not ``broadcast_object_list``? It has no deadline: a rank that died
+leaves the others waiting for the process group's timeout (30 minutes by
+default), and it cannot say *which* rank failed. Here every collective is
+started asynchronously and waited on with the caller's timeout, and any
+failure of the transport becomes a :class:`DistributedError` naming the step
+of the protocol that broke. Failures of the load itself travel as
+:class:`Failure` values (type name, message, rank) so that every rank raises
+the very same ``RegistryError`` subclass.
+
+Payload bytes move in flat uint8 buckets (:func:`transfer`): one collective
+per bucket, never per tensor, directly from rank 0's file mapping into the
+receivers' preallocated buffers when the bucket is one slice of one file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from registry import errors
+from registry.crashpoints import crashpoint
+from registry.filemaps import host_view
+
+_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="registry-load-hash")
+
+
+def active() -> bool:
+    """Whether there is a process group with more than one rank to agree with."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def as_timedelta(timeout: float | timedelta | None) -> timedelta | None:
+    if timeout is None or isinstance(timeout, timedelta):
+        if isinstance(timeout, timedelta) and timeout.total_seconds() <= 0:
+            raise errors.InvalidStateError(f"timeout must be positive, got {timeout}")
+        return timeout
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise errors.InvalidStateError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    return timedelta(seconds=float(timeout))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Failure:
+    """An exception reduced to what can cross the network and be raised again."""
+
+    kind: str
+    message: str
+    rank: int
+    corrupt: bool = False
+    retry: bool = False  # rank 0 fell back to an older step; everyone goes round again
+
+    @classmethod
+    def of(cls, exc: BaseException, rank: int) -> Failure:
+        text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return cls(kind=type(exc).__name__, message=text, rank=rank,
+                   corrupt=isinstance(exc, errors.CorruptCheckpointError))
+
+    def error(self) -> errors.RegistryError:
+        """The same RegistryError subclass on every rank; anything else as DistributedError."""
+        cls = getattr(errors, self.kind, None)
+        if isinstance(cls, type) and issubclass(cls, errors.RegistryError):
+            try:
+                return cls(self.message)
+            except TypeError:  # a subclass with a different constructor
+                pass
+        return errors.DistributedError(f"rank {self.rank} failed: {self.kind}: {self.message}")
+
+
+def first_failure(statuses: list[Failure | None]) -> Failure | None:
+    """Rank 0's failure if any, else the lowest rank's: the one every rank raises."""
+    return next((s for s in statuses if s is not None), None)
+
+
+class Comm:
+    """The default process group, its device, and a per-collective deadline."""
+
+    def __init__(self, *, timeout: float | timedelta | None) -> None:
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        self.backend = str(dist.get_backend())
+        self.device = (torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl"
+                       else torch.device("cpu"))
+        self.timeout = as_timedelta(timeout)
+
+    def _fail(self, what: str, exc: BaseException) -> errors.DistributedError:
+        text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        limit = f" (timeout {self.timeout.total_seconds():g}s)" if self.timeout is not None else ""
+        return errors.DistributedError(f"{what} failed on rank {self.rank}{limit}: {text}")
+
+    def _wait(self, start: Any, what: str) -> None:
+        try:
+            work = start()
+            if self.timeout is None:
+                work.wait()
+            else:
+                work.wait(timeout=self.timeout)
+        except Exception as exc:  # dead peer, closed socket, timeout: all the same to the caller
+            raise self._fail(what, exc) from None
+
+    def broadcast(self, tensor: torch.Tensor, what: str) -> None:
+        self._wait(lambda: dist.broadcast(tensor, src=0, async_op=True), what)
+
+    def broadcast_object(self, obj: Any, what: str) -> Any:
+        """Rank 0's ``obj`` on every rank (pickled: the peers are the same job, same trust)."""
+        if self.rank == 0:
+            raw = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+            size = torch.tensor([len(raw)], dtype=torch.int64, device=self.device)
+        else:
+            raw = b""
+            size = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self.broadcast(size, what)
+        if self.rank == 0:
+            buf = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(self.device)
+        else:
+            buf = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
+        self.broadcast(buf, what)
+        return obj if self.rank == 0 else pickle.loads(buf.cpu().numpy().tobytes())
+
+    def all_gather_object(self, obj: Any, what: str) -> list[Any]:
+        raw = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        size = torch.tensor([len(raw)], dtype=torch.int64, device=self.device)
+        sizes = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(self.world)]
+        self._wait(lambda: dist.all_gather(sizes, size, async_op=True), what)
+        longest = max(int(s.item()) for s in sizes)
+        mine = torch.zeros(longest, dtype=torch.uint8)
+        mine[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else mine[:0]
+        mine = mine.to(self.device)
+        bufs = [torch.empty(longest, dtype=torch.uint8, device=self.device) for _ in range(self.world)]
+        self._wait(lambda: dist.all_gather(bufs, mine, async_op=True), what)
+        return [pickle.loads(b[:int(s.item())].cpu().numpy().tobytes()) for b, s in zip(bufs, sizes)]
+
+
+# --------------------------------------------------------------------------- moving bytes in buckets
+
+
+def buckets(sizes: list[int], limit: int) -> list[list[tuple[int, int, int]]]:
+    """(file, offset, length) pieces per bucket; big files alone, small ones packed together."""
+    out: list[list[tuple[int, int, int]]] = []
+    packed: list[tuple[int, int, int]] = []
+    used = 0
+    for i, size in enumerate(sizes):
+        if size == 0:
+            continue
+        if size >= max(1, limit // 8):
+            out.extend([[(i, start, min(limit, size - start))] for start in range(0, size, limit)])
+            continue
+        if packed and used + size > limit:
+            out.append(packed)
+            packed, used = [], 0
+        packed.append((i, 0, size))
+        used += size
+    if packed:
+        out.append(packed)
+    return out
+
+
+def _hash_pieces(hashers: list[Any], bufs: list[torch.Tensor], pieces: list[tuple[int, int, int]]) -> None:
+    for i, start, length in pieces:
+        view = host_view(bufs[i][start:start + length])
+        for at in range(0, length, 16 << 20):
+            hashers[i].update(view[at:at + (16 << 20)])
+
+
+def transfer(comm: Comm, sizes: list[int], sources: list[torch.Tensor] | None, *, limit: int,
+             hash_files: bool) -> tuple[list[torch.Tensor], list[str] | None]:
+    """Broadcast rank 0's buffers into buffers allocated ahead on the others.
+
+    On rank 0, each bucket is hashed on a worker thread while it is on the
+    wire, so verification costs no extra pass over the bytes.
+    """
+    root = comm.rank == 0
+    bufs = sources if root and sources is not None else [torch.empty(s, dtype=torch.uint8) for s in sizes]
+    plan = buckets(sizes, limit)
+    hashers = [hashlib.sha256() for _ in sizes] if root and hash_files else None
+    stage: torch.Tensor | None = None
+    for pieces in plan:
+        total = sum(p[2] for p in pieces)
+        direct = len(pieces) == 1 and comm.device.type == "cpu"
+        if direct:
+            i, start, length = pieces[0]
+            wire = bufs[i][start:start + length]
+        else:
+            if stage is None or stage.numel() < total:
+                stage = torch.empty(max(total, min(limit, sum(sizes))), dtype=torch.uint8, device=comm.device)
+            wire = stage[:total]
+            if root:
+                at = 0
+                for i, start, length in pieces:
+                    wire[at:at + length].copy_(bufs[i][start:start + length])
+                    at += length
+        pending: Future[None] | None = _POOL.submit(_hash_pieces, hashers, bufs, pieces) if hashers else None
+        try:
+            comm.broadcast(wire, "checkpoint bucket broadcast")
+        finally:
+            if pending is not None:
+                pending.result()
+        if not root and not direct:
+            at = 0
+            for i, start, length in pieces:
+                bufs[i][start:start + length].copy_(wire[at:at + length])
+                at += length
+        crashpoint("loader-after-bucket")
+    return bufs, ([h.hexdigest() for h in hashers] if hashers is not None else None)
+
+
+__all__ = ["Comm", "Failure", "active", "as_timedelta", "buckets", "first_failure", "transfer"]

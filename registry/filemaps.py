@@ -1,0 +1,220 @@
+"""A checkpoint's files as byte buffers, and the checkpoint parsed out of them.
+
+The distributed loader moves *files*, not tensors: rank 0 memory-maps the
+files a load needs, the other ranks either map the same files (shared
+filesystem) or receive their bytes into buffers allocated ahead. Every rank
+then parses the very same bytes with the very same code below, which is why
+the results are bit-identical everywhere.
+
+Parsing makes no second copy of the weights: each tensor is a view into its
+file's buffer (a private, copy-on-write mapping on rank 0, so the page cache
+is the only copy; the received buffer elsewhere). A tensor whose offset is not
+a multiple of its element size (never in files we or ``safetensors`` write)
+is copied into an aligned storage of its own.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import io
+import json
+import mmap
+import os
+import pickle
+import stat
+import zipfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from registry.errors import (CorruptCheckpointError, ManifestError, SafetensorsFormatError, UnsafePathError,
+                             UnsafePickleError)
+from registry.manifest import (CONFIG, MANIFEST, META, WEIGHTS, WEIGHTS_INDEX, Manifest, check_file_name,
+                               digest_bytes, parse_manifest)
+from registry.store import Loaded
+from registry.tensorio import MAX_HEADER, read_safetensors_header
+
+MAX_JSON_BYTES = 64 << 20
+HASH_PIECE = 16 << 20
+
+
+def map_file(directory: Path, name: str, *, expected_size: int | None = None) -> torch.Tensor:
+    """``directory/name`` as a uint8 tensor over a private (copy-on-write) memory map.
+
+    Symlinks are refused; the size is checked against the manifest before any
+    byte is touched. The mapping lives as long as the tensor or any view of it.
+    """
+    check_file_name(name, where=directory)
+    path = directory / name
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"checkpoint file is missing: {path}", path=path) from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UnsafePathError(f"checkpoint file is a symlink: {path}", path=path) from None
+        raise CorruptCheckpointError(f"cannot read {path}: {exc.strerror}", path=path) from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise CorruptCheckpointError(f"checkpoint file is not a regular file: {path}", path=path)
+        size = info.st_size
+        if expected_size is not None and size != expected_size:
+            raise CorruptCheckpointError(
+                f"checkpoint file size mismatch: {path} is {size} bytes, manifest says {expected_size}", path=path)
+        if size == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        mapped = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
+    finally:
+        os.close(fd)
+    if hasattr(mapped, "madvise") and hasattr(mmap, "MADV_SEQUENTIAL"):
+        mapped.madvise(mmap.MADV_SEQUENTIAL)
+    return torch.frombuffer(mapped, dtype=torch.uint8)
+
+
+def host_view(buf: torch.Tensor) -> memoryview:
+    """The bytes of a CPU uint8 tensor, without a copy."""
+    return memoryview(buf.numpy()).cast("B") if buf.numel() else memoryview(b"")
+
+
+def sha256_buffer(buf: torch.Tensor) -> str:
+    """sha256 of a CPU buffer in large pieces (hashlib releases the GIL for each)."""
+    sha = hashlib.sha256()
+    view = host_view(buf)
+    for start in range(0, len(view), HASH_PIECE):
+        sha.update(view[start:start + HASH_PIECE])
+    return sha.hexdigest()
+
+
+def _host_bytes(buf: torch.Tensor, limit: int | None = None) -> bytes:
+    part = buf if limit is None else buf[:limit]
+    return bytes(host_view(part.cpu()))
+
+
+def json_object(buf: torch.Tensor, path: Path) -> dict[str, Any]:
+    if buf.numel() > MAX_JSON_BYTES:
+        raise CorruptCheckpointError(f"{path} is larger than {MAX_JSON_BYTES} bytes", path=path)
+    try:
+        doc = json.loads(_host_bytes(buf).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise ManifestError(f"{path} is not valid JSON", path=path) from None
+    if not isinstance(doc, dict):
+        raise ManifestError(f"{path} is not a JSON object", path=path)
+    return doc
+
+
+def weight_map(index: dict[str, Any], path: Path) -> dict[str, str]:
+    """The ``weight_map`` of a ``model.safetensors.index.json``, every shard name checked."""
+    mapping = index.get("weight_map")
+    if not isinstance(mapping, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in mapping.items()):
+        raise ManifestError(f"{path} has no valid weight_map", path=path)
+    for shard in set(mapping.values()):
+        check_file_name(shard, where=path)
+    return mapping
+
+
+def parse_manifest_buffer(buf: torch.Tensor, directory: Path) -> tuple[Manifest, str]:
+    raw = _host_bytes(buf)
+    return parse_manifest(raw, path=directory / MANIFEST), digest_bytes(raw)
+
+
+class _ViewReader:
+    """Just enough of a binary file for ``read_safetensors_header``, over a buffer."""
+
+    def __init__(self, raw: bytes) -> None:
+        self._raw = raw
+        self._pos = 0
+
+    def read(self, n: int = -1) -> bytes:
+        end = len(self._raw) if n < 0 else self._pos + n
+        out = self._raw[self._pos:end]
+        self._pos += len(out)
+        return out
+
+
+def tensors_of(buf: torch.Tensor, path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file held in ``buf``, as views into it."""
+    size = buf.numel()
+    prefix = _host_bytes(buf, min(size, 8))
+    declared = int.from_bytes(prefix, "little") if len(prefix) == 8 else 0
+    # only the header is copied out; its parser checks the declared length against the limits
+    head = _host_bytes(buf, min(size, 8 + min(declared, MAX_HEADER + 1)))
+    header = read_safetensors_header(_ViewReader(head), size, path)  # type: ignore[arg-type]
+    out: dict[str, torch.Tensor] = {}
+    for entry in header.entries:
+        start = header.data_start + entry.begin
+        piece = buf[start:header.data_start + entry.end]
+        if start % entry.dtype.itemsize:
+            piece = piece.clone()
+        out[entry.name] = piece.view(entry.dtype).reshape(entry.shape)
+    return out
+
+
+def unpickle(buf: torch.Tensor, path: Path, *, trust_pickle: bool, map_location: Any) -> Any:
+    """A ``.pt`` extra: ``weights_only`` unless the caller trusts its author."""
+    try:
+        return torch.load(io.BytesIO(_host_bytes(buf)), map_location=map_location, weights_only=not trust_pickle)
+    except pickle.UnpicklingError as exc:
+        if trust_pickle:
+            raise CorruptCheckpointError(f"cannot unpickle {path}: {exc}".splitlines()[0], path=path) from None
+        raise UnsafePickleError(f"{path} needs full unpickling, which can run arbitrary code; "
+                                "pass trust_pickle=True only if you trust its author", path=path) from None
+    except (RuntimeError, zipfile.BadZipFile, EOFError, ValueError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise CorruptCheckpointError(f"cannot load {path}: {first}", path=path) from None
+
+
+def is_cpu(device: torch.device | None) -> bool:
+    return device is None or device.type == "cpu"
+
+
+def parse_files(directory: Path, files: Mapping[str, torch.Tensor], *, trust_pickle: bool,
+                device: torch.device | None) -> Loaded:
+    """The checkpoint held in ``files`` (name -> bytes), as ``read_directory`` would load it.
+
+    ``files`` holds exactly what a load needs (see the loader's plan): the
+    manifest if any, meta, config, weights or index plus shards, ``.pt`` extras.
+    """
+    manifest: Manifest | None = None
+    manifest_sha: str | None = None
+    if MANIFEST in files:
+        manifest, manifest_sha = parse_manifest_buffer(files[MANIFEST], directory)
+    meta = json_object(files[META], directory / META) if META in files else {}
+    config = json_object(files[CONFIG], directory / CONFIG) if CONFIG in files else {}
+    owner: dict[str, str] | None = None
+    if WEIGHTS in files:
+        weight_files = [WEIGHTS]
+    elif WEIGHTS_INDEX in files:
+        owner = weight_map(json_object(files[WEIGHTS_INDEX], directory / WEIGHTS_INDEX), directory / WEIGHTS_INDEX)
+        weight_files = sorted(set(owner.values()))
+        missing = [w for w in weight_files if w not in files]
+        if missing:
+            raise ManifestError(f"shard {missing[0]!r} of {directory} was not loaded", path=directory)
+    else:
+        raise CorruptCheckpointError(f"no model weights in {directory}", path=directory)
+    state: dict[str, torch.Tensor] = {}
+    for name in weight_files:
+        for key, tensor in tensors_of(files[name], directory / name).items():
+            if key in state:
+                raise SafetensorsFormatError(f"tensor {key!r} appears in two shards of {directory}",
+                                             path=directory / name)
+            if owner is not None and owner.get(key) != name:
+                raise SafetensorsFormatError(f"tensor {key!r} in {name} is not mapped there by the index",
+                                             path=directory / name)
+            state[key] = tensor
+    if owner is not None and set(owner) != set(state):
+        raise SafetensorsFormatError(f"shards of {directory} do not hold every tensor of the index", path=directory)
+    extra = {name[:-3]: unpickle(files[name], directory / name, trust_pickle=trust_pickle,
+                                 map_location=device if device is not None else "cpu")
+             for name in sorted(n for n in files if n.endswith(".pt"))}
+    if device is not None:
+        state = {k: (v if v.device == device else v.to(device)) for k, v in state.items()}
+    return Loaded(state_dict=state, extra=extra, meta=meta, config=config,
+                  manifest=manifest, manifest_sha256=manifest_sha)
+
+
+__all__ = ["json_object", "map_file", "parse_files", "sha256_buffer", "tensors_of", "weight_map"]

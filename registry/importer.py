@@ -1,0 +1,219 @@
+"""Adopting a checkpoint directory written elsewhere: scan, check, stage.
+
+Three layouts are recognised: one with a ``manifest.json`` (the reference
+module's, or ours), a legacy one without a manifest (``meta.json`` plus
+weights), and a Hugging Face style one (``config.json`` plus
+``model.safetensors`` or ``model.safetensors.index.json`` and shards).
+
+Everything is checked before anything is touched: only plain files directly
+inside the directory (no symlinks, no subdirectories, only safe names), a
+manifest that parses and whose every file exists with its size, JSON that
+parses, safetensors headers that validate, and an index whose shards hold
+exactly the tensors it maps. While staging, each file is hashed as it is
+copied (or, with ``move``, hard-linked and then hashed) and compared with the
+existing manifest's checksum when there is one. This module knows files, not
+the catalog: ``Registry.import_checkpoint`` runs the two-phase publish.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from registry.errors import (CheckpointNotFoundError, CorruptCheckpointError, ManifestError, PublishError,
+                             UnsafePathError)
+from registry.manifest import (CONFIG, MANIFEST, META, WEIGHTS, WEIGHTS_INDEX, FileEntry, Manifest,
+                               check_file_name, digest_bytes, read_manifest)
+from registry.store import Written, fsync_dir, now_timestamp
+from registry.tensorio import CHUNK, HashingWriter, read_safetensors_header, sha256_file
+
+MAX_JSON_BYTES = 64 << 20
+
+
+@dataclass(frozen=True, kw_only=True)
+class Foreign:
+    """A scanned directory that is safe to adopt."""
+
+    directory: Path
+    layout: str                      # "manifest", "legacy" or "huggingface"
+    sizes: dict[str, int]            # every file to adopt (the old manifest excluded)
+    manifest: Manifest | None
+    meta: dict[str, Any] = field(default_factory=dict)
+    tensors: tuple[str, ...] = ()
+
+
+def _json(path: Path) -> dict[str, Any]:
+    if path.stat().st_size > MAX_JSON_BYTES:
+        raise CorruptCheckpointError(f"{path} is larger than {MAX_JSON_BYTES} bytes", path=path)
+    try:
+        doc = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise ManifestError(f"{path} is not valid JSON", path=path) from None
+    if not isinstance(doc, dict):
+        raise ManifestError(f"{path} is not a JSON object", path=path)
+    return doc
+
+
+def _tensor_names(path: Path) -> list[str]:
+    with open(path, "rb") as f:
+        return [e.name for e in read_safetensors_header(f, os.fstat(f.fileno()).st_size, path).entries]
+
+
+def _listing(directory: Path) -> dict[str, int]:
+    sizes: dict[str, int] = {}
+    for entry in sorted(os.scandir(directory), key=lambda e: e.name):
+        path = directory / entry.name
+        if entry.is_symlink():
+            raise UnsafePathError(f"{path} is a symlink; the registry imports only plain files", path=path)
+        if not entry.is_file(follow_symlinks=False):
+            raise UnsafePathError(f"{path} is not a regular file; the registry imports flat directories "
+                                  "of plain files only", path=path)
+        check_file_name(entry.name, where=directory)
+        sizes[entry.name] = entry.stat(follow_symlinks=False).st_size
+    return sizes
+
+
+def scan(directory: Path) -> Foreign:
+    """Check ``directory`` for adoption without changing anything."""
+    if directory.is_symlink():
+        raise UnsafePathError(f"{directory} is a symlink; pass the real directory", path=directory)
+    if not directory.is_dir():
+        raise CheckpointNotFoundError(f"no checkpoint directory at {directory}", path=directory)
+    sizes = _listing(directory)
+    manifest: Manifest | None = None
+    if MANIFEST in sizes:
+        manifest, _ = read_manifest(directory)
+        for name, entry in manifest.files.items():
+            if name not in sizes:
+                raise CorruptCheckpointError(f"checkpoint file is missing: {directory / name}", path=directory / name)
+            if sizes[name] != entry.size:
+                raise CorruptCheckpointError(f"checkpoint file size mismatch: {directory / name} is "
+                                             f"{sizes[name]} bytes, manifest says {entry.size}",
+                                             path=directory / name)
+        del sizes[MANIFEST]
+        layout = "manifest"
+    elif META in sizes:
+        layout = "legacy"
+    else:
+        layout = "huggingface"
+    meta = _json(directory / META) if META in sizes else {}
+    if CONFIG in sizes:
+        _json(directory / CONFIG)
+    if WEIGHTS in sizes:
+        tensors = _tensor_names(directory / WEIGHTS)
+    elif WEIGHTS_INDEX in sizes:
+        tensors = _check_index(directory, sizes)
+    else:
+        raise CorruptCheckpointError(f"no model weights in {directory} (model.safetensors or "
+                                     "model.safetensors.index.json)", path=directory)
+    return Foreign(directory=directory, layout=layout, sizes=sizes, manifest=manifest, meta=meta,
+                   tensors=tuple(sorted(tensors)))
+
+
+def _check_index(directory: Path, sizes: dict[str, int]) -> list[str]:
+    path = directory / WEIGHTS_INDEX
+    mapping = _json(path).get("weight_map")
+    if not isinstance(mapping, dict) or not mapping or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in mapping.items()):
+        raise ManifestError(f"{path} has no valid weight_map", path=path)
+    found: dict[str, str] = {}
+    for shard in sorted(set(mapping.values())):
+        check_file_name(shard, where=path)
+        if shard not in sizes:
+            raise CorruptCheckpointError(f"shard {shard!r} named by {path} is missing", path=directory / shard)
+        for name in _tensor_names(directory / shard):
+            if name in found:
+                raise CorruptCheckpointError(f"tensor {name!r} appears in two shards of {directory}",
+                                             path=directory / shard)
+            found[name] = shard
+    if found != mapping:
+        raise CorruptCheckpointError(f"the shards of {directory} do not hold exactly the tensors that "
+                                     f"{WEIGHTS_INDEX} maps", path=path)
+    return sorted(found)
+
+
+def _copy(src: Path, dst: Path) -> FileEntry:
+    fd = os.open(src, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    with os.fdopen(fd, "rb", buffering=0) as f, HashingWriter(dst) as out:
+        # a fresh piece each time: the previous one may still be hashing on a worker thread
+        while piece := f.read(CHUNK):
+            out.write(piece)
+    assert out.sha256 is not None
+    return FileEntry(name=dst.name, size=out.size, sha256=out.sha256)
+
+
+def _link(src: Path, dst: Path) -> FileEntry:
+    try:
+        os.link(src, dst, follow_symlinks=False)
+    except OSError as exc:
+        if exc.errno == errno.EXDEV:
+            raise PublishError(f"cannot move {src} into the registry: it is on another filesystem; "
+                               "import without --move to copy it", errno=exc.errno, path=src) from None
+        raise
+    fd = os.open(dst, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    size, digest = sha256_file(dst)
+    return FileEntry(name=dst.name, size=size, sha256=digest)
+
+
+def stage(foreign: Foreign, staging: Path, *, move: bool) -> Written:
+    """Put every file into ``staging`` (copied, or hard-linked with ``move``), hashed; manifest last.
+
+    Hard links rather than renames make ``move`` crash-safe: the originals stay
+    where they were until the catalog has committed the import, and only then
+    does the caller unlink them.
+    """
+    entries: dict[str, FileEntry] = {}
+    for name, size in foreign.sizes.items():
+        src = foreign.directory / name
+        entry = (_link if move else _copy)(src, staging / name)
+        if entry.size != size or not stat.S_ISREG(os.lstat(staging / name).st_mode):
+            raise CorruptCheckpointError(f"{src} changed while it was being imported", path=src)
+        old = foreign.manifest.files.get(name) if foreign.manifest is not None else None
+        if old is not None and old.sha256 != entry.sha256:
+            raise CorruptCheckpointError(f"checkpoint file checksum mismatch: {src}", path=src)
+        entries[name] = entry
+    meta, old = foreign.meta, foreign.manifest
+    manifest = Manifest(
+        files=entries, tensors=foreign.tensors,
+        created_at=(old.created_at if old is not None and old.created_at else None)
+        or (meta.get("timestamp") if isinstance(meta.get("timestamp"), str) else None) or now_timestamp(),
+        optimizer_step=int_field(meta, "optimizer_step") if old is None else old.optimizer_step,
+        policy_version=int_field(meta, "policy_version") if old is None else old.policy_version,
+        extra_fields={"imported": {"from": str(foreign.directory), "layout": foreign.layout,
+                                   "at": now_timestamp()}},
+    )
+    raw = manifest.encode()
+    with HashingWriter(staging / MANIFEST) as out:
+        out.write(raw)
+    fsync_dir(staging)
+    return Written(manifest=manifest, manifest_sha256=digest_bytes(raw), total_bytes=manifest.total_bytes + len(raw))
+
+
+def int_field(meta: dict[str, Any], key: str, default: int | None = None) -> int | None:
+    value = meta.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else default
+
+
+def remove_originals(foreign: Foreign) -> None:
+    """After a committed ``move``: drop the original links, the old manifest, and the empty directory."""
+    for name in [*foreign.sizes, *([MANIFEST] if foreign.manifest is not None else [])]:
+        try:
+            os.unlink(foreign.directory / name)
+        except FileNotFoundError:
+            pass
+    try:
+        foreign.directory.rmdir()
+    except OSError:
+        pass  # something new appeared in it; leave it to the user
+
+
+__all__ = ["Foreign", "int_field", "remove_originals", "scan", "stage"]

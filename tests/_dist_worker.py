@@ -1,0 +1,116 @@
+"""One rank of a real gloo process group, run as ``python -m tests._dist_worker``.
+
+It joins the group on 127.0.0.1, runs the scenarios of a JSON spec in order
+and writes what every scenario produced (a fingerprint of the checkpoint, or
+the error type and message) to ``OUT/rank<N>.json`` after each one, so the
+parent can compare ranks even when one of them was killed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import sys
+import warnings
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def fingerprint(obj: Any) -> str:
+    """A digest of everything a load returns: exact bytes, dtypes, shapes, values."""
+    sha = hashlib.sha256()
+
+    def walk(x: Any) -> None:
+        if isinstance(x, torch.Tensor):
+            t = x.detach().cpu().contiguous()
+            sha.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+            if t.numel():
+                sha.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        elif isinstance(x, dict):
+            sha.update(b"D")
+            for k in sorted(x, key=repr):
+                sha.update(repr(k).encode())
+                walk(x[k])
+        elif isinstance(x, (list, tuple)):
+            sha.update(b"L" if isinstance(x, list) else b"U")
+            for v in x:
+                walk(v)
+        else:
+            sha.update(f"{type(x).__name__}:{x!r}".encode())
+
+    walk(obj)
+    return sha.hexdigest()
+
+
+def checkpoint_fingerprint(ckpt: Any) -> str:
+    return fingerprint({"state": ckpt.state_dict, "extra": ckpt.extra, "meta": ckpt.meta,
+                        "config": ckpt.config, "epoch": ckpt.epoch, "consumed": ckpt.consumed_samples,
+                        "step": ckpt.step, "policy": ckpt.policy_version})
+
+
+def main() -> None:
+    rank, world, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    spec = json.loads(Path(sys.argv[4]).read_text())
+    out = Path(spec["out"]) / f"rank{rank}.json"
+    backend = spec.get("backend", "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=spec.get("pg_timeout", 30)))
+    from registry import Checkpoint, Registry, loader
+    from registry.crashpoints import arm
+
+    chosen: list[str] = []
+
+    class Chosen(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            chosen.append(record.getMessage().split(" by ")[-1].split(":")[0])
+
+    loader.log.addHandler(Chosen())
+    loader.log.setLevel(logging.DEBUG)
+
+    # Only rank 0 may consult the catalog: the others get an empty catalog of their own,
+    # so any lookup they made would fail with CheckpointNotFoundError.
+    url = spec["url"] if rank == 0 else f"sqlite:///{Path(spec['out']) / f'empty-{rank}.db'}"
+    results: dict[str, Any] = {}
+    with Registry.open(url=url, root=spec["root"]) as reg:
+        for sc in spec["scenarios"]:
+            loader.BUCKET_BYTES = sc.get("bucket", 4096)
+            if sc.get("crash_rank") == rank:
+                arm("loader-after-bucket")
+            ref = sc.get("refs", {}).get(str(rank), sc.get("ref"))
+            where = sc.get("map_locations", {}).get(str(rank), "cpu")
+            timeout = sc.get("timeouts", {}).get(str(rank), sc.get("timeout"))
+            chosen.clear()
+            try:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    if "dir" in sc:
+                        ckpt = Checkpoint.load(sc["dir"], broadcast=True, verify_checksums=True,
+                                               strategy=sc["strategy"], timeout=timeout)
+                    else:
+                        ckpt = reg.load(ref, broadcast=True, map_location=where, strategy=sc["strategy"],
+                                        timeout=timeout)
+                results[sc["name"]] = {"ok": True, "fp": checkpoint_fingerprint(ckpt), "step": ckpt.step,
+                                       "devices": sorted({t.device.type for t in ckpt.state_dict.values()}),
+                                       "strategy": chosen[-1] if chosen else None,
+                                       "warnings": [str(w.message) for w in caught
+                                                    if issubclass(w.category, RuntimeWarning)]}
+            except Exception as exc:  # recorded for the parent to compare across ranks
+                results[sc["name"]] = {"ok": False, "type": type(exc).__name__, "msg": str(exc)}
+            out.write_text(json.dumps(results))
+            if sc.get("crash_rank") is not None:
+                break
+    sys.stdout.flush()
+    # a group that lost a rank cannot be torn down cleanly; leave without waiting on it
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

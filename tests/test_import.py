@@ -1,0 +1,175 @@
+"""``reg.import_checkpoint`` / ``registry import``: adopting foreign directories safely."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import safetensors.torch as st
+import torch
+from click.testing import CliRunner
+
+from registry import (CheckpointNotFoundError, CorruptCheckpointError, InvalidStateError, Registry,
+                      StepExistsError, UnsafePathError)
+from registry.cli import main
+from tests.conftest import assert_state_equal, make_state
+from tests.test_interop import reference  # noqa: F401  (the module fixture)
+
+
+def write_reference(reference: Any, path: Path, seed: int = 1) -> dict[str, torch.Tensor]:  # noqa: F811
+    state = make_state(seed)
+    reference.Checkpoint(state_dict=state, epoch=3, consumed_samples=64, extra={"sched": {"last_epoch": 2}},
+                         meta={"optimizer_step": 120, "policy_version": 7}, config={"d": 8}).save(str(path))
+    return state
+
+
+def write_hf(path: Path) -> dict[str, torch.Tensor]:
+    state = {f"model.layers.{i}.weight": torch.randn(4, 4) for i in range(5)}
+    path.mkdir(parents=True)
+    weight_map = {}
+    for i, names in enumerate((list(state)[:2], list(state)[2:]), start=1):
+        shard = f"model-{i:05d}-of-00002.safetensors"
+        st.save_file({k: state[k] for k in names}, str(path / shard))
+        weight_map.update({k: shard for k in names})
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (path / "config.json").write_text(json.dumps({"hidden_size": 4}))
+    (path / "tokenizer.json").write_text("{}")
+    return state
+
+
+def snapshot(path: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
+
+
+def test_import_reference_directory(reference, reg: Registry, tmp_path: Path) -> None:  # noqa: F811
+    src = tmp_path / "src"
+    state = write_reference(reference, src)
+    before = snapshot(src)
+    info = reg.import_checkpoint(src, run="imp", step=120, tags=["seed"])
+    assert info.status == "verified" and info.epoch == 3 and info.consumed_samples == 64
+    assert info.policy_version == 7 and info.tags == ("seed",)
+    assert snapshot(src) == before, "copy mode must leave the source untouched"
+    ckpt = reg.load("imp@seed")
+    assert_state_equal(ckpt.state_dict, state)
+    assert ckpt.extra == {"sched": {"last_epoch": 2}} and ckpt.config == {"d": 8}
+    manifest = json.loads((info.path / "manifest.json").read_text())
+    assert manifest["imported"]["layout"] == "manifest" and manifest["optimizer_step"] == 120
+    assert_state_equal(reference.Checkpoint.load(str(info.path), verify_checksums=True).state_dict, state)
+    assert reg.verify("imp@120")[0].ok
+
+
+def test_import_legacy_directory_without_manifest(reference, sqlite_reg: Registry,  # noqa: F811
+                                                  tmp_path: Path) -> None:
+    src = tmp_path / "legacy"
+    state = write_reference(reference, src, seed=2)
+    (src / "manifest.json").unlink()
+    info = sqlite_reg.import_checkpoint(src, run="old", step=5)
+    assert_state_equal(sqlite_reg.load("old@5").state_dict, state)
+    assert json.loads((info.path / "manifest.json").read_text())["imported"]["layout"] == "legacy"
+    # the manifest we wrote makes it loadable by the reference module with checksums
+    assert_state_equal(reference.Checkpoint.load(str(info.path), verify_checksums=True).state_dict, state)
+
+
+def test_import_hugging_face_sharded_directory_by_move(sqlite_reg: Registry, tmp_path: Path) -> None:
+    src = tmp_path / "hf"
+    state = write_hf(src)
+    info = sqlite_reg.import_checkpoint(src, run="hf", step=0, move=True)
+    assert not src.exists(), "move removes the original directory once the import is committed"
+    ckpt = sqlite_reg.load("hf@0")
+    assert_state_equal(ckpt.state_dict, state)
+    assert ckpt.config == {"hidden_size": 4}
+    names = set(json.loads((info.path / "manifest.json").read_text())["files"])
+    assert {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+            "model.safetensors.index.json", "config.json", "tokenizer.json"} == names
+
+
+@pytest.mark.parametrize("move", [False, True])
+def test_tampered_directory_is_refused_and_left_intact(reference, sqlite_reg: Registry, tmp_path: Path,  # noqa: F811
+                                                       move: bool) -> None:
+    src = tmp_path / "src"
+    write_reference(reference, src)
+    raw = bytearray((src / "model.safetensors").read_bytes())
+    raw[-1] ^= 0xFF
+    (src / "model.safetensors").write_bytes(bytes(raw))
+    before = snapshot(src)
+    with pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
+        sqlite_reg.import_checkpoint(src, run="t", step=1, move=move)
+    assert snapshot(src) == before
+    assert sqlite_reg.catalog.get("t", 1).status == "failed"  # type: ignore[union-attr]
+    with pytest.raises(CheckpointNotFoundError):
+        sqlite_reg.resolve("t@1")
+    assert not any((sqlite_reg.store.root / "t").iterdir()), "staging leftovers"
+
+
+def test_unsafe_directories_are_refused_before_anything_is_touched(sqlite_reg: Registry, tmp_path: Path) -> None:
+    outside = tmp_path / "secret.safetensors"
+    st.save_file({"x": torch.ones(2)}, str(outside))
+    cases = {}
+    for case in ("symlink", "subdir", "name"):
+        d = tmp_path / case
+        write_hf(d)
+        cases[case] = d
+    os.symlink(outside, cases["symlink"] / "extra.safetensors")
+    (cases["subdir"] / ".cache").mkdir()
+    (cases["name"] / "~weights").write_text("x")
+    for case, d in cases.items():
+        with pytest.raises(UnsafePathError):
+            sqlite_reg.import_checkpoint(d, run="u", step=1)
+    with pytest.raises(UnsafePathError):
+        sqlite_reg.import_checkpoint(cases["symlink"] / "extra.safetensors", run="u", step=1)
+    with pytest.raises(CheckpointNotFoundError):
+        sqlite_reg.import_checkpoint(tmp_path / "nothing", run="u", step=1)
+    assert sqlite_reg.runs() == [], "nothing may reach the catalog"
+
+
+def test_inconsistent_index_is_refused(sqlite_reg: Registry, tmp_path: Path) -> None:
+    src = tmp_path / "hf"
+    write_hf(src)
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    index["weight_map"]["model.layers.0.weight"] = "model-00002-of-00002.safetensors"
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CorruptCheckpointError, match="do not hold exactly"):
+        sqlite_reg.import_checkpoint(src, run="i", step=1)
+
+
+def test_existing_step_needs_overwrite(sqlite_reg: Registry, tmp_path: Path) -> None:
+    sqlite_reg.publish("e", 1, make_state(1))
+    src = tmp_path / "hf"
+    state = write_hf(src)
+    with pytest.raises(StepExistsError):
+        sqlite_reg.import_checkpoint(src, run="e", step=1)
+    assert_state_equal(sqlite_reg.load("e@1").state_dict, make_state(1))
+    sqlite_reg.import_checkpoint(src, run="e", step=1, overwrite=True)
+    assert_state_equal(sqlite_reg.load("e@1").state_dict, state)
+
+
+def test_moving_out_of_the_registry_root_is_refused(sqlite_reg: Registry) -> None:
+    info = sqlite_reg.publish("a", 1, make_state(1))
+    with pytest.raises(InvalidStateError, match="inside the registry root"):
+        sqlite_reg.import_checkpoint(info.path, run="b", step=1, move=True)
+    copied = sqlite_reg.import_checkpoint(info.path, run="b", step=1)
+    assert_state_equal(sqlite_reg.load("b@1").state_dict, make_state(1))
+    assert_state_equal(sqlite_reg.load("a@1").state_dict, make_state(1))
+    assert copied.path != info.path
+    with pytest.raises(InvalidStateError, match="already is"):
+        sqlite_reg.import_checkpoint(info.path, run="a", step=1, overwrite=True)
+
+
+def test_cli_import(tmp_path: Path) -> None:
+    root, url = tmp_path / "ckpt", f"sqlite:///{tmp_path / 'catalog.db'}"
+    src = tmp_path / "hf"
+    state = write_hf(src)
+    runner = CliRunner()
+    ok = runner.invoke(main, ["--url", url, "--root", str(root), "import", str(src), "--run", "c", "--step", "9",
+                              "--move"], catch_exceptions=False)
+    assert ok.exit_code == 0, ok.output
+    assert "c@9" in ok.output and not src.exists()
+    bad = runner.invoke(main, ["--url", url, "--root", str(root), "import", str(src), "--run", "c", "--step", "10"])
+    assert bad.exit_code == 1 and "no checkpoint directory" in bad.output
+    usage = runner.invoke(main, ["--url", url, "--root", str(root), "import", str(src), "--run", "c"])
+    assert usage.exit_code == 2
+    with Registry.open(url=url, root=root) as reg:
+        assert_state_equal(reg.load("c@9").state_dict, state)
