@@ -453,16 +453,34 @@ def make_plan(reg: Registry, run: str, policy: Policy, *, now: datetime | None =
 # ---------------------------------------------------------------------------- execute
 
 
+def _rmtree(path: Path) -> None:
+    """``shutil.rmtree`` that tolerates a concurrent gc removing the same tree."""
+    for _ in range(3):
+        try:
+            shutil.rmtree(path)
+            return
+        except FileNotFoundError:
+            if not path.exists():
+                return
+    shutil.rmtree(path)
+
+
 def remove_checkpoint_dir(final: Path) -> bool:
-    """Rename ``final`` to a hidden retired sibling (atomic for readers), then remove it."""
+    """Rename ``final`` to a hidden retired sibling (atomic for readers), then remove it.
+
+    False when there was nothing to remove (or a concurrent gc renamed it first).
+    """
     if not final.exists():
         return False
     retired = Path(tempfile.mkdtemp(prefix=f".{final.name}.retired-", dir=final.parent))
     retired.rmdir()
-    os.replace(final, retired)
+    try:
+        os.replace(final, retired)
+    except FileNotFoundError:
+        return False
     fsync_dir(final.parent)
     crashpoint("gc-after-retire")
-    shutil.rmtree(retired)
+    _rmtree(retired)
     return True
 
 
@@ -484,7 +502,7 @@ def finish_interrupted(reg: Registry, run: str) -> tuple[tuple[int, ...], dict[i
             match = _RETIRED_RE.match(entry.name)
             if match and int(match.group(1)) in deleted and entry.is_dir():
                 try:
-                    shutil.rmtree(entry)
+                    _rmtree(entry)
                     healed.add(int(match.group(1)))
                 except OSError as exc:
                     errors[int(match.group(1))] = f"cannot remove {entry}: {exc.strerror or exc}"
