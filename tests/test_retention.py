@@ -6,18 +6,22 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from sqlalchemy import text
 
 from registry import CheckpointNotFoundError, InvalidStateError, PolicyError, Registry
 from registry.errors import CheckpointDeletedError, InvalidNameError
 from registry.records import CheckpointInfo
 from registry.retention import (AnyOf, KeepBest, KeepEvery, KeepLast, KeepNewerThan, KeepPolicyVersions,
                                 KeepTagged, MaxBytes, Policy, RetentionContext, RetentionWarning)
-from tests.conftest import assert_state_equal, make_state
+from tests.conftest import assert_state_equal, make_state, pg_schema_url
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -340,3 +344,73 @@ def test_lease_held_by_another_process(reg: Registry, catalog_url: str) -> None:
             h.communicate("done\n", timeout=60)
     assert [h.returncode for h in holders] == [0, 0]
     assert reg.plan_retention("run", KeepLast(1)).execute().deleted == (20,)
+
+
+class Gated(Policy):
+    """A policy whose ``keep`` blocks, once armed, inside gc's marking transaction."""
+
+    def __init__(self, inner: Policy) -> None:
+        self.inner = inner
+        self.armed, self.inside, self.release = threading.Event(), threading.Event(), threading.Event()
+
+    def keep(self, checkpoints: Sequence[CheckpointInfo], context: RetentionContext) -> Mapping[int, str]:
+        if self.armed.is_set():
+            self.inside.set()
+            assert self.release.wait(120)
+        return self.inner.keep(checkpoints, context)
+
+
+def wait_for_lock_waiter(reg: Registry, deadline: float = 120.0) -> None:
+    """On PostgreSQL, poll until some backend waits on a row lock (proves the serialisation)."""
+    if reg.catalog.dialect != "postgresql":
+        return
+    start = time.monotonic()
+    with reg.catalog.engine.connect() as conn:
+        while time.monotonic() - start < deadline:
+            waiting = conn.execute(text("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                                        "AND datname = current_database()")).scalar_one()
+            conn.rollback()
+            if waiting:
+                return
+            time.sleep(0.01)
+    raise AssertionError("no backend ever waited on the lock")
+
+
+def test_lease_taken_while_gc_marks_gets_refused(catalog_url: str, root: Path) -> None:
+    """gc holds its marking transaction open; a reader asks for a lease meanwhile: the reader
+    waits (PostgreSQL row lock, SQLite write lock) and then gets None, never a lease on a doomed step."""
+    with Registry.open(url=catalog_url, root=root) as gc, Registry.open(url=catalog_url, root=root) as reader:
+        publish(gc, "run", [10, 20, 30])
+        policy = Gated(KeepLast(1))
+        plan = gc.plan_retention("run", policy)
+        assert list(plan.delete) == [10, 20]
+        policy.armed.set()
+        with ThreadPoolExecutor(2) as pool:
+            gc_done = pool.submit(plan.execute)
+            assert policy.inside.wait(120)
+            lease = pool.submit(reader.catalog.acquire_lease, "run", 20, holder="reader", ttl=timedelta(hours=1))
+            wait_for_lock_waiter(gc)
+            policy.release.set()
+            assert gc_done.result(120).deleted == (10, 20)
+            assert lease.result(120) is None
+
+
+def test_gc_waits_for_a_lease_being_taken_on_postgresql(pg_database: str, tmp_path: Path) -> None:
+    """The other order: a reader's lease transaction is open (row held FOR SHARE, lease inserted);
+    gc must wait for it and then see the lease. (SQLite: BEGIN IMMEDIATE serialises every writer.)"""
+    with Registry.open(url=pg_schema_url(pg_database), root=tmp_path / "ckpt") as reg:
+        publish(reg, "run", [10, 20, 30])
+        plan = reg.plan_retention("run", KeepLast(1))
+        with reg.catalog.engine.connect() as conn:
+            txn = conn.begin()
+            cid = conn.execute(text("SELECT c.id FROM checkpoints c JOIN runs r ON r.id = c.run_id "
+                                    "WHERE r.name = 'run' AND c.step = 20 FOR SHARE")).scalar_one()
+            conn.execute(text("INSERT INTO leases (checkpoint_id, holder, expires_at) "
+                              "VALUES (:c, 'reader', now() + interval '1 hour')"), {"c": cid})
+            with ThreadPoolExecutor(1) as pool:
+                gc_done = pool.submit(plan.execute)
+                wait_for_lock_waiter(reg)
+                txn.commit()
+                result = gc_done.result(120)
+        assert result.deleted == (10,) and "leased" in result.skipped[20]
+        assert status(reg, "run", 20) == "verified"

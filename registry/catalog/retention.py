@@ -96,7 +96,7 @@ class RetentionCatalog:
             run_id = self.catalog._require_run(conn, run)
             c = CheckpointRow
             if conn.dialect.name == "postgresql":
-                conn.execute(select(c.id).where(c.run_id == run_id).with_for_update())
+                conn.execute(select(c.id).where(c.run_id == run_id).order_by(c.id).with_for_update())
             snap = self._snapshot(conn, run_id, run)
             doomed = decide(snap)
             by_step = {i.step: i for i in snap.checkpoints}
