@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -37,6 +37,9 @@ from registry.refs import Ref, check_metric_key, check_run_name, check_step, che
 from registry.store import (Payload, Store, discard, install, new_staging, now_timestamp, read_directory,
                             remove_stale_staging, verify_directory, write_payload, writer_alive, writer_id)
 from registry.tensorio import check_state_dict
+
+if TYPE_CHECKING:
+    from registry.retention import Policy, RetentionPlan, RetentionResult
 
 DEFAULT_ROOT = "checkpoints"
 
@@ -136,7 +139,7 @@ class Registry:
                 epoch: int = 0, consumed_samples: int = 0, policy_version: int | None = None,
                 optimizer_step: int | None = None, tags: Iterable[str] = (), overwrite: bool = False,
                 verify: bool = True, max_shard_size: int | None = None,
-                retention: Any = None) -> CheckpointInfo:
+                retention: Policy | None = None) -> CheckpointInfo:
         """Atomically publish ``state_dict`` and friends as ``run@step``.
 
         ``retention``: a ``registry.retention.Policy`` applied to the run after
@@ -375,8 +378,8 @@ class Registry:
 
     # ------------------------------------------------------------------ retention (issue 4)
 
-    def plan_retention(self, run: str, policy: Any, *, now: datetime | None = None,
-                       protect: Mapping[int, str] | None = None) -> Any:
+    def plan_retention(self, run: str, policy: Policy, *, now: datetime | None = None,
+                       protect: Mapping[int, str] | None = None) -> RetentionPlan:
         """What ``policy`` would keep and delete in ``run`` (a ``RetentionPlan``); changes nothing.
 
         ``protect`` adds ``{step: reason}`` protections on top of the invariants;
@@ -385,18 +388,19 @@ class Registry:
         from registry.retention import make_plan
         return make_plan(self, run, policy, now=now, protect=protect or {})
 
-    def apply_retention(self, run: str, policy: Any, *, protect: Mapping[int, str] | None = None) -> Any:
+    def apply_retention(self, run: str, policy: Policy, *,
+                        protect: Mapping[int, str] | None = None) -> RetentionResult:
         """Plan and execute at once; returns the ``RetentionResult``."""
         return self.plan_retention(run, policy, protect=protect).execute()
 
     @staticmethod
-    def _check_retention(retention: Any) -> None:
+    def _check_retention(retention: object) -> None:
         if retention is not None:
             from registry.retention import Policy
             if not isinstance(retention, Policy):
                 raise InvalidStateError(f"retention must be a registry.retention.Policy, got {retention!r}")
 
-    def _retention_after_publish(self, run: str, step: int, policy: Any) -> Any:
+    def _retention_after_publish(self, run: str, step: int, policy: Policy) -> RetentionResult | None:
         """Apply ``policy`` after ``run@step`` committed, never deleting ``step`` itself.
 
         The publish has already succeeded when this runs, so a retention

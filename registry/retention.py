@@ -257,7 +257,8 @@ class KeepPolicyVersions(Policy):
             _positive_int(last, "KeepPolicyVersions(last)")
         chosen = frozenset(versions)
         if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in chosen):
-            raise PolicyError(f"KeepPolicyVersions versions must be non-negative integers, got {sorted(chosen, key=str)}")
+            raise PolicyError("KeepPolicyVersions versions must be non-negative integers, "
+                              f"got {sorted(chosen, key=str)}")
         if last is None and not chosen:
             raise PolicyError("KeepPolicyVersions needs last=N or versions=[...]")
         object.__setattr__(self, "last", last)
@@ -333,6 +334,10 @@ class Decision:
     protected: bool        # kept by an invariant, whatever the policy says
     total_bytes: int
     path: Path
+
+    def __post_init__(self) -> None:
+        if self.action not in ("keep", "delete") or (self.action == "delete" and self.protected):
+            raise PolicyError(f"invalid retention decision for step {self.step}: {self.action}")
 
     def to_json(self) -> dict[str, Any]:
         return {"step": self.step, "status": self.status, "action": self.action, "reasons": list(self.reasons),

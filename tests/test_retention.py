@@ -393,6 +393,20 @@ def test_lease_taken_while_gc_marks_gets_refused(catalog_url: str, root: Path) -
             policy.release.set()
             assert gc_done.result(120).deleted == (10, 20)
             assert lease.result(120) is None
+        # the same holds for a tag: it waits for gc, then finds the step gone
+        publish(gc, "run", [40, 50])
+        plan = gc.plan_retention("run", policy := Gated(KeepNothing()))
+        assert list(plan.delete) == [30, 40]
+        policy.armed.set()
+        with ThreadPoolExecutor(2) as pool:
+            gc_done = pool.submit(plan.execute)
+            assert policy.inside.wait(120)
+            tagged = pool.submit(reader.tag, "run", 40, "keep-me")
+            wait_for_lock_waiter(gc)
+            policy.release.set()
+            assert gc_done.result(120).deleted == (30, 40)
+            with pytest.raises(CheckpointNotFoundError):
+                tagged.result(120)
 
 
 def test_gc_waits_for_a_lease_being_taken_on_postgresql(pg_database: str, tmp_path: Path) -> None:
