@@ -1,7 +1,8 @@
 """SIGKILL a real gc subprocess mid-deletion, on SQLite and PostgreSQL.
 
 The child plans and executes retention and dies at a named crashpoint
-(``gc-after-mark``, ``gc-after-retire``) or at a random filesystem operation
+(``gc-after-mark``, ``gc-after-retire``), inside the marking transaction
+(while it holds its locks), or at a random filesystem operation
 (``os.replace``/``rename``/``unlink``/``rmdir`` are wrapped to count calls and
 SIGKILL the process at the k-th). Whatever the moment, every kept checkpoint
 must still load with verified checksums, no live row may lack its directory,
@@ -38,10 +39,21 @@ SEED = int(os.environ.get("REGISTRY_TEST_GC_SEED", str(random.randrange(1 << 30)
 CHILD = textwrap.dedent("""
     import json, os, signal, sys
     from registry import Registry
-    from registry.retention import KeepBest, KeepEvery, KeepLast
+    from registry.retention import KeepBest, KeepEvery, KeepLast, Policy
     url, root, run, policy, kill_after = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
+
+    class DieInsideTransaction(Policy):
+        # execute() runs the policy again inside the marking transaction: die there, locks held
+        def __init__(self, inner):
+            self.inner, self.calls = inner, 0
+        def keep(self, checkpoints, context):
+            self.calls += 1
+            if self.calls == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return self.inner.keep(checkpoints, context)
+
     reg = Registry.open(url=url, root=root)
-    plan = reg.plan_retention(run, eval(policy))
+    plan = reg.plan_retention(run, DieInsideTransaction(eval(policy)) if kill_after < 0 else eval(policy))
     if kill_after > 0:
         calls = [0]
         def counting(fn):
@@ -60,7 +72,7 @@ CHILD = textwrap.dedent("""
 def cases() -> list[tuple[str, int]]:
     rng = random.Random(SEED)
     # 4 deletions of ~7 filesystem operations each: k past the end lets the child finish
-    return [("gc-after-mark", 0), ("gc-after-retire", 0)] + [("random", rng.randint(1, 32)) for _ in range(KILLS)]
+    return [("in-transaction", -1), ("gc-after-mark", 0), ("gc-after-retire", 0)] + [("random", rng.randint(1, 32)) for _ in range(KILLS)]
 
 
 def populate(reg: Registry, run: str) -> None:
@@ -102,7 +114,7 @@ def test_sigkill_during_gc(reg: Registry, catalog_url: str, point: str, kill_aft
     assert delete == {10, 20, 60, 70} and keep == {30, 40, 50, 80, 90, 100}
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("REGISTRY_CRASH_AT", None)
-    if point != "random":
+    if point.startswith("gc-"):
         env["REGISTRY_CRASH_AT"] = point
     child = subprocess.run([sys.executable, "-c", CHILD, catalog_url, str(reg.store.root), run, POLICY,
                             str(kill_after)], env=env, capture_output=True, text=True, timeout=300)
@@ -115,6 +127,9 @@ def test_sigkill_during_gc(reg: Registry, catalog_url: str, point: str, kill_aft
             assert set(json.loads(child.stdout)["deleted"]) == delete, why
 
     check_consistent(reg, run, keep, delete, why)
+    if point == "in-transaction":  # rolled back: nothing marked, nothing touched
+        assert all(reg.catalog.get(run, s).status == "verified" for s in delete)  # type: ignore[union-attr]
+        assert all(reg.store.step_dir(run, s).is_dir() for s in delete), why
     if point == "gc-after-mark":  # every doomed row is marked, every directory still there
         assert all(reg.catalog.get(run, s).status == "deleted" for s in delete)  # type: ignore[union-attr]
         assert all(reg.store.step_dir(run, s).is_dir() for s in delete), why
