@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from registry.catalog.retention import CANDIDATES, RetentionCatalog, RunSnapshot
 from registry.crashpoints import crashpoint
 from registry.errors import PolicyError, RegistryError
+from registry.manifest import MANIFEST, digest_bytes
 from registry.records import LIVE, RANKABLE, CheckpointInfo
 from registry.refs import check_metric_key, check_run_name
 from registry.store import fsync_dir
@@ -470,10 +471,21 @@ def _rmtree(path: Path) -> None:
     shutil.rmtree(path)
 
 
-def remove_checkpoint_dir(final: Path) -> bool:
+def _manifest_digest(directory: Path) -> str | None:
+    try:
+        return digest_bytes((directory / MANIFEST).read_bytes())
+    except OSError:
+        return None
+
+
+def remove_checkpoint_dir(final: Path, manifest_sha256: str | None = None) -> bool:
     """Rename ``final`` to a hidden retired sibling (atomic for readers), then remove it.
 
-    False when there was nothing to remove (or a concurrent gc renamed it first).
+    False when there was nothing to remove (or a concurrent gc renamed it
+    first). ``manifest_sha256`` is the digest of the payload the catalog
+    marked deleted: a step re-published in the meantime (a ``deleted`` row can
+    be claimed again) has installed a different manifest, and that directory
+    is put back instead of removed.
     """
     if not final.exists():
         return False
@@ -482,6 +494,13 @@ def remove_checkpoint_dir(final: Path) -> bool:
     try:
         os.replace(final, retired)
     except FileNotFoundError:
+        return False
+    digest = _manifest_digest(retired) if manifest_sha256 is not None else None
+    if digest is not None and digest != manifest_sha256:
+        try:
+            os.replace(retired, final)
+        except OSError:
+            pass  # something new is in place already; fsck sorts out the retired copy
         return False
     fsync_dir(final.parent)
     crashpoint("gc-after-retire")
@@ -497,7 +516,7 @@ def finish_interrupted(reg: Registry, run: str) -> tuple[tuple[int, ...], dict[i
     errors: dict[int, str] = {}
     for r in rows:
         try:
-            if remove_checkpoint_dir(reg.store.root / r.path):
+            if remove_checkpoint_dir(reg.store.root / r.path, r.manifest_sha256):
                 healed.add(r.step)
         except OSError as exc:
             errors[r.step] = f"cannot remove {reg.store.root / r.path}: {exc.strerror or exc}"
@@ -543,7 +562,7 @@ def _execute(reg: Registry, plan: RetentionPlan) -> RetentionResult:
         crashpoint("gc-after-mark")
     for row in marked:
         try:
-            remove_checkpoint_dir(reg.store.root / row.path)
+            remove_checkpoint_dir(reg.store.root / row.path, row.manifest_sha256)
         except OSError as exc:
             errors[row.step] = f"cannot remove {reg.store.root / row.path}: {exc.strerror or exc}"
     return RetentionResult(run=plan.run, deleted=tuple(r.step for r in marked), skipped=dict(skipped),

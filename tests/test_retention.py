@@ -428,3 +428,33 @@ def test_gc_waits_for_a_lease_being_taken_on_postgresql(pg_database: str, tmp_pa
                 result = gc_done.result(120)
         assert result.deleted == (10,) and "leased" in result.skipped[20]
         assert status(reg, "run", 20) == "verified"
+
+
+def test_a_step_republished_while_gc_removes_it_survives(catalog_url: str, root: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``deleted`` row may be claimed again. If a trainer re-publishes the step between gc's mark
+    and gc's rename, gc must not remove the new payload (it checks the manifest digest)."""
+    with Registry.open(url=catalog_url, root=root) as gc, Registry.open(url=catalog_url, root=root) as trainer:
+        publish(gc, "run", [10, 20, 30])
+        import registry.retention as retention_mod
+        real = retention_mod.crashpoint
+
+        def republish_between(name: str) -> None:
+            if name == "gc-after-mark":
+                trainer.publish("run", 10, make_state(99))
+            real(name)
+
+        monkeypatch.setattr(retention_mod, "crashpoint", republish_between)
+        result = gc.plan_retention("run", KeepLast(1)).execute()
+        assert result.deleted == (10, 20)
+        assert status(gc, "run", 10) == "verified" and status(gc, "run", 20) == "deleted"
+        assert_state_equal(gc.load("run@10").state_dict, make_state(99))
+        assert not reg_hidden(gc, "run")
+        monkeypatch.undo()
+        again = gc.plan_retention("run", KeepEvery(10)).execute()  # heals nothing: 10 is live again
+        assert again.healed == () and again.deleted == ()
+        assert_state_equal(gc.load("run@10").state_dict, make_state(99))
+
+
+def reg_hidden(reg: Registry, run: str) -> list[str]:
+    return [p.name for p in (reg.store.root / run).iterdir() if p.name.startswith(".")]

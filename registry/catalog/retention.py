@@ -53,6 +53,7 @@ class DeletedRow:
     step: int
     path: str          # relative to the checkpoint root
     total_bytes: int
+    manifest_sha256: str | None = None
     reason: str = ""
 
 
@@ -116,7 +117,7 @@ class RetentionCatalog:
                                     reason=doomed[step])
                 self.catalog._notify(conn, run_id, step, "deleted")
                 marked.append(DeletedRow(step=step, path=info.path.as_posix(), total_bytes=info.total_bytes,
-                                         reason=doomed[step]))
+                                         manifest_sha256=info.manifest_sha256, reason=doomed[step]))
             return marked
         result: list[DeletedRow] = self.catalog._write(fn)
         return result
@@ -126,9 +127,10 @@ class RetentionCatalog:
         def fn(conn: Connection) -> list[DeletedRow]:
             run_id = self.catalog._require_run(conn, run)
             c = CheckpointRow
-            rows: Any = conn.execute(select(c.step, c.path, c.total_bytes)
+            rows: Any = conn.execute(select(c.step, c.path, c.total_bytes, c.manifest_sha256)
                                      .where(c.run_id == run_id, c.status == "deleted").order_by(c.step)).all()
-            return [DeletedRow(step=r.step, path=r.path, total_bytes=r.total_bytes) for r in rows]
+            return [DeletedRow(step=r.step, path=r.path, total_bytes=r.total_bytes,
+                               manifest_sha256=r.manifest_sha256) for r in rows]
         result: list[DeletedRow] = self.catalog._read(fn)
         return result
 
