@@ -458,3 +458,42 @@ def test_a_step_republished_while_gc_removes_it_survives(catalog_url: str, root:
 
 def reg_hidden(reg: Registry, run: str) -> list[str]:
     return [p.name for p in (reg.store.root / run).iterdir() if p.name.startswith(".")]
+
+
+class KeepSteps(Policy):
+    def __init__(self, steps: frozenset[int]) -> None:
+        self.steps = steps
+
+    def keep(self, checkpoints: Sequence[CheckpointInfo], context: RetentionContext) -> Mapping[int, str]:
+        return {s: "chosen" for s in self.steps}
+
+
+def test_no_policy_can_break_the_invariants(reg: Registry) -> None:
+    """Property: whatever steps a policy keeps, the plan deletes exactly the unprotected,
+    unkept candidates, and execute() deletes only planned, still-unprotected ones."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    steps = list(range(10, 130, 10))
+    for step in steps[:-1]:
+        reg.publish("run", step, make_state(step), metrics={"eval/loss": 1.0 / step})
+    reg.publish("run", steps[-1], make_state(0), verify=False)
+    reg.tag("run", 30, "release")
+    reg.mark_corrupt(reg.resolve("run@50"), "test")
+    assert reg.catalog.acquire_lease("run", 70, holder="reader", ttl=timedelta(hours=1))
+    reg.catalog.claim("run", 200, path="run/step-00000200", writer=reg.writer, overwrite=False)
+    protected = {30, 70, 110, 120, 200}   # tagged, leased, @latest, @latest-published, staging
+
+    @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(kept=st.frozensets(st.sampled_from(steps + [200, 999])))
+    def check(kept: frozenset[int]) -> None:
+        plan = reg.plan_retention("run", KeepSteps(kept))
+        assert set(plan.delete) == set(steps) - protected - kept
+        assert set(plan.keep) | set(plan.delete) == set(steps) | {200}
+        assert plan.bytes_freed == sum(d.total_bytes for d in plan.decisions if d.step in plan.delete)
+
+    check()
+    plan = reg.plan_retention("run", KeepSteps(frozenset({20})))
+    reg.tag("run", 40, "late")
+    result = plan.execute()
+    assert set(result.deleted) == set(steps) - protected - {20, 40} and set(result.skipped) == {40}
