@@ -6,7 +6,7 @@ from registry.api import Registry, VerifyResult
 from registry.checkpoint import Checkpoint
 from registry.errors import (CatalogError, CheckpointNotFoundError, CorruptCheckpointError,
                              DistributedError, InvalidNameError, InvalidRefError, InvalidStateError,
-                             ManifestError, PublishError, RegistryError, RootError, SafetensorsFormatError,
+                             ManifestError, PolicyError, PublishError, RegistryError, RootError, SafetensorsFormatError,
                              SchemaTooNewError, StepExistsError, UnsafePathError, UnsafePickleError)
 from registry.records import CheckpointInfo, EventInfo, MetricPoint, RunInfo
 from registry.refs import Ref, parse_ref
@@ -16,7 +16,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CatalogError", "Checkpoint", "CheckpointInfo", "CheckpointNotFoundError", "CorruptCheckpointError",
     "DistributedError", "EventInfo", "InvalidNameError", "InvalidRefError", "InvalidStateError",
-    "ManifestError", "MetricPoint", "PublishError", "Ref", "Registry", "RegistryError", "RootError",
+    "ManifestError", "MetricPoint", "PolicyError", "PublishError", "Ref", "Registry", "RegistryError", "RootError",
     "RunInfo", "SafetensorsFormatError", "SchemaTooNewError", "StepExistsError", "UnsafePathError",
     "UnsafePickleError", "VerifyResult", "parse_ref",
 ]

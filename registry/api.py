@@ -22,21 +22,25 @@ import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from registry.catalog import Catalog, Claim, FileRecord
 from registry.checkpoint import Checkpoint
 from registry.crashpoints import crashpoint
-from registry.errors import CorruptCheckpointError, InvalidStateError, PublishError, RegistryError
+from registry.errors import (CheckpointDeletedError, CorruptCheckpointError, InvalidStateError, PublishError,
+                             RegistryError)
 from registry.records import LIVE, CheckpointInfo, EventInfo, MetricPoint, RunInfo
 from registry.refs import Ref, check_metric_key, check_run_name, check_step, check_tag_name, parse_ref, step_dirname
 from registry.store import (Payload, Store, discard, install, new_staging, now_timestamp, read_directory,
                             remove_stale_staging, verify_directory, write_payload, writer_alive, writer_id)
 from registry.tensorio import check_state_dict
+
+if TYPE_CHECKING:
+    from registry.retention import Policy, RetentionPlan, RetentionResult
 
 DEFAULT_ROOT = "checkpoints"
 
@@ -145,9 +149,15 @@ class Registry:
                 meta: Mapping[str, Any] | None = None, metrics: Mapping[str, Any] | None = None,
                 epoch: int = 0, consumed_samples: int = 0, policy_version: int | None = None,
                 optimizer_step: int | None = None, tags: Iterable[str] = (), overwrite: bool = False,
-                verify: bool = True, max_shard_size: int | None = None) -> CheckpointInfo:
-        """Atomically publish ``state_dict`` and friends as ``run@step``."""
+                verify: bool = True, max_shard_size: int | None = None,
+                retention: Policy | None = None) -> CheckpointInfo:
+        """Atomically publish ``state_dict`` and friends as ``run@step``.
+
+        ``retention``: a ``registry.retention.Policy`` applied to the run after
+        the publish commits (see :meth:`_retention_after_publish`).
+        """
         check_run_name(run)
+        self._check_retention(retention)
         check_step(step)
         state = check_state_dict(state_dict)
         tags = tuple(check_tag_name(t) for t in tags)
@@ -192,6 +202,8 @@ class Registry:
         crashpoint("after-commit")
         info = self.catalog.get(run, step)
         assert info is not None
+        if retention is not None:
+            self._retention_after_publish(run, step, retention)
         return self._absolute(info)
 
     def _write_and_install(self, claim: Claim, final: Path, payload: Payload,
@@ -301,6 +313,7 @@ class Registry:
 
     def load_local(self, parsed: Ref, *, verify: bool, map_location: Any, trust_pickle: bool) -> Checkpoint:
         below: int | None = None
+        gone = 0
         while True:
             info = self._absolute(self.catalog.resolve(parsed, below=below))
             if info.status == "corrupt":
@@ -310,6 +323,11 @@ class Registry:
             try:
                 loaded = self.read_checked(info, verify=verify, map_location=map_location,
                                            trust_pickle=trust_pickle)
+            except CheckpointDeletedError:
+                gone += 1  # retention won the race for this step after we resolved it: resolve again
+                if gone > 8:
+                    raise
+                continue
             except CorruptCheckpointError as exc:
                 self.mark_corrupt(info, str(exc))
                 if parsed.names_one_step:
@@ -326,6 +344,11 @@ class Registry:
                      trust_pickle: bool) -> Any:
         """Read ``info``'s directory under a reader lease and match it against the catalog."""
         lease = self.catalog.acquire_lease(info.run, info.step, holder=self.writer, ttl=self.lease_ttl)
+        if lease is None and info.status in LIVE:
+            # The row stopped being live since it was resolved (retention marked it deleted):
+            # its directory may be going away, so do not read it.
+            raise CheckpointDeletedError(f"{info.run}@{info.step} was deleted while being resolved",
+                                         run=info.run, step=info.step, path=info.path)
         try:
             loaded = read_directory(info.path, verify=verify, trust_pickle=trust_pickle,
                                     map_location=map_location)
@@ -458,6 +481,45 @@ class Registry:
                 yield self._absolute(info)
 
     # ------------------------------------------------------------------ retention (issue 4)
+
+    def plan_retention(self, run: str, policy: Policy, *, now: datetime | None = None,
+                       protect: Mapping[int, str] | None = None) -> RetentionPlan:
+        """What ``policy`` would keep and delete in ``run`` (a ``RetentionPlan``); changes nothing.
+
+        ``protect`` adds ``{step: reason}`` protections on top of the invariants;
+        ``now`` (timezone-aware) pins the clock for age-based policies.
+        """
+        from registry.retention import make_plan
+        return make_plan(self, run, policy, now=now, protect=protect or {})
+
+    def apply_retention(self, run: str, policy: Policy, *,
+                        protect: Mapping[int, str] | None = None) -> RetentionResult:
+        """Plan and execute at once; returns the ``RetentionResult``."""
+        return self.plan_retention(run, policy, protect=protect).execute()
+
+    @staticmethod
+    def _check_retention(retention: object) -> None:
+        if retention is not None:
+            from registry.retention import Policy
+            if not isinstance(retention, Policy):
+                raise InvalidStateError(f"retention must be a registry.retention.Policy, got {retention!r}")
+
+    def _retention_after_publish(self, run: str, step: int, policy: Policy) -> RetentionResult | None:
+        """Apply ``policy`` after ``run@step`` committed, never deleting ``step`` itself.
+
+        The publish has already succeeded when this runs, so a retention
+        failure must not make it look failed: a ``RegistryError`` or ``OSError``
+        becomes a ``RetentionWarning`` and the publish returns normally (the
+        next publish, or ``registry gc``, retries; a half-done deletion is
+        finished by the next gc). Returns the result, or None after a failure.
+        """
+        from registry.retention import RetentionWarning
+        try:
+            return self.apply_retention(run, policy, protect={step: "just published"})
+        except (RegistryError, OSError) as exc:
+            warnings.warn(f"retention after publishing {run}@{step} failed: {exc}", RetentionWarning,
+                          stacklevel=3)
+            return None
 
     # ------------------------------------------------------------------ import (issue 5)
 

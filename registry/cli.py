@@ -287,6 +287,131 @@ def verify(state: State, targets: tuple[str, ...], as_json: bool) -> None:
 
 # ---------------------------------------------------------------------- gc (issue 4)
 
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
+               "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
+
+
+def parse_size(text: str) -> int:
+    """``10G``, ``500MiB``, ``123`` -> bytes (decimal units, ``*iB`` binary); ValueError otherwise."""
+    import re
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    if match is None or match.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"{text!r} is not a size like 500M, 10G or 2TiB")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+
+
+def parse_keep_best(text: str) -> tuple[str, str, int]:
+    """``METRIC[:max|:min]=K`` -> (metric, mode, k); ValueError otherwise."""
+    metric, sep, count = text.rpartition("=")
+    mode = "min"
+    for suffix in (":max", ":min"):
+        if metric.endswith(suffix):
+            metric, mode = metric[:-len(suffix)], suffix[1:]
+    if not sep or not metric or not count.isdigit() or int(count) < 1:
+        raise ValueError(f"{text!r} is not METRIC[:max]=K with K >= 1")
+    return metric, mode, int(count)
+
+
+def load_policy_file(path: str) -> Any:
+    """Run a Python file and return its ``policy`` variable, which must be a retention Policy."""
+    import runpy
+
+    from registry.errors import PolicyError
+    from registry.retention import Policy
+    try:
+        namespace = runpy.run_path(path, run_name="__registry_policy__")
+    except Exception as exc:  # noqa: BLE001 - any failure of user code is reported in one line
+        detail = str(exc).splitlines()[0] if str(exc) else ""
+        raise PolicyError(f"cannot load policy file {path}: {type(exc).__name__}: {detail}") from None
+    policy = namespace.get("policy")
+    if not isinstance(policy, Policy):
+        raise PolicyError(f"policy file {path} must define `policy = ...` as a registry.retention Policy, "
+                          f"got {type(policy).__name__}")
+    return policy
+
+
+def build_policy(*, keep_last: int | None, keep_best: Sequence[str], keep_every: int | None,
+                 max_bytes: str | None, policy_file: str | None) -> Any:
+    """The union of every policy given on the command line (usage error when none is)."""
+    from registry import retention
+    parts: list[Any] = []
+    if keep_last is not None:
+        parts.append(retention.KeepLast(keep_last))
+    for spec in keep_best:
+        try:
+            metric, mode, k = parse_keep_best(spec)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--keep-best") from None
+        parts.append(retention.KeepBest(k, metric, mode=mode))  # type: ignore[arg-type]
+    if keep_every is not None:
+        parts.append(retention.KeepEvery(keep_every))
+    if policy_file is not None:
+        parts.append(load_policy_file(policy_file))
+    budget = None
+    if max_bytes is not None:
+        try:
+            budget = parse_size(max_bytes)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--max-bytes") from None
+    if not parts and budget is None:
+        raise click.UsageError("say what to keep: --keep-last, --keep-best, --keep-every, --max-bytes "
+                               "or --policy (gc never guesses)")
+    policy = retention.AnyOf(*parts) if len(parts) > 1 else (parts[0] if parts else None)
+    return retention.MaxBytes(budget, keep=policy) if budget is not None else policy
+
+
+@main.command()
+@click.argument("run")
+@click.option("--keep-last", type=click.IntRange(min=1), default=None, metavar="N",
+              help="Keep the N newest loadable steps.")
+@click.option("--keep-best", multiple=True, metavar="METRIC[:max]=K",
+              help="Keep the K best steps by METRIC (lowest; ':max' for highest). Repeatable.")
+@click.option("--keep-every", type=click.IntRange(min=1), default=None, metavar="N",
+              help="Keep steps that are a multiple of N.")
+@click.option("--max-bytes", default=None, metavar="SIZE",
+              help="Byte budget (e.g. 50G): of what the other options keep (or of every step), "
+                   "drop the oldest until the run fits.")
+@click.option("--policy", "policy_file", type=click.Path(exists=True, dir_okay=False), default=None,
+              metavar="FILE.py", help="A Python file that defines `policy = ...`.")
+@click.option("--dry-run", is_flag=True, help="Print the plan; delete nothing.")
+@json_option
+@click.pass_obj
+@command
+def gc(state: State, run: str, keep_last: int | None, keep_best: tuple[str, ...], keep_every: int | None,
+       max_bytes: str | None, policy_file: str | None, dry_run: bool, as_json: bool) -> None:
+    """Delete the checkpoints of RUN that no policy keeps.
+
+    Options combine: a step is kept if any of them keeps it. Whatever they
+    say, @latest, @latest-published, tagged, staging and leased steps stay.
+    """
+    policy = build_policy(keep_last=keep_last, keep_best=keep_best, keep_every=keep_every,
+                          max_bytes=max_bytes, policy_file=policy_file)
+    plan = state.registry().plan_retention(run, policy)
+    result = None if dry_run else plan.execute()
+    if as_json:
+        doc = plan.to_json()
+        doc["dry_run"] = dry_run
+        doc["result"] = result.to_json() if result is not None else None
+        emit_json(doc)
+    else:
+        click.echo(f"{run}: {policy!r}")
+        table(["STEP", "STATUS", "ACTION", "SIZE", "REASON"],
+              [[d.step, d.status, d.action.upper() if d.action == "delete" else d.action,
+                human_bytes(d.total_bytes), "; ".join(d.reasons)] for d in plan.decisions])
+        verb = "would delete" if dry_run else "planned to delete"
+        click.echo(f"{verb} {len(plan.delete)} of {len(plan.decisions)} checkpoints, "
+                   f"{human_bytes(plan.bytes_freed)}; keeping {human_bytes(plan.bytes_kept)}")
+        if result is not None:
+            click.echo(f"deleted {len(result.deleted)} ({human_bytes(result.bytes_freed)} freed)"
+                       + (f"; finished {len(result.healed)} interrupted deletion(s)" if result.healed else ""))
+            for step, why in sorted(result.skipped.items()):
+                click.echo(f"skipped {step}: {why}")
+            for step, why in sorted(result.errors.items()):
+                click.echo(f"error {step}: {why}", err=True)
+    if result is not None and result.errors:
+        sys.exit(1)
+
+
 
 # ---------------------------------------------------------------------- import (issue 5)
 

@@ -85,3 +85,11 @@ class PublishError(RegistryError, OSError):
 
 class DistributedError(RegistryError, RuntimeError):
     """A collective load failed or timed out on some rank."""
+
+
+class PolicyError(RegistryError, ValueError):
+    """A retention policy that is malformed, or that misbehaved when asked what to keep."""
+
+
+class CheckpointDeletedError(CheckpointNotFoundError):
+    """The step stopped being loadable (retention deleted it) between resolving it and reading it."""

@@ -371,8 +371,11 @@ class Catalog:
     def tag(self, run: str, step: int, name: str, *, actor: str | None = None) -> None:
         def fn(conn: Connection) -> None:
             run_id = self._require_run(conn, run)
-            row = conn.execute(select(CheckpointRow.id, CheckpointRow.status)
-                               .where(CheckpointRow.run_id == run_id, CheckpointRow.step == step)).first()
+            query = select(CheckpointRow.id, CheckpointRow.status).where(CheckpointRow.run_id == run_id,
+                                                                         CheckpointRow.step == step)
+            if conn.dialect.name == "postgresql":
+                query = query.with_for_update(read=True)  # serialise with gc, as acquire_lease does
+            row = conn.execute(query).first()
             if row is None or row.status not in ("published", "verified"):
                 raise CheckpointNotFoundError(
                     f"cannot tag {run}@{step}: no published checkpoint at that step", run=run, step=step)
@@ -564,9 +567,13 @@ class Catalog:
     def acquire_lease(self, run: str, step: int, *, holder: str, ttl: timedelta) -> int | None:
         def fn(conn: Connection) -> int | None:
             run_id = self._require_run(conn, run)
-            cid = conn.scalar(select(CheckpointRow.id).where(CheckpointRow.run_id == run_id,
-                                                             CheckpointRow.step == step,
-                                                             CheckpointRow.status.in_(LIVE)))
+            query = select(CheckpointRow.id).where(CheckpointRow.run_id == run_id, CheckpointRow.step == step,
+                                                   CheckpointRow.status.in_(LIVE))
+            if conn.dialect.name == "postgresql":
+                # FOR SHARE waits for a gc transaction that holds the row FOR UPDATE, then
+                # re-checks the status: a step gc just deleted gets no lease (see catalog/retention.py).
+                query = query.with_for_update(read=True)
+            cid = conn.scalar(query)
             if cid is None:
                 return None
             return conn.execute(insert(Lease).values(checkpoint_id=cid, holder=holder,

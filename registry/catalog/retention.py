@@ -1,0 +1,138 @@
+"""The catalog side of retention: a snapshot of a run, and marking steps ``deleted``.
+
+Knows SQL and nothing of files or torch. Deciding *what* to delete is the
+caller's business (``registry/retention.py``); this module only guarantees that
+the decision is taken against the catalog as it is at the moment of marking:
+:meth:`RetentionCatalog.mark_deleted` re-reads everything that can protect a
+step (statuses, ``@latest``, ``@latest-published``, tags, unexpired reader
+leases, metrics) *inside* the write transaction that marks, and asks the
+caller's ``decide`` function again there.
+
+Why that is enough against a reader in another process: on SQLite every
+write transaction (``acquire_lease`` included) starts with ``BEGIN
+IMMEDIATE``, so lease-taking and marking are serialised. On PostgreSQL the
+marking transaction first locks the run's rows ``FOR UPDATE``; ``acquire_lease``
+and ``tag`` read the row ``FOR SHARE``, so either their lease or tag commits
+first and we see it, or we commit first and they find the row no longer
+live (``acquire_lease`` returns ``None`` and the reader resolves again).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Connection, func, select, update
+
+from registry.catalog.models import CheckpointRow, Lease
+from registry.catalog.queries import Catalog, _aware, utcnow
+from registry.records import LIVE, CheckpointInfo
+
+#: statuses retention may delete; everything else is never touched
+CANDIDATES = ("published", "verified", "corrupt")
+#: statuses a plan shows (``staging`` rows are always kept)
+SHOWN = ("staging",) + CANDIDATES
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunSnapshot:
+    """A run as one transaction saw it. Paths are relative to the checkpoint root."""
+
+    run: str
+    checkpoints: tuple[CheckpointInfo, ...]   # staging/published/verified/corrupt rows, ascending step
+    latest: int | None                        # newest verified step
+    latest_published: int | None              # newest published-or-verified step
+    leases: Mapping[int, datetime]            # step -> furthest expiry of its unexpired leases
+    taken_at: datetime
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeletedRow:
+    step: int
+    path: str          # relative to the checkpoint root
+    total_bytes: int
+    manifest_sha256: str | None = None
+    reason: str = ""
+
+
+class RetentionCatalog:
+    """Retention's SQL, on top of a :class:`Catalog` (its engine and transaction helpers)."""
+
+    def __init__(self, catalog: Catalog) -> None:
+        self.catalog = catalog
+
+    def _snapshot(self, conn: Connection, run_id: int, run: str) -> RunSnapshot:
+        c = CheckpointRow
+        rows = conn.execute(select(c.__table__).where(c.run_id == run_id, c.status.in_(SHOWN))
+                            .order_by(c.step)).all()
+        infos = tuple(self.catalog._infos(conn, run, rows))
+        verified = [i.step for i in infos if i.status == "verified"]
+        live = [i.step for i in infos if i.status in LIVE]
+        now = utcnow()
+        leases = {int(step): _aware(expires) for step, expires in conn.execute(
+            select(c.step, func.max(Lease.expires_at)).join(Lease, Lease.checkpoint_id == c.id)
+            .where(c.run_id == run_id, Lease.expires_at > now).group_by(c.step))}
+        return RunSnapshot(run=run, checkpoints=infos, latest=max(verified, default=None),
+                           latest_published=max(live, default=None), leases=leases, taken_at=now)
+
+    def snapshot(self, run: str) -> RunSnapshot:
+        """The run now, for planning; raises ``CheckpointNotFoundError`` for an unknown run."""
+        def fn(conn: Connection) -> RunSnapshot:
+            return self._snapshot(conn, self.catalog._require_run(conn, run), run)
+        result: RunSnapshot = self.catalog._read(fn)
+        return result
+
+    def mark_deleted(self, run: str, decide: Callable[[RunSnapshot], Mapping[int, str]], *,
+                     actor: str | None) -> list[DeletedRow]:
+        """One write transaction: snapshot, ``decide(snapshot) -> {step: reason}``, mark those ``deleted``.
+
+        ``decide`` may run more than once (the transaction is retried on lock
+        timeouts), so it must not accumulate state across calls. Only rows
+        still in :data:`CANDIDATES` are marked, whatever ``decide`` returns.
+        Each mark records a ``delete`` event; metrics and the row stay as history.
+        """
+        def fn(conn: Connection) -> list[DeletedRow]:
+            run_id = self.catalog._require_run(conn, run)
+            c = CheckpointRow
+            if conn.dialect.name == "postgresql":
+                conn.execute(select(c.id).where(c.run_id == run_id).order_by(c.id).with_for_update())
+            snap = self._snapshot(conn, run_id, run)
+            doomed = decide(snap)
+            by_step = {i.step: i for i in snap.checkpoints}
+            now = utcnow()
+            marked: list[DeletedRow] = []
+            for step in sorted(doomed):
+                info = by_step.get(step)
+                if info is None or info.status not in CANDIDATES:
+                    continue
+                changed = conn.execute(update(c).where(c.run_id == run_id, c.step == step,
+                                                       c.status.in_(CANDIDATES))
+                                       .values(status="deleted", deleted_at=now, updated_at=now)).rowcount
+                if not changed:
+                    continue
+                self.catalog._event(conn, run_id, step, "delete", actor=actor, status="deleted",
+                                    previous_status=info.status, total_bytes=info.total_bytes,
+                                    reason=doomed[step])
+                self.catalog._notify(conn, run_id, step, "deleted")
+                marked.append(DeletedRow(step=step, path=info.path.as_posix(), total_bytes=info.total_bytes,
+                                         manifest_sha256=info.manifest_sha256, reason=doomed[step]))
+            return marked
+        result: list[DeletedRow] = self.catalog._write(fn)
+        return result
+
+    def deleted_rows(self, run: str) -> list[DeletedRow]:
+        """Every ``deleted`` row of ``run``: whose directories a finished deletion has removed."""
+        def fn(conn: Connection) -> list[DeletedRow]:
+            run_id = self.catalog._require_run(conn, run)
+            c = CheckpointRow
+            rows: Any = conn.execute(select(c.step, c.path, c.total_bytes, c.manifest_sha256)
+                                     .where(c.run_id == run_id, c.status == "deleted").order_by(c.step)).all()
+            return [DeletedRow(step=r.step, path=r.path, total_bytes=r.total_bytes,
+                               manifest_sha256=r.manifest_sha256) for r in rows]
+        result: list[DeletedRow] = self.catalog._read(fn)
+        return result
+
+
+__all__ = ["CANDIDATES", "DeletedRow", "RetentionCatalog", "RunSnapshot"]

@@ -1,0 +1,574 @@
+"""Retention: plain-Python policies, a frozen plan, and a crash-safe ``execute``.
+
+A :class:`Policy` answers one question: of these checkpoints, which do you
+want to keep, and why? Policies combine with ``|`` (keep what any keeps), and
+a script can define its own by subclassing :class:`Policy`. Everything a
+policy does not keep among the ``published``, ``verified`` and ``corrupt``
+steps of the run is deleted, except what the invariants protect whatever the
+policy says: ``@latest``, ``@latest-published``, tagged steps, ``staging`` rows
+and steps under an unexpired reader lease.
+
+``Registry.plan_retention`` returns a :class:`RetentionPlan` and changes
+nothing. :meth:`RetentionPlan.execute` deletes only steps the plan meant to
+delete, and only those that are *still* deletable: inside the write
+transaction that marks them it re-reads the catalog, re-applies the
+invariants and re-runs the policy (a new publish, tag, lease or late metric
+since the plan wins), and reports what it skipped and why.
+
+Deletion order, so a SIGKILL anywhere leaves nothing worse than a ``deleted``
+row whose directory still exists: (1) one catalog transaction marks the rows
+``deleted`` and records ``delete`` events (metrics and rows stay as history);
+(2) each directory is renamed to a hidden ``.step-N.retired-XXXX`` sibling, so
+it vanishes from its final path at once; (3) the retired copy is removed.
+``execute`` first finishes any such interrupted deletion of the run, so
+running gc again (or ``fsck --repair``) completes the job.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Literal
+
+from registry.catalog.retention import CANDIDATES, RetentionCatalog, RunSnapshot
+from registry.crashpoints import crashpoint
+from registry.errors import PolicyError, RegistryError
+from registry.manifest import MANIFEST, digest_bytes
+from registry.records import LIVE, RANKABLE, CheckpointInfo
+from registry.refs import check_metric_key, check_run_name
+from registry.store import fsync_dir
+
+if TYPE_CHECKING:
+    from registry.api import Registry
+
+_RETIRED_RE = re.compile(r"^\.step-(\d+)\.retired-")
+
+
+class RetentionWarning(RuntimeWarning):
+    """Retention after a publish failed; the publish itself succeeded."""
+
+
+def _bytes_text(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"
+
+
+def _positive_int(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise PolicyError(f"{what} must be a positive integer, got {value!r}")
+    return value
+
+
+# ---------------------------------------------------------------------------- policies
+
+
+@dataclass(frozen=True, kw_only=True)
+class RetentionContext:
+    """What a policy may know besides the checkpoints themselves."""
+
+    run: str
+    now: datetime
+    protected: Mapping[int, str]   # steps the invariants keep whatever the policy says, with why
+
+
+class Policy(ABC):
+    """Which checkpoints of a run to keep. Subclass it and implement :meth:`keep`.
+
+    ``checkpoints`` are the deletion candidates (``published``, ``verified``,
+    ``corrupt``), ascending by step, each with its current metrics, tags and
+    size. Return a mapping ``step -> reason`` (or an iterable of steps). A
+    policy should be a pure function of its arguments: ``execute`` calls it
+    again inside the write transaction that marks deletions.
+    """
+
+    @abstractmethod
+    def keep(self, checkpoints: Sequence[CheckpointInfo], context: RetentionContext) -> Mapping[int, str]:
+        """The steps to keep, each with a short human reason."""
+
+    def __or__(self, other: object) -> Policy:
+        if not isinstance(other, Policy):
+            return NotImplemented
+        return AnyOf(self, other)
+
+
+def evaluate(policy: Policy, checkpoints: Sequence[CheckpointInfo], context: RetentionContext) -> dict[int, str]:
+    """Run ``policy`` and check what it returned; a misbehaving policy is a :class:`PolicyError`."""
+    try:
+        result = policy.keep(checkpoints, context)
+    except RegistryError:
+        raise
+    except Exception as exc:
+        raise PolicyError(f"retention policy {policy!r} failed: {type(exc).__name__}: {exc}") from exc
+    if isinstance(result, Mapping):
+        items = list(result.items())
+    elif isinstance(result, Iterable) and not isinstance(result, (str, bytes)):
+        items = [(step, repr(policy)) for step in result]
+    else:
+        raise PolicyError(f"retention policy {policy!r} returned {type(result).__name__}, "
+                          "not a mapping of step -> reason")
+    steps = {c.step for c in checkpoints}
+    kept: dict[int, str] = {}
+    for step, reason in items:
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise PolicyError(f"retention policy {policy!r} returned step {step!r}, not an integer")
+        if step in steps:
+            kept[step] = str(reason)
+    return kept
+
+
+@dataclass(frozen=True, repr=False)
+class AnyOf(Policy):
+    """Keep what any of ``policies`` keeps (what ``a | b`` builds); reasons are joined."""
+
+    policies: tuple[Policy, ...]
+
+    def __init__(self, *policies: Policy) -> None:
+        flat: list[Policy] = []
+        for p in policies:
+            if not isinstance(p, Policy):
+                raise PolicyError(f"cannot combine {p!r}: not a retention Policy")
+            flat.extend(p.policies if isinstance(p, AnyOf) else (p,))
+        if not flat:
+            raise PolicyError("AnyOf needs at least one policy")
+        object.__setattr__(self, "policies", tuple(flat))
+
+    def keep(self, checkpoints: Sequence[CheckpointInfo], context: RetentionContext) -> Mapping[int, str]:
+        kept: dict[int, list[str]] = {}
+        for p in self.policies:
+            for step, reason in evaluate(p, checkpoints, context).items():
+                kept.setdefault(step, []).append(reason)
+        return {step: "; ".join(reasons) for step, reasons in kept.items()}
+
+    def __repr__(self) -> str:
+        return " | ".join(repr(p) for p in self.policies)
+
+
+@dataclass(frozen=True, repr=False)
+class KeepLast(Policy):
+    """The ``n`` newest loadable (``published``/``verified``) steps: what you can resume from."""
+
+    n: int
+
+    def __post_init__(self) -> None:
+        _positive_int(self.n, "KeepLast(n)")
+
+    def keep(self, checkpoints: Sequence[CheckpointInfo], context: RetentionContext) -> Mapping[int, str]:
+        live = [c.step for c in checkpoints if c.status in LIVE]
+        return {step: f"last {self.n}" for step in live[-self.n:]}
+
+    def __repr__(self) -> str:
+        return f"KeepLast({self.n})"
+
+
+@dataclass(frozen=True, repr=False)
+class KeepBest(Policy):
+    """The ``k`` best steps by ``metric`` at their own step, ranked exactly like ``RUN@best:METRIC``."""
+
+    k: int
+    metric: str
+    mode: Literal["min", "max"] = "min"
+
+    def __post_init__(self) -> None:
+        _positive_int(self.k, "KeepBest(k)")
+        check_metric_key(self.metric)
+        if self.mode not in ("min", "max"):
+            raise PolicyError(f"KeepBest mode must be 'min' or 'max', got {self.mode!r}")
+
+    def keep(self, checkpoints: Sequence[CheckpointInfo], context: RetentionContext) -> Mapping[int, str]:
+        ranked = [c for c in checkpoints if c.status in RANKABLE and self.metric in c.metrics]
+        sign = 1.0 if self.mode == "min" else -1.0
+        ranked.sort(key=lambda c: (sign * c.metrics[self.metric], -c.step))
+        return {c.step: f"best {i + 1}/{self.k} {self.metric}={c.metrics[self.metric]:.6g} ({self.mode})"
+                for i, c in enumerate(ranked[:self.k])}
+
+    def __repr__(self) -> str:
+        return f"KeepBest({self.k}, {self.metric!r}{'' if self.mode == 'min' else ', mode=' + repr(self.mode)})"
+
+
+@dataclass(frozen=True, repr=False)
+class KeepEvery(Policy):
+    """Steps that are a multiple of ``n_steps`` (a sparse long-term history)."""
+
+    n_steps: int
+
+    def __post_init__(self) -> None:
+        _positive_int(self.n_steps, "KeepEvery(n_steps)")
+
+    def keep(self, checkpoints: Sequence[CheckpointInfo], context: RetentionContext) -> Mapping[int, str]:
+        return {c.step: f"every {self.n_steps}" for c in checkpoints if c.step % self.n_steps == 0}
+
+    def __repr__(self) -> str:
+        return f"KeepEvery({self.n_steps})"
+
+
+@dataclass(frozen=True, repr=False)
+class KeepTagged(Policy):
+    """Tagged steps (any tag, or only ``names``). Tags protect anyway; this makes it explicit."""
+
+    names: frozenset[str]
+
+    def __init__(self, *names: str) -> None:
+        object.__setattr__(self, "names", frozenset(names))
+
+    def keep(self, checkpoints: Sequence[CheckpointInfo], context: RetentionContext) -> Mapping[int, str]:
+        return {c.step: "tagged " + ",".join(c.tags) for c in checkpoints
+                if c.tags and (not self.names or self.names.intersection(c.tags))}
+
+    def __repr__(self) -> str:
+        return f"KeepTagged({', '.join(map(repr, sorted(self.names)))})"
+
+
+@dataclass(frozen=True)
+class KeepNewerThan(Policy):
+    """Steps created less than ``age`` before the plan (a grace period for evaluators)."""
+
+    age: timedelta
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.age, timedelta) or self.age <= timedelta(0):
+            raise PolicyError(f"KeepNewerThan needs a positive timedelta, got {self.age!r}")
+
+    def keep(self, checkpoints: Sequence[CheckpointInfo], context: RetentionContext) -> Mapping[int, str]:
+        cutoff = context.now - self.age
+        return {c.step: f"newer than {self.age}" for c in checkpoints
+                if c.created_at is not None and c.created_at >= cutoff}
+
+
+@dataclass(frozen=True, repr=False)
+class KeepPolicyVersions(Policy):
+    """Steps of the ``last`` highest policy versions and/or of the listed ``versions`` (RL rollouts)."""
+
+    last: int | None
+    versions: frozenset[int]
+
+    def __init__(self, last: int | None = None, *, versions: Iterable[int] = ()) -> None:
+        if last is not None:
+            _positive_int(last, "KeepPolicyVersions(last)")
+        chosen = frozenset(versions)
+        if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in chosen):
+            raise PolicyError("KeepPolicyVersions versions must be non-negative integers, "
+                              f"got {sorted(chosen, key=str)}")
+        if last is None and not chosen:
+            raise PolicyError("KeepPolicyVersions needs last=N or versions=[...]")
+        object.__setattr__(self, "last", last)
+        object.__setattr__(self, "versions", chosen)
+
+    def keep(self, checkpoints: Sequence[CheckpointInfo], context: RetentionContext) -> Mapping[int, str]:
+        wanted = set(self.versions)
+        if self.last is not None:
+            present = sorted({c.policy_version for c in checkpoints
+                              if c.policy_version is not None and c.status in LIVE})
+            wanted.update(present[-self.last:])
+        return {c.step: f"policy version {c.policy_version}" for c in checkpoints if c.policy_version in wanted}
+
+    def __repr__(self) -> str:
+        parts = ([str(self.last)] if self.last is not None else []) + (
+            [f"versions={sorted(self.versions)}"] if self.versions else [])
+        return f"KeepPolicyVersions({', '.join(parts)})"
+
+
+@dataclass(frozen=True)
+class MaxBytes(Policy):
+    """A byte budget: keep the newest steps that fit in ``max_bytes``, deleting the oldest first.
+
+    The steps the invariants protect count against the budget first (they stay
+    anyway, so the run may still exceed it). ``keep`` narrows the candidates:
+    ``MaxBytes(n, keep=KeepLast(5) | KeepBest(1, "loss"))`` keeps what that
+    policy keeps, minus its oldest steps while the run is over budget; without
+    ``keep`` every loadable step is eligible. Once one step does not fit, no older
+    step is kept either, so what is deleted is always the oldest.
+    """
+
+    max_bytes: int
+    keep_policy: Policy | None = None
+
+    def __init__(self, max_bytes: int, *, keep: Policy | None = None) -> None:
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+            raise PolicyError(f"MaxBytes needs a non-negative number of bytes, got {max_bytes!r}")
+        if keep is not None and not isinstance(keep, Policy):
+            raise PolicyError(f"MaxBytes(keep=...) must be a retention Policy, got {keep!r}")
+        object.__setattr__(self, "max_bytes", max_bytes)
+        object.__setattr__(self, "keep_policy", keep)
+
+    def keep(self, checkpoints: Sequence[CheckpointInfo], context: RetentionContext) -> Mapping[int, str]:
+        eligible = (evaluate(self.keep_policy, checkpoints, context) if self.keep_policy is not None
+                    else {c.step: "" for c in checkpoints if c.status in LIVE})
+        used = sum(c.total_bytes for c in checkpoints if c.step in context.protected)
+        kept: dict[int, str] = {}
+        for c in sorted(checkpoints, key=lambda c: -c.step):
+            if c.step in context.protected or c.step not in eligible:
+                continue
+            if used + c.total_bytes > self.max_bytes:
+                break
+            used += c.total_bytes
+            why = f"within {_bytes_text(self.max_bytes)}"
+            kept[c.step] = f"{eligible[c.step]}, {why}" if eligible[c.step] else why
+        return kept
+
+    def __repr__(self) -> str:
+        return f"MaxBytes({self.max_bytes}{'' if self.keep_policy is None else f', keep={self.keep_policy!r}'})"
+
+
+# ---------------------------------------------------------------------------- plan
+
+
+@dataclass(frozen=True, kw_only=True)
+class Decision:
+    """One step of a plan: kept (with every reason) or deleted."""
+
+    step: int
+    status: str
+    action: Literal["keep", "delete"]
+    reasons: tuple[str, ...]
+    protected: bool        # kept by an invariant, whatever the policy says
+    total_bytes: int
+    path: Path
+
+    def __post_init__(self) -> None:
+        if self.action not in ("keep", "delete") or (self.action == "delete" and self.protected):
+            raise PolicyError(f"invalid retention decision for step {self.step}: {self.action}")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"step": self.step, "status": self.status, "action": self.action, "reasons": list(self.reasons),
+                "protected": self.protected, "total_bytes": self.total_bytes, "path": str(self.path)}
+
+
+def protections(snap: RunSnapshot, extra: Mapping[int, str] = MappingProxyType({})) -> dict[int, str]:
+    """The invariants: steps no policy may delete, with why."""
+    why: dict[int, list[str]] = {}
+    for c in snap.checkpoints:
+        if c.status == "staging":
+            why.setdefault(c.step, []).append("staging: publish in progress")
+        if c.step == snap.latest:
+            why.setdefault(c.step, []).append("@latest")
+        if c.step == snap.latest_published:
+            why.setdefault(c.step, []).append("@latest-published")
+        if c.tags:
+            why.setdefault(c.step, []).append("tagged " + ",".join(c.tags))
+        if c.step in snap.leases:
+            why.setdefault(c.step, []).append(f"leased by a reader until {snap.leases[c.step]:%Y-%m-%d %H:%M:%S}Z")
+    for step, reason in extra.items():
+        why.setdefault(step, []).append(reason)
+    return {step: "; ".join(reasons) for step, reasons in why.items()}
+
+
+@dataclass(frozen=True, kw_only=True)
+class RetentionResult:
+    """What :meth:`RetentionPlan.execute` did."""
+
+    run: str
+    deleted: tuple[int, ...]
+    skipped: Mapping[int, str]      # planned deletions that became protected or kept, with why
+    bytes_freed: int
+    healed: tuple[int, ...]         # interrupted earlier deletions this run finished
+    errors: Mapping[int, str]       # marked deleted but the directory could not be removed (retry gc)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"run": self.run, "deleted": list(self.deleted),
+                "skipped": {str(k): v for k, v in self.skipped.items()}, "bytes_freed": self.bytes_freed,
+                "healed": list(self.healed), "errors": {str(k): v for k, v in self.errors.items()}}
+
+
+@dataclass(frozen=True, kw_only=True)
+class RetentionPlan:
+    """What retention would do to one run, and why. Frozen; ``execute()`` acts on it."""
+
+    run: str
+    policy: Policy
+    decisions: tuple[Decision, ...]     # every staging/published/verified/corrupt step, ascending
+    now: datetime
+    protect: Mapping[int, str] = field(default_factory=dict)  # extra protections (the step just published)
+    registry: Registry | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def keep(self) -> Mapping[int, str]:
+        """step -> why it is kept, ascending."""
+        return MappingProxyType({d.step: "; ".join(d.reasons) for d in self.decisions if d.action == "keep"})
+
+    @property
+    def delete(self) -> Mapping[int, str]:
+        """step -> why it is deleted, ascending."""
+        return MappingProxyType({d.step: "; ".join(d.reasons) for d in self.decisions if d.action == "delete"})
+
+    @property
+    def bytes_freed(self) -> int:
+        return sum(d.total_bytes for d in self.decisions if d.action == "delete")
+
+    @property
+    def bytes_kept(self) -> int:
+        return sum(d.total_bytes for d in self.decisions if d.action == "keep")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"run": self.run, "policy": repr(self.policy), "now": self.now.isoformat(),
+                "keep": [d.step for d in self.decisions if d.action == "keep"],
+                "delete": [d.step for d in self.decisions if d.action == "delete"],
+                "bytes_freed": self.bytes_freed, "bytes_kept": self.bytes_kept,
+                "decisions": [d.to_json() for d in self.decisions]}
+
+    def execute(self) -> RetentionResult:
+        """Delete what the plan deletes and is still deletable now; see the module docstring."""
+        if self.registry is None:
+            raise PolicyError("this plan is not bound to a registry; make it with Registry.plan_retention")
+        return _execute(self.registry, self)
+
+
+def _candidates(reg: Registry, snap: RunSnapshot) -> list[CheckpointInfo]:
+    return [reg._absolute(c) for c in snap.checkpoints if c.status in CANDIDATES]
+
+
+def make_plan(reg: Registry, run: str, policy: Policy, *, now: datetime | None = None,
+              protect: Mapping[int, str] = MappingProxyType({})) -> RetentionPlan:
+    """Decide, without changing anything, what ``policy`` keeps and deletes in ``run``."""
+    check_run_name(run)
+    if not isinstance(policy, Policy):
+        raise PolicyError(f"a retention policy must be a registry.retention.Policy, got {policy!r}")
+    if now is None:
+        now = datetime.now(timezone.utc)
+    elif now.tzinfo is None:
+        raise PolicyError("now= must be a timezone-aware datetime")
+    snap = RetentionCatalog(reg.catalog).snapshot(run)
+    protected = protections(snap, protect)
+    candidates = _candidates(reg, snap)
+    kept = evaluate(policy, candidates, RetentionContext(run=run, now=now, protected=protected))
+    decisions = []
+    for c in snap.checkpoints:
+        keep = c.step in protected or c.step in kept or c.status not in CANDIDATES
+        reasons = tuple(r for r in (protected.get(c.step), kept.get(c.step)) if r)
+        if not keep:
+            reasons = ("not kept by the policy",)
+        decisions.append(Decision(step=c.step, status=c.status, action="keep" if keep else "delete",
+                                  reasons=reasons or ("kept",),
+                                  protected=c.step in protected, total_bytes=c.total_bytes,
+                                  path=reg.store.root / c.path))
+    return RetentionPlan(run=run, policy=policy, decisions=tuple(decisions), now=now,
+                         protect=MappingProxyType(dict(protect)), registry=reg)
+
+
+# ---------------------------------------------------------------------------- execute
+
+
+def _rmtree(path: Path) -> None:
+    """``shutil.rmtree`` that tolerates a concurrent gc removing the same tree."""
+    for _ in range(3):
+        try:
+            shutil.rmtree(path)
+            return
+        except FileNotFoundError:
+            if not path.exists():
+                return
+    shutil.rmtree(path)
+
+
+def _manifest_digest(directory: Path) -> str | None:
+    try:
+        return digest_bytes((directory / MANIFEST).read_bytes())
+    except OSError:
+        return None
+
+
+def remove_checkpoint_dir(final: Path, manifest_sha256: str | None = None) -> bool:
+    """Rename ``final`` to a hidden retired sibling (atomic for readers), then remove it.
+
+    False when there was nothing to remove (or a concurrent gc renamed it
+    first). ``manifest_sha256`` is the digest of the payload the catalog
+    marked deleted: a step re-published in the meantime (a ``deleted`` row can
+    be claimed again) has installed a different manifest, and that directory
+    is put back instead of removed.
+    """
+    if not final.exists():
+        return False
+    retired = Path(tempfile.mkdtemp(prefix=f".{final.name}.retired-", dir=final.parent))
+    retired.rmdir()
+    try:
+        os.replace(final, retired)
+    except FileNotFoundError:
+        return False
+    digest = _manifest_digest(retired) if manifest_sha256 is not None else None
+    if digest is not None and digest != manifest_sha256:
+        try:
+            os.replace(retired, final)
+        except OSError:
+            pass  # something new is in place already; fsck sorts out the retired copy
+        return False
+    fsync_dir(final.parent)
+    crashpoint("gc-after-retire")
+    _rmtree(retired)
+    return True
+
+
+def finish_interrupted(reg: Registry, run: str) -> tuple[tuple[int, ...], dict[int, str]]:
+    """Remove what a killed gc left of ``deleted`` rows: final or retired directories."""
+    rows = RetentionCatalog(reg.catalog).deleted_rows(run)
+    deleted = {r.step for r in rows}
+    healed: set[int] = set()
+    errors: dict[int, str] = {}
+    for r in rows:
+        try:
+            if remove_checkpoint_dir(reg.store.root / r.path, r.manifest_sha256):
+                healed.add(r.step)
+        except OSError as exc:
+            errors[r.step] = f"cannot remove {reg.store.root / r.path}: {exc.strerror or exc}"
+    run_dir = reg.store.run_dir(run)
+    if deleted and run_dir.is_dir():
+        for entry in run_dir.iterdir():
+            match = _RETIRED_RE.match(entry.name)
+            if match and int(match.group(1)) in deleted and entry.is_dir():
+                try:
+                    _rmtree(entry)
+                    healed.add(int(match.group(1)))
+                except OSError as exc:
+                    errors[int(match.group(1))] = f"cannot remove {entry}: {exc.strerror or exc}"
+    return tuple(sorted(healed)), errors
+
+
+def _execute(reg: Registry, plan: RetentionPlan) -> RetentionResult:
+    healed, errors = finish_interrupted(reg, plan.run)
+    planned = sorted(plan.delete)
+    skipped: dict[int, str] = {}
+
+    def decide(snap: RunSnapshot) -> dict[int, str]:
+        skipped.clear()  # the transaction may be retried: start over each time
+        protected = protections(snap, plan.protect)
+        by_step = {c.step: c for c in snap.checkpoints}
+        kept = evaluate(plan.policy, _candidates(reg, snap),
+                        RetentionContext(run=plan.run, now=plan.now, protected=protected))
+        doomed: dict[int, str] = {}
+        for step in planned:
+            c = by_step.get(step)
+            if c is None or c.status not in CANDIDATES:
+                skipped[step] = f"no longer a candidate ({c.status if c is not None else 'deleted or failed'})"
+            elif step in protected:
+                skipped[step] = f"now protected: {protected[step]}"
+            elif step in kept:
+                skipped[step] = f"now kept by the policy: {kept[step]}"
+            else:
+                doomed[step] = plan.delete[step]
+        return doomed
+
+    marked = RetentionCatalog(reg.catalog).mark_deleted(plan.run, decide, actor=reg.writer)
+    if marked:
+        crashpoint("gc-after-mark")
+    for row in marked:
+        try:
+            remove_checkpoint_dir(reg.store.root / row.path, row.manifest_sha256)
+        except OSError as exc:
+            errors[row.step] = f"cannot remove {reg.store.root / row.path}: {exc.strerror or exc}"
+    return RetentionResult(run=plan.run, deleted=tuple(r.step for r in marked), skipped=dict(skipped),
+                           bytes_freed=sum(r.total_bytes for r in marked), healed=healed, errors=errors)
+
+
+__all__ = ["AnyOf", "Decision", "KeepBest", "KeepEvery", "KeepLast", "KeepNewerThan", "KeepPolicyVersions",
+           "KeepTagged", "MaxBytes", "Policy", "RetentionContext", "RetentionPlan", "RetentionResult",
+           "RetentionWarning", "evaluate", "finish_interrupted", "make_plan", "protections"]
