@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -36,6 +36,9 @@ from registry.refs import Ref, check_metric_key, check_run_name, check_step, che
 from registry.store import (Payload, Store, discard, install, new_staging, now_timestamp, read_directory,
                             remove_stale_staging, verify_directory, write_payload, writer_alive, writer_id)
 from registry.tensorio import check_state_dict
+
+if TYPE_CHECKING:
+    from registry.fsck import FsckReport
 
 DEFAULT_ROOT = "checkpoints"
 
@@ -358,6 +361,17 @@ class Registry:
     # ------------------------------------------------------------------ import (issue 5)
 
     # ------------------------------------------------------------------ fsck (issue 6)
+
+    def fsck(self, repair: bool = False, *, checksums: bool = False) -> FsckReport:
+        """Reconcile the catalog with the root (design section 4); ``repair`` fixes what it finds.
+
+        Never called implicitly: :meth:`open` does not repair, and publish and
+        load stay correct while problems are pending. ``checksums`` re-hashes
+        every live step instead of checking sizes and manifest digests.
+        """
+        from registry.fsck import run_fsck
+        return run_fsck(catalog=self.catalog, root=self.store.root, repair=repair, checksums=checksums,
+                        actor=self.writer)
 
     # ------------------------------------------------------------------ async publish (issue 7)
 
