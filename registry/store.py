@@ -14,6 +14,7 @@ import os
 import pickle
 import shutil
 import socket
+import stat
 import tempfile
 import time
 import zipfile
@@ -236,8 +237,9 @@ class Loaded:
 
 def _open_inside(directory: Path, name: str) -> io.FileIO:
     check_file_name(name, where=directory)
-    try:
-        fd = os.open(directory / name, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:  # O_NONBLOCK: a FIFO planted under a checkpoint name must not hang the reader
+        fd = os.open(directory / name, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+                     | getattr(os, "O_NONBLOCK", 0))
     except FileNotFoundError:
         raise CorruptCheckpointError(f"checkpoint file is missing: {directory / name}",
                                      path=directory / name) from None
@@ -247,6 +249,10 @@ def _open_inside(directory: Path, name: str) -> io.FileIO:
                                   path=directory / name) from None
         raise CorruptCheckpointError(f"cannot read {directory / name}: {exc.strerror}",
                                      path=directory / name) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CorruptCheckpointError(f"checkpoint file is not a regular file: {directory / name}",
+                                     path=directory / name)
     return io.FileIO(fd, "rb", closefd=True)
 
 
