@@ -175,12 +175,15 @@ def new_staging(final: Path) -> Path:
     return Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
 
 
-def install(staging: Path, final: Path) -> None:
+def install(staging: Path, final: Path, *, keep_retired: bool = False) -> Path | None:
     """Atomically make ``staging`` the directory ``final``.
 
     An existing ``final`` is first renamed to a hidden ``.retired-`` sibling;
     a crash between the two renames leaves the old payload under that name,
-    which fsck restores. The parent is fsync'd so the rename survives power loss.
+    which fsck restores. The parent is fsync'd so the rename survives power loss;
+    if that fsync fails the renames are undone, since the caller will not commit
+    them. With ``keep_retired`` the old payload is returned instead of removed, so
+    a caller whose catalog commit fails can put it back (:func:`uninstall`).
     """
     retired: Path | None = None
     if final.exists():
@@ -194,10 +197,23 @@ def install(staging: Path, final: Path) -> None:
         if retired is not None:
             os.replace(retired, final)
         raise
-    fsync_dir(final.parent)
+    try:
+        fsync_dir(final.parent)
+    except BaseException:
+        uninstall(staging, final, retired)
+        raise
     crashpoint("after-rename")
-    if retired is not None:
+    if retired is not None and not keep_retired:
         shutil.rmtree(retired, ignore_errors=True)
+        return None
+    return retired
+
+
+def uninstall(staging: Path, final: Path, retired: Path | None) -> None:
+    """Undo :func:`install`: the new payload back to ``staging``, the retired one back in place."""
+    os.replace(final, staging)
+    if retired is not None:
+        os.replace(retired, final)
 
 
 def discard(path: Path) -> None:
