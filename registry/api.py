@@ -328,6 +328,9 @@ class Registry:
                 loaded = self.read_checked(info, verify=verify, map_location=map_location,
                                            trust_pickle=trust_pickle)
             except CorruptCheckpointError as exc:
+                now = self.catalog.get(info.run, info.step)
+                if now is None or (now.status, now.manifest_sha256) != (info.status, info.manifest_sha256):
+                    continue  # replaced or deleted while we read it: not corruption; resolve again
                 self.mark_corrupt(info, str(exc))
                 if parsed.names_one_step:
                     raise
