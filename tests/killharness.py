@@ -41,6 +41,7 @@ from registry import Registry
 from registry.catalog.session import head_revision
 from registry.crashpoints import arm
 from registry.errors import RegistryError
+from registry.store import read_directory
 
 RUNS = ("r0", "r1")
 MAX_STEPS = 6  # per run; beyond it "publish" overwrites, keeping each check cheap
@@ -164,12 +165,23 @@ def _fail(msg: str) -> None:
     raise InvariantError(msg)
 
 
-def snapshot_live(reg: Registry) -> dict[tuple[str, int], str]:
+def catalog_view(reg: Registry) -> dict[str, list[Any]]:
+    """Every row of the harness's runs, deleted and failed included (few queries: each one costs)."""
+    names = {r.name for r in reg.runs()}
+    return {run: reg.checkpoints(run, include_deleted=True) for run in RUNS if run in names}
+
+
+def snapshot_live(view: dict[str, list[Any]]) -> dict[tuple[str, int], str]:
+    return {(run, i.step): i.status for run, infos in view.items() for i in infos
+            if i.status in ("published", "verified")}
+
+
+def latest_verified(view: dict[str, list[Any]]) -> dict[str, int]:
     out = {}
-    for run in RUNS:
-        for i in (reg.checkpoints(run) if run in {r.name for r in reg.runs()} else []):
-            if i.status in ("published", "verified"):
-                out[(run, i.step)] = i.status
+    for run, infos in view.items():
+        verified = [i.step for i in infos if i.status == "verified"]
+        if verified:
+            out[run] = max(verified)
     return out
 
 
@@ -180,6 +192,7 @@ def check_invariants(reg: Registry, *, before: dict[tuple[str, int], str], lates
     if report.failures or report.unrepaired or report.in_progress:
         _fail(f"fsck could not repair: {report.to_json()}")
     tally.repairs.update(p.kind for p in report.repaired)
+    # catalog consistent with disk: a second fsck, re-hashing every live step, finds nothing
     again = reg.fsck(checksums=True)
     if not again.clean or again.in_progress:
         _fail(f"second fsck not clean: {again.to_json()}")
@@ -187,65 +200,54 @@ def check_invariants(reg: Registry, *, before: dict[tuple[str, int], str], lates
     leftovers = [p.name for p in root.glob("*/.*") if ".tmp-" in p.name or ".retired-" in p.name]
     if leftovers:
         _fail(f"hidden directories left behind: {leftovers}")
-    names = {r.name for r in reg.runs()}
-    for run in RUNS:
-        if run not in names:
-            continue
-        infos = reg.checkpoints(run, include_deleted=True)
+    view = catalog_view(reg)
+    for run, infos in view.items():
         if any(i.status == "staging" for i in infos):
             _fail(f"staging rows left: {[i.step for i in infos if i.status == 'staging']}")
         live = {i.step: i for i in infos if i.status in ("published", "verified")}
         for step, info in sorted(live.items()):
-            # the second fsck re-hashed every live step against the catalog; loading (which also
-            # checks the tensors belong to their seed) is needed only where the payload changed
+            # fsck just re-hashed every live step against the catalog; reading the tensors (to check
+            # they belong to the seed in their own meta.json) is needed only where the payload changed
             if tally.loaded.get((run, step)) == info.manifest_sha256:
                 continue
-            ckpt = reg.load(f"{run}@{step}", verify=True)  # raises on any checksum mismatch
-            seed = ckpt.meta.get("seed")
+            loaded = read_directory(root / info.path, verify=True)  # raises on any checksum mismatch
+            if loaded.manifest_sha256 != info.manifest_sha256:
+                _fail(f"{run}@{step}: manifest on disk is not the one the catalog recorded")
+            seed = loaded.meta.get("seed")
             want = state(seed)
-            if set(ckpt.state_dict) != set(want) or not all(torch.equal(ckpt.state_dict[k], want[k]) for k in want):
+            if set(loaded.state_dict) != set(want) or not all(
+                    torch.equal(loaded.state_dict[k], want[k]) for k in want):
                 _fail(f"{run}@{step} loads but its tensors are not the ones published with seed {seed}")
-            if "opt" in ckpt.extra and not torch.equal(ckpt.extra["opt"]["m"], torch.full((8,), float(seed % 97))):
+            if "opt" in loaded.extra and not torch.equal(loaded.extra["opt"]["m"],
+                                                         torch.full((8,), float(seed % 97))):
                 _fail(f"{run}@{step} optimizer extra does not belong to its weights")
             tally.checked_steps += 1
             tally.loaded[(run, step)] = info.manifest_sha256
         for i in infos:
-            if i.status in ("failed", "deleted") and i.path.exists():
+            if i.status in ("failed", "deleted") and (root / i.path).exists():
                 _fail(f"{run}@{i.step} is {i.status} but its directory exists")
         for (r, step), _status in before.items():
             if r == run and step not in live and not (may_delete and any(
                     i.step == step and i.status == "deleted" for i in infos)):
                 _fail(f"{run}@{step} was live before the kill and is now lost")
-        if run in latest_before:
-            if latest_before[run] not in live:
-                _fail(f"{run}@{latest_before[run]}, the latest verified step before the kill, is gone")
-            reg.load(f"{run}@latest", verify=True)
-        for info in live.values():
-            for tag in info.tags:
-                if reg.resolve(f"{run}@{tag}").step != info.step:
-                    _fail(f"tag {tag} of {run} is inconsistent")
-        try:
-            resolved = reg.resolve(f"{run}@latest-published")
-        except RegistryError:
-            resolved = None
-        if resolved is not None and resolved.step not in live:
-            _fail(f"{run}@latest-published resolves to a step that is not live")
-
-
-def latest_verified(reg: Registry) -> dict[str, int]:
-    out = {}
-    for run in RUNS:
-        try:
-            out[run] = reg.resolve(f"{run}@latest").step
-        except RegistryError:
-            pass
-    return out
+        if run in latest_before and latest_before[run] not in live:
+            _fail(f"{run}@{latest_before[run]}, the latest verified step before the kill, is gone")
+        tagged = collections.Counter(t for i in infos for t in i.tags)
+        if any(n != 1 for n in tagged.values()) or any(i.tags and i.step not in live for i in infos):
+            _fail(f"tags of {run} do not each name one live step")
+    if view:  # through the public API, as a trainer resuming would
+        run = sorted(view)[tally.kills % len(view)]
+        if run in latest_before or any(i.status == "verified" for i in view[run]):
+            ckpt = reg.load(f"{run}@latest", verify=True)
+            if ckpt.step < latest_before.get(run, -1):
+                _fail(f"{run}@latest went back from {latest_before[run]} to {ckpt.step}")
 
 
 def kill_once(reg: Registry, url: str, *, rng: random.Random, mix: tuple[str, ...], max_delay: float,
               tally: Tally, crash_at: str | None = None, once: str | None = None) -> int:
     """Start a worker, kill it (at ``crash_at``, or after a random delay), repair and check."""
-    before, latest = snapshot_live(reg), latest_verified(reg)
+    view = catalog_view(reg)
+    before, latest = snapshot_live(view), latest_verified(view)
     ready = context().Event()
     proc = context().Process(target=worker, args=(url, str(reg.store.root), mix, rng.randrange(1 << 30),
                                                   crash_at, once, ready), daemon=True)
@@ -362,7 +364,8 @@ def crashpoint_kills(url: str, root: Path, *, rounds: int = 1, seed: int = 0) ->
 
 def _fsck_kill(reg: Registry, url: str, *, rng: random.Random, tally: Tally) -> None:
     """An overwrite killed after retiring, then the fsck that restores it killed too."""
-    before, latest = snapshot_live(reg), latest_verified(reg)
+    view = catalog_view(reg)
+    before, latest = snapshot_live(view), latest_verified(view)
     for crash_at, once in (("after-retire", "overwrite"), ("fsck-after-restore", "fsck")):
         proc = context().Process(target=worker, args=(url, str(reg.store.root), DEFAULT_MIX,
                                                       rng.randrange(1 << 30), crash_at, once), daemon=True)

@@ -3,7 +3,7 @@
 Eight worker processes start together on a barrier. Every error a worker
 meets is sent back as text, so "database is locked" or a serialization
 failure reaching the user fails the test with its message.
-``REGISTRY_RACE_ROUNDS`` repeats the same-step race (default 2).
+``REGISTRY_RACE_ROUNDS`` repeats the same-step race (default 1).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from tests.conftest import pg_schema_url
 from tests.killharness import context, state
 
 WORKERS = 8
-ROUNDS = int(os.environ.get("REGISTRY_RACE_ROUNDS", "2"))
+ROUNDS = int(os.environ.get("REGISTRY_RACE_ROUNDS", "1"))
 
 
 def _run(target: Callable[..., Any], args_for: Callable[[int], tuple[Any, ...]], n: int = WORKERS) -> list[Any]:
