@@ -284,3 +284,14 @@ def test_fsck_is_itself_crash_safe(sqlite_reg: Registry, kill_at: str) -> None:
     assert kinds(reg.fsck()) == [("run", 5, "uncommitted-publish")]
     reg.fsck(repair=True)
     assert reg.fsck().clean and reg.resolve("run").step == 5
+
+
+def test_open_never_repairs(catalog_url: str, root: Path) -> None:
+    with Registry.open(url=catalog_url, root=root) as reg:
+        reg.publish("run", 1, make_state(1))
+        crash_after_rename(reg, "run", 2, seed=2)
+        new_staging(reg.store.step_dir("run", 3))
+        disk, cat = disk_state(root), catalog_state(reg)
+    with Registry.open(url=catalog_url, root=root) as reg:
+        assert disk_state(root) == disk and catalog_state(reg) == cat
+        assert len(reg.fsck().problems) == 2
