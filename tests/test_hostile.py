@@ -370,6 +370,7 @@ def test_every_manifest_flip_is_detected(sqlite_reg: Registry) -> None:
             continue
         assert loaded.manifest_sha256 != info.manifest_sha256
     path.write_bytes(original)
+    print(f"\nmanifest flips detected: {len(original)}")
     assert sqlite_reg.verify("run@1")[0].ok
 
 
@@ -383,6 +384,7 @@ def test_every_truncation_is_detected(tmp_path: Path) -> None:
             read_directory(directory, verify=False)  # the size check alone catches it
         assert verify_directory(directory)
     path.write_bytes(original)
+    print(f"\ntruncations detected: {len(original)}")
 
 
 def test_damaged_latest_falls_back_and_is_marked(reg: Registry) -> None:
