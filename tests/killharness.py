@@ -64,7 +64,7 @@ def op_publish(reg: Registry, rng: random.Random, run: str) -> None:
     steps = _live_steps(reg, run)
     if len(steps) >= MAX_STEPS:
         return op_overwrite(reg, rng, run)
-    step = (max(steps) + 1) * 10 if steps else 10
+    step = max(steps) + 10 if steps else 10
     seed = rng.randrange(1 << 30)
     extra = {"opt": {"m": torch.full((8,), float(seed % 97))}} if rng.random() < 0.3 else None
     reg.publish(run, step, state(seed), meta={"seed": seed}, extra=extra, metrics={"loss": rng.random()},
@@ -109,7 +109,7 @@ def register_op(name: str, fn: Callable[[Registry, random.Random, str], None], *
 
 
 def worker(url: str, root: str, mix: tuple[str, ...], seed: int, crash_at: str | None, once: str | None,
-           ready: Any = None) -> None:
+           ready: Any = None, runs: tuple[str, ...] = RUNS) -> None:
     """Open the registry and run operations: ``once`` one named op, else random ops forever."""
     arm(crash_at)
     rng = random.Random(seed)
@@ -117,10 +117,42 @@ def worker(url: str, root: str, mix: tuple[str, ...], seed: int, crash_at: str |
         if ready is not None:
             ready.set()
         if once is not None:
-            OPS[once].fn(reg, rng, RUNS[0])
+            OPS[once].fn(reg, rng, runs[0])
             return
         while True:
-            OPS[rng.choice(mix)].fn(reg, rng, rng.choice(RUNS))
+            OPS[rng.choice(mix)].fn(reg, rng, rng.choice(runs))
+
+
+WORKER_APP = "registry-killworker"
+
+
+def worker_url(url: str) -> str:
+    """The catalog URL a worker uses: on PostgreSQL its sessions are named, so the parent can find them."""
+    if not url.startswith("postgresql"):
+        return url
+    return url + ("&" if "?" in url else "?") + f"application_name={WORKER_APP}"
+
+
+def settle(reg: Registry) -> None:
+    """Wait until a killed worker's PostgreSQL sessions are gone.
+
+    The server notices a dead client only when it next reads from it, so a
+    COMMIT the worker sent just before SIGKILL may still be completing; fsck
+    (like an operator) must look at the state after it. Terminating the
+    sessions aborts whatever was not yet committed, as the server would anyway.
+    """
+    if reg.catalog.dialect != "postgresql":
+        return
+    from sqlalchemy import text
+    query = "FROM pg_stat_activity WHERE application_name = :app AND datname = current_database()"
+    deadline = time.monotonic() + 60
+    with reg.catalog.engine.connect() as conn:
+        conn.execution_options(isolation_level="AUTOCOMMIT")
+        while conn.execute(text(f"SELECT count(*) {query}"), {"app": WORKER_APP}).scalar():
+            conn.execute(text(f"SELECT pg_terminate_backend(pid) {query}"), {"app": WORKER_APP})
+            if time.monotonic() > deadline:
+                _fail("a killed worker's database session does not go away")
+            time.sleep(0.01)  # polling for a condition, not a wait for luck
 
 
 _CTX: Any = None
@@ -165,10 +197,24 @@ def _fail(msg: str) -> None:
     raise InvariantError(msg)
 
 
-def catalog_view(reg: Registry) -> dict[str, list[Any]]:
-    """Every row of the harness's runs, deleted and failed included (few queries: each one costs)."""
+def catalog_view(reg: Registry, runs: tuple[str, ...] = RUNS) -> dict[str, list[Any]]:
+    """Every row of ``runs``, deleted and failed included (few queries: each one costs)."""
     names = {r.name for r in reg.runs()}
-    return {run: reg.checkpoints(run, include_deleted=True) for run in RUNS if run in names}
+    return {run: reg.checkpoints(run, include_deleted=True) for run in runs if run in names}
+
+
+def current_runs(reg: Registry, generation: list[int]) -> tuple[str, ...]:
+    """The pair of runs workers use now; a new pair once both are full, so new steps keep coming."""
+    while True:
+        runs = (f"r{2 * generation[0]}", f"r{2 * generation[0] + 1}")
+        view = catalog_view(reg, runs)
+        if len(view) < 2 or min(len(_live(v)) for v in view.values()) < MAX_STEPS:
+            return runs
+        generation[0] += 1
+
+
+def _live(infos: list[Any]) -> list[Any]:
+    return [i for i in infos if i.status in ("published", "verified")]
 
 
 def snapshot_live(view: dict[str, list[Any]]) -> dict[tuple[str, int], str]:
@@ -186,7 +232,7 @@ def latest_verified(view: dict[str, list[Any]]) -> dict[str, int]:
 
 
 def check_invariants(reg: Registry, *, before: dict[tuple[str, int], str], latest_before: dict[str, int],
-                     may_delete: bool, tally: Tally) -> None:
+                     may_delete: bool, tally: Tally, runs: tuple[str, ...] = RUNS) -> None:
     """fsck --repair, then everything the product promises after a crash."""
     report = reg.fsck(repair=True)
     if report.failures or report.unrepaired or report.in_progress:
@@ -200,7 +246,7 @@ def check_invariants(reg: Registry, *, before: dict[tuple[str, int], str], lates
     leftovers = [p.name for p in root.glob("*/.*") if ".tmp-" in p.name or ".retired-" in p.name]
     if leftovers:
         _fail(f"hidden directories left behind: {leftovers}")
-    view = catalog_view(reg)
+    view = catalog_view(reg, runs)
     for run, infos in view.items():
         if any(i.status == "staging" for i in infos):
             _fail(f"staging rows left: {[i.step for i in infos if i.status == 'staging']}")
@@ -244,13 +290,15 @@ def check_invariants(reg: Registry, *, before: dict[tuple[str, int], str], lates
 
 
 def kill_once(reg: Registry, url: str, *, rng: random.Random, mix: tuple[str, ...], max_delay: float,
-              tally: Tally, crash_at: str | None = None, once: str | None = None) -> int:
+              tally: Tally, crash_at: str | None = None, once: str | None = None,
+              runs: tuple[str, ...] = RUNS) -> int:
     """Start a worker, kill it (at ``crash_at``, or after a random delay), repair and check."""
-    view = catalog_view(reg)
+    view = catalog_view(reg, runs)
     before, latest = snapshot_live(view), latest_verified(view)
     ready = context().Event()
-    proc = context().Process(target=worker, args=(url, str(reg.store.root), mix, rng.randrange(1 << 30),
-                                                  crash_at, once, ready), daemon=True)
+    proc = context().Process(target=worker, args=(worker_url(url), str(reg.store.root), mix,
+                                                  rng.randrange(1 << 30), crash_at, once, ready, runs),
+                             daemon=True)
     proc.start()
     if crash_at is None:
         # kills while opening are migration_kills' job; here the moment is random within the operations
@@ -270,8 +318,9 @@ def kill_once(reg: Registry, url: str, *, rng: random.Random, mix: tuple[str, ..
         _fail(f"worker failed with exit code {proc.exitcode} before it was killed")
     else:
         tally.kills += 1
+    settle(reg)
     may_delete = any(OPS[name].deletes for name in (mix if once is None else (once,)))
-    check_invariants(reg, before=before, latest_before=latest, may_delete=may_delete, tally=tally)
+    check_invariants(reg, before=before, latest_before=latest, may_delete=may_delete, tally=tally, runs=runs)
     return proc.exitcode
 
 
@@ -280,9 +329,11 @@ def random_kills(url: str, root: Path, *, kills: int, seed: int = 0, mix: tuple[
     """``kills`` random-moment kills of a worker looping over ``mix`` on one catalog."""
     rng = random.Random(seed)
     tally = Tally()
+    generation = [0]
     with Registry.open(url=url, root=root) as reg:
         while tally.kills < kills:
-            kill_once(reg, url, rng=rng, mix=mix, max_delay=max_delay, tally=tally)
+            kill_once(reg, url, rng=rng, mix=mix, max_delay=max_delay, tally=tally,
+                      runs=current_runs(reg, generation))
     return tally
 
 
@@ -294,7 +345,8 @@ def migration_kills(make_url: Callable[[], str], root: Path, *, kills: int, seed
     for i in range(kills):
         url = make_url()
         sub = root / f"m{i}"
-        proc = context().Process(target=worker, args=(url, str(sub), ("publish",), i, None, None), daemon=True)
+        proc = context().Process(target=worker, args=(worker_url(url), str(sub), ("publish",), i, None, None),
+                                 daemon=True)
         proc.start()
         time.sleep(rng.uniform(0, max_delay))
         proc.kill()
@@ -311,6 +363,7 @@ def migration_kills(make_url: Callable[[], str], root: Path, *, kills: int, seed
         finally:
             engine.dispose()
         with Registry.open(url=url, root=sub) as reg:
+            settle(reg)
             if reg.catalog.revision() != head_revision():
                 _fail(f"catalog at {reg.catalog.revision()} after a killed migration")
             check_invariants(reg, before={}, latest_before={}, may_delete=False, tally=tally)
@@ -367,13 +420,14 @@ def _fsck_kill(reg: Registry, url: str, *, rng: random.Random, tally: Tally) -> 
     view = catalog_view(reg)
     before, latest = snapshot_live(view), latest_verified(view)
     for crash_at, once in (("after-retire", "overwrite"), ("fsck-after-restore", "fsck")):
-        proc = context().Process(target=worker, args=(url, str(reg.store.root), DEFAULT_MIX,
+        proc = context().Process(target=worker, args=(worker_url(url), str(reg.store.root), DEFAULT_MIX,
                                                       rng.randrange(1 << 30), crash_at, once), daemon=True)
         proc.start()
         proc.join(120)
         if proc.exitcode != -9:
             _fail(f"{once} never reached {crash_at} (exit {proc.exitcode})")
         tally.kills += 1
+        settle(reg)
     check_invariants(reg, before=before, latest_before=latest, may_delete=False, tally=tally)
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import Connection, delete, insert, select, update
+from sqlalchemy.exc import IntegrityError
 
 from registry.catalog.models import CheckpointFile, CheckpointRow, Run
 from registry.catalog.queries import Catalog, FileRecord, utcnow
@@ -61,9 +62,12 @@ def snapshot(catalog: Catalog) -> list[RowState]:
 
 
 def _row(conn: Connection, run: str, step: int) -> Any:
-    return conn.execute(select(CheckpointRow.id, CheckpointRow.run_id, CheckpointRow.status, CheckpointRow.writer)
-                        .join(Run, Run.id == CheckpointRow.run_id)
-                        .where(Run.name == run, CheckpointRow.step == step)).first()
+    """The row, locked: on PostgreSQL a writer's in-flight transaction is waited for, then seen."""
+    query = (select(CheckpointRow.id, CheckpointRow.run_id, CheckpointRow.status, CheckpointRow.writer)
+             .join(Run, Run.id == CheckpointRow.run_id).where(Run.name == run, CheckpointRow.step == step))
+    if conn.dialect.name == "postgresql":
+        query = query.with_for_update(of=CheckpointRow)
+    return conn.execute(query).first()
 
 
 def _unchanged(row: Any, seen: RowState | None) -> bool:
@@ -93,8 +97,13 @@ def record_payload(catalog: Catalog, seen: RowState | None, *, run: str, step: i
             deleted_at=None)
         if row is None:
             run_id = Catalog._run_id(conn, run, create=True)
-            cid = conn.execute(insert(CheckpointRow).values(run_id=run_id, step=step, writer=None, created_at=now,
-                                                            **values).returning(CheckpointRow.id)).scalar_one()
+            try:
+                with conn.begin_nested():
+                    cid = conn.execute(insert(CheckpointRow).values(
+                        run_id=run_id, step=step, writer=None, created_at=now,
+                        **values).returning(CheckpointRow.id)).scalar_one()
+            except IntegrityError:
+                return False  # a writer claimed the step meanwhile
         else:
             run_id, cid = row.run_id, row.id
             conn.execute(update(CheckpointRow).where(CheckpointRow.id == cid).values(**values))
