@@ -27,6 +27,9 @@ takes a step over in the meantime wins and fsck leaves it alone.
 | damaged-payload | published/verified row, files differ from the catalog | mark corrupt |
 
 A staging row whose writer is alive is reported in ``in_progress`` and left alone.
+A repair skipped because the row changed after the snapshot (a writer took the
+step over, or a dead writer's last COMMIT was still completing on the server)
+is listed in ``failures``; running fsck again judges the new state.
 """
 
 from __future__ import annotations
