@@ -461,7 +461,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", choices=("sqlite", "postgresql", "both"), default="both")
     parser.add_argument("--pg", default=os.environ.get("REGISTRY_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test"))
     parser.add_argument("--seed", type=int, default=int(time.time()))
+    parser.add_argument("--mix", default=",".join(DEFAULT_MIX),
+                        help=f"operations the random-moment worker draws from (known: {', '.join(OPS)})")
     args = parser.parse_args(argv)
+    mix = tuple(args.mix.split(","))
+    unknown = [m for m in mix if m not in OPS]
+    if unknown:
+        parser.error(f"unknown operations {unknown}; known: {sorted(OPS)}")
     backends = ("sqlite", "postgresql") if args.backend == "both" else (args.backend,)
     print(f"seed {args.seed}")
     for backend in backends:
@@ -480,7 +486,8 @@ def main(argv: list[str] | None = None) -> int:
                 for name, tally in (
                         ("crash points", crashpoint_kills(make(), base / "cp", rounds=args.crash_rounds,
                                                           seed=args.seed)),
-                        ("random moments", random_kills(make(), base / "rk", kills=args.kills, seed=args.seed)),
+                        ("random moments", random_kills(make(), base / "rk", kills=args.kills, seed=args.seed,
+                                                          mix=mix)),
                         ("migrations", migration_kills(make, base / "mg", kills=args.migration_kills,
                                                        seed=args.seed))):
                     print(f"{backend:<10} {name:<15} kills={tally.kills:<6} not-reached={tally.not_reached:<4} "
