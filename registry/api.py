@@ -31,15 +31,16 @@ import torch
 from registry.catalog import Catalog, Claim, FileRecord
 from registry.checkpoint import Checkpoint
 from registry.crashpoints import crashpoint
-from registry.errors import (CheckpointDeletedError, CorruptCheckpointError, InvalidStateError, PublishError,
-                             RegistryError)
+from registry.errors import (CatalogError, CheckpointDeletedError, CorruptCheckpointError, InvalidStateError,
+                             PublishError, RegistryError)
 from registry.records import LIVE, CheckpointInfo, EventInfo, MetricPoint, RunInfo
 from registry.refs import Ref, check_metric_key, check_run_name, check_step, check_tag_name, parse_ref, step_dirname
 from registry.store import (Payload, Store, discard, install, new_staging, now_timestamp, read_directory,
-                            remove_stale_staging, verify_directory, write_payload, writer_alive, writer_id)
+                            remove_stale_staging, uninstall, verify_directory, write_payload, writer_alive, writer_id)
 from registry.tensorio import check_state_dict
 
 if TYPE_CHECKING:
+    from registry.fsck import FsckReport
     from registry.retention import Policy, RetentionPlan, RetentionResult
 
 DEFAULT_ROOT = "checkpoints"
@@ -181,7 +182,7 @@ class Registry:
                                    overwrite=overwrite, writer_alive=writer_alive)
         crashpoint("after-claim")
         remove_stale_staging(final)
-        written, status = self._write_and_install(claim, final, payload, verify)
+        written, status, retired = self._write_and_install(claim, final, payload, verify)
 
         pending = self._pending_metrics.get(run, [])
         due = [m for m in pending if m[0] <= step]
@@ -195,10 +196,12 @@ class Registry:
                 optimizer_step=full_meta["optimizer_step"], policy_version=policy_version,
                 metrics=due + new_metrics, attempt_id=self._attempt(run), tags=tags, writer=self.writer,
                 resumed_from=self._resumed_from.get(run) if run not in self._published else None)
-        except BaseException:
+        except BaseException as exc:
             self._pending_metrics[run] = due + self._pending_metrics[run]
-            raise
+            self._commit_failed(claim, run, step, final, retired, exc)
         self._published.add(run)
+        if retired is not None:
+            discard(retired)
         crashpoint("after-commit")
         info = self.catalog.get(run, step)
         assert info is not None
@@ -206,8 +209,50 @@ class Registry:
             self._retention_after_publish(run, step, retention)
         return self._absolute(info)
 
+    def _commit_failed(self, claim: Claim, run: str, step: int, final: Path, retired: Path | None,
+                       exc: BaseException) -> None:
+        """The catalog commit failed: put the old payload back, unless the commit happened after all.
+
+        A commit error can be ambiguous (the connection died during COMMIT), so
+        the row decides: still our ``staging`` row means nothing was recorded.
+        Returns only when the commit did happen; otherwise raises.
+        """
+        try:
+            row = self.catalog.get(run, step)
+        except Exception:
+            # cannot tell: leave the payload in place; fsck rolls it forward once we are gone
+            raise CatalogError(f"could not record {run}@{step} in the catalog and cannot tell whether it "
+                               f"was: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
+                               run=run, step=step) from exc
+        if row is not None and not (row.status == "staging" and row.writer == self.writer):
+            return
+        undo_error: OSError | None = None
+        try:
+            parked = new_staging(final)
+            parked.rmdir()
+            try:
+                uninstall(parked, final, retired)
+            finally:
+                discard(parked)
+        except OSError as err:
+            undo_error = err  # fsck restores a retired payload left without its final directory
+        try:
+            self.catalog.abort_claim(claim, reason=str(exc) or type(exc).__name__,
+                                     old_payload_intact=retired is not None and undo_error is None)
+        except Exception:
+            pass  # fsck repairs a staging row whose writer is gone
+        if undo_error is not None:
+            raise PublishError(f"could not record {run}@{step} in the catalog nor undo its rename: "
+                               f"{undo_error.strerror or undo_error}; run 'registry fsck --repair'",
+                               errno=undo_error.errno, path=final, run=run, step=step) from exc
+        if isinstance(exc, Exception) and not isinstance(exc, RegistryError):
+            raise CatalogError(f"could not record {run}@{step} in the catalog, nothing was published: "
+                               f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
+                               run=run, step=step) from exc
+        raise exc
+
     def _write_and_install(self, claim: Claim, final: Path, payload: Payload,
-                           verify: bool) -> tuple[Any, str]:
+                           verify: bool) -> tuple[Any, str, Path | None]:
         staging = new_staging(final)
         installed = False
         try:
@@ -220,9 +265,9 @@ class Registry:
                     raise CorruptCheckpointError(
                         f"read-back of {final} failed: {problems[0].name}: {problems[0].problem}", path=final)
                 status = "verified"
-            install(staging, final)
+            retired = install(staging, final, keep_retired=True)
             installed = True
-            return written, status
+            return written, status, retired
         except BaseException as exc:
             discard(staging)
             intact = not installed and final.is_dir()
@@ -329,6 +374,9 @@ class Registry:
                     raise
                 continue
             except CorruptCheckpointError as exc:
+                now = self.catalog.get(info.run, info.step)
+                if now is None or (now.status, now.manifest_sha256) != (info.status, info.manifest_sha256):
+                    continue  # replaced or deleted while we read it: not corruption; resolve again
                 self.mark_corrupt(info, str(exc))
                 if parsed.names_one_step:
                     raise
@@ -583,6 +631,17 @@ class Registry:
         return self._absolute(info)
 
     # ------------------------------------------------------------------ fsck (issue 6)
+
+    def fsck(self, repair: bool = False, *, checksums: bool = False) -> FsckReport:
+        """Reconcile the catalog with the root (design section 4); ``repair`` fixes what it finds.
+
+        Never called implicitly: :meth:`open` does not repair, and publish and
+        load stay correct while problems are pending. ``checksums`` re-hashes
+        every live step instead of checking sizes and manifest digests.
+        """
+        from registry.fsck import run_fsck
+        return run_fsck(catalog=self.catalog, root=self.store.root, repair=repair, checksums=checksums,
+                        actor=self.writer)
 
     # ------------------------------------------------------------------ async publish (issue 7)
 

@@ -441,5 +441,26 @@ def import_(state: State, path: str, run: str, step: int, move: bool, overwrite:
 # ---------------------------------------------------------------------- fsck (issue 6)
 
 
+@main.command()
+@click.option("--repair", is_flag=True, help="Fix what is found (default: only report).")
+@click.option("--checksums", is_flag=True, help="Re-hash every live step, not just sizes and digests.")
+@json_option
+@click.pass_obj
+@command
+def fsck(state: State, repair: bool, checksums: bool, as_json: bool) -> None:
+    """Reconcile the catalog with the checkpoint root; exit 1 if problems remain unrepaired."""
+    from registry.fsck import iter_lines
+    report = state.registry().fsck(repair=repair, checksums=checksums)
+    if as_json:
+        emit_json(report.to_json())
+    else:
+        for line in iter_lines(report):
+            click.echo(line)
+        click.echo(f"{report.rows_checked} rows checked, {len(report.problems)} problems, "
+                   f"{len(report.repaired)} repaired, {len(report.in_progress)} in progress")
+    if report.unrepaired or report.failures:
+        sys.exit(1)
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()

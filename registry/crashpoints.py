@@ -20,6 +20,7 @@ POINTS = (
     "after-commit",          # catalog says published/verified
     "gc-after-mark",         # retention: row marked, payload still in place
     "gc-after-retire",       # retention: payload renamed to .retired-
+    "fsck-after-restore",    # fsck: retired payload renamed back, catalog row not yet repaired
 )
 
 

@@ -9,9 +9,12 @@ type-checked, and every file name must be a plain name inside the directory.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import os
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -137,10 +140,20 @@ def read_manifest(directory: Path) -> tuple[Manifest, str]:
     """The parsed manifest of ``directory`` and the sha256 of its bytes."""
     path = directory / MANIFEST
     try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_MANIFEST_BYTES + 1)
+        # no symlinks (they could point anywhere) and no blocking on a FIFO planted in its place
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+                     | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
         raise ManifestError(f"no manifest.json in {directory}", path=directory) from None
     except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UnsafePathError(f"manifest is a symlink: {path}", path=path) from None
         raise ManifestError(f"cannot read {path}: {exc.strerror}", path=path) from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ManifestError(f"manifest is not a regular file: {path}", path=path)
+        try:
+            raw = f.read(MAX_MANIFEST_BYTES + 1)
+        except OSError as exc:
+            raise ManifestError(f"cannot read {path}: {exc.strerror}", path=path) from None
     return parse_manifest(raw, path=path), digest_bytes(raw)

@@ -14,6 +14,7 @@ import os
 import pickle
 import shutil
 import socket
+import stat
 import tempfile
 import time
 import zipfile
@@ -174,12 +175,15 @@ def new_staging(final: Path) -> Path:
     return Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
 
 
-def install(staging: Path, final: Path) -> None:
+def install(staging: Path, final: Path, *, keep_retired: bool = False) -> Path | None:
     """Atomically make ``staging`` the directory ``final``.
 
     An existing ``final`` is first renamed to a hidden ``.retired-`` sibling;
     a crash between the two renames leaves the old payload under that name,
-    which fsck restores. The parent is fsync'd so the rename survives power loss.
+    which fsck restores. The parent is fsync'd so the rename survives power loss;
+    if that fsync fails the renames are undone, since the caller will not commit
+    them. With ``keep_retired`` the old payload is returned instead of removed, so
+    a caller whose catalog commit fails can put it back (:func:`uninstall`).
     """
     retired: Path | None = None
     if final.exists():
@@ -193,10 +197,23 @@ def install(staging: Path, final: Path) -> None:
         if retired is not None:
             os.replace(retired, final)
         raise
-    fsync_dir(final.parent)
+    try:
+        fsync_dir(final.parent)
+    except BaseException:
+        uninstall(staging, final, retired)
+        raise
     crashpoint("after-rename")
-    if retired is not None:
+    if retired is not None and not keep_retired:
         shutil.rmtree(retired, ignore_errors=True)
+        return None
+    return retired
+
+
+def uninstall(staging: Path, final: Path, retired: Path | None) -> None:
+    """Undo :func:`install`: the new payload back to ``staging``, the retired one back in place."""
+    os.replace(final, staging)
+    if retired is not None:
+        os.replace(retired, final)
 
 
 def discard(path: Path) -> None:
@@ -236,8 +253,9 @@ class Loaded:
 
 def _open_inside(directory: Path, name: str) -> io.FileIO:
     check_file_name(name, where=directory)
-    try:
-        fd = os.open(directory / name, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:  # O_NONBLOCK: a FIFO planted under a checkpoint name must not hang the reader
+        fd = os.open(directory / name, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+                     | getattr(os, "O_NONBLOCK", 0))
     except FileNotFoundError:
         raise CorruptCheckpointError(f"checkpoint file is missing: {directory / name}",
                                      path=directory / name) from None
@@ -247,6 +265,10 @@ def _open_inside(directory: Path, name: str) -> io.FileIO:
                                   path=directory / name) from None
         raise CorruptCheckpointError(f"cannot read {directory / name}: {exc.strerror}",
                                      path=directory / name) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CorruptCheckpointError(f"checkpoint file is not a regular file: {directory / name}",
+                                     path=directory / name)
     return io.FileIO(fd, "rb", closefd=True)
 
 

@@ -119,7 +119,11 @@ class Catalog:
     def _run_id(conn: Connection, run: str, *, create: bool = False) -> int | None:
         run_id = conn.scalar(select(Run.id).where(Run.name == run))
         if run_id is None and create:
-            conn.execute(insert(Run).values(name=run, created_at=utcnow()))
+            try:  # a concurrent writer may create the same run first: then use theirs
+                with conn.begin_nested():
+                    conn.execute(insert(Run).values(name=run, created_at=utcnow()))
+            except IntegrityError:
+                pass
             run_id = conn.scalar(select(Run.id).where(Run.name == run))
         return run_id
 

@@ -1,0 +1,136 @@
+"""The catalog half of ``fsck``: a snapshot of every row, and compare-and-set repairs.
+
+Every repair is conditional on the row still being in the state fsck saw
+(status and writer), so a writer that takes a step over between the scan and
+the repair is never clobbered: the repair simply does nothing and says so.
+Knows SQL and nothing of files or torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import Connection, delete, insert, select, update
+from sqlalchemy.exc import IntegrityError
+
+from registry.catalog.models import CheckpointFile, CheckpointRow, Run
+from registry.catalog.queries import Catalog, FileRecord, utcnow
+
+
+@dataclass(frozen=True, kw_only=True)
+class RowState:
+    """One checkpoint row as fsck saw it."""
+
+    run: str
+    step: int
+    status: str
+    path: str
+    writer: str | None
+    manifest_sha256: str | None
+    files: dict[str, tuple[int, str]] = field(default_factory=dict)  # name -> (size, sha256)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PayloadRecord:
+    """What a repair records about a payload it found valid on disk."""
+
+    status: str  # published or verified
+    manifest_sha256: str
+    files: Sequence[FileRecord]
+    total_bytes: int
+    epoch: int = 0
+    consumed_samples: int = 0
+    optimizer_step: int | None = None
+    policy_version: int | None = None
+
+
+def snapshot(catalog: Catalog) -> list[RowState]:
+    """Every checkpoint row of every run, with its file table."""
+    def fn(conn: Connection) -> list[RowState]:
+        c = CheckpointRow
+        rows = conn.execute(select(c.id, c.step, c.status, c.path, c.writer, c.manifest_sha256, Run.name)
+                            .join(Run, Run.id == c.run_id).order_by(Run.name, c.step)).all()
+        files: dict[int, dict[str, tuple[int, str]]] = {}
+        for cid, name, size, sha in conn.execute(select(CheckpointFile.checkpoint_id, CheckpointFile.name,
+                                                        CheckpointFile.size, CheckpointFile.sha256)):
+            files.setdefault(cid, {})[name] = (size, sha)
+        return [RowState(run=r.name, step=r.step, status=r.status, path=r.path, writer=r.writer,
+                         manifest_sha256=r.manifest_sha256, files=files.get(r.id, {})) for r in rows]
+    return catalog._read(fn)
+
+
+def _row(conn: Connection, run: str, step: int) -> Any:
+    """The row, locked: on PostgreSQL a writer's in-flight transaction is waited for, then seen."""
+    query = (select(CheckpointRow.id, CheckpointRow.run_id, CheckpointRow.status, CheckpointRow.writer)
+             .join(Run, Run.id == CheckpointRow.run_id).where(Run.name == run, CheckpointRow.step == step))
+    if conn.dialect.name == "postgresql":
+        query = query.with_for_update(of=CheckpointRow)
+    return conn.execute(query).first()
+
+
+def _unchanged(row: Any, seen: RowState | None) -> bool:
+    if seen is None:
+        return row is None
+    return row is not None and row.status == seen.status and row.writer == seen.writer
+
+
+def record_payload(catalog: Catalog, seen: RowState | None, *, run: str, step: int, path: str,
+                   payload: PayloadRecord, kind: str, actor: str, **detail: Any) -> bool:
+    """Roll a row forward (or adopt a directory with no row) to a payload found on disk.
+
+    Returns False, changing nothing, when the row is no longer as ``seen``.
+    """
+    files = list(payload.files)
+
+    def fn(conn: Connection) -> bool:
+        now = utcnow()
+        row = _row(conn, run, step)
+        if not _unchanged(row, seen):
+            return False
+        values: dict[str, Any] = dict(
+            status=payload.status, manifest_sha256=payload.manifest_sha256, total_bytes=payload.total_bytes,
+            epoch=payload.epoch, consumed_samples=payload.consumed_samples,
+            optimizer_step=payload.optimizer_step, policy_version=payload.policy_version, path=path,
+            updated_at=now, published_at=now, verified_at=now if payload.status == "verified" else None,
+            deleted_at=None)
+        if row is None:
+            run_id = Catalog._run_id(conn, run, create=True)
+            try:
+                with conn.begin_nested():
+                    cid = conn.execute(insert(CheckpointRow).values(
+                        run_id=run_id, step=step, writer=None, created_at=now,
+                        **values).returning(CheckpointRow.id)).scalar_one()
+            except IntegrityError:
+                return False  # a writer claimed the step meanwhile
+        else:
+            run_id, cid = row.run_id, row.id
+            conn.execute(update(CheckpointRow).where(CheckpointRow.id == cid).values(**values))
+        conn.execute(delete(CheckpointFile).where(CheckpointFile.checkpoint_id == cid))
+        if files:
+            conn.execute(insert(CheckpointFile), [
+                {"checkpoint_id": cid, "name": f.name, "size": f.size, "sha256": f.sha256} for f in files])
+        Catalog._event(conn, run_id, step, "repair", actor=actor, problem=kind, status=payload.status, **detail)
+        return True
+    return bool(catalog._write(fn))
+
+
+def set_status_if(catalog: Catalog, seen: RowState, status: str, *, kind: str, actor: str,
+                  **detail: Any) -> bool:
+    """Move a row to ``status`` if it is still as ``seen``; records a ``repair`` event."""
+    def fn(conn: Connection) -> bool:
+        row = _row(conn, seen.run, seen.step)
+        if not _unchanged(row, seen):
+            return False
+        now = utcnow()
+        values: dict[str, Any] = {"status": status, "updated_at": now}
+        if status == "deleted":
+            values["deleted_at"] = now
+        conn.execute(update(CheckpointRow).where(CheckpointRow.id == row.id).values(**values))
+        Catalog._event(conn, row.run_id, seen.step, "repair", actor=actor, problem=kind, status=status, **detail)
+        return True
+    return bool(catalog._write(fn))
+
+
+__all__ = ["PayloadRecord", "RowState", "record_payload", "set_status_if", "snapshot"]
