@@ -89,6 +89,12 @@ def op_fsck(reg: Registry, rng: random.Random, run: str) -> None:
     reg.fsck(repair=True)
 
 
+def op_gc(reg: Registry, rng: random.Random, run: str) -> None:
+    from registry.retention import KeepEvery, KeepLast
+    if _live_steps(reg, run):
+        reg.plan_retention(run, KeepLast(rng.choice((1, 2, 3))) | KeepEvery(40)).execute()
+
+
 @dataclass(frozen=True, kw_only=True)
 class Op:
     fn: Callable[[Registry, random.Random, str], None]
@@ -96,8 +102,8 @@ class Op:
 
 
 OPS: dict[str, Op] = {"publish": Op(fn=op_publish), "overwrite": Op(fn=op_overwrite),
-                      "tag": Op(fn=op_tag), "fsck": Op(fn=op_fsck)}
-DEFAULT_MIX = ("publish", "publish", "overwrite", "tag", "fsck")
+                      "tag": Op(fn=op_tag), "fsck": Op(fn=op_fsck), "gc": Op(fn=op_gc, deletes=True)}
+DEFAULT_MIX = ("publish", "publish", "overwrite", "tag", "fsck", "gc")
 
 
 def register_op(name: str, fn: Callable[[Registry, random.Random, str], None], *, deletes: bool = False) -> None:

@@ -100,9 +100,12 @@ def check_consistent(reg: Registry, run: str, keep: set[int], delete: set[int], 
 
 
 def repair(reg: Registry, run: str) -> None:
-    """Finish what the killed gc left. (The lead adds ``fsck --repair`` here after merging issue 6.)"""
+    """Repair what the killed gc left with fsck, then check a second gc has nothing left to heal."""
+    report = reg.fsck(repair=True)
+    assert not report.unrepaired and not report.failures, report.to_json()
+    assert not reg.fsck().problems
     result = reg.plan_retention(run, eval(POLICY)).execute()
-    assert not result.errors
+    assert not result.errors and not result.healed
 
 
 @pytest.mark.parametrize("point,kill_after", cases(), ids=lambda v: str(v))
