@@ -85,3 +85,11 @@ class PublishError(RegistryError, OSError):
 
 class DistributedError(RegistryError, RuntimeError):
     """A collective load failed or timed out on some rank."""
+
+
+class AsyncPublishError(RegistryError, RuntimeError):
+    """A background publish (``blocking=False``) failed; raised once on the next call.
+
+    The original exception is also the result of that publish's future, and is
+    this error's ``__cause__``.
+    """
