@@ -32,7 +32,7 @@ from registry.errors import (CorruptCheckpointError, InvalidStateError, Manifest
 from registry.manifest import (CONFIG, MANIFEST, META, WEIGHTS, WEIGHTS_INDEX, FileEntry, Manifest,
                                check_file_name, digest_bytes, read_manifest)
 from registry.refs import step_dirname
-from registry.tensorio import (HashingWriter, digest_bytes as fast_digest, hash_file, read_safetensors,
+from registry.tensorio import (HashingWriter, digest_bytes as fast_digest, hash_file, map_safetensors,
                                read_safetensors_header, write_safetensors)
 
 MAX_JSON_BYTES = 64 << 20
@@ -319,7 +319,7 @@ def _read_weights(directory: Path, name: str, entry: FileEntry | None,
     if entry is not None and path.stat().st_size != entry.size:
         _check_entry(directory, entry, None, path.stat().st_size)
     kind = _digest_kind(entry)
-    tensors, digest = read_safetensors(path, digest=kind if verify and entry is not None else None)
+    tensors, digest = map_safetensors(path, digest=kind if verify and entry is not None else None)
     if entry is not None:
         _check_entry(directory, entry, digest, path.stat().st_size, kind)
     return tensors

@@ -489,6 +489,69 @@ def read_safetensors(path: Path, *, checksum: bool = False, digest: str | None =
     return out, (_hexdigest(hasher, digest) if hasher is not None and digest is not None else None)
 
 
+class _ViewReader:
+    """``read`` over a memoryview without copying it (the header parser's file interface)."""
+
+    def __init__(self, view: memoryview) -> None:
+        self._view = view
+        self._pos = 0
+
+    def read(self, n: int = -1) -> bytes:
+        end = len(self._view) if n < 0 else min(len(self._view), self._pos + n)
+        out = bytes(self._view[self._pos:end])
+        self._pos = end
+        return out
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for d in reversed(shape):
+        strides.append(acc)
+        acc *= max(d, 1)
+    return tuple(reversed(strides))
+
+
+def map_safetensors(path: Path, *, digest: str | None = None) -> tuple[dict[str, torch.Tensor], str | None]:
+    """The tensors of ``path`` as copy-on-write views of one private mapping of the file.
+
+    This is what ``safetensors.torch.load_file`` does, and why it is the fast
+    way to load: nothing is copied, pages come from the page cache when first
+    touched, and writing to a tensor copies just that page and never reaches
+    the file. All tensors share the mapping as their storage. With
+    ``digest`` the whole mapping is hashed before return (which reads it; for
+    xxh3 at memory speed), so a damaged file is refused before anything uses
+    it. The header is parsed from the mapping itself and must tile exactly
+    the mapped size, so a file swapped or resized between ``stat`` and
+    ``mmap`` cannot make a view reach past the mapping. A tensor whose offset
+    is not a multiple of its element size (legal in the format, never
+    written by us) is copied instead.
+    """
+    hasher_kind = digest
+    if hasher_kind is not None and hasher_kind not in DIGESTS:
+        raise ValueError(f"unknown digest {digest!r}; expected one of {DIGESTS}")
+    file_size = os.stat(path).st_size
+    if file_size < 8:
+        raise SafetensorsFormatError(f"malformed safetensors file {path}: shorter than its 8-byte header length",
+                                     path=path)
+    storage = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=file_size)
+    u8 = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (file_size,))
+    view = memoryview(u8.numpy()).cast("B")
+    header = read_safetensors_header(_ViewReader(view), file_size, path)  # type: ignore[arg-type]
+    value = digest_bytes(view, hasher_kind) if hasher_kind is not None else None
+    out: dict[str, torch.Tensor] = {}
+    for entry in header.entries:
+        offset = header.data_start + entry.begin
+        size = entry.dtype.itemsize
+        if offset % size == 0:
+            out[entry.name] = torch.empty(0, dtype=entry.dtype).set_(
+                storage, offset // size, entry.shape, _contiguous_strides(entry.shape))
+        else:
+            tensor = torch.empty(entry.shape, dtype=entry.dtype)
+            tensor.reshape(-1).view(torch.uint8).copy_(u8[offset:header.data_start + entry.end])
+            out[entry.name] = tensor
+    return out, value
+
+
 def hash_file(path: Path, digest: str = "sha256") -> tuple[int, str]:
     """Size and ``digest`` of a file, reading the next piece while the last is hashed."""
     hasher = _new_hasher(digest, max_pending=2)  # each queued piece is a fresh bytes object

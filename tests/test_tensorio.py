@@ -175,3 +175,40 @@ def test_unknown_digest_is_refused(tmp_path: Path) -> None:
     write(path, {"a": torch.randn(3)})
     with pytest.raises(ValueError):
         read_safetensors(path, digest="md5")
+
+
+def test_mapped_tensors_are_private_views(tmp_path: Path) -> None:
+    state = every_dtype_state()
+    path = tmp_path / "m.safetensors"
+    out = write(path, state)
+    before = path.read_bytes()
+    for digest, expected in ((None, None), ("sha256", out.sha256), ("xxh3_128", out.xxh3_128)):
+        tensors, value = tio.map_safetensors(path, digest=digest)
+        assert value == expected
+        assert set(tensors) == set(state) and all(bits_equal(tensors[k], state[k]) for k in state)
+    tensors["transposed"].add_(1)  # copy-on-write: never reaches the file
+    assert path.read_bytes() == before
+
+
+def test_mapped_unaligned_tensor_is_copied(tmp_path: Path) -> None:
+    """The format allows any header length; an odd one misaligns every wider dtype."""
+    data = torch.arange(6, dtype=torch.float32)
+    header = json.dumps({"x": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]}}).encode() + b"  "
+    header += b" " * (1 - len(header) % 2)  # odd length: the data starts at an odd offset
+    path = tmp_path / "odd.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + data.numpy().tobytes())
+    tensors, _ = tio.map_safetensors(path)
+    assert torch.equal(tensors["x"], data.view(2, 3))
+    assert torch.equal(st.load_file(str(path))["x"], data.view(2, 3))
+
+
+def test_mapped_file_must_tile_the_mapping(tmp_path: Path) -> None:
+    path = tmp_path / "m.safetensors"
+    write(path, {"a": torch.randn(100)})
+    with open(path, "ab") as f:
+        f.write(b"\0" * 8)
+    with pytest.raises(SafetensorsFormatError, match="covers"):
+        tio.map_safetensors(path)
+    path.write_bytes(b"\1\0")
+    with pytest.raises(SafetensorsFormatError):
+        tio.map_safetensors(path)
