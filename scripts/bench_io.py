@@ -7,9 +7,11 @@ so no variant leaves dirty pages for the next one to pay for. Loads read
 files that were just written, i.e. from the page cache, for every variant
 alike (dropping the cache would need root and would disturb the machine).
 
-Reported: median seconds over ``--runs`` rounds after one warm-up round, and
-the median over rounds of each variant's time divided by ``save_file +
-fsync`` (or ``load_file``) of the same round. ``--mib`` sets the size of the
+Reported: median seconds over ``--runs`` rounds after one warm-up round, the
+median over rounds of each variant's time divided by ``save_file + fsync``
+(or ``load_file``) of the same round, and the median CPU seconds the whole
+process used for the variant (all threads; an async publish counted to its
+commit), which shows the work done independently of how busy the machine is. ``--mib`` sets the size of the
 transformer-shaped state dict (env ``REGISTRY_BENCH_MIB``), ``--small`` the
 number of small tensors of the second workload.
 
@@ -183,16 +185,18 @@ class Table:
     def __init__(self, baseline: str) -> None:
         self.baseline = baseline
         self.times: dict[str, list[float]] = {}
+        self.cpu: dict[str, list[float]] = {}
 
-    def add(self, name: str, seconds: float) -> None:
+    def add(self, name: str, seconds: float, cpu: float) -> None:
         self.times.setdefault(name, []).append(seconds)
+        self.cpu.setdefault(name, []).append(cpu)
 
-    def rows(self) -> list[tuple[str, float, float]]:
+    def rows(self) -> list[tuple[str, float, float, float]]:
         base = self.times[self.baseline]
         out = []
         for name, ts in self.times.items():
             ratios = [t / b for t, b in zip(ts, base)]
-            out.append((name, statistics.median(ts), statistics.median(ratios)))
+            out.append((name, statistics.median(ts), statistics.median(ratios), statistics.median(self.cpu[name])))
         return out
 
 
@@ -217,6 +221,9 @@ def bench_workload(label: str, state: dict[str, torch.Tensor], work: Path, runs:
 
     def publish_blocking() -> float:
         return timed(lambda: reg.publish(label, next(step), state))
+
+    def publish_unverified() -> float:
+        return timed(lambda: reg.publish(label, next(step), state, verify=False))
 
     def publish_async() -> float:
         t0 = time.perf_counter()
@@ -252,6 +259,7 @@ def bench_workload(label: str, state: dict[str, torch.Tensor], work: Path, runs:
 
     saves: dict[str, Callable[[], float]] = {
         "registry publish (blocking, sha256+xxh3 manifest, fsync, commit)": publish_blocking,
+        "registry publish (verify=False: no publish-time check)": publish_unverified,
         "registry publish (async: until the trainer continues)": publish_async,
         "safetensors save_file + fsync": save_file,
         "torch.save + fsync": torch_save,
@@ -265,9 +273,10 @@ def bench_workload(label: str, state: dict[str, torch.Tensor], work: Path, runs:
         order = names[round_ % len(names):] + names[:round_ % len(names)]
         for name in order:
             clean()
+            cpu0 = time.process_time()
             seconds = saves[name]()
             if round_:
-                save_table.add(name, seconds)
+                save_table.add(name, seconds, time.process_time() - cpu0)
         if round_ == 0:
             async_done.clear()
 
@@ -303,21 +312,22 @@ def bench_workload(label: str, state: dict[str, torch.Tensor], work: Path, runs:
     for round_ in range(runs + 1):
         order = lnames[round_ % len(lnames):] + lnames[:round_ % len(lnames)]
         for name in order:
+            cpu0 = time.process_time()
             seconds = timed(loads[name])
             if round_:
-                load_table.add(name, seconds)
+                load_table.add(name, seconds, time.process_time() - cpu0)
     reg.close()
     pool.shutdown()
     shutil.rmtree(work / "root", ignore_errors=True)
     clean()
 
     lines = [f"\n### {label}: {len(state)} tensors, {total / 2**20:.0f} MiB\n",
-             "| save | median s | x save_file+fsync |", "|---|---:|---:|"]
-    lines += [f"| {n} | {t:.3f} | {r:.2f} |" for n, t, r in save_table.rows()]
+             "| save | median s | x save_file+fsync | CPU s |", "|---|---:|---:|---:|"]
+    lines += [f"| {n} | {t:.3f} | {r:.2f} | {c:.2f} |" for n, t, r, c in save_table.rows()]
     if async_done:
         lines.append(f"| (async publish: call to committed) | {statistics.median(async_done):.3f} | |")
-    lines += ["", "| load | median s | x load_file |", "|---|---:|---:|"]
-    lines += [f"| {n} | {t:.3f} | {r:.2f} |" for n, t, r in load_table.rows()]
+    lines += ["", "| load | median s | x load_file | CPU s |", "|---|---:|---:|---:|"]
+    lines += [f"| {n} | {t:.3f} | {r:.2f} | {c:.2f} |" for n, t, r, c in load_table.rows()]
     derived = _derived(save_table, load_table)
     return lines + [""] + derived
 
