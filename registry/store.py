@@ -101,6 +101,7 @@ class Written:
     manifest: Manifest
     manifest_sha256: str
     total_bytes: int  # every file, the manifest included
+    heads: Mapping[str, bytes] = field(default_factory=dict)  # safetensors file -> the header bytes written
 
 
 def _shards(state_dict: Mapping[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
@@ -144,6 +145,7 @@ def write_payload(staging: Path, payload: Payload) -> Written:
 
 def _write_files(staging: Path, payload: Payload, syncing: list[Future[None]]) -> Written:
     entries: dict[str, FileEntry] = {}
+    heads: dict[str, bytes] = {}
 
     def put(name: str, writer_fn: Any) -> str:
         out = HashingWriter(staging / name)
@@ -163,14 +165,14 @@ def _write_files(staging: Path, payload: Payload, syncing: list[Future[None]]) -
     put(CONFIG, lambda out: out.write(config_raw))
     state = payload.state_dict
     if payload.max_shard_size is None:
-        put(WEIGHTS, lambda out: write_safetensors(out, state, {"format": "pt"}))
+        put(WEIGHTS, lambda out: heads.__setitem__(WEIGHTS, write_safetensors(out, state, {"format": "pt"})))
     else:
         groups = _shards(state, payload.max_shard_size)
         weight_map: dict[str, str] = {}
         for i, names in enumerate(groups, start=1):
             shard = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
-            put(shard, lambda out, names=names: write_safetensors(
-                out, {n: state[n] for n in names}, {"format": "pt"}))
+            put(shard, lambda out, names=names, shard=shard: heads.__setitem__(shard, write_safetensors(
+                out, {n: state[n] for n in names}, {"format": "pt"})))
             weight_map.update({n: shard for n in names})
         total = sum(t.numel() * t.element_size() for t in state.values())
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
@@ -192,7 +194,7 @@ def _write_files(staging: Path, payload: Payload, syncing: list[Future[None]]) -
     raw = manifest.encode()
     manifest_sha256 = put(MANIFEST, lambda out: out.write(raw))
     return Written(manifest=manifest, manifest_sha256=manifest_sha256,
-                   total_bytes=manifest.total_bytes + len(raw))
+                   total_bytes=manifest.total_bytes + len(raw), heads=heads)
 
 
 def new_staging(final: Path) -> Path:
@@ -488,7 +490,8 @@ def check_written(directory: Path, written: Written) -> list[FileProblem]:
     and every file was then fsync'd without error. What it adds is a re-check
     of what the filesystem now holds, at the cost of a few small reads: each
     listed file is a regular file of the recorded size, each safetensors
-    header read back from disk parses and its offsets tile the file exactly,
+    header read back from disk is byte for byte the header written (whose
+    offsets tile the recorded size exactly),
     and the manifest on disk has the recorded sha256. Re-hashing every byte
     here would double the cost of a publish and only read the page cache we
     just wrote, not the disk; the full scrub from storage is
@@ -506,6 +509,11 @@ def check_written(directory: Path, written: Written) -> list[FileProblem]:
             problems.append(FileProblem(name=name, problem="not a regular file"))
         elif st.st_size != entry.size:
             problems.append(FileProblem(name=name, problem=f"size {st.st_size}, manifest says {entry.size}"))
+        elif name in written.heads:  # byte-compare: stronger than a re-parse, and allocates nothing per tensor
+            head = written.heads[name]
+            with open(path, "rb", buffering=0) as f:
+                if f.read(len(head)) != head:
+                    problems.append(FileProblem(name=name, problem="safetensors header read back differs"))
         elif name.endswith(".safetensors"):
             try:
                 with open(path, "rb", buffering=0) as f:

@@ -356,11 +356,13 @@ def safetensors_header(tensors: Mapping[str, torch.Tensor],
 
 
 def write_safetensors(out: HashingWriter, tensors: Mapping[str, torch.Tensor],
-                      metadata: Mapping[str, str] | None = None) -> None:
+                      metadata: Mapping[str, str] | None = None) -> bytes:
+    """Write a safetensors file; returns its first bytes (length prefix and header) for read-back checks."""
     head, order = safetensors_header(tensors, metadata)
     out.write(head)
     for name in order:
         out.write(tensor_bytes(tensors[name]))
+    return head
 
 
 @dataclass(frozen=True, kw_only=True)
