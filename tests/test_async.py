@@ -218,3 +218,42 @@ def test_cuda_state_is_snapshotted_to_pinned_memory(reg: Registry) -> None:
         tensor.zero_() if tensor.dtype != torch.bool else tensor.logical_not_()
     future.result()
     assert_state_equal(reg.load("run@1").state_dict, expected)
+
+
+CRASH_CHILD = r"""
+import sys, torch
+from registry import Registry
+from registry.crashpoints import arm
+reg = Registry.open(url=sys.argv[1], root=sys.argv[2])
+reg.publish("run", 1, {"w": torch.ones(3)})
+arm(sys.argv[3])
+reg.publish("run", 2, {"w": torch.full((3,), 2.0)}, blocking=False)
+reg.wait()
+print("survived")
+"""
+
+
+@pytest.mark.parametrize("point", ["after-write", "after-rename", "after-commit"])
+def test_kill_during_background_publish(tmp_path: Path, point: str) -> None:
+    """SIGKILL at each crashpoint on the background thread: the catalog never shows a half-written step."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    url, root = f"sqlite:///{tmp_path / 'c.db'}", tmp_path / "ckpt"
+    repo = str(Path(__file__).resolve().parents[1])
+    proc = subprocess.run([sys.executable, "-c", CRASH_CHILD, url, str(root), point], capture_output=True,
+                          text=True, env={**os.environ, "PYTHONPATH": repo}, timeout=120)
+    assert proc.returncode == -signal.SIGKILL and "survived" not in proc.stdout, proc.stderr[-2000:]
+    with Registry.open(url=url, root=root) as reg:
+        row = reg.catalog.get("run", 2)
+        assert row is not None
+        if point == "after-commit":
+            assert row.status == "verified"
+            assert torch.equal(reg.load("run@2").state_dict["w"], torch.full((3,), 2.0))
+        else:
+            assert row.status == "staging"  # fsck's to repair; never visible as published
+            assert reg.resolve("run@latest-published").step == 1
+            info = reg.publish("run", 2, {"w": torch.full((3,), 2.0)}, overwrite=True)  # dead writer: taken over
+            assert info.status == "verified"
