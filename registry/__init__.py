@@ -4,7 +4,7 @@ must be kept. See ``Registry.open``."""
 
 from registry.api import Registry, VerifyResult
 from registry.checkpoint import Checkpoint
-from registry.errors import (CatalogError, CheckpointNotFoundError, CorruptCheckpointError,
+from registry.errors import (AsyncPublishError, CatalogError, CheckpointNotFoundError, CorruptCheckpointError,
                              DistributedError, InvalidNameError, InvalidRefError, InvalidStateError,
                              ManifestError, PolicyError, PublishError, RegistryError, RootError, SafetensorsFormatError,
                              SchemaTooNewError, StepExistsError, UnsafePathError, UnsafePickleError)
@@ -14,7 +14,7 @@ from registry.refs import Ref, parse_ref
 __version__ = "0.1.0"
 
 __all__ = [
-    "CatalogError", "Checkpoint", "CheckpointInfo", "CheckpointNotFoundError", "CorruptCheckpointError",
+    "AsyncPublishError", "CatalogError", "Checkpoint", "CheckpointInfo", "CheckpointNotFoundError", "CorruptCheckpointError",
     "DistributedError", "EventInfo", "InvalidNameError", "InvalidRefError", "InvalidStateError",
     "ManifestError", "MetricPoint", "PolicyError", "PublishError", "Ref", "Registry", "RegistryError", "RootError",
     "RunInfo", "SafetensorsFormatError", "SchemaTooNewError", "StepExistsError", "UnsafePathError",

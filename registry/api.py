@@ -15,12 +15,15 @@ restores the overwritten step or marks the row ``failed``.
 
 from __future__ import annotations
 
+import copy
 import math
 import numbers
 import os
+import threading
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -31,12 +34,14 @@ import torch
 from registry.catalog import Catalog, Claim, FileRecord
 from registry.checkpoint import Checkpoint
 from registry.crashpoints import crashpoint
-from registry.errors import (CatalogError, CheckpointDeletedError, CorruptCheckpointError, InvalidStateError,
+from registry.errors import (AsyncPublishError, CatalogError, CheckpointDeletedError, CorruptCheckpointError, InvalidStateError,
                              PublishError, RegistryError)
 from registry.records import LIVE, CheckpointInfo, EventInfo, MetricPoint, RunInfo
 from registry.refs import Ref, check_metric_key, check_run_name, check_step, check_tag_name, parse_ref, step_dirname
-from registry.store import (Payload, Store, discard, install, new_staging, now_timestamp, read_directory,
-                            remove_stale_staging, uninstall, verify_directory, write_payload, writer_alive, writer_id)
+from registry.snapshot import Snapshot, Snapshotter
+from registry.store import (Payload, Store, Written, check_written, discard, install, new_staging, now_timestamp, read_directory,
+                            remove_stale_staging, uninstall, verify_directory, write_payload, writer_alive,
+                            writer_id)
 from registry.tensorio import check_state_dict
 
 if TYPE_CHECKING:
@@ -85,6 +90,25 @@ class VerifyResult:
     problems: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True, kw_only=True)
+class _PublishJob:
+    """A validated, claimed publish: everything phases 2-4 need."""
+
+    run: str
+    step: int
+    claim: Claim
+    final: Path
+    payload: Payload
+    verify: bool
+    new_metrics: tuple[tuple[int, str, float], ...]
+    tags: tuple[str, ...]
+    epoch: int
+    consumed_samples: int
+    optimizer_step: int
+    policy_version: int | None
+    retention: Policy | None = None
+
+
 class Registry:
     """A catalog plus a checkpoint root. Use :meth:`open`; close it (or use ``with``)."""
 
@@ -100,6 +124,12 @@ class Registry:
         self._resumed_from: dict[str, int] = {}
         self._published: set[str] = set()  # runs this Registry's current attempt has published to
         self._closed = False
+        # async publish (issue 7): the background writer, its pending futures, the first unreported error
+        self._lock = threading.RLock()
+        self._worker: ThreadPoolExecutor | None = None
+        self._pending: list[Future[CheckpointInfo]] = []
+        self._async_errors: list[tuple[str, BaseException]] = []
+        self._snapshots = Snapshotter()
 
     @classmethod
     def open(cls, url: str | None = None, root: str | os.PathLike[str] | None = None, *,
@@ -114,13 +144,23 @@ class Registry:
         return cls(catalog=Catalog.open(url, migrate=migrate), store=store, url=url, lease_ttl=lease_ttl)
 
     def close(self) -> None:
+        """Wait for background publishes, flush metrics, release everything.
+
+        A background publish that failed and was not yet reported is raised
+        (as :class:`AsyncPublishError`) after everything is closed.
+        """
         if self._closed:
             return
         try:
+            self._wait_pending()
             self.flush()
         finally:
             self._closed = True
+            if self._worker is not None:
+                self._worker.shutdown(wait=True)
+            self._snapshots.clear()
             self.catalog.close()
+        self._raise_async_error()
 
     def __enter__(self) -> Registry:
         return self
@@ -138,10 +178,11 @@ class Registry:
 
         See :meth:`begin_attempt` for what an attempt means for metrics.
         """
-        if run not in self._attempts:
-            self._attempts[run] = self.catalog.start_attempt(
-                run, writer=self.writer, resumed_from=self._resumed_from.get(run))
-        return self._attempts[run]
+        with self._lock:  # also called from the background publisher
+            if run not in self._attempts:
+                self._attempts[run] = self.catalog.start_attempt(
+                    run, writer=self.writer, resumed_from=self._resumed_from.get(run))
+            return self._attempts[run]
 
     # ------------------------------------------------------------------ publish
 
@@ -151,12 +192,19 @@ class Registry:
                 epoch: int = 0, consumed_samples: int = 0, policy_version: int | None = None,
                 optimizer_step: int | None = None, tags: Iterable[str] = (), overwrite: bool = False,
                 verify: bool = True, max_shard_size: int | None = None,
-                retention: Policy | None = None) -> CheckpointInfo:
+                retention: Policy | None = None, blocking: bool = True) -> Any:
         """Atomically publish ``state_dict`` and friends as ``run@step``.
 
+        Returns the ``CheckpointInfo``; with ``blocking=False`` a
+        ``Future[CheckpointInfo]`` instead, as soon as the state is copied
+        (see "async publish" below). ``verify=True`` makes the step
+        ``verified`` at once when the written files pass
+        :func:`registry.store.check_written`; ``verify=False`` leaves it
+        ``published`` until ``registry verify`` re-hashes it.
         ``retention``: a ``registry.retention.Policy`` applied to the run after
         the publish commits (see :meth:`_retention_after_publish`).
         """
+        self._raise_async_error()
         check_run_name(run)
         self._check_retention(retention)
         check_step(step)
@@ -177,36 +225,54 @@ class Registry:
         payload = Payload(state_dict=state, meta=full_meta, config=dict(config or {}),
                           extra=dict(extra or {}), max_shard_size=max_shard_size)
 
+        if blocking:
+            self._wait_pending()  # publishes commit in call order, background ones first
+            self._raise_async_error()
         final = self.store.step_dir(run, step)
         claim = self.catalog.claim(run, step, path=self.store.relpath(final), writer=self.writer,
                                    overwrite=overwrite, writer_alive=writer_alive)
         crashpoint("after-claim")
-        remove_stale_staging(final)
-        written, status, retired = self._write_and_install(claim, final, payload, verify)
+        job = _PublishJob(run=run, step=step, claim=claim, final=final, payload=payload, verify=verify,
+                          new_metrics=tuple(new_metrics), tags=tags, epoch=epoch,
+                          consumed_samples=consumed_samples, optimizer_step=full_meta["optimizer_step"],
+                          policy_version=policy_version, retention=retention)
+        if not blocking:
+            return self._submit_publish(job)
+        return self._run_publish(job)
 
-        pending = self._pending_metrics.get(run, [])
-        due = [m for m in pending if m[0] <= step]
-        self._pending_metrics[run] = [m for m in pending if m[0] > step]
+    def _run_publish(self, job: _PublishJob) -> CheckpointInfo:
+        """Phases 2-4 for a claimed step (on the caller's thread, or the background publisher's)."""
+        run, step = job.run, job.step
+        remove_stale_staging(job.final)
+        written, status, retired = self._write_and_install(job.claim, job.final, job.payload, job.verify)
+
+        with self._lock:
+            pending = self._pending_metrics.get(run, [])
+            due = [m for m in pending if m[0] <= step]
+            self._pending_metrics[run] = [m for m in pending if m[0] > step]
+            resumed_from = self._resumed_from.get(run) if run not in self._published else None
         try:
             self.catalog.commit_publish(
-                claim, status=status, manifest_sha256=written.manifest_sha256,
+                job.claim, status=status, manifest_sha256=written.manifest_sha256,
                 files=[FileRecord(name=f.name, size=f.size, sha256=f.sha256)
                        for f in written.manifest.files.values()], total_bytes=written.total_bytes,
-                epoch=epoch, consumed_samples=consumed_samples,
-                optimizer_step=full_meta["optimizer_step"], policy_version=policy_version,
-                metrics=due + new_metrics, attempt_id=self._attempt(run), tags=tags, writer=self.writer,
-                resumed_from=self._resumed_from.get(run) if run not in self._published else None)
+                epoch=job.epoch, consumed_samples=job.consumed_samples,
+                optimizer_step=job.optimizer_step, policy_version=job.policy_version,
+                metrics=due + list(job.new_metrics), attempt_id=self._attempt(run), tags=job.tags,
+                writer=self.writer, resumed_from=resumed_from)
         except BaseException as exc:
-            self._pending_metrics[run] = due + self._pending_metrics[run]
-            self._commit_failed(claim, run, step, final, retired, exc)
-        self._published.add(run)
+            with self._lock:
+                self._pending_metrics[run] = due + self._pending_metrics.get(run, [])
+            self._commit_failed(job.claim, run, step, job.final, retired, exc)
+        with self._lock:
+            self._published.add(run)
         if retired is not None:
             discard(retired)
         crashpoint("after-commit")
         info = self.catalog.get(run, step)
         assert info is not None
-        if retention is not None:
-            self._retention_after_publish(run, step, retention)
+        if job.retention is not None:
+            self._retention_after_publish(run, step, job.retention)
         return self._absolute(info)
 
     def _commit_failed(self, claim: Claim, run: str, step: int, final: Path, retired: Path | None,
@@ -252,7 +318,7 @@ class Registry:
         raise exc
 
     def _write_and_install(self, claim: Claim, final: Path, payload: Payload,
-                           verify: bool) -> tuple[Any, str, Path | None]:
+                           verify: bool) -> tuple[Written, str, Path | None]:
         staging = new_staging(final)
         installed = False
         try:
@@ -260,7 +326,7 @@ class Registry:
             crashpoint("after-write")
             status = "published"
             if verify:
-                problems = verify_directory(staging, written.manifest)
+                problems = check_written(staging, written)
                 if problems:
                     raise CorruptCheckpointError(
                         f"read-back of {final} failed: {problems[0].name}: {problems[0].problem}", path=final)
@@ -296,17 +362,20 @@ class Registry:
         """
         check_run_name(run)
         check_step(step)
-        self._pending_metrics.setdefault(run, []).extend(_check_metrics(run, step, metrics))
+        points = _check_metrics(run, step, metrics)
+        with self._lock:
+            self._pending_metrics.setdefault(run, []).extend(points)
         if flush:
             self.flush(run)
 
     def flush(self, run: str | None = None) -> None:
         """Make every buffered metric point (of ``run``, or of every run) durable."""
-        for name in [run] if run is not None else list(self._pending_metrics):
-            points = self._pending_metrics.get(name)
-            if points:
-                self.catalog.add_metrics(name, points, attempt_id=self._attempt(name))
-            self._pending_metrics.pop(name, None)
+        with self._lock:
+            for name in [run] if run is not None else list(self._pending_metrics):
+                points = self._pending_metrics.get(name)
+                if points:
+                    self.catalog.add_metrics(name, points, attempt_id=self._attempt(name))
+                self._pending_metrics.pop(name, None)
 
     def metrics(self, run: str, key: str | None = None, *, history: bool = False) -> list[MetricPoint]:
         check_run_name(run)
@@ -644,6 +713,80 @@ class Registry:
                         actor=self.writer)
 
     # ------------------------------------------------------------------ async publish (issue 7)
+    #
+    # ``publish(..., blocking=False)`` validates and claims the step on the
+    # caller's thread (so a bad name or an existing step raises at once), then
+    # copies every tensor of the state dict and of ``extra`` into a reusable
+    # CPU arena (pinned when the source is on CUDA; see ``registry.snapshot``)
+    # and returns a future. One background thread per registry writes, fsyncs,
+    # installs and commits the queued publishes one at a time, in call order,
+    # so a trainer's steps commit in step order. ``wait()`` and ``close()``
+    # wait for the queue; a blocking publish waits for it first. A failed
+    # background publish sets its future's exception and is raised once more,
+    # as ``AsyncPublishError``, by the next ``publish``, ``wait`` or ``close``.
+
+    def wait(self) -> None:
+        """Block until every background publish has committed or failed; raise the first failure."""
+        self._wait_pending()
+        self._raise_async_error()
+
+    def pending_publishes(self) -> int:
+        """How many background publishes have not finished yet."""
+        with self._lock:
+            return len(self._pending)
+
+    def _submit_publish(self, job: _PublishJob) -> Future[CheckpointInfo]:
+        try:
+            snap = self._snapshots.take(job.payload.state_dict, job.payload.extra)
+            payload = replace(job.payload, state_dict=snap.state_dict, extra=snap.extra,
+                              meta=copy.deepcopy(job.payload.meta), config=copy.deepcopy(job.payload.config))
+            with self._lock:
+                if self._worker is None:
+                    self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="registry-publish")
+                future = self._worker.submit(self._background_publish, replace(job, payload=payload), snap)
+                self._pending.append(future)
+        except BaseException as exc:
+            try:
+                self.catalog.abort_claim(job.claim, reason=str(exc) or type(exc).__name__,
+                                         old_payload_intact=job.final.is_dir())
+            except Exception:
+                pass  # fsck repairs a staging row whose writer is gone
+            raise
+        future.add_done_callback(self._background_done)
+        return future
+
+    def _background_publish(self, job: _PublishJob, snap: Snapshot) -> CheckpointInfo:
+        try:
+            return self._run_publish(job)
+        except BaseException as exc:
+            with self._lock:  # recorded before the future completes, so wait() cannot miss it
+                self._async_errors.append((f"{job.run}@{job.step}", exc))
+            raise
+        finally:
+            snap.release()
+
+    def _background_done(self, future: Future[CheckpointInfo]) -> None:
+        with self._lock:
+            if future in self._pending:
+                self._pending.remove(future)
+
+    def _wait_pending(self) -> None:
+        while True:
+            with self._lock:
+                pending = list(self._pending)
+            if not pending:
+                return
+            wait_futures(pending)
+            with self._lock:  # done callbacks may still be running
+                self._pending = [f for f in self._pending if not f.done()]
+
+    def _raise_async_error(self) -> None:
+        with self._lock:
+            errors, self._async_errors = self._async_errors, []
+        if errors:
+            name, first = errors[0]
+            more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+            raise AsyncPublishError(f"background publish of {name} failed: {first}{more}") from first
 
     def __repr__(self) -> str:
         return f"Registry(url={self.catalog.engine.url.render_as_string(hide_password=True)!r}, root={str(self.store.root)!r})"

@@ -93,3 +93,11 @@ class PolicyError(RegistryError, ValueError):
 
 class CheckpointDeletedError(CheckpointNotFoundError):
     """The step stopped being loadable (retention deleted it) between resolving it and reading it."""
+
+
+class AsyncPublishError(RegistryError, RuntimeError):
+    """A background publish (``blocking=False``) failed; raised once on the next call.
+
+    The original exception is also the result of that publish's future, and is
+    this error's ``__cause__``.
+    """

@@ -29,6 +29,7 @@ WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 MAX_MANIFEST_BYTES = 64 << 20
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
+_XXH3_128_RE = re.compile(r"[0-9a-f]{32}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,6 +37,9 @@ class FileEntry:
     name: str
     size: int
     sha256: str
+    # Added field (issue 7): a fast digest for load-time checks; sha256 stays the
+    # reference-compatible checksum that scrubs (``registry verify``) use.
+    xxh3_128: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,7 +62,8 @@ class Manifest:
             "optimizer_step": self.optimizer_step,
             "policy_version": self.policy_version,
             "tensors": sorted(self.tensors),
-            "files": {name: {"size": f.size, "sha256": f.sha256}
+            "files": {name: {"size": f.size, "sha256": f.sha256,
+                             **({"xxh3_128": f.xxh3_128} if f.xxh3_128 is not None else {})}
                       for name, f in sorted(self.files.items())},
         }
         for key, value in self.extra_fields.items():
@@ -120,7 +125,10 @@ def parse_manifest(raw: bytes, *, path: Path) -> Manifest:
             raise ManifestError(f"manifest {path}: {name!r} has an invalid size", path=path)
         if not isinstance(sha, str) or not _SHA256_RE.fullmatch(sha):
             raise ManifestError(f"manifest {path}: {name!r} has an invalid sha256", path=path)
-        files[name] = FileEntry(name=name, size=size, sha256=sha)
+        fast = entry.get("xxh3_128")
+        if fast is not None and (not isinstance(fast, str) or not _XXH3_128_RE.fullmatch(fast)):
+            raise ManifestError(f"manifest {path}: {name!r} has an invalid xxh3_128", path=path)
+        files[name] = FileEntry(name=name, size=size, sha256=sha, xxh3_128=fast)
     tensors = doc.get("tensors", [])
     if not isinstance(tensors, list) or not all(isinstance(t, str) for t in tensors):
         raise ManifestError(f"manifest {path}: tensors must be a list of names", path=path)

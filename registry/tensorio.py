@@ -1,10 +1,22 @@
 """Streaming, hashing I/O for checkpoint payload files.
 
-Why not ``safetensors.torch.save_file`` then hash? That writes every byte and
-then reads every byte back to hash it. Here each file is written once: the
-bytes go to the kernel in large pieces while a worker thread feeds the same
-pieces to sha256 (hashlib releases the GIL), so the checksum is free on a
-machine with a spare core and no second copy of the state dict is made.
+Why not ``safetensors.torch.save_file`` then hash? That serialises the whole
+state dict into one bytes object (a second full copy in memory), writes it,
+and a checksum then needs every byte read back. Here each file is written
+once, straight from the tensors' own memory: the bytes go to the kernel in
+large pieces while a worker thread feeds the same pieces, in order, to sha256
+(hashlib releases the GIL), so no file is re-read and no copy of the state
+dict is made. What bounds a publish on a fast disk is sha256 itself, about
+2 GB/s on one core, so everything else is arranged to hide behind it:
+
+- the writer thread also computes xxh3-128 (about 30 GB/s), recorded next to
+  sha256 in the manifest so that loads can check every byte at memory speed;
+- kernel writeback is started as each piece is written (``sync_file_range``
+  on Linux), so the closing ``fsync`` has almost nothing left to flush and the
+  disk works while sha256 catches up;
+- the writer may run up to ``MAX_PENDING`` pieces ahead of the hasher; the
+  pieces are views of the tensors, and only coalesced small pieces are copies,
+  so the extra memory stays under ``MAX_PENDING * SMALL`` bytes.
 
 Reading is the mirror image: each tensor is allocated once and filled with
 ``readinto`` while the worker hashes the bytes just read. The safetensors
@@ -15,23 +27,34 @@ cannot make us allocate or read beyond the file.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import hashlib
 import json
 import os
 import struct
-from collections.abc import Iterable, Mapping
+import sys
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
+import xxhash
 
 from registry.errors import InvalidStateError, SafetensorsFormatError
 
 CHUNK = 16 << 20          # bytes handed to write()/hash in one call
 SMALL = 1 << 20           # pieces below this are coalesced before writing
+MAX_PENDING = 8           # pieces the writer may run ahead of the hasher
+WRITEBACK = 8 << 20       # start kernel writeback every this many bytes
 MAX_HEADER = 100 << 20    # the safetensors reference implementation's own limit
+
+if sys.byteorder != "little":  # safetensors is little-endian; we write tensor memory as is
+    raise ImportError("registry.tensorio supports little-endian machines only")
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
@@ -42,7 +65,7 @@ DTYPES: dict[str, torch.dtype] = {
 }
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 
-_HASH_POOL = ThreadPoolExecutor(max_workers=max(2, min(8, os.cpu_count() or 2)),
+_HASH_POOL = ThreadPoolExecutor(max_workers=max(2, min(16, os.cpu_count() or 2)),
                                 thread_name_prefix="registry-hash")
 
 
@@ -50,53 +73,139 @@ def hash_pool() -> ThreadPoolExecutor:
     return _HASH_POOL
 
 
-class _Hasher:
-    """sha256 fed in order from a worker thread, one piece in flight at a time.
+def _sync_file_range() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        fn = libc.sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
 
-    Waiting for the previous piece before submitting the next keeps the updates
-    ordered while still overlapping each hash with the next write or read.
+
+_SYNC_FILE_RANGE = _sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def start_writeback(fd: int, offset: int, length: int) -> None:
+    """Ask the kernel to start writing a range out now (a hint; ``fsync`` still decides)."""
+    if _SYNC_FILE_RANGE is not None and length > 0:
+        _SYNC_FILE_RANGE(fd, offset, length, _SYNC_FILE_RANGE_WRITE)  # errors surface at fsync
+
+
+@dataclass(frozen=True, kw_only=True)
+class Digests:
+    sha256: str | None
+    xxh3_128: str | None
+
+
+class Hasher:
+    """sha256 and/or xxh3-128 of one byte stream, fed in order on a worker thread.
+
+    ``update`` queues a piece and returns at once unless ``MAX_PENDING``
+    pieces are already waiting, so the caller's I/O overlaps the hashing. The
+    caller must not modify a piece until :meth:`digests` has returned.
+    xxh3 is cheap enough to run inline when sha256 occupies the worker
+    (``inline_xxh3``), which keeps the worker, the bottleneck, on sha256 alone.
     """
 
-    def __init__(self) -> None:
-        self._sha = hashlib.sha256()
-        self._pending: Future[None] | None = None
+    def __init__(self, *, sha256: bool = True, xxh3: bool = True, inline_xxh3: bool = False,
+                 max_pending: int | None = None) -> None:
+        self._max_pending = max_pending if max_pending is not None else MAX_PENDING
+        self._sha = hashlib.sha256() if sha256 else None
+        self._xxh = xxhash.xxh3_128() if xxh3 else None
+        self._inline_xxh = inline_xxh3 and xxh3
+        self._queue: deque[memoryview | bytes | bytearray] = deque()
+        self._cond = threading.Condition()
+        self._running = False
+        self._error: BaseException | None = None
 
-    def update(self, piece: memoryview | bytes) -> None:
-        if self._pending is not None:
-            self._pending.result()
-        if len(piece) < SMALL:
-            self._pending = None
+    def update(self, piece: memoryview | bytes | bytearray) -> None:
+        if not len(piece):
+            return
+        if self._inline_xxh:
+            assert self._xxh is not None
+            self._xxh.update(piece)
+        if self._sha is None and self._inline_xxh:
+            return
+        with self._cond:
+            while len(self._queue) >= self._max_pending and self._error is None:
+                self._cond.wait()
+            self._raise_error()
+            if not self._running and len(piece) < SMALL:
+                self._hash(piece)  # the worker is idle: nothing to overtake, no hand-off worth its cost
+                return
+            self._queue.append(piece)
+            if not self._running:
+                self._running = True
+                _HASH_POOL.submit(self._drain)
+
+    def _drain(self) -> None:
+        while True:
+            with self._cond:
+                if not self._queue or self._error is not None:
+                    self._running = False
+                    self._cond.notify_all()
+                    return
+                piece = self._queue[0]
+            try:
+                self._hash(piece)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller in digests()
+                with self._cond:
+                    self._error = exc
+            with self._cond:
+                self._queue.popleft()
+                self._cond.notify_all()
+
+    def _hash(self, piece: memoryview | bytes | bytearray) -> None:
+        if self._sha is not None:
             self._sha.update(piece)
-        else:
-            self._pending = _HASH_POOL.submit(self._sha.update, piece)
+        if self._xxh is not None and not self._inline_xxh:
+            self._xxh.update(piece)
 
-    def hexdigest(self) -> str:
-        if self._pending is not None:
-            self._pending.result()
-            self._pending = None
-        return self._sha.hexdigest()
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def digests(self) -> Digests:
+        with self._cond:
+            while self._running:
+                self._cond.wait()
+            self._raise_error()
+        return Digests(sha256=self._sha.hexdigest() if self._sha is not None else None,
+                       xxh3_128=self._xxh.hexdigest() if self._xxh is not None else None)
 
 
-def _write_all(fd: int, piece: memoryview) -> None:
-    while piece:
-        written = os.write(fd, piece)
-        piece = piece[written:]
+def _write_all(fd: int, piece: memoryview | bytearray) -> None:
+    view = memoryview(piece)
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]
 
 
 class HashingWriter:
-    """A write-only binary file that computes size and sha256 as it goes.
+    """A write-only binary file that computes size, sha256 and xxh3-128 as it goes.
 
     ``close()`` fsyncs before closing: a file that is not durable is not done.
     Usable as the target of ``torch.save`` and ``json.dump``-style writers.
+    Large writes go to the kernel straight from the caller's buffer (the
+    caller must keep it unchanged until ``close``, as a publish does); small
+    ones are coalesced into ``SMALL``-byte pieces.
     """
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
-        self._hasher = _Hasher()
+        self._hasher = Hasher(sha256=True, xxh3=True, inline_xxh3=True)
         self._buf = bytearray()
+        self._synced_to = 0   # bytes for which writeback has been started
+        self._on_disk = 0     # bytes handed to write()
         self.size = 0
         self.sha256: str | None = None
+        self.xxh3_128: str | None = None
 
     # the subset of the io API that torch.save and friends use
     def writable(self) -> bool:
@@ -121,33 +230,69 @@ class HashingWriter:
         else:
             self._drain()
             for start in range(0, n, CHUNK):
-                piece = view[start:start + CHUNK]
-                self._hasher.update(piece)
-                _write_all(self._fd, piece)
+                self._put(view[start:start + CHUNK])
         self.size += n
         return n
 
+    def _put(self, piece: memoryview | bytearray) -> None:
+        self._hasher.update(piece)
+        _write_all(self._fd, piece)
+        self._on_disk += len(piece)
+        if self._on_disk - self._synced_to >= WRITEBACK:
+            start_writeback(self._fd, self._synced_to, self._on_disk - self._synced_to)
+            self._synced_to = self._on_disk
+
     def _drain(self) -> None:
         if self._buf:
-            piece, self._buf = memoryview(self._buf), bytearray()
-            self._hasher.update(piece)
-            _write_all(self._fd, piece)
+            piece, self._buf = self._buf, bytearray()
+            self._put(piece)
 
     def close(self) -> None:
         if self._fd < 0:
             return
         try:
             self._drain()
-            self.sha256 = self._hasher.hexdigest()
-            os.fsync(self._fd)
+            os.fsync(self._fd)  # overlaps with the hasher finishing its last pieces
+            self._finish_digests()
         finally:
             os.close(self._fd)
             self._fd = -1
+
+    def close_later(self, sync: Callable[[Callable[[], None]], Future[None]]) -> Future[None]:
+        """Finish the digests now, but fsync and close through ``sync`` (e.g. a thread pool).
+
+        Lets a writer of many files fsync them concurrently (one journal commit
+        on ext4 instead of one per file) while it writes the next file.
+        """
+        try:
+            self._drain()
+        except BaseException:
+            self.abort()
+            raise
+        fd, self._fd = self._fd, -1
+
+        def fsync_close() -> None:
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+        future = sync(fsync_close)
+        self._finish_digests()
+        return future
+
+    def _finish_digests(self) -> None:
+        digests = self._hasher.digests()
+        self.sha256, self.xxh3_128 = digests.sha256, digests.xxh3_128
 
     def abort(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+            try:
+                self._hasher.digests()  # never leave the worker reading a buffer we give back
+            except BaseException:  # noqa: BLE001 - the original error is the one to report
+                pass
 
     def __enter__(self) -> HashingWriter:
         return self
@@ -211,11 +356,13 @@ def safetensors_header(tensors: Mapping[str, torch.Tensor],
 
 
 def write_safetensors(out: HashingWriter, tensors: Mapping[str, torch.Tensor],
-                      metadata: Mapping[str, str] | None = None) -> None:
+                      metadata: Mapping[str, str] | None = None) -> bytes:
+    """Write a safetensors file; returns its first bytes (length prefix and header) for read-back checks."""
     head, order = safetensors_header(tensors, metadata)
     out.write(head)
     for name in order:
         out.write(tensor_bytes(tensors[name]))
+    return head
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -305,25 +452,54 @@ def read_safetensors_header(f: BinaryIO, file_size: int, path: Path) -> Safetens
     return SafetensorsHeader(header_size=size, entries=tuple(entries), metadata=metadata)
 
 
-def read_safetensors(path: Path, *, checksum: bool = False,
-                     names: Iterable[str] | None = None) -> tuple[dict[str, torch.Tensor], str | None]:
-    """Load the tensors of ``path``, each in its own storage, and its sha256.
+DIGESTS = ("sha256", "xxh3_128")
 
-    With ``checksum`` the file's sha256 is computed while reading, for the
-    caller to compare with the manifest; otherwise the digest is None.
-    ``names`` restricts which tensors are returned (all bytes are still read
-    when hashing).
+
+def _new_hasher(digest: str | None, max_pending: int | None = None) -> Hasher | None:
+    if digest is None:
+        return None
+    if digest not in DIGESTS:
+        raise ValueError(f"unknown digest {digest!r}; expected one of {DIGESTS}")
+    return Hasher(sha256=digest == "sha256", xxh3=digest == "xxh3_128", max_pending=max_pending)
+
+
+def _hexdigest(hasher: Hasher, digest: str) -> str:
+    found = hasher.digests()
+    value = found.sha256 if digest == "sha256" else found.xxh3_128
+    assert value is not None
+    return value
+
+
+def _readinto_exactly(f: BinaryIO, view: memoryview, path: Path) -> None:
+    got = f.readinto(view) or 0
+    while got < len(view):
+        more = f.readinto(view[got:])
+        if not more:
+            raise SafetensorsFormatError(f"truncated safetensors file {path}", path=path)
+        got += more
+
+
+def read_safetensors(path: Path, *, checksum: bool = False, digest: str | None = None,
+                     names: Iterable[str] | None = None) -> tuple[dict[str, torch.Tensor], str | None]:
+    """Load the tensors of ``path``, each in its own storage, and a digest of the file.
+
+    ``digest`` ("sha256" or "xxh3_128"; ``checksum=True`` means "sha256") is
+    computed on a worker thread while the next tensor is read, for the caller
+    to compare with the manifest; without one the digest is None. ``names``
+    restricts which tensors are returned (all bytes are still read when
+    hashing).
     """
+    if checksum and digest is None:
+        digest = "sha256"
     wanted = set(names) if names is not None else None
-    hasher = _Hasher() if checksum else None
+    hasher = _new_hasher(digest)
     out: dict[str, torch.Tensor] = {}
     with open(path, "rb", buffering=0) as f:
         file_size = os.fstat(f.fileno()).st_size
         header = read_safetensors_header(f, file_size, path)
         if hasher is not None:
             f.seek(0)
-            head = f.read(header.data_start)
-            hasher.update(head)
+            hasher.update(f.read(header.data_start))
         for entry in header.entries:
             if wanted is not None and entry.name not in wanted and hasher is None:
                 f.seek(header.data_start + entry.end)
@@ -333,22 +509,81 @@ def read_safetensors(path: Path, *, checksum: bool = False,
                 view = memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
                 for start in range(0, len(view), CHUNK):
                     piece = view[start:start + CHUNK]
-                    got = f.readinto(piece)
-                    while got is not None and got < len(piece):
-                        more = f.readinto(piece[got:])
-                        if not more:
-                            raise SafetensorsFormatError(f"truncated safetensors file {path}", path=path)
-                        got += more
+                    _readinto_exactly(f, piece, path)
                     if hasher is not None:
                         hasher.update(piece)
             if wanted is None or entry.name in wanted:
                 out[entry.name] = tensor
-    return out, (hasher.hexdigest() if hasher is not None else None)
+    return out, (_hexdigest(hasher, digest) if hasher is not None and digest is not None else None)
 
 
-def sha256_file(path: Path) -> tuple[int, str]:
-    """Size and sha256 of a file, reading in large pieces."""
-    hasher = _Hasher()
+class _ViewReader:
+    """``read`` over a memoryview without copying it (the header parser's file interface)."""
+
+    def __init__(self, view: memoryview) -> None:
+        self._view = view
+        self._pos = 0
+
+    def read(self, n: int = -1) -> bytes:
+        end = len(self._view) if n < 0 else min(len(self._view), self._pos + n)
+        out = bytes(self._view[self._pos:end])
+        self._pos = end
+        return out
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for d in reversed(shape):
+        strides.append(acc)
+        acc *= max(d, 1)
+    return tuple(reversed(strides))
+
+
+def map_safetensors(path: Path, *, digest: str | None = None) -> tuple[dict[str, torch.Tensor], str | None]:
+    """The tensors of ``path`` as copy-on-write views of one private mapping of the file.
+
+    This is what ``safetensors.torch.load_file`` does, and why it is the fast
+    way to load: nothing is copied, pages come from the page cache when first
+    touched, and writing to a tensor copies just that page and never reaches
+    the file. All tensors share the mapping as their storage. With
+    ``digest`` the whole mapping is hashed before return (which reads it; for
+    xxh3 at memory speed), so a damaged file is refused before anything uses
+    it. The header is parsed from the mapping itself and must tile exactly
+    the mapped size, so a file swapped or resized between ``stat`` and
+    ``mmap`` cannot make a view reach past the mapping. A tensor whose offset
+    is not a multiple of its element size (legal in the format, never
+    written by us) is copied instead.
+    """
+    hasher_kind = digest
+    if hasher_kind is not None and hasher_kind not in DIGESTS:
+        raise ValueError(f"unknown digest {digest!r}; expected one of {DIGESTS}")
+    file_size = os.stat(path).st_size
+    if file_size < 8:
+        raise SafetensorsFormatError(f"malformed safetensors file {path}: shorter than its 8-byte header length",
+                                     path=path)
+    storage = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=file_size)
+    u8 = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (file_size,))
+    view = memoryview(u8.numpy()).cast("B")
+    header = read_safetensors_header(_ViewReader(view), file_size, path)  # type: ignore[arg-type]
+    value = digest_bytes(view, hasher_kind) if hasher_kind is not None else None
+    out: dict[str, torch.Tensor] = {}
+    for entry in header.entries:
+        offset = header.data_start + entry.begin
+        size = entry.dtype.itemsize
+        if offset % size == 0:
+            out[entry.name] = torch.empty(0, dtype=entry.dtype).set_(
+                storage, offset // size, entry.shape, _contiguous_strides(entry.shape))
+        else:
+            tensor = torch.empty(entry.shape, dtype=entry.dtype)
+            tensor.reshape(-1).view(torch.uint8).copy_(u8[offset:header.data_start + entry.end])
+            out[entry.name] = tensor
+    return out, value
+
+
+def hash_file(path: Path, digest: str = "sha256") -> tuple[int, str]:
+    """Size and ``digest`` of a file, reading the next piece while the last is hashed."""
+    hasher = _new_hasher(digest, max_pending=2)  # each queued piece is a fresh bytes object
+    assert hasher is not None
     size = 0
     with open(path, "rb", buffering=0) as f:
         while True:
@@ -357,4 +592,17 @@ def sha256_file(path: Path) -> tuple[int, str]:
                 break
             size += len(piece)
             hasher.update(piece)
-    return size, hasher.hexdigest()
+    return size, _hexdigest(hasher, digest)
+
+
+def sha256_file(path: Path) -> tuple[int, str]:
+    """Size and sha256 of a file, reading in large pieces."""
+    return hash_file(path, "sha256")
+
+
+def digest_bytes(raw: bytes | bytearray | memoryview, digest: str = "sha256") -> str:
+    if digest == "sha256":
+        return hashlib.sha256(raw).hexdigest()
+    if digest == "xxh3_128":
+        return xxhash.xxh3_128_hexdigest(raw)
+    raise ValueError(f"unknown digest {digest!r}; expected one of {DIGESTS}")

@@ -1,0 +1,259 @@
+"""``publish(..., blocking=False)``: snapshot before return, commit in the background, in order."""
+
+from __future__ import annotations
+
+import errno
+import threading
+from concurrent.futures import Future
+from pathlib import Path
+
+import pytest
+import torch
+
+import registry.store as store_mod
+from registry import (AsyncPublishError, CheckpointInfo, CheckpointNotFoundError, InvalidNameError, PublishError,
+                      Registry, StepExistsError)
+from registry.snapshot import Snapshotter
+from tests.conftest import assert_state_equal, make_state
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def optimizer_state() -> dict[str, object]:
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    return opt.state_dict()
+
+
+def clone_tree(obj: object) -> object:
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    if isinstance(obj, dict):
+        return {k: clone_tree(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [clone_tree(v) for v in obj]
+    return obj
+
+
+def test_returns_future_and_commits(reg: Registry) -> None:
+    state = make_state(1)
+    future = reg.publish("run", 10, state, metrics={"loss": 0.5}, blocking=False)
+    assert isinstance(future, Future)
+    info = future.result()
+    assert isinstance(info, CheckpointInfo)
+    assert info.step == 10 and info.status == "verified" and info.metrics == {"loss": 0.5}
+    assert_state_equal(reg.load("run@10").state_dict, state)
+
+
+def test_mutating_right_after_return_does_not_change_what_is_published(reg: Registry) -> None:
+    state = make_state(2)
+    opt = optimizer_state()
+    expected_state = {k: v.clone() for k, v in state.items()}
+    expected_opt = clone_tree(opt)
+    future = reg.publish("run", 1, state, extra={"optimizer": opt}, config={"lr": [1, 2]}, blocking=False)
+    for tensor in state.values():  # the trainer goes on at once
+        tensor.zero_() if tensor.dtype != torch.bool else tensor.logical_not_()
+    for per_param in opt["state"].values():  # type: ignore[union-attr]
+        for value in per_param.values():
+            value.add_(100)
+    opt["param_groups"][0]["lr"] = 123.0  # type: ignore[index]
+    future.result()
+    ckpt = reg.load("run@1")
+    assert_state_equal(ckpt.state_dict, expected_state)
+    loaded = ckpt.extra["optimizer"]
+    assert loaded["param_groups"] == expected_opt["param_groups"]  # type: ignore[index]
+    for pid, per_param in expected_opt["state"].items():  # type: ignore[union-attr]
+        for key, value in per_param.items():
+            assert torch.equal(loaded["state"][pid][key], value)
+    assert ckpt.config == {"lr": [1, 2]}
+
+
+def test_publishes_commit_in_call_order(reg: Registry) -> None:
+    futures = [reg.publish("run", step, make_state(step), blocking=False) for step in range(1, 6)]
+    reg.publish("run", 6, make_state(6))  # a blocking publish goes after the queued ones
+    assert all(f.done() for f in futures)
+    published = [e.step for e in reg.events("run") if e.kind == "publish"]
+    assert published == [1, 2, 3, 4, 5, 6]
+    assert reg.resolve("run@latest").step == 6
+
+
+def test_validation_and_existing_steps_raise_before_return(reg: Registry) -> None:
+    reg.publish("run", 1, make_state(1))
+    with pytest.raises(StepExistsError):
+        reg.publish("run", 1, make_state(1), blocking=False)
+    with pytest.raises(InvalidNameError):
+        reg.publish("bad name!", 1, make_state(1), blocking=False)
+    assert reg.pending_publishes() == 0
+
+
+def test_pending_publish_is_invisible_until_committed(sqlite_reg: Registry,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    reg = sqlite_reg
+    gate, entered = threading.Event(), threading.Event()
+    real = store_mod.write_payload
+
+    def gated(staging: Path, payload: store_mod.Payload) -> store_mod.Written:
+        entered.set()
+        gate.wait()
+        return real(staging, payload)
+
+    monkeypatch.setattr("registry.api.write_payload", gated)
+    future = reg.publish("run", 7, make_state(7), blocking=False)
+    entered.wait()
+    assert not future.done() and reg.pending_publishes() == 1
+    with pytest.raises(CheckpointNotFoundError):
+        reg.resolve("run@latest-published")
+    with pytest.raises(StepExistsError):  # the claim was taken before return
+        reg.publish("run", 7, make_state(7), blocking=False)
+    gate.set()
+    reg.wait()
+    assert future.done() and reg.pending_publishes() == 0
+    assert reg.resolve("run@latest").step == 7
+
+
+def test_error_surfaces_on_future_and_once_on_next_call(reg: Registry, monkeypatch: pytest.MonkeyPatch) -> None:
+    reg.log_metrics("run", 3, {"loss": 1.0})
+    real = store_mod.write_payload
+
+    def full(staging: Path, payload: store_mod.Payload) -> store_mod.Written:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("registry.api.write_payload", full)
+    future = reg.publish("run", 3, make_state(3), blocking=False)
+    with pytest.raises(PublishError, match="No space left"):
+        future.result()
+    monkeypatch.setattr("registry.api.write_payload", real)
+    with pytest.raises(AsyncPublishError, match="run@3") as caught:
+        reg.publish("run", 4, make_state(4))
+    assert isinstance(caught.value.__cause__, PublishError)
+    assert reg.catalog.get("run", 3).status == "failed"  # type: ignore[union-attr]
+    # reported once: the next call goes through, and the metrics were kept for it
+    reg.publish("run", 4, make_state(4), blocking=False).result()
+    reg.wait()
+    assert [(m.step, m.key, m.value) for m in reg.metrics("run")] == [(3, "loss", 1.0)]
+
+
+def test_wait_raises_a_background_failure(reg: Registry, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(staging: Path, payload: store_mod.Payload) -> store_mod.Written:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr("registry.api.write_payload", broken)
+    reg.publish("run", 1, make_state(1), blocking=False)
+    with pytest.raises(AsyncPublishError, match="Input/output error"):
+        reg.wait()
+    reg.wait()  # once only
+
+
+def test_close_waits_for_pending_publishes(catalog_url: str, root: Path) -> None:
+    reg = Registry.open(url=catalog_url, root=root)
+    states = {step: make_state(step) for step in (1, 2, 3)}
+    for step, state in states.items():
+        reg.publish("run", step, state, blocking=False)
+    reg.close()
+    with Registry.open(url=catalog_url, root=root) as again:
+        assert [(i.step, i.status) for i in again.checkpoints("run")] == [
+            (1, "verified"), (2, "verified"), (3, "verified")]
+        assert_state_equal(again.load("run@2").state_dict, states[2])
+
+
+def test_close_raises_unreported_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    reg = Registry.open(url=f"sqlite:///{tmp_path / 'c.db'}", root=tmp_path / "ckpt")
+
+    def broken(staging: Path, payload: store_mod.Payload) -> store_mod.Written:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr("registry.api.write_payload", broken)
+    reg.publish("run", 1, make_state(1), blocking=False)
+    with pytest.raises(AsyncPublishError):
+        reg.close()
+    reg.close()  # closed; nothing left to report
+
+
+def test_snapshot_arena_is_reused_and_independent() -> None:
+    snaps = Snapshotter()
+    state = {"w": torch.randn(64, 32).t(), "scalar": torch.tensor(2, dtype=torch.int16),
+             "empty": torch.empty(0, 3), "mask": torch.rand(9) > 0.5, "half": torch.randn(5).to(torch.bfloat16)}
+    shared = torch.randn(4)
+    extra = {"opt": {"state": {0: {"m": shared, "v": shared}}, "groups": [{"lr": 0.1, "params": [0]}]}}
+    first = snaps.take(state, extra)
+    assert all(not t.requires_grad and t.device.type == "cpu" for t in first.state_dict.values())
+    assert_state_equal(first.state_dict, {k: v.contiguous() for k, v in state.items()})
+    copied = first.extra["opt"]["state"][0]
+    assert copied["m"] is copied["v"] and torch.equal(copied["m"], shared)
+    shared.add_(1)
+    assert not torch.equal(copied["m"], shared)
+    ptr = first.state_dict["w"].data_ptr()
+    first.release()
+    assert snaps.idle_bytes >= first.nbytes
+    second = snaps.take(state, extra)
+    assert second.state_dict["w"].data_ptr() == ptr  # no new allocation for a same-sized state
+    assert snaps.idle_bytes == 0
+    second.release()
+    snaps.clear()
+    assert snaps.idle_bytes == 0
+
+
+def test_snapshot_keeps_one_idle_arena() -> None:
+    snaps = Snapshotter(keep=1)
+    a = snaps.take({"x": torch.randn(100)}, {})
+    b = snaps.take({"x": torch.randn(1000)}, {})
+    a.release()
+    b.release()
+    assert snaps.idle_bytes == b.nbytes  # the larger one, which fits both shapes
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_state_is_snapshotted_to_pinned_memory(reg: Registry) -> None:
+    state = {k: v.cuda() for k, v in make_state(5).items()}
+    expected = {k: v.cpu().clone() for k, v in state.items()}
+    snaps = Snapshotter()
+    snap = snaps.take(state, {})
+    assert all(t.is_pinned() for t in snap.state_dict.values())
+    snap.release()
+    future = reg.publish("run", 1, state, blocking=False)
+    for tensor in state.values():
+        tensor.zero_() if tensor.dtype != torch.bool else tensor.logical_not_()
+    future.result()
+    assert_state_equal(reg.load("run@1").state_dict, expected)
+
+
+CRASH_CHILD = r"""
+import sys, torch
+from registry import Registry
+from registry.crashpoints import arm
+reg = Registry.open(url=sys.argv[1], root=sys.argv[2])
+reg.publish("run", 1, {"w": torch.ones(3)})
+arm(sys.argv[3])
+reg.publish("run", 2, {"w": torch.full((3,), 2.0)}, blocking=False)
+reg.wait()
+print("survived")
+"""
+
+
+@pytest.mark.parametrize("point", ["after-write", "after-rename", "after-commit"])
+def test_kill_during_background_publish(tmp_path: Path, point: str) -> None:
+    """SIGKILL at each crashpoint on the background thread: the catalog never shows a half-written step."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    url, root = f"sqlite:///{tmp_path / 'c.db'}", tmp_path / "ckpt"
+    repo = str(Path(__file__).resolve().parents[1])
+    proc = subprocess.run([sys.executable, "-c", CRASH_CHILD, url, str(root), point], capture_output=True,
+                          text=True, env={**os.environ, "PYTHONPATH": repo}, timeout=120)
+    assert proc.returncode == -signal.SIGKILL and "survived" not in proc.stdout, proc.stderr[-2000:]
+    with Registry.open(url=url, root=root) as reg:
+        row = reg.catalog.get("run", 2)
+        assert row is not None
+        if point == "after-commit":
+            assert row.status == "verified"
+            assert torch.equal(reg.load("run@2").state_dict["w"], torch.full((3,), 2.0))
+        else:
+            assert row.status == "staging"  # fsck's to repair; never visible as published
+            assert reg.resolve("run@latest-published").step == 1
+            info = reg.publish("run", 2, {"w": torch.full((3,), 2.0)}, overwrite=True)  # dead writer: taken over
+            assert info.status == "verified"
