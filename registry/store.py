@@ -148,6 +148,9 @@ def _write_files(staging: Path, payload: Payload, syncing: list[Future[None]]) -
     heads: dict[str, bytes] = {}
 
     def put(name: str, writer_fn: Any) -> str:
+        for done in syncing:  # an fsync already failed: stop writing, never retry it
+            if done.done() and done.exception() is not None:
+                raise done.exception()  # type: ignore[misc]
         out = HashingWriter(staging / name)
         try:
             writer_fn(out)
