@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import click
 
 from registry.errors import RegistryError
+from registry.records import human_bytes
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -50,15 +51,6 @@ def command(fn: F) -> F:
 
 def emit_json(doc: Any) -> None:
     click.echo(json.dumps(doc, indent=2, sort_keys=False, default=str))
-
-
-def human_bytes(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{n} B"
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:

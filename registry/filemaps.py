@@ -15,14 +15,12 @@ is copied into an aligned storage of its own.
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import io
 import json
 import mmap
 import os
 import pickle
-import stat
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -30,11 +28,10 @@ from typing import Any
 
 import torch
 
-from registry.errors import (CorruptCheckpointError, ManifestError, SafetensorsFormatError, UnsafePathError,
-                             UnsafePickleError)
+from registry.errors import CorruptCheckpointError, ManifestError, UnsafePickleError
 from registry.manifest import (CONFIG, MANIFEST, META, WEIGHTS, WEIGHTS_INDEX, Manifest, check_file_name,
-                               digest_bytes, parse_manifest)
-from registry.store import Loaded
+                               digest_bytes, open_regular, parse_manifest)
+from registry.store import Loaded, assemble_shards
 from registry.tensorio import MAX_HEADER, read_safetensors_header
 
 MAX_JSON_BYTES = 64 << 20
@@ -47,21 +44,10 @@ def map_file(directory: Path, name: str, *, expected_size: int | None = None) ->
     Symlinks are refused; the size is checked against the manifest before any
     byte is touched. The mapping lives as long as the tensor or any view of it.
     """
-    check_file_name(name, where=directory)
     path = directory / name
+    fd = open_regular(directory, name)
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError:
-        raise CorruptCheckpointError(f"checkpoint file is missing: {path}", path=path) from None
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise UnsafePathError(f"checkpoint file is a symlink: {path}", path=path) from None
-        raise CorruptCheckpointError(f"cannot read {path}: {exc.strerror}", path=path) from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise CorruptCheckpointError(f"checkpoint file is not a regular file: {path}", path=path)
-        size = info.st_size
+        size = os.fstat(fd).st_size
         if expected_size is not None and size != expected_size:
             raise CorruptCheckpointError(
                 f"checkpoint file size mismatch: {path} is {size} bytes, manifest says {expected_size}", path=path)
@@ -196,18 +182,8 @@ def parse_files(directory: Path, files: Mapping[str, torch.Tensor], *, trust_pic
             raise ManifestError(f"shard {missing[0]!r} of {directory} was not loaded", path=directory)
     else:
         raise CorruptCheckpointError(f"no model weights in {directory}", path=directory)
-    state: dict[str, torch.Tensor] = {}
-    for name in weight_files:
-        for key, tensor in tensors_of(files[name], directory / name).items():
-            if key in state:
-                raise SafetensorsFormatError(f"tensor {key!r} appears in two shards of {directory}",
-                                             path=directory / name)
-            if owner is not None and owner.get(key) != name:
-                raise SafetensorsFormatError(f"tensor {key!r} in {name} is not mapped there by the index",
-                                             path=directory / name)
-            state[key] = tensor
-    if owner is not None and set(owner) != set(state):
-        raise SafetensorsFormatError(f"shards of {directory} do not hold every tensor of the index", path=directory)
+    state = assemble_shards(directory, ((name, tensors_of(files[name], directory / name))
+                                        for name in weight_files), owner)
     extra = {name[:-3]: unpickle(files[name], directory / name, trust_pickle=trust_pickle,
                                  map_location=device if device is not None else "cpu")
              for name in sorted(n for n in files if n.endswith(".pt"))}

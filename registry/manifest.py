@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from registry.errors import ManifestError, UnsafePathError
+from registry.errors import CorruptCheckpointError, ManifestError, UnsafePathError
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -144,22 +144,35 @@ def parse_manifest(raw: bytes, *, path: Path) -> Manifest:
     )
 
 
-def read_manifest(directory: Path) -> tuple[Manifest, str]:
-    """The parsed manifest of ``directory`` and the sha256 of its bytes."""
-    path = directory / MANIFEST
+def open_regular(directory: Path, name: str, *, error: type[CorruptCheckpointError] = CorruptCheckpointError,
+                 what: str = "checkpoint file") -> int:
+    """A read-only fd on ``directory/name``, which must be a plain regular file inside it.
+
+    Symlinks are refused (they could point anywhere) and the open never blocks
+    on a FIFO planted under a checkpoint name; the caller closes the fd.
+    """
+    check_file_name(name, where=directory)
+    path = directory / name
     try:
-        # no symlinks (they could point anywhere) and no blocking on a FIFO planted in its place
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
                      | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
-        raise ManifestError(f"no manifest.json in {directory}", path=directory) from None
+        raise error(f"{what} is missing: {path}", path=path) from None
     except OSError as exc:
         if exc.errno == errno.ELOOP:
-            raise UnsafePathError(f"manifest is a symlink: {path}", path=path) from None
-        raise ManifestError(f"cannot read {path}: {exc.strerror}", path=path) from None
+            raise UnsafePathError(f"{what} is a symlink: {path}", path=path) from None
+        raise error(f"cannot read {path}: {exc.strerror}", path=path) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise error(f"{what} is not a regular file: {path}", path=path)
+    return fd
+
+
+def read_manifest(directory: Path) -> tuple[Manifest, str]:
+    """The parsed manifest of ``directory`` and the sha256 of its bytes."""
+    path = directory / MANIFEST
+    fd = open_regular(directory, MANIFEST, error=ManifestError, what="manifest")
     with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ManifestError(f"manifest is not a regular file: {path}", path=path)
         try:
             raw = f.read(MAX_MANIFEST_BYTES + 1)
         except OSError as exc:

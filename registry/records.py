@@ -16,6 +16,16 @@ LIVE = ("published", "verified")          # loadable and resolvable by latest-pu
 RANKABLE = ("published", "verified")      # eligible for best:
 
 
+def human_bytes(n: int) -> str:
+    """``1.5 GiB``: sizes as an operator reads them in tables and plans."""
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"
+
+
 @dataclass(frozen=True, kw_only=True)
 class CheckpointInfo:
     run: str

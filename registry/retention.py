@@ -42,7 +42,7 @@ from registry.catalog.retention import CANDIDATES, RetentionCatalog, RunSnapshot
 from registry.crashpoints import crashpoint
 from registry.errors import PolicyError, RegistryError
 from registry.manifest import MANIFEST, digest_bytes
-from registry.records import LIVE, RANKABLE, CheckpointInfo
+from registry.records import LIVE, RANKABLE, CheckpointInfo, human_bytes
 from registry.refs import check_metric_key, check_run_name
 from registry.store import fsync_dir
 
@@ -54,15 +54,6 @@ _RETIRED_RE = re.compile(r"^\.step-(\d+)\.retired-")
 
 class RetentionWarning(RuntimeWarning):
     """Retention after a publish failed; the publish itself succeeded."""
-
-
-def _bytes_text(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{n} B"
 
 
 def _positive_int(value: object, what: str) -> int:
@@ -313,7 +304,7 @@ class MaxBytes(Policy):
             if used + c.total_bytes > self.max_bytes:
                 break
             used += c.total_bytes
-            why = f"within {_bytes_text(self.max_bytes)}"
+            why = f"within {human_bytes(self.max_bytes)}"
             kept[c.step] = f"{eligible[c.step]}, {why}" if eligible[c.step] else why
         return kept
 

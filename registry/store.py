@@ -18,7 +18,7 @@ import stat
 import tempfile
 import time
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,8 +29,8 @@ import torch
 from registry.crashpoints import crashpoint
 from registry.errors import (CorruptCheckpointError, InvalidStateError, ManifestError, PublishError, RootError,
                              SafetensorsFormatError, UnsafePathError, UnsafePickleError)
-from registry.manifest import (CONFIG, MANIFEST, META, WEIGHTS, WEIGHTS_INDEX, FileEntry, Manifest,
-                               check_file_name, digest_bytes, read_manifest)
+from registry.manifest import (CONFIG, FileEntry, MANIFEST, META, Manifest, WEIGHTS, WEIGHTS_INDEX, check_file_name, digest_bytes,
+                               open_regular, read_manifest)
 from registry.refs import step_dirname
 from registry.tensorio import (HashingWriter, digest_bytes as fast_digest, hash_file, map_safetensors,
                                read_safetensors_header, write_safetensors)
@@ -282,24 +282,26 @@ class Loaded:
 
 
 def _open_inside(directory: Path, name: str) -> io.FileIO:
-    check_file_name(name, where=directory)
-    try:  # O_NONBLOCK: a FIFO planted under a checkpoint name must not hang the reader
-        fd = os.open(directory / name, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-                     | getattr(os, "O_NONBLOCK", 0))
-    except FileNotFoundError:
-        raise CorruptCheckpointError(f"checkpoint file is missing: {directory / name}",
-                                     path=directory / name) from None
-    except OSError as exc:
-        if exc.errno == 40:  # ELOOP: a symlink, which could point anywhere
-            raise UnsafePathError(f"checkpoint file is a symlink: {directory / name}",
-                                  path=directory / name) from None
-        raise CorruptCheckpointError(f"cannot read {directory / name}: {exc.strerror}",
-                                     path=directory / name) from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise CorruptCheckpointError(f"checkpoint file is not a regular file: {directory / name}",
-                                     path=directory / name)
-    return io.FileIO(fd, "rb", closefd=True)
+    return io.FileIO(open_regular(directory, name), "rb", closefd=True)
+
+
+def assemble_shards(directory: Path, shards: Iterable[tuple[str, Mapping[str, torch.Tensor]]],
+                    owner: Mapping[str, str] | None) -> dict[str, torch.Tensor]:
+    """One state dict from weight files; with an index (``owner``: tensor -> shard), exactly as it maps."""
+    state: dict[str, torch.Tensor] = {}
+    for name, tensors in shards:
+        for key, tensor in tensors.items():
+            if key in state:
+                raise SafetensorsFormatError(f"tensor {key!r} appears in two shards of {directory}",
+                                             path=directory / name)
+            if owner is not None and owner.get(key) != name:
+                raise SafetensorsFormatError(f"tensor {key!r} in {name} is not mapped there by the index",
+                                             path=directory / name)
+            state[key] = tensor
+    if owner is not None and set(owner) != set(state):
+        raise SafetensorsFormatError(f"shards of {directory} do not hold every tensor of the index",
+                                     path=directory)
+    return state
 
 
 def _digest_kind(entry: FileEntry | None) -> str:
@@ -435,19 +437,8 @@ def read_directory(directory: Path, *, verify: bool = True, trust_pickle: bool =
             if missing:
                 raise ManifestError(f"manifest of {directory} does not cover shard {missing[0]!r}",
                                     path=directory)
-    state: dict[str, torch.Tensor] = {}
-    for name in weight_files:
-        for key, tensor in _read_weights(directory, name, entry(name), verify).items():
-            if key in state:
-                raise SafetensorsFormatError(f"tensor {key!r} appears in two shards of {directory}",
-                                             path=directory / name)
-            if expected_owner is not None and expected_owner.get(key) != name:
-                raise SafetensorsFormatError(f"tensor {key!r} in {name} is not mapped there by the index",
-                                             path=directory / name)
-            state[key] = tensor
-    if expected_owner is not None and set(expected_owner) != set(state):
-        raise SafetensorsFormatError(f"shards of {directory} do not hold every tensor of the index",
-                                     path=directory)
+    state = assemble_shards(directory, ((name, _read_weights(directory, name, entry(name), verify))
+                                        for name in weight_files), expected_owner)
 
     extra_names = sorted(n for n in (names if names is not None else
                                      {p.name for p in directory.iterdir() if p.is_file()})
