@@ -21,9 +21,8 @@ import numbers
 import os
 import threading
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -34,14 +33,15 @@ import torch
 from registry.catalog import Catalog, Claim, FileRecord
 from registry.checkpoint import Checkpoint
 from registry.crashpoints import crashpoint
-from registry.errors import (AsyncPublishError, CatalogError, CheckpointDeletedError, CorruptCheckpointError, InvalidStateError,
+from registry.background import BackgroundPublisher
+from registry.errors import (CatalogError, CheckpointDeletedError, CorruptCheckpointError, InvalidStateError,
                              PublishError, RegistryError)
 from registry.records import LIVE, CheckpointInfo, EventInfo, MetricPoint, RunInfo
 from registry.refs import Ref, check_metric_key, check_run_name, check_step, check_tag_name, parse_ref, step_dirname
-from registry.snapshot import Snapshot, Snapshotter
-from registry.store import (Payload, Store, Written, check_written, discard, install, new_staging, now_timestamp, read_directory,
-                            remove_stale_staging, uninstall, verify_directory, write_payload, writer_alive,
-                            writer_id)
+from registry.snapshot import Snapshotter
+from registry.store import (Payload, Store, Written, check_written, discard, install, new_staging, now_timestamp,
+                            read_directory, remove_stale_staging, uninstall, verify_directory, write_payload,
+                            writer_alive, writer_id)
 from registry.tensorio import check_state_dict
 
 if TYPE_CHECKING:
@@ -124,11 +124,8 @@ class Registry:
         self._resumed_from: dict[str, int] = {}
         self._published: set[str] = set()  # runs this Registry's current attempt has published to
         self._closed = False
-        # async publish (issue 7): the background writer, its pending futures, the first unreported error
-        self._lock = threading.RLock()
-        self._worker: ThreadPoolExecutor | None = None
-        self._pending: list[Future[CheckpointInfo]] = []
-        self._async_errors: list[tuple[str, BaseException]] = []
+        self._lock = threading.RLock()  # buffered metrics and attempts, shared with the background publisher
+        self._background = BackgroundPublisher()
         self._snapshots = Snapshotter()
 
     @classmethod
@@ -152,15 +149,14 @@ class Registry:
         if self._closed:
             return
         try:
-            self._wait_pending()
+            self._background.wait()
             self.flush()
         finally:
             self._closed = True
-            if self._worker is not None:
-                self._worker.shutdown(wait=True)
+            self._background.shutdown()
             self._snapshots.clear()
             self.catalog.close()
-        self._raise_async_error()
+        self._background.raise_error()
 
     def __enter__(self) -> Registry:
         return self
@@ -204,7 +200,7 @@ class Registry:
         ``retention``: a ``registry.retention.Policy`` applied to the run after
         the publish commits (see :meth:`_retention_after_publish`).
         """
-        self._raise_async_error()
+        self._background.raise_error()
         check_run_name(run)
         self._check_retention(retention)
         check_step(step)
@@ -226,8 +222,8 @@ class Registry:
                           extra=dict(extra or {}), max_shard_size=max_shard_size)
 
         if blocking:
-            self._wait_pending()  # publishes commit in call order, background ones first
-            self._raise_async_error()
+            self._background.wait()  # publishes commit in call order, background ones first
+            self._background.raise_error()
         final = self.store.step_dir(run, step)
         claim = self.catalog.claim(run, step, path=self.store.relpath(final), writer=self.writer,
                                    overwrite=overwrite, writer_alive=writer_alive)
@@ -243,8 +239,8 @@ class Registry:
     def _run_publish(self, job: _PublishJob) -> CheckpointInfo:
         """Phases 2-4 for a claimed step (on the caller's thread, or the background publisher's)."""
         run, step = job.run, job.step
-        remove_stale_staging(job.final)
-        written, status, retired = self._write_and_install(job.claim, job.final, job.payload, job.verify)
+        written, status, retired = self._write_and_install(
+            job.claim, job.final, lambda staging: write_payload(staging, job.payload), job.verify)
 
         with self._lock:
             pending = self._pending_metrics.get(run, [])
@@ -317,12 +313,18 @@ class Registry:
                                run=run, step=step) from exc
         raise exc
 
-    def _write_and_install(self, claim: Claim, final: Path, payload: Payload,
+    def _write_and_install(self, claim: Claim, final: Path, write: Callable[[Path], Written],
                            verify: bool) -> tuple[Written, str, Path | None]:
+        """Phases 2 and 3: ``write`` fills a fresh staging directory, which then replaces ``final``.
+
+        Returns what was written, the status it earned and the retired old
+        payload (kept until the catalog commit, see :meth:`_commit_failed`).
+        """
+        remove_stale_staging(final)
         staging = new_staging(final)
         installed = False
         try:
-            written = write_payload(staging, payload)
+            written = write(staging)
             crashpoint("after-write")
             status = "published"
             if verify:
@@ -667,32 +669,22 @@ class Registry:
                                     "take files from a published checkpoint; import it without --move")
         claim = self.catalog.claim(run, step, path=self.store.relpath(final), writer=self.writer,
                                    overwrite=overwrite, writer_alive=writer_alive)
-        remove_stale_staging(final)
-        staging = new_staging(final)
-        installed = False
-        try:
-            written = stage(foreign, staging, move=move)
-            install(staging, final)
-            installed = True
-        except BaseException as exc:
-            discard(staging)
-            try:
-                self.catalog.abort_claim(claim, reason=str(exc) or type(exc).__name__,
-                                         old_payload_intact=not installed and final.is_dir())
-            except Exception:
-                pass  # fsck repairs a staging row whose writer is gone
-            if isinstance(exc, OSError):
-                raise PublishError(f"could not import {foreign.directory}: {exc.strerror or exc}",
-                                   errno=exc.errno, path=foreign.directory) from exc
-            raise
+        written, status, retired = self._write_and_install(
+            claim, final, lambda staging: stage(foreign, staging, move=move), verify=True)
         meta = foreign.meta
-        self.catalog.commit_publish(
-            claim, status="verified", manifest_sha256=written.manifest_sha256,
-            files=[FileRecord(name=f.name, size=f.size, sha256=f.sha256) for f in written.manifest.files.values()],
-            total_bytes=written.total_bytes, epoch=int_field(meta, "epoch", 0) or 0,
-            consumed_samples=int_field(meta, "consumed_samples", 0) or 0,
-            optimizer_step=written.manifest.optimizer_step, policy_version=written.manifest.policy_version,
-            metrics=[], attempt_id=None, tags=tags, writer=self.writer)
+        try:
+            self.catalog.commit_publish(
+                claim, status=status, manifest_sha256=written.manifest_sha256,
+                files=[FileRecord(name=f.name, size=f.size, sha256=f.sha256)
+                       for f in written.manifest.files.values()],
+                total_bytes=written.total_bytes, epoch=int_field(meta, "epoch", 0) or 0,
+                consumed_samples=int_field(meta, "consumed_samples", 0) or 0,
+                optimizer_step=written.manifest.optimizer_step, policy_version=written.manifest.policy_version,
+                metrics=[], attempt_id=None, tags=tags, writer=self.writer)
+        except BaseException as exc:
+            self._commit_failed(claim, run, step, final, retired, exc)
+        if retired is not None:
+            discard(retired)
         if move:
             remove_originals(foreign)
         info = self.catalog.get(run, step)
@@ -727,24 +719,16 @@ class Registry:
 
     def wait(self) -> None:
         """Block until every background publish has committed or failed; raise the first failure."""
-        self._wait_pending()
-        self._raise_async_error()
+        self._background.wait()
+        self._background.raise_error()
 
     def pending_publishes(self) -> int:
         """How many background publishes have not finished yet."""
-        with self._lock:
-            return len(self._pending)
+        return self._background.pending()
 
     def _submit_publish(self, job: _PublishJob) -> Future[CheckpointInfo]:
         try:
             snap = self._snapshots.take(job.payload.state_dict, job.payload.extra)
-            payload = replace(job.payload, state_dict=snap.state_dict, extra=snap.extra,
-                              meta=copy.deepcopy(job.payload.meta), config=copy.deepcopy(job.payload.config))
-            with self._lock:
-                if self._worker is None:
-                    self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="registry-publish")
-                future = self._worker.submit(self._background_publish, replace(job, payload=payload), snap)
-                self._pending.append(future)
         except BaseException as exc:
             try:
                 self.catalog.abort_claim(job.claim, reason=str(exc) or type(exc).__name__,
@@ -752,41 +736,16 @@ class Registry:
             except Exception:
                 pass  # fsck repairs a staging row whose writer is gone
             raise
-        future.add_done_callback(self._background_done)
-        return future
+        payload = replace(job.payload, state_dict=snap.state_dict, extra=snap.extra,
+                          meta=copy.deepcopy(job.payload.meta), config=copy.deepcopy(job.payload.config))
+        snapped = replace(job, payload=payload)
 
-    def _background_publish(self, job: _PublishJob, snap: Snapshot) -> CheckpointInfo:
-        try:
-            return self._run_publish(job)
-        except BaseException as exc:
-            with self._lock:  # recorded before the future completes, so wait() cannot miss it
-                self._async_errors.append((f"{job.run}@{job.step}", exc))
-            raise
-        finally:
-            snap.release()
-
-    def _background_done(self, future: Future[CheckpointInfo]) -> None:
-        with self._lock:
-            if future in self._pending:
-                self._pending.remove(future)
-
-    def _wait_pending(self) -> None:
-        while True:
-            with self._lock:
-                pending = list(self._pending)
-            if not pending:
-                return
-            wait_futures(pending)
-            with self._lock:  # done callbacks may still be running
-                self._pending = [f for f in self._pending if not f.done()]
-
-    def _raise_async_error(self) -> None:
-        with self._lock:
-            errors, self._async_errors = self._async_errors, []
-        if errors:
-            name, first = errors[0]
-            more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-            raise AsyncPublishError(f"background publish of {name} failed: {first}{more}") from first
+        def run() -> CheckpointInfo:
+            try:
+                return self._run_publish(snapped)
+            finally:
+                snap.release()
+        return self._background.submit(f"{job.run}@{job.step}", run)
 
     def __repr__(self) -> str:
         return f"Registry(url={self.catalog.engine.url.render_as_string(hide_password=True)!r}, root={str(self.store.root)!r})"

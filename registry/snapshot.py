@@ -64,7 +64,7 @@ def _rebuild(obj: Any, copies: dict[int, torch.Tensor], memo: dict[int, Any]) ->
     return copy.deepcopy(obj, memo)
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, eq=False)  # arenas are compared by identity, never by contents
 class _Arena:
     buffer: torch.Tensor  # uint8, flat
     pinned: bool

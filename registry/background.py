@@ -1,0 +1,81 @@
+"""The background publisher behind ``publish(..., blocking=False)``.
+
+One worker thread runs queued publishes one at a time, in call order, so a
+trainer's steps commit in step order. A failure is its future's exception and
+is also kept here, to be raised once more (as ``AsyncPublishError``) by the
+registry's next call: a trainer that never looks at its futures still hears
+that a checkpoint was not saved.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from typing import TypeVar
+
+from registry.errors import AsyncPublishError
+
+T = TypeVar("T")
+
+
+class BackgroundPublisher:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._worker: ThreadPoolExecutor | None = None
+        self._pending: list[Future[object]] = []
+        self._errors: list[tuple[str, BaseException]] = []
+
+    def submit(self, name: str, fn: Callable[[], T]) -> Future[T]:
+        """Queue ``fn`` (the publish of ``name``) behind every earlier one."""
+        def run() -> T:
+            try:
+                return fn()
+            except BaseException as exc:
+                with self._lock:  # recorded before the future completes, so wait() cannot miss it
+                    self._errors.append((name, exc))
+                raise
+
+        with self._lock:
+            if self._worker is None:
+                self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="registry-publish")
+            future = self._worker.submit(run)
+            self._pending.append(future)  # type: ignore[arg-type]
+        future.add_done_callback(self._done)
+        return future
+
+    def _done(self, future: Future[object]) -> None:
+        with self._lock:
+            if future in self._pending:
+                self._pending.remove(future)
+
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    def wait(self) -> None:
+        """Block until every queued publish has committed or failed."""
+        while True:
+            with self._lock:
+                pending = list(self._pending)
+            if not pending:
+                return
+            wait_futures(pending)
+            with self._lock:  # done callbacks may still be running
+                self._pending = [f for f in self._pending if not f.done()]
+
+    def raise_error(self) -> None:
+        """Raise the first failure not yet reported (once), as ``AsyncPublishError``."""
+        with self._lock:
+            errors, self._errors = self._errors, []
+        if errors:
+            name, first = errors[0]
+            more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+            raise AsyncPublishError(f"background publish of {name} failed: {first}{more}") from first
+
+    def shutdown(self) -> None:
+        with self._lock:
+            worker, self._worker = self._worker, None
+        if worker is not None:
+            worker.shutdown(wait=True)
