@@ -8,7 +8,8 @@
    step is invisible to it, it restores weights, optimizer and RNG state, and
    trains to the end, publishing the steps again.
 3. The run is summarised: every checkpoint with status and metrics, the best
-   step by eval loss (tagged ``best-eval``), and a verified reload.
+   step by eval loss (tagged ``best-eval``), a verified reload, an fsck, and a
+   retention policy that keeps the last two and the best step.
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ def train(args: argparse.Namespace) -> None:
 
 def summary() -> None:
     from registry import Registry
+    from registry.retention import KeepBest, KeepLast
 
     with Registry.open() as reg:
         best = reg.resolve(f"{RUN}@best:eval/loss")
@@ -105,7 +107,19 @@ def summary() -> None:
               f"({best.metrics['eval/loss']:.4f}), tagged best-eval")
         print(f"events: {len(events)} ({', '.join(sorted(set(events)))})")
         hidden = sorted(p.name for p in (reg.store.root / RUN).iterdir() if p.name.startswith("."))
-        print(f"hidden leftovers on disk: {hidden or 'none'}")
+        print(f"hidden leftovers on disk: {hidden or 'none'}; fsck: "
+              f"{'clean' if reg.fsck(checksums=True).clean else 'PROBLEMS'}")
+
+        policy = KeepLast(2) | KeepBest(1, "eval/loss")
+        plan = reg.plan_retention(RUN, policy)
+        print(f"\nretention {policy!r}:")
+        for step, why in plan.keep.items():
+            print(f"  keep   {step:>4}  {why}")
+        for step, why in plan.delete.items():
+            print(f"  delete {step:>4}  {why}")
+        result = plan.execute()
+        print(f"deleted {sorted(result.deleted)}, freed {result.bytes_freed / 1024:.0f} KB; "
+              f"their rows and metrics stay as history ({len(reg.metrics(RUN))} metric points)")
 
 
 def main() -> None:
