@@ -10,7 +10,10 @@ place that must talk to both the catalog and the filesystem:
 4. one catalog transaction: status, digest, files, metrics, tags, event.
 
 Anything that fails before 4 removes the staging directory and either
-restores the overwritten step or marks the row ``failed``.
+restores the overwritten step or marks the row ``failed``; a failed commit
+puts the retired old payload back (:meth:`Registry._commit_failed`). Phases
+2-4 run on the caller's thread, or on the background publisher's for
+``publish(..., blocking=False)`` (see ``registry.background``).
 """
 
 from __future__ import annotations
