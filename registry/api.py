@@ -432,7 +432,7 @@ class Registry:
 
     def load_local(self, parsed: Ref, *, verify: bool, map_location: Any, trust_pickle: bool) -> Checkpoint:
         below: int | None = None
-        gone = 0
+        raced = 0  # times a writer or gc changed the step between our resolve and our read
         while True:
             info = self._absolute(self.catalog.resolve(parsed, below=below))
             if info.status == "corrupt":
@@ -443,14 +443,17 @@ class Registry:
                 loaded = self.read_checked(info, verify=verify, map_location=map_location,
                                            trust_pickle=trust_pickle)
             except CheckpointDeletedError:
-                gone += 1  # retention won the race for this step after we resolved it: resolve again
-                if gone > 8:
+                raced += 1  # retention won the race for this step after we resolved it: resolve again
+                if raced > 8:
                     raise
                 continue
             except CorruptCheckpointError as exc:
                 now = self.catalog.get(info.run, info.step)
                 if now is None or (now.status, now.manifest_sha256) != (info.status, info.manifest_sha256):
-                    continue  # replaced or deleted while we read it: not corruption; resolve again
+                    raced += 1  # replaced or deleted while we read it: not corruption; resolve again
+                    if raced > 8:
+                        raise
+                    continue
                 self.mark_corrupt(info, str(exc))
                 if parsed.names_one_step:
                     raise
