@@ -25,7 +25,7 @@ import os
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -41,10 +41,11 @@ from registry.errors import (CatalogError, CheckpointDeletedError, CorruptCheckp
                              PublishError, RegistryError)
 from registry.records import LIVE, CheckpointInfo, EventInfo, MetricPoint, RunInfo
 from registry.refs import Ref, check_metric_key, check_run_name, check_step, check_tag_name, parse_ref, step_dirname
+from registry.scrub import VerifyResult, scrub
 from registry.snapshot import Snapshotter
 from registry.store import (Payload, Store, Written, check_written, discard, install, new_staging, now_timestamp,
-                            read_directory, remove_stale_staging, uninstall, verify_directory, write_payload,
-                            writer_alive, writer_id)
+                            read_directory, remove_stale_staging, uninstall, write_payload, writer_alive,
+                            writer_id)
 from registry.tensorio import check_state_dict
 
 if TYPE_CHECKING:
@@ -82,15 +83,6 @@ def locations(url: str | None, root: str | os.PathLike[str] | None) -> tuple[Pat
     """The root and catalog URL after applying the environment and the defaults."""
     root_path = Path(root if root is not None else os.environ.get("REGISTRY_ROOT", DEFAULT_ROOT)).absolute()
     return root_path, url or os.environ.get("REGISTRY_URL") or f"sqlite:///{root_path / 'catalog.db'}"
-
-
-@dataclass(frozen=True, kw_only=True)
-class VerifyResult:
-    run: str
-    step: int
-    ok: bool
-    status: str
-    problems: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -492,10 +484,9 @@ class Registry:
     # ------------------------------------------------------------------ verify
 
     def verify(self, *refs: str) -> list[VerifyResult]:
-        """Re-hash checkpoints (all live ones of a RUN, or the step a REF names).
+        """Re-hash checkpoints from storage: every live step of a ``RUN``, or the step a ``REF`` names.
 
-        Intact steps become ``verified``; damaged ones ``corrupt``. A corrupt
-        step that hashes clean again (restored from backup) is verified again.
+        Intact steps become ``verified``; damaged ones ``corrupt`` (see :mod:`registry.scrub`).
         """
         targets: list[CheckpointInfo] = []
         for ref in refs:
@@ -505,30 +496,7 @@ class Registry:
             else:
                 targets.extend(i for i in self.checkpoints(parsed.run)
                                if i.status in ("published", "verified", "corrupt"))
-
-        def check(info: CheckpointInfo) -> VerifyResult:
-            problems = verify_directory(info.path) if info.path.is_dir() else []
-            if not info.path.is_dir():
-                problems_text: tuple[str, ...] = ("directory missing",)
-            else:
-                problems_text = tuple(f"{p.name}: {p.problem}" for p in problems)
-                if not problems:
-                    files = {f.name: f for f in self.catalog.files(info.run, info.step)}
-                    from registry.manifest import read_manifest
-                    manifest, digest = read_manifest(info.path)
-                    if (info.manifest_sha256 and digest != info.manifest_sha256) or (
-                            files and {n: (e.size, e.sha256) for n, e in manifest.files.items()}
-                            != {n: (f.size, f.sha256) for n, f in files.items()}):
-                        problems_text = ("manifest does not match the catalog",)
-            ok = not problems_text
-            status = "verified" if ok else "corrupt"
-            self.catalog.set_status(info.run, info.step, status, kind="verify" if ok else "corrupt",
-                                    actor=self.writer, only_from=("published", "verified", "corrupt"),
-                                    problems=list(problems_text))
-            return VerifyResult(run=info.run, step=info.step, ok=ok, status=status, problems=problems_text)
-
-        with ThreadPoolExecutor(max_workers=min(4, max(1, len(targets)))) as pool:
-            return list(pool.map(check, targets))
+        return scrub(self.catalog, targets, actor=self.writer)
 
     # ------------------------------------------------------------------ followers (issue 3)
 
