@@ -101,9 +101,9 @@ class Catalog:
     def dialect(self) -> str:
         return self.engine.dialect.name
 
-    def _write(self, fn: Any) -> Any:
+    def _write(self, fn: Any, *, durable: bool = True) -> Any:
         def txn() -> Any:
-            with write_connection(self.engine) as conn:
+            with write_connection(self.engine, durable=durable) as conn:
                 return fn(conn)
         return retrying(txn)
 
@@ -582,10 +582,10 @@ class Catalog:
                 return None
             return conn.execute(insert(Lease).values(checkpoint_id=cid, holder=holder,
                                                      expires_at=utcnow() + ttl).returning(Lease.id)).scalar_one()
-        return self._write(fn)
+        return self._write(fn, durable=False)  # a lease outlives no power loss: its reader died too
 
     def release_lease(self, lease_id: int) -> None:
-        self._write(lambda conn: conn.execute(delete(Lease).where(Lease.id == lease_id)))
+        self._write(lambda conn: conn.execute(delete(Lease).where(Lease.id == lease_id)), durable=False)
 
     def leased_steps(self, run: str) -> set[int]:
         def fn(conn: Connection) -> set[int]:
