@@ -79,6 +79,28 @@ def sqlite_reg(tmp_path: Path) -> Iterator[Registry]:
         yield registry
 
 
+@pytest.fixture
+def cli(catalog_url: str, root: Path):  # type: ignore[no-untyped-def]
+    """``cli("ls", "run")``: the command line through click's runner, on this test's catalog and root."""
+    from click.testing import CliRunner
+
+    from registry.cli import main
+    runner = CliRunner()
+
+    def invoke(*args: str):  # type: ignore[no-untyped-def]
+        return runner.invoke(main, ["--url", catalog_url, "--root", str(root), *args], catch_exceptions=False)
+    return invoke
+
+
+def optimizer_state() -> dict[str, object]:
+    """A real AdamW state dict after one step: nested dicts of tensors and plain numbers."""
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    return opt.state_dict()
+
+
 def make_state(seed: int = 0, n: int = 4) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     state = {f"layer{i}.weight": torch.randn(8, 8, generator=g) for i in range(n)}

@@ -14,17 +14,9 @@ import registry.store as store_mod
 from registry import (AsyncPublishError, CheckpointInfo, CheckpointNotFoundError, InvalidNameError, PublishError,
                       Registry, StepExistsError)
 from registry.snapshot import Snapshotter
-from tests.conftest import assert_state_equal, make_state
+from tests.conftest import assert_state_equal, make_state, optimizer_state
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-def optimizer_state() -> dict[str, object]:
-    model = torch.nn.Linear(4, 3)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model(torch.randn(2, 4)).sum().backward()
-    opt.step()
-    return opt.state_dict()
 
 
 def clone_tree(obj: object) -> object:

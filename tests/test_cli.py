@@ -6,21 +6,10 @@ import json
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
 from registry import Registry
 from registry.catalog.session import head_revision
-from registry.cli import main
 from tests.conftest import make_state
-
-
-@pytest.fixture
-def cli(catalog_url: str, root: Path):  # type: ignore[no-untyped-def]
-    runner = CliRunner()
-
-    def invoke(*args: str):  # type: ignore[no-untyped-def]
-        return runner.invoke(main, ["--url", catalog_url, "--root", str(root), *args], catch_exceptions=False)
-    return invoke
 
 
 @pytest.fixture

@@ -12,15 +12,7 @@ import torch
 import registry.store as store_mod
 from registry import (CheckpointNotFoundError, CorruptCheckpointError, InvalidStateError, PublishError,
                       Registry, StepExistsError)
-from tests.conftest import assert_state_equal, make_state
-
-
-def optimizer_state() -> dict[str, object]:
-    model = torch.nn.Linear(4, 2)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model(torch.randn(3, 4)).sum().backward()
-    opt.step()
-    return opt.state_dict()
+from tests.conftest import assert_state_equal, make_state, optimizer_state
 
 
 def test_round_trip(reg: Registry) -> None:

@@ -10,22 +10,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
 from registry import Registry
-from registry.cli import main, parse_keep_best, parse_size
+from registry.cli import parse_keep_best, parse_size
 from tests.conftest import make_state
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture
-def cli(catalog_url: str, root: Path):  # type: ignore[no-untyped-def]
-    runner = CliRunner()
-
-    def invoke(*args: str):  # type: ignore[no-untyped-def]
-        return runner.invoke(main, ["--url", catalog_url, "--root", str(root), *args], catch_exceptions=False)
-    return invoke
 
 
 @pytest.fixture
