@@ -101,6 +101,23 @@ def optimizer_state() -> dict[str, object]:
     return opt.state_dict()
 
 
+def write_hf_sharded(path: Path, *, size: int = 4, layers: int = 5) -> dict[str, torch.Tensor]:
+    """A Hugging Face style directory: two safetensors shards, their index and a config.json."""
+    import json
+
+    import safetensors.torch as st
+    state = {f"model.layers.{i}.weight": torch.randn(size, size) for i in range(layers)}
+    path.mkdir(parents=True, exist_ok=True)
+    weight_map = {}
+    for i, names in enumerate((list(state)[:2], list(state)[2:]), start=1):
+        shard = f"model-{i:05d}-of-00002.safetensors"
+        st.save_file({k: state[k] for k in names}, str(path / shard))
+        weight_map.update({k: shard for k in names})
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (path / "config.json").write_text(json.dumps({"hidden_size": size}))
+    return state
+
+
 def make_state(seed: int = 0, n: int = 4) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     state = {f"layer{i}.weight": torch.randn(8, 8, generator=g) for i in range(n)}

@@ -19,12 +19,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import safetensors.torch as st
 import torch
 
 from registry import Checkpoint, Registry
 from registry.collectives import buckets
 from tests._dist_worker import checkpoint_fingerprint
+from tests.conftest import write_hf_sharded
 
 pytestmark = pytest.mark.distributed
 
@@ -93,16 +93,7 @@ def build(base: Path) -> dict[str, Any]:
                        config={"c": 1}).save(str(dirs / "reference"))
         ref.Checkpoint(state_dict=state(51), epoch=1).save(str(dirs / "legacy"))
         (dirs / "legacy" / "manifest.json").unlink()
-    hf = dirs / "hf"
-    hf.mkdir(parents=True)
-    hf_state = {f"model.layers.{i}.weight": torch.randn(16, 16) for i in range(5)}
-    weight_map = {}
-    for i, names in enumerate((list(hf_state)[:2], list(hf_state)[2:]), start=1):
-        shard = f"model-{i:05d}-of-00002.safetensors"
-        st.save_file({k: hf_state[k] for k in names}, str(hf / shard))
-        weight_map.update({k: shard for k in names})
-    (hf / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    (hf / "config.json").write_text(json.dumps({"hidden_size": 16}))
+    write_hf_sharded(dirs / "hf", size=16)
     for name in ("reference", "legacy", "hf"):
         if (dirs / name).is_dir():
             expected[f"dir:{name}"] = checkpoint_fingerprint(Checkpoint.load(dirs / name))

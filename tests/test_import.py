@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from registry import (CheckpointNotFoundError, CorruptCheckpointError, InvalidStateError, Registry,
                       StepExistsError, UnsafePathError)
 from registry.cli import main
-from tests.conftest import assert_state_equal, make_state
+from tests.conftest import assert_state_equal, make_state, write_hf_sharded
 from tests.test_interop import reference  # noqa: F401  (the module fixture)
 
 
@@ -27,15 +27,7 @@ def write_reference(reference: Any, path: Path, seed: int = 1) -> dict[str, torc
 
 
 def write_hf(path: Path) -> dict[str, torch.Tensor]:
-    state = {f"model.layers.{i}.weight": torch.randn(4, 4) for i in range(5)}
-    path.mkdir(parents=True)
-    weight_map = {}
-    for i, names in enumerate((list(state)[:2], list(state)[2:]), start=1):
-        shard = f"model-{i:05d}-of-00002.safetensors"
-        st.save_file({k: state[k] for k in names}, str(path / shard))
-        weight_map.update({k: shard for k in names})
-    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    (path / "config.json").write_text(json.dumps({"hidden_size": 4}))
+    state = write_hf_sharded(path)
     (path / "tokenizer.json").write_text("{}")
     return state
 

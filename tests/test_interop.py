@@ -12,7 +12,7 @@ import safetensors.torch as st
 import torch
 
 from registry import Checkpoint, Registry
-from tests.conftest import IN_CI, assert_state_equal, make_state
+from tests.conftest import IN_CI, assert_state_equal, make_state, write_hf_sharded
 
 SEED = Path(__file__).resolve().parents[2] / "shared" / "seed" / "checkpoint_reference.py"
 
@@ -73,16 +73,8 @@ def test_legacy_directory_without_manifest(reference, tmp_path: Path) -> None:  
 
 
 def test_hugging_face_sharded_directory(reference, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    state = {f"model.layers.{i}.weight": torch.randn(4, 4) for i in range(5)}
     d = tmp_path / "hf"
-    d.mkdir()
-    weight_map = {}
-    for i, chunk in enumerate((list(state)[:2], list(state)[2:]), start=1):
-        shard = f"model-{i:05d}-of-00002.safetensors"
-        st.save_file({k: state[k] for k in chunk}, str(d / shard))
-        weight_map.update({k: shard for k in chunk})
-    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    (d / "config.json").write_text(json.dumps({"hidden_size": 4}))
+    state = write_hf_sharded(d)
     ours = Checkpoint.load_any(d)
     assert ours is not None
     assert_state_equal(ours.state_dict, state)
