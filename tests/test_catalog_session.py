@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import sqlite3
+import threading
 from datetime import timedelta
 from pathlib import Path
 
 from registry import Registry
-from registry.catalog.session import make_engine, upgrade, write_connection
+from registry.catalog.session import _sqlite_pragmas, make_engine, upgrade, write_connection
 from tests.conftest import make_state
 
 FULL, NORMAL = 2, 1
@@ -35,3 +37,31 @@ def test_leases_taken_cheaply_still_protect_and_release(sqlite_reg: Registry) ->
         assert other.catalog.leased_steps("run") == {1}
     reg.catalog.release_lease(lease)
     assert reg.catalog.leased_steps("run") == set()
+
+
+def test_connections_switching_a_fresh_file_to_wal_at_once_all_succeed(tmp_path: Path) -> None:
+    # Without a retry SQLite refuses one of two simultaneous switches to WAL at
+    # once ("database is locked"): about one round in eight fails here.
+    rounds, threads = 60, 8
+    for index in range(rounds):
+        path = tmp_path / f"catalog{index}.db"
+        barrier = threading.Barrier(threads)
+        failures: list[BaseException] = []
+
+        def connect() -> None:
+            conn = sqlite3.connect(path, check_same_thread=False)
+            try:
+                barrier.wait()
+                _sqlite_pragmas(conn, None)
+                assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                failures.append(exc)
+            finally:
+                conn.close()
+
+        workers = [threading.Thread(target=connect) for _ in range(threads)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+        assert not failures, f"round {index}: {failures[0]}"

@@ -16,6 +16,7 @@ code does not know: it was migrated by a newer registry.
 from __future__ import annotations
 
 import random
+import sqlite3
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -56,11 +57,29 @@ def _sqlite_pragmas(dbapi_conn, _record) -> None:  # type: ignore[no-untyped-def
     cur = dbapi_conn.cursor()
     cur.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
     cur.execute("PRAGMA foreign_keys = ON")
-    mode = cur.execute("PRAGMA journal_mode").fetchone()[0]
-    if str(mode).lower() != "wal":
-        cur.execute("PRAGMA journal_mode = WAL")
+    _switch_to_wal(cur)
     cur.execute("PRAGMA synchronous = FULL")
     cur.close()
+
+
+def _switch_to_wal(cur) -> None:  # type: ignore[no-untyped-def]
+    """Put the database in WAL mode, waiting out other connections doing the same.
+
+    Two connections switching a fresh file at once both hold a shared lock and
+    both want the exclusive one; SQLite answers one of them "database is
+    locked" at once, without its busy handler, to break the deadlock. So the
+    loser re-reads the mode (the winner has usually switched it) and retries.
+    """
+    deadline = time.monotonic() + BUSY_TIMEOUT_MS / 1000
+    delay = 0.001
+    while str(cur.execute("PRAGMA journal_mode").fetchone()[0]).lower() != "wal":
+        try:
+            cur.execute("PRAGMA journal_mode = WAL")
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(delay * (0.5 + random.random()))
+            delay = min(0.1, delay * 2)
 
 
 def _sqlite_begin(conn: Connection) -> None:
