@@ -11,8 +11,8 @@ place that must talk to both the catalog and the filesystem:
 
 Anything that fails before 4 removes the staging directory and either
 restores the overwritten step or marks the row ``failed``; a failed commit
-puts the retired old payload back (:meth:`Registry._commit_failed`). Phases
-2-4 run on the caller's thread, or on the background publisher's for
+puts the retired old payload back (:meth:`Registry._commit_failed`). All four
+phases run on the caller's thread, or on the background publisher's for
 ``publish(..., blocking=False)`` (see ``registry.background``).
 """
 
@@ -38,7 +38,7 @@ from registry.checkpoint import Checkpoint
 from registry.crashpoints import crashpoint
 from registry.background import BackgroundPublisher
 from registry.errors import (CatalogError, CheckpointDeletedError, CorruptCheckpointError, InvalidStateError,
-                             PublishError, RegistryError)
+                             PublishError, RegistryError, StepExistsError)
 from registry.records import LIVE, CheckpointInfo, EventInfo, MetricPoint, RunInfo
 from registry.refs import Ref, check_metric_key, check_run_name, check_step, check_tag_name, parse_ref, step_dirname
 from registry.scrub import VerifyResult, scrub
@@ -87,11 +87,11 @@ def locations(url: str | None, root: str | os.PathLike[str] | None) -> tuple[Pat
 
 @dataclass(frozen=True, kw_only=True)
 class _PublishJob:
-    """A validated, claimed publish: everything phases 2-4 need."""
+    """A validated publish: everything the protocol's phases need."""
 
     run: str
     step: int
-    claim: Claim
+    overwrite: bool
     final: Path
     payload: Payload
     verify: bool
@@ -118,6 +118,7 @@ class Registry:
         self._attempts: dict[str, int] = {}
         self._resumed_from: dict[str, int] = {}
         self._published: set[str] = set()  # runs this Registry's current attempt has published to
+        self._queued: set[tuple[str, int]] = set()  # (run, step) of background publishes not yet finished
         self._closed = False
         self._lock = threading.RLock()  # buffered metrics and attempts, shared with the background publisher
         self._background = BackgroundPublisher()
@@ -216,26 +217,24 @@ class Registry:
         payload = Payload(state_dict=state, meta=full_meta, config=dict(config or {}),
                           extra=dict(extra or {}), max_shard_size=max_shard_size)
 
-        if blocking:
-            self._background.wait()  # publishes commit in call order, background ones first
-            self._background.raise_error()
-        final = self.store.step_dir(run, step)
-        claim = self.catalog.claim(run, step, path=self.store.relpath(final), writer=self.writer,
-                                   overwrite=overwrite, writer_alive=writer_alive)
-        crashpoint("after-claim")
-        job = _PublishJob(run=run, step=step, claim=claim, final=final, payload=payload, verify=verify,
-                          new_metrics=tuple(new_metrics), tags=tags, epoch=epoch,
+        job = _PublishJob(run=run, step=step, overwrite=overwrite, final=self.store.step_dir(run, step),
+                          payload=payload, verify=verify, new_metrics=tuple(new_metrics), tags=tags, epoch=epoch,
                           consumed_samples=consumed_samples, optimizer_step=full_meta["optimizer_step"],
                           policy_version=policy_version, retention=retention)
         if not blocking:
             return self._submit_publish(job)
+        self._background.wait()  # publishes commit in call order, background ones first
+        self._background.raise_error()
         return self._run_publish(job)
 
     def _run_publish(self, job: _PublishJob) -> CheckpointInfo:
-        """Phases 2-4 for a claimed step (on the caller's thread, or the background publisher's)."""
+        """Phases 1-4 (on the caller's thread, or the background publisher's)."""
         run, step = job.run, job.step
+        claim = self.catalog.claim(run, step, path=self.store.relpath(job.final), writer=self.writer,
+                                   overwrite=job.overwrite, writer_alive=writer_alive)
+        crashpoint("after-claim")
         written, status, retired = self._write_and_install(
-            job.claim, job.final, lambda staging: write_payload(staging, job.payload), job.verify)
+            claim, job.final, lambda staging: write_payload(staging, job.payload), job.verify)
 
         with self._lock:
             pending = self._pending_metrics.get(run, [])
@@ -244,7 +243,7 @@ class Registry:
             resumed_from = self._resumed_from.get(run) if run not in self._published else None
         try:
             self.catalog.commit_publish(
-                job.claim, status=status, manifest_sha256=written.manifest_sha256,
+                claim, status=status, manifest_sha256=written.manifest_sha256,
                 files=[FileRecord(name=f.name, size=f.size, sha256=f.sha256)
                        for f in written.manifest.files.values()], total_bytes=written.total_bytes,
                 epoch=job.epoch, consumed_samples=job.consumed_samples,
@@ -254,7 +253,7 @@ class Registry:
         except BaseException as exc:
             with self._lock:
                 self._pending_metrics[run] = due + self._pending_metrics.get(run, [])
-            self._commit_failed(job.claim, run, step, job.final, retired, exc)
+            self._commit_failed(claim, run, step, job.final, retired, exc)
         with self._lock:
             self._published.add(run)
         if retired is not None:
@@ -680,16 +679,18 @@ class Registry:
 
     # ------------------------------------------------------------------ async publish (issue 7)
     #
-    # ``publish(..., blocking=False)`` validates and claims the step on the
-    # caller's thread (so a bad name or an existing step raises at once), then
+    # ``publish(..., blocking=False)`` validates on the caller's thread and
+    # refuses a step that exists or is already queued (a read, no commit), then
     # copies every tensor of the state dict and of ``extra`` into a reusable
     # CPU arena (pinned when the source is on CUDA; see ``registry.snapshot``)
-    # and returns a future. One background thread per registry writes, fsyncs,
-    # installs and commits the queued publishes one at a time, in call order,
-    # so a trainer's steps commit in step order. ``wait()`` and ``close()``
-    # wait for the queue; a blocking publish waits for it first. A failed
-    # background publish sets its future's exception and is raised once more,
-    # as ``AsyncPublishError``, by the next ``publish``, ``wait`` or ``close``.
+    # and returns a future. Everything durable, the claim included, happens on
+    # one background thread per registry, which runs the queued publishes one
+    # at a time, in call order, so a trainer's steps commit in step order and
+    # the trainer never waits for an fsync. A step another process claims in
+    # between fails on the future. ``wait()`` and ``close()`` wait for the
+    # queue; a blocking publish waits for it first. A failed background
+    # publish sets its future's exception and is raised once more, as
+    # ``AsyncPublishError``, by the next ``publish``, ``wait`` or ``close``.
 
     def wait(self) -> None:
         """Block until every background publish has committed or failed; raise the first failure."""
@@ -701,14 +702,21 @@ class Registry:
         return self._background.pending()
 
     def _submit_publish(self, job: _PublishJob) -> Future[CheckpointInfo]:
+        key = (job.run, job.step)
+        with self._lock:
+            if key in self._queued:
+                raise StepExistsError(f"{job.run}@{job.step} is already queued for publishing",
+                                      run=job.run, step=job.step)
+            self._queued.add(key)
+
+        def unqueue() -> None:
+            with self._lock:
+                self._queued.discard(key)
         try:
+            self.catalog.check_claimable(job.run, job.step, overwrite=job.overwrite, writer_alive=writer_alive)
             snap = self._snapshots.take(job.payload.state_dict, job.payload.extra)
-        except BaseException as exc:
-            try:
-                self.catalog.abort_claim(job.claim, reason=str(exc) or type(exc).__name__,
-                                         old_payload_intact=job.final.is_dir())
-            except Exception:
-                pass  # fsck repairs a staging row whose writer is gone
+        except BaseException:
+            unqueue()
             raise
         payload = replace(job.payload, state_dict=snap.state_dict, extra=snap.extra,
                           meta=copy.deepcopy(job.payload.meta), config=copy.deepcopy(job.payload.config))
@@ -719,7 +727,13 @@ class Registry:
                 return self._run_publish(snapped)
             finally:
                 snap.release()
-        return self._background.submit(f"{job.run}@{job.step}", run)
+                unqueue()
+        try:
+            return self._background.submit(f"{job.run}@{job.step}", run)
+        except BaseException:
+            snap.release()
+            unqueue()
+            raise
 
     def __repr__(self) -> str:
         return f"Registry(url={self.catalog.engine.url.render_as_string(hide_password=True)!r}, root={str(self.store.root)!r})"

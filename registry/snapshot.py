@@ -27,8 +27,8 @@ import torch
 ALIGN = 64  # every view starts on a cache line, so any dtype may be viewed there
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+def _itemsize(dtype: torch.dtype) -> int:
+    return dtype.itemsize
 
 
 def _align(n: int) -> int:
@@ -68,6 +68,20 @@ def _rebuild(obj: Any, copies: dict[int, torch.Tensor], memo: dict[int, Any]) ->
 class _Arena:
     buffer: torch.Tensor  # uint8, flat
     pinned: bool
+    # the views of the last snapshot and the (dtype, shape) list they were cut
+    # for: a trainer snapshots the same layout every time, so they are reused
+    layout: tuple[tuple[torch.dtype, torch.Size], ...] | None = None
+    views: list[torch.Tensor] = field(default_factory=list)
+
+    def views_for(self, layout: tuple[tuple[torch.dtype, torch.Size], ...]) -> list[torch.Tensor]:
+        if layout != self.layout:
+            views, offset = [], 0
+            for dtype, shape in layout:
+                nbytes = shape.numel() * _itemsize(dtype)
+                views.append(self.buffer[offset:offset + nbytes].view(dtype).view(shape))
+                offset += _align(nbytes)
+            self.layout, self.views = layout, views
+        return self.views
 
     @property
     def size(self) -> int:
@@ -131,28 +145,26 @@ class Snapshotter:
         """Copy every tensor of ``state_dict`` and ``extra`` now; the copies are CPU tensors.
 
         Non-tensor leaves of ``extra`` are deep-copied. A tensor object that
-        appears twice is copied once and appears twice in the copy.
+        appears twice is copied once and appears twice in the copy. The copy is
+        one batched ``_foreach_copy_`` into views cut once per layout: with
+        thousands of small tensors, per-tensor Python calls (cutting a view,
+        launching a copy) cost several times the copying itself.
         """
-        found: dict[int, torch.Tensor] = {}
-        _tensors(state_dict, found)
+        found: dict[int, torch.Tensor] = {id(t): t for t in state_dict.values()}
         _tensors(extra, found)
         sources = list(found.values())
-        pinned = any(t.device.type == "cuda" for t in sources) and torch.cuda.is_available()
-        offsets: list[int] = []
-        total = 0
-        for t in sources:
-            offsets.append(total)
-            total += _align(_nbytes(t))
+        layout = tuple((t.dtype, t.shape) for t in sources)
+        total = sum(_align(shape.numel() * _itemsize(dtype)) for dtype, shape in layout)
+        pinned = torch.cuda.is_available() and any(t.is_cuda for t in sources)
         arena = self._get(total, pinned)
-        copies: dict[int, torch.Tensor] = {}
         try:
-            with torch.no_grad():
-                for t, offset in zip(sources, offsets):
-                    view = arena.buffer[offset:offset + _nbytes(t)].view(t.dtype).view(t.shape)
-                    view.copy_(t.detach(), non_blocking=t.device.type == "cuda")
-                    copies[id(t)] = view
+            views = arena.views_for(layout)
+            if sources:  # _foreach_copy_ refuses empty lists
+                with torch.no_grad():
+                    torch._foreach_copy_(views, sources, non_blocking=pinned)
             if pinned:
                 torch.cuda.synchronize()  # the caller may overwrite its tensors once we return
+            copies = {key: view for key, view in zip(found, views)}
             memo: dict[int, Any] = {}
             snap_state = {name: copies[id(t)] for name, t in state_dict.items()}
             snap_extra = {key: _rebuild(value, copies, memo) for key, value in extra.items()}

@@ -93,13 +93,15 @@ def test_pending_publish_is_invisible_until_committed(sqlite_reg: Registry,
 
     monkeypatch.setattr("registry.api.write_payload", gated)
     future = reg.publish("run", 7, make_state(7), blocking=False)
-    entered.wait()
-    assert not future.done() and reg.pending_publishes() == 1
-    with pytest.raises(CheckpointNotFoundError):
-        reg.resolve("run@latest-published")
-    with pytest.raises(StepExistsError):  # the claim was taken before return
-        reg.publish("run", 7, make_state(7), blocking=False)
-    gate.set()
+    try:
+        entered.wait()
+        assert not future.done() and reg.pending_publishes() == 1
+        with pytest.raises(CheckpointNotFoundError):
+            reg.resolve("run@latest-published")
+        with pytest.raises(StepExistsError):  # queued here, claimed in the background
+            reg.publish("run", 7, make_state(7), blocking=False)
+    finally:
+        gate.set()  # a failed assertion must not leave the writer blocked
     reg.wait()
     assert future.done() and reg.pending_publishes() == 0
     assert reg.resolve("run@latest").step == 7
@@ -185,6 +187,25 @@ def test_snapshot_arena_is_reused_and_independent() -> None:
     second.release()
     snaps.clear()
     assert snaps.idle_bytes == 0
+
+
+def test_snapshot_reused_arena_follows_a_changed_layout() -> None:
+    snaps = Snapshotter()
+    big = {"a": torch.randn(8, 8), "b": torch.arange(10, dtype=torch.int64)}
+    snaps.take(big, {}).release()
+    cached = snaps.take(big, {})  # same layout: the views of the last snapshot are reused
+    assert_state_equal(cached.state_dict, big)
+    cached.release()
+    smaller = {"b": torch.arange(3, dtype=torch.int16), "a": torch.randn(2, 5).bfloat16(), "c": torch.tensor(True)}
+    second = snaps.take(smaller, {})  # fits in the same arena, cut differently
+    assert second.state_dict["b"].data_ptr() == cached.state_dict["a"].data_ptr()
+    assert_state_equal(second.state_dict, smaller)
+    second.release()
+    third = snaps.take(big, {})
+    assert_state_equal(third.state_dict, big)
+    third.release()
+    empty = snaps.take({}, {"note": "no tensors"})
+    assert empty.state_dict == {} and empty.extra == {"note": "no tensors"}
 
 
 def test_snapshot_keeps_one_idle_arena() -> None:

@@ -83,6 +83,17 @@ def _sqlite_read_engine(engine: Engine) -> Engine:
     return read
 
 
+def _claim_conflict(run: str, step: int, status: str, writer: str | None, *, overwrite: bool,
+                    writer_alive: Callable[[str | None], bool]) -> StepExistsError | None:
+    """Why an existing row of ``run@step`` may not be claimed now, or None if it may."""
+    if status == "staging" and writer_alive(writer):
+        return StepExistsError(f"{run}@{step} is being published by {writer}", run=run, step=step)
+    if status in ("published", "verified", "corrupt") and not overwrite:
+        return StepExistsError(f"{run}@{step} already exists ({status}); pass overwrite=True to replace it",
+                               run=run, step=step)
+    return None
+
+
 class Catalog:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -208,12 +219,10 @@ class Catalog:
                     raise StepExistsError(f"{run}@{step} is being published by another writer",
                                           run=run, step=step) from None
                 return Claim(checkpoint_id=cid, run_id=run_id, previous_status=None)
-            if row.status == "staging" and writer_alive(row.writer):
-                raise StepExistsError(f"{run}@{step} is being published by {row.writer}",
-                                      run=run, step=step)
-            if row.status in ("published", "verified", "corrupt") and not overwrite:
-                raise StepExistsError(f"{run}@{step} already exists ({row.status}); "
-                                      "pass overwrite=True to replace it", run=run, step=step)
+            conflict = _claim_conflict(run, step, row.status, row.writer, overwrite=overwrite,
+                                       writer_alive=writer_alive)
+            if conflict is not None:
+                raise conflict
             conn.execute(update(CheckpointRow).where(CheckpointRow.id == row.id)
                          .values(status="staging", writer=writer, path=path, updated_at=now))
             previous = row.status if row.status != "staging" else None
@@ -221,6 +230,24 @@ class Catalog:
                 self._event(conn, run_id, step, "takeover", actor=writer, dead_writer=row.writer)
             return Claim(checkpoint_id=row.id, run_id=run_id, previous_status=previous)
         return self._write(fn)
+
+    def check_claimable(self, run: str, step: int, *, overwrite: bool,
+                        writer_alive: Callable[[str | None], bool] = lambda _: True) -> None:
+        """Raise the ``StepExistsError`` that :meth:`claim` would raise now, without writing.
+
+        For an asynchronous publish, which claims in the background but should
+        refuse an existing step before it returns.
+        """
+        def fn(conn: Connection) -> None:
+            row = conn.execute(select(CheckpointRow.status, CheckpointRow.writer)
+                               .join(Run, Run.id == CheckpointRow.run_id)
+                               .where(Run.name == run, CheckpointRow.step == step)).first()
+            if row is not None:
+                conflict = _claim_conflict(run, step, row.status, row.writer, overwrite=overwrite,
+                                           writer_alive=writer_alive)
+                if conflict is not None:
+                    raise conflict
+        self._read(fn)
 
     def abort_claim(self, claim: Claim, *, reason: str, old_payload_intact: bool) -> None:
         """Undo phase 1 after a failure: restore an overwritten step or mark it failed."""
