@@ -15,7 +15,6 @@ is copied into an aligned storage of its own.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import mmap
@@ -35,7 +34,6 @@ from registry.store import Loaded, assemble_shards
 from registry.tensorio import MAX_HEADER, read_safetensors_header
 
 MAX_JSON_BYTES = 64 << 20
-HASH_PIECE = 16 << 20
 
 
 def map_file(directory: Path, name: str, *, expected_size: int | None = None) -> torch.Tensor:
@@ -64,15 +62,6 @@ def map_file(directory: Path, name: str, *, expected_size: int | None = None) ->
 def host_view(buf: torch.Tensor) -> memoryview:
     """The bytes of a CPU uint8 tensor, without a copy."""
     return memoryview(buf.numpy()).cast("B") if buf.numel() else memoryview(b"")
-
-
-def sha256_buffer(buf: torch.Tensor) -> str:
-    """sha256 of a CPU buffer in large pieces (hashlib releases the GIL for each)."""
-    sha = hashlib.sha256()
-    view = host_view(buf)
-    for start in range(0, len(view), HASH_PIECE):
-        sha.update(view[start:start + HASH_PIECE])
-    return sha.hexdigest()
 
 
 def _host_bytes(buf: torch.Tensor, limit: int | None = None) -> bytes:
@@ -193,4 +182,4 @@ def parse_files(directory: Path, files: Mapping[str, torch.Tensor], *, trust_pic
                   manifest=manifest, manifest_sha256=manifest_sha)
 
 
-__all__ = ["json_object", "map_file", "parse_files", "sha256_buffer", "tensors_of", "weight_map"]
+__all__ = ["json_object", "map_file", "parse_files", "tensors_of", "weight_map"]

@@ -144,7 +144,8 @@ def _copy(src: Path, dst: Path) -> FileEntry:
         while piece := f.read(CHUNK):
             out.write(piece)
     assert out.sha256 is not None
-    return FileEntry(name=dst.name, size=out.size, sha256=out.sha256)
+    return FileEntry(name=dst.name, size=out.size, sha256=out.sha256, piece_size=out.piece_size,
+                     xxh3_128_pieces=out.xxh3_128_pieces)
 
 
 def _link(src: Path, dst: Path) -> FileEntry:

@@ -15,8 +15,10 @@ that will never come):
    ``broadcast``: rank 0 sends the files' bytes in large flat uint8 buckets
    into buffers the others allocated ahead (one collective per bucket, never
    per tensor), hashing each bucket on a worker thread while it is on the
-   wire; ``shared-fs``: rank 0 hashes its mapped files, the others map the
-   same files and check that they see the same manifest digest. Nothing but
+   wire (sha256: the wire is slower than the hash); ``shared-fs``: rank 0
+   checks its mapped files against the manifest's xxh3 pieces on all cores
+   (nothing to hide a hash behind), the others map the same files and check
+   that they see the same manifest digest. Nothing but
    the plan crosses the network.
 3. *integrity*: all ranks gather every rank's status. Rank 0's checksum
    failure on a ``latest`` ref marks the step corrupt and everyone goes round
@@ -51,11 +53,11 @@ import torch
 from registry.collectives import Comm, Failure, active, as_timedelta, first_failure, transfer
 from registry.errors import (CorruptCheckpointError, DistributedError, InvalidStateError, ManifestError,
                              RegistryError)
-from registry.filemaps import host_view, json_object, map_file, parse_files, sha256_buffer, weight_map
+from registry.filemaps import host_view, json_object, map_file, parse_files, weight_map
 from registry.manifest import CONFIG, MANIFEST, META, WEIGHTS, WEIGHTS_INDEX, Manifest, parse_manifest, digest_bytes
 from registry.records import CheckpointInfo
 from registry.refs import Ref
-from registry.store import Loaded, read_directory
+from registry.store import Loaded, check_file_digest, read_directory
 
 if TYPE_CHECKING:
     from registry.api import Registry
@@ -177,6 +179,16 @@ def integrity(mapped: Mapped, *, hashes: dict[str, str] | None) -> None:
         if entry is not None and entry.sha256 != digest:
             raise CorruptCheckpointError(f"checkpoint file checksum mismatch: {mapped.directory / name}",
                                          path=mapped.directory / name)
+
+
+def check_mapped(mapped: Mapped) -> None:
+    """Check every mapped file against its manifest's fastest digest (xxh3 pieces on all cores)."""
+    if mapped.manifest is None:  # a legacy directory has no checksums
+        return
+    for name, buf in mapped.buffers.items():
+        entry = mapped.manifest.files.get(name)
+        if entry is not None:
+            check_file_digest(mapped.directory, entry, host_view(buf))
 
 
 # --------------------------------------------------------------------------- sources (rank 0)
@@ -351,9 +363,7 @@ def _one_round(comm: Comm, src: _Source | None, *, verify: bool, device: torch.d
         if comm.rank == 0:
             assert mapped is not None
             files = mapped.buffers
-            checkable = verify and mapped.manifest is not None  # a legacy directory has no checksums
-            _, mine = _status(lambda: integrity(mapped, hashes={
-                n: sha256_buffer(b) for n, b in files.items() if n != MANIFEST} if checkable else None), 0)
+            _, mine = _status(lambda: check_mapped(mapped) if verify else None, 0)
         else:
             def open_same() -> dict[str, torch.Tensor]:
                 got = {n: map_file(directory, n, expected_size=s) for n, s in plan.files}

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from registry.errors import CorruptCheckpointError, ManifestError, UnsafePathError
+from registry.pieces import MIN_PIECE_SIZE, piece_count
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -37,9 +38,13 @@ class FileEntry:
     name: str
     size: int
     sha256: str
-    # Added field (issue 7): a fast digest for load-time checks; sha256 stays the
+    # Added fields (issue 7): fast digests for load-time checks; sha256 stays the
     # reference-compatible checksum that scrubs (``registry verify``) use.
+    # ``xxh3_128`` is of the whole file (written before pieces existed);
+    # ``xxh3_128_pieces`` of each ``piece_size`` piece (see ``registry.pieces``).
     xxh3_128: str | None = None
+    piece_size: int | None = None
+    xxh3_128_pieces: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,9 +67,7 @@ class Manifest:
             "optimizer_step": self.optimizer_step,
             "policy_version": self.policy_version,
             "tensors": sorted(self.tensors),
-            "files": {name: {"size": f.size, "sha256": f.sha256,
-                             **({"xxh3_128": f.xxh3_128} if f.xxh3_128 is not None else {})}
-                      for name, f in sorted(self.files.items())},
+            "files": {name: _entry_json(f) for name, f in sorted(self.files.items())},
         }
         for key, value in self.extra_fields.items():
             doc.setdefault(key, value)
@@ -72,6 +75,33 @@ class Manifest:
 
     def encode(self) -> bytes:
         return (json.dumps(self.to_json(), indent=2) + "\n").encode()
+
+
+def _entry_json(entry: FileEntry) -> dict[str, Any]:
+    doc: dict[str, Any] = {"size": entry.size, "sha256": entry.sha256}
+    if entry.xxh3_128 is not None:
+        doc["xxh3_128"] = entry.xxh3_128
+    if entry.xxh3_128_pieces is not None:
+        doc["xxh3_128_pieces"] = {"piece_size": entry.piece_size, "digests": list(entry.xxh3_128_pieces)}
+    return doc
+
+
+def _parse_pieces(entry: dict[str, Any], name: str, size: int,
+                  path: Path) -> tuple[int | None, tuple[str, ...] | None]:
+    doc = entry.get("xxh3_128_pieces")
+    if doc is None:
+        return None, None
+    bad = ManifestError(f"manifest {path}: {name!r} has an invalid xxh3_128_pieces", path=path)
+    if not isinstance(doc, dict):
+        raise bad
+    piece_size, digests = doc.get("piece_size"), doc.get("digests")
+    if isinstance(piece_size, bool) or not isinstance(piece_size, int) or piece_size < MIN_PIECE_SIZE:
+        raise bad
+    if not isinstance(digests, list) or len(digests) != piece_count(size, piece_size):
+        raise bad
+    if not all(isinstance(d, str) and _XXH3_128_RE.fullmatch(d) for d in digests):
+        raise bad
+    return piece_size, tuple(digests)
 
 
 def digest_bytes(raw: bytes) -> str:
@@ -128,7 +158,9 @@ def parse_manifest(raw: bytes, *, path: Path) -> Manifest:
         fast = entry.get("xxh3_128")
         if fast is not None and (not isinstance(fast, str) or not _XXH3_128_RE.fullmatch(fast)):
             raise ManifestError(f"manifest {path}: {name!r} has an invalid xxh3_128", path=path)
-        files[name] = FileEntry(name=name, size=size, sha256=sha, xxh3_128=fast)
+        piece_size, pieces = _parse_pieces(entry, name, size, path)
+        files[name] = FileEntry(name=name, size=size, sha256=sha, xxh3_128=fast, piece_size=piece_size,
+                                xxh3_128_pieces=pieces)
     tensors = doc.get("tensors", [])
     if not isinstance(tensors, list) or not all(isinstance(t, str) for t in tensors):
         raise ManifestError(f"manifest {path}: tensors must be a list of names", path=path)

@@ -31,8 +31,9 @@ from registry.errors import (CorruptCheckpointError, InvalidStateError, Manifest
                              SafetensorsFormatError, UnsafePathError, UnsafePickleError)
 from registry.manifest import (CONFIG, FileEntry, MANIFEST, META, Manifest, WEIGHTS, WEIGHTS_INDEX, check_file_name, digest_bytes,
                                open_regular, read_manifest)
+from registry.pieces import first_mismatch
 from registry.refs import step_dirname
-from registry.tensorio import (HashingWriter, digest_bytes as fast_digest, hash_file, map_safetensors,
+from registry.tensorio import (HashingWriter, hash_bytes, hash_file, map_safetensors,
                                read_safetensors_header, write_safetensors)
 
 MAX_JSON_BYTES = 64 << 20
@@ -128,7 +129,7 @@ def write_payload(staging: Path, payload: Payload) -> Written:
     fsync'd before return. Nothing is ever read back to hash it, and tensors
     are written from their own memory (see ``tensorio``), so the extra memory
     is a few MiB plus the largest non-contiguous tensor, whatever the size of
-    the state dict. Each file entry records sha256 and xxh3-128. Each file is
+    the state dict. Each file entry records sha256 and xxh3-128 piece digests. Each file is
     fsync'd on a helper thread while the next one is written: the fsyncs of
     the small files then share one journal commit instead of paying one each.
     """
@@ -159,7 +160,8 @@ def _write_files(staging: Path, payload: Payload, syncing: list[Future[None]]) -
             raise
         syncing.append(out.close_later(_SYNC_POOL.submit))
         assert out.sha256 is not None
-        entries[name] = FileEntry(name=name, size=out.size, sha256=out.sha256, xxh3_128=out.xxh3_128)
+        entries[name] = FileEntry(name=name, size=out.size, sha256=out.sha256, piece_size=out.piece_size,
+                                  xxh3_128_pieces=out.xxh3_128_pieces)
         return out.sha256
 
     meta_raw = _json_bytes(payload.meta, "meta")
@@ -304,28 +306,31 @@ def assemble_shards(directory: Path, shards: Iterable[tuple[str, Mapping[str, to
     return state
 
 
-def _digest_kind(entry: FileEntry | None) -> str:
-    """The digest a load checks: xxh3-128 (memory speed) when the manifest has it, else sha256.
+def _check_size(directory: Path, entry: FileEntry, size: int) -> None:
+    if size != entry.size:
+        path = directory / entry.name
+        raise CorruptCheckpointError(
+            f"checkpoint file size mismatch: {path} is {size} bytes, manifest says {entry.size}", path=path)
 
+
+def check_file_digest(directory: Path, entry: FileEntry, data: bytes | memoryview) -> None:
+    """Check a whole file's bytes against the fastest digest its manifest entry has.
+
+    xxh3-128 of 16 MiB pieces (hashed on all cores), else of the whole file
+    (manifests written before pieces), else sha256 (the reference module's).
     The manifest itself is matched against the sha256 the catalog keeps, so a
     recorded xxh3 is as trustworthy as the manifest; xxh3 catches any
     accidental damage (bit rot, torn or truncated writes) but, unlike sha256,
     not a deliberate forgery, which is what ``registry verify`` re-checks.
     """
-    return "xxh3_128" if entry is not None and entry.xxh3_128 is not None else "sha256"
-
-
-def _expected(entry: FileEntry, kind: str) -> str | None:
-    return entry.xxh3_128 if kind == "xxh3_128" else entry.sha256
-
-
-def _check_entry(directory: Path, entry: FileEntry, digest: str | None, size: int,
-                 kind: str = "sha256") -> None:
-    path = directory / entry.name
-    if size != entry.size:
-        raise CorruptCheckpointError(
-            f"checkpoint file size mismatch: {path} is {size} bytes, manifest says {entry.size}", path=path)
-    if digest is not None and digest != _expected(entry, kind):
+    if entry.xxh3_128_pieces is not None and entry.piece_size is not None:
+        ok = first_mismatch(data, entry.piece_size, entry.xxh3_128_pieces) is None
+    elif entry.xxh3_128 is not None:
+        ok = hash_bytes(data, "xxh3_128") == entry.xxh3_128
+    else:
+        ok = hash_bytes(data, "sha256") == entry.sha256
+    if not ok:
+        path = directory / entry.name
         raise CorruptCheckpointError(f"checkpoint file checksum mismatch: {path}", path=path)
 
 
@@ -333,15 +338,16 @@ def _read_bytes(directory: Path, name: str, entry: FileEntry | None, verify: boo
                 limit: int | None = None) -> bytes:
     with _open_inside(directory, name) as f:
         size = os.fstat(f.fileno()).st_size
-        if entry is not None and size != entry.size:
-            _check_entry(directory, entry, None, size)
+        if entry is not None:
+            _check_size(directory, entry, size)
         if limit is not None and size > limit:
             raise CorruptCheckpointError(f"{directory / name} is larger than {limit} bytes",
                                          path=directory / name)
         raw = f.read()
     if entry is not None:
-        kind = _digest_kind(entry)
-        _check_entry(directory, entry, fast_digest(raw, kind) if verify else None, len(raw), kind)
+        _check_size(directory, entry, len(raw))
+        if verify:
+            check_file_digest(directory, entry, raw)
     return raw
 
 
@@ -364,13 +370,15 @@ def _read_weights(directory: Path, name: str, entry: FileEntry | None,
         raise UnsafePathError(f"checkpoint file is a symlink: {path}", path=path)
     if not path.is_file():
         raise CorruptCheckpointError(f"checkpoint file is missing: {path}", path=path)
-    if entry is not None and path.stat().st_size != entry.size:
-        _check_entry(directory, entry, None, path.stat().st_size)
-    kind = _digest_kind(entry)
-    tensors, digest = map_safetensors(path, digest=kind if verify and entry is not None else None)
-    if entry is not None:
-        _check_entry(directory, entry, digest, path.stat().st_size, kind)
-    return tensors
+    if entry is None:
+        return map_safetensors(path)[0]
+    _check_size(directory, entry, path.stat().st_size)
+
+    def check(data: memoryview) -> None:  # the mapping itself: what was hashed is what the tensors view
+        _check_size(directory, entry, len(data))
+        if verify:
+            check_file_digest(directory, entry, data)
+    return map_safetensors(path, check=check)[0]
 
 
 def _load_pickle(raw: bytes, path: Path, *, trust_pickle: bool, map_location: Any) -> Any:

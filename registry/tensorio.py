@@ -9,8 +9,9 @@ large pieces while a worker thread feeds the same pieces, in order, to sha256
 dict is made. What bounds a publish on a fast disk is sha256 itself, about
 2 GB/s on one core, so everything else is arranged to hide behind it:
 
-- the writer thread also computes xxh3-128 (about 30 GB/s), recorded next to
-  sha256 in the manifest so that loads can check every byte at memory speed;
+- the writer thread also computes an xxh3-128 digest of every 16 MiB piece
+  (about 30 GB/s; ``registry.pieces``), recorded next to sha256 in the
+  manifest so that loads can check every byte at memory speed on all cores;
 - kernel writeback is started as each piece is written (``sync_file_range``
   on Linux), so the closing ``fsync`` has almost nothing left to flush and the
   disk works while sha256 catches up;
@@ -46,6 +47,7 @@ import torch
 import xxhash
 
 from registry.errors import InvalidStateError, SafetensorsFormatError
+from registry.pieces import PieceHasher
 
 CHUNK = 16 << 20          # bytes handed to write()/hash in one call
 SMALL = 1 << 20           # pieces below this are coalesced before writing
@@ -187,7 +189,7 @@ def _write_all(fd: int, piece: memoryview | bytearray) -> None:
 
 
 class HashingWriter:
-    """A write-only binary file that computes size, sha256 and xxh3-128 as it goes.
+    """A write-only binary file that computes size, sha256 and xxh3-128 piece digests as it goes.
 
     ``close()`` fsyncs before closing: a file that is not durable is not done.
     Usable as the target of ``torch.save`` and ``json.dump``-style writers.
@@ -199,13 +201,15 @@ class HashingWriter:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
-        self._hasher = Hasher(sha256=True, xxh3=True, inline_xxh3=True)
+        self._hasher = Hasher(sha256=True, xxh3=False)
+        self._pieces = PieceHasher()
         self._buf = bytearray()
         self._synced_to = 0   # bytes for which writeback has been started
         self._on_disk = 0     # bytes handed to write()
         self.size = 0
         self.sha256: str | None = None
-        self.xxh3_128: str | None = None
+        self.piece_size = self._pieces.piece_size
+        self.xxh3_128_pieces: tuple[str, ...] | None = None
 
     # the subset of the io API that torch.save and friends use
     def writable(self) -> bool:
@@ -236,6 +240,7 @@ class HashingWriter:
 
     def _put(self, piece: memoryview | bytearray) -> None:
         self._hasher.update(piece)
+        self._pieces.update(piece)  # inline: xxh3 keeps up with the disk, sha256 is the worker's
         _write_all(self._fd, piece)
         self._on_disk += len(piece)
         if self._on_disk - self._synced_to >= WRITEBACK:
@@ -282,8 +287,8 @@ class HashingWriter:
         return future
 
     def _finish_digests(self) -> None:
-        digests = self._hasher.digests()
-        self.sha256, self.xxh3_128 = digests.sha256, digests.xxh3_128
+        self.sha256 = self._hasher.digests().sha256
+        self.xxh3_128_pieces = self._pieces.digests()
 
     def abort(self) -> None:
         if self._fd >= 0:
@@ -539,7 +544,8 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def map_safetensors(path: Path, *, digest: str | None = None) -> tuple[dict[str, torch.Tensor], str | None]:
+def map_safetensors(path: Path, *, digest: str | None = None,
+                    check: Callable[[memoryview], None] | None = None) -> tuple[dict[str, torch.Tensor], str | None]:
     """The tensors of ``path`` as copy-on-write views of one private mapping of the file.
 
     This is what ``safetensors.torch.load_file`` does, and why it is the fast
@@ -547,8 +553,8 @@ def map_safetensors(path: Path, *, digest: str | None = None) -> tuple[dict[str,
     touched, and writing to a tensor copies just that page and never reaches
     the file. All tensors share the mapping as their storage. With
     ``digest`` the whole mapping is hashed before return (which reads it; for
-    xxh3 at memory speed), so a damaged file is refused before anything uses
-    it. The header is parsed from the mapping itself and must tile exactly
+    xxh3 at memory speed), and ``check`` is called with the whole mapping and
+    may raise, so a damaged file is refused before anything uses it. The header is parsed from the mapping itself and must tile exactly
     the mapped size, so a file swapped or resized between ``stat`` and
     ``mmap`` cannot make a view reach past the mapping. A tensor whose offset
     is not a multiple of its element size (legal in the format, never
@@ -565,7 +571,9 @@ def map_safetensors(path: Path, *, digest: str | None = None) -> tuple[dict[str,
     u8 = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (file_size,))
     view = memoryview(u8.numpy()).cast("B")
     header = read_safetensors_header(_ViewReader(view), file_size, path)  # type: ignore[arg-type]
-    value = digest_bytes(view, hasher_kind) if hasher_kind is not None else None
+    value = hash_bytes(view, hasher_kind) if hasher_kind is not None else None
+    if check is not None:
+        check(view)
     out: dict[str, torch.Tensor] = {}
     for entry in header.entries:
         offset = header.data_start + entry.begin
@@ -600,7 +608,7 @@ def sha256_file(path: Path) -> tuple[int, str]:
     return hash_file(path, "sha256")
 
 
-def digest_bytes(raw: bytes | bytearray | memoryview, digest: str = "sha256") -> str:
+def hash_bytes(raw: bytes | bytearray | memoryview, digest: str = "sha256") -> str:
     if digest == "sha256":
         return hashlib.sha256(raw).hexdigest()
     if digest == "xxh3_128":

@@ -1,4 +1,4 @@
-"""Checksums on the publish and load paths: sha256 for compatibility and scrubs, xxh3 for loads."""
+"""Checksums on the publish and load paths: sha256 for compatibility and scrubs, xxh3 pieces for loads."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 import torch
 import xxhash
 
+import registry.pieces as pieces_mod
 from registry import CorruptCheckpointError, ManifestError, Registry
 from registry.manifest import MANIFEST, WEIGHTS, read_manifest
 from registry.store import Payload, check_written, read_directory, verify_directory, write_payload
@@ -40,8 +41,10 @@ def test_manifest_records_both_digests_of_the_bytes_on_disk(tmp_path: Path) -> N
     assert set(doc) >= {"format_version", "created_at", "optimizer_step", "policy_version", "tensors", "files"}
     for name, entry in doc["files"].items():
         raw = (staging / name).read_bytes()
+        size = entry["xxh3_128_pieces"]["piece_size"]
         assert entry == {"size": len(raw), "sha256": hashlib.sha256(raw).hexdigest(),
-                         "xxh3_128": xxhash.xxh3_128_hexdigest(raw)}
+                         "xxh3_128_pieces": {"piece_size": size, "digests": [
+                             xxhash.xxh3_128_hexdigest(raw[i:i + size]) for i in range(0, len(raw), size)]}}
     assert check_written(staging, written) == []
     assert verify_directory(staging) == []
 
@@ -67,7 +70,7 @@ def test_load_checks_xxh3_and_scrub_checks_sha256(reg: Registry) -> None:
     info = reg.publish("run", 1, state)
     assert info.status == "verified"
     manifest, _ = read_manifest(info.path)
-    assert all(e.xxh3_128 for e in manifest.files.values())
+    assert all(e.xxh3_128_pieces for e in manifest.files.values())
     flip_byte(info.path / WEIGHTS)  # same size: only a digest can tell
     with pytest.raises(CorruptCheckpointError, match="checksum"):
         reg.load("run@1")
@@ -82,20 +85,56 @@ def test_corrupt_extra_is_caught_by_xxh3(sqlite_reg: Registry) -> None:
         sqlite_reg.load("run@1")
 
 
-def test_manifest_without_xxh3_falls_back_to_sha256(tmp_path: Path) -> None:
-    """Directories written before xxh3 (or by the reference module) are checked with sha256."""
+@pytest.mark.parametrize("fast", ["none", "whole-file xxh3"])
+def test_older_manifests_are_checked_with_the_digest_they_have(tmp_path: Path, fast: str) -> None:
+    """Directories written before pieces (whole-file xxh3) or by the reference module (sha256 only)."""
     staging = tmp_path / "s"
     staging.mkdir()
     write_payload(staging, payload(2))
     doc = json.loads((staging / MANIFEST).read_text())
-    for entry in doc["files"].values():
-        del entry["xxh3_128"]
+    for name, entry in doc["files"].items():
+        del entry["xxh3_128_pieces"]
+        if fast != "none":
+            entry["xxh3_128"] = xxhash.xxh3_128_hexdigest((staging / name).read_bytes())
     (staging / MANIFEST).write_text(json.dumps(doc))
     assert_state_equal(read_directory(staging, verify=True).state_dict, make_state(2))
     flip_byte(staging / WEIGHTS)
     with pytest.raises(CorruptCheckpointError, match="checksum"):
         read_directory(staging, verify=True)
     read_directory(staging, verify=False)  # sizes only
+
+
+def test_a_flip_in_any_piece_is_caught_by_the_parallel_check(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pieces_mod, "PIECE_SIZE", 4096)  # the weights span many pieces, hashed on the pool
+    staging = tmp_path / "s"
+    staging.mkdir()
+    weights = torch.randn(64, 256)
+    write_payload(staging, Payload(state_dict={"w": weights}, meta={}, config={}, extra={}))
+    entry = read_manifest(staging)[0].files[WEIGHTS]
+    assert entry.piece_size == 4096 and entry.xxh3_128_pieces is not None and len(entry.xxh3_128_pieces) > 8
+    pristine = (staging / WEIGHTS).read_bytes()
+    data_start = 8 + int.from_bytes(pristine[:8], "little")  # a flip in the header is a format error
+    for offset in (data_start, 4095, 4096, len(pristine) // 2, len(pristine) - 1):  # edges of pieces, middle, last
+        flip_byte(staging / WEIGHTS, offset)
+        with pytest.raises(CorruptCheckpointError, match="checksum"):
+            read_directory(staging, verify=True)
+        (staging / WEIGHTS).write_bytes(pristine)
+    assert torch.equal(read_directory(staging, verify=True).state_dict["w"], weights)
+
+
+@pytest.mark.parametrize("pieces", [
+    "not an object", {"piece_size": 4096}, {"piece_size": 0, "digests": []}, {"piece_size": True, "digests": []},
+    {"piece_size": 4096, "digests": ["0" * 32] * 1000}, {"piece_size": 1 << 24, "digests": ["../../etc"]}])
+def test_invalid_piece_digests_are_a_manifest_error(tmp_path: Path, pieces: object) -> None:
+    staging = tmp_path / "s"
+    staging.mkdir()
+    write_payload(staging, payload())
+    doc = json.loads((staging / MANIFEST).read_text())
+    doc["files"][WEIGHTS]["xxh3_128_pieces"] = pieces
+    (staging / MANIFEST).write_text(json.dumps(doc))
+    with pytest.raises(ManifestError, match="xxh3_128_pieces"):
+        read_directory(staging)
 
 
 def test_invalid_xxh3_field_is_a_manifest_error(tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as hs
 
+import registry.pieces as pieces_mod
 import registry.tensorio as tio
 from registry.errors import SafetensorsFormatError
 from registry.tensorio import DTYPES, HashingWriter, hash_file, read_safetensors, write_safetensors
@@ -92,7 +93,7 @@ def test_file_layout_is_exactly_the_format(tmp_path: Path) -> None:
     assert cursor == len(data)
     assert out.size == len(raw)
     assert out.sha256 == hashlib.sha256(raw).hexdigest()
-    assert out.xxh3_128 == xxhash.xxh3_128_hexdigest(raw)
+    assert out.xxh3_128_pieces == (xxhash.xxh3_128_hexdigest(raw),)  # one piece: smaller than PIECE_SIZE
 
 
 def test_same_tensors_as_save_file(tmp_path: Path) -> None:
@@ -109,8 +110,8 @@ def test_same_tensors_as_save_file(tmp_path: Path) -> None:
 def test_writer_digests_match_bytes_for_any_write_pattern(tmp_path_factory: pytest.TempPathFactory,
                                                           sizes: list[int]) -> None:
     """Small writes coalesce, large ones split into chunks: the file and digests stay exact."""
-    old = (tio.CHUNK, tio.SMALL, tio.MAX_PENDING, tio.WRITEBACK)
-    tio.CHUNK, tio.SMALL, tio.MAX_PENDING, tio.WRITEBACK = 4096, 1024, 2, 3000
+    old = (tio.CHUNK, tio.SMALL, tio.MAX_PENDING, tio.WRITEBACK, pieces_mod.PIECE_SIZE)
+    tio.CHUNK, tio.SMALL, tio.MAX_PENDING, tio.WRITEBACK, pieces_mod.PIECE_SIZE = 4096, 1024, 2, 3000, 5000
     try:
         path = tmp_path_factory.mktemp("w") / "f.bin"
         pieces = [bytes((i * 7 + j) % 251 for j in range(n)) for i, n in enumerate(sizes)]
@@ -121,9 +122,11 @@ def test_writer_digests_match_bytes_for_any_write_pattern(tmp_path_factory: pyte
         assert path.read_bytes() == expected
         assert out.size == len(expected)
         assert out.sha256 == hashlib.sha256(expected).hexdigest()
-        assert out.xxh3_128 == xxhash.xxh3_128_hexdigest(expected)
+        assert out.piece_size == 5000  # pieces end inside writes, across coalesced and chunked ones
+        assert out.xxh3_128_pieces == tuple(xxhash.xxh3_128_hexdigest(expected[i:i + 5000])
+                                            for i in range(0, len(expected), 5000))
     finally:
-        tio.CHUNK, tio.SMALL, tio.MAX_PENDING, tio.WRITEBACK = old
+        tio.CHUNK, tio.SMALL, tio.MAX_PENDING, tio.WRITEBACK, pieces_mod.PIECE_SIZE = old
 
 
 def test_large_tensor_spans_many_chunks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -182,7 +185,8 @@ def test_mapped_tensors_are_private_views(tmp_path: Path) -> None:
     path = tmp_path / "m.safetensors"
     out = write(path, state)
     before = path.read_bytes()
-    for digest, expected in ((None, None), ("sha256", out.sha256), ("xxh3_128", out.xxh3_128)):
+    whole = xxhash.xxh3_128_hexdigest(path.read_bytes())
+    for digest, expected in ((None, None), ("sha256", out.sha256), ("xxh3_128", whole)):
         tensors, value = tio.map_safetensors(path, digest=digest)
         assert value == expected
         assert set(tensors) == set(state) and all(bits_equal(tensors[k], state[k]) for k in state)
