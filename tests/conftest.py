@@ -22,6 +22,13 @@ from registry import Registry
 
 PG_ADMIN = os.environ.get("REGISTRY_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test")
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+REPO = Path(__file__).resolve().parents[1]
+
+
+def child_env() -> dict[str, str]:
+    """The environment for a child Python: this checkout first on its path, the caller's path kept after it."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path}
 _schema_counter = itertools.count()
 
 

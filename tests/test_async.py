@@ -14,7 +14,7 @@ import registry.store as store_mod
 from registry import (AsyncPublishError, CheckpointInfo, CheckpointNotFoundError, InvalidNameError, PublishError,
                       Registry, StepExistsError)
 from registry.snapshot import Snapshotter
-from tests.conftest import assert_state_equal, make_state, optimizer_state
+from tests.conftest import assert_state_equal, child_env, make_state, optimizer_state
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -255,9 +255,8 @@ def test_kill_during_background_publish(tmp_path: Path, point: str) -> None:
     import sys
 
     url, root = f"sqlite:///{tmp_path / 'c.db'}", tmp_path / "ckpt"
-    repo = str(Path(__file__).resolve().parents[1])
     proc = subprocess.run([sys.executable, "-c", CRASH_CHILD, url, str(root), point], capture_output=True,
-                          text=True, env={**os.environ, "PYTHONPATH": repo}, timeout=120)
+                          text=True, env=child_env(), timeout=120)
     assert proc.returncode == -signal.SIGKILL and "survived" not in proc.stdout, proc.stderr[-2000:]
     with Registry.open(url=url, root=root) as reg:
         row = reg.catalog.get("run", 2)

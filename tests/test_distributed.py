@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -24,7 +23,7 @@ import torch
 from registry import Checkpoint, Registry
 from registry.collectives import buckets
 from tests._dist_worker import checkpoint_fingerprint
-from tests.conftest import write_hf_sharded
+from tests.conftest import child_env, write_hf_sharded
 
 pytestmark = pytest.mark.distributed
 
@@ -114,8 +113,7 @@ def launch(base: Path, world: int, scenarios: list[dict[str, Any]], data: dict[s
     spec_path = out / "spec.json"
     spec_path.write_text(json.dumps(spec))
     port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    env = {**child_env(), "OMP_NUM_THREADS": "1"}
     env.pop("REGISTRY_CRASH_AT", None)
     procs = [subprocess.Popen([*(wrap or {}).get(r, []), sys.executable, "-m", "tests._dist_worker", str(r),
                                str(world), str(port), str(spec_path)], cwd=REPO, env=env) for r in range(world)]

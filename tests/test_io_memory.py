@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import child_env
+
 MIB = int(os.environ.get("REGISTRY_TEST_MEMORY_MIB", "64"))
 
 CHILD = r"""
@@ -40,9 +42,8 @@ print(json.dumps({"extra": status("VmHWM") - base, "size": sum(t.numel() * 4 for
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
 def test_blocking_publish_peak_memory_is_small(tmp_path: Path) -> None:
-    root = str(Path(__file__).resolve().parents[1])
     out = subprocess.run([sys.executable, "-c", CHILD, str(MIB), str(tmp_path)], capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": root}, timeout=300)
+                         env=child_env(), timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     doc = json.loads(out.stdout.strip().splitlines()[-1])
     assert doc["extra"] < 0.10 * doc["size"], doc

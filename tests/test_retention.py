@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -21,9 +20,8 @@ from registry.errors import CheckpointDeletedError, InvalidNameError
 from registry.records import CheckpointInfo
 from registry.retention import (AnyOf, KeepBest, KeepEvery, KeepLast, KeepNewerThan, KeepPolicyVersions,
                                 KeepTagged, MaxBytes, Policy, RetentionContext, RetentionWarning)
-from tests.conftest import assert_state_equal, make_state, pg_schema_url
+from tests.conftest import assert_state_equal, child_env, make_state, pg_schema_url
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 class KeepNothing(Policy):
@@ -329,7 +327,7 @@ LEASE_HOLDER = textwrap.dedent("""
 
 def test_lease_held_by_another_process(reg: Registry, catalog_url: str) -> None:
     publish(reg, "run", [10, 20, 30, 40])
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = child_env()
     holders = [subprocess.Popen([sys.executable, "-c", LEASE_HOLDER, catalog_url, "run", str(step), ttl],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
                for step, ttl in ((20, "3600"), (30, "-1"))]

@@ -22,15 +22,13 @@ import signal
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
 from registry import Registry
 from registry.retention import KeepBest, KeepEvery, KeepLast, Policy  # noqa: F401 - used by eval
-from tests.conftest import assert_state_equal, make_state
+from tests.conftest import assert_state_equal, child_env, make_state
 
-REPO = Path(__file__).resolve().parents[1]
 POLICY = 'KeepLast(2) | KeepBest(1, "eval/loss") | KeepEvery(40)'
 STEPS = tuple(range(10, 101, 10))
 KILLS = int(os.environ.get("REGISTRY_TEST_GC_KILLS", "2"))
@@ -115,7 +113,7 @@ def test_sigkill_during_gc(reg: Registry, catalog_url: str, point: str, kill_aft
     plan = reg.plan_retention(run, eval(POLICY))
     keep, delete = set(plan.keep), set(plan.delete)
     assert delete == {10, 20, 60, 70} and keep == {30, 40, 50, 80, 90, 100}
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = child_env()
     env.pop("REGISTRY_CRASH_AT", None)
     if point.startswith("gc-"):
         env["REGISTRY_CRASH_AT"] = point
