@@ -16,15 +16,22 @@ whose tensors happen to live in one buffer.
 
 from __future__ import annotations
 
+import bisect
 import copy
+import os
 import threading
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 ALIGN = 64  # every view starts on a cache line, so any dtype may be viewed there
+PARALLEL_COPY_FROM = 8 << 20  # below this, handing runs to threads costs more than it saves
+SMALL_TENSOR = 1 << 20  # a state whose tensors average more than this copies in parallel inside torch
+_COPY_THREADS = min(8, os.cpu_count() or 1)
+_COPY_POOL = ThreadPoolExecutor(max_workers=_COPY_THREADS, thread_name_prefix="registry-snapshot")
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -72,20 +79,45 @@ class _Arena:
     # for: a trainer snapshots the same layout every time, so they are reused
     layout: tuple[tuple[torch.dtype, torch.Size], ...] | None = None
     views: list[torch.Tensor] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)  # where each view starts in the buffer
 
     def views_for(self, layout: tuple[tuple[torch.dtype, torch.Size], ...]) -> list[torch.Tensor]:
         if layout != self.layout:
-            views, offset = [], 0
+            views, offsets, offset = [], [], 0
             for dtype, shape in layout:
                 nbytes = shape.numel() * _itemsize(dtype)
                 views.append(self.buffer[offset:offset + nbytes].view(dtype).view(shape))
+                offsets.append(offset)
                 offset += _align(nbytes)
-            self.layout, self.views = layout, views
+            self.layout, self.views, self.offsets = layout, views, offsets
         return self.views
+
+    def copy_into(self, sources: list[torch.Tensor], total: int, *, non_blocking: bool) -> None:
+        """Copy ``sources`` into the views cut for their layout.
+
+        Many small CPU tensors are split into runs of about equal bytes copied
+        on several threads (``_foreach_copy_`` releases the GIL); a large
+        tensor's copy is already parallel inside torch, and a copy from CUDA
+        is an asynchronous DMA either way.
+        """
+        workers = min(_COPY_THREADS, len(sources))
+        if non_blocking or workers < 2 or total < PARALLEL_COPY_FROM or total > len(sources) * SMALL_TENSOR:
+            torch._foreach_copy_(self.views, sources, non_blocking=non_blocking)
+            return
+        cuts = [0, *(bisect.bisect_left(self.offsets, total * k // workers) for k in range(1, workers)),
+                len(sources)]
+        runs = [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
+        for done in [_COPY_POOL.submit(_copy_run, self.views[a:b], sources[a:b]) for a, b in runs]:
+            done.result()
 
     @property
     def size(self) -> int:
         return self.buffer.numel()
+
+
+def _copy_run(views: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    with torch.no_grad():  # grad mode is per thread: without this the copies would join the autograd graph
+        torch._foreach_copy_(views, sources)
 
 
 @dataclass(kw_only=True)
@@ -161,7 +193,7 @@ class Snapshotter:
             views = arena.views_for(layout)
             if sources:  # _foreach_copy_ refuses empty lists
                 with torch.no_grad():
-                    torch._foreach_copy_(views, sources, non_blocking=pinned)
+                    arena.copy_into(sources, total, non_blocking=pinned)
             if pinned:
                 torch.cuda.synchronize()  # the caller may overwrite its tensors once we return
             copies = {key: view for key, view in zip(found, views)}

@@ -107,6 +107,37 @@ def test_pending_publish_is_invisible_until_committed(sqlite_reg: Registry,
     assert reg.resolve("run@latest").step == 7
 
 
+def test_a_step_claimed_elsewhere_while_queued_fails_on_the_future(sqlite_reg: Registry,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    reg = sqlite_reg
+    gate, entered = threading.Event(), threading.Event()
+    real = store_mod.write_payload
+
+    def gated(staging: Path, payload: store_mod.Payload) -> store_mod.Written:
+        entered.set()
+        gate.wait()
+        return real(staging, payload)
+
+    monkeypatch.setattr("registry.api.write_payload", gated)
+    first = reg.publish("run", 4, make_state(4), blocking=False)
+    try:
+        entered.wait()  # the background thread is busy with step 4; step 5 waits behind it, unclaimed
+        queued = reg.publish("run", 5, make_state(5), meta={"by": "queued"}, blocking=False)
+        with Registry.open(url=reg.url, root=reg.store.root) as other:
+            monkeypatch.setattr("registry.api.write_payload", real)
+            other.publish("run", 5, make_state(50), meta={"by": "other"})
+    finally:
+        gate.set()
+    assert first.result().step == 4
+    with pytest.raises(StepExistsError):
+        queued.result()
+    with pytest.raises(AsyncPublishError, match="run@5"):
+        reg.wait()
+    ckpt = reg.load("run@5")
+    assert ckpt.meta["by"] == "other"
+    assert_state_equal(ckpt.state_dict, make_state(50))
+
+
 def test_error_surfaces_on_future_and_once_on_next_call(reg: Registry, monkeypatch: pytest.MonkeyPatch) -> None:
     reg.log_metrics("run", 3, {"loss": 1.0})
     real = store_mod.write_payload
@@ -206,6 +237,26 @@ def test_snapshot_reused_arena_follows_a_changed_layout() -> None:
     third.release()
     empty = snaps.take({}, {"note": "no tensors"})
     assert empty.state_dict == {} and empty.extra == {"note": "no tensors"}
+
+
+def test_snapshot_of_many_small_tensors_copies_on_several_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    import registry.snapshot as snapshot_mod
+    monkeypatch.setattr(snapshot_mod, "PARALLEL_COPY_FROM", 0)
+    monkeypatch.setattr(snapshot_mod, "_COPY_THREADS", 3)
+    threads: set[str] = set()
+    real = snapshot_mod._copy_run
+
+    def spy(views: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+        threads.add(threading.current_thread().name)
+        real(views, sources)
+    monkeypatch.setattr(snapshot_mod, "_copy_run", spy)
+    state = {f"p{i}": torch.randn(i % 7 + 1, 3, requires_grad=i % 2 == 0) for i in range(50)}
+    state["mask"] = torch.rand(11) > 0.5
+    state["half"] = torch.randn(5, 2).to(torch.bfloat16).t()
+    snap = Snapshotter().take(state, {})
+    assert threads and all(name.startswith("registry-snapshot") for name in threads)
+    assert not any(t.requires_grad for t in snap.state_dict.values())
+    assert_state_equal(snap.state_dict, {k: v.detach().contiguous() for k, v in state.items()})
 
 
 def test_snapshot_keeps_one_idle_arena() -> None:
