@@ -1,19 +1,10 @@
 """``Registry``: the public API, composing the catalog, the store and the loader.
 
-The publish protocol (design section 4) lives here because it is the one
-place that must talk to both the catalog and the filesystem:
-
-1. claim a ``staging`` row (the unique constraint picks one winner);
-2. write the payload into a hidden staging directory, hashing as it writes,
-   manifest last, everything fsync'd;
-3. rename it into place (retiring an old payload when overwriting);
-4. one catalog transaction: status, digest, files, metrics, tags, event.
-
-Anything that fails before 4 removes the staging directory and either
-restores the overwritten step or marks the row ``failed``; a failed commit
-puts the retired old payload back (:meth:`Registry._commit_failed`). All four
-phases run on the caller's thread, or on the background publisher's for
-``publish(..., blocking=False)`` (see ``registry.background``).
+A publish validates the call here, then runs the four phases of the publish
+protocol (claim, write, install, commit; :mod:`registry.protocol`) on the
+caller's thread, or on the background publisher's for
+``publish(..., blocking=False)`` (see ``registry.background``), after the
+state has been copied (``registry.snapshot``).
 """
 
 from __future__ import annotations
@@ -24,7 +15,7 @@ import numbers
 import os
 import threading
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
@@ -33,18 +24,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from registry.catalog import Catalog, Claim, FileRecord
+from registry.catalog import Catalog, FileRecord
 from registry.checkpoint import Checkpoint
 from registry.crashpoints import crashpoint
+from registry.protocol import commit_failed, write_and_install
 from registry.background import BackgroundPublisher
-from registry.errors import (CatalogError, CheckpointDeletedError, CorruptCheckpointError, InvalidStateError,
-                             PublishError, RegistryError, StepExistsError)
+from registry.errors import (CheckpointDeletedError, CorruptCheckpointError, InvalidStateError, RegistryError,
+                             StepExistsError)
 from registry.records import LIVE, CheckpointInfo, EventInfo, MetricPoint, RunInfo
 from registry.refs import Ref, check_metric_key, check_run_name, check_step, check_tag_name, parse_ref, step_dirname
 from registry.scrub import VerifyResult, scrub
 from registry.snapshot import Snapshotter
-from registry.store import (Payload, Store, Written, check_written, discard, install, new_staging, now_timestamp,
-                            read_directory, remove_stale_staging, uninstall, write_payload, writer_alive,
+from registry.store import (Payload, Store, discard, now_timestamp, read_directory, write_payload, writer_alive,
                             writer_id)
 from registry.tensorio import check_state_dict
 
@@ -233,8 +224,8 @@ class Registry:
         claim = self.catalog.claim(run, step, path=self.store.relpath(job.final), writer=self.writer,
                                    overwrite=job.overwrite, writer_alive=writer_alive)
         crashpoint("after-claim")
-        written, status, retired = self._write_and_install(
-            claim, job.final, lambda staging: write_payload(staging, job.payload), job.verify)
+        written, status, retired = write_and_install(
+            self.catalog, claim, job.final, lambda staging: write_payload(staging, job.payload), verify=job.verify)
 
         with self._lock:
             pending = self._pending_metrics.get(run, [])
@@ -253,7 +244,8 @@ class Registry:
         except BaseException as exc:
             with self._lock:
                 self._pending_metrics[run] = due + self._pending_metrics.get(run, [])
-            self._commit_failed(claim, run, step, job.final, retired, exc)
+            commit_failed(self.catalog, claim, run=run, step=step, writer=self.writer, final=job.final,
+                          retired=retired, exc=exc)
         with self._lock:
             self._published.add(run)
         if retired is not None:
@@ -264,84 +256,6 @@ class Registry:
         if job.retention is not None:
             self._retention_after_publish(run, step, job.retention)
         return self._absolute(info)
-
-    def _commit_failed(self, claim: Claim, run: str, step: int, final: Path, retired: Path | None,
-                       exc: BaseException) -> None:
-        """The catalog commit failed: put the old payload back, unless the commit happened after all.
-
-        A commit error can be ambiguous (the connection died during COMMIT), so
-        the row decides: still our ``staging`` row means nothing was recorded.
-        Returns only when the commit did happen; otherwise raises.
-        """
-        try:
-            row = self.catalog.get(run, step)
-        except Exception:
-            # cannot tell: leave the payload in place; fsck rolls it forward once we are gone
-            raise CatalogError(f"could not record {run}@{step} in the catalog and cannot tell whether it "
-                               f"was: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
-                               run=run, step=step) from exc
-        if row is not None and not (row.status == "staging" and row.writer == self.writer):
-            return
-        undo_error: OSError | None = None
-        try:
-            parked = new_staging(final)
-            parked.rmdir()
-            try:
-                uninstall(parked, final, retired)
-            finally:
-                discard(parked)
-        except OSError as err:
-            undo_error = err  # fsck restores a retired payload left without its final directory
-        try:
-            self.catalog.abort_claim(claim, reason=str(exc) or type(exc).__name__,
-                                     old_payload_intact=retired is not None and undo_error is None)
-        except Exception:
-            pass  # fsck repairs a staging row whose writer is gone
-        if undo_error is not None:
-            raise PublishError(f"could not record {run}@{step} in the catalog nor undo its rename: "
-                               f"{undo_error.strerror or undo_error}; run 'registry fsck --repair'",
-                               errno=undo_error.errno, path=final, run=run, step=step) from exc
-        if isinstance(exc, Exception) and not isinstance(exc, RegistryError):
-            raise CatalogError(f"could not record {run}@{step} in the catalog, nothing was published: "
-                               f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
-                               run=run, step=step) from exc
-        raise exc
-
-    def _write_and_install(self, claim: Claim, final: Path, write: Callable[[Path], Written],
-                           verify: bool) -> tuple[Written, str, Path | None]:
-        """Phases 2 and 3: ``write`` fills a fresh staging directory, which then replaces ``final``.
-
-        Returns what was written, the status it earned and the retired old
-        payload (kept until the catalog commit, see :meth:`_commit_failed`).
-        """
-        remove_stale_staging(final)
-        staging = new_staging(final)
-        installed = False
-        try:
-            written = write(staging)
-            crashpoint("after-write")
-            status = "published"
-            if verify:
-                problems = check_written(staging, written)
-                if problems:
-                    raise CorruptCheckpointError(
-                        f"read-back of {final} failed: {problems[0].name}: {problems[0].problem}", path=final)
-                status = "verified"
-            retired = install(staging, final, keep_retired=True)
-            installed = True
-            return written, status, retired
-        except BaseException as exc:
-            discard(staging)
-            intact = not installed and final.is_dir()
-            try:
-                self.catalog.abort_claim(claim, reason=str(exc) or type(exc).__name__,
-                                         old_payload_intact=intact)
-            except Exception:
-                pass  # fsck repairs a staging row whose writer is gone
-            if isinstance(exc, OSError):
-                raise PublishError(f"could not publish {final}: {exc.strerror or exc}",
-                                   errno=exc.errno, path=final) from exc
-            raise
 
     # ------------------------------------------------------------------ metrics
 
@@ -642,8 +556,8 @@ class Registry:
                                     "take files from a published checkpoint; import it without --move")
         claim = self.catalog.claim(run, step, path=self.store.relpath(final), writer=self.writer,
                                    overwrite=overwrite, writer_alive=writer_alive)
-        written, status, retired = self._write_and_install(
-            claim, final, lambda staging: stage(foreign, staging, move=move), verify=True)
+        written, status, retired = write_and_install(
+            self.catalog, claim, final, lambda staging: stage(foreign, staging, move=move), verify=True)
         meta = foreign.meta
         try:
             self.catalog.commit_publish(
@@ -655,7 +569,8 @@ class Registry:
                 optimizer_step=written.manifest.optimizer_step, policy_version=written.manifest.policy_version,
                 metrics=[], attempt_id=None, tags=tags, writer=self.writer)
         except BaseException as exc:
-            self._commit_failed(claim, run, step, final, retired, exc)
+            commit_failed(self.catalog, claim, run=run, step=step, writer=self.writer, final=final,
+                          retired=retired, exc=exc)
         if retired is not None:
             discard(retired)
         if move:

@@ -1,0 +1,108 @@
+"""The filesystem half of the publish protocol (design section 4), between claim and commit.
+
+A publish (and an import) runs:
+
+1. claim a ``staging`` row (the unique constraint picks one winner);
+2. write the payload into a hidden staging directory, hashing as it writes,
+   manifest last, everything fsync'd (:func:`write_and_install`);
+3. rename it into place, retiring an old payload when overwriting;
+4. one catalog transaction: status, digest, files, metrics, tags, event.
+
+Anything that fails before 4 removes the staging directory and either
+restores the overwritten step or marks the row ``failed``; a failed commit
+puts the retired old payload back (:func:`commit_failed`). The retired
+payload is discarded only after the commit, so a crash at any moment leaves
+either the old or the new payload in place, and ``fsck`` finishes the job.
+This module is the one place that talks to both the catalog and the store.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from registry.catalog import Catalog, Claim
+from registry.crashpoints import crashpoint
+from registry.errors import CatalogError, CorruptCheckpointError, PublishError, RegistryError
+from registry.store import Written, check_written, discard, install, new_staging, remove_stale_staging, uninstall
+
+
+def write_and_install(catalog: Catalog, claim: Claim, final: Path, write: Callable[[Path], Written], *,
+                      verify: bool) -> tuple[Written, str, Path | None]:
+    """Phases 2 and 3: ``write`` fills a fresh staging directory, which then replaces ``final``.
+
+    Returns what was written, the status it earned and the retired old
+    payload (kept until the catalog commit, see :func:`commit_failed`).
+    """
+    remove_stale_staging(final)
+    staging = new_staging(final)
+    installed = False
+    try:
+        written = write(staging)
+        crashpoint("after-write")
+        status = "published"
+        if verify:
+            problems = check_written(staging, written)
+            if problems:
+                raise CorruptCheckpointError(
+                    f"read-back of {final} failed: {problems[0].name}: {problems[0].problem}", path=final)
+            status = "verified"
+        retired = install(staging, final, keep_retired=True)
+        installed = True
+        return written, status, retired
+    except BaseException as exc:
+        discard(staging)
+        intact = not installed and final.is_dir()
+        try:
+            catalog.abort_claim(claim, reason=str(exc) or type(exc).__name__, old_payload_intact=intact)
+        except Exception:
+            pass  # fsck repairs a staging row whose writer is gone
+        if isinstance(exc, OSError):
+            raise PublishError(f"could not publish {final}: {exc.strerror or exc}",
+                               errno=exc.errno, path=final) from exc
+        raise
+
+
+def commit_failed(catalog: Catalog, claim: Claim, *, run: str, step: int, writer: str, final: Path,
+                  retired: Path | None, exc: BaseException) -> None:
+    """The catalog commit failed: put the old payload back, unless the commit happened after all.
+
+    A commit error can be ambiguous (the connection died during COMMIT), so
+    the row decides: still our ``staging`` row means nothing was recorded.
+    Returns only when the commit did happen; otherwise raises.
+    """
+    try:
+        row = catalog.get(run, step)
+    except Exception:
+        # cannot tell: leave the payload in place; fsck rolls it forward once we are gone
+        raise CatalogError(f"could not record {run}@{step} in the catalog and cannot tell whether it "
+                           f"was: {_first_line(exc)}", run=run, step=step) from exc
+    if row is not None and not (row.status == "staging" and row.writer == writer):
+        return
+    undo_error: OSError | None = None
+    try:
+        parked = new_staging(final)
+        parked.rmdir()
+        try:
+            uninstall(parked, final, retired)
+        finally:
+            discard(parked)
+    except OSError as err:
+        undo_error = err  # fsck restores a retired payload left without its final directory
+    try:
+        catalog.abort_claim(claim, reason=str(exc) or type(exc).__name__,
+                            old_payload_intact=retired is not None and undo_error is None)
+    except Exception:
+        pass  # fsck repairs a staging row whose writer is gone
+    if undo_error is not None:
+        raise PublishError(f"could not record {run}@{step} in the catalog nor undo its rename: "
+                           f"{undo_error.strerror or undo_error}; run 'registry fsck --repair'",
+                           errno=undo_error.errno, path=final, run=run, step=step) from exc
+    if isinstance(exc, Exception) and not isinstance(exc, RegistryError):
+        raise CatalogError(f"could not record {run}@{step} in the catalog, nothing was published: "
+                           f"{_first_line(exc)}", run=run, step=step) from exc
+    raise exc
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
