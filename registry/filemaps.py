@@ -31,7 +31,7 @@ from registry.errors import CorruptCheckpointError, ManifestError, UnsafePickleE
 from registry.manifest import (CONFIG, MANIFEST, META, WEIGHTS, WEIGHTS_INDEX, Manifest, check_file_name,
                                digest_bytes, open_regular, parse_manifest)
 from registry.store import Loaded, assemble_shards
-from registry.tensorio import MAX_HEADER, read_safetensors_header
+from registry.tensorio import MAX_HEADER, read_safetensors_header, tensors_in
 
 MAX_JSON_BYTES = 64 << 20
 
@@ -118,15 +118,7 @@ def tensors_of(buf: torch.Tensor, path: Path) -> dict[str, torch.Tensor]:
     declared = int.from_bytes(prefix, "little") if len(prefix) == 8 else 0
     # only the header is copied out; its parser checks the declared length against the limits
     head = _host_bytes(buf, min(size, 8 + min(declared, MAX_HEADER + 1)))
-    header = read_safetensors_header(_ViewReader(head), size, path)  # type: ignore[arg-type]
-    out: dict[str, torch.Tensor] = {}
-    for entry in header.entries:
-        start = header.data_start + entry.begin
-        piece = buf[start:header.data_start + entry.end]
-        if start % entry.dtype.itemsize:
-            piece = piece.clone()
-        out[entry.name] = piece.view(entry.dtype).reshape(entry.shape)
-    return out
+    return tensors_in(buf, read_safetensors_header(_ViewReader(head), size, path))  # type: ignore[arg-type]
 
 
 def unpickle(buf: torch.Tensor, path: Path, *, trust_pickle: bool, map_location: Any) -> Any:

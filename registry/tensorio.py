@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, NamedTuple
 
 import torch
 import xxhash
@@ -370,8 +370,7 @@ def write_safetensors(out: HashingWriter, tensors: Mapping[str, torch.Tensor],
     return head
 
 
-@dataclass(frozen=True, kw_only=True)
-class TensorEntry:
+class TensorEntry(NamedTuple):  # a tuple: headers can list many thousands, and a dataclass costs 3x to build
     name: str
     dtype: torch.dtype
     shape: tuple[int, ...]
@@ -426,26 +425,27 @@ def read_safetensors_header(f: BinaryIO, file_size: int, path: Path) -> Safetens
             isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise bad("__metadata__ must map strings to strings")
     entries = []
-    for name, spec in doc.items():
-        if not isinstance(spec, dict):
+    for name, spec in doc.items():  # type(x) is int: bools are ints to isinstance, never to a shape
+        if type(spec) is not dict:
             raise bad(f"entry {name!r} is not an object")
-        dtype = DTYPES.get(spec.get("dtype")) if isinstance(spec.get("dtype"), str) else None
-        shape, offsets = spec.get("shape"), spec.get("data_offsets")
+        dtype_name, shape, offsets = spec.get("dtype"), spec.get("shape"), spec.get("data_offsets")
+        dtype = DTYPES.get(dtype_name) if type(dtype_name) is str else None
         if dtype is None:
-            raise bad(f"entry {name!r} has unknown dtype {spec.get('dtype')!r}")
-        if not isinstance(shape, list) or not all(
-                isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**53 for d in shape):
+            raise bad(f"entry {name!r} has unknown dtype {dtype_name!r}")
+        if type(shape) is not list:
             raise bad(f"entry {name!r} has an invalid shape")
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(
-                isinstance(o, int) and not isinstance(o, bool) for o in offsets)):
-            raise bad(f"entry {name!r} has invalid data_offsets")
-        begin, end = offsets
         numel = 1
         for d in shape:
+            if type(d) is not int or not 0 <= d < 2**53:
+                raise bad(f"entry {name!r} has an invalid shape")
             numel *= d
+        if type(offsets) is not list or len(offsets) != 2 or type(offsets[0]) is not int \
+                or type(offsets[1]) is not int:
+            raise bad(f"entry {name!r} has invalid data_offsets")
+        begin, end = offsets
         if not 0 <= begin <= end or end - begin != numel * dtype.itemsize:
             raise bad(f"entry {name!r} offsets do not match its shape and dtype")
-        entries.append(TensorEntry(name=name, dtype=dtype, shape=tuple(shape), begin=begin, end=end))
+        entries.append(TensorEntry(name, dtype, tuple(shape), begin, end))
     entries.sort(key=lambda e: (e.begin, e.end))
     cursor = 0
     for entry in entries:
@@ -536,14 +536,6 @@ class _ViewReader:
         return out
 
 
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, acc = [], 1
-    for d in reversed(shape):
-        strides.append(acc)
-        acc *= max(d, 1)
-    return tuple(reversed(strides))
-
-
 def map_safetensors(path: Path, *, digest: str | None = None,
                     check: Callable[[memoryview], None] | None = None) -> tuple[dict[str, torch.Tensor], str | None]:
     """The tensors of ``path`` as copy-on-write views of one private mapping of the file.
@@ -556,9 +548,7 @@ def map_safetensors(path: Path, *, digest: str | None = None,
     xxh3 at memory speed), and ``check`` is called with the whole mapping and
     may raise, so a damaged file is refused before anything uses it. The header is parsed from the mapping itself and must tile exactly
     the mapped size, so a file swapped or resized between ``stat`` and
-    ``mmap`` cannot make a view reach past the mapping. A tensor whose offset
-    is not a multiple of its element size (legal in the format, never
-    written by us) is copied instead.
+    ``mmap`` cannot make a view reach past the mapping.
     """
     hasher_kind = digest
     if hasher_kind is not None and hasher_kind not in DIGESTS:
@@ -574,18 +564,36 @@ def map_safetensors(path: Path, *, digest: str | None = None,
     value = hash_bytes(view, hasher_kind) if hasher_kind is not None else None
     if check is not None:
         check(view)
+    return tensors_in(u8, header), value
+
+
+def tensors_in(u8: torch.Tensor, header: SafetensorsHeader) -> dict[str, torch.Tensor]:
+    """Every tensor of a validated header as a view into ``u8``, the whole file's bytes.
+
+    Tensors of one dtype lie next to each other in the files we and
+    ``safetensors`` write, so each run of them is cut with one
+    ``torch.split`` instead of one Python call per tensor (with thousands of
+    small tensors those calls cost more than the data). A run whose offset
+    is not a multiple of its element size (legal in the format, never
+    written by us) is copied into an aligned buffer first.
+    """
     out: dict[str, torch.Tensor] = {}
-    for entry in header.entries:
-        offset = header.data_start + entry.begin
-        size = entry.dtype.itemsize
-        if offset % size == 0:
-            out[entry.name] = torch.empty(0, dtype=entry.dtype).set_(
-                storage, offset // size, entry.shape, _contiguous_strides(entry.shape))
-        else:
-            tensor = torch.empty(entry.shape, dtype=entry.dtype)
-            tensor.reshape(-1).view(torch.uint8).copy_(u8[offset:header.data_start + entry.end])
-            out[entry.name] = tensor
-    return out, value
+    entries, base = header.entries, header.data_start
+    start = 0
+    while start < len(entries):
+        dtype = entries[start].dtype
+        stop = start + 1
+        while stop < len(entries) and entries[stop].dtype == dtype:
+            stop += 1
+        run = entries[start:stop]
+        raw = u8[base + run[0].begin:base + run[-1].end]
+        if (base + run[0].begin) % dtype.itemsize:
+            raw = raw.clone()
+        parts = torch.split(raw.view(dtype), [(e.end - e.begin) // dtype.itemsize for e in run])
+        for entry, part in zip(run, parts):
+            out[entry.name] = part.view(entry.shape)
+        start = stop
+    return out
 
 
 def hash_file(path: Path, digest: str = "sha256") -> tuple[int, str]:

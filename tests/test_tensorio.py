@@ -206,6 +206,29 @@ def test_mapped_unaligned_tensor_is_copied(tmp_path: Path) -> None:
     assert torch.equal(st.load_file(str(path))["x"], data.view(2, 3))
 
 
+def test_mapped_runs_of_mixed_dtypes_in_any_order(tmp_path: Path) -> None:
+    """Runs of one dtype are cut together; a run starting off its element size is copied first."""
+    parts = [("a", torch.arange(3, dtype=torch.float32)), ("b", torch.arange(3, dtype=torch.float16)),
+             ("c", torch.tensor([[1.5, -2.0]], dtype=torch.float32)), ("d", torch.tensor(True)),
+             ("e", torch.empty(0, 4, dtype=torch.float64)), ("f", torch.arange(4, dtype=torch.int16).view(2, 2)),
+             ("g", torch.tensor([7], dtype=torch.int16))]
+    header: dict[str, object] = {}
+    data = b""
+    for name, tensor in parts:
+        raw = tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+        header[name] = {"dtype": tio.DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape),
+                        "data_offsets": [len(data), len(data) + len(raw)]}
+        data += raw
+    head = json.dumps(header).encode()
+    head += b" " * (-len(head) % 8)  # the data starts aligned; "c" starts at byte 18, off its 4-byte size
+    path = tmp_path / "mixed.safetensors"
+    path.write_bytes(struct.pack("<Q", len(head)) + head + data)
+    tensors, _ = tio.map_safetensors(path)
+    assert list(tensors) == [name for name, _ in parts]
+    for name, tensor in parts:
+        assert tensors[name].dtype == tensor.dtype and bits_equal(tensors[name], tensor), name
+
+
 def test_mapped_file_must_tile_the_mapping(tmp_path: Path) -> None:
     path = tmp_path / "m.safetensors"
     write(path, {"a": torch.randn(100)})
