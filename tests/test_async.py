@@ -80,28 +80,39 @@ def test_validation_and_existing_steps_raise_before_return(reg: Registry) -> Non
     assert reg.pending_publishes() == 0
 
 
+class GatedWriter:
+    """Holds the background publisher inside ``write_payload`` until ``gate`` is set."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.gate, self.entered = threading.Event(), threading.Event()
+        self.real = store_mod.write_payload
+        self._monkeypatch = monkeypatch
+        monkeypatch.setattr("registry.api.write_payload", self)
+
+    def __call__(self, staging: Path, payload: store_mod.Payload) -> store_mod.Written:
+        self.entered.set()
+        self.gate.wait()
+        return self.real(staging, payload)
+
+    def ungated(self) -> None:
+        """Later publishes write at once (the one held stays held until ``gate`` is set)."""
+        self._monkeypatch.setattr("registry.api.write_payload", self.real)
+
+
 def test_pending_publish_is_invisible_until_committed(sqlite_reg: Registry,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     reg = sqlite_reg
-    gate, entered = threading.Event(), threading.Event()
-    real = store_mod.write_payload
-
-    def gated(staging: Path, payload: store_mod.Payload) -> store_mod.Written:
-        entered.set()
-        gate.wait()
-        return real(staging, payload)
-
-    monkeypatch.setattr("registry.api.write_payload", gated)
+    held = GatedWriter(monkeypatch)
     future = reg.publish("run", 7, make_state(7), blocking=False)
     try:
-        entered.wait()
+        held.entered.wait()
         assert not future.done() and reg.pending_publishes() == 1
         with pytest.raises(CheckpointNotFoundError):
             reg.resolve("run@latest-published")
         with pytest.raises(StepExistsError):  # queued here, claimed in the background
             reg.publish("run", 7, make_state(7), blocking=False)
     finally:
-        gate.set()  # a failed assertion must not leave the writer blocked
+        held.gate.set()  # a failed assertion must not leave the writer blocked
     reg.wait()
     assert future.done() and reg.pending_publishes() == 0
     assert reg.resolve("run@latest").step == 7
@@ -110,24 +121,16 @@ def test_pending_publish_is_invisible_until_committed(sqlite_reg: Registry,
 def test_a_step_claimed_elsewhere_while_queued_fails_on_the_future(sqlite_reg: Registry,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     reg = sqlite_reg
-    gate, entered = threading.Event(), threading.Event()
-    real = store_mod.write_payload
-
-    def gated(staging: Path, payload: store_mod.Payload) -> store_mod.Written:
-        entered.set()
-        gate.wait()
-        return real(staging, payload)
-
-    monkeypatch.setattr("registry.api.write_payload", gated)
+    held = GatedWriter(monkeypatch)
     first = reg.publish("run", 4, make_state(4), blocking=False)
     try:
-        entered.wait()  # the background thread is busy with step 4; step 5 waits behind it, unclaimed
+        held.entered.wait()  # the background thread is busy with step 4; step 5 waits behind it, unclaimed
         queued = reg.publish("run", 5, make_state(5), meta={"by": "queued"}, blocking=False)
+        held.ungated()
         with Registry.open(url=reg.url, root=reg.store.root) as other:
-            monkeypatch.setattr("registry.api.write_payload", real)
             other.publish("run", 5, make_state(50), meta={"by": "other"})
     finally:
-        gate.set()
+        held.gate.set()
     assert first.result().step == 4
     with pytest.raises(StepExistsError):
         queued.result()
