@@ -28,12 +28,10 @@ from typing import Any
 import torch
 
 from registry.errors import CorruptCheckpointError, ManifestError, UnsafePickleError
-from registry.manifest import (CONFIG, MANIFEST, META, WEIGHTS, WEIGHTS_INDEX, Manifest, check_file_name,
-                               digest_bytes, open_regular, parse_manifest)
+from registry.manifest import (CONFIG, MANIFEST, MAX_JSON_BYTES, META, WEIGHTS, WEIGHTS_INDEX, Manifest,
+                               check_file_name, digest_bytes, open_regular, parse_manifest)
 from registry.store import Loaded, assemble_shards
 from registry.tensorio import MAX_HEADER, read_safetensors_header, tensors_in
-
-MAX_JSON_BYTES = 64 << 20
 
 
 def map_file(directory: Path, name: str, *, expected_size: int | None = None) -> torch.Tensor:

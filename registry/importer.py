@@ -27,12 +27,10 @@ from typing import Any
 
 from registry.errors import (CheckpointNotFoundError, CorruptCheckpointError, ManifestError, PublishError,
                              UnsafePathError)
-from registry.manifest import (CONFIG, MANIFEST, META, WEIGHTS, WEIGHTS_INDEX, FileEntry, Manifest,
+from registry.manifest import (CONFIG, MANIFEST, MAX_JSON_BYTES, META, WEIGHTS, WEIGHTS_INDEX, FileEntry, Manifest,
                                check_file_name, digest_bytes, read_manifest)
 from registry.store import Written, fsync_dir, now_timestamp
 from registry.tensorio import CHUNK, HashingWriter, read_safetensors_header, sha256_file
-
-MAX_JSON_BYTES = 64 << 20
 
 
 @dataclass(frozen=True, kw_only=True)

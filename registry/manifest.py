@@ -29,6 +29,7 @@ CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 MAX_MANIFEST_BYTES = 64 << 20
+MAX_JSON_BYTES = 64 << 20  # meta.json, config.json, an index: small files read whole, so bounded
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 _XXH3_128_RE = re.compile(r"[0-9a-f]{32}")
 

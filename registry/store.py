@@ -29,14 +29,12 @@ import torch
 from registry.crashpoints import crashpoint
 from registry.errors import (CorruptCheckpointError, InvalidStateError, ManifestError, PublishError, RootError,
                              SafetensorsFormatError, UnsafePathError, UnsafePickleError)
-from registry.manifest import (CONFIG, FileEntry, MANIFEST, META, Manifest, WEIGHTS, WEIGHTS_INDEX, check_file_name, digest_bytes,
-                               open_regular, read_manifest)
+from registry.manifest import (CONFIG, MANIFEST, MAX_JSON_BYTES, META, WEIGHTS, WEIGHTS_INDEX, FileEntry, Manifest,
+                               check_file_name, digest_bytes, open_regular, read_manifest)
 from registry.pieces import first_mismatch
 from registry.refs import step_dirname
 from registry.tensorio import (HashingWriter, hash_bytes, hash_file, map_safetensors,
                                read_safetensors_header, write_safetensors)
-
-MAX_JSON_BYTES = 64 << 20
 
 
 def writer_id() -> str:
