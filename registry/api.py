@@ -24,13 +24,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from registry.background import BackgroundPublisher
 from registry.catalog import Catalog, FileRecord
 from registry.checkpoint import Checkpoint
 from registry.crashpoints import crashpoint
-from registry.protocol import commit_failed, write_and_install
-from registry.background import BackgroundPublisher
 from registry.errors import (CheckpointDeletedError, CorruptCheckpointError, InvalidStateError, RegistryError,
                              StepExistsError)
+from registry.protocol import commit_failed, write_and_install
 from registry.records import LIVE, CheckpointInfo, EventInfo, MetricPoint, RunInfo
 from registry.refs import Ref, check_metric_key, check_run_name, check_step, check_tag_name, parse_ref, step_dirname
 from registry.scrub import VerifyResult, scrub

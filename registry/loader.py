@@ -18,8 +18,8 @@ that will never come):
    wire (sha256: the wire is slower than the hash); ``shared-fs``: rank 0
    checks its mapped files against the manifest's xxh3 pieces on all cores
    (nothing to hide a hash behind), the others map the same files and check
-   that they see the same manifest digest. Nothing but
-   the plan crosses the network.
+   that they see the same manifest digest. Nothing but the plan crosses the
+   network.
 3. *integrity*: all ranks gather every rank's status. Rank 0's checksum
    failure on a ``latest`` ref marks the step corrupt and everyone goes round
    again with an older step; any other failure is raised on every rank.

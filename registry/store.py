@@ -127,9 +127,10 @@ def write_payload(staging: Path, payload: Payload) -> Written:
     fsync'd before return. Nothing is ever read back to hash it, and tensors
     are written from their own memory (see ``tensorio``), so the extra memory
     is a few MiB plus the largest non-contiguous tensor, whatever the size of
-    the state dict. Each file entry records sha256 and xxh3-128 piece digests. Each file is
-    fsync'd on a helper thread while the next one is written: the fsyncs of
-    the small files then share one journal commit instead of paying one each.
+    the state dict. Each file entry records sha256 and xxh3-128 piece
+    digests. Each file is fsync'd on a helper thread while the next one is
+    written: the fsyncs of the small files then share one journal commit
+    instead of paying one each.
     """
     syncing: list[Future[None]] = []
     try:

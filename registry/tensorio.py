@@ -546,9 +546,10 @@ def map_safetensors(path: Path, *, digest: str | None = None,
     the file. All tensors share the mapping as their storage. With
     ``digest`` the whole mapping is hashed before return (which reads it; for
     xxh3 at memory speed), and ``check`` is called with the whole mapping and
-    may raise, so a damaged file is refused before anything uses it. The header is parsed from the mapping itself and must tile exactly
-    the mapped size, so a file swapped or resized between ``stat`` and
-    ``mmap`` cannot make a view reach past the mapping.
+    may raise, so a damaged file is refused before anything uses it. The
+    header is parsed from the mapping itself and must tile exactly the mapped
+    size, so a file swapped or resized between ``stat`` and ``mmap`` cannot
+    make a view reach past the mapping.
     """
     hasher_kind = digest
     if hasher_kind is not None and hasher_kind not in DIGESTS:
