@@ -29,6 +29,8 @@ def child_env() -> dict[str, str]:
     """The environment for a child Python: this checkout first on its path, the caller's path kept after it."""
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     return {**os.environ, "PYTHONPATH": path}
+
+
 _schema_counter = itertools.count()
 
 
