@@ -9,6 +9,7 @@ that a checkpoint was not saved.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -22,13 +23,26 @@ T = TypeVar("T")
 
 class BackgroundPublisher:
     def __init__(self) -> None:
+        self._pid = os.getpid()
         self._lock = threading.Lock()
         self._worker: ThreadPoolExecutor | None = None
         self._pending: list[Future[object]] = []
         self._errors: list[tuple[str, BaseException]] = []
 
+    def _forked(self) -> None:
+        """In a forked child the parent's worker, queue and lock holders do not exist: start afresh.
+
+        The parent's pending publishes are the parent's to finish; waiting
+        for them here would wait forever.
+        """
+        if self._pid != os.getpid():
+            self._pid = os.getpid()
+            self._lock = threading.Lock()
+            self._worker, self._pending, self._errors = None, [], []
+
     def submit(self, name: str, fn: Callable[[], T]) -> Future[T]:
         """Queue ``fn`` (the publish of ``name``) behind every earlier one."""
+        self._forked()
         def run() -> T:
             try:
                 return fn()
@@ -51,11 +65,13 @@ class BackgroundPublisher:
                 self._pending.remove(future)
 
     def pending(self) -> int:
+        self._forked()
         with self._lock:
             return len(self._pending)
 
     def wait(self) -> None:
         """Block until every queued publish has committed or failed."""
+        self._forked()
         while True:
             with self._lock:
                 pending = list(self._pending)
@@ -67,6 +83,7 @@ class BackgroundPublisher:
 
     def raise_error(self) -> None:
         """Raise the first failure not yet reported (once), as ``AsyncPublishError``."""
+        self._forked()
         with self._lock:
             errors, self._errors = self._errors, []
         if errors:
@@ -75,6 +92,7 @@ class BackgroundPublisher:
             raise AsyncPublishError(f"background publish of {name} failed: {first}{more}") from first
 
     def shutdown(self) -> None:
+        self._forked()
         with self._lock:
             worker, self._worker = self._worker, None
         if worker is not None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import pickle
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -29,8 +29,9 @@ import torch.distributed as dist
 from registry import errors
 from registry.crashpoints import crashpoint
 from registry.filemaps import host_view
+from registry.pools import Pool
 
-_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="registry-load-hash")
+_POOL = Pool(1, "registry-load-hash")
 
 
 def active() -> bool:

@@ -20,14 +20,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import xxhash
+
+from registry.pools import Pool
 
 PIECE_SIZE = 16 << 20
 MIN_PIECE_SIZE = 4096
 
-_POOL = ThreadPoolExecutor(max_workers=os.cpu_count() or 2, thread_name_prefix="registry-verify")
+_POOL = Pool(os.cpu_count() or 2, "registry-verify")
 
 
 def piece_count(size: int, piece_size: int) -> int:

@@ -21,17 +21,18 @@ import copy
 import os
 import threading
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from registry.pools import Pool
+
 ALIGN = 64  # every view starts on a cache line, so any dtype may be viewed there
 PARALLEL_COPY_FROM = 8 << 20  # below this, handing runs to threads costs more than it saves
 SMALL_TENSOR = 1 << 20  # a state whose tensors average more than this copies in parallel inside torch
 _COPY_THREADS = min(8, os.cpu_count() or 1)
-_COPY_POOL = ThreadPoolExecutor(max_workers=_COPY_THREADS, thread_name_prefix="registry-snapshot")
+_COPY_POOL = Pool(_COPY_THREADS, "registry-snapshot")
 
 
 def _itemsize(dtype: torch.dtype) -> int:

@@ -32,6 +32,7 @@ from registry.errors import (CorruptCheckpointError, InvalidStateError, Manifest
 from registry.manifest import (CONFIG, MANIFEST, MAX_JSON_BYTES, META, WEIGHTS, WEIGHTS_INDEX, FileEntry, Manifest,
                                check_file_name, digest_bytes, open_regular, read_manifest)
 from registry.pieces import first_mismatch
+from registry.pools import Pool
 from registry.refs import step_dirname
 from registry.tensorio import (HashingWriter, hash_bytes, hash_file, map_safetensors,
                                read_safetensors_header, write_safetensors)
@@ -117,7 +118,7 @@ def _shards(state_dict: Mapping[str, torch.Tensor], max_bytes: int) -> list[list
     return shards
 
 
-_SYNC_POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="registry-fsync")
+_SYNC_POOL = Pool(4, "registry-fsync")
 
 
 def write_payload(staging: Path, payload: Payload) -> Written:

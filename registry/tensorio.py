@@ -38,7 +38,7 @@ import sys
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
@@ -48,6 +48,7 @@ import xxhash
 
 from registry.errors import InvalidStateError, SafetensorsFormatError
 from registry.pieces import PieceHasher
+from registry.pools import Pool
 
 CHUNK = 16 << 20          # bytes handed to write()/hash in one call
 SMALL = 1 << 20           # pieces below this are coalesced before writing
@@ -67,12 +68,7 @@ DTYPES: dict[str, torch.dtype] = {
 }
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 
-_HASH_POOL = ThreadPoolExecutor(max_workers=max(2, min(16, os.cpu_count() or 2)),
-                                thread_name_prefix="registry-hash")
-
-
-def hash_pool() -> ThreadPoolExecutor:
-    return _HASH_POOL
+_HASH_POOL = Pool(max(2, min(16, os.cpu_count() or 2)), "registry-hash")
 
 
 def _sync_file_range() -> Any:

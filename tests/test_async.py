@@ -287,6 +287,40 @@ def test_cuda_state_is_snapshotted_to_pinned_memory(reg: Registry) -> None:
     assert_state_equal(reg.load("run@1").state_dict, expected)
 
 
+def _publish_in_forked_child(reg: Registry) -> None:
+    # the inherited registry's background worker, and every module-level pool, must work here
+    reg.publish("run", 3, make_state(3), meta={"seed": 3}, blocking=False).result()
+    reg.wait()
+    assert_state_equal(reg.load("run@3", verify=True).state_dict, make_state(3))
+    with Registry.open(url=reg.url, root=reg.store.root) as fresh:
+        fresh.publish("run", 4, make_state(4), meta={"seed": 4})
+        assert_state_equal(fresh.load("run@2", verify=True).state_dict, make_state(2))
+
+
+def test_a_forked_child_publishes_and_verifies_after_its_parent_did(sqlite_reg: Registry,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Thread pools created before a fork are dead in the child; ours are re-created there."""
+    import multiprocessing
+
+    import registry.pieces as pieces_mod
+    import registry.snapshot as snapshot_mod
+    monkeypatch.setattr(pieces_mod, "PIECE_SIZE", 4096)  # verification fans out to the verify pool
+    monkeypatch.setattr(snapshot_mod, "PARALLEL_COPY_FROM", 0)  # snapshots fan out to the copy pool
+    reg = sqlite_reg
+    reg.publish("run", 1, make_state(1))
+    reg.publish("run", 2, make_state(2), blocking=False).result()
+    assert_state_equal(reg.load("run@1", verify=True).state_dict, make_state(1))
+    child = multiprocessing.get_context("fork").Process(target=_publish_in_forked_child, args=(reg,))
+    child.start()
+    child.join(timeout=120)  # a hang guard, not a speed check: a broken pool never returns
+    if child.is_alive():
+        child.kill()
+        child.join()
+    assert child.exitcode == 0, "the forked child hung or failed"
+    assert [i.step for i in reg.checkpoints("run")] == [1, 2, 3, 4]
+    assert_state_equal(reg.load("run@4", verify=True).state_dict, make_state(4))
+
+
 CRASH_CHILD = r"""
 import sys, torch
 from registry import Registry
