@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import os
 import threading
 from concurrent.futures import Future
 from pathlib import Path
@@ -297,6 +298,7 @@ def _publish_in_forked_child(reg: Registry) -> None:
         assert_state_equal(fresh.load("run@2", verify=True).state_dict, make_state(2))
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_a_forked_child_publishes_and_verifies_after_its_parent_did(sqlite_reg: Registry,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """Thread pools created before a fork are dead in the child; ours are re-created there."""
@@ -337,7 +339,6 @@ print("survived")
 @pytest.mark.parametrize("point", ["after-write", "after-rename", "after-commit"])
 def test_kill_during_background_publish(tmp_path: Path, point: str) -> None:
     """SIGKILL at each crashpoint on the background thread: the catalog never shows a half-written step."""
-    import os
     import signal
     import subprocess
     import sys
