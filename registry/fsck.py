@@ -26,7 +26,8 @@ takes a step over in the meantime wins and fsck leaves it alone.
 | missing-payload | published/verified row, no directory | mark corrupt |
 | damaged-payload | published/verified row, files differ from the catalog | mark corrupt |
 
-A staging row whose writer is alive is reported in ``in_progress`` and left alone.
+A staging row whose writer is alive is reported in ``in_progress`` and left alone
+(on another host: one it refreshed within ``registry.store.STALE_AFTER``).
 A repair skipped because the row changed after the snapshot (a writer took the
 step over, or a dead writer's last COMMIT was still completing on the server)
 is listed in ``failures``; running fsck again judges the new state.
@@ -276,7 +277,7 @@ class Fsck:
         final = self.root / row.path if row is not None else canonical
         if row is not None and final != canonical and found.final is None and final.is_dir():
             found.final = final  # a row pointing outside the standard layout (an import)
-        staging_live = row is not None and row.status == "staging" and writer_alive(row.writer)
+        staging_live = row is not None and row.status == "staging" and writer_alive(row.writer, row.updated_at)
 
         for tmp in found.tmp:
             if staging_live:

@@ -18,13 +18,18 @@ This module is the one place that talks to both the catalog and the store.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 
 from registry.catalog import Catalog, Claim
 from registry.crashpoints import crashpoint
 from registry.errors import CatalogError, CorruptCheckpointError, PublishError, RegistryError
 from registry.store import Written, check_written, discard, install, new_staging, remove_stale_staging, uninstall
+
+HEARTBEAT = timedelta(seconds=30)  # well inside store.STALE_AFTER, so a slow beat never looks like a dead writer
 
 
 def write_and_install(catalog: Catalog, claim: Claim, final: Path, write: Callable[[Path], Written], *,
@@ -38,7 +43,8 @@ def write_and_install(catalog: Catalog, claim: Claim, final: Path, write: Callab
     staging = new_staging(final)
     installed = False
     try:
-        written = write(staging)
+        with heartbeat(catalog, claim):
+            written = write(staging)
         crashpoint("after-write")
         status = "published"
         if verify:
@@ -61,6 +67,33 @@ def write_and_install(catalog: Catalog, claim: Claim, final: Path, write: Callab
             raise PublishError(f"could not publish {final}: {exc.strerror or exc}",
                                errno=exc.errno, path=final) from exc
         raise
+
+
+@contextmanager
+def heartbeat(catalog: Catalog, claim: Claim) -> Iterator[None]:
+    """Refresh the claimed row every ``HEARTBEAT`` while the body runs.
+
+    A writer on another host cannot be asked whether it is alive; a row it
+    keeps refreshing says so, and one left unrefreshed for
+    ``registry.store.STALE_AFTER`` is taken over by the next claim and
+    repaired by fsck. A missed beat is harmless unless every beat for that
+    long is missed.
+    """
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(HEARTBEAT.total_seconds()):
+            try:
+                catalog.touch_claim(claim)
+            except Exception:  # noqa: BLE001 - the next beat tries again
+                pass
+    thread = threading.Thread(target=beat, name="registry-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 def commit_failed(catalog: Catalog, claim: Claim, *, run: str, step: int, writer: str, final: Path,

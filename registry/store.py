@@ -21,6 +21,7 @@ import zipfile
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -42,16 +43,27 @@ def writer_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
-def writer_alive(writer: str | None) -> bool:
-    """Whether the process named ``host:pid`` may still be writing.
+STALE_AFTER = timedelta(minutes=10)  # a staging row on another host not refreshed for this long is abandoned
 
-    Only a process on this host can be proven dead; any other is presumed alive.
+
+def writer_alive(writer: str | None, updated_at: datetime | None = None) -> bool:
+    """Whether the writer ``host:pid`` of a staging row last refreshed at ``updated_at`` may still be writing.
+
+    On this host the pid decides. A process on another host cannot be asked,
+    so its row decides: a publish refreshes its staging row while it writes
+    (``registry.protocol.HEARTBEAT``), and a row left unrefreshed for
+    ``STALE_AFTER`` belongs to a writer that is gone, such as a preempted node
+    whose job resumed elsewhere. Without ``updated_at`` it is presumed alive.
     """
     if not writer or ":" not in writer:
         return False
     host, _, pid_text = writer.rpartition(":")
     if host != socket.gethostname() or not pid_text.isdigit():
-        return True
+        if updated_at is None:
+            return True
+        if updated_at.tzinfo is None:
+            updated_at = updated_at.replace(tzinfo=timezone.utc)
+        return datetime.now(timezone.utc) - updated_at < STALE_AFTER
     try:
         os.kill(int(pid_text), 0)
     except ProcessLookupError:

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Connection, delete, insert, select, update
 from sqlalchemy.exc import IntegrityError
 
 from registry.catalog.models import CheckpointFile, CheckpointRow, Run
-from registry.catalog.queries import Catalog, FileRecord, utcnow
+from registry.catalog.queries import Catalog, FileRecord, _aware, utcnow
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,6 +31,7 @@ class RowState:
     writer: str | None
     manifest_sha256: str | None
     files: dict[str, tuple[int, str]] = field(default_factory=dict)  # name -> (size, sha256)
+    updated_at: datetime | None = None  # a live writer on another host keeps refreshing it
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,20 +52,23 @@ def snapshot(catalog: Catalog) -> list[RowState]:
     """Every checkpoint row of every run, with its file table."""
     def fn(conn: Connection) -> list[RowState]:
         c = CheckpointRow
-        rows = conn.execute(select(c.id, c.step, c.status, c.path, c.writer, c.manifest_sha256, Run.name)
+        rows = conn.execute(select(c.id, c.step, c.status, c.path, c.writer, c.manifest_sha256, c.updated_at,
+                                   Run.name)
                             .join(Run, Run.id == c.run_id).order_by(Run.name, c.step)).all()
         files: dict[int, dict[str, tuple[int, str]]] = {}
         for cid, name, size, sha in conn.execute(select(CheckpointFile.checkpoint_id, CheckpointFile.name,
                                                         CheckpointFile.size, CheckpointFile.sha256)):
             files.setdefault(cid, {})[name] = (size, sha)
         return [RowState(run=r.name, step=r.step, status=r.status, path=r.path, writer=r.writer,
-                         manifest_sha256=r.manifest_sha256, files=files.get(r.id, {})) for r in rows]
+                         manifest_sha256=r.manifest_sha256, files=files.get(r.id, {}),
+                         updated_at=_aware(r.updated_at)) for r in rows]
     return catalog._read(fn)
 
 
 def _row(conn: Connection, run: str, step: int) -> Any:
     """The row, locked: on PostgreSQL a writer's in-flight transaction is waited for, then seen."""
-    query = (select(CheckpointRow.id, CheckpointRow.run_id, CheckpointRow.status, CheckpointRow.writer)
+    query = (select(CheckpointRow.id, CheckpointRow.run_id, CheckpointRow.status, CheckpointRow.writer,
+                    CheckpointRow.updated_at)
              .join(Run, Run.id == CheckpointRow.run_id).where(Run.name == run, CheckpointRow.step == step))
     if conn.dialect.name == "postgresql":
         query = query.with_for_update(of=CheckpointRow)
@@ -73,7 +78,8 @@ def _row(conn: Connection, run: str, step: int) -> Any:
 def _unchanged(row: Any, seen: RowState | None) -> bool:
     if seen is None:
         return row is None
-    return row is not None and row.status == seen.status and row.writer == seen.writer
+    return (row is not None and row.status == seen.status and row.writer == seen.writer
+            and _aware(row.updated_at) == seen.updated_at)  # refreshed since: its writer is alive
 
 
 def record_payload(catalog: Catalog, seen: RowState | None, *, run: str, step: int, path: str,

@@ -83,10 +83,13 @@ def _sqlite_read_engine(engine: Engine) -> Engine:
     return read
 
 
-def _claim_conflict(run: str, step: int, status: str, writer: str | None, *, overwrite: bool,
-                    writer_alive: Callable[[str | None], bool]) -> StepExistsError | None:
+WriterAlive = Callable[[str | None, datetime | None], bool]  # (writer, row last refreshed at) -> may still write
+
+
+def _claim_conflict(run: str, step: int, status: str, writer: str | None, updated_at: datetime | None, *,
+                    overwrite: bool, writer_alive: WriterAlive) -> StepExistsError | None:
     """Why an existing row of ``run@step`` may not be claimed now, or None if it may."""
-    if status == "staging" and writer_alive(writer):
+    if status == "staging" and writer_alive(writer, _aware(updated_at)):
         return StepExistsError(f"{run}@{step} is being published by {writer}", run=run, step=step)
     if status in ("published", "verified", "corrupt") and not overwrite:
         return StepExistsError(f"{run}@{step} already exists ({status}); pass overwrite=True to replace it",
@@ -194,7 +197,7 @@ class Catalog:
     # ------------------------------------------------------------------ publish
 
     def claim(self, run: str, step: int, *, path: str, writer: str, overwrite: bool,
-              writer_alive: Callable[[str | None], bool] = lambda _: True) -> Claim:
+              writer_alive: WriterAlive = lambda _writer, _at: True) -> Claim:
         """Phase 1: a ``staging`` row decides between racing writers.
 
         A ``staging`` row left by a writer that ``writer_alive`` says is dead
@@ -219,7 +222,7 @@ class Catalog:
                     raise StepExistsError(f"{run}@{step} is being published by another writer",
                                           run=run, step=step) from None
                 return Claim(checkpoint_id=cid, run_id=run_id, previous_status=None)
-            conflict = _claim_conflict(run, step, row.status, row.writer, overwrite=overwrite,
+            conflict = _claim_conflict(run, step, row.status, row.writer, row.updated_at, overwrite=overwrite,
                                        writer_alive=writer_alive)
             if conflict is not None:
                 raise conflict
@@ -232,22 +235,33 @@ class Catalog:
         return self._write(fn)
 
     def check_claimable(self, run: str, step: int, *, overwrite: bool,
-                        writer_alive: Callable[[str | None], bool] = lambda _: True) -> None:
+                        writer_alive: WriterAlive = lambda _writer, _at: True) -> None:
         """Raise the ``StepExistsError`` that :meth:`claim` would raise now, without writing.
 
         For an asynchronous publish, which claims in the background but should
         refuse an existing step before it returns.
         """
         def fn(conn: Connection) -> None:
-            row = conn.execute(select(CheckpointRow.status, CheckpointRow.writer)
+            row = conn.execute(select(CheckpointRow.status, CheckpointRow.writer, CheckpointRow.updated_at)
                                .join(Run, Run.id == CheckpointRow.run_id)
                                .where(Run.name == run, CheckpointRow.step == step)).first()
             if row is not None:
-                conflict = _claim_conflict(run, step, row.status, row.writer, overwrite=overwrite,
-                                           writer_alive=writer_alive)
+                conflict = _claim_conflict(run, step, row.status, row.writer, row.updated_at,
+                                           overwrite=overwrite, writer_alive=writer_alive)
                 if conflict is not None:
                     raise conflict
         self._read(fn)
+
+    def touch_claim(self, claim: Claim) -> None:
+        """Refresh a claimed ``staging`` row: other hosts see that its writer is still at work.
+
+        Not durable: after a power loss the writer is gone with the beat.
+        """
+        def fn(conn: Connection) -> None:
+            conn.execute(update(CheckpointRow).where(CheckpointRow.id == claim.checkpoint_id,
+                                                     CheckpointRow.status == "staging")
+                         .values(updated_at=utcnow()))
+        self._write(fn, durable=False)
 
     def abort_claim(self, claim: Claim, *, reason: str, old_payload_intact: bool) -> None:
         """Undo phase 1 after a failure: restore an overwritten step or mark it failed."""
