@@ -54,6 +54,8 @@ def writer_alive(writer: str | None, updated_at: datetime | None = None) -> bool
     (``registry.protocol.HEARTBEAT``), and a row left unrefreshed for
     ``STALE_AFTER`` belongs to a writer that is gone, such as a preempted node
     whose job resumed elsewhere. Without ``updated_at`` it is presumed alive.
+    The row's time is the writer's clock and ``now`` is ours: hosts must agree
+    to well within ``STALE_AFTER`` (NTP keeps them within milliseconds).
     """
     if not writer or ":" not in writer:
         return False
