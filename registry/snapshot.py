@@ -35,10 +35,6 @@ _COPY_THREADS = min(8, os.cpu_count() or 1)
 _COPY_POOL = Pool(_COPY_THREADS, "registry-snapshot")
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return dtype.itemsize
-
-
 def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
@@ -86,7 +82,7 @@ class _Arena:
         if layout != self.layout:
             views, offsets, offset = [], [], 0
             for dtype, shape in layout:
-                nbytes = shape.numel() * _itemsize(dtype)
+                nbytes = shape.numel() * dtype.itemsize
                 views.append(self.buffer[offset:offset + nbytes].view(dtype).view(shape))
                 offsets.append(offset)
                 offset += _align(nbytes)
@@ -187,7 +183,7 @@ class Snapshotter:
         _tensors(extra, found)
         sources = list(found.values())
         layout = tuple((t.dtype, t.shape) for t in sources)
-        total = sum(_align(shape.numel() * _itemsize(dtype)) for dtype, shape in layout)
+        total = sum(_align(shape.numel() * dtype.itemsize) for dtype, shape in layout)
         pinned = torch.cuda.is_available() and any(t.is_cuda for t in sources)
         arena = self._get(total, pinned)
         try:

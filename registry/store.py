@@ -337,15 +337,19 @@ def check_file_digest(directory: Path, entry: FileEntry, data: bytes | memoryvie
     accidental damage (bit rot, torn or truncated writes) but, unlike sha256,
     not a deliberate forgery, which is what ``registry verify`` re-checks.
     """
+    where = ""
     if entry.xxh3_128_pieces is not None and entry.piece_size is not None:
-        ok = first_mismatch(data, entry.piece_size, entry.xxh3_128_pieces) is None
+        piece = first_mismatch(data, entry.piece_size, entry.xxh3_128_pieces)
+        ok = piece is None
+        if piece is not None and piece >= 0:  # tells an operator where the damage starts
+            where = f" (bytes {piece * entry.piece_size}-{min(len(data), (piece + 1) * entry.piece_size) - 1})"
     elif entry.xxh3_128 is not None:
         ok = hash_bytes(data, "xxh3_128") == entry.xxh3_128
     else:
         ok = hash_bytes(data, "sha256") == entry.sha256
     if not ok:
         path = directory / entry.name
-        raise CorruptCheckpointError(f"checkpoint file checksum mismatch: {path}", path=path)
+        raise CorruptCheckpointError(f"checkpoint file checksum mismatch: {path}{where}", path=path)
 
 
 def _read_bytes(directory: Path, name: str, entry: FileEntry | None, verify: bool,

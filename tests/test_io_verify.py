@@ -117,8 +117,9 @@ def test_a_flip_in_any_piece_is_caught_by_the_parallel_check(tmp_path: Path,
     data_start = 8 + int.from_bytes(pristine[:8], "little")  # a flip in the header is a format error
     for offset in (data_start, 4095, 4096, len(pristine) // 2, len(pristine) - 1):  # edges of pieces, middle, last
         flip_byte(staging / WEIGHTS, offset)
-        with pytest.raises(CorruptCheckpointError, match="checksum"):
+        with pytest.raises(CorruptCheckpointError, match="checksum") as caught:
             read_directory(staging, verify=True)
+        assert f"(bytes {offset // 4096 * 4096}-" in str(caught.value)  # the damaged piece is named
         (staging / WEIGHTS).write_bytes(pristine)
     assert torch.equal(read_directory(staging, verify=True).state_dict["w"], weights)
 
