@@ -374,13 +374,22 @@ class Catalog:
     # ------------------------------------------------------------------ status changes
 
     def set_status(self, run: str, step: int, status: str, *, kind: str, actor: str | None = None,
-                   only_from: Sequence[str] | None = None, **detail: Any) -> bool:
-        """Move a step to ``status`` (when it is in ``only_from``) and record an event."""
+                   only_from: Sequence[str] | None = None, manifest_sha256: str | None = None,
+                   **detail: Any) -> bool:
+        """Move a step to ``status`` (when it is in ``only_from``) and record an event.
+
+        ``manifest_sha256``: compare-and-set on the digest of the manifest the
+        caller actually read. A verdict (verified, corrupt, deleted) is about
+        one payload; if another writer replaced it since, the row is left
+        alone and False is returned.
+        """
         def fn(conn: Connection) -> bool:
             run_id = self._require_run(conn, run)
             cond = [CheckpointRow.run_id == run_id, CheckpointRow.step == step]
             if only_from is not None:
                 cond.append(CheckpointRow.status.in_(only_from))
+            if manifest_sha256 is not None:
+                cond.append(CheckpointRow.manifest_sha256 == manifest_sha256)
             now = utcnow()
             values: dict[str, Any] = {"status": status, "updated_at": now}
             if status == "verified":
