@@ -95,8 +95,8 @@ def catalog_name(state: State) -> str:
 def cli_hints(message: str) -> str:
     """A library message with its hints about Python arguments put as this CLI's flags."""
     from registry.retention import MISSING_METRIC_HINT
-    flags = {MISSING_METRIC_HINT: "pass --allow-missing-metric (in a --policy file: KeepBest(..., missing_ok=True)) "
-                                  "if that is intended",
+    flags = {MISSING_METRIC_HINT: "pass --allow-missing-metric (or missing_ok=True to the policy in a --policy "
+                                  "file) if that is intended",
              "pass overwrite=True": "pass --overwrite"}
     for python, flag in flags.items():
         message = message.replace(python, flag)

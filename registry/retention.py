@@ -165,7 +165,8 @@ class KeepLast(Policy):
         return f"KeepLast({self.n})"
 
 
-MISSING_METRIC_HINT = "pass KeepBest(..., missing_ok=True) or allow_missing_metrics=True if that is intended"
+MISSING_METRIC_HINT = ("pass missing_ok=True to the policy, or allow_missing_metrics=True to the plan, "
+                       "if that is intended")
 
 
 @dataclass(frozen=True, repr=False)
@@ -274,12 +275,17 @@ class KeepNewerThan(Policy):
 
 @dataclass(frozen=True, repr=False)
 class KeepPolicyVersions(Policy):
-    """Steps of the ``last`` highest policy versions and/or of the listed ``versions`` (RL rollouts)."""
+    """Steps of the ``last`` highest policy versions and/or of the listed ``versions`` (RL rollouts).
+
+    Like :class:`KeepBest`, it refuses (:class:`UnknownMetricError`) a run
+    none of whose candidates records a policy version, unless ``missing_ok``.
+    """
 
     last: int | None
     versions: frozenset[int]
+    missing_ok: bool
 
-    def __init__(self, last: int | None = None, *, versions: Iterable[int] = ()) -> None:
+    def __init__(self, last: int | None = None, *, versions: Iterable[int] = (), missing_ok: bool = False) -> None:
         if last is not None:
             _positive_int(last, "KeepPolicyVersions(last)")
         chosen = frozenset(versions)
@@ -288,10 +294,19 @@ class KeepPolicyVersions(Policy):
                               f"got {sorted(chosen, key=str)}")
         if last is None and not chosen:
             raise PolicyError("KeepPolicyVersions needs last=N or versions=[...]")
+        if not isinstance(missing_ok, bool):
+            raise PolicyError(f"KeepPolicyVersions missing_ok must be True or False, got {missing_ok!r}")
         object.__setattr__(self, "last", last)
         object.__setattr__(self, "versions", chosen)
+        object.__setattr__(self, "missing_ok", missing_ok)
 
     def keep(self, checkpoints: Sequence[CheckpointInfo], context: RetentionContext) -> Mapping[int, str]:
+        if any(c.step not in context.protected for c in checkpoints) \
+                and not (self.missing_ok or context.allow_missing_metrics) \
+                and all(c.policy_version is None for c in checkpoints):
+            raise UnknownMetricError(f"{self!r}: no checkpoint of run {context.run!r} has a policy version "
+                                     f"(publish(..., policy_version=N) records one); {MISSING_METRIC_HINT}",
+                                     metric="policy_version", run=context.run)
         wanted = set(self.versions)
         if self.last is not None:
             present = sorted({c.policy_version for c in checkpoints
@@ -301,7 +316,8 @@ class KeepPolicyVersions(Policy):
 
     def __repr__(self) -> str:
         parts = ([str(self.last)] if self.last is not None else []) + (
-            [f"versions={sorted(self.versions)}"] if self.versions else [])
+            [f"versions={sorted(self.versions)}"] if self.versions else []) + (
+            ["missing_ok=True"] if self.missing_ok else [])
         return f"KeepPolicyVersions({', '.join(parts)})"
 
 

@@ -14,7 +14,7 @@ import pytest
 from registry import PolicyError, Registry
 from registry.errors import InvalidRefError, UnknownMetricError
 from registry.refs import REF_GRAMMAR, parse_ref
-from registry.retention import KeepBest, KeepLast, MaxBytes, RetentionWarning
+from registry.retention import KeepBest, KeepLast, KeepPolicyVersions, MaxBytes, RetentionWarning
 from tests.conftest import make_state
 
 
@@ -75,6 +75,15 @@ def test_keep_best_missing_metric_when_intended(populated, catalog_url: str, roo
         assert repr(KeepBest(1, "x", missing_ok=True)) == "KeepBest(1, 'x', missing_ok=True)"
         with pytest.raises(PolicyError):
             KeepBest(1, "x", missing_ok="yes")  # type: ignore[arg-type]
+
+
+def test_keep_policy_versions_on_a_run_that_records_none(populated, catalog_url: str, root: Path) -> None:
+    with Registry.open(url=catalog_url, root=root) as reg:
+        for policy in (KeepPolicyVersions(2) | KeepLast(1), KeepPolicyVersions(versions=[3])):
+            with pytest.raises(UnknownMetricError, match="has a policy version"):
+                reg.apply_retention("alpha", policy)
+        assert list(reg.plan_retention("alpha", KeepPolicyVersions(2, missing_ok=True) | KeepLast(1)).keep) == [400]
+    assert live(catalog_url, root) == {s: "verified" for s in (100, 200, 300, 400)}
 
 
 def test_publish_retention_with_a_typo_deletes_nothing(catalog_url: str, root: Path) -> None:
