@@ -55,8 +55,10 @@ def command(fn: F) -> F:
         except OSError as exc:
             fail(os_error_line(exc))
         except Exception as exc:
+            import sqlite3
+
             from sqlalchemy.exc import DBAPIError, SQLAlchemyError
-            if not isinstance(exc, SQLAlchemyError):
+            if not isinstance(exc, (SQLAlchemyError, sqlite3.Error)):
                 raise
             cause = exc.orig if isinstance(exc, DBAPIError) else exc
             state = next((a for a in args if isinstance(a, State)), None)
