@@ -489,19 +489,24 @@ class Registry:
     # ------------------------------------------------------------------ retention (issue 4)
 
     def plan_retention(self, run: str, policy: Policy, *, now: datetime | None = None,
-                       protect: Mapping[int, str] | None = None) -> RetentionPlan:
+                       protect: Mapping[int, str] | None = None,
+                       allow_missing_metrics: bool = False) -> RetentionPlan:
         """What ``policy`` would keep and delete in ``run`` (a ``RetentionPlan``); changes nothing.
 
         ``protect`` adds ``{step: reason}`` protections on top of the invariants;
-        ``now`` (timezone-aware) pins the clock for age-based policies.
+        ``now`` (timezone-aware) pins the clock for age-based policies. A
+        ``KeepBest`` over a metric none of the run's checkpoints has raises
+        ``UnknownMetricError`` (a ``PolicyError``) unless ``allow_missing_metrics``.
         """
         from registry.retention import make_plan
-        return make_plan(self, run, policy, now=now, protect=protect or {})
+        return make_plan(self, run, policy, now=now, protect=protect or {},
+                         allow_missing_metrics=allow_missing_metrics)
 
-    def apply_retention(self, run: str, policy: Policy, *,
-                        protect: Mapping[int, str] | None = None) -> RetentionResult:
+    def apply_retention(self, run: str, policy: Policy, *, protect: Mapping[int, str] | None = None,
+                        allow_missing_metrics: bool = False) -> RetentionResult:
         """Plan and execute at once; returns the ``RetentionResult``."""
-        return self.plan_retention(run, policy, protect=protect).execute()
+        return self.plan_retention(run, policy, protect=protect,
+                                   allow_missing_metrics=allow_missing_metrics).execute()
 
     @staticmethod
     def _check_retention(retention: object) -> None:

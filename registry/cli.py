@@ -38,15 +38,71 @@ class State:
 
 
 def command(fn: F) -> F:
-    """Turn a RegistryError into ``registry: <message>`` and exit status 1."""
+    """Turn every failure that is not a bug into one line ``registry: error: ...``.
+
+    A ``RegistryError`` exits 1 (a retention metric nobody logged is a usage
+    error: 2); so do a raw ``OSError`` (named by its file and cause) and a
+    catalog error that escaped the library (named by its catalog). Hints
+    that name a Python argument are shown as the command's flag.
+    """
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
         except RegistryError as exc:
-            click.echo(f"registry: error: {exc}", err=True)
-            sys.exit(1)
+            from registry.errors import UnknownMetricError
+            fail(cli_hints(str(exc)), status=2 if isinstance(exc, UnknownMetricError) else 1)
+        except OSError as exc:
+            fail(os_error_line(exc))
+        except Exception as exc:
+            import sqlite3
+
+            from sqlalchemy.exc import DBAPIError, SQLAlchemyError
+            if not isinstance(exc, (SQLAlchemyError, sqlite3.Error)):
+                raise
+            cause = exc.orig if isinstance(exc, DBAPIError) else exc
+            state = next((a for a in args if isinstance(a, State)), None)
+            where = catalog_name(state) if state is not None else "catalog"
+            fail(f"catalog {where}: {first_line(cause)}")
     return wrapper  # type: ignore[return-value]
+
+
+def fail(message: str, *, status: int = 1) -> None:
+    click.echo(f"registry: error: {message}", err=True)
+    sys.exit(status)
+
+
+def first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+def os_error_line(exc: OSError) -> str:
+    """``/path: No space left on device``: the file and the cause, whatever raised it."""
+    cause = exc.strerror or first_line(exc)
+    if exc.filename is None:
+        return cause
+    files = str(exc.filename) + (f" -> {exc.filename2}" if exc.filename2 is not None else "")
+    return f"{files}: {cause}"
+
+
+def catalog_name(state: State) -> str:
+    """The catalog's database file (SQLite) or its URL without the password."""
+    from sqlalchemy.engine import make_url
+
+    from registry.api import locations
+    url = make_url(locations(state.url, state.root)[1])
+    return str(url.database) if url.get_backend_name() == "sqlite" else url.render_as_string(hide_password=True)
+
+
+def cli_hints(message: str) -> str:
+    """A library message with its hints about Python arguments put as this CLI's flags."""
+    from registry.retention import MISSING_METRIC_HINT
+    flags = {MISSING_METRIC_HINT: "pass --allow-missing-metric (or missing_ok=True to the policy in a --policy "
+                                  "file) if that is intended",
+             "pass overwrite=True": "pass --overwrite"}
+    for python, flag in flags.items():
+        message = message.replace(python, flag)
+    return message
 
 
 def emit_json(doc: Any) -> None:
@@ -164,11 +220,25 @@ def ls(state: State, run: str, include_deleted: bool, policy_version: int | None
 @click.pass_obj
 @command
 def show(state: State, ref: str, as_json: bool) -> None:
-    """Show one checkpoint: status, sizes, metrics, tags, files and events."""
+    """Show one checkpoint: status, sizes, metrics, tags, files and events.
+
+    A deleted, failed or staging step (named by its number) is shown too,
+    marked as such, with the event that ended it.
+    """
+    from registry.errors import CheckpointNotFoundError
+    from registry.refs import parse_ref
     reg = state.registry()
-    info = reg.resolve(ref)
+    parsed = parse_ref(ref)
+    try:
+        info = reg.resolve(parsed)
+    except CheckpointNotFoundError:
+        row = reg.catalog.get(parsed.run, parsed.step) if parsed.kind == "step" else None
+        if row is None or row.status not in ("deleted", "failed", "staging"):
+            raise
+        info = reg._absolute(row)
     files = reg.catalog.files(info.run, info.step)
     events = reg.events(info.run, step=info.step)
+    ended = ending_event(info.status, events)
     manifest = manifest_summary(info.path)
     if as_json:
         doc = info.to_json()
@@ -176,9 +246,14 @@ def show(state: State, ref: str, as_json: bool) -> None:
         doc["files"] = [{"name": f.name, "size": f.size, "sha256": f.sha256} for f in files]
         doc["manifest"] = manifest
         doc["events"] = [e.to_json() for e in events]
+        doc["ended_by"] = ended.to_json() if ended is not None else None
         emit_json(doc)
         return
-    click.echo(f"{info.run}@{info.step}  {info.status}  {human_bytes(info.total_bytes)}")
+    marked = info.status.upper() if info.status in ("deleted", "failed", "staging") else info.status
+    click.echo(f"{info.run}@{info.step}  {marked}  {human_bytes(info.total_bytes)}")
+    if ended is not None:
+        click.echo(f"ended:    {ended.kind} at {ended.created_at:%Y-%m-%d %H:%M:%S} by {ended.actor or '-'}  "
+                   f"{json.dumps(ended.detail, sort_keys=True)}")
     if "error" in manifest:
         click.echo(f"manifest: unreadable: {manifest['error']}")
     else:
@@ -194,6 +269,14 @@ def show(state: State, ref: str, as_json: bool) -> None:
         click.echo(f"  {f.name:<40} {human_bytes(f.size):>10}  {f.sha256[:16]}")
     for e in events:
         click.echo(f"  {e.created_at:%Y-%m-%d %H:%M:%S}  {e.kind:<14} {json.dumps(e.detail, sort_keys=True)}")
+
+
+def ending_event(status: str, events: Sequence[Any]) -> Any:
+    """The newest event that put a deleted or failed step in that status, or None."""
+    if status not in ("deleted", "failed"):
+        return None
+    return next((e for e in reversed(events)
+                 if e.detail.get("status") == status or (status == "failed" and e.kind == "publish-failed")), None)
 
 
 def manifest_summary(directory: Any) -> dict[str, Any]:
@@ -219,14 +302,29 @@ def resolve(state: State, ref: str) -> None:
 
 
 @main.command()
-@click.argument("run")
-@click.argument("step", type=int)
-@click.argument("name")
+@click.argument("target", metavar="REF|RUN")
+@click.argument("step_or_name", metavar="[STEP] NAME")
+@click.argument("name", required=False, metavar="")
 @click.pass_obj
 @command
-def tag(state: State, run: str, step: int, name: str) -> None:
-    """Point tag NAME of RUN at STEP (moving it if it exists)."""
-    state.registry().tag(run, step, name)
+def tag(state: State, target: str, step_or_name: str, name: str | None) -> None:
+    """Point tag NAME at the step REF names (``tag run@best:eval/loss release``), or at RUN STEP.
+
+    The tag moves if it exists.
+    """
+    reg = state.registry()
+    if name is None:
+        name = step_or_name
+        info = reg.resolve(target)
+        run, step = info.run, info.step
+    else:
+        run = target
+        try:
+            step = int(step_or_name)
+        except ValueError:
+            raise click.BadParameter(f"{step_or_name!r} is not a step number (tag RUN STEP NAME, "
+                                     "or tag REF NAME)", param_hint="STEP") from None
+    reg.tag(run, step, name)
     click.echo(f"{run}@{name} -> {step}")
 
 
@@ -365,12 +463,16 @@ def build_policy(*, keep_last: int | None, keep_best: Sequence[str], keep_every:
                    "drop the oldest until the run fits.")
 @click.option("--policy", "policy_file", type=click.Path(exists=True, dir_okay=False), default=None,
               metavar="FILE.py", help="A Python file that defines `policy = ...`.")
+@click.option("--allow-missing-metric", is_flag=True,
+              help="Let a --keep-best metric that no checkpoint of RUN has keep nothing (default: refuse, "
+                   "exit 2: a typo there would delete the real best).")
 @click.option("--dry-run", is_flag=True, help="Print the plan; delete nothing.")
 @json_option
 @click.pass_obj
 @command
 def gc(state: State, run: str, keep_last: int | None, keep_best: tuple[str, ...], keep_every: int | None,
-       max_bytes: str | None, policy_file: str | None, dry_run: bool, as_json: bool) -> None:
+       max_bytes: str | None, policy_file: str | None, allow_missing_metric: bool, dry_run: bool,
+       as_json: bool) -> None:
     """Delete the checkpoints of RUN that no policy keeps.
 
     Options combine: a step is kept if any of them keeps it. Whatever they
@@ -378,7 +480,7 @@ def gc(state: State, run: str, keep_last: int | None, keep_best: tuple[str, ...]
     """
     policy = build_policy(keep_last=keep_last, keep_best=keep_best, keep_every=keep_every,
                           max_bytes=max_bytes, policy_file=policy_file)
-    plan = state.registry().plan_retention(run, policy)
+    plan = state.registry().plan_retention(run, policy, allow_missing_metrics=allow_missing_metric)
     result = None if dry_run else plan.execute()
     if as_json:
         doc = plan.to_json()

@@ -91,6 +91,19 @@ class PolicyError(RegistryError, ValueError):
     """A retention policy that is malformed, or that misbehaved when asked what to keep."""
 
 
+class UnknownMetricError(PolicyError):
+    """A policy ranks by a metric that no checkpoint of the run has (a typo would keep nothing by it).
+
+    ``metric`` is the key asked for; ``known`` the keys the run's checkpoints
+    do have, closest match first.
+    """
+
+    def __init__(self, message: str, *, metric: str, known: tuple[str, ...] = (), **kwargs: object) -> None:
+        super().__init__(message, **kwargs)  # type: ignore[arg-type]
+        self.metric = metric
+        self.known = known
+
+
 class CheckpointDeletedError(CheckpointNotFoundError):
     """The step stopped being loadable (retention deleted it) between resolving it and reading it."""
 

@@ -6,6 +6,7 @@ loader and the catalog alike without importing torch or SQL.
 
 from __future__ import annotations
 
+import difflib
 import re
 from dataclasses import dataclass
 from typing import Literal
@@ -85,39 +86,89 @@ class Ref:
         return f"{self.run}@best:{self.metric}:{self.mode}"
 
 
+REF_GRAMMAR = "expected RUN[@latest|@latest-published|@STEP|@TAG|@best:METRIC[:min|max]]"
+_SELECTOR_WORDS = ("latest", "latest-published", "best")
+
+
+def _bad_ref(text: object, why: str, hint: str | None = None) -> InvalidRefError:
+    """One line: what is wrong, the likely intent when there is one, then the grammar."""
+    return InvalidRefError(f"invalid ref {text!r}: {why}; {hint + '; ' if hint else ''}{REF_GRAMMAR}")
+
+
+def selector_hint(run: str, selector: str) -> str | None:
+    """``did you mean RUN@...?`` for a selector that looks like a misspelt keyword, else None.
+
+    ``RUN@best`` and ``RUN@lastest`` are legal tag refs, so the catalog calls
+    this too when such a tag does not exist.
+    """
+    lowered = selector.lower()
+    if lowered.startswith("best") and (lowered == "best" or ":" in lowered):
+        body = selector[len("best"):].lstrip("-_./:")
+        return f"did you mean {run}@best:{body or 'METRIC'}?"
+    close = difflib.get_close_matches(lowered, _SELECTOR_WORDS, n=1, cutoff=0.75)
+    if close and close[0] != selector:
+        return f"did you mean {run}@{close[0] if close[0] != 'best' else 'best:METRIC'}?"
+    return None
+
+
+def _best_hint(run: str, body: str) -> str | None:
+    """The likely intent of a malformed ``best:`` body: ``loss:maxx`` -> ``loss:max``."""
+    metric, _, mode = body.rpartition(":")
+    if metric and ":" not in metric and METRIC_KEY_RE.fullmatch(metric):
+        if not mode:
+            return f"did you mean {run}@best:{metric}?"
+        close = difflib.get_close_matches(mode.lower(), ("min", "max"), n=1, cutoff=0.5)
+        if close:
+            return f"did you mean {run}@best:{metric}:{close[0]}?"
+    return None
+
+
 def parse_ref(text: object) -> Ref:
     """Parse ``RUN``, ``RUN@latest``, ``RUN@latest-published``, ``RUN@1000``,
-    ``RUN@best:METRIC[:min|max]`` or ``RUN@TAG``."""
+    ``RUN@best:METRIC[:min|max]`` or ``RUN@TAG``.
+
+    A malformed ref is an :class:`InvalidRefError` of one line: what is wrong,
+    the likely intent when one is apparent, and the grammar.
+    """
     if isinstance(text, Ref):
         return text
     if not isinstance(text, str) or not text:
-        raise InvalidRefError(f"invalid ref {text!r}: expected RUN or RUN@SELECTOR")
+        raise _bad_ref(text, "a ref is a non-empty string")
     run, sep, selector = text.partition("@")
     try:
         check_run_name(run)
     except InvalidNameError as exc:
-        raise InvalidRefError(f"invalid ref {text!r}: {exc}") from None
+        raise _bad_ref(text, str(exc)) from None
     if not sep:
         return Ref(run=run, kind="latest")
+    if not selector:
+        raise _bad_ref(text, "nothing after '@'", f"did you mean {run}@latest?")
+    if "@" in selector:
+        raise _bad_ref(text, "more than one '@'")
     if selector in ("latest", "latest-published"):
         return Ref(run=run, kind=selector)  # type: ignore[arg-type]
     if selector.isdigit() and selector.isascii():
         if int(selector) > MAX_STEP:
-            raise InvalidRefError(f"invalid ref {text!r}: steps are 64-bit integers")
+            raise _bad_ref(text, f"step {selector} does not fit in 64 bits")
         return Ref(run=run, kind="step", step=int(selector))
+    if selector.startswith("-") and selector[1:].isdigit():
+        raise _bad_ref(text, "steps are non-negative")
     if selector.startswith("best:"):
         body = selector[len("best:"):]
         metric, mode = body, "min"
         if body.endswith((":min", ":max")):
             metric, mode = body[:-4], body[-3:]
+        if not metric:
+            raise _bad_ref(text, "no METRIC after 'best:'", f"did you mean {run}@best:METRIC?")
         try:
             check_metric_key(metric)
         except InvalidNameError:
-            raise InvalidRefError(
-                f"invalid ref {text!r}: expected RUN@best:METRIC[:min|max]") from None
+            why = (f"{body.rpartition(':')[2]!r} is not min or max" if ":" in body
+                   else f"{metric!r} is not a metric key (letters, digits, '_', '.', '/', '-')")
+            raise _bad_ref(text, why, _best_hint(run, body)) from None
         return Ref(run=run, kind="best", metric=metric, mode=mode)  # type: ignore[arg-type]
     try:
         check_tag_name(selector)
     except InvalidNameError as exc:
-        raise InvalidRefError(f"invalid ref {text!r}: {exc}") from None
+        raise _bad_ref(text, str(exc), selector_hint(run, selector)) from None
     return Ref(run=run, kind="tag", tag=selector)

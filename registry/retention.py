@@ -26,6 +26,7 @@ running gc again (or ``fsck --repair``) completes the job.
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import shutil
@@ -40,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from registry.catalog.retention import CANDIDATES, RetentionCatalog, RunSnapshot
 from registry.crashpoints import crashpoint
-from registry.errors import PolicyError, RegistryError
+from registry.errors import PolicyError, RegistryError, UnknownMetricError
 from registry.manifest import MANIFEST, digest_bytes
 from registry.records import LIVE, RANKABLE, CheckpointInfo, human_bytes
 from registry.refs import check_metric_key, check_run_name
@@ -72,6 +73,7 @@ class RetentionContext:
     run: str
     now: datetime
     protected: Mapping[int, str]   # steps the invariants keep whatever the policy says, with why
+    allow_missing_metrics: bool = False   # a KeepBest over a metric no checkpoint has keeps nothing, silently
 
 
 class Policy(ABC):
@@ -163,29 +165,63 @@ class KeepLast(Policy):
         return f"KeepLast({self.n})"
 
 
+MISSING_METRIC_HINT = ("pass missing_ok=True to the policy, or allow_missing_metrics=True to the plan, "
+                       "if that is intended")
+
+
 @dataclass(frozen=True, repr=False)
 class KeepBest(Policy):
-    """The ``k`` best steps by ``metric`` at their own step, ranked exactly like ``RUN@best:METRIC``."""
+    """The ``k`` best steps by ``metric`` at their own step, ranked exactly like ``RUN@best:METRIC``.
+
+    When no candidate of the run has ``metric`` at all (a typo, or a metric
+    nobody logged), ``keep`` raises :class:`UnknownMetricError` naming the
+    metrics the run does have, rather than keeping nothing and letting the
+    rest of the plan delete the real best; a run whose candidates are all
+    protected anyway has nothing to lose and is not refused.
+    ``missing_ok=True`` (or the plan's ``allow_missing_metrics``) says that
+    is intended: it then keeps nothing.
+    """
 
     k: int
     metric: str
     mode: Literal["min", "max"] = "min"
+    missing_ok: bool = field(default=False, kw_only=True)
 
     def __post_init__(self) -> None:
         _positive_int(self.k, "KeepBest(k)")
         check_metric_key(self.metric)
         if self.mode not in ("min", "max"):
             raise PolicyError(f"KeepBest mode must be 'min' or 'max', got {self.mode!r}")
+        if not isinstance(self.missing_ok, bool):
+            raise PolicyError(f"KeepBest missing_ok must be True or False, got {self.missing_ok!r}")
 
     def keep(self, checkpoints: Sequence[CheckpointInfo], context: RetentionContext) -> Mapping[int, str]:
+        deletable = any(c.step not in context.protected for c in checkpoints)
+        if deletable and not (self.missing_ok or context.allow_missing_metrics) \
+                and not any(self.metric in c.metrics for c in checkpoints):
+            raise self._unknown(checkpoints, context.run)
         ranked = [c for c in checkpoints if c.status in RANKABLE and self.metric in c.metrics]
         sign = 1.0 if self.mode == "min" else -1.0
         ranked.sort(key=lambda c: (sign * c.metrics[self.metric], -c.step))
         return {c.step: f"best {i + 1}/{self.k} {self.metric}={c.metrics[self.metric]:.6g} ({self.mode})"
                 for i, c in enumerate(ranked[:self.k])}
 
+    def _unknown(self, checkpoints: Sequence[CheckpointInfo], run: str) -> UnknownMetricError:
+        def likeness(key: str) -> float:
+            return difflib.SequenceMatcher(None, self.metric, key).ratio()
+        known = tuple(sorted(sorted({k for c in checkpoints for k in c.metrics}), key=lambda k: -likeness(k)))
+        if not known:
+            listed = "its checkpoints have no metrics"
+        else:
+            more = f" and {len(known) - 10} more" if len(known) > 10 else ""
+            guess = f"did you mean {known[0]!r}? " if likeness(known[0]) >= 0.6 else ""
+            listed = f"{guess}its checkpoints have {', '.join(known[:10])}{more}"
+        return UnknownMetricError(f"{self!r}: no checkpoint of run {run!r} has metric {self.metric!r}; "
+                                  f"{listed}; {MISSING_METRIC_HINT}", metric=self.metric, known=known, run=run)
+
     def __repr__(self) -> str:
-        return f"KeepBest({self.k}, {self.metric!r}{'' if self.mode == 'min' else ', mode=' + repr(self.mode)})"
+        return (f"KeepBest({self.k}, {self.metric!r}{'' if self.mode == 'min' else ', mode=' + repr(self.mode)}"
+                f"{', missing_ok=True' if self.missing_ok else ''})")
 
 
 @dataclass(frozen=True, repr=False)
@@ -239,12 +275,17 @@ class KeepNewerThan(Policy):
 
 @dataclass(frozen=True, repr=False)
 class KeepPolicyVersions(Policy):
-    """Steps of the ``last`` highest policy versions and/or of the listed ``versions`` (RL rollouts)."""
+    """Steps of the ``last`` highest policy versions and/or of the listed ``versions`` (RL rollouts).
+
+    Like :class:`KeepBest`, it refuses (:class:`UnknownMetricError`) a run
+    none of whose candidates records a policy version, unless ``missing_ok``.
+    """
 
     last: int | None
     versions: frozenset[int]
+    missing_ok: bool
 
-    def __init__(self, last: int | None = None, *, versions: Iterable[int] = ()) -> None:
+    def __init__(self, last: int | None = None, *, versions: Iterable[int] = (), missing_ok: bool = False) -> None:
         if last is not None:
             _positive_int(last, "KeepPolicyVersions(last)")
         chosen = frozenset(versions)
@@ -253,10 +294,19 @@ class KeepPolicyVersions(Policy):
                               f"got {sorted(chosen, key=str)}")
         if last is None and not chosen:
             raise PolicyError("KeepPolicyVersions needs last=N or versions=[...]")
+        if not isinstance(missing_ok, bool):
+            raise PolicyError(f"KeepPolicyVersions missing_ok must be True or False, got {missing_ok!r}")
         object.__setattr__(self, "last", last)
         object.__setattr__(self, "versions", chosen)
+        object.__setattr__(self, "missing_ok", missing_ok)
 
     def keep(self, checkpoints: Sequence[CheckpointInfo], context: RetentionContext) -> Mapping[int, str]:
+        if any(c.step not in context.protected for c in checkpoints) \
+                and not (self.missing_ok or context.allow_missing_metrics) \
+                and all(c.policy_version is None for c in checkpoints):
+            raise UnknownMetricError(f"{self!r}: no checkpoint of run {context.run!r} has a policy version "
+                                     f"(publish(..., policy_version=N) records one); {MISSING_METRIC_HINT}",
+                                     metric="policy_version", run=context.run)
         wanted = set(self.versions)
         if self.last is not None:
             present = sorted({c.policy_version for c in checkpoints
@@ -266,7 +316,8 @@ class KeepPolicyVersions(Policy):
 
     def __repr__(self) -> str:
         parts = ([str(self.last)] if self.last is not None else []) + (
-            [f"versions={sorted(self.versions)}"] if self.versions else [])
+            [f"versions={sorted(self.versions)}"] if self.versions else []) + (
+            ["missing_ok=True"] if self.missing_ok else [])
         return f"KeepPolicyVersions({', '.join(parts)})"
 
 
@@ -381,6 +432,7 @@ class RetentionPlan:
     decisions: tuple[Decision, ...]     # every staging/published/verified/corrupt step, ascending
     now: datetime
     protect: Mapping[int, str] = field(default_factory=dict)  # extra protections (the step just published)
+    allow_missing_metrics: bool = False  # see KeepBest: keep nothing by a metric no checkpoint has
     registry: Registry | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -420,8 +472,13 @@ def _candidates(reg: Registry, snap: RunSnapshot) -> list[CheckpointInfo]:
 
 
 def make_plan(reg: Registry, run: str, policy: Policy, *, now: datetime | None = None,
-              protect: Mapping[int, str] = MappingProxyType({})) -> RetentionPlan:
-    """Decide, without changing anything, what ``policy`` keeps and deletes in ``run``."""
+              protect: Mapping[int, str] = MappingProxyType({}),
+              allow_missing_metrics: bool = False) -> RetentionPlan:
+    """Decide, without changing anything, what ``policy`` keeps and deletes in ``run``.
+
+    A policy that ranks by a metric no candidate has is refused
+    (:class:`UnknownMetricError`) unless ``allow_missing_metrics``.
+    """
     check_run_name(run)
     if not isinstance(policy, Policy):
         raise PolicyError(f"a retention policy must be a registry.retention.Policy, got {policy!r}")
@@ -432,7 +489,8 @@ def make_plan(reg: Registry, run: str, policy: Policy, *, now: datetime | None =
     snap = RetentionCatalog(reg.catalog).snapshot(run)
     protected = protections(snap, protect)
     candidates = _candidates(reg, snap)
-    kept = evaluate(policy, candidates, RetentionContext(run=run, now=now, protected=protected))
+    kept = evaluate(policy, candidates, RetentionContext(run=run, now=now, protected=protected,
+                                                         allow_missing_metrics=allow_missing_metrics))
     decisions = []
     for c in snap.checkpoints:
         keep = c.step in protected or c.step in kept or c.status not in CANDIDATES
@@ -444,7 +502,8 @@ def make_plan(reg: Registry, run: str, policy: Policy, *, now: datetime | None =
                                   protected=c.step in protected, total_bytes=c.total_bytes,
                                   path=reg.store.root / c.path))
     return RetentionPlan(run=run, policy=policy, decisions=tuple(decisions), now=now,
-                         protect=MappingProxyType(dict(protect)), registry=reg)
+                         protect=MappingProxyType(dict(protect)), allow_missing_metrics=allow_missing_metrics,
+                         registry=reg)
 
 
 # ---------------------------------------------------------------------------- execute
@@ -534,7 +593,8 @@ def _execute(reg: Registry, plan: RetentionPlan) -> RetentionResult:
         protected = protections(snap, plan.protect)
         by_step = {c.step: c for c in snap.checkpoints}
         kept = evaluate(plan.policy, _candidates(reg, snap),
-                        RetentionContext(run=plan.run, now=plan.now, protected=protected))
+                        RetentionContext(run=plan.run, now=plan.now, protected=protected,
+                                         allow_missing_metrics=plan.allow_missing_metrics))
         doomed: dict[int, str] = {}
         for step in planned:
             c = by_step.get(step)
@@ -561,5 +621,5 @@ def _execute(reg: Registry, plan: RetentionPlan) -> RetentionResult:
 
 
 __all__ = ["AnyOf", "Decision", "KeepBest", "KeepEvery", "KeepLast", "KeepNewerThan", "KeepPolicyVersions",
-           "KeepTagged", "MaxBytes", "Policy", "RetentionContext", "RetentionPlan", "RetentionResult",
+           "KeepTagged", "MISSING_METRIC_HINT", "MaxBytes", "Policy", "RetentionContext", "RetentionPlan", "RetentionResult",
            "RetentionWarning", "evaluate", "finish_interrupted", "make_plan", "protections"]

@@ -66,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep-every", type=int, default=None, metavar="N")
     parser.add_argument("--max-bytes-per-run", default=None, metavar="SIZE",
                         help="byte budget per run (e.g. 500G): drop the oldest kept steps until it fits")
+    parser.add_argument("--allow-missing-metric", action="store_true",
+                        help="a run none of whose checkpoints has a --keep-best metric is collected anyway "
+                             "(default: that run is refused, as a typo would delete its best steps)")
     parser.add_argument("--dry-run", action="store_true", help="plan only; delete nothing")
     parser.add_argument("--json", action="store_true", help="one JSON document on stdout")
     args = parser.parse_args(argv)
@@ -80,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         for run in [r.name for r in reg.runs() if fnmatch.fnmatchcase(r.name, args.runs)]:
             entry: dict[str, Any] = {"run": run}
             try:
-                plan = reg.plan_retention(run, policy)
+                plan = reg.plan_retention(run, policy, allow_missing_metrics=args.allow_missing_metric)
                 entry["plan"] = plan.to_json()
                 line = f"{run}: delete {len(plan.delete)}/{len(plan.decisions)} ({human_bytes(plan.bytes_freed)})"
                 if not args.dry_run:

@@ -27,7 +27,7 @@ from registry.catalog.session import (_sqlite_begin, _sqlite_pragmas, head_revis
                                       write_connection)
 from registry.errors import CheckpointNotFoundError, StepExistsError
 from registry.records import LIVE, RANKABLE, CheckpointInfo, EventInfo, MetricPoint, RunInfo
-from registry.refs import Ref
+from registry.refs import Ref, selector_hint
 
 NOTIFY_CHANNEL = "registry_checkpoints"
 
@@ -478,7 +478,8 @@ class Catalog:
         elif ref.kind == "tag":
             query = (query.join(Tag, and_(Tag.checkpoint_id == c.id, Tag.run_id == c.run_id))
                      .where(Tag.run_id == run_id, Tag.name == ref.tag))
-            what = f"no tag {ref.tag!r}"
+            hint = selector_hint(ref.run, ref.tag or "")
+            what = f"no tag {ref.tag!r}" + (f"; {hint}" if hint else "")
         else:
             m = Metric
             # ORDER BY the index's own columns (m.step, not c.step) so the
