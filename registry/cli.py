@@ -363,14 +363,14 @@ def metrics(state: State, run: str, key: str | None, history: bool, as_json: boo
 @click.pass_obj
 @command
 def verify(state: State, targets: tuple[str, ...], as_json: bool) -> None:
-    """Re-hash checkpoints (every live step of a RUN, or one REF); exit 1 if any is corrupt."""
+    """Re-hash checkpoints (every live step of a RUN, or one REF); exit 1 unless every one is verified."""
     results = state.registry().verify(*targets)
     if as_json:
         emit_json([{"run": r.run, "step": r.step, "ok": r.ok, "status": r.status,
                     "problems": list(r.problems)} for r in results])
     else:
         table(["RUN", "STEP", "RESULT", "PROBLEMS"],
-              [[r.run, r.step, "ok" if r.ok else "CORRUPT", "; ".join(r.problems)] for r in results])
+              [[r.run, r.step, "ok" if r.ok else r.status.upper(), "; ".join(r.problems)] for r in results])
     if not all(r.ok for r in results):
         sys.exit(1)
 

@@ -131,7 +131,7 @@ def commit_failed(catalog: Catalog, claim: Claim, *, run: str, step: int, writer
         raise PublishError(f"could not record {run}@{step} in the catalog nor undo its rename: "
                            f"{undo_error.strerror or undo_error}; run 'registry fsck --repair'",
                            errno=undo_error.errno, path=final, run=run, step=step) from exc
-    if isinstance(exc, Exception) and not isinstance(exc, RegistryError):
+    if isinstance(exc, CatalogError) or (isinstance(exc, Exception) and not isinstance(exc, RegistryError)):
         raise CatalogError(f"could not record {run}@{step} in the catalog, nothing was published: "
                            f"{_first_line(exc)}", run=run, step=step) from exc
     raise exc

@@ -4,23 +4,39 @@ Publish-time ``verified`` trusts the hashes computed while writing (see
 ``store.check_written``); a scrub is the full re-read that catches what
 storage did afterwards: bit rot, truncation, a file replaced behind our back,
 or a manifest that no longer matches the catalog's record of it.
+
+A verdict is about the payload that was read, so it is recorded only by a
+compare-and-set on that payload's manifest digest: a step that another writer
+overwrote, deleted or re-published meanwhile keeps whatever that writer made
+of it, and the result says ``changed``. Only bytes that were read and did not
+match condemn a step; a read that failed here (a missing mount, a wrong root,
+no permission, no file descriptors left) is ``unreadable`` and records nothing.
 """
 
 from __future__ import annotations
 
+import errno
+import os
+import stat
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from registry.catalog import Catalog
 from registry.errors import CorruptCheckpointError
-from registry.manifest import read_manifest
+from registry.manifest import MANIFEST, Manifest, read_manifest
 from registry.records import CheckpointInfo
 from registry.store import verify_directory
+
+VERDICT_FROM = ("published", "verified", "corrupt")
+MISMATCH = "manifest does not match the catalog"
 
 
 @dataclass(frozen=True, kw_only=True)
 class VerifyResult:
+    """One step's outcome. ``status``: ``verified`` or ``corrupt`` (recorded in the catalog);
+    ``changed`` (another writer replaced or deleted the step while it was hashed) or
+    ``unreadable`` (this host could not read it): nothing recorded. ``ok`` only for ``verified``."""
     run: str
     step: int
     ok: bool
@@ -28,21 +44,51 @@ class VerifyResult:
     problems: tuple[str, ...] = ()
 
 
-def _problems(catalog: Catalog, info: CheckpointInfo) -> tuple[str, ...]:
-    if not info.path.is_dir():
-        return ("directory missing",)
+class _Unreadable(Exception):
+    """Reading failed on this side: says nothing about the bytes stored."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Read:
+    digest: str | None  # sha256 of the manifest read; None when there was no valid manifest
+    files: dict[str, tuple[int, str]]  # name -> (size, sha256) as the manifest lists them
+    problems: tuple[str, ...]
+
+
+def _manifest(info: CheckpointInfo) -> tuple[Manifest | None, str]:
+    """The step's manifest as stored now and its digest, or None and why it is not a valid one."""
     try:
-        manifest, digest = read_manifest(info.path)
+        st = os.stat(info.path)
+    except (FileNotFoundError, NotADirectoryError):
+        raise _Unreadable(f"directory missing: {info.path}") from None
+    except OSError as exc:
+        raise _Unreadable(f"cannot read {info.path}: {exc.strerror}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        return None, f"{info.path} is not a directory"
+    try:
+        return read_manifest(info.path)
     except CorruptCheckpointError as exc:
-        return (f"manifest.json: {exc}",)
-    damaged = verify_directory(info.path, manifest)
-    if damaged:
-        return tuple(f"{p.name}: {p.problem}" for p in damaged)
-    files = {f.name: (f.size, f.sha256) for f in catalog.files(info.run, info.step)}
-    if (info.manifest_sha256 and digest != info.manifest_sha256) or (
-            files and files != {n: (e.size, e.sha256) for n, e in manifest.files.items()}):
-        return ("manifest does not match the catalog",)
-    return ()
+        # a failed open or read is reported as a ManifestError; the OSError behind it tells
+        # a manifest that is not there (or is a symlink) from a reader that could not read it
+        cause = exc.__context__
+        if isinstance(cause, OSError) and cause.errno not in (errno.ENOENT, errno.ELOOP):
+            raise _Unreadable(str(exc)) from None
+        return None, f"{MANIFEST}: {exc}"
+
+
+def _read(info: CheckpointInfo) -> _Read:
+    """Read and re-hash the step as stored now; raises ``_Unreadable`` when this host cannot."""
+    manifest, digest = _manifest(info)
+    if manifest is None:
+        return _Read(digest=None, files={}, problems=(digest,))
+    try:
+        damaged = verify_directory(info.path, manifest)
+    except OSError as exc:
+        raise _Unreadable(f"cannot read {exc.filename or info.path}: {exc.strerror or exc}") from None
+    if damaged and not info.path.is_dir():  # vanished while being read: gc, or the mount went away
+        raise _Unreadable(f"directory disappeared while being read: {info.path}")
+    return _Read(digest=digest, files={n: (e.size, e.sha256) for n, e in manifest.files.items()},
+                 problems=tuple(f"{p.name}: {p.problem}" for p in damaged))
 
 
 def scrub(catalog: Catalog, infos: Sequence[CheckpointInfo], *, actor: str) -> list[VerifyResult]:
@@ -50,13 +96,60 @@ def scrub(catalog: Catalog, infos: Sequence[CheckpointInfo], *, actor: str) -> l
 
     A corrupt step that hashes clean again (restored from a backup) is verified again.
     """
+    def result(info: CheckpointInfo, status: str, *problems: str) -> VerifyResult:
+        return VerifyResult(run=info.run, step=info.step, ok=status == "verified", status=status,
+                            problems=problems)
+
+    def changed(info: CheckpointInfo) -> VerifyResult:
+        return result(info, "changed", "replaced or deleted by another writer while being verified; "
+                                       "nothing recorded, verify it again")
+
+    def record(info: CheckpointInfo, digest: str | None, problems: tuple[str, ...]) -> VerifyResult:
+        status = "corrupt" if problems else "verified"
+        if digest is None or not catalog.set_status(
+                info.run, info.step, status, kind="corrupt" if problems else "verify", actor=actor,
+                only_from=VERDICT_FROM, manifest_sha256=digest, problems=list(problems)):
+            return changed(info)
+        return result(info, status, *problems)
+
+    def current(info: CheckpointInfo) -> CheckpointInfo | None:
+        """The step's row now (the catalog's paths are relative to the root: keep the caller's)."""
+        now = catalog.get(info.run, info.step)
+        return replace(now, path=info.path) if now is not None else None
+
+    def unreadable(info: CheckpointInfo, reason: str) -> VerifyResult:
+        now = current(info)
+        if now is None or now.status not in VERDICT_FROM or now.manifest_sha256 != info.manifest_sha256:
+            return changed(info)
+        return result(info, "unreadable", reason)
+
     def check(info: CheckpointInfo) -> VerifyResult:
-        problems = _problems(catalog, info)
-        ok = not problems
-        status = "verified" if ok else "corrupt"
-        catalog.set_status(info.run, info.step, status, kind="verify" if ok else "corrupt", actor=actor,
-                           only_from=("published", "verified", "corrupt"), problems=list(problems))
-        return VerifyResult(run=info.run, step=info.step, ok=ok, status=status, problems=problems)
+        try:
+            found = _read(info)
+            if found.digest is not None and found.digest != info.manifest_sha256:
+                now = current(info)  # re-published since it was listed?
+                if now is not None and now.manifest_sha256 == found.digest:
+                    info = now
+            if found.digest is not None and found.digest == info.manifest_sha256:
+                recorded = {f.name: (f.size, f.sha256) for f in catalog.files(info.run, info.step)}
+                problems = found.problems
+                if not problems and recorded and recorded != found.files:
+                    problems = (MISMATCH,)
+                return record(info, found.digest, problems)
+            # Not the manifest the catalog recorded. Condemn that record only if it is still
+            # current and the manifest, read again after it, still disagrees: a failed overwrite
+            # puts the old payload back before the row, so a payload in flux is not mistaken.
+            now = current(info)
+            if now is None or now.status not in VERDICT_FROM or now.manifest_sha256 is None:
+                return changed(info)
+            manifest, digest_or_problem = _manifest(now)
+            if manifest is None:
+                return record(now, now.manifest_sha256, (digest_or_problem,))
+            if digest_or_problem == now.manifest_sha256:
+                return changed(info)
+            return record(now, now.manifest_sha256, (MISMATCH,))
+        except _Unreadable as exc:
+            return unreadable(info, str(exc))
 
     with ThreadPoolExecutor(max_workers=min(4, max(1, len(infos)))) as pool:
         return list(pool.map(check, infos))

@@ -18,14 +18,14 @@ from typing import Any
 
 from sqlalchemy import (Connection, Engine, and_, create_engine, delete, event, func, insert, literal_column, or_,
                         select, text, union_all, update)
-from sqlalchemy.exc import DisconnectionError, IntegrityError
+from sqlalchemy.exc import DBAPIError, DisconnectionError, IntegrityError
 from sqlalchemy.pool import QueuePool
 
 from registry.catalog.models import (Attempt, CheckpointFile, CheckpointRow, Event, Lease, Metric,
                                      Run, Tag)
-from registry.catalog.session import (_sqlite_begin, _sqlite_pragmas, head_revision, open_engine, retrying,
-                                      write_connection)
-from registry.errors import CheckpointNotFoundError, StepExistsError
+from registry.catalog.session import (_sqlite_begin, _sqlite_pragmas, catalog_name, failure_reason, head_revision,
+                                      open_engine, retrying, write_connection)
+from registry.errors import CatalogError, CheckpointNotFoundError, StepExistsError
 from registry.records import LIVE, RANKABLE, CheckpointInfo, EventInfo, MetricPoint, RunInfo
 from registry.refs import Ref, selector_hint
 
@@ -97,10 +97,39 @@ def _claim_conflict(run: str, step: int, status: str, writer: str | None, update
     return None
 
 
+class _SqliteFile:
+    """The identity (device, inode) of the SQLite file a catalog opened, checked before each transaction.
+
+    SQLite keeps answering from a file that was deleted or replaced under an
+    open connection, and a fresh connection would create an empty one in its
+    place; one ``stat`` per transaction turns both into a clear error.
+    """
+
+    def __init__(self, database: str) -> None:
+        self.path = os.path.abspath(database)
+        self.identity: tuple[int, int] | None = None
+        self.check()
+
+    def check(self) -> None:
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            st = None
+        except OSError:
+            return  # cannot tell from here: the database itself reports what is wrong
+        if st is not None and self.identity is None:
+            self.identity = (st.st_dev, st.st_ino)
+        elif self.identity is not None and (st is None or (st.st_dev, st.st_ino) != self.identity):
+            what = "deleted" if st is None else "replaced by another file"
+            raise CatalogError(f"catalog file {self.path} was {what} while this registry had it open; "
+                               "restore it from a backup or open the registry again", path=self.path)
+
+
 class Catalog:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._read_engine = _sqlite_read_engine(engine) if engine.dialect.name == "sqlite" else engine
+        self._file = _SqliteFile(str(engine.url.database)) if engine.dialect.name == "sqlite" else None
 
     @classmethod
     def open(cls, url: str, *, migrate: bool = True) -> Catalog:
@@ -119,13 +148,27 @@ class Catalog:
         def txn() -> Any:
             with write_connection(self.engine, durable=durable) as conn:
                 return fn(conn)
-        return retrying(txn)
+        return self._transaction(txn)
 
     def _read(self, fn: Any) -> Any:
         def txn() -> Any:
             with self._read_engine.connect() as conn, conn.begin():
                 return fn(conn)
-        return retrying(txn)
+        return self._transaction(txn)
+
+    def _transaction(self, txn: Callable[[], Any]) -> Any:
+        """Run ``txn`` with retries; a database error that outlasts them is a one-line ``CatalogError``."""
+        if self._file is not None:
+            self._file.check()
+        try:
+            return retrying(txn)
+        except DBAPIError as exc:
+            if self._file is not None:
+                try:
+                    self._file.check()  # a vanished file explains the error better than the driver does
+                except CatalogError as gone:
+                    raise gone from exc
+            raise CatalogError(f"catalog {catalog_name(self.engine.url)}: {failure_reason(exc)}") from exc
 
     # ------------------------------------------------------------------ helpers
 
@@ -293,15 +336,21 @@ class Catalog:
         resumed from step N: in the same transaction, current metric points of
         the run at steps > N logged by any *other* attempt become superseded
         (kept as history), because they describe a timeline that was abandoned.
-        Overwriting a step supersedes the points other attempts logged at that
-        step: they scored weights that no longer exist.
+        Publishing a step again (an overwrite, or over a deleted, failed or
+        corrupt incarnation) supersedes the points of the earlier incarnation at
+        that step: they scored weights that no longer exist. Those are the points
+        other attempts logged there, and this attempt's own up to the moment the
+        earlier incarnation was published (or deleted, if it was); this
+        attempt's later points, and those committed here, are for the new one.
         """
         files = list(files)
 
         def fn(conn: Connection) -> None:
             now = utcnow()
             cid = claim.checkpoint_id
-            step = conn.scalar(select(CheckpointRow.step).where(CheckpointRow.id == cid))
+            earlier = conn.execute(select(CheckpointRow.step, CheckpointRow.published_at, CheckpointRow.deleted_at)
+                                   .where(CheckpointRow.id == cid)).one()
+            step = earlier.step
             conn.execute(update(CheckpointRow).where(CheckpointRow.id == cid).values(
                 status=status, manifest_sha256=manifest_sha256, total_bytes=total_bytes,
                 epoch=epoch, consumed_samples=consumed_samples, optimizer_step=optimizer_step,
@@ -317,15 +366,22 @@ class Catalog:
                     conn.execute(update(Attempt).where(Attempt.id == attempt_id).values(resumed_from=resumed_from))
                 self._event(conn, claim.run_id, step, "resume", actor=writer, attempt=attempt_id,
                             resumed_from=resumed_from, superseded_points=n)
-            if claim.previous_status is not None:
-                conn.execute(update(Metric).where(*current, Metric.step == step).values(superseded=True))
+            ended = max((t for t in (_aware(earlier.published_at), _aware(earlier.deleted_at)) if t is not None),
+                        default=None)
+            superseded = None
+            if claim.previous_status is not None or ended is not None:
+                stale = others if ended is None else or_(others, Metric.logged_at <= ended)
+                superseded = conn.execute(update(Metric).where(
+                    Metric.run_id == claim.run_id, Metric.superseded.is_(False), Metric.step == step, stale)
+                    .values(superseded=True)).rowcount
             conn.execute(delete(CheckpointFile).where(CheckpointFile.checkpoint_id == cid))
             if files:
                 conn.execute(insert(CheckpointFile), [
                     {"checkpoint_id": cid, "name": f.name, "size": f.size, "sha256": f.sha256} for f in files])
-            self._insert_metrics(conn, claim.run_id, metrics, attempt_id)
+            self._insert_metrics(conn, claim.run_id, metrics, attempt_id, now=now)
+            again = {} if superseded is None else {"superseded_points": superseded}
             self._event(conn, claim.run_id, step, "publish", actor=writer, status=status,
-                        manifest_sha256=manifest_sha256, overwrite=claim.previous_status is not None)
+                        manifest_sha256=manifest_sha256, overwrite=claim.previous_status is not None, **again)
             for name in tags:
                 self._set_tag(conn, claim.run_id, step, cid, name, actor=writer)
             self._notify(conn, claim.run_id, step, status)
@@ -347,11 +403,12 @@ class Catalog:
 
     @classmethod
     def _insert_metrics(cls, conn: Connection, run_id: int, metrics: Sequence[tuple[int, str, float]],
-                        attempt_id: int | None) -> None:
+                        attempt_id: int | None, *, now: datetime | None = None) -> None:
+        """``now``: a publish passes its ``published_at``, so its points can be told from later ones."""
         if not metrics:
             return
         cls._lock_run(conn, run_id)
-        now = utcnow()
+        now = now if now is not None else utcnow()
         latest: dict[tuple[int, str], float] = {}
         for step, key, value in metrics:
             latest[(step, key)] = value
@@ -406,17 +463,29 @@ class Catalog:
 
     # ------------------------------------------------------------------ tags
 
+    @staticmethod
+    def _tagged(conn: Connection, run_id: int, name: str) -> Any:
+        """The checkpoint id and step the tag ``name`` points to now, or None."""
+        return conn.execute(select(Tag.checkpoint_id, CheckpointRow.step)
+                            .join(CheckpointRow, CheckpointRow.id == Tag.checkpoint_id)
+                            .where(Tag.run_id == run_id, Tag.name == name)).first()
+
     def _set_tag(self, conn: Connection, run_id: int, step: int, checkpoint_id: int, name: str,
                  actor: str | None) -> None:
-        old = conn.execute(select(Tag.checkpoint_id, CheckpointRow.step)
-                           .join(CheckpointRow, CheckpointRow.id == Tag.checkpoint_id)
-                           .where(Tag.run_id == run_id, Tag.name == name)).first()
-        if old is not None and old.checkpoint_id == checkpoint_id:
-            return
+        old = self._tagged(conn, run_id, name)
         now = utcnow()
         if old is None:
-            conn.execute(insert(Tag).values(run_id=run_id, name=name, checkpoint_id=checkpoint_id, updated_at=now))
-        else:
+            try:  # another writer may create the same name first (PostgreSQL): then move theirs
+                with conn.begin_nested():
+                    conn.execute(insert(Tag).values(run_id=run_id, name=name, checkpoint_id=checkpoint_id,
+                                                    updated_at=now))
+            except IntegrityError:
+                old = self._tagged(conn, run_id, name)
+                if old is None:
+                    raise
+        if old is not None and old.checkpoint_id == checkpoint_id:
+            return
+        if old is not None:
             conn.execute(update(Tag).where(Tag.run_id == run_id, Tag.name == name)
                          .values(checkpoint_id=checkpoint_id, updated_at=now))
         self._event(conn, run_id, step, "tag", actor=actor, tag=name,
@@ -439,9 +508,7 @@ class Catalog:
     def untag(self, run: str, name: str, *, actor: str | None = None) -> int:
         def fn(conn: Connection) -> int:
             run_id = self._require_run(conn, run)
-            old = conn.execute(select(Tag.checkpoint_id, CheckpointRow.step)
-                               .join(CheckpointRow, CheckpointRow.id == Tag.checkpoint_id)
-                               .where(Tag.run_id == run_id, Tag.name == name)).first()
+            old = self._tagged(conn, run_id, name)
             if old is None:
                 raise CheckpointNotFoundError(f"run {run!r} has no tag {name!r}", run=run)
             conn.execute(delete(Tag).where(Tag.run_id == run_id, Tag.name == name))

@@ -27,9 +27,9 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Connection, Engine, create_engine, event, text
+from sqlalchemy import URL, Connection, Engine, create_engine, event, text
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError, DBAPIError, OperationalError
+from sqlalchemy.exc import ArgumentError, DBAPIError
 from sqlalchemy.pool import NullPool
 
 from registry.errors import CatalogError, SchemaTooNewError
@@ -97,7 +97,12 @@ def make_engine(url: str) -> Engine:
         database = parsed.database or ""
         if database in ("", ":memory:"):
             raise CatalogError("the catalog needs a SQLite file, not an in-memory database")
-        Path(database).parent.mkdir(parents=True, exist_ok=True)
+        try:
+            Path(database).parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            why = "it exists and is not a directory" if isinstance(exc, FileExistsError) else failure_reason(exc)
+            raise CatalogError(f"cannot create the catalog's directory {Path(database).parent}: {why}",
+                               path=database) from exc
         engine = create_engine(parsed, poolclass=NullPool)
         event.listen(engine, "connect", _sqlite_pragmas)
         event.listen(engine, "begin", _sqlite_begin)
@@ -108,6 +113,25 @@ def make_engine(url: str) -> Engine:
         return create_engine(parsed, pool_pre_ping=True, pool_size=2, max_overflow=4,
                              connect_args={"connect_timeout": 10})
     raise CatalogError(f"unsupported catalog backend {backend!r}: use sqlite or postgresql")
+
+
+def catalog_name(url: URL) -> str:
+    """How messages name a catalog: the SQLite file, or the URL without its password."""
+    if url.get_backend_name() == "sqlite":
+        return str(url.database)
+    return url.render_as_string(hide_password=True)
+
+
+def failure_reason(exc: BaseException) -> str:
+    """The first line of what the database driver or the OS said, without SQLAlchemy's decoration."""
+    if isinstance(exc, DBAPIError) and exc.orig is not None:
+        said = str(exc.orig)
+    elif isinstance(exc, OSError) and exc.strerror:
+        said = exc.strerror
+    else:
+        said = str(exc)
+    lines = [line.strip() for line in said.strip().splitlines() if line.strip()]
+    return lines[0] if lines else type(exc).__name__
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -190,20 +214,33 @@ def upgrade(engine: Engine, target: str = "head") -> tuple[str | None, str]:
 
 
 def open_engine(url: str, *, migrate: bool = True) -> Engine:
-    """An engine on a catalog whose schema is at head, or a clear error."""
+    """An engine on a catalog whose schema is at head, or a clear one-line error.
+
+    A file that is not a database, a directory where the file should be, a
+    server that refuses us: each is a ``CatalogError`` naming the catalog and
+    the cause (the driver's error stays attached as ``__cause__``).
+    """
     engine = make_engine(url)
     safe_url = engine.url.render_as_string(hide_password=True)
+    name = catalog_name(engine.url)
     try:
         with engine.connect() as conn:
             revision = current_revision(conn)
-    except OperationalError as exc:
+    except DBAPIError as exc:
         engine.dispose()
-        reason = str(exc.orig).strip().splitlines()[0] if exc.orig is not None else str(exc)
-        raise CatalogError(f"cannot reach catalog {safe_url}: {reason}") from None
-    _check_known(revision, safe_url)
-    if revision != head_revision():
-        if not migrate:
-            raise CatalogError(f"catalog {safe_url} is at revision {revision!r}, not "
-                               f"{head_revision()!r}; run 'registry db upgrade'")
-        upgrade(engine)
+        verb = "open" if engine.dialect.name == "sqlite" else "reach"
+        raise CatalogError(f"cannot {verb} catalog {name}: {failure_reason(exc)}") from exc
+    try:
+        _check_known(revision, safe_url)
+        if revision != head_revision():
+            if not migrate:
+                raise CatalogError(f"catalog {safe_url} is at revision {revision!r}, not "
+                                   f"{head_revision()!r}; run 'registry db upgrade'")
+            upgrade(engine)
+    except DBAPIError as exc:
+        engine.dispose()
+        raise CatalogError(f"cannot bring catalog {name} up to date: {failure_reason(exc)}") from exc
+    except BaseException:
+        engine.dispose()
+        raise
     return engine
