@@ -98,19 +98,23 @@ def publish_meta(meta: object, *, epoch: object, consumed_samples: object, optim
         if type(value) is not type(recorded) or value != recorded:
             raise InvalidStateError(f"meta[{key!r}] is {value!r} but this publish records {key}={recorded!r}; "
                                     f"pass {key}= to publish instead of setting it in meta")
-    _check_manifest_fields(own)
+    check_manifest_fields(own)
     return {**own, **user}
 
 
-def _check_manifest_fields(meta: Mapping[str, Any]) -> None:
-    """Run the reader's manifest parser over the fields ``meta`` puts into ``manifest.json``."""
+def check_manifest_fields(meta: Mapping[str, Any]) -> None:
+    """Run the reader's manifest parser over the fields ``meta`` puts into ``manifest.json``.
+
+    The writer copies ``timestamp``, ``optimizer_step`` and ``policy_version``
+    from ``meta.json``'s document into the manifest (``registry.store.write_payload``).
+    """
     probe = Manifest(files={META: FileEntry(name=META, size=0, sha256="0" * 64)},
-                     created_at=meta["timestamp"], optimizer_step=meta["optimizer_step"],
-                     policy_version=meta["policy_version"])
+                     created_at=meta.get("timestamp"), optimizer_step=meta.get("optimizer_step"),
+                     policy_version=meta.get("policy_version"))
     try:
         parse_manifest(probe.encode(), path=Path(MANIFEST))
     except ManifestError as exc:
-        raise InvalidStateError(f"meta would make an invalid manifest: {exc}") from None
+        raise InvalidStateError(f"meta would make manifest.json invalid: {str(exc).split(': ', 1)[-1]}") from None
 
 
 def encode_json(value: object, what: str) -> tuple[dict[str, Any], bytes]:
