@@ -37,7 +37,7 @@ from registry.snapshot import Snapshotter
 from registry.store import (Payload, Store, discard, now_timestamp, read_directory, write_payload, writer_alive,
                             writer_id)
 from registry.tensorio import check_state_dict
-from registry.validation import check_flags, checked_payload
+from registry.validation import check_flags, check_tags, checked_payload
 
 if TYPE_CHECKING:
     from registry.fsck import FsckReport
@@ -201,7 +201,7 @@ class Registry:
         check_step(step)
         check_flags(overwrite=overwrite, verify=verify, blocking=blocking, trust_pickle=trust_pickle)
         state = check_state_dict(state_dict)
-        tags = tuple(check_tag_name(t) for t in tags)
+        tags = check_tags(tags)
         new_metrics = _check_metrics(run, step, metrics)
         payload = checked_payload(step=step, state_dict=state, extra=extra, config=config, meta=meta, epoch=epoch,
                                   consumed_samples=consumed_samples, optimizer_step=optimizer_step,
@@ -545,7 +545,8 @@ class Registry:
         from registry.importer import int_field, remove_originals, scan, stage
         check_run_name(run)
         check_step(step)
-        tags = tuple(check_tag_name(t) for t in tags)
+        check_flags(move=move, overwrite=overwrite)
+        tags = check_tags(tags)
         foreign = scan(Path(path).absolute())
         final = self.store.step_dir(run, step)
         if final.resolve() == foreign.directory.resolve():

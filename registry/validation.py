@@ -31,13 +31,13 @@ import torch
 
 from registry.errors import InvalidStateError, ManifestError, UnsafePathError, UnsafePickleError
 from registry.manifest import MANIFEST, META, FileEntry, Manifest, check_file_name, parse_manifest
-from registry.refs import MAX_STEP
+from registry.refs import MAX_STEP, check_tag_name
 from registry.store import Payload, json_bytes
 
 RESERVED_META = ("epoch", "consumed_samples", "timestamp", "optimizer_step", "policy_version")
 MAX_FILE_NAME = 255  # bytes in one path component on every filesystem we write to
 
-# Leaves the weights-only unpickler always accepts; anything else is tried for real (``_probe``).
+# Leaves the weights-only unpickler always accepts; anything else is tried for real (``_loads_weights_only``).
 _PLAIN = frozenset({str, int, float, bool, type(None), bytes, torch.Size, torch.dtype, torch.device})
 _TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
 
@@ -47,7 +47,8 @@ def check_count(value: object, what: str, *, optional: bool = False) -> int | No
     if value is None and optional:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_STEP:
-        raise InvalidStateError(f"{what} must be a non-negative 64-bit integer, got {value!r}")
+        raise InvalidStateError(f"{what} must be a non-negative 64-bit integer{' or None' if optional else ''}, "
+                                f"got {value!r}")
     return value
 
 
@@ -55,6 +56,18 @@ def check_flags(**flags: object) -> None:
     for name, value in flags.items():
         if not isinstance(value, bool):
             raise InvalidStateError(f"{name} must be True or False, got {value!r}")
+
+
+def check_tags(tags: object) -> tuple[str, ...]:
+    """Tag names, each checked; a lone string is refused rather than read as one tag per character."""
+    if isinstance(tags, (str, bytes)):
+        raise InvalidStateError(f"tags must be a list of tag names, not the string {tags!r}; "
+                                f"write tags=[{tags!r}]")
+    try:
+        names = list(tags)  # type: ignore[call-overload]
+    except TypeError:
+        raise InvalidStateError(f"tags must be a list of tag names, got {type(tags).__name__}") from None
+    return tuple(dict.fromkeys(check_tag_name(t) for t in names))
 
 
 def check_max_shard_size(value: object) -> int | None:
@@ -222,11 +235,18 @@ def _loads_weights_only(key: str, where: str, obj: Any) -> bool:
     It only ever calls the functions torch allows, so running it on a
     caller's object is as safe as loading the step would be.
     """
-    from torch._weights_only_unpickler import Unpickler
     raw, storages = _pickle(key, where, obj)
-    unpickler = Unpickler(io.BytesIO(raw), encoding="utf-8")
-    unpickler.persistent_load = lambda pid: storages[pid[1]]  # type: ignore[attr-defined]
     try:
+        try:
+            from torch._weights_only_unpickler import Unpickler
+        except ImportError:  # a torch that moved it: the public way, which copies the tensors' data
+            buffer = io.BytesIO()
+            torch.save(obj, buffer)
+            buffer.seek(0)
+            torch.load(buffer, weights_only=True)
+            return True
+        unpickler = Unpickler(io.BytesIO(raw), encoding="utf-8")
+        unpickler.persistent_load = lambda pid: storages[pid[1]]  # type: ignore[attr-defined]
         unpickler.load()
     except Exception:  # noqa: BLE001 - refused, or a rebuild that would fail at load too
         return False

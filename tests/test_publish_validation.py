@@ -99,6 +99,8 @@ BAD: list[tuple[dict[str, Any], type[RegistryError], str]] = [
     ({"verify": None}, InvalidStateError, "verify"),
     ({"trust_pickle": 1}, InvalidStateError, "trust_pickle"),
     ({"tags": ["latest"]}, InvalidNameError, "tag"),
+    ({"tags": "release"}, InvalidStateError, "tags=['release']"),
+    ({"tags": 5}, InvalidStateError, "tags"),
     ({"metrics": {"loss": float("nan")}}, InvalidStateError, "loss"),
 ]
 
@@ -205,6 +207,12 @@ def test_import_refuses_numbers_the_catalog_cannot_hold(reference, reg: Registry
     reference.Checkpoint(state_dict=make_state(1), meta={"optimizer_step": 2**70}).save(str(src))
     with pytest.raises(ManifestError, match="64-bit"):
         reg.import_checkpoint(src, run="run", step=1)
+    good = tmp_path / "good"
+    reference.Checkpoint(state_dict=make_state(1)).save(str(good))
+    with pytest.raises(InvalidStateError, match=r"tags=\['release'\]"):
+        reg.import_checkpoint(good, run="run", step=1, tags="release")
+    with pytest.raises(InvalidStateError, match="move"):
+        reg.import_checkpoint(good, run="run", step=1, move="no")  # type: ignore[arg-type]
     assert reg.runs() == [] and not (reg.store.root / "run").exists()
     legacy = tmp_path / "legacy"
     reference.Checkpoint(state_dict=make_state(2), epoch=2**70).save(str(legacy))
