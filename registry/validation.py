@@ -178,10 +178,11 @@ def check_extras(extra: object, *, trust_pickle: bool) -> dict[str, Any]:
 
 def _first_refused(key: str, value: Any) -> tuple[str, Any] | None:
     """The first object inside ``value`` that the weights-only unpickler refuses, with where it is."""
-    stack: list[tuple[str, Any]] = [(key, value)]
+    # a path is (parent path, step) and is spelt out only for the object refused
+    stack: list[tuple[Any, Any]] = [(value, None)]
     seen: set[int] = set()
     while stack:
-        where, obj = stack.pop()
+        obj, path = stack.pop()
         kind = type(obj)
         if kind in _PLAIN:
             continue
@@ -192,15 +193,27 @@ def _first_refused(key: str, value: Any) -> tuple[str, Any] | None:
         seen.add(id(obj))
         if kind is dict or kind is OrderedDict:
             if kind is OrderedDict and obj.__dict__:  # a module state dict's _metadata: rebuilt by BUILD
-                stack.extend((f"{where}.{k}", v) for k, v in obj.__dict__.items())
+                stack.extend((v, (path, f".{k}")) for k, v in obj.__dict__.items())
             for k, v in obj.items():
-                stack.append((f"{where}[{k!r}] (its key)", k))
-                stack.append((f"{where}[{k!r}]", v))
+                stack.append((k, (path, k, "key")))
+                stack.append((v, (path, k)))
         elif kind is list or kind is tuple:
-            stack.extend((f"{where}[{i}]", v) for i, v in enumerate(obj))
-        elif not _loads_weights_only(key, where, obj):
-            return where, obj
+            stack.extend((v, (path, i)) for i, v in enumerate(obj))
+        else:
+            where = _spell(key, path)
+            if not _loads_weights_only(key, where, obj):
+                return where, obj
     return None
+
+
+def _spell(key: str, path: Any) -> str:
+    parts: list[str] = []
+    while path is not None:
+        step = path[1]
+        parts.append(step if isinstance(step, str) and step.startswith(".") and len(path) == 2
+                     else f"[{step!r}]" + (" (a key)" if len(path) == 3 else ""))
+        path = path[0]
+    return key + "".join(reversed(parts))
 
 
 class _Probe(pickle.Pickler):
