@@ -53,8 +53,10 @@ def check_count(value: object, what: str, *, optional: bool = False) -> int | No
 
 
 def check_flags(**flags: object) -> None:
+    """Options that must be booleans: a string such as ``"no"`` would otherwise count as true."""
     for name, value in flags.items():
-        if not isinstance(value, bool):
+        numpy_bool = type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")
+        if not isinstance(value, bool) and not numpy_bool:
             raise InvalidStateError(f"{name} must be True or False, got {value!r}")
 
 
