@@ -9,7 +9,6 @@ state has been copied (``registry.snapshot``).
 
 from __future__ import annotations
 
-import copy
 import math
 import numbers
 import os
@@ -38,6 +37,7 @@ from registry.snapshot import Snapshotter
 from registry.store import (Payload, Store, discard, now_timestamp, read_directory, write_payload, writer_alive,
                             writer_id)
 from registry.tensorio import check_state_dict
+from registry.validation import check_flags, check_tags, checked_payload
 
 if TYPE_CHECKING:
     from registry.fsck import FsckReport
@@ -175,7 +175,7 @@ class Registry:
                 epoch: int = 0, consumed_samples: int = 0, policy_version: int | None = None,
                 optimizer_step: int | None = None, tags: Iterable[str] = (), overwrite: bool = False,
                 verify: bool = True, max_shard_size: int | None = None,
-                retention: Policy | None = None, blocking: bool = True) -> Any:
+                retention: Policy | None = None, blocking: bool = True, trust_pickle: bool = False) -> Any:
         """Atomically publish ``state_dict`` and friends as ``run@step``.
 
         Returns the ``CheckpointInfo``; with ``blocking=False`` a
@@ -186,31 +186,31 @@ class Registry:
         ``published`` until ``registry verify`` re-hashes it.
         ``retention``: a ``registry.retention.Policy`` applied to the run after
         the publish commits (see :meth:`_retention_after_publish`).
+
+        Every argument is checked before anything is written (see
+        :mod:`registry.validation`): a refused call leaves no row, event or
+        file. ``meta`` may not contradict the keyword arguments it sits beside
+        in ``meta.json`` (``epoch``, ``optimizer_step``, ...) nor set
+        ``timestamp``. An ``extra`` that ``torch.load(weights_only=True)``
+        would refuse raises ``UnsafePickleError`` unless ``trust_pickle=True``,
+        after which every load of the step needs ``trust_pickle=True`` too.
         """
         self._background.raise_error()
         check_run_name(run)
         self._check_retention(retention)
         check_step(step)
+        check_flags(overwrite=overwrite, verify=verify, blocking=blocking, trust_pickle=trust_pickle)
         state = check_state_dict(state_dict)
-        tags = tuple(check_tag_name(t) for t in tags)
-        for key in (extra or {}):
-            if not isinstance(key, str) or not key or "/" in key or key.startswith("."):
-                raise InvalidStateError(f"invalid extra name {key!r}: it becomes the file name NAME.pt")
-        if policy_version is not None:
-            check_step(policy_version)
-        if max_shard_size is not None and (not isinstance(max_shard_size, int) or max_shard_size <= 0):
-            raise InvalidStateError(f"max_shard_size must be a positive number of bytes, got {max_shard_size!r}")
+        tags = check_tags(tags)
         new_metrics = _check_metrics(run, step, metrics)
-        user_meta = dict(meta or {})
-        full_meta = {"epoch": epoch, "consumed_samples": consumed_samples, "timestamp": now_timestamp(),
-                     "optimizer_step": optimizer_step if optimizer_step is not None else step,
-                     "policy_version": policy_version, **user_meta}
-        payload = Payload(state_dict=state, meta=full_meta, config=dict(config or {}),
-                          extra=dict(extra or {}), max_shard_size=max_shard_size)
+        payload = checked_payload(step=step, state_dict=state, extra=extra, config=config, meta=meta, epoch=epoch,
+                                  consumed_samples=consumed_samples, optimizer_step=optimizer_step,
+                                  policy_version=policy_version, max_shard_size=max_shard_size,
+                                  trust_pickle=trust_pickle, timestamp=now_timestamp())
 
         job = _PublishJob(run=run, step=step, overwrite=overwrite, final=self.store.step_dir(run, step),
                           payload=payload, verify=verify, new_metrics=tuple(new_metrics), tags=tags, epoch=epoch,
-                          consumed_samples=consumed_samples, optimizer_step=full_meta["optimizer_step"],
+                          consumed_samples=consumed_samples, optimizer_step=payload.meta["optimizer_step"],
                           policy_version=policy_version, retention=retention)
         if not blocking:
             return self._submit_publish(job)
@@ -550,7 +550,8 @@ class Registry:
         from registry.importer import int_field, remove_originals, scan, stage
         check_run_name(run)
         check_step(step)
-        tags = tuple(check_tag_name(t) for t in tags)
+        check_flags(move=move, overwrite=overwrite)
+        tags = check_tags(tags)
         foreign = scan(Path(path).absolute())
         final = self.store.step_dir(run, step)
         if final.resolve() == foreign.directory.resolve():
@@ -638,8 +639,8 @@ class Registry:
         except BaseException:
             unqueue()
             raise
-        payload = replace(job.payload, state_dict=snap.state_dict, extra=snap.extra,
-                          meta=copy.deepcopy(job.payload.meta), config=copy.deepcopy(job.payload.config))
+        # meta and config were encoded at the door: only the tensors need copying
+        payload = replace(job.payload, state_dict=snap.state_dict, extra=snap.extra)
         snapped = replace(job, payload=payload)
 
         def run() -> CheckpointInfo:

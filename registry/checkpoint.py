@@ -17,6 +17,7 @@ import torch
 
 from registry.store import Loaded, Payload, now_timestamp, read_directory, save_directory
 from registry.tensorio import check_state_dict
+from registry.validation import check_manifest_fields
 
 if TYPE_CHECKING:
     from registry.api import CheckpointInfo
@@ -39,6 +40,7 @@ class Checkpoint:
                 "timestamp": now_timestamp(), **self.meta}
         if self.policy_version is not None:
             meta.setdefault("policy_version", self.policy_version)
+        check_manifest_fields(meta)
         return Payload(state_dict=check_state_dict(self.state_dict), meta=meta,
                        config=self.config, extra=self.extra, max_shard_size=max_shard_size)
 

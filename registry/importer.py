@@ -29,6 +29,7 @@ from registry.errors import (CheckpointNotFoundError, CorruptCheckpointError, Ma
                              UnsafePathError)
 from registry.manifest import (CONFIG, MANIFEST, MAX_JSON_BYTES, META, WEIGHTS, WEIGHTS_INDEX, FileEntry, Manifest,
                                check_file_name, digest_bytes, read_manifest)
+from registry.refs import MAX_STEP
 from registry.store import Written, fsync_dir, now_timestamp
 from registry.tensorio import CHUNK, HashingWriter, read_safetensors_header, sha256_file
 
@@ -93,6 +94,10 @@ def scan(directory: Path) -> Foreign:
                 raise CorruptCheckpointError(f"checkpoint file size mismatch: {directory / name} is "
                                              f"{sizes[name]} bytes, manifest says {entry.size}",
                                              path=directory / name)
+        for key, value in (("optimizer_step", manifest.optimizer_step), ("policy_version", manifest.policy_version)):
+            if value is not None and abs(value) > MAX_STEP:
+                raise ManifestError(f"manifest {directory / MANIFEST}: {key} {value} does not fit the catalog's "
+                                    "64-bit integers", path=directory / MANIFEST)
         del sizes[MANIFEST]
         layout = "manifest"
     elif META in sizes:
@@ -199,7 +204,7 @@ def stage(foreign: Foreign, staging: Path, *, move: bool) -> Written:
 
 def int_field(meta: dict[str, Any], key: str, default: int | None = None) -> int | None:
     value = meta.get(key)
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else default
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_STEP else default
 
 
 def remove_originals(foreign: Foreign) -> None:

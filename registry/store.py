@@ -92,11 +92,40 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _json_bytes(doc: Mapping[str, Any], what: str) -> bytes:
+def json_bytes(doc: Mapping[str, Any], what: str) -> bytes:
+    """The bytes of a JSON file that the reader (``_read_json``) gives back as ``doc``.
+
+    So: string keys only (``json`` would turn ``1`` into ``"1"``), finite
+    numbers, at most ``MAX_JSON_DEPTH`` levels and ``MAX_JSON_BYTES`` bytes.
+    """
     try:
-        return (json.dumps(doc, indent=2, allow_nan=False) + "\n").encode()
+        raw = (json.dumps(doc, indent=2, allow_nan=False) + "\n").encode()
+        _check_keys(doc)  # after dumps, which refuses cycles
     except (TypeError, ValueError) as exc:
         raise InvalidStateError(f"{what} is not JSON-serialisable: {exc}") from None
+    except RecursionError:
+        raise InvalidStateError(f"{what} is not JSON-serialisable: it is nested too deeply") from None
+    if len(raw) > MAX_JSON_BYTES:
+        raise InvalidStateError(f"{what} is {len(raw)} bytes as JSON; at most {MAX_JSON_BYTES} can be stored")
+    return raw
+
+
+MAX_JSON_DEPTH = 200  # far inside what json.loads parses from any reader's stack depth
+
+
+def _check_keys(doc: Any) -> None:
+    stack = [(doc, 1)]
+    while stack:
+        obj, depth = stack.pop()
+        if isinstance(obj, (dict, list, tuple)) and depth > MAX_JSON_DEPTH:
+            raise ValueError(f"it is nested more than {MAX_JSON_DEPTH} levels deep")
+        if isinstance(obj, dict):
+            for key, value in obj.items():
+                if not isinstance(key, str):
+                    raise TypeError(f"key {key!r} ({type(key).__name__}) is not a string; JSON object keys are strings")
+                stack.append((value, depth + 1))
+        elif isinstance(obj, (list, tuple)):
+            stack.extend((value, depth + 1) for value in obj)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,6 +137,8 @@ class Payload:
     config: Mapping[str, Any] = field(default_factory=dict)
     extra: Mapping[str, Any] = field(default_factory=dict)
     max_shard_size: int | None = None
+    meta_json: bytes | None = None  # ``meta`` already encoded by ``json_bytes``, when the caller checked it
+    config_json: bytes | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -178,8 +209,8 @@ def _write_files(staging: Path, payload: Payload, syncing: list[Future[None]]) -
                                   xxh3_128_pieces=out.xxh3_128_pieces)
         return out.sha256
 
-    meta_raw = _json_bytes(payload.meta, "meta")
-    config_raw = _json_bytes(payload.config, "config")
+    meta_raw = payload.meta_json if payload.meta_json is not None else json_bytes(payload.meta, "meta")
+    config_raw = payload.config_json if payload.config_json is not None else json_bytes(payload.config, "config")
     put(META, lambda out: out.write(meta_raw))
     put(CONFIG, lambda out: out.write(config_raw))
     state = payload.state_dict
@@ -195,7 +226,7 @@ def _write_files(staging: Path, payload: Payload, syncing: list[Future[None]]) -
             weight_map.update({n: shard for n in names})
         total = sum(t.numel() * t.element_size() for t in state.values())
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        index_raw = _json_bytes(index, "weights index")
+        index_raw = json_bytes(index, "weights index")
         put(WEIGHTS_INDEX, lambda out: out.write(index_raw))
     for key, value in payload.extra.items():
         name = check_file_name(f"{key}.pt")

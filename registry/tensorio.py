@@ -330,6 +330,8 @@ def check_state_dict(state_dict: object, *, what: str = "state_dict") -> dict[st
             raise InvalidStateError(
                 f"{what}[{name!r}] has layout {value.layout} and dtype {value.dtype}, "
                 "which safetensors cannot store")
+        if value.device.type == "meta":
+            raise InvalidStateError(f"{what}[{name!r}] is on the meta device: it has no data to store")
     return dict(state_dict)
 
 

@@ -319,7 +319,7 @@ class Sentinel:
 
 def test_code_running_pickle_never_runs(sqlite_reg: Registry, tmp_path: Path) -> None:
     sentinel = tmp_path / "pwned"
-    info = sqlite_reg.publish("run", 1, make_state(1), extra={"optimizer": Sentinel(sentinel)})
+    info = sqlite_reg.publish("run", 1, make_state(1), extra={"optimizer": Sentinel(sentinel)}, trust_pickle=True)
     assert not sentinel.exists()
     with pytest.raises(UnsafePickleError, match="trust_pickle"):
         sqlite_reg.load("run@1")

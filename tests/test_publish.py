@@ -201,13 +201,15 @@ class Weird:
 def test_unpicklable_extra_is_a_clear_error(reg: Registry) -> None:
     with pytest.raises(InvalidStateError, match="extra 'opt'"):
         reg.publish("run", 1, make_state(1), extra={"opt": {"f": lambda: 1}})
-    assert reg.catalog.get("run", 1).status == "failed"  # type: ignore[union-attr]
-    assert not any(p.name.startswith(".") for p in (reg.store.root / "run").iterdir())
+    assert reg.catalog.get("run", 1) is None  # refused before the claim
+    assert not (reg.store.root / "run").exists()
 
 
 def test_extras_refuse_code_pickles(reg: Registry) -> None:
-    reg.publish("run", 1, make_state(1), extra={"obj": {"x": Weird()}})
     from registry import UnsafePickleError
+    with pytest.raises(UnsafePickleError, match="trust_pickle=True"):
+        reg.publish("run", 1, make_state(1), extra={"obj": {"x": Weird()}})
+    reg.publish("run", 1, make_state(1), extra={"obj": {"x": Weird()}}, trust_pickle=True)
     with pytest.raises(UnsafePickleError):
         reg.load("run@1")
     assert reg.catalog.get("run", 1).status == "verified"  # type: ignore[union-attr]

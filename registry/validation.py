@@ -1,0 +1,284 @@
+"""Checks at the door of a publish: everything that can be refused is refused before the claim.
+
+A publish that fails after its catalog row was claimed leaves a ``failed``
+row (and, with ``blocking=False``, an error that only shows on the future);
+one that succeeds with a value the reader refuses condemns the step at its
+first load. So every argument is checked here, on the caller's thread,
+against the rules of whatever will read it back: ``config`` and ``meta`` are
+encoded once to the JSON bytes the writer stores (``registry.store.json_bytes``),
+the fields that reach ``manifest.json`` go through the manifest's own parser,
+the numbers that reach the catalog must fit its 64-bit columns, and every
+``extra`` must load under ``torch.load(weights_only=True)`` unless the caller
+says ``trust_pickle=True``.
+
+``meta`` is the caller's; the registry's own keys in ``meta.json``
+(:data:`RESERVED_META`) come from the keyword arguments. ``meta`` may repeat
+one of them only with the very value recorded (so a loaded checkpoint's meta
+can be passed on), never with another (it would contradict the catalog), and
+never ``timestamp``, which is the time of the publish.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from collections import OrderedDict
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from registry.errors import InvalidStateError, ManifestError, UnsafePathError, UnsafePickleError
+from registry.manifest import MANIFEST, META, FileEntry, Manifest, check_file_name, parse_manifest
+from registry.refs import MAX_STEP, check_tag_name
+from registry.store import Payload, json_bytes
+
+RESERVED_META = ("epoch", "consumed_samples", "timestamp", "optimizer_step", "policy_version")
+MAX_FILE_NAME = 255  # bytes in one path component on every filesystem we write to
+
+# Leaves the weights-only unpickler always accepts; anything else is tried for real (``_loads_weights_only``).
+_PLAIN = frozenset({str, int, float, bool, type(None), bytes, torch.Size, torch.dtype, torch.device})
+_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
+
+
+def check_count(value: object, what: str, *, optional: bool = False) -> int | None:
+    """A non-negative integer that fits the catalog's 64-bit columns (``None`` too if ``optional``)."""
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_STEP:
+        raise InvalidStateError(f"{what} must be a non-negative 64-bit integer{' or None' if optional else ''}, "
+                                f"got {value!r}")
+    return value
+
+
+def check_flags(**flags: object) -> None:
+    """Options that must be booleans: a string such as ``"no"`` would otherwise count as true."""
+    for name, value in flags.items():
+        numpy_bool = type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")
+        if not isinstance(value, bool) and not numpy_bool:
+            raise InvalidStateError(f"{name} must be True or False, got {value!r}")
+
+
+def check_tags(tags: object) -> tuple[str, ...]:
+    """Tag names, each checked; a lone string is refused rather than read as one tag per character."""
+    if isinstance(tags, (str, bytes)):
+        raise InvalidStateError(f"tags must be a list of tag names, not the string {tags!r}; "
+                                f"write tags=[{tags!r}]")
+    try:
+        names = list(tags)  # type: ignore[call-overload]
+    except TypeError:
+        raise InvalidStateError(f"tags must be a list of tag names, got {type(tags).__name__}") from None
+    return tuple(dict.fromkeys(check_tag_name(t) for t in names))
+
+
+def check_max_shard_size(value: object) -> int | None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+        raise InvalidStateError(f"max_shard_size must be a positive number of bytes, got {value!r}")
+    return value
+
+
+def _mapping(value: object, what: str) -> Mapping[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise InvalidStateError(f"{what} must be a mapping (a JSON object), got {type(value).__name__}")
+    return value
+
+
+def publish_meta(meta: object, *, epoch: object, consumed_samples: object, optimizer_step: object,
+                 policy_version: object, timestamp: str) -> dict[str, Any]:
+    """The whole ``meta.json``: the caller's ``meta`` plus the registry's keys, each checked.
+
+    Raises ``InvalidStateError`` for a bad number, for a reserved key in
+    ``meta`` whose value differs from the one recorded, and for any
+    ``timestamp`` in ``meta``; the header fields are then parsed by the
+    manifest's own parser, as a reader will parse them.
+    """
+    user = _mapping(meta, "meta")
+    own: dict[str, Any] = {
+        "epoch": check_count(epoch, "epoch"),
+        "consumed_samples": check_count(consumed_samples, "consumed_samples"),
+        "timestamp": timestamp,
+        "optimizer_step": check_count(optimizer_step, "optimizer_step"),
+        "policy_version": check_count(policy_version, "policy_version", optional=True),
+    }
+    for key in RESERVED_META:
+        if key not in user:
+            continue
+        if key == "timestamp":
+            raise InvalidStateError("meta may not set 'timestamp': the registry records the time of the "
+                                    "publish there; store your own time under another key")
+        value, recorded = user[key], own[key]
+        if type(value) is not type(recorded) or value != recorded:
+            raise InvalidStateError(f"meta[{key!r}] is {value!r} but this publish records {key}={recorded!r}; "
+                                    f"pass {key}= to publish instead of setting it in meta")
+    check_manifest_fields(own)
+    return {**own, **user}
+
+
+def check_manifest_fields(meta: Mapping[str, Any]) -> None:
+    """Run the reader's manifest parser over the fields ``meta`` puts into ``manifest.json``.
+
+    The writer copies ``timestamp``, ``optimizer_step`` and ``policy_version``
+    from ``meta.json``'s document into the manifest (``registry.store.write_payload``).
+    """
+    probe = Manifest(files={META: FileEntry(name=META, size=0, sha256="0" * 64)},
+                     created_at=meta.get("timestamp"), optimizer_step=meta.get("optimizer_step"),
+                     policy_version=meta.get("policy_version"))
+    try:
+        parse_manifest(probe.encode(), path=Path(MANIFEST))
+    except ManifestError as exc:
+        raise InvalidStateError(f"meta would make manifest.json invalid: {str(exc).split(': ', 1)[-1]}") from None
+
+
+def encode_json(value: object, what: str) -> tuple[dict[str, Any], bytes]:
+    """A shallow copy of the mapping ``value`` and the JSON bytes the writer will store for it."""
+    doc = dict(_mapping(value, what))
+    return doc, json_bytes(doc, what)
+
+
+def check_extra_names(extra: Mapping[Any, Any]) -> None:
+    for key in extra:
+        if not isinstance(key, str) or not key or key.startswith("."):
+            raise InvalidStateError(f"invalid extra name {key!r}: it becomes the file name NAME.pt")
+        try:
+            check_file_name(f"{key}.pt")
+        except UnsafePathError:
+            raise InvalidStateError(f"invalid extra name {key!r}: it becomes the file name NAME.pt, "
+                                    "which must be a plain file name") from None
+        if len(f"{key}.pt".encode("utf-8", "surrogatepass")) > MAX_FILE_NAME:
+            raise InvalidStateError(f"extra name {key[:40]!r}... is too long: NAME.pt must fit "
+                                    f"{MAX_FILE_NAME} bytes")
+
+
+def check_extras(extra: object, *, trust_pickle: bool) -> dict[str, Any]:
+    """``extra`` as a dict, once every value is known to save, and to load without ``trust_pickle``.
+
+    Walks each value: plain containers, tensors and the primitives the
+    weights-only unpickler always accepts pass at the cost of a type check;
+    any other object is pickled (tensor storages by reference, so no tensor
+    data is copied) and run through torch's weights-only unpickler itself,
+    which decides. With ``trust_pickle`` only picklability is checked.
+    """
+    extras = dict(_mapping(extra, "extra"))
+    check_extra_names(extras)
+    for key, value in extras.items():
+        if trust_pickle:
+            _pickle(key, key, value)
+            continue
+        odd = _first_refused(key, value)
+        if odd is not None:
+            where, obj = odd
+            kind = f"{type(obj).__module__}.{type(obj).__qualname__}"
+            raise UnsafePickleError(
+                f"extra {key!r} holds a {kind} at {where}, which torch.load(weights_only=True) refuses, so "
+                "every load of this step would need trust_pickle=True; convert it to tensors or plain data, "
+                "or pass trust_pickle=True to publish to accept that")
+    return extras
+
+
+def _first_refused(key: str, value: Any) -> tuple[str, Any] | None:
+    """The first object inside ``value`` that the weights-only unpickler refuses, with where it is."""
+    # a path is (parent path, step) and is spelt out only for the object refused
+    stack: list[tuple[Any, Any]] = [(value, None)]
+    seen: set[int] = set()
+    while stack:
+        obj, path = stack.pop()
+        kind = type(obj)
+        if kind in _PLAIN:
+            continue
+        if id(obj) in seen:
+            continue
+        if kind in _TENSORS and not obj.__dict__:
+            continue
+        seen.add(id(obj))
+        if kind is dict or kind is OrderedDict:
+            if kind is OrderedDict and obj.__dict__:  # a module state dict's _metadata: rebuilt by BUILD
+                stack.extend((v, (path, f".{k}")) for k, v in obj.__dict__.items())
+            for k, v in obj.items():
+                stack.append((k, (path, k, "key")))
+                stack.append((v, (path, k)))
+        elif kind is list or kind is tuple:
+            stack.extend((v, (path, i)) for i, v in enumerate(obj))
+        else:
+            where = _spell(key, path)
+            if not _loads_weights_only(key, where, obj):
+                return where, obj
+    return None
+
+
+def _spell(key: str, path: Any) -> str:
+    parts: list[str] = []
+    while path is not None:
+        step = path[1]
+        parts.append(step if isinstance(step, str) and step.startswith(".") and len(path) == 2
+                     else f"[{step!r}]" + (" (a key)" if len(path) == 3 else ""))
+        path = path[0]
+    return key + "".join(reversed(parts))
+
+
+class _Probe(pickle.Pickler):
+    """Pickles like ``torch.save`` (protocol 2) but keeps tensor storages by reference."""
+
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file, protocol=2)
+        self.storages: list[Any] = []
+
+    def persistent_id(self, obj: Any) -> tuple[str, int] | None:
+        if isinstance(obj, (torch.storage.TypedStorage, torch.storage.UntypedStorage)):
+            self.storages.append(obj)
+            return ("storage", len(self.storages) - 1)
+        return None
+
+
+def _pickle(key: str, where: str, obj: Any) -> tuple[bytes, list[Any]]:
+    """``obj`` pickled as ``torch.save`` would, and the storages it refers to."""
+    out = io.BytesIO()
+    probe = _Probe(out)
+    try:
+        probe.dump(obj)
+    except Exception as exc:  # noqa: BLE001 - whatever torch.save would raise on it
+        text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise InvalidStateError(f"extra {key!r} cannot be saved: {where}: {text}") from None
+    return out.getvalue(), probe.storages
+
+
+def _loads_weights_only(key: str, where: str, obj: Any) -> bool:
+    """Whether torch's weights-only unpickler (the one ``torch.load`` uses) accepts ``obj``.
+
+    It only ever calls the functions torch allows, so running it on a
+    caller's object is as safe as loading the step would be.
+    """
+    raw, storages = _pickle(key, where, obj)
+    try:
+        try:
+            from torch._weights_only_unpickler import Unpickler
+        except ImportError:  # a torch that moved it: the public way, which copies the tensors' data
+            buffer = io.BytesIO()
+            torch.save(obj, buffer)
+            buffer.seek(0)
+            torch.load(buffer, weights_only=True)
+            return True
+        unpickler = Unpickler(io.BytesIO(raw), encoding="utf-8")
+        unpickler.persistent_load = lambda pid: storages[pid[1]]  # type: ignore[attr-defined]
+        unpickler.load()
+    except Exception:  # noqa: BLE001 - refused, or a rebuild that would fail at load too
+        return False
+    return True
+
+
+def checked_payload(*, step: int, state_dict: dict[str, torch.Tensor], extra: object, config: object,
+                    meta: object, epoch: object, consumed_samples: object, optimizer_step: object,
+                    policy_version: object, max_shard_size: object, trust_pickle: bool,
+                    timestamp: str) -> Payload:
+    """The ``Payload`` of a publish, with ``meta.json`` and ``config.json`` already encoded."""
+    full_meta = publish_meta(meta, epoch=epoch, consumed_samples=consumed_samples,
+                             optimizer_step=step if optimizer_step is None else optimizer_step,
+                             policy_version=policy_version, timestamp=timestamp)
+    meta_raw = json_bytes(full_meta, "meta")
+    config_doc, config_raw = encode_json(config, "config")
+    return Payload(state_dict=state_dict, meta=full_meta, config=config_doc,
+                   extra=check_extras(extra, trust_pickle=trust_pickle),
+                   max_shard_size=check_max_shard_size(max_shard_size),
+                   meta_json=meta_raw, config_json=config_raw)
