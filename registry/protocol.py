@@ -39,10 +39,11 @@ def write_and_install(catalog: Catalog, claim: Claim, final: Path, write: Callab
     Returns what was written, the status it earned and the retired old
     payload (kept until the catalog commit, see :func:`commit_failed`).
     """
-    remove_stale_staging(final)
-    staging = new_staging(final)
+    staging: Path | None = None
     installed = False
     try:
+        remove_stale_staging(final)
+        staging = new_staging(final)
         with heartbeat(catalog, claim):
             written = write(staging)
         crashpoint("after-write")
@@ -57,16 +58,28 @@ def write_and_install(catalog: Catalog, claim: Claim, final: Path, write: Callab
         installed = True
         return written, status, retired
     except BaseException as exc:
-        discard(staging)
-        intact = not installed and final.is_dir()
+        if staging is not None:
+            discard(staging)
+        try:
+            intact = not installed and final.is_dir()
+        except OSError:
+            intact = False
         try:
             catalog.abort_claim(claim, reason=str(exc) or type(exc).__name__, old_payload_intact=intact)
         except Exception:
             pass  # fsck repairs a staging row whose writer is gone
         if isinstance(exc, OSError):
-            raise PublishError(f"could not publish {final}: {exc.strerror or exc}",
+            raise PublishError(f"could not publish {final}: {os_cause(exc, final)}",
                                errno=exc.errno, path=final) from exc
         raise
+
+
+def os_cause(exc: OSError, path: Path) -> str:
+    """``exc``'s cause in words, and the file it concerns when that is not ``path``."""
+    cause = exc.strerror or str(exc) or type(exc).__name__
+    if exc.filename is not None and str(exc.filename) != str(path):
+        cause += f": {exc.filename}"
+    return cause
 
 
 @contextmanager
@@ -129,7 +142,7 @@ def commit_failed(catalog: Catalog, claim: Claim, *, run: str, step: int, writer
         pass  # fsck repairs a staging row whose writer is gone
     if undo_error is not None:
         raise PublishError(f"could not record {run}@{step} in the catalog nor undo its rename: "
-                           f"{undo_error.strerror or undo_error}; run 'registry fsck --repair'",
+                           f"{os_cause(undo_error, final)}; run 'registry fsck --repair'",
                            errno=undo_error.errno, path=final, run=run, step=step) from exc
     if isinstance(exc, Exception) and not isinstance(exc, RegistryError):
         raise CatalogError(f"could not record {run}@{step} in the catalog, nothing was published: "
