@@ -9,6 +9,7 @@ catalog decides *when* that happens; this module makes sure it is atomic.
 from __future__ import annotations
 
 import errno
+import functools
 import io
 import json
 import os
@@ -43,6 +44,7 @@ from registry.tensorio import (HashingWriter, hash_bytes, hash_file, map_safeten
 _HOST = socket.gethostname()[:128]  # bounded so that a writer id fits the catalog's 255-character columns
 
 
+@functools.cache
 def _boot_id() -> str:
     try:
         return Path("/proc/sys/kernel/random/boot_id").read_text().strip().replace("-", "") or "-"
@@ -53,14 +55,13 @@ def _boot_id() -> str:
 def _process_start(pid: int) -> str | None:
     """When process ``pid`` started (clock ticks since boot), None if no such process is running.
 
-    "-" where ``/proc`` cannot tell (not Linux) but the process exists. A
-    zombie is not running: it is a writer that died and was not yet reaped.
+    "-" where ``/proc`` cannot tell (not Linux, or hidden by ``hidepid``) but
+    the process exists. A zombie is not running: it is a writer that died and
+    was not yet reaped.
     """
     try:
         raw = Path(f"/proc/{pid}/stat").read_bytes()
     except OSError:
-        if Path("/proc/self/stat").exists():
-            return None
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
@@ -136,7 +137,7 @@ def _utc(value: datetime) -> datetime:
 
 
 def _started_after(started: str, moment: datetime) -> bool:
-    """Whether a process that started at ``started`` ticks after boot started after ``moment`` (so is not its writer)."""
+    """Whether the process that started ``started`` ticks after boot began after ``moment``."""
     if started == "-":
         return False
     try:
@@ -327,13 +328,15 @@ def install(staging: Path, final: Path, *, keep_retired: bool = False) -> Path |
     them. With ``keep_retired`` the old payload is returned instead of removed, so
     a caller whose catalog commit fails can put it back (:func:`uninstall`).
     """
-    retired: Path | None = _hidden_sibling(final, "retired")
-    try:
-        os.replace(final, retired)
-    except FileNotFoundError:
-        retired = None
-    else:
-        crashpoint("after-retire")
+    retired: Path | None = None
+    if os.path.lexists(final):
+        retired = _hidden_sibling(final, "retired")
+        try:
+            os.replace(final, retired)
+        except FileNotFoundError:  # removed since the check
+            retired = None
+        else:
+            crashpoint("after-retire")
     try:
         os.replace(staging, final)
     except BaseException:
