@@ -17,7 +17,7 @@ import socket
 import stat
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -28,7 +28,8 @@ import registry.retention as retention_mod
 from registry import PublishError, Registry, StepExistsError
 from registry.catalog.models import CheckpointRow
 from registry.errors import AsyncPublishError
-from registry.retention import KeepLast, remove_checkpoint_dir
+from registry.records import CheckpointInfo
+from registry.retention import KeepLast, Policy, RetentionContext, remove_checkpoint_dir
 from registry.store import STALE_AFTER, new_staging, writer_alive, writer_id
 from tests.conftest import assert_state_equal, make_state, write_hf_sharded
 
@@ -58,6 +59,14 @@ def failing_mkdir(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
 
 
 # --------------------------------------------------------------------------- a claim with no undo
+
+
+class KeepSteps(Policy):
+    def __init__(self, *steps: int) -> None:
+        self.steps = steps
+
+    def keep(self, checkpoints: Sequence[CheckpointInfo], context: RetentionContext) -> Mapping[int, str]:
+        return {s: "chosen" for s in self.steps}
 
 
 def test_a_plain_file_where_the_run_directory_goes(reg: Registry) -> None:
@@ -101,7 +110,13 @@ def test_import_into_a_plain_file_is_undone(reg: Registry, tmp_path: Path) -> No
 def test_a_staging_directory_that_cannot_be_made(reg: Registry, failing_mkdir: list[int], err: int) -> None:
     reg.publish("run", 1, make_state(1))
     reg.publish("run", 2, make_state(2), tags=["release"])
+    reg.publish("run", 0, make_state(0))
+    assert reg.plan_retention("run", KeepSteps(1, 2)).execute().deleted == (0,)
     failing_mkdir.append(err)
+
+    with pytest.raises(PublishError):  # a deleted step published again: it stays deleted
+        reg.publish("run", 0, make_state(0))
+    assert status(reg, 0) == "deleted"
 
     with pytest.raises(PublishError, match=os.strerror(err)) as caught:  # a new step: ends failed
         reg.publish("run", 3, make_state(3))
@@ -121,6 +136,7 @@ def test_a_staging_directory_that_cannot_be_made(reg: Registry, failing_mkdir: l
     failing_mkdir.clear()  # the disk has room again: the same process retries both
     assert reg.publish("run", 2, make_state(20), overwrite=True).status == "verified"
     assert reg.publish("run", 3, make_state(3)).status == "verified"
+    assert reg.publish("run", 0, make_state(0)).status == "verified"
     assert_state_equal(reg.load("run@2").state_dict, make_state(20))
     assert reg.resolve("run@latest").step == 3
     assert hidden(reg) == []
