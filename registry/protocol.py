@@ -27,7 +27,8 @@ from pathlib import Path
 from registry.catalog import Catalog, Claim
 from registry.crashpoints import crashpoint
 from registry.errors import CatalogError, CorruptCheckpointError, PublishError, RegistryError
-from registry.store import Written, check_written, discard, install, new_staging, remove_stale_staging, uninstall
+from registry.store import (Written, check_written, discard, hidden_sibling, install, new_staging,
+                            remove_stale_staging, uninstall)
 
 HEARTBEAT = timedelta(seconds=30)  # well inside store.STALE_AFTER, so a slow beat never looks like a dead writer
 
@@ -127,8 +128,7 @@ def commit_failed(catalog: Catalog, claim: Claim, *, run: str, step: int, writer
         return
     undo_error: OSError | None = None
     try:
-        parked = new_staging(final)
-        parked.rmdir()
+        parked = hidden_sibling(final, "tmp")  # a name only: making a directory can fail on a full disk
         try:
             uninstall(parked, final, retired)
         finally:

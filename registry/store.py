@@ -303,7 +303,7 @@ def new_staging(final: Path) -> Path:
         raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(parent))
     parent.mkdir(parents=True, exist_ok=True)
     for _ in range(100):
-        staging = _hidden_sibling(final, "tmp")
+        staging = hidden_sibling(final, "tmp")
         try:
             staging.mkdir()
         except FileExistsError:
@@ -312,7 +312,8 @@ def new_staging(final: Path) -> Path:
     raise FileExistsError(errno.EEXIST, "no unused staging name", str(parent))
 
 
-def _hidden_sibling(final: Path, kind: str) -> Path:
+def hidden_sibling(final: Path, kind: str) -> Path:
+    """An unused name for a hidden ``.NAME.KIND-*`` sibling of ``final`` (``tmp`` or ``retired``), not created."""
     return final.parent / f".{final.name}.{kind}-{secrets.token_hex(6)}"
 
 
@@ -330,7 +331,7 @@ def install(staging: Path, final: Path, *, keep_retired: bool = False) -> Path |
     """
     retired: Path | None = None
     if os.path.lexists(final):
-        retired = _hidden_sibling(final, "retired")
+        retired = hidden_sibling(final, "retired")
         try:
             os.replace(final, retired)
         except FileNotFoundError:  # removed since the check

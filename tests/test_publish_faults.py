@@ -20,12 +20,15 @@ import sys
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from typing import Any
 
 import pytest
-from sqlalchemy import update
+from sqlalchemy import event, update
+from sqlalchemy.exc import OperationalError
 
 import registry.retention as retention_mod
-from registry import PublishError, Registry, StepExistsError
+from registry import CatalogError, PublishError, Registry, StepExistsError
+from registry.catalog import Catalog
 from registry.catalog.models import CheckpointRow
 from registry.errors import AsyncPublishError
 from registry.records import CheckpointInfo
@@ -140,6 +143,38 @@ def test_a_staging_directory_that_cannot_be_made(reg: Registry, failing_mkdir: l
     assert_state_equal(reg.load("run@2").state_dict, make_state(20))
     assert reg.resolve("run@latest").step == 3
     assert hidden(reg) == []
+
+
+@pytest.mark.parametrize("kind", ["new", "overwrite"])
+def test_a_failed_commit_on_a_full_disk_is_undone(reg: Registry, failing_mkdir: list[int],
+                                                  monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+    """The catalog commit fails while the disk is full: putting the old payload back needs no new directory."""
+    reg.publish("run", 2, make_state(2), tags=["release"])
+    real_commit = Catalog.commit_publish
+
+    def full_disk_commit(self: Catalog, *args: Any, **kwargs: Any) -> None:
+        failing_mkdir.append(errno.ENOSPC)
+
+        def boom(conn: Any) -> None:
+            raise OperationalError("COMMIT", {}, Exception("database or disk is full"))
+        event.listen(self.engine, "commit", boom)
+        try:
+            real_commit(self, *args, **kwargs)
+        finally:
+            event.remove(self.engine, "commit", boom)
+
+    monkeypatch.setattr(Catalog, "commit_publish", full_disk_commit)
+    step = 3 if kind == "new" else 2
+    with pytest.raises(CatalogError, match="nothing was published"):
+        reg.publish("run", step, make_state(20), overwrite=True)
+    assert status(reg, 2) == "verified" and reg.resolve("run@release").step == 2
+    assert_state_equal(reg.load("run@latest").state_dict, make_state(2))
+    assert status(reg, 3) == ("failed" if kind == "new" else None)
+    assert hidden(reg) == [] and not reg.store.step_dir("run", 3).exists()
+    monkeypatch.setattr(Catalog, "commit_publish", real_commit)
+    failing_mkdir.clear()
+    assert reg.publish("run", step, make_state(20), overwrite=True).status == "verified"
+    assert_state_equal(reg.load("run@latest").state_dict, make_state(20))
 
 
 # --------------------------------------------------------------------------- writer identity
