@@ -8,8 +8,9 @@ A publish (and an import) runs:
 3. rename it into place, retiring an old payload when overwriting;
 4. one catalog transaction: status, digest, files, metrics, tags, event.
 
-Anything that fails before 4 removes the staging directory and either
-restores the overwritten step or marks the row ``failed``; a failed commit
+Anything that fails after the claim and before 4 (creating the staging
+directory included) removes the staging directory and returns the row to its
+previous status (an overwritten step) or marks it ``failed``; a failed commit
 puts the retired old payload back (:func:`commit_failed`). The retired
 payload is discarded only after the commit, so a crash at any moment leaves
 either the old or the new payload in place, and ``fsck`` finishes the job.
