@@ -8,8 +8,9 @@ A publish (and an import) runs:
 3. rename it into place, retiring an old payload when overwriting;
 4. one catalog transaction: status, digest, files, metrics, tags, event.
 
-Anything that fails before 4 removes the staging directory and either
-restores the overwritten step or marks the row ``failed``; a failed commit
+Anything that fails after the claim and before 4 (creating the staging
+directory included) removes the staging directory and returns the row to its
+previous status (an overwritten step) or marks it ``failed``; a failed commit
 puts the retired old payload back (:func:`commit_failed`). The retired
 payload is discarded only after the commit, so a crash at any moment leaves
 either the old or the new payload in place, and ``fsck`` finishes the job.
@@ -27,7 +28,8 @@ from pathlib import Path
 from registry.catalog import Catalog, Claim
 from registry.crashpoints import crashpoint
 from registry.errors import CatalogError, CorruptCheckpointError, PublishError, RegistryError
-from registry.store import Written, check_written, discard, install, new_staging, remove_stale_staging, uninstall
+from registry.store import (Written, check_written, discard, hidden_sibling, install, new_staging,
+                            remove_stale_staging, uninstall)
 
 HEARTBEAT = timedelta(seconds=30)  # well inside store.STALE_AFTER, so a slow beat never looks like a dead writer
 
@@ -39,10 +41,11 @@ def write_and_install(catalog: Catalog, claim: Claim, final: Path, write: Callab
     Returns what was written, the status it earned and the retired old
     payload (kept until the catalog commit, see :func:`commit_failed`).
     """
-    remove_stale_staging(final)
-    staging = new_staging(final)
+    staging: Path | None = None
     installed = False
     try:
+        remove_stale_staging(final)
+        staging = new_staging(final)
         with heartbeat(catalog, claim):
             written = write(staging)
         crashpoint("after-write")
@@ -57,16 +60,28 @@ def write_and_install(catalog: Catalog, claim: Claim, final: Path, write: Callab
         installed = True
         return written, status, retired
     except BaseException as exc:
-        discard(staging)
-        intact = not installed and final.is_dir()
+        if staging is not None:
+            discard(staging)
+        try:
+            intact = not installed and final.is_dir()
+        except OSError:
+            intact = False
         try:
             catalog.abort_claim(claim, reason=str(exc) or type(exc).__name__, old_payload_intact=intact)
         except Exception:
             pass  # fsck repairs a staging row whose writer is gone
         if isinstance(exc, OSError):
-            raise PublishError(f"could not publish {final}: {exc.strerror or exc}",
+            raise PublishError(f"could not publish {final}: {os_cause(exc, final)}",
                                errno=exc.errno, path=final) from exc
         raise
+
+
+def os_cause(exc: OSError, path: Path) -> str:
+    """``exc``'s cause in words, and the file it concerns when that is not ``path``."""
+    cause = exc.strerror or str(exc) or type(exc).__name__
+    if exc.filename is not None and str(exc.filename) != str(path):
+        cause += f": {exc.filename}"
+    return cause
 
 
 @contextmanager
@@ -114,8 +129,7 @@ def commit_failed(catalog: Catalog, claim: Claim, *, run: str, step: int, writer
         return
     undo_error: OSError | None = None
     try:
-        parked = new_staging(final)
-        parked.rmdir()
+        parked = hidden_sibling(final, "tmp")  # a name only: making a directory can fail on a full disk
         try:
             uninstall(parked, final, retired)
         finally:
@@ -129,7 +143,7 @@ def commit_failed(catalog: Catalog, claim: Claim, *, run: str, step: int, writer
         pass  # fsck repairs a staging row whose writer is gone
     if undo_error is not None:
         raise PublishError(f"could not record {run}@{step} in the catalog nor undo its rename: "
-                           f"{undo_error.strerror or undo_error}; run 'registry fsck --repair'",
+                           f"{os_cause(undo_error, final)}; run 'registry fsck --repair'",
                            errno=undo_error.errno, path=final, run=run, step=step) from exc
     if isinstance(exc, CatalogError) or (isinstance(exc, Exception) and not isinstance(exc, RegistryError)):
         raise CatalogError(f"could not record {run}@{step} in the catalog, nothing was published: "

@@ -8,14 +8,16 @@ catalog decides *when* that happens; this module makes sure it is atomic.
 
 from __future__ import annotations
 
+import errno
+import functools
 import io
 import json
 import os
 import pickle
+import secrets
 import shutil
 import socket
 import stat
-import tempfile
 import time
 import zipfile
 from collections.abc import Iterable, Mapping
@@ -39,40 +41,113 @@ from registry.tensorio import (HashingWriter, hash_bytes, hash_file, map_safeten
                                read_safetensors_header, write_safetensors)
 
 
+_HOST = socket.gethostname()[:128]  # bounded so that a writer id fits the catalog's 255-character columns
+
+
+@functools.cache
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip().replace("-", "") or "-"
+    except OSError:
+        return "-"
+
+
+def _process_start(pid: int) -> str | None:
+    """When process ``pid`` started (clock ticks since boot), None if no such process is running.
+
+    "-" where ``/proc`` cannot tell (not Linux, or hidden by ``hidepid``) but
+    the process exists. A zombie is not running: it is a writer that died and
+    was not yet reaped.
+    """
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass
+        return "-"
+    fields = raw.rpartition(b")")[2].split()  # the command name in parentheses may hold spaces
+    if len(fields) < 20 or fields[0] in (b"Z", b"X"):
+        return None
+    return fields[19].decode()
+
+
+_IDENTITY: tuple[int, str] | None = None
+
+
 def writer_id() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}"
+    """This process as the writer of a claim: ``host:pid:boot:start:token``, a string that never repeats.
+
+    ``host:pid`` alone repeats: a restarted container has the same host name
+    and the same low pid. The boot id and the process start time tell this
+    process from any other that ever had its pid on this kernel, and the
+    random token from any process elsewhere. Computed once per process.
+    """
+    global _IDENTITY
+    pid = os.getpid()
+    if _IDENTITY is None or _IDENTITY[0] != pid:
+        _IDENTITY = (pid, f"{_HOST}:{pid}:{_boot_id()}:{_process_start(pid) or '-'}:{secrets.token_hex(4)}")
+    return _IDENTITY[1]
 
 
 STALE_AFTER = timedelta(minutes=10)  # a staging row on another host not refreshed for this long is abandoned
+_CLOCK_SLACK = timedelta(seconds=2)  # /proc/stat's boot time has whole seconds
 
 
 def writer_alive(writer: str | None, updated_at: datetime | None = None) -> bool:
-    """Whether the writer ``host:pid`` of a staging row last refreshed at ``updated_at`` may still be writing.
+    """Whether the writer of a staging row last refreshed at ``updated_at`` may still be writing.
 
-    On this host the pid decides. A process on another host cannot be asked,
-    so its row decides: a publish refreshes its staging row while it writes
-    (``registry.protocol.HEARTBEAT``), and a row left unrefreshed for
-    ``STALE_AFTER`` belongs to a writer that is gone, such as a preempted node
-    whose job resumed elsewhere. Without ``updated_at`` it is presumed alive.
-    The row's time is the writer's clock and ``now`` is ours: hosts must agree
-    to well within ``STALE_AFTER`` (NTP keeps them within milliseconds).
+    A writer on this host and kernel (same host name and boot id) is alive
+    while a process with its pid and start time runs: a different start time
+    is another process that reuses the pid, such as the trainer of a
+    restarted container. A writer elsewhere, or from another boot under this
+    host name, cannot be asked, so its row decides: a publish refreshes its
+    staging row while it writes (``registry.protocol.HEARTBEAT``), and a row
+    left unrefreshed for ``STALE_AFTER`` belongs to a writer that is gone,
+    such as a preempted node whose job resumed elsewhere. Without
+    ``updated_at`` it is presumed alive. The row's time is the writer's clock
+    and ``now`` is ours: hosts must agree to well within ``STALE_AFTER`` (NTP
+    keeps them within milliseconds). Rows written as ``host:pid`` by earlier
+    versions are judged by the pid, and by its start time against the row's.
     """
     if not writer or ":" not in writer:
         return False
-    host, _, pid_text = writer.rpartition(":")
-    if host != socket.gethostname() or not pid_text.isdigit():
+    parts = writer.split(":")
+    host, pid_text = parts[0], parts[1]
+    local = host == _HOST and pid_text.isdigit() and len(parts) in (2, 5)
+    if local and len(parts) == 5 and parts[2] != _boot_id():
+        local = False  # another kernel under this name: a reboot, or a machine with the same host name
+    if not local:
         if updated_at is None:
             return True
-        if updated_at.tzinfo is None:
-            updated_at = updated_at.replace(tzinfo=timezone.utc)
-        return datetime.now(timezone.utc) - updated_at < STALE_AFTER
-    try:
-        os.kill(int(pid_text), 0)
-    except ProcessLookupError:
+        return datetime.now(timezone.utc) - _utc(updated_at) < STALE_AFTER
+    started = _process_start(int(pid_text))
+    if started is None:
         return False
-    except PermissionError:
-        return True
-    return True
+    if len(parts) == 5:
+        return started == "-" or parts[3] == "-" or started == parts[3]
+    return updated_at is None or not _started_after(started, _utc(updated_at))
+
+
+def _utc(value: datetime) -> datetime:
+    return value.replace(tzinfo=timezone.utc) if value.tzinfo is None else value
+
+
+def _started_after(started: str, moment: datetime) -> bool:
+    """Whether the process that started ``started`` ticks after boot began after ``moment``."""
+    if started == "-":
+        return False
+    try:
+        stat_lines = Path("/proc/stat").read_text().splitlines()
+        boot = next(int(line.split()[1]) for line in stat_lines if line.startswith("btime "))
+        ticks = os.sysconf("SC_CLK_TCK")
+    except (OSError, StopIteration, ValueError):
+        return False
+    began = datetime.fromtimestamp(boot + int(started) / ticks, timezone.utc)
+    return began > moment + _CLOCK_SLACK
 
 
 def remove_stale_staging(final: Path) -> list[Path]:
@@ -248,8 +323,29 @@ def _write_files(staging: Path, payload: Payload, syncing: list[Future[None]]) -
 
 
 def new_staging(final: Path) -> Path:
-    final.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    """A fresh hidden ``.NAME.tmp-*`` sibling of ``final``, creating the run directory as needed.
+
+    Both get the mode a plain ``mkdir`` gives under the process umask (not
+    ``mkdtemp``'s 0700), so the step directory it becomes is readable by
+    whoever the umask lets read the root.
+    """
+    parent = final.parent
+    if parent.exists() and not parent.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(parent))
+    parent.mkdir(parents=True, exist_ok=True)
+    for _ in range(100):
+        staging = hidden_sibling(final, "tmp")
+        try:
+            staging.mkdir()
+        except FileExistsError:
+            continue
+        return staging
+    raise FileExistsError(errno.EEXIST, "no unused staging name", str(parent))
+
+
+def hidden_sibling(final: Path, kind: str) -> Path:
+    """An unused name for a hidden ``.NAME.KIND-*`` sibling of ``final`` (``tmp`` or ``retired``), not created."""
+    return final.parent / f".{final.name}.{kind}-{secrets.token_hex(6)}"
 
 
 def install(staging: Path, final: Path, *, keep_retired: bool = False) -> Path | None:
@@ -257,17 +353,22 @@ def install(staging: Path, final: Path, *, keep_retired: bool = False) -> Path |
 
     An existing ``final`` is first renamed to a hidden ``.retired-`` sibling;
     a crash between the two renames leaves the old payload under that name,
-    which fsck restores. The parent is fsync'd so the rename survives power loss;
+    which fsck restores. ``final`` may vanish at any moment (gc removing a
+    step that is being re-published): then there is nothing to retire. The
+    parent is fsync'd so the rename survives power loss;
     if that fsync fails the renames are undone, since the caller will not commit
     them. With ``keep_retired`` the old payload is returned instead of removed, so
     a caller whose catalog commit fails can put it back (:func:`uninstall`).
     """
     retired: Path | None = None
-    if final.exists():
-        retired = Path(tempfile.mkdtemp(prefix=f".{final.name}.retired-", dir=final.parent))
-        retired.rmdir()
-        os.replace(final, retired)
-        crashpoint("after-retire")
+    if os.path.lexists(final):
+        retired = hidden_sibling(final, "retired")
+        try:
+            os.replace(final, retired)
+        except FileNotFoundError:  # removed since the check
+            retired = None
+        else:
+            crashpoint("after-retire")
     try:
         os.replace(staging, final)
     except BaseException:

@@ -196,7 +196,8 @@ class HashingWriter:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+        # 0o666: the process umask decides the mode, as it does for a plain open()
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
         self._hasher = Hasher(sha256=True, xxh3=False)
         self._pieces = PieceHasher()
         self._buf = bytearray()

@@ -307,9 +307,14 @@ class Catalog:
         self._write(fn, durable=False)
 
     def abort_claim(self, claim: Claim, *, reason: str, old_payload_intact: bool) -> None:
-        """Undo phase 1 after a failure: restore an overwritten step or mark it failed."""
+        """Undo phase 1 after a failure: the row returns to its previous status, or ``failed``.
+
+        A live step returns only with its payload intact; a ``deleted`` one
+        always does (gc removes whatever is left of it).
+        """
         def fn(conn: Connection) -> None:
-            restore = claim.previous_status in ("published", "verified", "corrupt") and old_payload_intact
+            restore = (claim.previous_status == "deleted"
+                       or claim.previous_status in ("published", "verified", "corrupt") and old_payload_intact)
             status = claim.previous_status if restore else "failed"
             conn.execute(update(CheckpointRow).where(CheckpointRow.id == claim.checkpoint_id,
                                                      CheckpointRow.status == "staging")
