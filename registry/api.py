@@ -160,14 +160,22 @@ class Registry:
 
         root_path, url = locations(url, root)
         read_only = read_only or _cannot_write(url)
-        store = Store(root_path, create=create and not read_only)
-        catalog = (ReadOnlyCatalog.open(url) if read_only
-                   else Catalog(open_engine(url, migrate=migrate, create=create)))
+        created = [p for p in (root_path, *root_path.parents) if not p.exists()]
+        catalog: Catalog | None = None
         try:
+            store = Store(root_path, create=create and not read_only)
+            catalog = (ReadOnlyCatalog.open(url) if read_only
+                       else Catalog(open_engine(url, migrate=migrate, create=create)))
             check_binding(catalog, store, url=catalog.engine.url.render_as_string(hide_password=True),
                           read_only=read_only, rebind=rebind_root)
         except BaseException:
-            catalog.close()
+            if catalog is not None:
+                catalog.close()
+            for directory in created:  # a refused open leaves no empty root behind (say, at a mistyped path)
+                try:
+                    directory.rmdir()
+                except OSError:
+                    break
             raise
         return cls(catalog=catalog, store=store, url=url, lease_ttl=lease_ttl, read_only=read_only)
 

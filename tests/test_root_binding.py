@@ -52,6 +52,9 @@ def test_wrong_or_unmounted_root_is_refused_and_marks_nothing(catalog_url: str, 
     with pytest.raises(RootMismatchError):
         Registry.open(url=url, root=empty_mount)  # a writer is refused too: no publish lands there
     assert list(empty_mount.iterdir()) == []
+    with pytest.raises(RootMismatchError):
+        Registry.open(url=url, root=tmp_path / "typo" / "ckpt")  # a writer's mistyped root is not left behind
+    assert not (tmp_path / "typo").exists()
     with Registry.open(url=url, root=root) as reg:
         assert [(i.step, i.status) for i in reg.checkpoints("r")] == before
         assert len(reg.events("r")) == events
