@@ -149,7 +149,7 @@ class Registry:
         cannot write, opens without creating, migrating or writing anything:
         queries and loads work, loads take no reader lease (so retention may
         delete a step while it is read), and writes raise ``ReadOnlyError``.
-        The root is bound to the catalog at the first writer's open; a root
+        The root is bound to the catalog at the first creating open; a root
         bound to another catalog, or one without a marker where the catalog
         has a bound root, raises ``RootMismatchError`` (see
         ``registry.binding``); ``rebind_root=True`` binds this root anyway.
@@ -167,7 +167,7 @@ class Registry:
             catalog = (ReadOnlyCatalog.open(url) if read_only
                        else Catalog(open_engine(url, migrate=migrate, create=create)))
             check_binding(catalog, store, url=catalog.engine.url.render_as_string(hide_password=True),
-                          read_only=read_only, rebind=rebind_root)
+                          bind=create and not read_only, rebind=rebind_root and not read_only)
         except BaseException:
             if catalog is not None:
                 catalog.close()

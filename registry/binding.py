@@ -12,9 +12,10 @@ The rules, in order:
 3. No marker, and the catalog already has a bound root: refused (a wrong or
    unmounted path, where a verify would otherwise find every step missing).
 4. No marker, and no root bound yet (a new catalog, or one made before
-   catalogs had ids): a writer binds this root, writing the marker, unless
-   the catalog has live checkpoints and none of its newest ones is under
-   this root. A read-only open binds nothing and is accepted.
+   catalogs had ids): refused if the catalog has live checkpoints and none
+   of its newest ones is under this root; otherwise a writer (an open that
+   may create) binds this root, writing the marker, and a reader is
+   accepted without writing anything.
 
 ``rebind=True`` (``registry db bind-root``) binds the given root whatever
 the rules say: for a root restored without its ``.registry/`` directory.
@@ -44,8 +45,21 @@ def _mismatch(store: Store, url: str, identity: Identity, marker: str | None) ->
     return RootMismatchError(f"checkpoint root {root} does not belong to the catalog: {why}", path=root)
 
 
-def check_binding(catalog: Catalog, store: Store, *, url: str, read_only: bool, rebind: bool = False) -> None:
-    """Accept, bind or refuse ``store``'s root for ``catalog`` (see the module's rules)."""
+def _no_evidence(store: Store, url: str, paths: list[str]) -> RootMismatchError | None:
+    """Refusal of a root that holds none of ``paths``, the catalog's newest live checkpoints (if it has any)."""
+    if not paths or any((store.root / p).is_dir() for p in paths):
+        return None
+    return RootMismatchError(
+        f"checkpoint root {store.root} holds none of the newest {len(paths)} checkpoints of catalog {url} "
+        f"(such as {paths[0]}): a wrong or unmounted path? If it is the right root, run "
+        "'registry db bind-root'", path=store.root)
+
+
+def check_binding(catalog: Catalog, store: Store, *, url: str, bind: bool, rebind: bool = False) -> None:
+    """Accept, bind or refuse ``store``'s root for ``catalog`` (see the module's rules).
+
+    ``bind=False`` (readers) checks the same rules and writes nothing.
+    """
     identity = read_identity(catalog.engine)
     marker = store.read_marker()
     if marker == identity.catalog_id and identity.root_bound_at is not None and not rebind:
@@ -53,7 +67,12 @@ def check_binding(catalog: Catalog, store: Store, *, url: str, read_only: bool, 
     if not rebind and (marker is not None and marker != identity.catalog_id
                        or marker is None and identity.root_bound_at is not None):
         raise _mismatch(store, url, identity, marker)
-    if read_only:
+    if not bind and not rebind:
+        if marker is None:
+            with catalog.engine.connect() as conn:
+                refusal = _no_evidence(store, url, live_paths(conn, limit=EVIDENCE_ROWS))
+            if refusal is not None:
+                raise refusal
         return
     hint = f"{socket.gethostname()}:{store.root}"
     wrote = False
@@ -67,12 +86,9 @@ def check_binding(catalog: Catalog, store: Store, *, url: str, read_only: bool, 
                     return
                 if marker is not None or identity.root_bound_at is not None:
                     raise _mismatch(store, url, identity, marker)
-                paths = live_paths(conn, limit=EVIDENCE_ROWS)
-                if paths and not any((store.root / p).is_dir() for p in paths):
-                    raise RootMismatchError(
-                        f"checkpoint root {store.root} holds none of the newest {len(paths)} checkpoints of "
-                        f"catalog {url} (such as {paths[0]}): a wrong or unmounted path? Not binding it; "
-                        "if it is the right root, run 'registry db bind-root'", path=store.root)
+                refusal = _no_evidence(store, url, live_paths(conn, limit=EVIDENCE_ROWS))
+                if refusal is not None:
+                    raise refusal
             store.write_marker(identity.catalog_id, bound_from=hint)
             wrote = marker != identity.catalog_id
             record_binding(conn, hint=hint)

@@ -107,12 +107,17 @@ def test_catalog_and_root_from_before_binding_are_adopted(catalog_url: str, root
         reg.publish("r", 2, make_state(2))
     _forget_binding(catalog_url, root)
     wrong = tmp_path / "wrong"
+    wrong.mkdir()
+    line = one_line_error(run_cli(catalog_url, wrong, "verify", "r"))  # a reader at the wrong path is refused
+    assert "holds none of the newest 2 checkpoints" in line
+    assert run_cli(catalog_url, root, "ls", "r").exit_code == 0  # a reader at the right one binds nothing
+    assert not (root / ".registry" / "root.json").exists()
     with pytest.raises(RootMismatchError, match="holds none of the newest 2 checkpoints"):
         Registry.open(url=catalog_url, root=wrong)  # the first writer after the upgrade is at the wrong path
     assert not (wrong / ".registry").exists()
-    with Registry.open(url=catalog_url, root=root) as reg:  # migrates, finds r/step-2 here: binds
+    with Registry.open(url=catalog_url, root=root) as reg:  # a writer finds r/step-2 here: binds
         assert json.loads((root / ".registry" / "root.json").read_text())["catalog_id"]
-        assert [i.step for i in reg.checkpoints("r")] == [1, 2]
+        assert [(i.step, i.status) for i in reg.checkpoints("r")] == [(1, "verified"), (2, "verified")]
     with pytest.raises(RootMismatchError, match="has no .registry/root.json"):
         Registry.open(url=catalog_url, root=wrong)  # now bound: a root without a marker is refused at once
 
