@@ -76,22 +76,6 @@ def locations(url: str | None, root: str | os.PathLike[str] | None) -> tuple[Pat
     return root_path, url or os.environ.get("REGISTRY_URL") or f"sqlite:///{Store.default_catalog(root_path)}"
 
 
-def _cannot_write(url: str) -> bool:
-    """Whether ``url`` is a SQLite file this process may not write (a read-only copy or mount)."""
-    from sqlalchemy.engine import make_url
-    from sqlalchemy.exc import ArgumentError
-
-    from registry.catalog.session import sqlite_writable
-    try:
-        parsed = make_url(url)
-    except ArgumentError:
-        return False  # make_engine reports it
-    if parsed.get_backend_name() != "sqlite" or not parsed.database:
-        return False
-    database = Path(parsed.database)
-    return database.is_file() and not sqlite_writable(database)
-
-
 @dataclass(frozen=True, kw_only=True)
 class _PublishJob:
     """A validated publish: everything the protocol's phases need."""
@@ -156,10 +140,10 @@ class Registry:
         """
         from registry.binding import check_binding
         from registry.catalog.readonly import ReadOnlyCatalog
-        from registry.catalog.session import open_engine
+        from registry.catalog.session import cannot_write, open_engine
 
         root_path, url = locations(url, root)
-        read_only = read_only or _cannot_write(url)
+        read_only = read_only or cannot_write(url)
         created = [p for p in (root_path, *root_path.parents) if not p.exists()]
         catalog: Catalog | None = None
         try:

@@ -20,7 +20,6 @@ from registry.records import human_bytes
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-READERS = frozenset({"runs", "ls", "show", "resolve", "metrics"})  # never write; read-only on request
 CREATORS = frozenset({"import", "db"})  # may create the root and the catalog; other commands need them to exist
 
 

@@ -111,9 +111,17 @@ def _sqlite_read_only_uri(database: Path) -> str:
     return f"file:{quote(str(database))}?mode=ro" + ("&immutable=1" if immutable else "")
 
 
-def sqlite_writable(database: Path) -> bool:
-    """Whether this process may write the SQLite file ``database`` (and its ``-wal``/``-shm`` beside it)."""
-    return os.access(database, os.W_OK) and os.access(database.parent, os.W_OK | os.X_OK)
+def cannot_write(url: str) -> bool:
+    """Whether ``url`` is an existing SQLite file that this process may not write, such as a
+    read-only copy or mount (it needs the file and, for ``-wal``/``-shm``, its directory)."""
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        return False  # make_engine says what is wrong with it
+    if parsed.get_backend_name() != "sqlite" or not parsed.database:
+        return False
+    path = Path(parsed.database)
+    return path.is_file() and not (os.access(path, os.W_OK) and os.access(path.parent, os.W_OK | os.X_OK))
 
 
 def make_engine(url: str, *, create: bool = True, read_only: bool = False) -> Engine:
