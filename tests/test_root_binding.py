@@ -145,6 +145,28 @@ def test_an_opener_that_loses_the_binding_race_is_refused(catalog_url: str, root
         reg.publish("r", 1, make_state(1))
 
 
+def test_a_marker_that_cannot_be_written_binds_nothing(catalog_url: str, root: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+    real_replace = os.replace
+
+    def read_only_fs(src, dst, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if str(dst).endswith("root.json"):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+        return real_replace(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "replace", read_only_fs)
+    with pytest.raises(RootError, match="cannot bind .*Read-only file system"):
+        Registry.open(url=catalog_url, root=root)
+    assert not [p for p in (root / ".registry").iterdir() if "root.json" in p.name]
+    monkeypatch.setattr(os, "replace", real_replace)
+    other = root.parent / "other"
+    with Registry.open(url=catalog_url, root=other) as reg:  # the catalog stayed unbound: another root may bind
+        reg.publish("r", 1, make_state(1))
+    with pytest.raises(RootMismatchError):
+        Registry.open(url=catalog_url, root=root)
+
+
 def test_bind_root_rebinds_a_root_restored_without_its_marker(catalog_url: str, root: Path) -> None:
     with Registry.open(url=catalog_url, root=root) as reg:
         reg.publish("r", 1, make_state(1))
