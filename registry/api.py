@@ -73,7 +73,7 @@ def _check_metrics(run: str, step: int, metrics: Mapping[str, Any] | None) -> li
 def locations(url: str | None, root: str | os.PathLike[str] | None) -> tuple[Path, str]:
     """The root and catalog URL after applying the environment and the defaults."""
     root_path = Path(root if root is not None else os.environ.get("REGISTRY_ROOT", DEFAULT_ROOT)).absolute()
-    return root_path, url or os.environ.get("REGISTRY_URL") or f"sqlite:///{root_path / 'catalog.db'}"
+    return root_path, url or os.environ.get("REGISTRY_URL") or f"sqlite:///{Store.default_catalog(root_path)}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,10 +99,11 @@ class Registry:
     """A catalog plus a checkpoint root. Use :meth:`open`; close it (or use ``with``)."""
 
     def __init__(self, *, catalog: Catalog, store: Store, url: str,
-                 lease_ttl: timedelta = timedelta(minutes=30)) -> None:
+                 lease_ttl: timedelta = timedelta(minutes=30), read_only: bool = False) -> None:
         self.catalog = catalog
         self.store = store
         self.url = url
+        self.read_only = read_only
         self.lease_ttl = lease_ttl
         self.writer = writer_id()
         self._pending_metrics: dict[str, list[tuple[int, str, float]]] = {}
@@ -117,15 +118,50 @@ class Registry:
 
     @classmethod
     def open(cls, url: str | None = None, root: str | os.PathLike[str] | None = None, *,
-             migrate: bool = True, lease_ttl: timedelta = timedelta(minutes=30)) -> Registry:
-        """Open (creating and migrating as needed) the catalog and the root.
+             migrate: bool = True, lease_ttl: timedelta = timedelta(minutes=30), create: bool = True,
+             read_only: bool = False, rebind_root: bool = False) -> Registry:
+        """Open the catalog and the root, and check that they belong together.
 
         ``root`` defaults to ``$REGISTRY_ROOT`` or ``./checkpoints``; ``url`` to
-        ``$REGISTRY_URL`` or ``sqlite:///<root>/catalog.db``.
+        ``$REGISTRY_URL`` or ``sqlite:///<root>/.registry/catalog.db``
+        (``<root>/catalog.db`` where an older root has one).
+
+        ``create=True`` (for trainers and other writers) creates the root and
+        the catalog if they do not exist and migrates the schema;
+        ``create=False`` (for readers) refuses a root or catalog that does not
+        exist. ``read_only=True``, implied for a SQLite catalog this process
+        cannot write, opens without creating, migrating or writing anything:
+        queries and loads work, loads take no reader lease (so retention may
+        delete a step while it is read), and writes raise ``ReadOnlyError``.
+        The root is bound to the catalog at the first creating open; a root
+        bound to another catalog, or one without a marker where the catalog
+        has a bound root, raises ``RootMismatchError`` (see
+        ``registry.binding``); ``rebind_root=True`` binds this root anyway.
         """
+        from registry.binding import check_binding
+        from registry.catalog.readonly import ReadOnlyCatalog
+        from registry.catalog.session import cannot_write, open_engine
+
         root_path, url = locations(url, root)
-        store = Store(root_path)
-        return cls(catalog=Catalog.open(url, migrate=migrate), store=store, url=url, lease_ttl=lease_ttl)
+        read_only = read_only or cannot_write(url)
+        created = [p for p in (root_path, *root_path.parents) if not p.exists()]
+        catalog: Catalog | None = None
+        try:
+            store = Store(root_path, create=create and not read_only)
+            catalog = (ReadOnlyCatalog.open(url) if read_only
+                       else Catalog(open_engine(url, migrate=migrate, create=create)))
+            check_binding(catalog, store, url=catalog.engine.url.render_as_string(hide_password=True),
+                          bind=create and not read_only, rebind=rebind_root and not read_only)
+        except BaseException:
+            if catalog is not None:
+                catalog.close()
+            for directory in created:  # a refused open leaves no empty root behind (say, at a mistyped path)
+                try:
+                    directory.rmdir()
+                except OSError:
+                    break
+            raise
+        return cls(catalog=catalog, store=store, url=url, lease_ttl=lease_ttl, read_only=read_only)
 
     def close(self) -> None:
         """Wait for background publishes, flush metrics, release everything.

@@ -20,16 +20,24 @@ from registry.records import human_bytes
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+CREATORS = frozenset({"import", "db"})  # may create the root and the catalog; other commands need them to exist
+
+
 class State:
-    def __init__(self, url: str | None, root: str | None) -> None:
+    def __init__(self, url: str | None, root: str | None, *, command: str | None = None,
+                 read_only: bool = False) -> None:
         self.url = url
         self.root = root
+        self.command = command
+        self.read_only = read_only
         self._registry: Any = None
 
-    def registry(self, *, migrate: bool = True) -> Any:
+    def registry(self, *, migrate: bool = True, rebind_root: bool = False) -> Any:
         if self._registry is None:
             from registry.api import Registry
-            self._registry = Registry.open(url=self.url, root=self.root, migrate=migrate)
+            self._registry = Registry.open(url=self.url, root=self.root, migrate=migrate,
+                                           create=self.command in CREATORS, read_only=self.read_only,
+                                           rebind_root=rebind_root)
         return self._registry
 
     def close(self) -> None:
@@ -120,13 +128,17 @@ json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON i
 
 
 @click.group()
-@click.option("--url", envvar="REGISTRY_URL", help="Catalog URL (default sqlite:///ROOT/catalog.db).")
+@click.option("--url", envvar="REGISTRY_URL",
+              help="Catalog URL (default sqlite:///ROOT/.registry/catalog.db, or ROOT/catalog.db where it exists).")
 @click.option("--root", envvar="REGISTRY_ROOT", type=click.Path(path_type=str),
-              help="Checkpoint root (default ./checkpoints).")
+              help="Checkpoint root (default ./checkpoints); each host passes its own mount of it.")
+@click.option("--read-only", is_flag=True, envvar="REGISTRY_READ_ONLY",
+              help="Open the catalog read-only (automatic for a SQLite catalog this user cannot write); "
+                   "loads take no lease.")
 @click.pass_context
-def main(ctx: click.Context, url: str | None, root: str | None) -> None:
+def main(ctx: click.Context, url: str | None, root: str | None, read_only: bool) -> None:
     """A checkpoint registry for PyTorch training."""
-    state = State(url, root)
+    state = State(url, root, command=ctx.invoked_subcommand, read_only=read_only)
     ctx.obj = state
     ctx.call_on_close(state.close)
 
@@ -169,7 +181,7 @@ def db_current(state: State) -> None:
     from registry.api import locations
     from registry.catalog.session import current_revision, head_revision, make_engine
     from registry.errors import CatalogError
-    engine = make_engine(locations(state.url, state.root)[1])
+    engine = make_engine(locations(state.url, state.root)[1], create=False)
     try:
         with engine.connect() as conn:
             revision = current_revision(conn)
@@ -179,6 +191,15 @@ def db_current(state: State) -> None:
         engine.dispose()
     head = head_revision()
     click.echo(f"{revision or '(empty)'} (head: {head}{', up to date' if revision == head else ''})")
+
+
+@db.command("bind-root")
+@click.pass_obj
+@command
+def db_bind_root(state: State) -> None:
+    """Bind --root to the catalog even where the checks refuse it (a root restored without .registry/)."""
+    reg = state.registry(rebind_root=True)
+    click.echo(f"bound {reg.store.root} to {reg.catalog.engine.url.render_as_string(hide_password=True)}")
 
 
 @main.command()

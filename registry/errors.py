@@ -71,8 +71,16 @@ class SchemaTooNewError(CatalogError):
     """The catalog was migrated by a newer version of the registry."""
 
 
+class ReadOnlyError(CatalogError):
+    """A write asked of a catalog that was opened read-only."""
+
+
 class RootError(RegistryError, NotADirectoryError):
     """The checkpoint root is not a usable directory."""
+
+
+class RootMismatchError(RootError):
+    """The checkpoint root and the catalog do not belong together (wrong or unmounted path, wrong URL)."""
 
 
 class PublishError(RegistryError, OSError):

@@ -18,6 +18,9 @@ TAG_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,127}")
 METRIC_KEY_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_./\-]{0,254}")
 RESERVED_TAGS = frozenset({"latest", "latest-published"})
 MAX_STEP = 2**63 - 1  # the catalog stores steps as 64-bit integers
+# The default SQLite catalog's file name. Roots made before the catalog moved under ``<root>/.registry/``
+# keep it (and SQLite's ``-wal``/``-shm``/``-journal`` siblings) at the top, beside the runs.
+CATALOG_FILE = "catalog.db"
 
 RefKind = Literal["latest", "latest-published", "best", "step", "tag"]
 
@@ -27,6 +30,9 @@ def check_run_name(name: object) -> str:
         raise InvalidNameError(
             f"invalid run name {name!r}: use letters, digits, '.', '_' or '-', "
             "starting with a letter or digit, at most 128 characters")
+    if name.lower() == CATALOG_FILE or name.lower().startswith(CATALOG_FILE + "-"):
+        raise InvalidNameError(f"invalid run name {name!r}: {CATALOG_FILE!r} and {CATALOG_FILE + '-*'!r} "
+                               "are reserved for the catalog's own files")
     return name
 
 

@@ -36,7 +36,7 @@ from registry.manifest import (CONFIG, MANIFEST, MAX_JSON_BYTES, META, WEIGHTS, 
                                check_file_name, digest_bytes, open_regular, read_manifest)
 from registry.pieces import first_mismatch
 from registry.pools import Pool
-from registry.refs import step_dirname
+from registry.refs import CATALOG_FILE, step_dirname
 from registry.tensorio import (HashingWriter, hash_bytes, hash_file, map_safetensors,
                                read_safetensors_header, write_safetensors)
 
@@ -706,17 +706,92 @@ def check_written(directory: Path, written: Written) -> list[FileProblem]:
 # --------------------------------------------------------------------------- layout
 
 
-class Store:
-    """Where a run's checkpoints live under the root, and how they are named."""
+REGISTRY_DIR = ".registry"  # the registry's own files; no run name can start with "."
+ROOT_MARKER = "root.json"  # {"catalog_id": ...}: the catalog this root is bound to
 
-    def __init__(self, root: Path) -> None:
+
+class Store:
+    """Where a run's checkpoints live under the root, and how they are named.
+
+    ``create=False`` is for readers: a root that does not exist is an error
+    (a mistyped or unmounted path), never an empty new root.
+    """
+
+    def __init__(self, root: Path, *, create: bool = True) -> None:
         if root.exists() and not root.is_dir():
             raise RootError(f"checkpoint root is not a directory: {root}", path=root)
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise RootError(f"cannot create checkpoint root {root}: {exc.strerror}", path=root) from None
+        if not create:
+            if not root.is_dir():
+                raise RootError(f"checkpoint root {root} does not exist: nothing was created; check --root "
+                                "(publish and import create a root)", path=root)
+        else:
+            try:
+                root.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise RootError(f"cannot create checkpoint root {root}: {exc.strerror}", path=root) from None
         self.root = root
+
+    @staticmethod
+    def default_catalog(root: Path) -> Path:
+        """The default SQLite catalog of ``root``: ``<root>/.registry/catalog.db``.
+
+        A root made before the catalog moved there keeps ``<root>/catalog.db``
+        while no ``.registry/catalog.db`` exists: moving a live SQLite file and
+        its ``-wal``/``-shm`` is safe only while nobody has it open, so an
+        operator does it (see the README), never an ``open``.
+        """
+        new = root / REGISTRY_DIR / CATALOG_FILE
+        legacy = root / CATALOG_FILE
+        return legacy if legacy.is_file() and not new.exists() else new
+
+    @property
+    def marker(self) -> Path:
+        return self.root / REGISTRY_DIR / ROOT_MARKER
+
+    def read_marker(self) -> str | None:
+        """The id of the catalog this root is bound to, or None for a root not bound yet."""
+        try:
+            raw = self.marker.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise RootError(f"cannot read {self.marker}: {exc.strerror}", path=self.marker) from None
+        try:
+            catalog_id = json.loads(raw)["catalog_id"]
+        except (ValueError, TypeError, KeyError):
+            catalog_id = None
+        if not isinstance(catalog_id, str) or not catalog_id:
+            raise RootError(f"{self.marker} is not a root marker (expected JSON with a catalog_id)",
+                            path=self.marker)
+        return catalog_id
+
+    def write_marker(self, catalog_id: str, *, bound_from: str) -> None:
+        """Bind this root to catalog ``catalog_id``: write the marker atomically and durably."""
+        doc = {"catalog_id": catalog_id, "bound_from": bound_from, "bound_at": now_timestamp()}
+        directory = self.marker.parent
+        tmp: Path | None = None
+        try:
+            directory.mkdir(exist_ok=True)
+            fd, name = tempfile.mkstemp(prefix=f".{ROOT_MARKER}.", dir=directory)
+            tmp = Path(name)
+            with os.fdopen(fd, "wb") as f:
+                f.write((json.dumps(doc, indent=2) + "\n").encode())
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, self.marker)
+            tmp = None
+            fsync_dir(directory)
+            fsync_dir(self.root)
+        except OSError as exc:
+            raise RootError(f"cannot bind checkpoint root {self.root}: {self.marker}: {exc.strerror}",
+                            path=self.marker) from None
+        finally:
+            if tmp is not None:
+                tmp.unlink(missing_ok=True)
+
+    def remove_marker(self) -> None:
+        self.marker.unlink(missing_ok=True)
 
     def run_dir(self, run: str) -> Path:
         return self.root / run

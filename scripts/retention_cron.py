@@ -58,7 +58,7 @@ def build_policy(args: argparse.Namespace, parser: argparse.ArgumentParser) -> P
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--url", default=None, help="catalog URL (default $REGISTRY_URL or ROOT/catalog.db)")
+    parser.add_argument("--url", default=None, help="catalog URL (default $REGISTRY_URL or ROOT/.registry/catalog.db)")
     parser.add_argument("--root", default=None, help="checkpoint root (default $REGISTRY_ROOT or ./checkpoints)")
     parser.add_argument("--runs", default="*", metavar="GLOB", help="only runs whose name matches (default all)")
     parser.add_argument("--keep-last", type=int, default=None, metavar="N")

@@ -28,7 +28,7 @@ from registry.retention import KeepBest, KeepEvery, KeepLast  # noqa: E402
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--url", default=None, help="catalog URL (default $REGISTRY_URL or ROOT/catalog.db)")
+    parser.add_argument("--url", default=None, help="catalog URL (default $REGISTRY_URL or ROOT/.registry/catalog.db)")
     parser.add_argument("--root", default=None, help="checkpoint root (default $REGISTRY_ROOT or ./checkpoints)")
     parser.add_argument("--run", default="retention-demo")
     parser.add_argument("--steps", type=int, default=200, help="train up to this step")

@@ -75,11 +75,13 @@ def main() -> None:
     loader.log.addHandler(Chosen())
     loader.log.setLevel(logging.DEBUG)
 
-    # Only rank 0 may consult the catalog: the others get an empty catalog of their own,
-    # so any lookup they made would fail with CheckpointNotFoundError.
+    # Only rank 0 may consult the catalog: the others get an empty catalog (and, since a root
+    # belongs to one catalog, an empty root) of their own, so any lookup they made would fail
+    # with CheckpointNotFoundError.
     url = spec["url"] if rank == 0 else f"sqlite:///{Path(spec['out']) / f'empty-{rank}.db'}"
+    root = spec["root"] if rank == 0 else str(Path(spec["out"]) / f"empty-root-{rank}")
     results: dict[str, Any] = {}
-    with Registry.open(url=url, root=spec["root"]) as reg:
+    with Registry.open(url=url, root=root) as reg:
         for sc in spec["scenarios"]:
             loader.BUCKET_BYTES = sc.get("bucket", 4096)
             if sc.get("crash_rank") == rank:

@@ -21,9 +21,13 @@ def populated(catalog_url: str, root: Path) -> None:
         reg.tag("alpha", 200, "release")
 
 
-def test_db_upgrade_and_current(cli) -> None:  # type: ignore[no-untyped-def]
+def test_db_upgrade_and_current(cli, catalog_url: str) -> None:  # type: ignore[no-untyped-def]
     result = cli("db", "current")
-    assert result.exit_code == 0 and "(empty)" in result.output
+    if catalog_url.startswith("sqlite"):  # reading the revision creates no catalog file
+        assert result.exit_code == 1 and "no catalog at" in result.output
+        assert not Path(catalog_url.removeprefix("sqlite:///")).exists()
+    else:
+        assert result.exit_code == 0 and "(empty)" in result.output
     result = cli("db", "upgrade")
     assert result.exit_code == 0 and head_revision() in result.output
     result = cli("db", "current")

@@ -127,3 +127,17 @@ class Lease(Base):
     checkpoint_id: Mapped[int] = mapped_column(ForeignKey("checkpoints.id", ondelete="CASCADE"))
     holder: Mapped[str] = mapped_column(String(255))
     expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class CatalogIdentity(Base):
+    """The catalog's one identity row: its id, and whether a checkpoint root is bound to it.
+
+    The bound root carries the same id in ``<root>/.registry/root.json``; the
+    path it was bound from is kept only to name it in error messages.
+    """
+    __tablename__ = "catalog_identity"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    catalog_id: Mapped[str] = mapped_column(String(32))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    root_bound_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    root_hint: Mapped[str | None] = mapped_column(String(1024))

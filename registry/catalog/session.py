@@ -15,6 +15,7 @@ code does not know: it was migrated by a newer registry.
 
 from __future__ import annotations
 
+import os
 import random
 import sqlite3
 import time
@@ -22,6 +23,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
+from urllib.parse import quote
 
 from alembic import command
 from alembic.config import Config
@@ -32,7 +34,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError
 from sqlalchemy.pool import NullPool
 
-from registry.errors import CatalogError, SchemaTooNewError
+from registry.errors import CatalogError, ReadOnlyError, SchemaTooNewError
 
 MIGRATIONS = Path(__file__).resolve().parent.parent / "migrations"
 BUSY_TIMEOUT_MS = 60_000
@@ -87,31 +89,83 @@ def _sqlite_begin(conn: Connection) -> None:
     conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
 
 
-def make_engine(url: str) -> Engine:
+def _sqlite_read_only_pragmas(dbapi_conn, _record) -> None:  # type: ignore[no-untyped-def]
+    dbapi_conn.isolation_level = None
+    cur = dbapi_conn.cursor()
+    cur.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+    cur.execute("PRAGMA query_only = ON")
+    cur.close()
+
+
+def _sqlite_read_only_uri(database: Path) -> str:
+    """A read-only SQLite URI for ``database``.
+
+    A WAL database can be read only through its ``-shm`` index, which a reader
+    must create when no one has the database open; in a directory it cannot
+    write, it cannot, so there it reads the file as immutable: correct because
+    no connection is open (SQLite removes ``-shm`` with the last one), though a
+    writer that opens it later is not seen by this reader.
+    """
+    shm = database.with_name(database.name + "-shm")
+    immutable = not shm.exists() and not os.access(database.parent, os.W_OK)
+    return f"file:{quote(str(database))}?mode=ro" + ("&immutable=1" if immutable else "")
+
+
+def cannot_write(url: str) -> bool:
+    """Whether ``url`` is an existing SQLite file that this process may not write, such as a
+    read-only copy or mount (it needs the file and, for ``-wal``/``-shm``, its directory)."""
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        return False  # make_engine says what is wrong with it
+    if parsed.get_backend_name() != "sqlite" or not parsed.database:
+        return False
+    path = Path(parsed.database)
+    return path.is_file() and not (os.access(path, os.W_OK) and os.access(path.parent, os.W_OK | os.X_OK))
+
+
+def make_engine(url: str, *, create: bool = True, read_only: bool = False) -> Engine:
+    """An engine on ``url``. ``create=False`` refuses a SQLite file that does not exist yet instead
+    of creating it; ``read_only=True`` opens a connection that cannot write (and implies it)."""
     try:
         parsed = make_url(url)
     except ArgumentError:
         raise CatalogError(f"invalid catalog URL {url!r}") from None
     backend = parsed.get_backend_name()
+    options = {"registry_read_only": True} if read_only else {}
     if backend == "sqlite":
         database = parsed.database or ""
         if database in ("", ":memory:"):
             raise CatalogError("the catalog needs a SQLite file, not an in-memory database")
-        try:
-            Path(database).parent.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            why = "it exists and is not a directory" if isinstance(exc, FileExistsError) else failure_reason(exc)
-            raise CatalogError(f"cannot create the catalog's directory {Path(database).parent}: {why}",
-                               path=database) from exc
-        engine = create_engine(parsed, poolclass=NullPool)
-        event.listen(engine, "connect", _sqlite_pragmas)
+        path = Path(database).absolute()
+        if create and not read_only:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                why = "it exists and is not a directory" if isinstance(exc, FileExistsError) else failure_reason(exc)
+                raise CatalogError(f"cannot create the catalog's directory {path.parent}: {why}",
+                                   path=database) from exc
+        elif not path.is_file():
+            raise CatalogError(f"no catalog at {path}: nothing was created; check --root/--url "
+                               "(publish, import and 'registry db upgrade' create a catalog)", path=path)
+        if read_only:
+            uri = _sqlite_read_only_uri(path)
+            engine = create_engine(parsed, poolclass=NullPool, execution_options=options,
+                                   creator=lambda: sqlite3.connect(uri, uri=True, check_same_thread=False))
+            event.listen(engine, "connect", _sqlite_read_only_pragmas)
+        else:
+            engine = create_engine(parsed, poolclass=NullPool)
+            event.listen(engine, "connect", _sqlite_pragmas)
         event.listen(engine, "begin", _sqlite_begin)
         return engine
     if backend == "postgresql":
         if parsed.drivername == "postgresql":
             parsed = parsed.set(drivername="postgresql+psycopg")
-        return create_engine(parsed, pool_pre_ping=True, pool_size=2, max_overflow=4,
-                             connect_args={"connect_timeout": 10})
+        engine = create_engine(parsed, pool_pre_ping=True, pool_size=2, max_overflow=4,
+                               connect_args={"connect_timeout": 10}, execution_options=options)
+        if read_only:
+            event.listen(engine, "connect", _postgresql_read_only)
+        return engine
     raise CatalogError(f"unsupported catalog backend {backend!r}: use sqlite or postgresql")
 
 
@@ -132,6 +186,12 @@ def failure_reason(exc: BaseException) -> str:
         said = str(exc)
     lines = [line.strip() for line in said.strip().splitlines() if line.strip()]
     return lines[0] if lines else type(exc).__name__
+
+
+def _postgresql_read_only(dbapi_conn, _record) -> None:  # type: ignore[no-untyped-def]
+    with dbapi_conn.cursor() as cur:
+        cur.execute("SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY")
+    dbapi_conn.commit()
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -172,6 +232,8 @@ def write_connection(engine: Engine, *, durable: bool = True) -> Iterator[Connec
     cost. It is still atomic and survives a crash of the process. The write
     engine opens a fresh connection per transaction, so the setting ends with it.
     """
+    if engine.get_execution_options().get("registry_read_only"):
+        raise ReadOnlyError(f"catalog {engine.url.render_as_string(hide_password=True)} is open read-only")
     with engine.connect() as conn:
         if not durable and conn.dialect.name == "sqlite":
             # on the driver's connection: SQLAlchemy would begin a transaction first, where SQLite refuses it
@@ -213,14 +275,17 @@ def upgrade(engine: Engine, target: str = "head") -> tuple[str | None, str]:
     return retrying(run)
 
 
-def open_engine(url: str, *, migrate: bool = True) -> Engine:
+def open_engine(url: str, *, migrate: bool = True, create: bool = True, read_only: bool = False) -> Engine:
     """An engine on a catalog whose schema is at head, or a clear one-line error.
 
     A file that is not a database, a directory where the file should be, a
     server that refuses us: each is a ``CatalogError`` naming the catalog and
     the cause (the driver's error stays attached as ``__cause__``).
+    ``create=False`` (and ``read_only=True``) refuse a catalog that does not
+    exist or has no schema yet rather than making one; a read-only catalog
+    is never migrated.
     """
-    engine = make_engine(url)
+    engine = make_engine(url, create=create, read_only=read_only)
     safe_url = engine.url.render_as_string(hide_password=True)
     name = catalog_name(engine.url)
     try:
@@ -232,8 +297,11 @@ def open_engine(url: str, *, migrate: bool = True) -> Engine:
         raise CatalogError(f"cannot {verb} catalog {name}: {failure_reason(exc)}") from exc
     try:
         _check_known(revision, safe_url)
+        if revision is None and (read_only or not create):
+            raise CatalogError(f"catalog {name} is empty: nothing was created; check --root/--url "
+                               "(publish, import and 'registry db upgrade' create a catalog)")
         if revision != head_revision():
-            if not migrate:
+            if not migrate or read_only:
                 raise CatalogError(f"catalog {safe_url} is at revision {revision!r}, not "
                                    f"{head_revision()!r}; run 'registry db upgrade'")
             upgrade(engine)
