@@ -333,6 +333,12 @@ def tag(state: State, target: str, step_or_name: str, name: str | None) -> None:
 
     The tag moves if it exists.
     """
+    if name is not None:
+        try:
+            step = int(step_or_name)
+        except ValueError:
+            raise click.BadParameter(f"{step_or_name!r} is not a step number (tag RUN STEP NAME, "
+                                     "or tag REF NAME)", param_hint="STEP") from None
     reg = state.registry()
     if name is None:
         name = step_or_name
@@ -340,11 +346,6 @@ def tag(state: State, target: str, step_or_name: str, name: str | None) -> None:
         run, step = info.run, info.step
     else:
         run = target
-        try:
-            step = int(step_or_name)
-        except ValueError:
-            raise click.BadParameter(f"{step_or_name!r} is not a step number (tag RUN STEP NAME, "
-                                     "or tag REF NAME)", param_hint="STEP") from None
     reg.tag(run, step, name)
     click.echo(f"{run}@{name} -> {step}")
 

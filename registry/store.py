@@ -18,6 +18,7 @@ import secrets
 import shutil
 import socket
 import stat
+import tempfile
 import time
 import zipfile
 from collections.abc import Iterable, Mapping

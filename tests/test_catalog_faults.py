@@ -246,6 +246,7 @@ def test_sqlite_catalog_file_deleted_under_an_open_registry(tmp_path: Path, how:
 def test_a_catalog_that_is_not_a_database(tmp_path: Path) -> None:
     db = tmp_path / "catalog.db"
     db.write_text("these are my notes, not a database\n")
+    (tmp_path / "ckpt").mkdir()  # a reader refuses a missing root first; here the root is fine
     with pytest.raises(CatalogError, match=f"^cannot open catalog {db}: file is not a database$") as info:
         Registry.open(url=f"sqlite:///{db}", root=tmp_path / "ckpt")
     assert isinstance(info.value.__cause__, DBAPIError)

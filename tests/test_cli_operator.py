@@ -135,6 +135,7 @@ def run_cli(*args: str):  # type: ignore[no-untyped-def]
 def test_catalog_that_is_not_a_database(tmp_path: Path) -> None:
     bad = tmp_path / "catalog.db"
     bad.write_text("these are not the pages you are looking for\n" * 200)
+    (tmp_path / "ckpt").mkdir()  # a reader refuses a missing root first; here only the catalog is wrong
     for command in (["runs"], ["ls", "x"], ["show", "x@1"], ["gc", "x", "--keep-last", "1"], ["fsck"]):
         line = one_error_line(run_cli("--url", f"sqlite:///{bad}", "--root", str(tmp_path / "ckpt"), *command))
         assert str(bad) in line and "not a database" in line
@@ -142,6 +143,7 @@ def test_catalog_that_is_not_a_database(tmp_path: Path) -> None:
 
 def test_catalog_path_is_a_directory_or_blocked_by_a_file(tmp_path: Path) -> None:
     (tmp_path / "dir.db").mkdir()
+    (tmp_path / "r").mkdir()
     line = one_error_line(run_cli("--url", f"sqlite:///{tmp_path / 'dir.db'}", "--root", str(tmp_path / "r"), "runs"))
     assert str(tmp_path / "dir.db") in line
     (tmp_path / "plain").write_text("in the way")
