@@ -105,7 +105,6 @@ class Registry:
         self.url = url
         self.read_only = read_only
         self.lease_ttl = lease_ttl
-        self.writer = writer_id()
         self._pending_metrics: dict[str, list[tuple[int, str, float]]] = {}
         self._attempts: dict[str, int] = {}
         self._resumed_from: dict[str, int] = {}
@@ -189,6 +188,11 @@ class Registry:
 
     # ------------------------------------------------------------------ helpers
 
+    @property
+    def writer(self) -> str:
+        """This process's writer identity: asked each time, so a forked child never claims as its parent."""
+        return writer_id()
+
     def _absolute(self, info: CheckpointInfo) -> CheckpointInfo:
         return replace(info, path=self.store.root / info.path)
 
@@ -263,12 +267,13 @@ class Registry:
         written, status, retired = write_and_install(
             self.catalog, claim, job.final, lambda staging: write_payload(staging, job.payload), verify=job.verify)
 
-        with self._lock:
-            pending = self._pending_metrics.get(run, [])
-            due = [m for m in pending if m[0] <= step]
-            self._pending_metrics[run] = [m for m in pending if m[0] > step]
-            resumed_from = self._resumed_from.get(run) if run not in self._published else None
-        try:
+        due: list[tuple[int, str, float]] = []
+        try:  # from here on, anything (even a KeyboardInterrupt) must reach commit_failed's undo
+            with self._lock:
+                pending = self._pending_metrics.get(run, [])
+                due = [m for m in pending if m[0] <= step]
+                self._pending_metrics[run] = [m for m in pending if m[0] > step]
+                resumed_from = self._resumed_from.get(run) if run not in self._published else None
             self.catalog.commit_publish(
                 claim, status=status, manifest_sha256=written.manifest_sha256,
                 files=[FileRecord(name=f.name, size=f.size, sha256=f.sha256)
