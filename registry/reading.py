@@ -266,7 +266,7 @@ def load(access: Access, ref: Ref, *, verify: bool, map_location: Any, trust_pic
             except RegistryError as exc:
                 read.judge(exc)
                 for note in read.notes:
-                    warnings.warn(note, RuntimeWarning, stacklevel=4)
+                    warnings.warn(note, RuntimeWarning, stacklevel=3)
                 read.notes.clear()
                 continue
             read.release()
