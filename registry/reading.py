@@ -194,8 +194,11 @@ class CatalogRead:
             info.run, info.step, "corrupt", kind="corrupt", actor=self.access.holder, only_from=LIVE,
             manifest_sha256=info.manifest_sha256, reason=str(exc))
         if not marked:
-            self._raced(exc)  # the row is no longer the one we checked against: a race, not corruption
-            return
+            now = self.access.catalog.get(info.run, info.step)
+            if now is None or (now.status, now.manifest_sha256) != ("corrupt", info.manifest_sha256):
+                self._raced(exc)  # the row is no longer the one we checked against: a race, not corruption
+                return
+            # another reader condemned this very payload first: the same verdict, go on from it
         log.error("%s@%s is corrupt and was marked so: %s", info.run, info.step, exc)
         if self.ref.names_one_step or not self.fallback:
             raise exc

@@ -153,6 +153,26 @@ def test_corrupt_verdict_is_compare_and_set_on_the_digest_read(catalog_url: str,
         assert corrupt_events(reader) == []
 
 
+def test_two_readers_condemning_the_same_payload_both_fall_back(catalog_url: str, root: Path) -> None:
+    with Registry.open(url=catalog_url, root=root) as first, Registry.open(url=catalog_url, root=root) as second:
+        first.publish("run", 1, make_state(1))
+        flip_byte(first.publish("run", 2, make_state(2)).path / "model.safetensors")
+        real_set_status = first.catalog.set_status
+        other: list[Checkpoint] = []
+
+        def other_reader_first(*args: Any, **kwargs: Any) -> bool:
+            if not other:
+                other.append(second.load("run"))  # condemns step 2 just before this reader does
+            return real_set_status(*args, **kwargs)
+
+        first.catalog.set_status = other_reader_first  # type: ignore[method-assign]
+        with pytest.warns(RuntimeWarning):
+            ckpt = first.load("run")
+        for got in (ckpt, other[0]):
+            assert got.step == 1 and got.fallback is not None and [s.step for s in got.fallback.skipped] == [2]
+        assert corrupt_events(first) == [2]
+
+
 # --------------------------------------------------------------------------- fall-back
 
 
@@ -220,6 +240,11 @@ def test_resume_can_be_forced_or_refused(catalog_url: str, root: Path) -> None:
         trainer.publish("run", 150, make_state(150), metrics={"eval/loss": 3.0})
         assert {p.step for p in trainer.metrics("run", "eval/loss")} == {100, 150}
         assert trainer.resolve("run@best:eval/loss").step == 150
+        trainer.load("run@100", resume=True)  # after publishing: a new attempt, resumed from 100 again
+        trainer.publish("run", 120, make_state(120), metrics={"eval/loss": 3.5})
+        assert {p.step for p in trainer.metrics("run", "eval/loss")} == {100, 120}
+        resumes = [e.detail["resumed_from"] for e in trainer.events("run") if e.kind == "resume"]
+        assert resumes == [100, 100]
         with pytest.raises(InvalidStateError):
             trainer.load("run@100", resume="yes")  # type: ignore[arg-type]
 
