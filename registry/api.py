@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from registry import reading
 from registry.background import BackgroundPublisher
 from registry.catalog import Catalog, FileRecord
 from registry.checkpoint import Checkpoint
 from registry.crashpoints import crashpoint
-from registry import reading
 from registry.errors import InvalidStateError, RegistryError, StepExistsError
 from registry.protocol import commit_failed, write_and_install
 from registry.records import LIVE, CheckpointInfo, EventInfo, MetricPoint, RunInfo
