@@ -131,8 +131,9 @@ class CatalogRead:
     """One load of ``ref``, candidate by candidate, until one reads clean or the load must fail.
 
     ``candidate()`` resolves and leases the next step; the caller reads it and
-    either ``finish()``es or hands the failure to ``judge()``, which returns
-    when another candidate should be tried and raises when the load is over.
+    either keeps it (``record()`` says how far the load fell back to reach
+    it) or hands the failure to ``judge()``, which returns when another
+    candidate should be tried and raises when the load is over.
     """
 
     def __init__(self, access: Access, ref: Ref, *, fallback: bool = True) -> None:
