@@ -31,7 +31,7 @@ import torch
 from registry.crashpoints import crashpoint
 from registry.errors import (CheckpointReadError, CorruptCheckpointError, ExtraNotFoundError, InvalidStateError,
                              ManifestError, PublishError, RegistryError, RootError, SafetensorsFormatError,
-                             UnsafePathError, UnsafePickleError)
+                             UnsafePickleError)
 from registry.manifest import (CONFIG, MANIFEST, MAX_JSON_BYTES, META, WEIGHTS, WEIGHTS_INDEX, FileEntry, Manifest,
                                check_file_name, digest_bytes, open_regular, read_manifest)
 from registry.pieces import first_mismatch
@@ -384,21 +384,20 @@ def _read_json(directory: Path, name: str, entry: FileEntry | None, verify: bool
 
 def _read_weights(directory: Path, name: str, entry: FileEntry | None,
                   verify: bool) -> dict[str, torch.Tensor]:
-    check_file_name(name, where=directory)
     path = directory / name
-    if path.is_symlink():
-        raise UnsafePathError(f"checkpoint file is a symlink: {path}", path=path)
-    if not path.is_file():
-        raise CorruptCheckpointError(f"checkpoint file is missing: {path}", path=path)
-    if entry is None:
-        return map_safetensors(path)[0]
-    _check_size(directory, entry, path.stat().st_size)
+    with _open_inside(directory, name) as f:  # refuses symlinks and non-files; says why it cannot open
+        if entry is not None:
+            _check_size(directory, entry, os.fstat(f.fileno()).st_size)
 
-    def check(data: memoryview) -> None:  # the mapping itself: what was hashed is what the tensors view
-        _check_size(directory, entry, len(data))
-        if verify:
-            check_file_digest(directory, entry, data)
-    return map_safetensors(path, check=check)[0]
+        def check(data: memoryview) -> None:  # the mapping itself: what was hashed is what the tensors view
+            if entry is not None:
+                _check_size(directory, entry, len(data))
+                if verify:
+                    check_file_digest(directory, entry, data)
+        try:
+            return map_safetensors(path, check=check)[0]
+        except RuntimeError as exc:  # torch could not open or map the file: this process's trouble
+            raise CheckpointReadError(f"cannot map {path}: {str(exc).splitlines()[0]}", path=path) from exc
 
 
 def _load_pickle(raw: bytes, path: Path, *, trust_pickle: bool, map_location: Any) -> Any:

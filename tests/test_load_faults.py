@@ -55,7 +55,7 @@ def corrupt_events(reg: Registry, run: str = "run") -> list[int | None]:
 
 
 @pytest.mark.parametrize("code", [errno.EMFILE, errno.ENFILE, errno.EACCES, errno.EIO])
-@pytest.mark.parametrize("name", ["manifest.json", "meta.json", "optimizer.pt"])
+@pytest.mark.parametrize("name", ["manifest.json", "meta.json", "model.safetensors", "optimizer.pt"])
 def test_a_readers_os_error_marks_nothing_and_does_not_fall_back(
         reg: Registry, monkeypatch: pytest.MonkeyPatch, code: int, name: str) -> None:
     reg.publish("run", 1, make_state(1), extra={"optimizer": optimizer_state()})
