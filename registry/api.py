@@ -14,7 +14,7 @@ import numbers
 import os
 import threading
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
@@ -23,18 +23,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from registry import reading
 from registry.background import BackgroundPublisher
 from registry.catalog import Catalog, FileRecord
 from registry.checkpoint import Checkpoint
 from registry.crashpoints import crashpoint
-from registry.errors import (CheckpointDeletedError, CorruptCheckpointError, InvalidStateError, RegistryError,
-                             StepExistsError)
+from registry.errors import InvalidStateError, RegistryError, StepExistsError
 from registry.protocol import commit_failed, write_and_install
 from registry.records import LIVE, CheckpointInfo, EventInfo, MetricPoint, RunInfo
 from registry.refs import Ref, check_metric_key, check_run_name, check_step, check_tag_name, parse_ref, step_dirname
 from registry.scrub import VerifyResult, scrub
 from registry.snapshot import Snapshotter
-from registry.store import (Payload, Store, discard, now_timestamp, read_directory, write_payload, writer_alive,
+from registry.store import (Payload, Store, check_extras, discard, now_timestamp, write_payload, writer_alive,
                             writer_id)
 from registry.tensorio import check_state_dict
 from registry.validation import check_flags, check_tags, checked_payload
@@ -362,78 +362,84 @@ class Registry:
 
     def load(self, ref: str | Ref, broadcast: bool = False, verify: bool = True,
              map_location: Any = "cpu", *, trust_pickle: bool = False, strategy: str = "auto",
-             timeout: float | None = None) -> Checkpoint:
+             timeout: float | None = None, extras: bool | Collection[str] = True, fallback: bool = True,
+             resume: bool | None = None) -> Checkpoint:
         """Resolve ``ref`` and load it; a corrupt ``@latest`` falls back to an older step.
+
+        ``extras``: load every ``.pt`` extra (True), none (False), or only the
+        names given (``["rng"]``); the others are never read nor unpickled, so
+        an evaluator need not pay for, or trust, the optimizer state. Asking
+        for an extra the step lacks raises ``ExtraNotFoundError``.
+
+        ``fallback``: a corrupt ``@latest`` (or ``@latest-published``) is
+        marked ``corrupt`` and the next older step is loaded; how far that
+        went is logged (logger ``registry.reading``) and kept in
+        ``Checkpoint.fallback``. With ``fallback=False`` the load raises
+        ``CorruptCheckpointError`` instead. A ref naming one step never falls
+        back. A failure of this process to read (root not mounted, out of
+        file descriptors, no permission) raises ``CheckpointReadError``,
+        marks nothing and tries no older step.
+
+        ``resume``: whether this load is the trainer resuming the run (see
+        :meth:`begin_attempt`). By default only a load of the run's own
+        ``@latest`` or ``@latest-published`` before this process's first
+        publish to the run is a resume; ``resume=True`` makes any ref one,
+        ``resume=False`` none (a reference policy, an evaluation).
 
         With ``broadcast`` inside a process group, ``strategy`` ("auto",
         "broadcast", "shared-fs") and ``timeout`` (seconds per collective) are
-        described in :mod:`registry.loader`.
+        described in :mod:`registry.loader`; every rank must pass the same
+        options.
         """
         parsed = parse_ref(ref)
+        extras = check_extras(extras)
+        if not isinstance(fallback, bool):
+            raise InvalidStateError(f"fallback must be True or False, got {fallback!r}")
+        if resume is not None and not isinstance(resume, bool):
+            raise InvalidStateError(f"resume must be True, False or None, got {resume!r}")
         if broadcast:
             from registry.loader import distributed_load
-            return distributed_load(self, parsed, verify=verify, map_location=map_location,
-                                    trust_pickle=trust_pickle, strategy=strategy, timeout=timeout)
-        return self.load_local(parsed, verify=verify, map_location=map_location, trust_pickle=trust_pickle)
+            ckpt = distributed_load(self._reader(), parsed, verify=verify, map_location=map_location,
+                                    trust_pickle=trust_pickle, strategy=strategy, timeout=timeout,
+                                    extras=extras, fallback=fallback)
+        else:
+            ckpt = reading.load(self._reader(), parsed, verify=verify, map_location=map_location,
+                                trust_pickle=trust_pickle, extras=extras, fallback=fallback)
+        if ckpt.info is not None:
+            self._note_resume(parsed, ckpt.info.step, resume)
+        return ckpt
 
-    def load_local(self, parsed: Ref, *, verify: bool, map_location: Any, trust_pickle: bool) -> Checkpoint:
-        below: int | None = None
-        raced = 0  # times a writer or gc changed the step between our resolve and our read
-        while True:
-            info = self._absolute(self.catalog.resolve(parsed, below=below))
-            if info.status == "corrupt":
-                raise CorruptCheckpointError(f"{parsed} is marked corrupt (step {info.step}); "
-                                             "run 'registry verify' after repairing it",
-                                             run=info.run, step=info.step, path=info.path)
-            try:
-                loaded = self.read_checked(info, verify=verify, map_location=map_location,
-                                           trust_pickle=trust_pickle)
-            except CheckpointDeletedError:
-                raced += 1  # retention won the race for this step after we resolved it: resolve again
-                if raced > 8:
-                    raise
-                continue
-            except CorruptCheckpointError as exc:
-                now = self.catalog.get(info.run, info.step)
-                if now is None or (now.status, now.manifest_sha256) != (info.status, info.manifest_sha256):
-                    raced += 1  # replaced or deleted while we read it: not corruption; resolve again
-                    if raced > 8:
-                        raise
-                    continue
-                self.mark_corrupt(info, str(exc))
-                if parsed.names_one_step:
-                    raise
-                warnings.warn(f"{info.run}@{info.step} is corrupt ({exc}); falling back to an older step",
-                              RuntimeWarning, stacklevel=3)
-                below = info.step
-                continue
-            if info.run not in self._published:
-                self._resumed_from[info.run] = info.step  # this attempt resumes from here
-            return Checkpoint.from_loaded(loaded, step=info.step, info=info)
+    def _reader(self) -> reading.ReadAccess:
+        return reading.ReadAccess(catalog=self.catalog, root=self.store.root, holder=self.writer,
+                                  lease_ttl=self.lease_ttl)
+
+    def _note_resume(self, ref: Ref, step: int, resume: bool | None) -> None:
+        """Record that this attempt resumes ``ref.run`` from ``step``, when the load was a resume."""
+        if resume is False or (resume is None and ref.names_one_step):
+            return
+        with self._lock:
+            if ref.run not in self._published:
+                self._resumed_from[ref.run] = step  # this attempt resumes from here
+                return
+        if resume:  # resuming again after publishing: a new attempt, as begin_attempt says
+            self.begin_attempt(ref.run, resumed_from=step)
+
+    def load_local(self, parsed: Ref, *, verify: bool, map_location: Any, trust_pickle: bool,
+                   extras: bool | Collection[str] = True, fallback: bool = True) -> Checkpoint:
+        """Load ``parsed`` in this process only (no resume bookkeeping); see :meth:`load`."""
+        return reading.load(self._reader(), parsed, verify=verify, map_location=map_location,
+                            trust_pickle=trust_pickle, extras=check_extras(extras), fallback=fallback)
 
     def read_checked(self, info: CheckpointInfo, *, verify: bool, map_location: Any,
                      trust_pickle: bool) -> Any:
         """Read ``info``'s directory under a reader lease and match it against the catalog."""
-        lease = self.catalog.acquire_lease(info.run, info.step, holder=self.writer, ttl=self.lease_ttl)
-        if lease is None and info.status in LIVE:
-            # The row stopped being live since it was resolved (retention marked it deleted):
-            # its directory may be going away, so do not read it.
-            raise CheckpointDeletedError(f"{info.run}@{info.step} was deleted while being resolved",
-                                         run=info.run, step=info.step, path=info.path)
-        try:
-            loaded = read_directory(info.path, verify=verify, trust_pickle=trust_pickle,
-                                    map_location=map_location)
-        finally:
-            if lease is not None:
-                self.catalog.release_lease(lease)
-        if info.manifest_sha256 and loaded.manifest_sha256 != info.manifest_sha256:
-            raise CorruptCheckpointError(f"manifest of {info.path} does not match the catalog's record",
-                                         path=info.path, run=info.run, step=info.step)
-        return loaded
+        return reading.read_checked(self._reader(), info, verify=verify, map_location=map_location,
+                                    trust_pickle=trust_pickle)
 
-    def mark_corrupt(self, info: CheckpointInfo, reason: str) -> None:
-        self.catalog.set_status(info.run, info.step, "corrupt", kind="corrupt", actor=self.writer,
-                                only_from=LIVE, reason=reason)
+    def mark_corrupt(self, info: CheckpointInfo, reason: str) -> bool:
+        """Mark ``info`` corrupt if its row still holds the payload ``info`` describes; True when it did."""
+        return self.catalog.set_status(info.run, info.step, "corrupt", kind="corrupt", actor=self.writer,
+                                       only_from=LIVE, manifest_sha256=info.manifest_sha256, reason=reason)
 
     # ------------------------------------------------------------------ verify
 
@@ -465,11 +471,15 @@ class Registry:
         superseded: kept in ``metrics(history=True)``, ignored by ``metrics()``
         and ``best:``. Checkpoints of the abandoned steps stay as they are.
 
-        Loading through :meth:`load` before the first publish sets
-        ``resumed_from`` by itself. Call this when the trainer resumed some
-        other way (from a directory, from its own files), with the step it
-        resumed from, or ``resumed_from=None`` for a fresh start that
-        supersedes nothing. Points still buffered are flushed under the
+        Resuming is explicit, so that loading another step for reference (a
+        reference policy, an evaluation) never rewrites the run's history: a
+        :meth:`load` of the run's own ``@latest`` or ``@latest-published``
+        before this process's first publish to it sets ``resumed_from`` by
+        itself, and so does a load of any ref with ``resume=True``; other
+        loads do not (``resume=False`` opts out entirely). Call this when the
+        trainer resumed some other way (from a directory, from its own
+        files), with the step it resumed from, or ``resumed_from=None`` for a
+        fresh start that supersedes nothing. Points still buffered are flushed under the
         previous attempt first. An evaluator that never publishes never
         supersedes anything.
         """

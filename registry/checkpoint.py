@@ -9,18 +9,20 @@ manifest is checked to stay inside the directory.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from registry.store import Loaded, Payload, now_timestamp, read_directory, save_directory
+from registry.store import Loaded, Payload, check_extras, now_timestamp, read_directory, save_directory
 from registry.tensorio import check_state_dict
 from registry.validation import check_manifest_fields
 
 if TYPE_CHECKING:
-    from registry.api import CheckpointInfo
+    from registry.reading import Fallback
+    from registry.records import CheckpointInfo
 
 
 @dataclass
@@ -34,6 +36,7 @@ class Checkpoint:
     step: int | None = None
     policy_version: int | None = None
     info: CheckpointInfo | None = None
+    fallback: Fallback | None = None  # set when a load of @latest skipped corrupt steps to reach this one
 
     def payload(self, *, max_shard_size: int | None = None) -> Payload:
         meta = {"epoch": self.epoch, "consumed_samples": self.consumed_samples,
@@ -49,8 +52,8 @@ class Checkpoint:
         save_directory(Path(save_dir), self.payload(max_shard_size=max_shard_size))
 
     @classmethod
-    def from_loaded(cls, loaded: Loaded, *, step: int | None = None,
-                    info: CheckpointInfo | None = None) -> Checkpoint:
+    def from_loaded(cls, loaded: Loaded, *, step: int | None = None, info: CheckpointInfo | None = None,
+                    fallback: Fallback | None = None) -> Checkpoint:
         meta = loaded.meta
         policy = meta.get("policy_version")
         if loaded.manifest is not None and loaded.manifest.policy_version is not None:
@@ -58,24 +61,27 @@ class Checkpoint:
         return cls(state_dict=loaded.state_dict, epoch=meta.get("epoch", 0),
                    consumed_samples=meta.get("consumed_samples", 0), extra=loaded.extra,
                    meta=meta, config=loaded.config, step=step,
-                   policy_version=policy if isinstance(policy, int) else None, info=info)
+                   policy_version=policy if isinstance(policy, int) else None, info=info, fallback=fallback)
 
     @classmethod
     def load(cls, save_dir: str | Path, broadcast: bool = False, verify_checksums: bool = False,
              *, trust_pickle: bool = False, map_location: Any = "cpu", strategy: str = "auto",
-             timeout: float | None = None) -> Checkpoint:
+             timeout: float | None = None, extras: bool | Collection[str] = True) -> Checkpoint:
         """Load a directory; with ``broadcast`` rank 0 checks it and every rank gets the same contents.
 
-        ``strategy`` and ``timeout`` are those of :mod:`registry.loader`.
+        ``strategy`` and ``timeout`` are those of :mod:`registry.loader`;
+        ``extras`` is that of :meth:`registry.Registry.load`.
         """
         path = Path(save_dir)
+        extras = check_extras(extras)
         if broadcast:
             from registry.loader import broadcast_directory
             loaded = broadcast_directory(path, verify=verify_checksums, trust_pickle=trust_pickle,
-                                         map_location=map_location, strategy=strategy, timeout=timeout)
+                                         map_location=map_location, strategy=strategy, timeout=timeout,
+                                         extras=extras)
         else:
             loaded = read_directory(path, verify=verify_checksums, trust_pickle=trust_pickle,
-                                    map_location=map_location)
+                                    map_location=map_location, extras=extras)
         return cls.from_loaded(loaded)
 
     @classmethod

@@ -122,3 +122,19 @@ class AsyncPublishError(RegistryError, RuntimeError):
     The original exception is also the result of that publish's future, and is
     this error's ``__cause__``.
     """
+
+
+class CheckpointReadError(RegistryError, OSError):
+    """This process could not read a checkpoint (missing mount, no file descriptors, no permission).
+
+    A reader's local trouble, not evidence against the checkpoint: nothing is
+    marked corrupt and no older step is tried.
+    """
+
+    def __init__(self, message: str, *, errno: int | None = None, **kwargs: object) -> None:
+        super().__init__(message, **kwargs)  # type: ignore[arg-type]
+        self.errno = errno
+
+
+class ExtraNotFoundError(RegistryError, LookupError):
+    """A load asked for an extra (``NAME.pt``) the checkpoint does not have."""

@@ -6,11 +6,13 @@ that will never come):
 0. *agree*: every rank gathers every rank's request (ref or directory,
    options) and any local argument error. Different requests, or an error on
    any rank, make every rank raise.
-1. *plan*: only rank 0 touches the catalog. It resolves the ref, takes a
-   reader lease, checks the manifest against the catalog's digest, and maps
-   the files the load needs; it broadcasts the plan (step, info, manifest
-   digest, file names and sizes). A corrupt ``@latest`` falls back to an
-   older step here when the damage shows before any byte is sent.
+1. *plan*: only rank 0 touches the catalog, through the same
+   :class:`registry.reading.CatalogRead` as a local load (resolve, reader
+   lease, race-versus-corruption judgement, fall-back). It checks the
+   manifest against the catalog's digest and maps the files the load needs;
+   it broadcasts the plan (step, info, manifest digest, file names and
+   sizes, how far it fell back). A corrupt ``@latest`` falls back to an older
+   step here when the damage shows before any byte is sent.
 2. *move the bytes*, by strategy:
    ``broadcast``: rank 0 sends the files' bytes in large flat uint8 buckets
    into buffers the others allocated ahead (one collective per bucket, never
@@ -21,8 +23,10 @@ that will never come):
    that they see the same manifest digest. Nothing but the plan crosses the
    network.
 3. *integrity*: all ranks gather every rank's status. Rank 0's checksum
-   failure on a ``latest`` ref marks the step corrupt and everyone goes round
-   again with an older step; any other failure is raised on every rank.
+   failure is judged as in a local load: a step overwritten or deleted
+   meanwhile is resolved again, a corrupt ``latest`` is marked and everyone
+   goes round again with an older step; any other failure is raised on
+   every rank.
 4. *parse*: each rank parses the same bytes with the same code
    (:mod:`registry.filemaps`); statuses are gathered once more.
 
@@ -43,24 +47,26 @@ import json
 import logging
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from registry.collectives import Comm, Failure, active, as_timedelta, first_failure, transfer
-from registry.errors import (CorruptCheckpointError, DistributedError, InvalidStateError, ManifestError,
-                             RegistryError)
+from registry.errors import (CheckpointReadError, CorruptCheckpointError, DistributedError, InvalidStateError,
+                             ManifestError, RegistryError)
 from registry.filemaps import host_view, json_object, map_file, parse_files, weight_map
 from registry.manifest import CONFIG, MANIFEST, META, WEIGHTS, WEIGHTS_INDEX, Manifest, parse_manifest, digest_bytes
+from registry.reading import Access, CatalogRead, Fallback, report
+from registry.reading import load as load_local
 from registry.records import CheckpointInfo
 from registry.refs import Ref
-from registry.store import Loaded, check_file_digest, read_directory
+from registry.store import Extras, Loaded, check_file_digest, read_directory, read_error, select_extras
 
 if TYPE_CHECKING:
-    from registry.api import Registry
     from registry.checkpoint import Checkpoint
 
 log = logging.getLogger(__name__)
@@ -101,6 +107,7 @@ class Plan:
     step: int | None = None
     info: CheckpointInfo | None = None
     warnings: tuple[str, ...] = ()
+    fallback: Fallback | None = None
 
 
 def fingerprint(directory: Path, names: list[str], manifest_raw: bytes | None) -> str:
@@ -125,10 +132,21 @@ class Mapped:
     fingerprint: str
 
 
-def map_checkpoint(directory: Path, *, expected_digest: str | None) -> Mapped:
+def map_checkpoint(directory: Path, *, expected_digest: str | None, extras: Extras = True) -> Mapped:
     """Map what ``read_directory`` would read, checking names, sizes and the catalog's digest."""
     if not directory.is_dir():
-        raise CorruptCheckpointError(f"checkpoint directory is missing: {directory}", path=directory)
+        if directory.exists():
+            raise CorruptCheckpointError(f"checkpoint path is not a directory: {directory}", path=directory)
+        raise CheckpointReadError(f"checkpoint directory is missing: {directory}", path=directory)
+    try:
+        return _map_checkpoint(directory, expected_digest=expected_digest, extras=extras)
+    except RegistryError:
+        raise
+    except OSError as exc:
+        raise read_error(directory, exc) from exc
+
+
+def _map_checkpoint(directory: Path, *, expected_digest: str | None, extras: Extras) -> Mapped:
     buffers: dict[str, torch.Tensor] = {}
     manifest: Manifest | None = None
     digest: str | None = None
@@ -164,7 +182,7 @@ def map_checkpoint(directory: Path, *, expected_digest: str | None) -> Mapped:
     else:
         raise CorruptCheckpointError(f"no model weights in {directory}", path=directory)
     candidates = listed if listed is not None else {p.name for p in directory.iterdir() if p.is_file()}
-    for name in sorted(n for n in candidates if n.endswith(".pt")):
+    for name in select_extras(directory, candidates, extras):
         add(name)
     return Mapped(directory=directory, buffers=buffers, manifest=manifest, manifest_sha256=digest,
                   fingerprint=fingerprint(directory, [n for n in buffers if n != MANIFEST], raw))
@@ -196,52 +214,34 @@ def check_mapped(mapped: Mapped) -> None:
 
 @dataclass(kw_only=True)
 class _Source:
-    """Where rank 0 finds candidates; a catalog source can fall back to older steps."""
+    """Where rank 0 finds candidates: a catalog read (which can fall back), or one directory."""
 
-    registry: Registry | None = None
-    ref: Ref | None = None
+    read: CatalogRead | None = None
     directory: Path | None = None
-    below: int | None = None
-    lease: int | None = None
-    info: CheckpointInfo | None = None
-    notes: list[str] = field(default_factory=list)
 
     def next(self) -> tuple[Path, CheckpointInfo | None]:
-        self.release()
-        if self.registry is None:
+        if self.read is None:
             assert self.directory is not None
             return self.directory, None
-        assert self.ref is not None
-        reg = self.registry
-        raw = reg.catalog.resolve(self.ref, below=self.below)
-        info = replace(raw, path=reg.store.root / raw.path)
-        self.info = info
-        if info.status == "corrupt":
-            raise CorruptCheckpointError(f"{self.ref} is marked corrupt (step {info.step}); "
-                                         "run 'registry verify' after repairing it",
-                                         run=info.run, step=info.step, path=info.path)
-        self.lease = reg.catalog.acquire_lease(info.run, info.step, holder=reg.writer, ttl=reg.lease_ttl)
+        info = self.read.candidate()
         return info.path, info
 
-    def fall_back(self, exc: BaseException) -> bool:
-        """Mark the current step corrupt; True when the ref allows trying an older one."""
-        if self.registry is None or self.info is None or self.ref is None:
-            return False
-        self.registry.mark_corrupt(self.info, str(exc))
-        if self.ref.names_one_step:
-            return False
-        self.notes.append(f"{self.info.run}@{self.info.step} is corrupt ({exc}); falling back to an older step")
-        self.below = self.info.step
-        self.release()
-        return True
+    def judge(self, exc: BaseException) -> None:
+        """Return when another candidate should be tried; raise what the load ends with."""
+        if self.read is None:
+            raise exc
+        self.read.judge(exc)
+
+    @property
+    def notes(self) -> list[str]:
+        return self.read.notes if self.read is not None else []
+
+    def fallback(self, info: CheckpointInfo | None) -> Fallback | None:
+        return self.read.record(info) if self.read is not None and info is not None else None
 
     def release(self) -> None:
-        if self.lease is not None and self.registry is not None:
-            lease, self.lease = self.lease, None
-            try:
-                self.registry.catalog.release_lease(lease)
-            except Exception:  # an expired lease is harmless; never mask the load's own outcome
-                pass
+        if self.read is not None:
+            self.read.release()
 
 
 # --------------------------------------------------------------------------- the protocol
@@ -258,13 +258,18 @@ def _status(fn: Callable[[], Any], rank: int) -> tuple[Any, Failure | None]:
 
 def _settle(comm: Comm, source: _Source | None, mine: Failure | None, what: str) -> str:
     """Gather statuses; 'retry' when rank 0 fell back, 'ok' when all are fine, else raise."""
-    if comm.rank == 0 and mine is not None and mine.corrupt and source is not None:
-        if source.fall_back(CorruptCheckpointError(mine.message)):
-            mine = Failure(kind=mine.kind, message=source.notes.pop(), rank=0, corrupt=True, retry=True)
+    if comm.rank == 0 and mine is not None and source is not None:
+        try:
+            source.judge(mine.error())
+            note = source.notes.pop() if source.notes else ""  # none when it lost a race: no warning
+            mine = Failure(kind=mine.kind, message=note, rank=0, corrupt=mine.corrupt, retry=True)
+        except Exception as exc:  # the load is over: every rank raises this
+            mine = Failure.of(exc, 0)
     statuses = comm.all_gather_object(mine, what)
     head = statuses[0]
     if head is not None and head.retry:
-        warnings.warn(head.message, RuntimeWarning, stacklevel=4)
+        if head.message:
+            warnings.warn(head.message, RuntimeWarning, stacklevel=4)
         return "retry"
     failure = first_failure(statuses)
     if failure is not None:
@@ -274,7 +279,8 @@ def _settle(comm: Comm, source: _Source | None, mine: Failure | None, what: str)
 
 def collective_load(*, request: tuple[Any, ...], source: Callable[[], _Source], verify: bool,
                     map_location: Any, trust_pickle: bool, strategy: str,
-                    timeout: float | timedelta | None, bucket_bytes: int | None) -> tuple[Loaded, Plan]:
+                    timeout: float | timedelta | None, bucket_bytes: int | None,
+                    extras: Extras = True) -> tuple[Loaded, Plan]:
     comm = Comm(timeout=None)
     local: Failure | None = None
     device: torch.device | None = None
@@ -301,7 +307,7 @@ def collective_load(*, request: tuple[Any, ...], source: Callable[[], _Source], 
     try:
         while True:
             loaded, plan = _one_round(comm, src, verify=verify, device=device, trust_pickle=trust_pickle,
-                                      strategy=strategy, limit=limit)
+                                      strategy=strategy, limit=limit, extras=extras)
             if loaded is not None:
                 return loaded, plan
     finally:
@@ -310,7 +316,7 @@ def collective_load(*, request: tuple[Any, ...], source: Callable[[], _Source], 
 
 
 def _one_round(comm: Comm, src: _Source | None, *, verify: bool, device: torch.device | None, trust_pickle: bool,
-               strategy: str, limit: int) -> tuple[Loaded | None, Plan]:
+               strategy: str, limit: int, extras: Extras = True) -> tuple[Loaded | None, Plan]:
     mapped: Mapped | None = None
     if comm.rank == 0:
         assert src is not None
@@ -318,16 +324,16 @@ def _one_round(comm: Comm, src: _Source | None, *, verify: bool, device: torch.d
         while True:
             try:
                 path, info = src.next()
-                mapped = map_checkpoint(path, expected_digest=info.manifest_sha256 if info else None)
+                try:
+                    mapped = map_checkpoint(path, expected_digest=info.manifest_sha256 if info else None,
+                                            extras=extras)
+                except RegistryError as exc:
+                    src.judge(exc)  # returns when another candidate should be tried
+                    continue
                 outcome = Plan(path=str(path), files=tuple((n, b.numel()) for n, b in mapped.buffers.items()),
                                manifest_sha256=mapped.manifest_sha256, fingerprint=mapped.fingerprint,
                                bucket_bytes=limit, step=info.step if info else None, info=info,
-                               warnings=tuple(src.notes))
-                break
-            except CorruptCheckpointError as exc:
-                if src.fall_back(exc):
-                    continue
-                outcome = Failure.of(exc, 0)
+                               warnings=tuple(src.notes), fallback=src.fallback(info))
                 break
             except Exception as exc:  # whatever it is, every rank must hear of it, not wait for a plan
                 outcome = Failure.of(exc, 0)
@@ -409,32 +415,40 @@ def _one_round(comm: Comm, src: _Source | None, *, verify: bool, device: torch.d
 # --------------------------------------------------------------------------- entry points
 
 
-def distributed_load(registry: Registry, ref: Ref, *, verify: bool, map_location: Any, trust_pickle: bool,
+def distributed_load(access: Access, ref: Ref, *, verify: bool, map_location: Any, trust_pickle: bool,
                      strategy: str = "auto", timeout: float | timedelta | None = None,
-                     bucket_bytes: int | None = None) -> Checkpoint:
-    """``Registry.load(ref, broadcast=True)``: the same step and bit-identical contents on every rank."""
+                     bucket_bytes: int | None = None, extras: Extras = True,
+                     fallback: bool = True) -> Checkpoint:
+    """``Registry.load(ref, broadcast=True)``: the same step and bit-identical contents on every rank.
+
+    ``access`` is used on rank 0 only; a rank's ``Checkpoint.fallback`` is rank 0's record.
+    """
     from registry.checkpoint import Checkpoint
     if not active():
-        return registry.load_local(ref, verify=verify, map_location=map_location, trust_pickle=trust_pickle)
+        return load_local(access, ref, verify=verify, map_location=map_location, trust_pickle=trust_pickle,
+                          extras=extras, fallback=fallback)
     loaded, plan = collective_load(
-        request=("ref", str(ref), verify, trust_pickle, strategy, bucket_bytes),
-        source=lambda: _Source(registry=registry, ref=ref), verify=verify, map_location=map_location,
-        trust_pickle=trust_pickle, strategy=strategy, timeout=timeout, bucket_bytes=bucket_bytes)
-    if plan.info is not None:
-        registry._resumed_from[plan.info.run] = plan.info.step
-    return Checkpoint.from_loaded(loaded, step=plan.step, info=plan.info)
+        request=("ref", str(ref), verify, trust_pickle, strategy, bucket_bytes, extras, fallback),
+        source=lambda: _Source(read=CatalogRead(access, ref, fallback=fallback)), verify=verify,
+        map_location=map_location, trust_pickle=trust_pickle, strategy=strategy, timeout=timeout,
+        bucket_bytes=bucket_bytes, extras=extras)
+    if dist.get_rank() == 0:
+        report(plan.fallback)
+    return Checkpoint.from_loaded(loaded, step=plan.step, info=plan.info, fallback=plan.fallback)
 
 
 def broadcast_directory(path: Path, *, verify: bool, trust_pickle: bool, map_location: Any,
                         strategy: str = "auto", timeout: float | timedelta | None = None,
-                        bucket_bytes: int | None = None) -> Loaded:
+                        bucket_bytes: int | None = None, extras: Extras = True) -> Loaded:
     """``Checkpoint.load(dir, broadcast=True)``: rank 0 checks ``dir``; every rank gets its contents."""
     if not active():
-        return read_directory(path, verify=verify, trust_pickle=trust_pickle, map_location=map_location)
+        return read_directory(path, verify=verify, trust_pickle=trust_pickle, map_location=map_location,
+                              extras=extras)
     loaded, _ = collective_load(
-        request=("directory", str(path), verify, trust_pickle, strategy, bucket_bytes),
+        request=("directory", str(path), verify, trust_pickle, strategy, bucket_bytes, extras),
         source=lambda: _Source(directory=path.absolute()), verify=verify, map_location=map_location,
-        trust_pickle=trust_pickle, strategy=strategy, timeout=timeout, bucket_bytes=bucket_bytes)
+        trust_pickle=trust_pickle, strategy=strategy, timeout=timeout, bucket_bytes=bucket_bytes,
+        extras=extras)
     return loaded
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from registry.errors import CorruptCheckpointError, ManifestError, UnsafePathError
+from registry.errors import CheckpointReadError, CorruptCheckpointError, ManifestError, UnsafePathError
 from registry.pieces import MIN_PIECE_SIZE, piece_count
 
 FORMAT_VERSION = 1
@@ -189,12 +189,17 @@ def open_regular(directory: Path, name: str, *, error: type[CorruptCheckpointErr
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
                      | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError:
-        raise error(f"{what} is missing: {path}", path=path) from None
     except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR) and not directory.is_dir():
+            # the whole directory is gone (an unmounted root, a step removed under us): nothing was
+            # read, so this says nothing about the checkpoint's bytes
+            raise CheckpointReadError(f"checkpoint directory is missing: {directory}", errno=exc.errno,
+                                      path=directory) from None
+        if exc.errno == errno.ENOENT:
+            raise error(f"{what} is missing: {path}", path=path) from None
         if exc.errno == errno.ELOOP:
             raise UnsafePathError(f"{what} is a symlink: {path}", path=path) from None
-        raise error(f"cannot read {path}: {exc.strerror}", path=path) from None
+        raise CheckpointReadError(f"cannot open {path}: {exc.strerror}", errno=exc.errno, path=path) from None
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise error(f"{what} is not a regular file: {path}", path=path)
@@ -209,5 +214,5 @@ def read_manifest(directory: Path) -> tuple[Manifest, str]:
         try:
             raw = f.read(MAX_MANIFEST_BYTES + 1)
         except OSError as exc:
-            raise ManifestError(f"cannot read {path}: {exc.strerror}", path=path) from None
+            raise CheckpointReadError(f"cannot read {path}: {exc.strerror}", errno=exc.errno, path=path) from None
     return parse_manifest(raw, path=path), digest_bytes(raw)

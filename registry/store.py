@@ -21,7 +21,7 @@ import stat
 import tempfile
 import time
 import zipfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
@@ -31,8 +31,9 @@ from typing import Any
 import torch
 
 from registry.crashpoints import crashpoint
-from registry.errors import (CorruptCheckpointError, InvalidStateError, ManifestError, PublishError, RootError,
-                             SafetensorsFormatError, UnsafePathError, UnsafePickleError)
+from registry.errors import (CheckpointReadError, CorruptCheckpointError, ExtraNotFoundError, InvalidStateError,
+                             ManifestError, PublishError, RegistryError, RootError, SafetensorsFormatError,
+                             UnsafePickleError)
 from registry.manifest import (CONFIG, MANIFEST, MAX_JSON_BYTES, META, WEIGHTS, WEIGHTS_INDEX, FileEntry, Manifest,
                                check_file_name, digest_bytes, open_regular, read_manifest)
 from registry.pieces import first_mismatch
@@ -515,21 +516,20 @@ def _read_json(directory: Path, name: str, entry: FileEntry | None, verify: bool
 
 def _read_weights(directory: Path, name: str, entry: FileEntry | None,
                   verify: bool) -> dict[str, torch.Tensor]:
-    check_file_name(name, where=directory)
     path = directory / name
-    if path.is_symlink():
-        raise UnsafePathError(f"checkpoint file is a symlink: {path}", path=path)
-    if not path.is_file():
-        raise CorruptCheckpointError(f"checkpoint file is missing: {path}", path=path)
-    if entry is None:
-        return map_safetensors(path)[0]
-    _check_size(directory, entry, path.stat().st_size)
+    with _open_inside(directory, name) as f:  # refuses symlinks and non-files; says why it cannot open
+        if entry is not None:
+            _check_size(directory, entry, os.fstat(f.fileno()).st_size)
 
-    def check(data: memoryview) -> None:  # the mapping itself: what was hashed is what the tensors view
-        _check_size(directory, entry, len(data))
-        if verify:
-            check_file_digest(directory, entry, data)
-    return map_safetensors(path, check=check)[0]
+        def check(data: memoryview) -> None:  # the mapping itself: what was hashed is what the tensors view
+            if entry is not None:
+                _check_size(directory, entry, len(data))
+                if verify:
+                    check_file_digest(directory, entry, data)
+        try:
+            return map_safetensors(path, check=check)[0]
+        except RuntimeError as exc:  # torch could not open or map the file: this process's trouble
+            raise CheckpointReadError(f"cannot map {path}: {str(exc).splitlines()[0]}", path=path) from exc
 
 
 def _load_pickle(raw: bytes, path: Path, *, trust_pickle: bool, map_location: Any) -> Any:
@@ -556,17 +556,71 @@ def _weights_files(directory: Path, names: set[str] | None) -> tuple[str | None,
     raise CorruptCheckpointError(f"no model weights in {directory}", path=directory)
 
 
+Extras = bool | Collection[str]
+
+
+def check_extras(extras: object) -> Extras:
+    """``extras`` of a load: True (all), False (none) or a collection of extra names."""
+    if isinstance(extras, bool):
+        return extras
+    if isinstance(extras, (str, bytes)) or not isinstance(extras, Collection) or not all(
+            isinstance(n, str) and n and "/" not in n and not n.startswith(".") for n in extras):
+        raise InvalidStateError(f"extras must be True, False or a list of extra names, got {extras!r}")
+    return frozenset(extras)
+
+
+def select_extras(directory: Path, present: Iterable[str], extras: Extras) -> list[str]:
+    """The ``NAME.pt`` files among ``present`` that a load with ``extras`` reads, sorted."""
+    files = sorted(n for n in present if n.endswith(".pt"))
+    if extras is True:
+        return files
+    if extras is False:
+        return []
+    missing = sorted(set(extras) - {n[:-3] for n in files})
+    if missing:
+        raise ExtraNotFoundError(f"{directory} has no extra {missing[0]!r} (it has: "
+                                 f"{', '.join(n[:-3] for n in files) or 'none'})", path=directory)
+    return [n for n in files if n[:-3] in extras]
+
+
+def read_error(directory: Path, exc: OSError) -> CheckpointReadError:
+    """A failure of this process to read ``directory``: never evidence against the checkpoint."""
+    where = exc.filename or directory
+    return CheckpointReadError(f"cannot read {where}: {exc.strerror or exc}", errno=exc.errno, path=where)
+
+
 def read_directory(directory: Path, *, verify: bool = True, trust_pickle: bool = False,
-                   map_location: Any = "cpu") -> Loaded:
+                   map_location: Any = "cpu", extras: Extras = True) -> Loaded:
     """Load a checkpoint directory written by us, the reference module, or a legacy trainer.
 
     With a manifest, only the files it lists are read and every size is
     checked; with ``verify`` every byte is hashed too. Without a manifest the
     reference's layout is read as-is (``meta.json``, ``config.json``, weights
-    single or sharded, ``*.pt``) and nothing can be verified.
+    single or sharded, ``*.pt``) and nothing can be verified. ``extras``:
+    read every ``.pt`` extra (True), none (False), or only those named; the
+    others are never opened.
+
+    Bytes that do not match raise ``CorruptCheckpointError``; a directory that
+    is not there, or a file this process cannot open (no permission, out of
+    file descriptors), raises ``CheckpointReadError``: that is the reader's
+    trouble, not the checkpoint's.
     """
     if not directory.is_dir():
-        raise CorruptCheckpointError(f"checkpoint directory is missing: {directory}", path=directory)
+        if directory.exists():
+            raise CorruptCheckpointError(f"checkpoint path is not a directory: {directory}", path=directory)
+        raise CheckpointReadError(f"checkpoint directory is missing: {directory}", errno=errno.ENOENT,
+                                  path=directory)
+    try:
+        return _read_directory(directory, verify=verify, trust_pickle=trust_pickle, map_location=map_location,
+                               extras=extras)
+    except RegistryError:
+        raise
+    except OSError as exc:
+        raise read_error(directory, exc) from exc
+
+
+def _read_directory(directory: Path, *, verify: bool, trust_pickle: bool, map_location: Any,
+                    extras: Extras) -> Loaded:
     manifest: Manifest | None = None
     manifest_sha: str | None = None
     if (directory / MANIFEST).exists():
@@ -599,9 +653,8 @@ def read_directory(directory: Path, *, verify: bool = True, trust_pickle: bool =
     state = assemble_shards(directory, ((name, _read_weights(directory, name, entry(name), verify))
                                         for name in weight_files), expected_owner)
 
-    extra_names = sorted(n for n in (names if names is not None else
-                                     {p.name for p in directory.iterdir() if p.is_file()})
-                         if n.endswith(".pt"))
+    extra_names = select_extras(directory, names if names is not None else
+                                {p.name for p in directory.iterdir() if p.is_file()}, extras)
     extra: dict[str, Any] = {}
     for name in extra_names:
         raw = _read_bytes(directory, name, entry(name), verify)

@@ -118,7 +118,7 @@ def test_resume_supersedes_the_dead_attempts_later_points(catalog_url: str, root
         assert evaluator.resolve("run@best:eval/loss").step == 30  # evaluators never supersede
 
     with Registry.open(url=catalog_url, root=root) as trainer:
-        trainer.load("run@10")
+        trainer.load("run@10", resume=True)  # resuming from a named step says so
         trainer.log_metrics("run", 15, {"train/loss": 2.2})
         assert trainer.resolve("run@best:eval/loss").step == 30  # nothing changes before the first publish
         trainer.publish("run", 20, make_state(21), metrics={"eval/loss": 1.5}, overwrite=True)

@@ -1,0 +1,285 @@
+"""Reading a step through the catalog: resolve, lease, read, judge, fall back.
+
+Every load that starts from a ref goes through :class:`CatalogRead`: the
+local :meth:`Registry.load <registry.api.Registry.load>` and rank 0 of a
+distributed one (:mod:`registry.loader`), which differ only in how they read
+the bytes. The judging is the same for both:
+
+- The step is read under a reader lease. No lease for a step that resolved
+  as live means retention deleted it in between: resolve again.
+- Bytes that do not match (a checksum, a size, a format, a manifest that is
+  not the catalog's) condemn the step, by compare-and-set on the manifest
+  digest the read was checked against. If the row changed since it was
+  resolved (another writer overwrote the step, gc deleted it), the set does
+  not happen and the ref is resolved again: a race is not corruption.
+- Trouble of this process (:class:`CheckpointReadError`: an unmounted root,
+  no file descriptors, no permission) condemns nothing and tries no older
+  step; the load fails with a message saying so.
+- A corrupt ``@latest`` falls back to the next older step unless the caller
+  said ``fallback=False``; how far it went is logged and kept on the result
+  as a :class:`Fallback`.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass, replace
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from registry.errors import (CheckpointDeletedError, CheckpointReadError, CorruptCheckpointError,
+                             RegistryError)
+from registry.records import LIVE, CheckpointInfo
+from registry.refs import Ref
+from registry.store import Extras, Loaded, read_directory
+
+if TYPE_CHECKING:
+    from registry.catalog import Catalog
+    from registry.checkpoint import Checkpoint
+
+log = logging.getLogger(__name__)
+MAX_RACES = 8  # resolves in a row that lost a race to a writer or gc before giving up
+
+
+class Access(Protocol):
+    """What a catalog read needs from its owner."""
+
+    @property
+    def catalog(self) -> Catalog: ...
+
+    @property
+    def root(self) -> Path: ...
+
+    @property
+    def holder(self) -> str: ...
+
+    @property
+    def lease_ttl(self) -> timedelta: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReadAccess:
+    """A plain :class:`Access`: the catalog, the root, who holds the leases, for how long."""
+
+    catalog: Catalog
+    root: Path
+    holder: str
+    lease_ttl: timedelta
+
+
+@dataclass(frozen=True, kw_only=True)
+class Skipped:
+    """A step a load fell back past, and why."""
+
+    step: int
+    reason: str
+    created_at: datetime | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fallback:
+    """How far a load of ``ref`` fell back past corrupt steps (``Checkpoint.fallback``)."""
+
+    ref: str
+    skipped: tuple[Skipped, ...]  # newest first; each was marked corrupt
+    step: int  # the step loaded instead
+    created_at: datetime | None
+
+    @property
+    def from_step(self) -> int:
+        return self.skipped[0].step
+
+    @property
+    def steps(self) -> int:
+        """How many training steps older the loaded step is than the one asked for."""
+        return self.from_step - self.step
+
+    @property
+    def age(self) -> timedelta | None:
+        """How much older the loaded step was published than the newest skipped one."""
+        newest = self.skipped[0].created_at
+        if newest is None or self.created_at is None:
+            return None
+        return newest - self.created_at
+
+    def __str__(self) -> str:
+        age = f", {self.age} older" if self.age is not None else ""
+        return (f"{self.ref} fell back {self.steps} steps{age}: step {self.from_step} -> {self.step}, "
+                f"past {len(self.skipped)} corrupt step(s)")
+
+
+def acquire_lease(access: Access, info: CheckpointInfo) -> int:
+    """A reader lease on ``info``; ``CheckpointDeletedError`` when it stopped being live since it resolved."""
+    lease = access.catalog.acquire_lease(info.run, info.step, holder=access.holder, ttl=access.lease_ttl)
+    if lease is None:
+        # retention marked it deleted since it was resolved: its directory may be going away
+        raise CheckpointDeletedError(f"{info.run}@{info.step} was deleted while being resolved",
+                                     run=info.run, step=info.step, path=info.path)
+    return lease
+
+
+def check_digest(info: CheckpointInfo, digest: str | None) -> None:
+    """The manifest read must be the one the catalog recorded for this step."""
+    if info.manifest_sha256 and digest != info.manifest_sha256:
+        raise CorruptCheckpointError(f"manifest of {info.path} does not match the catalog's record",
+                                     path=info.path, run=info.run, step=info.step)
+
+
+class CatalogRead:
+    """One load of ``ref``, candidate by candidate, until one reads clean or the load must fail.
+
+    ``candidate()`` resolves and leases the next step; the caller reads it and
+    either keeps it (``record()`` says how far the load fell back to reach
+    it) or hands the failure to ``judge()``, which returns when another
+    candidate should be tried and raises when the load is over.
+    """
+
+    def __init__(self, access: Access, ref: Ref, *, fallback: bool = True) -> None:
+        self.access = access
+        self.ref = ref
+        self.fallback = fallback
+        self.below: int | None = None
+        self.info: CheckpointInfo | None = None
+        self.lease: int | None = None
+        self.skipped: list[Skipped] = []
+        self.notes: list[str] = []  # fall-backs not yet told to the user
+        self._races = 0
+
+    def candidate(self) -> CheckpointInfo:
+        """Release the previous step, resolve the ref and lease what it names (its path made absolute)."""
+        self.release()
+        while True:
+            raw = self.access.catalog.resolve(self.ref, below=self.below)
+            info = replace(raw, path=self.access.root / raw.path)
+            if info.status == "corrupt":
+                raise CorruptCheckpointError(f"{self.ref} is marked corrupt (step {info.step}); "
+                                             "run 'registry verify' after repairing it",
+                                             run=info.run, step=info.step, path=info.path)
+            try:
+                self.lease = acquire_lease(self.access, info)
+            except CheckpointDeletedError:
+                self._raced()
+                continue
+            self.info = info
+            return info
+
+    def release(self) -> None:
+        if self.lease is not None:
+            lease, self.lease = self.lease, None
+            try:
+                self.access.catalog.release_lease(lease)
+            except Exception:  # noqa: BLE001 - an expired lease is harmless; never mask the load's outcome
+                pass
+
+    def judge(self, exc: BaseException) -> None:
+        """Decide what the failure to read the current candidate means; return to try another.
+
+        Raises the error the load ends with: ``exc`` itself, or for a reader's
+        own trouble a ``CheckpointReadError`` that says what to check.
+        """
+        info = self.info
+        self.release()
+        if info is None:
+            raise exc
+        if isinstance(exc, CheckpointReadError):
+            now = self.access.catalog.get(info.run, info.step)
+            if now is None or (now.status, now.manifest_sha256) != (info.status, info.manifest_sha256):
+                self._raced(exc)  # replaced or deleted while we read it: resolve again
+                return
+            raise self._local_trouble(info, exc) from exc
+        if not isinstance(exc, CorruptCheckpointError):
+            raise exc
+        marked = self.access.catalog.set_status(
+            info.run, info.step, "corrupt", kind="corrupt", actor=self.access.holder, only_from=LIVE,
+            manifest_sha256=info.manifest_sha256, reason=str(exc))
+        if not marked:
+            now = self.access.catalog.get(info.run, info.step)
+            if now is None or (now.status, now.manifest_sha256) != ("corrupt", info.manifest_sha256):
+                self._raced(exc)  # the row is no longer the one we checked against: a race, not corruption
+                return
+            # another reader condemned this very payload first: the same verdict, go on from it
+        log.error("%s@%s is corrupt and was marked so: %s", info.run, info.step, exc)
+        if self.ref.names_one_step or not self.fallback:
+            raise exc
+        self.skipped.append(Skipped(step=info.step, reason=str(exc), created_at=info.created_at))
+        self.notes.append(f"{info.run}@{info.step} is corrupt ({exc}); falling back to an older step")
+        self.below = info.step
+
+    def record(self, info: CheckpointInfo) -> Fallback | None:
+        """How far this load fell back to reach ``info``, or None when it did not."""
+        if not self.skipped:
+            return None
+        return Fallback(ref=str(self.ref), skipped=tuple(self.skipped), step=info.step,
+                        created_at=info.created_at)
+
+    def _raced(self, exc: BaseException | None = None) -> None:
+        self._races += 1
+        if self._races > MAX_RACES:
+            if exc is not None:
+                raise exc
+            raise CheckpointDeletedError(f"{self.ref} kept changing while being loaded "
+                                         f"({MAX_RACES} resolves in a row)", run=self.ref.run)
+
+    def _local_trouble(self, info: CheckpointInfo, exc: CheckpointReadError) -> CheckpointReadError:
+        root = self.access.root
+        where = f"{info.run}@{info.step}"
+        if not root.is_dir():
+            why = (f"cannot read {where}: the checkpoint root {root} is not there on this host "
+                   "(is the shared filesystem mounted?)")
+        elif exc.path is not None and exc.path == info.path and not info.path.exists():
+            why = (f"cannot read {where}: its directory {info.path} is missing although the catalog lists "
+                   f"the step as {info.status}; nothing was marked: run 'registry fsck' to check the root")
+        else:
+            why = f"cannot read {where}: {exc}; nothing was marked corrupt"
+        return CheckpointReadError(why, errno=exc.errno, path=exc.path, run=info.run, step=info.step)
+
+
+def report(fallback: Fallback | None) -> None:
+    """Log how far a load fell back (once per load, on rank 0 for a distributed one)."""
+    if fallback is not None:
+        log.warning("%s", fallback)
+
+
+def read_checked(access: Access, info: CheckpointInfo, *, verify: bool, map_location: Any,
+                 trust_pickle: bool, extras: Extras = True) -> Loaded:
+    """Read ``info``'s directory under a reader lease and match it against the catalog."""
+    lease = acquire_lease(access, info)
+    try:
+        loaded = read_directory(info.path, verify=verify, trust_pickle=trust_pickle, map_location=map_location,
+                                extras=extras)
+    finally:
+        access.catalog.release_lease(lease)
+    check_digest(info, loaded.manifest_sha256)
+    return loaded
+
+
+def load(access: Access, ref: Ref, *, verify: bool, map_location: Any, trust_pickle: bool,
+         extras: Extras = True, fallback: bool = True) -> Checkpoint:
+    """Resolve ``ref`` and read it in this process, falling back past corrupt steps."""
+    from registry.checkpoint import Checkpoint
+    read = CatalogRead(access, ref, fallback=fallback)
+    try:
+        while True:
+            info = read.candidate()
+            try:
+                loaded = read_directory(info.path, verify=verify, trust_pickle=trust_pickle,
+                                        map_location=map_location, extras=extras)
+                check_digest(info, loaded.manifest_sha256)
+            except RegistryError as exc:
+                read.judge(exc)
+                for note in read.notes:
+                    warnings.warn(note, RuntimeWarning, stacklevel=3)
+                read.notes.clear()
+                continue
+            read.release()
+            fallback = read.record(info)
+            report(fallback)
+            return Checkpoint.from_loaded(loaded, step=info.step, info=info, fallback=fallback)
+    finally:
+        read.release()
+
+
+__all__ = ["Access", "CatalogRead", "Fallback", "ReadAccess", "Skipped", "acquire_lease", "check_digest",
+           "load", "read_checked", "report"]
