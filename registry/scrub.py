@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from registry.catalog import Catalog
-from registry.errors import CorruptCheckpointError
+from registry.errors import CheckpointReadError, CorruptCheckpointError
 from registry.manifest import MANIFEST, Manifest, read_manifest
 from registry.records import CheckpointInfo
 from registry.store import verify_directory
@@ -67,6 +67,8 @@ def _manifest(info: CheckpointInfo) -> tuple[Manifest | None, str]:
         return None, f"{info.path} is not a directory"
     try:
         return read_manifest(info.path)
+    except CheckpointReadError as exc:
+        raise _Unreadable(str(exc)) from None
     except CorruptCheckpointError as exc:
         # a failed open or read is reported as a ManifestError; the OSError behind it tells
         # a manifest that is not there (or is a symlink) from a reader that could not read it

@@ -254,7 +254,7 @@ def test_resume_can_be_forced_or_refused(catalog_url: str, root: Path) -> None:
 
 def test_an_evaluator_never_reads_unwanted_extras(reg: Registry, monkeypatch: pytest.MonkeyPatch) -> None:
     reg.publish("run", 1, make_state(1), extra={"optimizer": optimizer_state(), "rng": {"seed": 7},
-                                                "custom": {"x": Weird()}})
+                                                "custom": {"x": Weird()}}, trust_pickle=True)
     opened: list[str] = []
     real_open = os.open
 
@@ -297,10 +297,12 @@ WORKER = textwrap.dedent("""
     from registry import Registry
     from tests._dist_worker import fingerprint
     from tests.conftest import make_state
-    # only rank 0 may consult the catalog: the others get an empty one of their own
+    # only rank 0 may consult the catalog: the others get an empty one (and, since a root belongs
+    # to one catalog, an empty root) of their own
     url = spec["url"] if rank == 0 else "sqlite:///" + spec["out"] + f"/empty-{rank}.db"
+    root = spec["root"] if rank == 0 else spec["out"] + f"/empty-root-{rank}"
     results = {}
-    with Registry.open(url=url, root=spec["root"]) as reg:
+    with Registry.open(url=url, root=root) as reg:
         if rank == 0:
             real_resolve = reg.catalog.resolve
             raced = []
@@ -360,7 +362,7 @@ def test_rank_zero_shares_the_local_read_path(catalog_url: str, root: Path, tmp_
     with Registry.open(url=catalog_url, root=root) as reg:
         reg.publish("race", 5, make_state(1))
         reg.publish("main", 1, make_state(3), extra={"optimizer": optimizer_state(), "rng": {"seed": 1},
-                                                    "custom": {"x": Weird()}})
+                                                    "custom": {"x": Weird()}}, trust_pickle=True)
         for step in (1, 2):
             reg.publish("fb", step, make_state(10 + step))
             reg.publish("fb2", step, make_state(20 + step))

@@ -239,19 +239,19 @@ def test_reader_commands_create_nothing(catalog_url: str, tmp_path: Path, monkey
 
 def test_read_only_open_reads_takes_no_lease_and_writes_nothing(catalog_url: str, root: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    import registry.api as api
+    import registry.reading as reading
     with Registry.open(url=catalog_url, root=root) as reg:
         reg.publish("r", 1, make_state(1), metrics={"loss": 0.5}, tags=["release"])
         events = len(reg.events("r"))
     leases_seen = []
-    real_read = api.read_directory
+    real_read = reading.read_directory
 
     def read_and_look(*args, **kwargs):  # type: ignore[no-untyped-def]
         with Registry.open(url=catalog_url, root=root) as other:
             leases_seen.append(other.catalog.leased_steps("r"))
         return real_read(*args, **kwargs)
 
-    monkeypatch.setattr(api, "read_directory", read_and_look)
+    monkeypatch.setattr(reading, "read_directory", read_and_look)
     with Registry.open(url=catalog_url, root=root, read_only=True) as ro:
         assert ro.read_only
         assert [r.name for r in ro.runs()] == ["r"]
@@ -262,7 +262,7 @@ def test_read_only_open_reads_takes_no_lease_and_writes_nothing(catalog_url: str
         for write in (lambda: ro.tag("r", 1, "x"), lambda: ro.publish("r", 2, make_state(2))):
             with pytest.raises(ReadOnlyError, match="read-only"):
                 write()
-    monkeypatch.setattr(api, "read_directory", real_read)
+    monkeypatch.setattr(reading, "read_directory", real_read)
     with Registry.open(url=catalog_url, root=root) as reg:
         assert [i.step for i in reg.checkpoints("r", include_deleted=True)] == [1]
         assert len(reg.events("r")) == events
