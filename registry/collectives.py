@@ -11,12 +11,14 @@ the very same ``RegistryError`` subclass.
 
 Payload bytes move in flat uint8 buckets (:func:`transfer`): one collective
 per bucket, never per tensor, directly from rank 0's file mapping into the
-receivers' preallocated buffers when the bucket is one slice of one file.
+receivers' preallocated buffers when the bucket is one slice of one piece
+(a large tensor) of a file.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import pickle
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -144,7 +146,10 @@ class Comm:
 
 
 def buckets(sizes: list[int], limit: int) -> list[list[tuple[int, int, int]]]:
-    """(file, offset, length) pieces per bucket; big files alone, small ones packed together."""
+    """(unit, offset, length) pieces per bucket, in byte order; big units alone, small ones packed together.
+
+    The order lets rank 0 hash each file as its bytes go out, piece after piece.
+    """
     out: list[list[tuple[int, int, int]]] = []
     packed: list[tuple[int, int, int]] = []
     used = 0
@@ -152,6 +157,9 @@ def buckets(sizes: list[int], limit: int) -> list[list[tuple[int, int, int]]]:
         if size == 0:
             continue
         if size >= max(1, limit // 8):
+            if packed:
+                out.append(packed)
+                packed, used = [], 0
             out.extend([[(i, start, min(limit, size - start))] for start in range(0, size, limit)])
             continue
         if packed and used + size > limit:
@@ -164,53 +172,92 @@ def buckets(sizes: list[int], limit: int) -> list[list[tuple[int, int, int]]]:
     return out
 
 
-def _hash_pieces(hashers: list[Any], bufs: list[torch.Tensor], pieces: list[tuple[int, int, int]]) -> None:
-    for i, start, length in pieces:
-        view = host_view(bufs[i][start:start + length])
+def _runs(units: list[tuple[int, int, int]], pieces: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """A bucket's pieces as (file, offset, length) ranges, pieces adjacent in one file merged."""
+    out: list[tuple[int, int, int]] = []
+    for u, start, length in pieces:
+        f, offset, _ = units[u]
+        if out and out[-1][0] == f and out[-1][1] + out[-1][2] == offset + start:
+            out[-1] = (f, out[-1][1], out[-1][2] + length)
+        else:
+            out.append((f, offset + start, length))
+    return out
+
+
+def _hash_runs(hashers: list[Any], sources: list[torch.Tensor], runs: list[tuple[int, int, int]]) -> None:
+    for f, start, length in runs:
+        view = host_view(sources[f][start:start + length])
         for at in range(0, length, 16 << 20):
-            hashers[i].update(view[at:at + (16 << 20)])
+            hashers[f].update(view[at:at + (16 << 20)])
 
 
-def transfer(comm: Comm, sizes: list[int], sources: list[torch.Tensor] | None, *, limit: int,
-             hash_files: bool) -> tuple[list[torch.Tensor], list[str] | None]:
-    """Broadcast rank 0's buffers into buffers allocated ahead on the others.
+def transfer(comm: Comm, layouts: list[list[int]], sources: list[torch.Tensor] | None, *, limit: int,
+             hash_files: bool) -> tuple[list[list[torch.Tensor]], list[str] | None]:
+    """Broadcast rank 0's files into storages the others allocate ahead, one per piece of each file.
 
-    On rank 0, each bucket is hashed on a worker thread while it is on the
-    wire, so verification costs no extra pass over the bytes.
+    ``layouts[f]`` lists the lengths of file f's pieces (see
+    ``filemaps.layout``); a receiving rank gets, per file, one buffer per
+    piece, so a tensor parsed from a piece owns exactly its bytes and keeps
+    nothing else alive. A piece big enough travels alone, straight into its
+    buffer; small ones travel packed in a bucket and are copied out of it.
+    Rank 0 gets its sources back, one piece per file. On rank 0, each bucket
+    is hashed (sha256 per file) on a worker thread while it is on the wire,
+    so verification costs no extra pass over the bytes.
     """
     root = comm.rank == 0
-    bufs = sources if root and sources is not None else [torch.empty(s, dtype=torch.uint8) for s in sizes]
+    units = [(f, offset, length) for f, lengths in enumerate(layouts)
+             for offset, length in zip(itertools.accumulate([0, *lengths]), lengths)]
+    sizes = [length for _, _, length in units]
+    bufs = [] if root else [torch.empty(length, dtype=torch.uint8) for length in sizes]
     plan = buckets(sizes, limit)
-    hashers = [hashlib.sha256() for _ in sizes] if root and hash_files else None
+    hashers = [hashlib.sha256() for _ in layouts] if root and hash_files else None
     stage: torch.Tensor | None = None
     for pieces in plan:
         total = sum(p[2] for p in pieces)
+        runs = _runs(units, pieces)
         direct = len(pieces) == 1 and comm.device.type == "cpu"
         if direct:
-            i, start, length = pieces[0]
-            wire = bufs[i][start:start + length]
+            if root:
+                assert sources is not None
+                f, start, length = runs[0]
+                wire = sources[f][start:start + length]
+            else:
+                u, start, length = pieces[0]
+                wire = bufs[u][start:start + length]
         else:
             if stage is None or stage.numel() < total:
                 stage = torch.empty(max(total, min(limit, sum(sizes))), dtype=torch.uint8, device=comm.device)
             wire = stage[:total]
             if root:
+                assert sources is not None
                 at = 0
-                for i, start, length in pieces:
-                    wire[at:at + length].copy_(bufs[i][start:start + length])
+                for f, start, length in runs:
+                    wire[at:at + length].copy_(sources[f][start:start + length])
                     at += length
-        pending: Future[None] | None = _POOL.submit(_hash_pieces, hashers, bufs, pieces) if hashers else None
+        pending: Future[None] | None = None
+        if hashers is not None:
+            assert sources is not None
+            pending = _POOL.submit(_hash_runs, hashers, sources, runs)
         try:
             comm.broadcast(wire, "checkpoint bucket broadcast")
         finally:
             if pending is not None:
                 pending.result()
         if not root and not direct:
+            host = wire if wire.device.type == "cpu" else wire.cpu()  # one device copy per bucket, not per piece
             at = 0
-            for i, start, length in pieces:
-                bufs[i][start:start + length].copy_(wire[at:at + length])
+            for u, start, length in pieces:
+                bufs[u][start:start + length].copy_(host[at:at + length])
                 at += length
         crashpoint("loader-after-bucket")
-    return bufs, ([h.hexdigest() for h in hashers] if hashers is not None else None)
+    if root:
+        assert sources is not None
+        got = [[buf] for buf in sources]
+    else:
+        got = [[] for _ in layouts]
+        for (f, _, _), buf in zip(units, bufs):
+            got[f].append(buf)
+    return got, ([h.hexdigest() for h in hashers] if hashers is not None else None)
 
 
 __all__ = ["Comm", "Failure", "active", "as_timedelta", "buckets", "first_failure", "transfer"]

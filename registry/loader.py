@@ -53,7 +53,7 @@ import torch
 from registry.collectives import Comm, Failure, active, as_timedelta, first_failure, transfer
 from registry.errors import (CorruptCheckpointError, DistributedError, InvalidStateError, ManifestError,
                              RegistryError)
-from registry.filemaps import host_view, json_object, map_file, parse_files, weight_map
+from registry.filemaps import host_view, json_object, layout, map_file, parse_files, weight_map
 from registry.manifest import CONFIG, MANIFEST, META, WEIGHTS, WEIGHTS_INDEX, Manifest, parse_manifest, digest_bytes
 from registry.records import CheckpointInfo
 from registry.refs import Ref
@@ -358,7 +358,7 @@ def _one_round(comm: Comm, src: _Source | None, *, verify: bool, device: torch.d
         chosen = "shared-fs" if all(comm.all_gather_object(sees_same(), "probing for a shared filesystem")) \
             else "broadcast"
 
-    files: dict[str, torch.Tensor] = {}
+    files: dict[str, torch.Tensor | tuple[torch.Tensor, ...]] = {}
     if chosen == "shared-fs":
         if comm.rank == 0:
             assert mapped is not None
@@ -385,9 +385,11 @@ def _one_round(comm: Comm, src: _Source | None, *, verify: bool, device: torch.d
                     "shared: use strategy='broadcast'"), comm.rank)
     else:
         sources = [mapped.buffers[n] for n in names] if mapped is not None else None
-        bufs, digests = transfer(comm, sizes, sources, limit=plan.bucket_bytes,
-                                 hash_files=verify and mapped is not None and mapped.manifest is not None)
-        files = dict(zip(names, bufs))
+        cuts = [layout(n, b) for n, b in zip(names, sources)] if sources is not None else None
+        layouts = comm.broadcast_object(cuts, "sending the files' layout")
+        pieces, digests = transfer(comm, layouts, sources, limit=plan.bucket_bytes,
+                                   hash_files=verify and mapped is not None and mapped.manifest is not None)
+        files = {n: got[0] if len(got) == 1 else tuple(got) for n, got in zip(names, pieces)}
         mine = None
         if comm.rank == 0:
             assert mapped is not None

@@ -534,12 +534,13 @@ class _ViewReader:
 
 def map_safetensors(path: Path, *, digest: str | None = None,
                     check: Callable[[memoryview], None] | None = None) -> tuple[dict[str, torch.Tensor], str | None]:
-    """The tensors of ``path`` as copy-on-write views of one private mapping of the file.
+    """The tensors of ``path`` over one private (copy-on-write) mapping of the file.
 
     This is what ``safetensors.torch.load_file`` does, and why it is the fast
     way to load: nothing is copied, pages come from the page cache when first
     touched, and writing to a tensor copies just that page and never reaches
-    the file. All tensors share the mapping as their storage. With
+    the file. Each tensor's storage is exactly its own slice of the mapping
+    (see :func:`tensors_in`); the mapping lives while any of them does. With
     ``digest`` the whole mapping is hashed before return (which reads it; for
     xxh3 at memory speed), and ``check`` is called with the whole mapping and
     may raise, so a damaged file is refused before anything uses it. The
@@ -565,31 +566,31 @@ def map_safetensors(path: Path, *, digest: str | None = None,
 
 
 def tensors_in(u8: torch.Tensor, header: SafetensorsHeader) -> dict[str, torch.Tensor]:
-    """Every tensor of a validated header as a view into ``u8``, the whole file's bytes.
+    """Every tensor of a validated header, each over its own bytes of ``u8`` (the whole file) without a copy.
 
-    Tensors of one dtype lie next to each other in the files we and
-    ``safetensors`` write, so each run of them is cut with one
-    ``torch.split`` instead of one Python call per tensor (with thousands of
-    small tensors those calls cost more than the data). A run whose offset
-    is not a multiple of its element size (legal in the format, never
-    written by us) is copied into an aligned buffer first.
+    Each tensor gets a storage of its own that is exactly its bytes, a slice
+    of ``u8``'s storage holding a reference to it (so the buffer, e.g. a
+    file mapping, lives while any tensor does), as ``safetensors`` gives:
+    ``torch.save`` of one tensor writes only its bytes, and tensors of
+    different dtypes never share a storage. An empty tensor owns nothing; a
+    tensor whose bytes are not aligned to its element size (legal in the
+    format, never written by us) is copied into a storage of its own.
     """
+    storage = u8.untyped_storage()
+    base = u8.storage_offset() + header.data_start
+    address = storage.data_ptr() + base
+    device = u8.device
+    empty = torch.empty
     out: dict[str, torch.Tensor] = {}
-    entries, base = header.entries, header.data_start
-    start = 0
-    while start < len(entries):
-        dtype = entries[start].dtype
-        stop = start + 1
-        while stop < len(entries) and entries[stop].dtype == dtype:
-            stop += 1
-        run = entries[start:stop]
-        raw = u8[base + run[0].begin:base + run[-1].end]
-        if (base + run[0].begin) % dtype.itemsize:
-            raw = raw.clone()
-        parts = torch.split(raw.view(dtype), [(e.end - e.begin) // dtype.itemsize for e in run])
-        for entry, part in zip(run, parts):
-            out[entry.name] = part.view(entry.shape)
-        start = stop
+    for name, dtype, shape, begin, end in header.entries:
+        if end == begin:
+            out[name] = empty(shape, dtype=dtype, device=device)
+        elif (address + begin) % dtype.itemsize:
+            tensor = empty(shape, dtype=dtype, device=device)
+            tensor.reshape(-1).view(torch.uint8).copy_(u8[header.data_start + begin:header.data_start + end])
+            out[name] = tensor
+        else:
+            out[name] = empty(0, dtype=dtype, device=device).set_(storage[base + begin:base + end], 0, shape)
     return out
 
 
