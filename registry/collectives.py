@@ -211,11 +211,13 @@ def transfer(comm: Comm, layouts: list[list[int]], sources: list[torch.Tensor] |
     bufs = [] if root else [torch.empty(length, dtype=torch.uint8) for length in sizes]
     plan = buckets(sizes, limit)
     hashers = [hashlib.sha256() for _ in layouts] if root and hash_files else None
-    stage: torch.Tensor | None = None
+    on_host = comm.device.type == "cpu"
+    staged = [sum(p[2] for p in pieces) for pieces in plan if len(pieces) > 1 or not on_host]
+    stage = torch.empty(max(staged), dtype=torch.uint8, device=comm.device) if staged else None
     for pieces in plan:
         total = sum(p[2] for p in pieces)
         runs = _runs(units, pieces)
-        direct = len(pieces) == 1 and comm.device.type == "cpu"
+        direct = len(pieces) == 1 and on_host
         if direct:
             if root:
                 assert sources is not None
@@ -225,8 +227,7 @@ def transfer(comm: Comm, layouts: list[list[int]], sources: list[torch.Tensor] |
                 u, start, length = pieces[0]
                 wire = bufs[u][start:start + length]
         else:
-            if stage is None or stage.numel() < total:
-                stage = torch.empty(max(total, min(limit, sum(sizes))), dtype=torch.uint8, device=comm.device)
+            assert stage is not None
             wire = stage[:total]
             if root:
                 assert sources is not None
