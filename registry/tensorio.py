@@ -566,31 +566,31 @@ def map_safetensors(path: Path, *, digest: str | None = None,
 
 
 def tensors_in(u8: torch.Tensor, header: SafetensorsHeader) -> dict[str, torch.Tensor]:
-    """Every tensor of a validated header, each over its own bytes of ``u8`` (the whole file) without a copy.
+    """Every tensor of a validated header, each over its own bytes of ``u8`` (the whole file, on the CPU).
 
-    Each tensor gets a storage of its own that is exactly its bytes, a slice
-    of ``u8``'s storage holding a reference to it (so the buffer, e.g. a
-    file mapping, lives while any tensor does), as ``safetensors`` gives:
-    ``torch.save`` of one tensor writes only its bytes, and tensors of
-    different dtypes never share a storage. An empty tensor owns nothing; a
-    tensor whose bytes are not aligned to its element size (legal in the
-    format, never written by us) is copied into a storage of its own.
+    Nothing is copied, yet each tensor gets a storage that is exactly its
+    bytes, as ``safetensors`` gives: ``torch.save`` of one tensor writes only
+    its bytes, and tensors of different dtypes never share a storage. Each
+    storage holds a reference to a slice of ``u8``'s buffer, so the buffer
+    (e.g. a file mapping) lives while any tensor does. An empty tensor owns
+    nothing; a tensor whose bytes are not aligned to its element size (legal
+    in the format, never written by us) is copied into a storage of its own.
     """
-    storage = u8.untyped_storage()
-    base = u8.storage_offset() + header.data_start
-    address = storage.data_ptr() + base
-    device = u8.device
-    empty = torch.empty
+    view = memoryview(u8.numpy()).cast("B") if u8.numel() else memoryview(bytearray())
+    base = header.data_start
+    address = u8.data_ptr() + base
+    empty, frombuffer = torch.empty, torch.frombuffer
     out: dict[str, torch.Tensor] = {}
     for name, dtype, shape, begin, end in header.entries:
         if end == begin:
-            out[name] = empty(shape, dtype=dtype, device=device)
+            out[name] = empty(shape, dtype=dtype)
         elif (address + begin) % dtype.itemsize:
-            tensor = empty(shape, dtype=dtype, device=device)
-            tensor.reshape(-1).view(torch.uint8).copy_(u8[header.data_start + begin:header.data_start + end])
+            tensor = empty(shape, dtype=dtype)
+            tensor.reshape(-1).view(torch.uint8).copy_(u8[base + begin:base + end])
             out[name] = tensor
         else:
-            out[name] = empty(0, dtype=dtype, device=device).set_(storage[base + begin:base + end], 0, shape)
+            tensor = frombuffer(view[base + begin:base + end], dtype=dtype)
+            out[name] = tensor if len(shape) == 1 else tensor.view(shape)
     return out
 
 
