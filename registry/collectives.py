@@ -193,48 +193,54 @@ def _hash_runs(hashers: list[Any], sources: list[torch.Tensor], runs: list[tuple
 
 def transfer(comm: Comm, layouts: list[list[int]], sources: list[torch.Tensor] | None, *, limit: int,
              hash_files: bool) -> tuple[list[list[torch.Tensor]], list[str] | None]:
-    """Broadcast rank 0's files into storages the others allocate ahead, one per piece of each file.
+    """Broadcast rank 0's files into storages of their own on the others, one per piece of each file.
 
     ``layouts[f]`` lists the lengths of file f's pieces (see
     ``filemaps.layout``); a receiving rank gets, per file, one buffer per
     piece, so a tensor parsed from a piece owns exactly its bytes and keeps
     nothing else alive. A piece big enough travels alone, straight into its
     buffer; small ones travel packed in a bucket and are copied out of it.
-    Rank 0 gets its sources back, one piece per file. On rank 0, each bucket
-    is hashed (sha256 per file) on a worker thread while it is on the wire,
-    so verification costs no extra pass over the bytes.
+    Rank 0 sends straight from its sources whatever is one range of one file,
+    and gets its sources back, one piece per file. On rank 0, each bucket is
+    hashed (sha256 per file) on a worker thread while it is on the wire, so
+    verification costs no extra pass over the bytes.
     """
     root = comm.rank == 0
     units = [(f, offset, length) for f, lengths in enumerate(layouts)
              for offset, length in zip(itertools.accumulate([0, *lengths]), lengths)]
     sizes = [length for _, _, length in units]
-    bufs = [] if root else [torch.empty(length, dtype=torch.uint8) for length in sizes]
-    plan = buckets(sizes, limit)
-    hashers = [hashlib.sha256() for _ in layouts] if root and hash_files else None
+    bufs: list[torch.Tensor | None] = [None] * len(units)
+    plan = [(pieces, _runs(units, pieces)) for pieces in buckets(sizes, limit)]
     on_host = comm.device.type == "cpu"
-    staged = [sum(p[2] for p in pieces) for pieces in plan if len(pieces) > 1 or not on_host]
+
+    def direct(pieces: list[tuple[int, int, int]], runs: list[tuple[int, int, int]]) -> bool:
+        return on_host and len(runs if root else pieces) == 1
+
+    staged = [sum(p[2] for p in pieces) for pieces, runs in plan if not direct(pieces, runs)]
     stage = torch.empty(max(staged), dtype=torch.uint8, device=comm.device) if staged else None
-    for pieces in plan:
+    hashers = [hashlib.sha256() for _ in layouts] if root and hash_files else None
+    for pieces, runs in plan:
         total = sum(p[2] for p in pieces)
-        runs = _runs(units, pieces)
-        direct = len(pieces) == 1 and on_host
-        if direct:
-            if root:
-                assert sources is not None
+        if root:
+            assert sources is not None
+            if direct(pieces, runs):
                 f, start, length = runs[0]
                 wire = sources[f][start:start + length]
             else:
-                u, start, length = pieces[0]
-                wire = bufs[u][start:start + length]
-        else:
-            assert stage is not None
-            wire = stage[:total]
-            if root:
-                assert sources is not None
+                assert stage is not None
+                wire = stage[:total]
                 at = 0
                 for f, start, length in runs:
                     wire[at:at + length].copy_(sources[f][start:start + length])
                     at += length
+        elif direct(pieces, runs):
+            u, start, length = pieces[0]
+            if bufs[u] is None:
+                bufs[u] = torch.empty(sizes[u], dtype=torch.uint8)
+            wire = bufs[u][start:start + length]  # type: ignore[index]
+        else:
+            assert stage is not None
+            wire = stage[:total]
         pending: Future[None] | None = None
         if hashers is not None:
             assert sources is not None
@@ -244,21 +250,23 @@ def transfer(comm: Comm, layouts: list[list[int]], sources: list[torch.Tensor] |
         finally:
             if pending is not None:
                 pending.result()
-        if not root and not direct:
+        if not root and not direct(pieces, runs):
             host = wire if wire.device.type == "cpu" else wire.cpu()  # one device copy per bucket, not per piece
-            at = 0
-            for u, start, length in pieces:
-                bufs[u][start:start + length].copy_(host[at:at + length])
-                at += length
+            for (u, start, length), part in zip(pieces, torch.split(host, [p[2] for p in pieces])):
+                if length == sizes[u]:
+                    bufs[u] = part.clone()  # a whole small piece: a storage of its own, nothing shared
+                    continue
+                if bufs[u] is None:
+                    bufs[u] = torch.empty(sizes[u], dtype=torch.uint8)
+                bufs[u][start:start + length].copy_(part)  # type: ignore[index]
         crashpoint("loader-after-bucket")
     if root:
         assert sources is not None
-        got = [[buf] for buf in sources]
-    else:
-        got = [[] for _ in layouts]
-        for (f, _, _), buf in zip(units, bufs):
-            got[f].append(buf)
-    return got, ([h.hexdigest() for h in hashers] if hashers is not None else None)
+        return [[buf] for buf in sources], ([h.hexdigest() for h in hashers] if hashers is not None else None)
+    got: list[list[torch.Tensor]] = [[] for _ in layouts]
+    for (f, _, _), buf in zip(units, bufs):
+        got[f].append(buf if buf is not None else torch.empty(0, dtype=torch.uint8))
+    return got, None
 
 
 __all__ = ["Comm", "Failure", "active", "as_timedelta", "buckets", "first_failure", "transfer"]

@@ -154,8 +154,8 @@ def tensors_of(buf: torch.Tensor | Sequence[torch.Tensor], path: Path) -> dict[s
         fits = False
     if not fits:  # cut by another reading of the file than the one received; parse the bytes as they are
         return {k: v.clone() for k, v in tensors_of(torch.cat(list(buf)), path).items()}
-    pieces = iter(buf[1:])
-    return {e.name: next(pieces).view(e.dtype).view(e.shape) if e.end > e.begin
+    pieces = iter(buf[1:])  # detach(): the tensor keeps the piece's storage, not a view's base object
+    return {e.name: next(pieces).view(e.dtype).view(e.shape).detach() if e.end > e.begin
             else torch.empty(e.shape, dtype=e.dtype, device=buf[0].device) for e in header.entries}
 
 

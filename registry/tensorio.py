@@ -571,12 +571,14 @@ def tensors_in(u8: torch.Tensor, header: SafetensorsHeader) -> dict[str, torch.T
     Nothing is copied, yet each tensor gets a storage that is exactly its
     bytes, as ``safetensors`` gives: ``torch.save`` of one tensor writes only
     its bytes, and tensors of different dtypes never share a storage. Each
-    storage holds a reference to a slice of ``u8``'s buffer, so the buffer
-    (e.g. a file mapping) lives while any tensor does. An empty tensor owns
-    nothing; a tensor whose bytes are not aligned to its element size (legal
-    in the format, never written by us) is copied into a storage of its own.
+    storage holds a numpy slice of ``u8``'s memory (which keeps ``u8``, e.g. a
+    file mapping, alive while any tensor lives); numpy arrays are no work
+    for the garbage collector, unlike one storage or view object per tensor.
+    An empty tensor owns nothing; a tensor whose bytes are not aligned to
+    its element size (legal in the format, never written by us) is copied
+    into a storage of its own.
     """
-    view = memoryview(u8.numpy()).cast("B") if u8.numel() else memoryview(bytearray())
+    array = u8.numpy()
     base = header.data_start
     address = u8.data_ptr() + base
     empty, frombuffer = torch.empty, torch.frombuffer
@@ -589,8 +591,10 @@ def tensors_in(u8: torch.Tensor, header: SafetensorsHeader) -> dict[str, torch.T
             tensor.reshape(-1).view(torch.uint8).copy_(u8[base + begin:base + end])
             out[name] = tensor
         else:
-            tensor = frombuffer(view[base + begin:base + end], dtype=dtype)
-            out[name] = tensor if len(shape) == 1 else tensor.view(shape)
+            tensor = frombuffer(array[base + begin:base + end], dtype=dtype)
+            if len(shape) != 1:
+                tensor.resize_(shape)  # in place: same bytes, and no view object keeping a base alive
+            out[name] = tensor
     return out
 
 
