@@ -34,6 +34,7 @@ from registry.filemaps import host_view
 from registry.pools import Pool
 
 _POOL = Pool(1, "registry-load-hash")
+ALONE = 4 << 20  # a piece this big travels alone: one more collective costs less than copying it out of a bucket
 
 
 def active() -> bool:
@@ -156,7 +157,7 @@ def buckets(sizes: list[int], limit: int) -> list[list[tuple[int, int, int]]]:
     for i, size in enumerate(sizes):
         if size == 0:
             continue
-        if size >= max(1, limit // 8):
+        if size >= max(1, min(limit // 8, ALONE)):
             if packed:
                 out.append(packed)
                 packed, used = [], 0
