@@ -10,9 +10,8 @@ of the protocol that broke. Failures of the load itself travel as
 the very same ``RegistryError`` subclass.
 
 Payload bytes move in flat uint8 buckets (:func:`transfer`): one collective
-per bucket, never per tensor, directly from rank 0's file mapping into the
-receivers' preallocated buffers when the bucket is one slice of one piece
-(a large tensor) of a file.
+per bucket, never per small tensor; a large tensor goes straight from rank
+0's file mapping into the storage each receiver allocated for it alone.
 """
 
 from __future__ import annotations

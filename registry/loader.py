@@ -13,8 +13,8 @@ that will never come):
    older step here when the damage shows before any byte is sent.
 2. *move the bytes*, by strategy:
    ``broadcast``: rank 0 sends the files' bytes in large flat uint8 buckets
-   into buffers the others allocated ahead (one collective per bucket, never
-   per tensor), hashing each bucket on a worker thread while it is on the
+   into per-tensor storages the others allocate (one collective per bucket,
+   never per small tensor), hashing each bucket on a worker thread while it is on the
    wire (sha256: the wire is slower than the hash); ``shared-fs``: rank 0
    checks its mapped files against the manifest's xxh3 pieces on all cores
    (nothing to hide a hash behind), the others map the same files and check
