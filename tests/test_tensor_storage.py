@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import io
+import itertools
 import json
 import os
 import struct
@@ -159,6 +160,28 @@ def test_readers_give_independent_tensors_of_any_layout(tmp_path: Path) -> None:
     gc.collect()
     assert mapped_ranges(path) and bits_equal(kept, expected["f"])
     assert kept.untyped_storage().nbytes() == kept.numel() * kept.element_size()
+
+
+def test_pieces_for_the_wire_and_their_tensors(tmp_path: Path) -> None:
+    """A broadcast cuts a safetensors file into header + one piece per tensor; a bad cut is joined, not trusted."""
+    from registry.filemaps import layout, tensors_of
+    path = tmp_path / "mixed.safetensors"
+    expected = hand_written(path)
+    raw = torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8)
+    lengths = layout("model.safetensors", raw)
+    assert sum(lengths) == raw.numel() and len(lengths) == 1 + sum(1 for t in expected.values() if t.numel())
+    assert layout("optimizer.pt", raw) == [raw.numel()]
+    cuts = [0, *itertools.accumulate(lengths)]
+    pieces = tuple(raw[a:b].clone() for a, b in zip(cuts, cuts[1:]))
+    assert_independent(tensors_of(pieces, path), expected)
+    wrong = (torch.cat(pieces[:2]), *pieces[2:])  # cut elsewhere than the header says
+    assert_independent(tensors_of(wrong, path), expected)
+
+    # a header whose offsets do not tile the file is sent whole, for the full parse to refuse alike everywhere
+    bad = bytearray(path.read_bytes())
+    at = bad.index(b'"data_offsets": [0, 12]')
+    bad[at:at + 23] = b'"data_offsets": [0, 99]'
+    assert layout("model.safetensors", torch.frombuffer(bad, dtype=torch.uint8)) == [len(bad)]
 
 
 # --------------------------------------------------------------------------- distributed loads
