@@ -14,8 +14,8 @@ that will never come):
 2. *move the bytes*, by strategy:
    ``broadcast``: rank 0 sends the files' bytes in large flat uint8 buckets
    into per-tensor storages the others allocate (one collective per bucket,
-   never per small tensor), hashing each bucket on a worker thread while it is on the
-   wire (sha256: the wire is slower than the hash); ``shared-fs``: rank 0
+   never per small tensor), hashing each bucket on a worker thread while it
+   is on the wire (sha256: the wire is slower than the hash); ``shared-fs``: rank 0
    checks its mapped files against the manifest's xxh3 pieces on all cores
    (nothing to hide a hash behind), the others map the same files and check
    that they see the same manifest digest. Nothing but the plan crosses the
