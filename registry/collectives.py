@@ -10,13 +10,14 @@ of the protocol that broke. Failures of the load itself travel as
 the very same ``RegistryError`` subclass.
 
 Payload bytes move in flat uint8 buckets (:func:`transfer`): one collective
-per bucket, never per tensor, directly from rank 0's file mapping into the
-receivers' preallocated buffers when the bucket is one slice of one file.
+per bucket, never per small tensor; a large tensor goes straight from rank
+0's file mapping into the storage each receiver allocated for it alone.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import pickle
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from registry.filemaps import host_view
 from registry.pools import Pool
 
 _POOL = Pool(1, "registry-load-hash")
+ALONE = 4 << 20  # a piece this big travels alone: one more collective costs less than copying it out of a bucket
 
 
 def active() -> bool:
@@ -144,14 +146,20 @@ class Comm:
 
 
 def buckets(sizes: list[int], limit: int) -> list[list[tuple[int, int, int]]]:
-    """(file, offset, length) pieces per bucket; big files alone, small ones packed together."""
+    """(unit, offset, length) pieces per bucket, in byte order; big units alone, small ones packed together.
+
+    The order lets rank 0 hash each file as its bytes go out, piece after piece.
+    """
     out: list[list[tuple[int, int, int]]] = []
     packed: list[tuple[int, int, int]] = []
     used = 0
     for i, size in enumerate(sizes):
         if size == 0:
             continue
-        if size >= max(1, limit // 8):
+        if size >= max(1, min(limit // 8, ALONE)):
+            if packed:
+                out.append(packed)
+                packed, used = [], 0
             out.extend([[(i, start, min(limit, size - start))] for start in range(0, size, limit)])
             continue
         if packed and used + size > limit:
@@ -164,53 +172,101 @@ def buckets(sizes: list[int], limit: int) -> list[list[tuple[int, int, int]]]:
     return out
 
 
-def _hash_pieces(hashers: list[Any], bufs: list[torch.Tensor], pieces: list[tuple[int, int, int]]) -> None:
-    for i, start, length in pieces:
-        view = host_view(bufs[i][start:start + length])
+def _runs(units: list[tuple[int, int, int]], pieces: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """A bucket's pieces as (file, offset, length) ranges, pieces adjacent in one file merged."""
+    out: list[tuple[int, int, int]] = []
+    for u, start, length in pieces:
+        f, offset, _ = units[u]
+        if out and out[-1][0] == f and out[-1][1] + out[-1][2] == offset + start:
+            out[-1] = (f, out[-1][1], out[-1][2] + length)
+        else:
+            out.append((f, offset + start, length))
+    return out
+
+
+def _hash_runs(hashers: list[Any], sources: list[torch.Tensor], runs: list[tuple[int, int, int]]) -> None:
+    for f, start, length in runs:
+        view = host_view(sources[f][start:start + length])
         for at in range(0, length, 16 << 20):
-            hashers[i].update(view[at:at + (16 << 20)])
+            hashers[f].update(view[at:at + (16 << 20)])
 
 
-def transfer(comm: Comm, sizes: list[int], sources: list[torch.Tensor] | None, *, limit: int,
-             hash_files: bool) -> tuple[list[torch.Tensor], list[str] | None]:
-    """Broadcast rank 0's buffers into buffers allocated ahead on the others.
+def transfer(comm: Comm, layouts: list[list[int]], sources: list[torch.Tensor] | None, *, limit: int,
+             hash_files: bool) -> tuple[list[list[torch.Tensor]], list[str] | None]:
+    """Broadcast rank 0's files into storages of their own on the others, one per piece of each file.
 
-    On rank 0, each bucket is hashed on a worker thread while it is on the
-    wire, so verification costs no extra pass over the bytes.
+    ``layouts[f]`` lists the lengths of file f's pieces (see
+    ``filemaps.layout``); a receiving rank gets, per file, one buffer per
+    piece, so a tensor parsed from a piece owns exactly its bytes and keeps
+    nothing else alive. A piece big enough travels alone, straight into its
+    buffer; small ones travel packed in a bucket and are copied out of it.
+    Rank 0 sends straight from its sources whatever is one range of one file,
+    and gets its sources back, one piece per file. On rank 0, each bucket is
+    hashed (sha256 per file) on a worker thread while it is on the wire, so
+    verification costs no extra pass over the bytes.
     """
     root = comm.rank == 0
-    bufs = sources if root and sources is not None else [torch.empty(s, dtype=torch.uint8) for s in sizes]
-    plan = buckets(sizes, limit)
-    hashers = [hashlib.sha256() for _ in sizes] if root and hash_files else None
-    stage: torch.Tensor | None = None
-    for pieces in plan:
+    units = [(f, offset, length) for f, lengths in enumerate(layouts)
+             for offset, length in zip(itertools.accumulate([0, *lengths]), lengths)]
+    sizes = [length for _, _, length in units]
+    bufs: list[torch.Tensor | None] = [None] * len(units)
+    plan = [(pieces, _runs(units, pieces)) for pieces in buckets(sizes, limit)]
+    on_host = comm.device.type == "cpu"
+
+    def direct(pieces: list[tuple[int, int, int]], runs: list[tuple[int, int, int]]) -> bool:
+        return on_host and len(runs if root else pieces) == 1
+
+    staged = [sum(p[2] for p in pieces) for pieces, runs in plan if not direct(pieces, runs)]
+    stage = torch.empty(max(staged), dtype=torch.uint8, device=comm.device) if staged else None
+    hashers = [hashlib.sha256() for _ in layouts] if root and hash_files else None
+    for pieces, runs in plan:
         total = sum(p[2] for p in pieces)
-        direct = len(pieces) == 1 and comm.device.type == "cpu"
-        if direct:
-            i, start, length = pieces[0]
-            wire = bufs[i][start:start + length]
-        else:
-            if stage is None or stage.numel() < total:
-                stage = torch.empty(max(total, min(limit, sum(sizes))), dtype=torch.uint8, device=comm.device)
-            wire = stage[:total]
-            if root:
+        if root:
+            assert sources is not None
+            if direct(pieces, runs):
+                f, start, length = runs[0]
+                wire = sources[f][start:start + length]
+            else:
+                assert stage is not None
+                wire = stage[:total]
                 at = 0
-                for i, start, length in pieces:
-                    wire[at:at + length].copy_(bufs[i][start:start + length])
+                for f, start, length in runs:
+                    wire[at:at + length].copy_(sources[f][start:start + length])
                     at += length
-        pending: Future[None] | None = _POOL.submit(_hash_pieces, hashers, bufs, pieces) if hashers else None
+        elif direct(pieces, runs):
+            u, start, length = pieces[0]
+            if bufs[u] is None:
+                bufs[u] = torch.empty(sizes[u], dtype=torch.uint8)
+            wire = bufs[u][start:start + length]  # type: ignore[index]
+        else:
+            assert stage is not None
+            wire = stage[:total]
+        pending: Future[None] | None = None
+        if hashers is not None:
+            assert sources is not None
+            pending = _POOL.submit(_hash_runs, hashers, sources, runs)
         try:
             comm.broadcast(wire, "checkpoint bucket broadcast")
         finally:
             if pending is not None:
                 pending.result()
-        if not root and not direct:
-            at = 0
-            for i, start, length in pieces:
-                bufs[i][start:start + length].copy_(wire[at:at + length])
-                at += length
+        if not root and not direct(pieces, runs):
+            host = wire if wire.device.type == "cpu" else wire.cpu()  # one device copy per bucket, not per piece
+            for (u, start, length), part in zip(pieces, torch.split(host, [p[2] for p in pieces])):
+                if length == sizes[u]:
+                    bufs[u] = part.clone()  # a whole small piece: a storage of its own, nothing shared
+                    continue
+                if bufs[u] is None:
+                    bufs[u] = torch.empty(sizes[u], dtype=torch.uint8)
+                bufs[u][start:start + length].copy_(part)  # type: ignore[index]
         crashpoint("loader-after-bucket")
-    return bufs, ([h.hexdigest() for h in hashers] if hashers is not None else None)
+    if root:
+        assert sources is not None
+        return [[buf] for buf in sources], ([h.hexdigest() for h in hashers] if hashers is not None else None)
+    got: list[list[torch.Tensor]] = [[] for _ in layouts]
+    for (f, _, _), buf in zip(units, bufs):
+        got[f].append(buf if buf is not None else torch.empty(0, dtype=torch.uint8))
+    return got, None
 
 
 __all__ = ["Comm", "Failure", "active", "as_timedelta", "buckets", "first_failure", "transfer"]

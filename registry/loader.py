@@ -15,9 +15,9 @@ that will never come):
    step here when the damage shows before any byte is sent.
 2. *move the bytes*, by strategy:
    ``broadcast``: rank 0 sends the files' bytes in large flat uint8 buckets
-   into buffers the others allocated ahead (one collective per bucket, never
-   per tensor), hashing each bucket on a worker thread while it is on the
-   wire (sha256: the wire is slower than the hash); ``shared-fs``: rank 0
+   into per-tensor storages the others allocate (one collective per bucket,
+   never per small tensor), hashing each bucket on a worker thread while it
+   is on the wire (sha256: the wire is slower than the hash); ``shared-fs``: rank 0
    checks its mapped files against the manifest's xxh3 pieces on all cores
    (nothing to hide a hash behind), the others map the same files and check
    that they see the same manifest digest. Nothing but the plan crosses the
@@ -58,7 +58,7 @@ import torch.distributed as dist
 from registry.collectives import Comm, Failure, active, as_timedelta, first_failure, transfer
 from registry.errors import (CheckpointReadError, CorruptCheckpointError, DistributedError, InvalidStateError,
                              ManifestError, RegistryError)
-from registry.filemaps import host_view, json_object, map_file, parse_files, weight_map
+from registry.filemaps import host_view, json_object, layout, map_file, parse_files, weight_map
 from registry.manifest import CONFIG, MANIFEST, META, WEIGHTS, WEIGHTS_INDEX, Manifest, parse_manifest, digest_bytes
 from registry.reading import Access, CatalogRead, Fallback, report
 from registry.reading import load as load_local
@@ -364,7 +364,7 @@ def _one_round(comm: Comm, src: _Source | None, *, verify: bool, device: torch.d
         chosen = "shared-fs" if all(comm.all_gather_object(sees_same(), "probing for a shared filesystem")) \
             else "broadcast"
 
-    files: dict[str, torch.Tensor] = {}
+    files: dict[str, torch.Tensor | tuple[torch.Tensor, ...]] = {}
     if chosen == "shared-fs":
         if comm.rank == 0:
             assert mapped is not None
@@ -391,9 +391,11 @@ def _one_round(comm: Comm, src: _Source | None, *, verify: bool, device: torch.d
                     "shared: use strategy='broadcast'"), comm.rank)
     else:
         sources = [mapped.buffers[n] for n in names] if mapped is not None else None
-        bufs, digests = transfer(comm, sizes, sources, limit=plan.bucket_bytes,
-                                 hash_files=verify and mapped is not None and mapped.manifest is not None)
-        files = dict(zip(names, bufs))
+        cuts = [layout(n, b) for n, b in zip(names, sources)] if sources is not None else None
+        layouts = comm.broadcast_object(cuts, "sending the files' layout")
+        pieces, digests = transfer(comm, layouts, sources, limit=plan.bucket_bytes,
+                                   hash_files=verify and mapped is not None and mapped.manifest is not None)
+        files = {n: got[0] if len(got) == 1 else tuple(got) for n, got in zip(names, pieces)}
         mine = None
         if comm.rank == 0:
             assert mapped is not None

@@ -537,12 +537,13 @@ class _ViewReader:
 
 def map_safetensors(path: Path, *, digest: str | None = None,
                     check: Callable[[memoryview], None] | None = None) -> tuple[dict[str, torch.Tensor], str | None]:
-    """The tensors of ``path`` as copy-on-write views of one private mapping of the file.
+    """The tensors of ``path`` over one private (copy-on-write) mapping of the file.
 
     This is what ``safetensors.torch.load_file`` does, and why it is the fast
     way to load: nothing is copied, pages come from the page cache when first
     touched, and writing to a tensor copies just that page and never reaches
-    the file. All tensors share the mapping as their storage. With
+    the file. Each tensor's storage is exactly its own slice of the mapping
+    (see :func:`tensors_in`); the mapping lives while any of them does. With
     ``digest`` the whole mapping is hashed before return (which reads it; for
     xxh3 at memory speed), and ``check`` is called with the whole mapping and
     may raise, so a damaged file is refused before anything uses it. The
@@ -568,31 +569,35 @@ def map_safetensors(path: Path, *, digest: str | None = None,
 
 
 def tensors_in(u8: torch.Tensor, header: SafetensorsHeader) -> dict[str, torch.Tensor]:
-    """Every tensor of a validated header as a view into ``u8``, the whole file's bytes.
+    """Every tensor of a validated header, each over its own bytes of ``u8`` (the whole file, on the CPU).
 
-    Tensors of one dtype lie next to each other in the files we and
-    ``safetensors`` write, so each run of them is cut with one
-    ``torch.split`` instead of one Python call per tensor (with thousands of
-    small tensors those calls cost more than the data). A run whose offset
-    is not a multiple of its element size (legal in the format, never
-    written by us) is copied into an aligned buffer first.
+    Nothing is copied, yet each tensor gets a storage that is exactly its
+    bytes, as ``safetensors`` gives: ``torch.save`` of one tensor writes only
+    its bytes, and tensors of different dtypes never share a storage. Each
+    storage holds a numpy slice of ``u8``'s memory (which keeps ``u8``, e.g. a
+    file mapping, alive while any tensor lives); numpy arrays are no work
+    for the garbage collector, unlike one storage or view object per tensor.
+    An empty tensor owns nothing; a tensor whose bytes are not aligned to
+    its element size (legal in the format, never written by us) is copied
+    into a storage of its own.
     """
+    array = u8.numpy()
+    base = header.data_start
+    address = u8.data_ptr() + base
+    empty, frombuffer = torch.empty, torch.frombuffer
     out: dict[str, torch.Tensor] = {}
-    entries, base = header.entries, header.data_start
-    start = 0
-    while start < len(entries):
-        dtype = entries[start].dtype
-        stop = start + 1
-        while stop < len(entries) and entries[stop].dtype == dtype:
-            stop += 1
-        run = entries[start:stop]
-        raw = u8[base + run[0].begin:base + run[-1].end]
-        if (base + run[0].begin) % dtype.itemsize:
-            raw = raw.clone()
-        parts = torch.split(raw.view(dtype), [(e.end - e.begin) // dtype.itemsize for e in run])
-        for entry, part in zip(run, parts):
-            out[entry.name] = part.view(entry.shape)
-        start = stop
+    for name, dtype, shape, begin, end in header.entries:
+        if end == begin:
+            out[name] = empty(shape, dtype=dtype)
+        elif (address + begin) % dtype.itemsize:
+            tensor = empty(shape, dtype=dtype)
+            tensor.reshape(-1).view(torch.uint8).copy_(u8[base + begin:base + end])
+            out[name] = tensor
+        else:
+            tensor = frombuffer(array[base + begin:base + end], dtype=dtype)
+            if len(shape) != 1:
+                tensor.resize_(shape)  # in place: same bytes, and no view object keeping a base alive
+            out[name] = tensor
     return out
 
 

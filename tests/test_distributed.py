@@ -298,7 +298,9 @@ def test_a_rank_without_the_files_gets_them_by_broadcast(tmp_path: Path) -> None
 
 def test_buckets_pack_small_files_and_split_big_ones() -> None:
     plan = buckets([10, 0, 100, 5, 7, 40], limit=64)
-    assert plan == [[(0, 0, 10)], [(2, 0, 64)], [(2, 64, 36)], [(5, 0, 40)], [(3, 0, 5), (4, 0, 7)]]
+    assert plan == [[(0, 0, 10)], [(2, 0, 64)], [(2, 64, 36)], [(3, 0, 5), (4, 0, 7)], [(5, 0, 40)]]
+    flat = [(i, start) for pieces in plan for i, start, _ in pieces]
+    assert flat == sorted(flat), "bytes go out in order, so rank 0 can hash each file as it sends it"
     covered: dict[int, int] = {}
     for pieces in plan:
         assert sum(p[2] for p in pieces) <= 64
