@@ -223,7 +223,8 @@ def report(state):
 
 url = spec["url"] if rank == 0 else f"sqlite:///{spec['out']}/empty-{rank}.db"
 results = {}
-with Registry.open(url=url, root=spec["root"]) as reg:
+root = spec["root"] if rank == 0 else f"{spec['out']}/empty-root-{rank}"  # a root belongs to one catalog
+with Registry.open(url=url, root=root) as reg:
     for sc in spec["scenarios"]:
         loader.BUCKET_BYTES = sc["bucket"]
         try:
