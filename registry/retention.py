@@ -27,7 +27,6 @@ running gc again (or ``fsck --repair``) completes the job.
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import tempfile
 from abc import ABC, abstractmethod
@@ -43,14 +42,11 @@ from registry.crashpoints import crashpoint
 from registry.errors import PolicyError, RegistryError
 from registry.manifest import MANIFEST, digest_bytes
 from registry.records import LIVE, RANKABLE, CheckpointInfo, human_bytes
-from registry.refs import check_metric_key, check_run_name
+from registry.refs import check_metric_key, check_run_name, parse_step_dirname
 from registry.store import fsync_dir
 
 if TYPE_CHECKING:
     from registry.api import Registry
-
-_RETIRED_RE = re.compile(r"^\.step-(\d+)\.retired-")
-
 
 class RetentionWarning(RuntimeWarning):
     """Retention after a publish failed; the publish itself succeeded."""
@@ -450,8 +446,8 @@ def make_plan(reg: Registry, run: str, policy: Policy, *, now: datetime | None =
 # ---------------------------------------------------------------------------- execute
 
 
-def _rmtree(path: Path) -> None:
-    """``shutil.rmtree`` that tolerates a concurrent gc removing the same tree."""
+def remove_tree(path: Path) -> None:
+    """``shutil.rmtree`` that tolerates a concurrent gc (or fsck) removing the same tree."""
     for _ in range(3):
         try:
             shutil.rmtree(path)
@@ -469,34 +465,35 @@ def _manifest_digest(directory: Path) -> str | None:
         return None
 
 
-def remove_checkpoint_dir(final: Path, manifest_sha256: str | None = None) -> bool:
+def remove_checkpoint_dir(final: Path, manifest_sha256: str | None = None) -> Literal["removed", "absent", "kept"]:
     """Rename ``final`` to a hidden retired sibling (atomic for readers), then remove it.
 
-    False when there was nothing to remove (or a concurrent gc renamed it
+    ``absent`` when there was nothing to remove (or a concurrent gc renamed it
     first). ``manifest_sha256`` is the digest of the payload the catalog
     marked deleted: a step re-published in the meantime (a ``deleted`` row can
     be claimed again) has installed a different manifest, and that directory
-    is put back instead of removed.
+    is put back instead of removed (``kept``). The digest is read after the
+    rename, so a payload installed at any moment before it is recognised.
     """
     if not final.exists():
-        return False
+        return "absent"
     retired = Path(tempfile.mkdtemp(prefix=f".{final.name}.retired-", dir=final.parent))
     retired.rmdir()
     try:
         os.replace(final, retired)
     except FileNotFoundError:
-        return False
+        return "absent"
     digest = _manifest_digest(retired) if manifest_sha256 is not None else None
     if digest is not None and digest != manifest_sha256:
         try:
             os.replace(retired, final)
         except OSError:
             pass  # something new is in place already; fsck sorts out the retired copy
-        return False
+        return "kept"
     fsync_dir(final.parent)
     crashpoint("gc-after-retire")
-    _rmtree(retired)
-    return True
+    remove_tree(retired)
+    return "removed"
 
 
 def finish_interrupted(reg: Registry, run: str) -> tuple[tuple[int, ...], dict[int, str]]:
@@ -507,20 +504,20 @@ def finish_interrupted(reg: Registry, run: str) -> tuple[tuple[int, ...], dict[i
     errors: dict[int, str] = {}
     for r in rows:
         try:
-            if remove_checkpoint_dir(reg.store.root / r.path, r.manifest_sha256):
+            if remove_checkpoint_dir(reg.store.root / r.path, r.manifest_sha256) == "removed":
                 healed.add(r.step)
         except OSError as exc:
             errors[r.step] = f"cannot remove {reg.store.root / r.path}: {exc.strerror or exc}"
     run_dir = reg.store.run_dir(run)
     if deleted and run_dir.is_dir():
         for entry in run_dir.iterdir():
-            match = _RETIRED_RE.match(entry.name)
-            if match and int(match.group(1)) in deleted and entry.is_dir():
+            parsed = parse_step_dirname(entry.name)
+            if parsed is not None and parsed[1] == "retired" and parsed[0] in deleted and entry.is_dir():
                 try:
-                    _rmtree(entry)
-                    healed.add(int(match.group(1)))
+                    remove_tree(entry)
+                    healed.add(parsed[0])
                 except OSError as exc:
-                    errors[int(match.group(1))] = f"cannot remove {entry}: {exc.strerror or exc}"
+                    errors[parsed[0]] = f"cannot remove {entry}: {exc.strerror or exc}"
     return tuple(sorted(healed)), errors
 
 

@@ -202,7 +202,10 @@ def test_missing_and_damaged_payloads_become_corrupt(reg: Registry) -> None:
     reg.fsck(repair=True, checksums=True)
     assert [i.status for i in reg.checkpoints("run")] == ["verified", "corrupt", "corrupt", "corrupt"]
     assert reg.resolve("run").step == one.step
-    assert reg.fsck(checksums=True).clean  # corrupt is a recorded state, not a pending problem
+    # corrupt is a recorded state that needs a person: listed, never repaired away
+    again = reg.fsck(repair=True, checksums=True)
+    assert kinds(again) == [("run", s, "corrupt-step") for s in (2, 3, 4)] and not again.repaired
+    assert all(p.repair is None and "registry verify" in p.detail for p in again.problems)
 
 
 def test_invalid_staged_payload_is_marked_corrupt(reg: Registry) -> None:
