@@ -112,6 +112,31 @@ def test_repair_does_not_condemn_a_step_published_after_the_scan(catalog_url: st
         assert_state_equal(reg.load("run@2", verify=True).state_dict, make_state(2))
 
 
+def test_overwrite_while_fsck_hashes_a_step_is_not_damage(catalog_url: str, root: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """An overwrite lands between fsck's manifest read and its re-hash: no verdict on either payload."""
+    with Registry.open(url=catalog_url, root=root) as reg:
+        first = reg.publish("run", 1, make_state(1))
+        seeds = [8, 9]
+
+        def overwrite() -> None:
+            with Registry.open(url=catalog_url, root=root) as other:
+                other.publish("run", 1, make_state(seeds.pop(0)), overwrite=True)
+
+        original = fsck_module.read_manifest
+        gate = after(original, overwrite)
+        monkeypatch.setattr(fsck_module, "read_manifest",
+                            lambda directory: (gate if directory == first.path else original)(directory))
+        for repair in (False, True):
+            gate.fired.clear()  # type: ignore[attr-defined]
+            report = reg.fsck(repair=repair, checksums=True)
+            assert gate.fired and report.clean and not report.failures, report.to_json()  # type: ignore[attr-defined]
+            assert [p.kind for p in report.in_progress] == ["in-progress"]
+        monkeypatch.undo()
+        assert reg.resolve("run@1").status == "verified" and reg.fsck(checksums=True).clean
+        assert_state_equal(reg.load("run@1", verify=True).state_dict, make_state(9))
+
+
 @pytest.mark.parametrize("checksums", [False, True])
 def test_gc_removing_a_step_fsck_is_checking(catalog_url: str, root: Path, monkeypatch: pytest.MonkeyPatch,
                                             checksums: bool) -> None:
