@@ -39,8 +39,9 @@ A staging row whose writer is alive is reported in ``in_progress`` and left alon
 A repair skipped because the row changed after the snapshot (a writer took the
 step over, or a dead writer's last COMMIT was still completing on the server)
 is listed in ``failures``; running fsck again judges the new state. An
-unfinished deletion is finished by gc's own :func:`registry.retention.remove_checkpoint_dir`,
-which removes a directory only while it holds the payload the row deleted.
+unfinished deletion is finished by gc's own :func:`registry.retention.remove_checkpoint_dir`
+(:func:`~registry.retention.retire_and_remove`), which removes a directory only
+while it holds the payload the row deleted.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ from registry.crashpoints import crashpoint
 from registry.errors import CorruptCheckpointError
 from registry.manifest import MANIFEST, META, Manifest, read_manifest
 from registry.refs import MAX_STEP, RUN_NAME_RE, parse_step_dirname, step_dirname
-from registry.retention import remove_checkpoint_dir, remove_tree
+from registry.retention import remove_tree, retire_and_remove
 from registry.store import fsync_dir, verify_directory, writer_alive
 
 MAX_META_BYTES = 1 << 20
@@ -419,7 +420,7 @@ class Fsck:
         if not unchanged(self.catalog, row):
             return False
         self._remove(retired)
-        if remove_checkpoint_dir(final, row.manifest_sha256) == "kept":
+        if retire_and_remove(final, row.manifest_sha256) == "kept":
             return "its directory holds another payload than the one deleted; left in place"
         return True
 

@@ -48,6 +48,7 @@ from registry.store import fsync_dir
 if TYPE_CHECKING:
     from registry.api import Registry
 
+
 class RetentionWarning(RuntimeWarning):
     """Retention after a publish failed; the publish itself succeeded."""
 
@@ -465,15 +466,23 @@ def _manifest_digest(directory: Path) -> str | None:
         return None
 
 
-def remove_checkpoint_dir(final: Path, manifest_sha256: str | None = None) -> Literal["removed", "absent", "kept"]:
+def remove_checkpoint_dir(final: Path, manifest_sha256: str | None = None) -> bool:
     """Rename ``final`` to a hidden retired sibling (atomic for readers), then remove it.
 
-    ``absent`` when there was nothing to remove (or a concurrent gc renamed it
+    False when there was nothing to remove (or a concurrent gc renamed it
     first). ``manifest_sha256`` is the digest of the payload the catalog
     marked deleted: a step re-published in the meantime (a ``deleted`` row can
     be claimed again) has installed a different manifest, and that directory
-    is put back instead of removed (``kept``). The digest is read after the
-    rename, so a payload installed at any moment before it is recognised.
+    is put back instead of removed. See :func:`retire_and_remove` for which.
+    """
+    return retire_and_remove(final, manifest_sha256) == "removed"
+
+
+def retire_and_remove(final: Path, manifest_sha256: str | None) -> Literal["removed", "absent", "kept"]:
+    """:func:`remove_checkpoint_dir`, saying what happened: ``kept`` is a different payload put back.
+
+    The digest is read after the rename, so a payload installed at any moment
+    before it is recognised and put back.
     """
     if not final.exists():
         return "absent"
@@ -504,7 +513,7 @@ def finish_interrupted(reg: Registry, run: str) -> tuple[tuple[int, ...], dict[i
     errors: dict[int, str] = {}
     for r in rows:
         try:
-            if remove_checkpoint_dir(reg.store.root / r.path, r.manifest_sha256) == "removed":
+            if remove_checkpoint_dir(reg.store.root / r.path, r.manifest_sha256):
                 healed.add(r.step)
         except OSError as exc:
             errors[r.step] = f"cannot remove {reg.store.root / r.path}: {exc.strerror or exc}"
