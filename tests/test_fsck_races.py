@@ -20,6 +20,7 @@ import registry.fsck as fsck_module
 from registry import Checkpoint, Registry
 from registry.cli import main
 from registry.fsck import FsckReport
+from registry.refs import MAX_STEP, parse_step_dirname, step_dirname
 from registry.retention import KeepLast
 from tests.conftest import assert_state_equal, make_state
 
@@ -230,3 +231,15 @@ def test_corrupt_steps_are_listed_with_what_to_do(catalog_url: str, root: Path) 
     assert cli("verify", "run@2").exit_code == 0
     result = cli("fsck", "--checksums")
     assert result.exit_code == 0 and "0 problems" in result.output
+
+
+def test_one_parser_for_step_directory_names() -> None:
+    """fsck and gc read directory names with the inverse of ``step_dirname``, and nothing else."""
+    for step in (0, 7, 10**8, MAX_STEP, MAX_STEP + 1, 10**20 - 1):
+        name = step_dirname(step)
+        assert parse_step_dirname(name) == (step, "final")
+        assert parse_step_dirname(f".{name}.tmp-x1y2") == (step, "tmp")
+        assert parse_step_dirname(f".{name}.retired-q") == (step, "retired")
+    for name in ("step-1", "step-000000001", ".step-00000001", "step-00000001.tmp-x", ".step-00000001.tmp-",
+                 ".step-00000001.old-x", "step-0000000\u0661", "step-" + "9" * 300, "catalog.db", "run"):
+        assert parse_step_dirname(name) is None, name
