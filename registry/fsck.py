@@ -60,7 +60,7 @@ from registry.crashpoints import crashpoint
 from registry.errors import CorruptCheckpointError
 from registry.manifest import MANIFEST, META, Manifest, read_manifest
 from registry.refs import MAX_STEP, RUN_NAME_RE, parse_step_dirname, step_dirname
-from registry.retention import remove_tree, retire_and_remove
+from registry.retention import manifest_digest, remove_tree, retire_and_remove
 from registry.store import fsync_dir, verify_directory, writer_alive
 
 MAX_META_BYTES = 1 << 20
@@ -288,10 +288,15 @@ class Fsck:
         self.in_progress: list[Problem] = []
         self.failures: list[str] = []
 
-    def _found(self, kind: str, run: str, step: int, path: Path, detail: str, *,
-               repairable: bool = True, row: RowState | None = None) -> Problem | None:
-        """Record a problem; with ``row``, only if the row is still as seen now that the disk was checked."""
-        if row is not None and not unchanged(self.catalog, row):
+    def _found(self, kind: str, run: str, step: int, path: Path, detail: str, *, repairable: bool = True,
+               row: RowState | None = None, still: Callable[[], bool] | None = None) -> Problem | None:
+        """Record a problem; with ``row``, only if the row is still as seen now that the disk was checked.
+
+        ``still`` then looks at the disk once more: a payload briefly out of
+        place while the catalog was read (gc checking what it may remove) is
+        not the missing or damaged payload it looked like.
+        """
+        if row is not None and (not unchanged(self.catalog, row) or (still is not None and not still())):
             self.in_progress.append(Problem(kind="in-progress", run=run, step=step, path=path, repair=None,
                                             detail=f"changed while fsck checked it ({kind}); run fsck again"))
             return None
@@ -400,13 +405,16 @@ class Fsck:
                         f"or let 'registry gc {run}' delete it", repairable=False, row=row)
         elif row.status in ("published", "verified"):
             if payload_dir is None:
-                p = self._found("missing-payload", run, step, final, f"{row.status} step has no directory", row=row)
+                p = self._found("missing-payload", run, step, final, f"{row.status} step has no directory", row=row,
+                                still=lambda: not _is_dir(final))
                 self._fix(p, lambda: set_status_if(self.catalog, row, "corrupt", kind="missing-payload",
                                                    actor=self.actor, reason=f"{row.status} step has no directory"))
                 return
+            checked = manifest_digest(payload_dir)
             why = _matches_catalog(payload_dir, row, checksums=self.checksums)
             if why:
-                p = self._found("damaged-payload", run, step, payload_dir, why, row=row)
+                p = self._found("damaged-payload", run, step, payload_dir, why, row=row,
+                                still=lambda: manifest_digest(payload_dir) == checked)
                 self._fix(p, lambda: set_status_if(self.catalog, row, "corrupt", kind="damaged-payload",
                                                    actor=self.actor, reason=why))
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
@@ -39,8 +40,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from registry.catalog.retention import CANDIDATES, RetentionCatalog, RunSnapshot
 from registry.crashpoints import crashpoint
-from registry.errors import PolicyError, RegistryError
-from registry.manifest import MANIFEST, digest_bytes
+from registry.errors import CorruptCheckpointError, PolicyError, RegistryError
+from registry.manifest import MANIFEST, MAX_MANIFEST_BYTES, digest_bytes, open_regular
 from registry.records import LIVE, RANKABLE, CheckpointInfo, human_bytes
 from registry.refs import check_metric_key, check_run_name, parse_step_dirname
 from registry.store import fsync_dir
@@ -448,21 +449,29 @@ def make_plan(reg: Registry, run: str, policy: Policy, *, now: datetime | None =
 
 
 def remove_tree(path: Path) -> None:
-    """``shutil.rmtree`` that tolerates a concurrent gc (or fsck) removing the same tree."""
-    for _ in range(3):
-        try:
-            shutil.rmtree(path)
-            return
-        except FileNotFoundError:
-            if not path.exists():
-                return
-    shutil.rmtree(path)
+    """``shutil.rmtree`` that tolerates a concurrent gc (or fsck) removing the same tree.
+
+    Whatever vanishes under it was being removed anyway; any other error is raised.
+    """
+    def vanished_ok(exc: BaseException) -> None:
+        if not isinstance(exc, FileNotFoundError):
+            raise exc
+
+    if sys.version_info >= (3, 12):
+        shutil.rmtree(path, onexc=lambda _fn, _path, exc: vanished_ok(exc))
+    else:
+        shutil.rmtree(path, onerror=lambda _fn, _path, info: vanished_ok(info[1]))
 
 
-def _manifest_digest(directory: Path) -> str | None:
+def manifest_digest(directory: Path) -> str | None:
+    """The sha256 of ``directory``'s manifest as it is now; None when there is none to read.
+
+    Opened like any checkpoint file: never through a symlink, never blocking on a FIFO.
+    """
     try:
-        return digest_bytes((directory / MANIFEST).read_bytes())
-    except OSError:
+        with os.fdopen(open_regular(directory, MANIFEST, what="manifest"), "rb") as f:
+            return digest_bytes(f.read(MAX_MANIFEST_BYTES + 1))
+    except (OSError, CorruptCheckpointError):
         return None
 
 
@@ -481,18 +490,21 @@ def remove_checkpoint_dir(final: Path, manifest_sha256: str | None = None) -> bo
 def retire_and_remove(final: Path, manifest_sha256: str | None) -> Literal["removed", "absent", "kept"]:
     """:func:`remove_checkpoint_dir`, saying what happened: ``kept`` is a different payload put back.
 
-    The digest is read after the rename, so a payload installed at any moment
-    before it is recognised and put back.
+    The digest is read before the rename too, so a payload re-published long
+    after the caller read the row is never hidden from readers, even briefly;
+    read again after the rename, it catches one installed in between.
     """
     if not final.exists():
         return "absent"
+    if manifest_sha256 is not None and manifest_digest(final) not in (None, manifest_sha256):
+        return "kept"
     retired = Path(tempfile.mkdtemp(prefix=f".{final.name}.retired-", dir=final.parent))
     retired.rmdir()
     try:
         os.replace(final, retired)
     except FileNotFoundError:
         return "absent"
-    digest = _manifest_digest(retired) if manifest_sha256 is not None else None
+    digest = manifest_digest(retired) if manifest_sha256 is not None else None
     if digest is not None and digest != manifest_sha256:
         try:
             os.replace(retired, final)
