@@ -9,9 +9,16 @@ reached (or rolled back to). Without ``repair`` it changes nothing at all.
 
 The disk is scanned *before* the catalog is read: a staging directory seen on
 disk therefore belongs to a claim the snapshot already shows, so fsck never
-mistakes a brand-new writer's directory for an abandoned one. Every catalog
-repair is compare-and-set on the status and writer fsck saw, so a writer that
-takes a step over in the meantime wins and fsck leaves it alone.
+mistakes a brand-new writer's directory for an abandoned one. A row's own
+directory is looked at again *after* the snapshot, and every verdict about a
+row is kept only if the row, read again once the files were checked, is still
+as the snapshot showed it (status, writer, last update, manifest digest): a
+publish, overwrite or gc that moves while fsck looks is never taken for damage
+(the step is listed in ``in_progress``; fsck run again judges it). Every catalog
+repair is compare-and-set on that same state, so a writer that takes a step
+over in the meantime wins and fsck leaves it alone. Each step is checked, and
+each repair made, in isolation: one that fails is listed in ``failures`` (its
+problem stays unrepaired) and the rest still run.
 
 | kind | found | repair |
 |---|---|---|
@@ -22,38 +29,40 @@ takes a step over in the meantime wins and fsck leaves it alone.
 | interrupted-overwrite | ``.retired-`` dir, no final dir | restore it (then the row is judged as above) |
 | leftover-retired | ``.retired-`` dir next to its final dir | remove |
 | unfinished-deletion | ``deleted`` row whose final or retired dir exists | remove the directories |
-| unregistered-checkpoint | final dir with no row (or a failed row) | adopt if its manifest and checksums are valid, else report |
+| unregistered-checkpoint | final dir with no row (or a failed row) | adopt if valid and its step fits the catalog |
 | missing-payload | published/verified row, no directory | mark corrupt |
 | damaged-payload | published/verified row, files differ from the catalog | mark corrupt |
+| corrupt-step | corrupt row | none: says what to do (restore, ``registry verify``; or gc) |
 
 A staging row whose writer is alive is reported in ``in_progress`` and left alone
 (on another host: one it refreshed within ``registry.store.STALE_AFTER``).
 A repair skipped because the row changed after the snapshot (a writer took the
 step over, or a dead writer's last COMMIT was still completing on the server)
-is listed in ``failures``; running fsck again judges the new state.
+is listed in ``failures``; running fsck again judges the new state. An
+unfinished deletion is finished by gc's own :func:`registry.retention.remove_checkpoint_dir`
+(:func:`~registry.retention.retire_and_remove`), which removes a directory only
+while it holds the payload the row deleted.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
-import shutil
-from collections.abc import Iterator
+import stat
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from registry.catalog import Catalog, FileRecord
-from registry.catalog.fsck import PayloadRecord, RowState, record_payload, set_status_if, snapshot
+from registry.catalog.fsck import PayloadRecord, RowState, record_payload, set_status_if, snapshot, unchanged
 from registry.crashpoints import crashpoint
 from registry.errors import CorruptCheckpointError
 from registry.manifest import MANIFEST, META, Manifest, read_manifest
-from registry.refs import RUN_NAME_RE, step_dirname
+from registry.refs import MAX_STEP, RUN_NAME_RE, parse_step_dirname, step_dirname
+from registry.retention import manifest_digest, remove_tree, retire_and_remove
 from registry.store import fsync_dir, verify_directory, writer_alive
 
-_STEP_RE = re.compile(r"step-(\d{8,20})")
-_HIDDEN_RE = re.compile(r"\.step-(\d{8,20})\.(tmp|retired)-.+")
 MAX_META_BYTES = 1 << 20
 
 REPAIRS = {
@@ -68,6 +77,8 @@ REPAIRS = {
     "missing-payload": "mark corrupt",
     "damaged-payload": "mark corrupt",
 }
+#: kinds fsck only reports: deciding about them needs a person (the detail says what to do)
+REPORTED = frozenset({"corrupt-step"})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,7 +93,7 @@ class Problem:
     repair: str | None  # what --repair does about it; None: it can only be reported
 
     def __post_init__(self) -> None:
-        if self.kind not in REPAIRS and self.kind != "in-progress":
+        if self.kind not in REPAIRS and self.kind not in REPORTED and self.kind != "in-progress":
             raise ValueError(f"unknown fsck problem kind {self.kind!r}")
 
     def to_json(self) -> dict[str, Any]:
@@ -100,7 +111,7 @@ class FsckReport:
     problems: tuple[Problem, ...] = ()
     repaired: tuple[Problem, ...] = ()
     in_progress: tuple[Problem, ...] = ()
-    failures: tuple[str, ...] = ()  # repairs that were attempted and failed, one line each
+    failures: tuple[str, ...] = ()  # checks and repairs that failed, one line each
     rows_checked: int = 0
     checksums: bool = False
 
@@ -135,8 +146,27 @@ class _Step:
     retired: list[Path] = field(default_factory=list)
 
 
-def _scan(root: Path) -> dict[tuple[str, int], _Step]:
-    """Step directories under ``root``, without following symlinks or reading any file."""
+def _one_line(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{exc.filename}: {exc.strerror}" if exc.filename else exc.strerror
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+def _is_dir(path: Path) -> bool:
+    """A real directory (not a symlink) at ``path`` now; False once it has vanished."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+
+
+def _scan(root: Path, failures: list[str]) -> dict[tuple[str, int], _Step]:
+    """Step directories under ``root``, without following symlinks or reading any file.
+
+    A run directory that vanishes meanwhile is skipped; one that cannot be
+    listed is named in ``failures``.
+    """
     found: dict[tuple[str, int], _Step] = {}
     try:
         runs = sorted(os.scandir(root), key=lambda e: e.name)
@@ -145,14 +175,22 @@ def _scan(root: Path) -> dict[tuple[str, int], _Step]:
     for run_entry in runs:
         if not run_entry.is_dir(follow_symlinks=False) or not RUN_NAME_RE.fullmatch(run_entry.name):
             continue
-        for entry in sorted(os.scandir(run_entry.path), key=lambda e: e.name):
-            if not entry.is_dir(follow_symlinks=False):
+        try:
+            entries = sorted(os.scandir(run_entry.path), key=lambda e: e.name)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        except OSError as exc:
+            failures.append(f"{run_entry.name}: cannot list {run_entry.path}: {_one_line(exc)}")
+            continue
+        for entry in entries:
+            parsed = parse_step_dirname(entry.name)
+            if parsed is None or not entry.is_dir(follow_symlinks=False):
                 continue
-            if m := _STEP_RE.fullmatch(entry.name):
-                found.setdefault((run_entry.name, int(m.group(1))), _Step()).final = Path(entry.path)
-            elif m := _HIDDEN_RE.fullmatch(entry.name):
-                slot = found.setdefault((run_entry.name, int(m.group(1))), _Step())
-                (slot.tmp if m.group(2) == "tmp" else slot.retired).append(Path(entry.path))
+            slot = found.setdefault((run_entry.name, parsed[0]), _Step())
+            if parsed[1] == "final":
+                slot.final = Path(entry.path)
+            else:
+                (slot.tmp if parsed[1] == "tmp" else slot.retired).append(Path(entry.path))
     return found
 
 
@@ -169,11 +207,15 @@ def _read_meta(directory: Path, manifest: Manifest) -> dict[str, Any]:
     if not isinstance(doc, dict):
         return {}
     return {k: doc[k] for k in ("epoch", "consumed_samples")
-            if isinstance(doc.get(k), int) and not isinstance(doc.get(k), bool) and doc[k] >= 0}
+            if isinstance(doc.get(k), int) and not isinstance(doc.get(k), bool) and 0 <= doc[k] <= MAX_STEP}
 
 
 def _check_payload(directory: Path, *, checksums: bool) -> tuple[PayloadRecord | None, str]:
-    """A record of a valid payload, or (None, why it is not valid)."""
+    """A record of a valid payload, or (None, why it is not valid).
+
+    Files that vanish while being read make the payload invalid, never raise;
+    any other failure to read (``OSError``) is raised: it is not corruption.
+    """
     if directory.is_symlink():
         return None, "the directory is a symlink"
     try:
@@ -181,21 +223,27 @@ def _check_payload(directory: Path, *, checksums: bool) -> tuple[PayloadRecord |
     except CorruptCheckpointError as exc:
         return None, str(exc)
     status = "published"
-    if checksums:
-        problems = verify_directory(directory, manifest)
-        if problems:
-            return None, f"{problems[0].name}: {problems[0].problem}"
-        status = "verified"
-    else:
-        for name, entry in manifest.files.items():
-            path = directory / name
-            if path.is_symlink() or not path.is_file():
-                return None, f"{name}: missing or not a regular file"
-            if path.stat().st_size != entry.size:
-                return None, f"{name}: size {path.stat().st_size}, manifest says {entry.size}"
+    try:
+        if checksums:
+            problems = verify_directory(directory, manifest)
+            if problems:
+                return None, f"{problems[0].name}: {problems[0].problem}"
+            status = "verified"
+        else:
+            for name, entry in manifest.files.items():
+                try:
+                    st = os.stat(directory / name, follow_symlinks=False)
+                except (FileNotFoundError, NotADirectoryError):
+                    st = None
+                if st is None or not stat.S_ISREG(st.st_mode):
+                    return None, f"{name}: missing or not a regular file"
+                if st.st_size != entry.size:
+                    return None, f"{name}: size {st.st_size}, manifest says {entry.size}"
+        manifest_size = os.stat(directory / MANIFEST, follow_symlinks=False).st_size
+    except (FileNotFoundError, NotADirectoryError) as exc:
+        return None, f"{Path(exc.filename or directory).name}: vanished while being checked"
     meta = _read_meta(directory, manifest)
-    total = manifest.total_bytes + (directory / MANIFEST).stat().st_size
-    return PayloadRecord(status=status, manifest_sha256=digest, total_bytes=total,
+    return PayloadRecord(status=status, manifest_sha256=digest, total_bytes=manifest.total_bytes + manifest_size,
                          files=[FileRecord(name=f.name, size=f.size, sha256=f.sha256)
                                 for f in manifest.files.values()],
                          epoch=meta.get("epoch", 0), consumed_samples=meta.get("consumed_samples", 0),
@@ -223,6 +271,9 @@ def _newest(paths: list[Path]) -> Path:
     return max(paths, key=lambda p: (mtime(p), p.name))
 
 
+Repair = Callable[[], "bool | str | None"]
+
+
 class Fsck:
     """One pass of fsck over a catalog and a root. Use :func:`run_fsck`."""
 
@@ -237,46 +288,67 @@ class Fsck:
         self.in_progress: list[Problem] = []
         self.failures: list[str] = []
 
-    def _found(self, kind: str, run: str, step: int, path: Path, detail: str, *,
-               repairable: bool = True) -> Problem:
+    def _found(self, kind: str, run: str, step: int, path: Path, detail: str, *, repairable: bool = True,
+               row: RowState | None = None, still: Callable[[], bool] | None = None) -> Problem | None:
+        """Record a problem; with ``row``, only if the row is still as seen now that the disk was checked.
+
+        ``still`` then looks at the disk once more: a payload briefly out of
+        place while the catalog was read (gc checking what it may remove) is
+        not the missing or damaged payload it looked like.
+        """
+        if row is not None and (not unchanged(self.catalog, row) or (still is not None and not still())):
+            self.in_progress.append(Problem(kind="in-progress", run=run, step=step, path=path, repair=None,
+                                            detail=f"changed while fsck checked it ({kind}); run fsck again"))
+            return None
         problem = Problem(kind=kind, run=run, step=step, path=path, detail=detail,
-                          repair=REPAIRS[kind] if repairable else None)
+                          repair=REPAIRS[kind] if repairable and kind in REPAIRS else None)
         self.problems.append(problem)
         return problem
 
-    def _fix(self, problem: Problem, action: Any) -> bool:
-        """Run one repair; a repair that fails is recorded, never raised, so fsck fixes what it can."""
-        if not self.repair or problem.repair is None:
+    def _fix(self, problem: Problem | None, action: Repair) -> bool:
+        """Run one repair; a repair that fails is recorded, never raised, so fsck fixes what it can.
+
+        ``action`` returns False (or why, as a string) when it changed nothing
+        because the step is no longer as found.
+        """
+        if problem is None or not self.repair or problem.repair is None:
             return False
         try:
             done = action()
-        except (OSError, CorruptCheckpointError) as exc:
-            self.failures.append(f"{problem}: repair failed: {exc}")
+        except Exception as exc:  # isolation: whatever one repair hits, the others still run
+            self.failures.append(f"{problem}: repair failed: {_one_line(exc)}")
             return False
-        if done is False:
-            self.failures.append(f"{problem}: skipped, the catalog row changed meanwhile")
+        if done is False or isinstance(done, str):
+            self.failures.append(f"{problem}: skipped, {done or 'the catalog row changed meanwhile'}")
             return False
         self.repaired.append(problem)
         return True
 
     def _remove(self, paths: list[Path]) -> None:
         for path in paths:
-            shutil.rmtree(path)
+            remove_tree(path)
 
     def run(self) -> FsckReport:
-        disk = _scan(self.root)  # before the snapshot: see the module docstring
+        disk = _scan(self.root, self.failures)  # before the snapshot: see the module docstring
         rows = {(r.run, r.step): r for r in snapshot(self.catalog)}
         for key in sorted(set(disk) | set(rows)):
-            self._step(key[0], key[1], rows.get(key), disk.get(key, _Step()))
+            try:
+                self._step(key[0], key[1], rows.get(key), disk.get(key, _Step()))
+            except OSError as exc:  # a local failure to read: neither corruption nor a reason to stop
+                self.failures.append(f"{key[0]}@{key[1]}: cannot check: {_one_line(exc)}")
         return FsckReport(problems=tuple(self.problems), repaired=tuple(self.repaired),
                           in_progress=tuple(self.in_progress), failures=tuple(self.failures),
                           rows_checked=len(rows), checksums=self.checksums)
 
-    def _step(self, run: str, step: int, row: RowState | None, found: _Step) -> None:
+    def _step(self, run: str, step: int, row: RowState | None, scanned: _Step) -> None:
         canonical = self.root / run / step_dirname(step)
         final = self.root / row.path if row is not None else canonical
-        if row is not None and final != canonical and found.final is None and final.is_dir():
-            found.final = final  # a row pointing outside the standard layout (an import)
+        # What the scan saw, looked at again now that the row has been read: a publish or gc
+        # that finished between the scan and the snapshot must not look like a missing payload.
+        found = _Step(final=(final if _is_dir(final) else None) if row is not None
+                      else (scanned.final if scanned.final is not None and _is_dir(scanned.final) else None),
+                      tmp=[p for p in scanned.tmp if _is_dir(p)],
+                      retired=[p for p in scanned.retired if _is_dir(p)])
         staging_live = row is not None and row.status == "staging" and writer_alive(row.writer, row.updated_at)
 
         for tmp in found.tmp:
@@ -294,8 +366,9 @@ class Fsck:
             leftovers = ([found.final] if found.final is not None else []) + found.retired
             if leftovers:
                 p = self._found("unfinished-deletion", run, step, leftovers[0],
-                                f"deleted step still has {len(leftovers)} director{'y' if len(leftovers) == 1 else 'ies'}")
-                self._fix(p, lambda: self._remove(leftovers))
+                                f"deleted step still has {len(leftovers)} "
+                                f"director{'y' if len(leftovers) == 1 else 'ies'}", row=row)
+                self._fix(p, lambda: self._finish_deletion(row, final, found.retired))
             return
 
         payload_dir = found.final
@@ -303,7 +376,9 @@ class Fsck:
             if found.final is None:
                 chosen = _newest(found.retired)
                 p = self._found("interrupted-overwrite", run, step, chosen,
-                                "a retired payload and no final directory: crash between the two renames")
+                                "a retired payload and no final directory: crash between the two renames", row=row)
+                if p is None:
+                    return
                 if self._fix(p, lambda: self._restore(chosen, final)):
                     payload_dir = final
                 elif self.repair:
@@ -319,58 +394,82 @@ class Fsck:
 
         if row is None or row.status == "failed":
             if payload_dir is not None:
-                self._unregistered(run, step, row, payload_dir, canonical)
+                self._unregistered(run, step, row, payload_dir)
             return
         if row.status == "staging":
             self._dead_staging(row, payload_dir, final)
+        elif row.status == "corrupt":
+            where = "its directory is missing" if payload_dir is None else f"its files are at {payload_dir}"
+            self._found("corrupt-step", run, step, final,
+                        f"marked corrupt ({where}): restore its files and run 'registry verify {run}@{step}', "
+                        f"or let 'registry gc {run}' delete it", repairable=False, row=row)
         elif row.status in ("published", "verified"):
             if payload_dir is None:
-                p = self._found("missing-payload", run, step, final, f"{row.status} step has no directory")
-                self._fix(p, lambda: set_status_if(self.catalog, row, "corrupt", kind=p.kind, actor=self.actor,
-                                                   reason=p.detail))
+                p = self._found("missing-payload", run, step, final, f"{row.status} step has no directory", row=row,
+                                still=lambda: not _is_dir(final))
+                self._fix(p, lambda: set_status_if(self.catalog, row, "corrupt", kind="missing-payload",
+                                                   actor=self.actor, reason=f"{row.status} step has no directory"))
                 return
+            checked = manifest_digest(payload_dir)
             why = _matches_catalog(payload_dir, row, checksums=self.checksums)
             if why:
-                p = self._found("damaged-payload", run, step, payload_dir, why)
-                self._fix(p, lambda: set_status_if(self.catalog, row, "corrupt", kind=p.kind, actor=self.actor,
-                                                   reason=why))
+                p = self._found("damaged-payload", run, step, payload_dir, why, row=row,
+                                still=lambda: manifest_digest(payload_dir) == checked)
+                self._fix(p, lambda: set_status_if(self.catalog, row, "corrupt", kind="damaged-payload",
+                                                   actor=self.actor, reason=why))
 
     def _restore(self, retired: Path, final: Path) -> None:
         os.replace(retired, final)
         fsync_dir(final.parent)
         crashpoint("fsck-after-restore")
 
+    def _finish_deletion(self, row: RowState, final: Path, retired: list[Path]) -> bool | str:
+        """gc's own finishing, for one step whose row is (re-read now) still the deleted one fsck saw."""
+        if not unchanged(self.catalog, row):
+            return False
+        self._remove(retired)
+        if retire_and_remove(final, row.manifest_sha256) == "kept":
+            return "its directory holds another payload than the one deleted; left in place"
+        return True
+
     def _dead_staging(self, row: RowState, payload_dir: Path | None, final: Path) -> None:
         if payload_dir is None:
-            p = self._found("abandoned-publish", row.run, row.step, final,
-                            f"staging row of dead writer {row.writer} and no directory: crash before the rename")
-            self._fix(p, lambda: set_status_if(self.catalog, row, "failed", kind=p.kind, actor=self.actor,
-                                               dead_writer=row.writer))
+            detail = f"staging row of dead writer {row.writer} and no directory: crash before the rename"
+            p = self._found("abandoned-publish", row.run, row.step, final, detail, row=row)
+            self._fix(p, lambda: set_status_if(self.catalog, row, "failed", kind="abandoned-publish",
+                                               actor=self.actor, dead_writer=row.writer))
             return
         record, why = _check_payload(payload_dir, checksums=True)
         if record is None:
             p = self._found("invalid-staged-payload", row.run, row.step, payload_dir,
-                            f"staging row of dead writer {row.writer}; its directory is invalid: {why}")
-            self._fix(p, lambda: set_status_if(self.catalog, row, "corrupt", kind=p.kind, actor=self.actor,
-                                               reason=why))
+                            f"staging row of dead writer {row.writer}; its directory is invalid: {why}", row=row)
+            self._fix(p, lambda: set_status_if(self.catalog, row, "corrupt", kind="invalid-staged-payload",
+                                               actor=self.actor, reason=why))
             return
         p = self._found("uncommitted-publish", row.run, row.step, payload_dir,
-                        f"payload in place but writer {row.writer} died before the catalog commit")
+                        f"payload in place but writer {row.writer} died before the catalog commit", row=row)
         self._fix(p, lambda: record_payload(self.catalog, row, run=row.run, step=row.step, path=row.path,
-                                            payload=record, kind=p.kind, actor=self.actor,
+                                            payload=record, kind="uncommitted-publish", actor=self.actor,
                                             dead_writer=row.writer))
 
-    def _unregistered(self, run: str, step: int, row: RowState | None, payload_dir: Path, canonical: Path) -> None:
-        record, why = _check_payload(payload_dir, checksums=True)
+    def _unregistered(self, run: str, step: int, row: RowState | None, payload_dir: Path) -> None:
         what = "no catalog row" if row is None else "a failed catalog row"
-        if record is None:
+        if step > MAX_STEP:
             self._found("unregistered-checkpoint", run, step, payload_dir,
-                        f"directory with {what} cannot be adopted: {why}", repairable=False)
+                        f"directory with {what} cannot be adopted: step {step} is beyond the catalog's "
+                        f"range (0..{MAX_STEP})", repairable=False)
             return
-        p = self._found("unregistered-checkpoint", run, step, payload_dir, f"valid checkpoint with {what}")
+        record, why = _check_payload(payload_dir, checksums=True)
+        if record is None:
+            if not _is_dir(payload_dir):
+                return  # removed while being checked: nothing left to report
+            self._found("unregistered-checkpoint", run, step, payload_dir,
+                        f"directory with {what} cannot be adopted: {why}", repairable=False, row=row)
+            return
+        p = self._found("unregistered-checkpoint", run, step, payload_dir, f"valid checkpoint with {what}", row=row)
         self._fix(p, lambda: record_payload(self.catalog, row, run=run, step=step,
                                             path=payload_dir.relative_to(self.root).as_posix(),
-                                            payload=record, kind=p.kind, actor=self.actor))
+                                            payload=record, kind="unregistered-checkpoint", actor=self.actor))
 
 
 def run_fsck(*, catalog: Catalog, root: Path, repair: bool = False, checksums: bool = False,
@@ -395,4 +494,4 @@ def iter_lines(report: FsckReport) -> Iterator[str]:
         yield f"failure: {line}"
 
 
-__all__ = ["FsckReport", "Problem", "REPAIRS", "iter_lines", "run_fsck"]
+__all__ = ["FsckReport", "Problem", "REPAIRS", "REPORTED", "iter_lines", "run_fsck"]

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import difflib
 import os
-import re
 import shutil
+import sys
 import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
@@ -41,16 +41,14 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from registry.catalog.retention import CANDIDATES, RetentionCatalog, RunSnapshot
 from registry.crashpoints import crashpoint
-from registry.errors import PolicyError, RegistryError, UnknownMetricError
-from registry.manifest import MANIFEST, digest_bytes
+from registry.errors import CorruptCheckpointError, PolicyError, RegistryError, UnknownMetricError
+from registry.manifest import MANIFEST, MAX_MANIFEST_BYTES, digest_bytes, open_regular
 from registry.records import LIVE, RANKABLE, CheckpointInfo, human_bytes
-from registry.refs import check_metric_key, check_run_name
+from registry.refs import check_metric_key, check_run_name, parse_step_dirname
 from registry.store import fsync_dir
 
 if TYPE_CHECKING:
     from registry.api import Registry
-
-_RETIRED_RE = re.compile(r"^\.step-(\d+)\.retired-")
 
 
 class RetentionWarning(RuntimeWarning):
@@ -509,22 +507,30 @@ def make_plan(reg: Registry, run: str, policy: Policy, *, now: datetime | None =
 # ---------------------------------------------------------------------------- execute
 
 
-def _rmtree(path: Path) -> None:
-    """``shutil.rmtree`` that tolerates a concurrent gc removing the same tree."""
-    for _ in range(3):
-        try:
-            shutil.rmtree(path)
-            return
-        except FileNotFoundError:
-            if not path.exists():
-                return
-    shutil.rmtree(path)
+def remove_tree(path: Path) -> None:
+    """``shutil.rmtree`` that tolerates a concurrent gc (or fsck) removing the same tree.
+
+    Whatever vanishes under it was being removed anyway; any other error is raised.
+    """
+    def vanished_ok(exc: BaseException) -> None:
+        if not isinstance(exc, FileNotFoundError):
+            raise exc
+
+    if sys.version_info >= (3, 12):
+        shutil.rmtree(path, onexc=lambda _fn, _path, exc: vanished_ok(exc))
+    else:
+        shutil.rmtree(path, onerror=lambda _fn, _path, info: vanished_ok(info[1]))
 
 
-def _manifest_digest(directory: Path) -> str | None:
+def manifest_digest(directory: Path) -> str | None:
+    """The sha256 of ``directory``'s manifest as it is now; None when there is none to read.
+
+    Opened like any checkpoint file: never through a symlink, never blocking on a FIFO.
+    """
     try:
-        return digest_bytes((directory / MANIFEST).read_bytes())
-    except OSError:
+        with os.fdopen(open_regular(directory, MANIFEST, what="manifest"), "rb") as f:
+            return digest_bytes(f.read(MAX_MANIFEST_BYTES + 1))
+    except (OSError, CorruptCheckpointError):
         return None
 
 
@@ -535,27 +541,39 @@ def remove_checkpoint_dir(final: Path, manifest_sha256: str | None = None) -> bo
     first). ``manifest_sha256`` is the digest of the payload the catalog
     marked deleted: a step re-published in the meantime (a ``deleted`` row can
     be claimed again) has installed a different manifest, and that directory
-    is put back instead of removed.
+    is put back instead of removed. See :func:`retire_and_remove` for which.
+    """
+    return retire_and_remove(final, manifest_sha256) == "removed"
+
+
+def retire_and_remove(final: Path, manifest_sha256: str | None) -> Literal["removed", "absent", "kept"]:
+    """:func:`remove_checkpoint_dir`, saying what happened: ``kept`` is a different payload put back.
+
+    The digest is read before the rename too, so a payload re-published long
+    after the caller read the row is never hidden from readers, even briefly;
+    read again after the rename, it catches one installed in between.
     """
     if not final.exists():
-        return False
+        return "absent"
+    if manifest_sha256 is not None and manifest_digest(final) not in (None, manifest_sha256):
+        return "kept"
     retired = Path(tempfile.mkdtemp(prefix=f".{final.name}.retired-", dir=final.parent))
     retired.rmdir()
     try:
         os.replace(final, retired)
     except FileNotFoundError:
-        return False
-    digest = _manifest_digest(retired) if manifest_sha256 is not None else None
+        return "absent"
+    digest = manifest_digest(retired) if manifest_sha256 is not None else None
     if digest is not None and digest != manifest_sha256:
         try:
             os.replace(retired, final)
         except OSError:
             pass  # something new is in place already; fsck sorts out the retired copy
-        return False
+        return "kept"
     fsync_dir(final.parent)
     crashpoint("gc-after-retire")
-    _rmtree(retired)
-    return True
+    remove_tree(retired)
+    return "removed"
 
 
 def finish_interrupted(reg: Registry, run: str) -> tuple[tuple[int, ...], dict[int, str]]:
@@ -573,13 +591,13 @@ def finish_interrupted(reg: Registry, run: str) -> tuple[tuple[int, ...], dict[i
     run_dir = reg.store.run_dir(run)
     if deleted and run_dir.is_dir():
         for entry in run_dir.iterdir():
-            match = _RETIRED_RE.match(entry.name)
-            if match and int(match.group(1)) in deleted and entry.is_dir():
+            parsed = parse_step_dirname(entry.name)
+            if parsed is not None and parsed[1] == "retired" and parsed[0] in deleted and entry.is_dir():
                 try:
-                    _rmtree(entry)
-                    healed.add(int(match.group(1)))
+                    remove_tree(entry)
+                    healed.add(parsed[0])
                 except OSError as exc:
-                    errors[int(match.group(1))] = f"cannot remove {entry}: {exc.strerror or exc}"
+                    errors[parsed[0]] = f"cannot remove {entry}: {exc.strerror or exc}"
     return tuple(sorted(healed)), errors
 
 

@@ -202,7 +202,10 @@ def test_missing_and_damaged_payloads_become_corrupt(reg: Registry) -> None:
     reg.fsck(repair=True, checksums=True)
     assert [i.status for i in reg.checkpoints("run")] == ["verified", "corrupt", "corrupt", "corrupt"]
     assert reg.resolve("run").step == one.step
-    assert reg.fsck(checksums=True).clean  # corrupt is a recorded state, not a pending problem
+    # corrupt is a recorded state that needs a person: listed, never repaired away
+    again = reg.fsck(repair=True, checksums=True)
+    assert kinds(again) == [("run", s, "corrupt-step") for s in (2, 3, 4)] and not again.repaired
+    assert all(p.repair is None and "registry verify" in p.detail for p in again.problems)
 
 
 def test_invalid_staged_payload_is_marked_corrupt(reg: Registry) -> None:
@@ -211,7 +214,7 @@ def test_invalid_staged_payload_is_marked_corrupt(reg: Registry) -> None:
     assert kinds(reg.fsck()) == [("run", 2, "invalid-staged-payload")]
     reg.fsck(repair=True)
     assert reg.catalog.get("run", 2).status == "corrupt"  # type: ignore[union-attr]
-    assert final.is_dir() and reg.fsck().clean
+    assert final.is_dir() and kinds(reg.fsck()) == [("run", 2, "corrupt-step")]
 
 
 def test_without_repair_nothing_changes(reg: Registry, root: Path) -> None:
@@ -232,7 +235,7 @@ def test_without_repair_nothing_changes(reg: Registry, root: Path) -> None:
     assert disk_state(root) == disk and catalog_state(reg) == cat
     repaired = reg.fsck(repair=True)
     assert not repaired.unrepaired and not repaired.failures
-    assert reg.fsck(checksums=True).clean
+    assert kinds(reg.fsck(checksums=True)) == [("a", 2, "corrupt-step")]  # the missing payload, now recorded
     assert reg.resolve("a@latest").step == 3 and reg.resolve("b@2").status == "verified"
     assert reg.resolve("c").step == 9
 

@@ -1,8 +1,10 @@
 """The catalog half of ``fsck``: a snapshot of every row, and compare-and-set repairs.
 
 Every repair is conditional on the row still being in the state fsck saw
-(status and writer), so a writer that takes a step over between the scan and
-the repair is never clobbered: the repair simply does nothing and says so.
+(status, writer, last update and manifest digest), so a writer that takes a
+step over between the scan and the repair is never clobbered: the repair
+simply does nothing and says so. A verdict about a payload is therefore tied
+to the manifest digest the files were checked against.
 Knows SQL and nothing of files or torch.
 """
 
@@ -65,12 +67,12 @@ def snapshot(catalog: Catalog) -> list[RowState]:
     return catalog._read(fn)
 
 
-def _row(conn: Connection, run: str, step: int) -> Any:
+def _row(conn: Connection, run: str, step: int, *, lock: bool = True) -> Any:
     """The row, locked: on PostgreSQL a writer's in-flight transaction is waited for, then seen."""
     query = (select(CheckpointRow.id, CheckpointRow.run_id, CheckpointRow.status, CheckpointRow.writer,
-                    CheckpointRow.updated_at)
+                    CheckpointRow.updated_at, CheckpointRow.manifest_sha256)
              .join(Run, Run.id == CheckpointRow.run_id).where(Run.name == run, CheckpointRow.step == step))
-    if conn.dialect.name == "postgresql":
+    if lock and conn.dialect.name == "postgresql":
         query = query.with_for_update(of=CheckpointRow)
     return conn.execute(query).first()
 
@@ -79,7 +81,13 @@ def _unchanged(row: Any, seen: RowState | None) -> bool:
     if seen is None:
         return row is None
     return (row is not None and row.status == seen.status and row.writer == seen.writer
+            and row.manifest_sha256 == seen.manifest_sha256
             and _aware(row.updated_at) == seen.updated_at)  # refreshed since: its writer is alive
+
+
+def unchanged(catalog: Catalog, seen: RowState) -> bool:
+    """Whether the row is still as ``seen``: read now, so after whatever fsck checked on disk since."""
+    return bool(catalog._read(lambda conn: _unchanged(_row(conn, seen.run, seen.step, lock=False), seen)))
 
 
 def record_payload(catalog: Catalog, seen: RowState | None, *, run: str, step: int, path: str,
@@ -139,4 +147,4 @@ def set_status_if(catalog: Catalog, seen: RowState, status: str, *, kind: str, a
     return bool(catalog._write(fn))
 
 
-__all__ = ["PayloadRecord", "RowState", "record_payload", "set_status_if", "snapshot"]
+__all__ = ["PayloadRecord", "RowState", "record_payload", "set_status_if", "snapshot", "unchanged"]
