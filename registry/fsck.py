@@ -46,6 +46,7 @@ while it holds the payload the row deleted.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import stat
@@ -57,7 +58,7 @@ from typing import Any
 from registry.catalog import Catalog, FileRecord
 from registry.catalog.fsck import PayloadRecord, RowState, record_payload, set_status_if, snapshot, unchanged
 from registry.crashpoints import crashpoint
-from registry.errors import CorruptCheckpointError
+from registry.errors import CheckpointReadError, CorruptCheckpointError
 from registry.manifest import MANIFEST, META, Manifest, read_manifest
 from registry.refs import MAX_STEP, RUN_NAME_RE, parse_step_dirname, step_dirname
 from registry.retention import manifest_digest, remove_tree, retire_and_remove
@@ -222,6 +223,10 @@ def _check_payload(directory: Path, *, checksums: bool) -> tuple[PayloadRecord |
         manifest, digest = read_manifest(directory)
     except CorruptCheckpointError as exc:
         return None, str(exc)
+    except CheckpointReadError as exc:
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+            return None, "the directory vanished while being checked"
+        raise
     status = "published"
     try:
         if checksums:
