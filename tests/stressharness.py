@@ -76,7 +76,9 @@ class Violation(AssertionError):
 def op_publish(reg: Registry, rng: random.Random, run: str) -> None:
     seed = rng.randrange(1 << 30)
     extra = {"opt": {"m": torch.full((8,), float(seed % 97))}} if rng.random() < 0.3 else None
-    reg.publish(run, rng.choice(STEPS), state(seed), meta={"seed": seed}, extra=extra,
+    free = [s for s in STEPS if s not in _live(reg, run)]
+    step = rng.choice(free) if free and rng.random() < 0.5 else rng.choice(STEPS)  # else: most likely a collision
+    reg.publish(run, step, state(seed), meta={"seed": seed}, extra=extra,
                 metrics={"loss": rng.random()}, verify=rng.random() < 0.8)
 
 
