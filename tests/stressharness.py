@@ -209,7 +209,7 @@ class StressTally:
 
     def summary(self) -> str:
         return (f"operations={sum(self.operations.values())} {dict(sorted(self.operations.items()))} "
-                f"overlaps={self.overlaps} allowed-errors={sum(self.allowed_errors.values())} "
+                f"overlaps={self.overlaps} allowed-errors={dict(sorted(self.allowed_errors.items()))} "
                 f"condemned={self.condemned} lost={self.lost} violations={len(self.violations)}")
 
 
