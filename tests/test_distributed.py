@@ -232,6 +232,21 @@ def test_failures_are_raised_on_every_rank_alike(session: dict[str, Any], name: 
     assert len({g["msg"] for g in got}) == 1, got
 
 
+@pytest.mark.parametrize("name, run, step, path_end", [
+    ("corrupt-one-step", None, None, "bad/step-00000001/model.safetensors"),
+    ("missing-step", "main", 99, None),
+])
+def test_failures_keep_run_step_and_path_on_every_rank(session: dict[str, Any], name: str, run: str | None,
+                                                       step: int | None, path_end: str | None) -> None:
+    got = outcomes(session, name)
+    assert {(g["run"], g["step"], g["path"]) for g in got} == {(got[0]["run"], got[0]["step"], got[0]["path"])}, got
+    assert (got[1]["run"], got[1]["step"]) == (run, step), got[1]
+    if path_end is None:
+        assert got[1]["path"] is None, got[1]
+    else:
+        assert got[1]["path"] is not None and got[1]["path"].endswith(path_end), got[1]
+
+
 def test_the_group_stays_usable_after_failures(session: dict[str, Any]) -> None:
     assert_loaded(session, "after-errors", "main@1", 1)
 
