@@ -26,7 +26,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from registry import Registry, RegistryError  # noqa: E402
-from registry.cli import human_bytes, parse_keep_best, parse_size  # noqa: E402
+from registry.policies import parse_keep_best, parse_size  # noqa: E402
+from registry.records import human_bytes  # noqa: E402
 from registry.retention import AnyOf, KeepBest, KeepEvery, KeepLast, MaxBytes, Policy  # noqa: E402
 
 

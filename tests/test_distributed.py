@@ -23,7 +23,7 @@ import torch
 from registry import Checkpoint, Registry
 from registry.collectives import buckets
 from tests._dist_worker import checkpoint_fingerprint
-from tests.conftest import child_env, write_hf_sharded
+from tests.helpers import child_env, write_hf_sharded
 
 pytestmark = pytest.mark.distributed
 

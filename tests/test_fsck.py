@@ -22,7 +22,7 @@ from registry.catalog import Claim
 from registry.cli import main
 from registry.fsck import FsckReport
 from registry.store import Payload, install, new_staging, now_timestamp, write_payload
-from tests.conftest import assert_state_equal, make_state
+from tests.helpers import assert_state_equal, make_state
 
 DEAD = f"{socket.gethostname()}:4194399"  # above Linux's pid_max: provably not running
 
