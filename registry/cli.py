@@ -463,7 +463,7 @@ def gc(state: State, run: str, keep_last: int | None, keep_best: tuple[str, ...]
 
 
 
-# ---------------------------------------------------------------------- import (issue 5)
+# ---------------------------------------------------------------------- import
 
 
 @main.command("import")
@@ -488,7 +488,7 @@ def import_(state: State, path: str, run: str, step: int, move: bool, overwrite:
                f"({info.status}, {human_bytes(info.total_bytes)}) at {info.path}")
 
 
-# ---------------------------------------------------------------------- fsck (issue 6)
+# ---------------------------------------------------------------------- fsck
 
 
 @main.command()

@@ -1,4 +1,4 @@
-"""Both directions of compatibility with the reference module (design section 3)."""
+"""Both directions of compatibility with the reference module (docs/format.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Every ref form, tags and policy versions, on SQLite and PostgreSQL (design section 5)."""
+"""Every ref form, tags and policy versions, on SQLite and PostgreSQL (docs/refs.md)."""
 
 from __future__ import annotations
 
