@@ -458,7 +458,7 @@ class Registry:
                                if i.status in ("published", "verified", "corrupt"))
         return scrub(self.catalog, targets, actor=self.writer)
 
-    # ------------------------------------------------------------------ followers (issue 3)
+    # ------------------------------------------------------------------ followers
 
     def begin_attempt(self, run: str, *, resumed_from: int | None) -> int:
         """Start a new attempt at ``run`` from this process; returns its id.
@@ -537,7 +537,7 @@ class Registry:
                 after_step = info.step
                 yield self._absolute(info)
 
-    # ------------------------------------------------------------------ retention (issue 4)
+    # ------------------------------------------------------------------ retention
 
     def plan_retention(self, run: str, policy: Policy, *, now: datetime | None = None,
                        protect: Mapping[int, str] | None = None,
@@ -583,7 +583,7 @@ class Registry:
                           stacklevel=3)
             return None
 
-    # ------------------------------------------------------------------ import (issue 5)
+    # ------------------------------------------------------------------ import
 
     def import_checkpoint(self, path: str | os.PathLike[str], *, run: str, step: int, move: bool = False,
                           overwrite: bool = False, tags: Iterable[str] = ()) -> CheckpointInfo:
@@ -636,10 +636,10 @@ class Registry:
         assert info is not None
         return self._absolute(info)
 
-    # ------------------------------------------------------------------ fsck (issue 6)
+    # ------------------------------------------------------------------ fsck
 
     def fsck(self, repair: bool = False, *, checksums: bool = False) -> FsckReport:
-        """Reconcile the catalog with the root (design section 4); ``repair`` fixes what it finds.
+        """Reconcile the catalog with the root (docs/protocol.md); ``repair`` fixes what it finds.
 
         Never called implicitly: :meth:`open` does not repair, and publish and
         load stay correct while problems are pending. ``checksums`` re-hashes
@@ -649,7 +649,7 @@ class Registry:
         return run_fsck(catalog=self.catalog, root=self.store.root, repair=repair, checksums=checksums,
                         actor=self.writer)
 
-    # ------------------------------------------------------------------ async publish (issue 7)
+    # ------------------------------------------------------------------ async publish
     #
     # ``publish(..., blocking=False)`` validates on the caller's thread and
     # refuses a step that exists or is already queued (a read, no commit), then

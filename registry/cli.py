@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import click
 
 from registry.errors import RegistryError
+from registry.policies import PolicyOptionError, build_policy
 from registry.records import human_bytes
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -397,80 +398,7 @@ def verify(state: State, targets: tuple[str, ...], as_json: bool) -> None:
         sys.exit(1)
 
 
-# ---------------------------------------------------------------------- gc (issue 4)
-
-_SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
-               "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
-
-
-def parse_size(text: str) -> int:
-    """``10G``, ``500MiB``, ``123`` -> bytes (decimal units, ``*iB`` binary); ValueError otherwise."""
-    import re
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
-    if match is None or match.group(2).lower() not in _SIZE_UNITS:
-        raise ValueError(f"{text!r} is not a size like 500M, 10G or 2TiB")
-    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
-
-
-def parse_keep_best(text: str) -> tuple[str, str, int]:
-    """``METRIC[:max|:min]=K`` -> (metric, mode, k); ValueError otherwise."""
-    metric, sep, count = text.rpartition("=")
-    mode = "min"
-    for suffix in (":max", ":min"):
-        if metric.endswith(suffix):
-            metric, mode = metric[:-len(suffix)], suffix[1:]
-    if not sep or not metric or not count.isdigit() or int(count) < 1:
-        raise ValueError(f"{text!r} is not METRIC[:max]=K with K >= 1")
-    return metric, mode, int(count)
-
-
-def load_policy_file(path: str) -> Any:
-    """Run a Python file and return its ``policy`` variable, which must be a retention Policy."""
-    import runpy
-
-    from registry.errors import PolicyError
-    from registry.retention import Policy
-    try:
-        namespace = runpy.run_path(path, run_name="__registry_policy__")
-    except Exception as exc:  # noqa: BLE001 - any failure of user code is reported in one line
-        detail = str(exc).splitlines()[0] if str(exc) else ""
-        raise PolicyError(f"cannot load policy file {path}: {type(exc).__name__}: {detail}") from None
-    policy = namespace.get("policy")
-    if not isinstance(policy, Policy):
-        raise PolicyError(f"policy file {path} must define `policy = ...` as a registry.retention Policy, "
-                          f"got {type(policy).__name__}")
-    return policy
-
-
-def build_policy(*, keep_last: int | None, keep_best: Sequence[str], keep_every: int | None,
-                 max_bytes: str | None, policy_file: str | None) -> Any:
-    """The union of every policy given on the command line (usage error when none is)."""
-    from registry import retention
-    parts: list[Any] = []
-    if keep_last is not None:
-        parts.append(retention.KeepLast(keep_last))
-    for spec in keep_best:
-        try:
-            metric, mode, k = parse_keep_best(spec)
-        except ValueError as exc:
-            raise click.BadParameter(str(exc), param_hint="--keep-best") from None
-        parts.append(retention.KeepBest(k, metric, mode=mode))  # type: ignore[arg-type]
-    if keep_every is not None:
-        parts.append(retention.KeepEvery(keep_every))
-    if policy_file is not None:
-        parts.append(load_policy_file(policy_file))
-    budget = None
-    if max_bytes is not None:
-        try:
-            budget = parse_size(max_bytes)
-        except ValueError as exc:
-            raise click.BadParameter(str(exc), param_hint="--max-bytes") from None
-    if not parts and budget is None:
-        raise click.UsageError("say what to keep: --keep-last, --keep-best, --keep-every, --max-bytes "
-                               "or --policy (gc never guesses)")
-    policy = retention.AnyOf(*parts) if len(parts) > 1 else (parts[0] if parts else None)
-    return retention.MaxBytes(budget, keep=policy) if budget is not None else policy
-
+# ---------------------------------------------------------------------- gc
 
 @main.command()
 @click.argument("run")
@@ -500,8 +428,14 @@ def gc(state: State, run: str, keep_last: int | None, keep_best: tuple[str, ...]
     Options combine: a step is kept if any of them keeps it. Whatever they
     say, @latest, @latest-published, tagged, staging and leased steps stay.
     """
-    policy = build_policy(keep_last=keep_last, keep_best=keep_best, keep_every=keep_every,
-                          max_bytes=max_bytes, policy_file=policy_file)
+    try:
+        policy = build_policy(keep_last=keep_last, keep_best=keep_best, keep_every=keep_every,
+                              max_bytes=max_bytes, policy_file=policy_file)
+    except PolicyOptionError as exc:
+        raise click.BadParameter(str(exc), param_hint="--" + exc.option.replace("_", "-")) from None
+    if policy is None:
+        raise click.UsageError("say what to keep: --keep-last, --keep-best, --keep-every, --max-bytes "
+                               "or --policy (gc never guesses)")
     plan = state.registry().plan_retention(run, policy, allow_missing_metrics=allow_missing_metric)
     result = None if dry_run else plan.execute()
     if as_json:
@@ -529,7 +463,7 @@ def gc(state: State, run: str, keep_last: int | None, keep_best: tuple[str, ...]
 
 
 
-# ---------------------------------------------------------------------- import (issue 5)
+# ---------------------------------------------------------------------- import
 
 
 @main.command("import")
@@ -554,7 +488,7 @@ def import_(state: State, path: str, run: str, step: int, move: bool, overwrite:
                f"({info.status}, {human_bytes(info.total_bytes)}) at {info.path}")
 
 
-# ---------------------------------------------------------------------- fsck (issue 6)
+# ---------------------------------------------------------------------- fsck
 
 
 @main.command()

@@ -6,8 +6,9 @@ default), and it cannot say *which* rank failed. Here every collective is
 started asynchronously and waited on with the caller's timeout, and any
 failure of the transport becomes a :class:`DistributedError` naming the step
 of the protocol that broke. Failures of the load itself travel as
-:class:`Failure` values (type name, message, rank) so that every rank raises
-the very same ``RegistryError`` subclass.
+:class:`Failure` values (type name, message, rank, and the run, step and
+path the error names) so that every rank raises the very same
+``RegistryError`` subclass with the same attributes.
 
 Payload bytes move in flat uint8 buckets (:func:`transfer`): one collective
 per bucket, never per small tensor; a large tensor goes straight from rank
@@ -60,22 +61,29 @@ class Failure:
     rank: int
     corrupt: bool = False
     retry: bool = False  # rank 0 fell back to an older step; everyone goes round again
+    run: str | None = None
+    step: int | None = None
+    path: str | None = None
 
     @classmethod
     def of(cls, exc: BaseException, rank: int) -> Failure:
         text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if not isinstance(exc, errors.RegistryError):
+            return cls(kind=type(exc).__name__, message=text, rank=rank)
         return cls(kind=type(exc).__name__, message=text, rank=rank,
-                   corrupt=isinstance(exc, errors.CorruptCheckpointError))
+                   corrupt=isinstance(exc, errors.CorruptCheckpointError), run=exc.run, step=exc.step,
+                   path=str(exc.path) if exc.path is not None else None)
 
     def error(self) -> errors.RegistryError:
         """The same RegistryError subclass on every rank; anything else as DistributedError."""
         cls = getattr(errors, self.kind, None)
         if isinstance(cls, type) and issubclass(cls, errors.RegistryError):
             try:
-                return cls(self.message)
+                return cls(self.message, run=self.run, step=self.step, path=self.path)
             except TypeError:  # a subclass with a different constructor
                 pass
-        return errors.DistributedError(f"rank {self.rank} failed: {self.kind}: {self.message}")
+        return errors.DistributedError(f"rank {self.rank} failed: {self.kind}: {self.message}",
+                                       run=self.run, step=self.step, path=self.path)
 
 
 def first_failure(statuses: list[Failure | None]) -> Failure | None:

@@ -1,4 +1,4 @@
-"""Rank-consistent loading for ``torch.distributed`` jobs (design section 6).
+"""Rank-consistent loading for ``torch.distributed`` jobs.
 
 Protocol (every rank runs the same rounds, so nobody waits for a message
 that will never come):

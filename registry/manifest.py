@@ -39,7 +39,7 @@ class FileEntry:
     name: str
     size: int
     sha256: str
-    # Added fields (issue 7): fast digests for load-time checks; sha256 stays the
+    # Added fields: fast digests for load-time checks; sha256 stays the
     # reference-compatible checksum that scrubs (``registry verify``) use.
     # ``xxh3_128`` is of the whole file (written before pieces existed);
     # ``xxh3_128_pieces`` of each ``piece_size`` piece (see ``registry.pieces``).

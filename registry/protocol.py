@@ -1,4 +1,4 @@
-"""The filesystem half of the publish protocol (design section 4), between claim and commit.
+"""The filesystem half of the publish protocol (docs/protocol.md), between claim and commit.
 
 A publish (and an import) runs:
 

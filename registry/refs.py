@@ -1,4 +1,4 @@
-"""Names and references: the grammar of the public contract (design section 5).
+"""Names and references: the grammar of the public contract (docs/refs.md).
 
 Everything here is pure string handling so it can be used by the CLI, the
 loader and the catalog alike without importing torch or SQL.

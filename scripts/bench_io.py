@@ -1,4 +1,4 @@
-"""Publish and load throughput against the usual ways of saving a state dict (issue 7).
+"""Publish and load throughput against the usual ways of saving a state dict.
 
 Every variant is measured in the same invocation, interleaved round by round
 (the order rotates each round) so that noise from other processes on the

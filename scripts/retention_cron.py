@@ -25,33 +25,19 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from registry import Registry, RegistryError  # noqa: E402
-from registry.cli import human_bytes, parse_keep_best, parse_size  # noqa: E402
-from registry.retention import AnyOf, KeepBest, KeepEvery, KeepLast, MaxBytes, Policy  # noqa: E402
+from registry import Registry, RegistryError, policies  # noqa: E402
+from registry.records import human_bytes  # noqa: E402
+from registry.retention import Policy  # noqa: E402
 
 
 def build_policy(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Policy:
-    parts: list[Policy] = []
-    if args.keep_last is not None:
-        parts.append(KeepLast(args.keep_last))
-    for spec in args.keep_best:
-        try:
-            metric, mode, k = parse_keep_best(spec)
-        except ValueError as exc:
-            parser.error(str(exc))
-        parts.append(KeepBest(k, metric, mode=mode))  # type: ignore[arg-type]
-    if args.keep_every is not None:
-        parts.append(KeepEvery(args.keep_every))
-    if not parts and args.max_bytes_per_run is None:
+    try:
+        policy = policies.build_policy(keep_last=args.keep_last, keep_best=args.keep_best,
+                                       keep_every=args.keep_every, max_bytes=args.max_bytes_per_run)
+    except policies.PolicyOptionError as exc:
+        parser.error(str(exc))
+    if policy is None:
         parser.error("say what to keep: --keep-last, --keep-best, --keep-every or --max-bytes-per-run")
-    policy: Policy | None = AnyOf(*parts) if parts else None
-    if args.max_bytes_per_run is not None:
-        try:
-            budget = parse_size(args.max_bytes_per_run)
-        except ValueError as exc:
-            parser.error(str(exc))
-        return MaxBytes(budget, keep=policy)
-    assert policy is not None
     return policy
 
 

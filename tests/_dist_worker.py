@@ -105,7 +105,10 @@ def main() -> None:
                                        "warnings": [str(w.message) for w in caught
                                                     if issubclass(w.category, RuntimeWarning)]}
             except Exception as exc:  # recorded for the parent to compare across ranks
-                results[sc["name"]] = {"ok": False, "type": type(exc).__name__, "msg": str(exc)}
+                path = getattr(exc, "path", None)
+                results[sc["name"]] = {"ok": False, "type": type(exc).__name__, "msg": str(exc),
+                                       "run": getattr(exc, "run", None), "step": getattr(exc, "step", None),
+                                       "path": str(path) if path is not None else None}
             out.write_text(json.dumps(results))
             if sc.get("crash_rank") is not None:
                 break

@@ -15,7 +15,7 @@ import registry.store as store_mod
 from registry import (AsyncPublishError, CheckpointInfo, CheckpointNotFoundError, InvalidNameError, PublishError,
                       Registry, StepExistsError)
 from registry.snapshot import Snapshotter
-from tests.conftest import assert_state_equal, child_env, make_state, optimizer_state
+from tests.helpers import assert_state_equal, child_env, make_state, optimizer_state
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

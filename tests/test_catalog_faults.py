@@ -23,7 +23,7 @@ from registry.cli import main
 from registry.manifest import MANIFEST
 from registry.retention import KeepLast
 from registry.scrub import scrub
-from tests.conftest import assert_state_equal, make_state
+from tests.helpers import assert_state_equal, make_state
 
 
 def once(action: Any) -> Any:

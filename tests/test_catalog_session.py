@@ -9,7 +9,7 @@ from pathlib import Path
 
 from registry import Registry
 from registry.catalog.session import _sqlite_pragmas, make_engine, upgrade, write_connection
-from tests.conftest import make_state
+from tests.helpers import make_state
 
 FULL, NORMAL = 2, 1
 

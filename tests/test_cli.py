@@ -9,7 +9,7 @@ import pytest
 
 from registry import Registry
 from registry.catalog.session import head_revision
-from tests.conftest import make_state
+from tests.helpers import make_state
 
 
 @pytest.fixture

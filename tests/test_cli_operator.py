@@ -15,7 +15,7 @@ from registry import PolicyError, Registry
 from registry.errors import InvalidRefError, UnknownMetricError
 from registry.refs import REF_GRAMMAR, parse_ref
 from registry.retention import KeepBest, KeepLast, KeepPolicyVersions, MaxBytes, RetentionWarning
-from tests.conftest import make_state
+from tests.helpers import make_state
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from registry import Registry, StepExistsError
-from tests.conftest import pg_schema_url
+from tests.helpers import pg_schema_url
 from tests.killharness import context, state
 
 WORKERS = 8

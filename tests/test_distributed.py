@@ -23,7 +23,7 @@ import torch
 from registry import Checkpoint, Registry
 from registry.collectives import buckets
 from tests._dist_worker import checkpoint_fingerprint
-from tests.conftest import child_env, write_hf_sharded
+from tests.helpers import child_env, write_hf_sharded
 
 pytestmark = pytest.mark.distributed
 
@@ -230,6 +230,21 @@ def test_failures_are_raised_on_every_rank_alike(session: dict[str, Any], name: 
     assert [g["ok"] for g in got] == [False] * session["world"], got
     assert {g["type"] for g in got} == {error}, got
     assert len({g["msg"] for g in got}) == 1, got
+
+
+@pytest.mark.parametrize("name, run, step, path_end", [
+    ("corrupt-one-step", None, None, "bad/step-00000001/model.safetensors"),
+    ("missing-step", "main", 99, None),
+])
+def test_failures_keep_run_step_and_path_on_every_rank(session: dict[str, Any], name: str, run: str | None,
+                                                       step: int | None, path_end: str | None) -> None:
+    got = outcomes(session, name)
+    assert {(g["run"], g["step"], g["path"]) for g in got} == {(got[0]["run"], got[0]["step"], got[0]["path"])}, got
+    assert (got[1]["run"], got[1]["step"]) == (run, step), got[1]
+    if path_end is None:
+        assert got[1]["path"] is None, got[1]
+    else:
+        assert got[1]["path"] is not None and got[1]["path"].endswith(path_end), got[1]
 
 
 def test_the_group_stays_usable_after_failures(session: dict[str, Any]) -> None:

@@ -9,7 +9,7 @@ import torch
 
 from registry import (CatalogError, InvalidNameError, InvalidRefError, InvalidStateError, Registry,
                       RegistryError, RootError)
-from tests.conftest import make_state
+from tests.helpers import make_state
 
 
 def test_error_hierarchy() -> None:

@@ -23,7 +23,7 @@ from sqlalchemy.exc import OperationalError
 
 from registry import CatalogError, PublishError, Registry
 from registry.catalog import Catalog
-from tests.conftest import assert_state_equal, make_state
+from tests.helpers import assert_state_equal, make_state
 
 ERRNOS = {"write": (errno.ENOSPC, errno.EIO), "fsync-file": (errno.EIO, errno.ENOSPC),
           "fsync-dir": (errno.EIO,), "replace": (errno.EXDEV, errno.EIO, errno.ENOSPC)}

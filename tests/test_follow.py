@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from registry import CheckpointInfo, InvalidNameError, InvalidStateError, Registry
-from tests.conftest import assert_state_equal, make_state, pg_schema_url
+from tests.helpers import assert_state_equal, make_state, pg_schema_url
 
 
 def test_follower_process_receives_a_publish_from_this_process(reg: Registry, catalog_url: str,

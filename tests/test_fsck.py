@@ -1,4 +1,4 @@
-"""fsck: every row of the design's recovery table, on SQLite and PostgreSQL.
+"""fsck: every row of the recovery table in docs/protocol.md, on SQLite and PostgreSQL.
 
 Each crash state is built with the store's own functions exactly as an
 interrupted publish or retention run leaves it (a staging row owned by a dead
@@ -22,7 +22,7 @@ from registry.catalog import Claim
 from registry.cli import main
 from registry.fsck import FsckReport
 from registry.store import Payload, install, new_staging, now_timestamp, write_payload
-from tests.conftest import assert_state_equal, make_state
+from tests.helpers import assert_state_equal, make_state
 
 DEAD = f"{socket.gethostname()}:4194399"  # above Linux's pid_max: provably not running
 

@@ -22,7 +22,7 @@ from registry.cli import main
 from registry.fsck import FsckReport
 from registry.refs import MAX_STEP, parse_step_dirname, step_dirname
 from registry.retention import KeepLast
-from tests.conftest import assert_state_equal, make_state
+from tests.helpers import assert_state_equal, make_state
 
 
 def kinds(report: FsckReport) -> list[tuple[str, int, str]]:

@@ -29,7 +29,7 @@ from registry import (Checkpoint, CorruptCheckpointError, ManifestError, Registr
 from registry.manifest import check_file_name, parse_manifest, read_manifest
 from registry.store import read_directory, verify_directory
 from registry.tensorio import read_safetensors, read_safetensors_header
-from tests.conftest import assert_state_equal, make_state
+from tests.helpers import assert_state_equal, make_state
 
 FUZZ = int(os.environ.get("REGISTRY_FUZZ_EXAMPLES", "300"))
 EVERY_BIT = os.environ.get("REGISTRY_EVERY_BIT", "") not in ("", "0")  # all 8 bits of every byte, not one

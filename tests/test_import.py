@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from registry import (CheckpointNotFoundError, CorruptCheckpointError, InvalidStateError, Registry,
                       StepExistsError, UnsafePathError)
 from registry.cli import main
-from tests.conftest import assert_state_equal, make_state, write_hf_sharded
+from tests.helpers import assert_state_equal, make_state, write_hf_sharded
 from tests.test_interop import reference  # noqa: F401  (the module fixture)
 
 

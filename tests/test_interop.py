@@ -1,4 +1,4 @@
-"""Both directions of compatibility with the reference module (design section 3)."""
+"""Both directions of compatibility with the reference module (docs/format.md)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import safetensors.torch as st
 import torch
 
 from registry import Checkpoint, Registry
-from tests.conftest import IN_CI, assert_state_equal, make_state, write_hf_sharded
+from tests.helpers import IN_CI, assert_state_equal, make_state, write_hf_sharded
 
 SEED = Path(__file__).resolve().parents[2] / "shared" / "seed" / "checkpoint_reference.py"
 

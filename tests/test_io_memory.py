@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import child_env
+from tests.helpers import child_env
 
 MIB = int(os.environ.get("REGISTRY_TEST_MEMORY_MIB", "64"))
 

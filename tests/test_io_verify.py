@@ -17,7 +17,7 @@ import registry.pieces as pieces_mod
 from registry import CorruptCheckpointError, ManifestError, Registry
 from registry.manifest import MANIFEST, WEIGHTS, read_manifest
 from registry.store import Payload, check_written, read_directory, verify_directory, write_payload
-from tests.conftest import assert_state_equal, make_state
+from tests.helpers import assert_state_equal, make_state
 
 SEED = Path(__file__).resolve().parents[1].parent / "shared" / "seed"
 

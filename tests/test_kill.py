@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import pg_schema_url
+from tests.helpers import pg_schema_url
 from tests.killharness import CRASH_TABLE, crashpoint_kills, migration_kills, random_kills
 
 KILLS = int(os.environ.get("REGISTRY_KILLS", "80"))

@@ -28,7 +28,7 @@ import torch
 from registry import Checkpoint, CorruptCheckpointError, InvalidStateError, Registry
 from registry.errors import CheckpointReadError, ExtraNotFoundError
 from tests._dist_worker import fingerprint
-from tests.conftest import assert_state_equal, child_env, make_state, optimizer_state
+from tests.helpers import assert_state_equal, child_env, make_state, optimizer_state
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -296,7 +296,7 @@ WORKER = textwrap.dedent("""
                             timeout=timedelta(seconds=60))
     from registry import Registry
     from tests._dist_worker import fingerprint
-    from tests.conftest import make_state
+    from tests.helpers import make_state
     # only rank 0 may consult the catalog: the others get an empty one (and, since a root belongs
     # to one catalog, an empty root) of their own
     url = spec["url"] if rank == 0 else "sqlite:///" + spec["out"] + f"/empty-{rank}.db"

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from registry import CheckpointNotFoundError, InvalidStateError, Registry
-from tests.conftest import make_state
+from tests.helpers import make_state
 
 
 def run_child(catalog_url: str, root: Path, body: str) -> subprocess.CompletedProcess[str]:

@@ -12,7 +12,7 @@ import torch
 import registry.store as store_mod
 from registry import (CheckpointNotFoundError, CorruptCheckpointError, InvalidStateError, PublishError,
                       Registry, StepExistsError)
-from tests.conftest import assert_state_equal, make_state, optimizer_state
+from tests.helpers import assert_state_equal, make_state, optimizer_state
 
 
 def test_round_trip(reg: Registry) -> None:

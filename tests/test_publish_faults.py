@@ -34,7 +34,7 @@ from registry.errors import AsyncPublishError
 from registry.records import CheckpointInfo
 from registry.retention import KeepLast, Policy, RetentionContext, remove_checkpoint_dir
 from registry.store import STALE_AFTER, new_staging, writer_alive, writer_id
-from tests.conftest import assert_state_equal, make_state, write_hf_sharded
+from tests.helpers import assert_state_equal, make_state, write_hf_sharded
 
 
 def hidden(reg: Registry, run: str = "run") -> list[str]:

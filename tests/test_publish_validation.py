@@ -18,7 +18,7 @@ import torch
 
 from registry import (Checkpoint, InvalidNameError, InvalidStateError, ManifestError, Registry, RegistryError,
                       UnsafePickleError)
-from tests.conftest import assert_state_equal, make_state, optimizer_state
+from tests.helpers import assert_state_equal, make_state, optimizer_state
 from tests.test_interop import reference  # noqa: F401  (the module fixture)
 
 

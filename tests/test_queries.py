@@ -1,4 +1,4 @@
-"""Every ref form, tags and policy versions, on SQLite and PostgreSQL (design section 5)."""
+"""Every ref form, tags and policy versions, on SQLite and PostgreSQL (docs/refs.md)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from registry import (CheckpointNotFoundError, CorruptCheckpointError, InvalidNameError, InvalidRefError,
                       Registry, parse_ref)
 from registry.cli import main
-from tests.conftest import assert_state_equal, make_state
+from tests.helpers import assert_state_equal, make_state
 
 
 def publish_steps(reg: Registry, losses: dict[int, float], *, run: str = "run") -> None:

@@ -20,7 +20,7 @@ from registry.errors import CheckpointDeletedError, InvalidNameError
 from registry.records import CheckpointInfo
 from registry.retention import (AnyOf, KeepBest, KeepEvery, KeepLast, KeepNewerThan, KeepPolicyVersions,
                                 KeepTagged, MaxBytes, Policy, RetentionContext, RetentionWarning)
-from tests.conftest import assert_state_equal, child_env, make_state, pg_schema_url
+from tests.helpers import assert_state_equal, child_env, make_state, pg_schema_url
 
 
 

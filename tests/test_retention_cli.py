@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from registry import Registry
-from registry.cli import parse_keep_best, parse_size
-from tests.conftest import make_state
+from registry.policies import parse_keep_best, parse_size
+from tests.helpers import make_state
 
 REPO = Path(__file__).resolve().parents[1]
 

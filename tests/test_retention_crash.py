@@ -27,7 +27,7 @@ import pytest
 
 from registry import Registry
 from registry.retention import KeepBest, KeepEvery, KeepLast, Policy  # noqa: F401 - used by eval
-from tests.conftest import assert_state_equal, child_env, make_state
+from tests.helpers import assert_state_equal, child_env, make_state
 
 POLICY = 'KeepLast(2) | KeepBest(1, "eval/loss") | KeepEvery(40)'
 STEPS = tuple(range(10, 101, 10))

@@ -14,7 +14,7 @@ from registry import InvalidNameError, Registry, RootError
 from registry.catalog.session import alembic_config, make_engine
 from registry.cli import main
 from registry.errors import CatalogError, ReadOnlyError, RootMismatchError
-from tests.conftest import assert_state_equal, make_state
+from tests.helpers import assert_state_equal, make_state
 
 
 def run_cli(url: str | None, root: Path, *args: str):  # type: ignore[no-untyped-def]

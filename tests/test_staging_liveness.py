@@ -19,7 +19,7 @@ from registry import Registry, StepExistsError
 from registry.catalog import Claim
 from registry.catalog.models import CheckpointRow
 from registry.store import STALE_AFTER, new_staging, writer_alive
-from tests.conftest import make_state
+from tests.helpers import make_state
 
 ELSEWHERE = "another-node:4242"  # a host name that is not this machine's
 

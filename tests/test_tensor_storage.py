@@ -28,7 +28,7 @@ import torch
 from registry import Checkpoint, Registry
 from registry import tensorio as tio
 from tests._dist_worker import fingerprint
-from tests.conftest import child_env
+from tests.helpers import child_env
 
 REPO = Path(__file__).resolve().parents[1]
 ONE_SAVE_LIMIT = 8 << 10  # torch.save of a few-byte tensor: ~1.5 KiB of zip framing, far below any file here

@@ -565,7 +565,7 @@ class Catalog:
         return query, what
 
     def resolve(self, ref: Ref, *, below: int | None = None, min_policy_version: int | None = None) -> CheckpointInfo:
-        """The checkpoint a ref names now (design section 5).
+        """The checkpoint a ref names now (the grammar is in docs/refs.md).
 
         - ``latest``: the newest ``verified`` step; ``latest-published``: the
           newest ``published`` or ``verified`` one. ``below`` restricts them to

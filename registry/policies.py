@@ -1,0 +1,101 @@
+"""Retention policies from text: sizes, ``--keep-best`` specs and policy files.
+
+The one parser behind ``registry gc`` and the retention scripts. Retention
+itself (:mod:`registry.retention`) is imported only when a policy is built,
+so importing this module stays cheap for the command line.
+"""
+
+from __future__ import annotations
+
+import re
+import runpy
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from registry.errors import PolicyError
+
+if TYPE_CHECKING:
+    from registry.retention import Policy
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
+               "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
+
+
+def parse_size(text: str) -> int:
+    """``10G``, ``500MiB``, ``123`` -> bytes (decimal units, ``*iB`` binary); ValueError otherwise."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    if match is None or match.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"{text!r} is not a size like 500M, 10G or 2TiB")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+
+
+def parse_keep_best(text: str) -> tuple[str, str, int]:
+    """``METRIC[:max|:min]=K`` -> (metric, mode, k); ValueError otherwise."""
+    metric, sep, count = text.rpartition("=")
+    mode = "min"
+    for suffix in (":max", ":min"):
+        if metric.endswith(suffix):
+            metric, mode = metric[:-len(suffix)], suffix[1:]
+    if not sep or not metric or not count.isdigit() or int(count) < 1:
+        raise ValueError(f"{text!r} is not METRIC[:max]=K with K >= 1")
+    return metric, mode, int(count)
+
+
+def load_policy_file(path: str) -> Policy:
+    """Run a Python file and return its ``policy`` variable, which must be a retention Policy."""
+    from registry.retention import Policy
+    try:
+        namespace = runpy.run_path(path, run_name="__registry_policy__")
+    except Exception as exc:  # noqa: BLE001 - any failure of user code is reported in one line
+        detail = str(exc).splitlines()[0] if str(exc) else ""
+        raise PolicyError(f"cannot load policy file {path}: {type(exc).__name__}: {detail}") from None
+    policy = namespace.get("policy")
+    if not isinstance(policy, Policy):
+        raise PolicyError(f"policy file {path} must define `policy = ...` as a registry.retention Policy, "
+                          f"got {type(policy).__name__}")
+    return policy
+
+
+class PolicyOptionError(ValueError):
+    """An option of :func:`build_policy` that does not parse; ``option`` is its keyword name."""
+
+    def __init__(self, message: str, *, option: str) -> None:
+        super().__init__(message)
+        self.option = option
+
+
+def build_policy(*, keep_last: int | None = None, keep_best: Sequence[str] = (), keep_every: int | None = None,
+                 max_bytes: str | None = None, policy_file: str | None = None) -> Policy | None:
+    """The union of every policy given, under a ``MaxBytes`` budget if one is; None when none is given.
+
+    A ``keep_best`` spec or ``max_bytes`` size that does not parse raises
+    :class:`PolicyOptionError` naming the option; a policy file that cannot
+    be loaded raises :class:`~registry.errors.PolicyError`.
+    """
+    from registry import retention
+    parts: list[Policy] = []
+    if keep_last is not None:
+        parts.append(retention.KeepLast(keep_last))
+    for spec in keep_best:
+        try:
+            metric, mode, k = parse_keep_best(spec)
+        except ValueError as exc:
+            raise PolicyOptionError(str(exc), option="keep_best") from None
+        parts.append(retention.KeepBest(k, metric, mode=mode))  # type: ignore[arg-type]
+    if keep_every is not None:
+        parts.append(retention.KeepEvery(keep_every))
+    if policy_file is not None:
+        parts.append(load_policy_file(policy_file))
+    budget = None
+    if max_bytes is not None:
+        try:
+            budget = parse_size(max_bytes)
+        except ValueError as exc:
+            raise PolicyOptionError(str(exc), option="max_bytes") from None
+    if not parts and budget is None:
+        return None
+    policy = retention.AnyOf(*parts) if len(parts) > 1 else (parts[0] if parts else None)
+    return retention.MaxBytes(budget, keep=policy) if budget is not None else policy
+
+
+__all__ = ["PolicyOptionError", "build_policy", "load_policy_file", "parse_keep_best", "parse_size"]

@@ -1,0 +1,82 @@
+"""Helpers shared by the tests: states to publish and compare, child-process environments, PostgreSQL schemas.
+
+Fixtures live in ``conftest.py``; everything here is a plain function that a
+test imports by name (``from tests.helpers import make_state``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import uuid
+from pathlib import Path
+
+import torch
+
+PG_ADMIN = os.environ.get("REGISTRY_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test")
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+REPO = Path(__file__).resolve().parents[1]
+
+
+def child_env() -> dict[str, str]:
+    """The environment for a child Python: this checkout first on its path, the caller's path kept after it."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path}
+
+
+_schema_counter = itertools.count()
+
+
+def pg_connect(dsn: str):  # type: ignore[no-untyped-def]
+    import psycopg
+    return psycopg.connect(dsn, autocommit=True, connect_timeout=5)
+
+
+def pg_schema_url(pg_database: str) -> str:
+    schema = f"t{next(_schema_counter)}_{uuid.uuid4().hex[:6]}"
+    with pg_connect(pg_database) as conn:
+        conn.execute(f'CREATE SCHEMA "{schema}"')
+    return pg_database.replace("postgresql://", "postgresql+psycopg://") + f"?options=-csearch_path%3D{schema}"
+
+
+def optimizer_state() -> dict[str, object]:
+    """A real AdamW state dict after one step: nested dicts of tensors and plain numbers."""
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    return opt.state_dict()
+
+
+def write_hf_sharded(path: Path, *, size: int = 4, layers: int = 5) -> dict[str, torch.Tensor]:
+    """A Hugging Face style directory: two safetensors shards, their index and a config.json."""
+    import json
+
+    import safetensors.torch as st
+    state = {f"model.layers.{i}.weight": torch.randn(size, size) for i in range(layers)}
+    path.mkdir(parents=True, exist_ok=True)
+    weight_map = {}
+    for i, names in enumerate((list(state)[:2], list(state)[2:]), start=1):
+        shard = f"model-{i:05d}-of-00002.safetensors"
+        st.save_file({k: state[k] for k in names}, str(path / shard))
+        weight_map.update({k: shard for k in names})
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (path / "config.json").write_text(json.dumps({"hidden_size": size}))
+    return state
+
+
+def make_state(seed: int = 0, n: int = 4) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    state = {f"layer{i}.weight": torch.randn(8, 8, generator=g) for i in range(n)}
+    state["embed"] = torch.randn(16, 4, generator=g).to(torch.bfloat16)
+    state["count"] = torch.tensor(seed, dtype=torch.int64)
+    state["mask"] = torch.rand(5, generator=g) > 0.5
+    return state
+
+
+def assert_state_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert set(a) == set(b)
+    for key in a:
+        assert a[key].dtype == b[key].dtype, key
+        assert a[key].shape == b[key].shape, key
+        assert torch.equal(a[key], b[key]), key
