@@ -25,17 +25,15 @@ import torch
 
 from registry import reading
 from registry.background import BackgroundPublisher
-from registry.catalog import Catalog, FileRecord
+from registry.catalog import Catalog, CommitRecord, PayloadRecord
 from registry.checkpoint import Checkpoint
-from registry.crashpoints import crashpoint
 from registry.errors import InvalidStateError, RegistryError, StepExistsError
-from registry.protocol import commit_failed, write_and_install
+from registry.protocol import publish_sequence
 from registry.records import LIVE, CheckpointInfo, EventInfo, MetricPoint, RunInfo
 from registry.refs import Ref, check_metric_key, check_run_name, check_step, check_tag_name, parse_ref, step_dirname
 from registry.scrub import VerifyResult, scrub
 from registry.snapshot import Snapshotter
-from registry.store import (Payload, Store, check_extras, discard, now_timestamp, write_payload, writer_alive,
-                            writer_id)
+from registry.store import Payload, Store, check_extras, now_timestamp, write_payload, writer_alive, writer_id
 from registry.tensorio import check_state_dict
 from registry.validation import check_flags, check_tags, checked_payload
 
@@ -78,7 +76,7 @@ def locations(url: str | None, root: str | os.PathLike[str] | None) -> tuple[Pat
 
 @dataclass(frozen=True, kw_only=True)
 class _PublishJob:
-    """A validated publish: everything the protocol's phases need."""
+    """A validated publish: everything the publish sequence needs (``payload.meta`` holds the numbers)."""
 
     run: str
     step: int
@@ -88,10 +86,6 @@ class _PublishJob:
     verify: bool
     new_metrics: tuple[tuple[int, str, float], ...]
     tags: tuple[str, ...]
-    epoch: int
-    consumed_samples: int
-    optimizer_step: int
-    policy_version: int | None
     retention: Policy | None = None
 
 
@@ -249,9 +243,8 @@ class Registry:
                                   trust_pickle=trust_pickle, timestamp=now_timestamp())
 
         job = _PublishJob(run=run, step=step, overwrite=overwrite, final=self.store.step_dir(run, step),
-                          payload=payload, verify=verify, new_metrics=tuple(new_metrics), tags=tags, epoch=epoch,
-                          consumed_samples=consumed_samples, optimizer_step=payload.meta["optimizer_step"],
-                          policy_version=policy_version, retention=retention)
+                          payload=payload, verify=verify, new_metrics=tuple(new_metrics), tags=tags,
+                          retention=retention)
         if not blocking:
             return self._submit_publish(job)
         self._background.wait()  # publishes commit in call order, background ones first
@@ -259,41 +252,37 @@ class Registry:
         return self._run_publish(job)
 
     def _run_publish(self, job: _PublishJob) -> CheckpointInfo:
-        """Phases 1-4 (on the caller's thread, or the background publisher's)."""
-        run, step = job.run, job.step
-        claim = self.catalog.claim(run, step, path=self.store.relpath(job.final), writer=self.writer,
-                                   overwrite=job.overwrite, writer_alive=writer_alive)
-        crashpoint("after-claim")
-        written, status, retired = write_and_install(
-            self.catalog, claim, job.final, lambda staging: write_payload(staging, job.payload), verify=job.verify)
+        """The publish sequence (on the caller's thread, or the background publisher's).
 
+        The commit carries the buffered metric points up to ``job.step``; they
+        go back into the buffer if it fails.
+        """
+        run, step = job.run, job.step
         due: list[tuple[int, str, float]] = []
-        try:  # from here on, anything (even a KeyboardInterrupt) must reach commit_failed's undo
+
+        def record(payload: PayloadRecord) -> CommitRecord:
             with self._lock:
                 pending = self._pending_metrics.get(run, [])
-                due = [m for m in pending if m[0] <= step]
+                due.extend(m for m in pending if m[0] <= step)
                 self._pending_metrics[run] = [m for m in pending if m[0] > step]
                 resumed_from = self._resumed_from.get(run) if run not in self._published else None
-            self.catalog.commit_publish(
-                claim, status=status, manifest_sha256=written.manifest_sha256,
-                files=[FileRecord(name=f.name, size=f.size, sha256=f.sha256)
-                       for f in written.manifest.files.values()], total_bytes=written.total_bytes,
-                epoch=job.epoch, consumed_samples=job.consumed_samples,
-                optimizer_step=job.optimizer_step, policy_version=job.policy_version,
-                metrics=due + list(job.new_metrics), attempt_id=self._attempt(run), tags=job.tags,
-                writer=self.writer, resumed_from=resumed_from)
-        except BaseException as exc:
+            return CommitRecord(payload=payload, metrics=due + list(job.new_metrics), attempt_id=self._attempt(run),
+                                tags=job.tags, resumed_from=resumed_from)
+
+        def uncommitted() -> None:
             with self._lock:
                 self._pending_metrics[run] = due + self._pending_metrics.get(run, [])
-            commit_failed(self.catalog, claim, run=run, step=step, writer=self.writer, final=job.final,
-                          retired=retired, exc=exc)
-        with self._lock:
-            self._published.add(run)
-        if retired is not None:
-            discard(retired)
-        crashpoint("after-commit")
-        info = self.catalog.get(run, step)
-        assert info is not None
+
+        def committed() -> None:
+            with self._lock:
+                self._published.add(run)
+
+        info = publish_sequence(
+            self.catalog, run=run, step=step, final=job.final, relpath=self.store.relpath(job.final),
+            writer=self.writer, overwrite=job.overwrite, verify=job.verify,
+            write=lambda staging: write_payload(staging, job.payload), epoch=job.payload.meta["epoch"],
+            consumed_samples=job.payload.meta["consumed_samples"], record=record, uncommitted=uncommitted,
+            committed=committed)
         if job.retention is not None:
             self._retention_after_publish(run, step, job.retention)
         return self._absolute(info)
@@ -611,29 +600,14 @@ class Registry:
         if move and foreign.directory.resolve().is_relative_to(self.store.root.resolve()):
             raise InvalidStateError(f"{foreign.directory} is inside the registry root, where moving it could "
                                     "take files from a published checkpoint; import it without --move")
-        claim = self.catalog.claim(run, step, path=self.store.relpath(final), writer=self.writer,
-                                   overwrite=overwrite, writer_alive=writer_alive)
-        written, status, retired = write_and_install(
-            self.catalog, claim, final, lambda staging: stage(foreign, staging, move=move), verify=True)
         meta = foreign.meta
-        try:
-            self.catalog.commit_publish(
-                claim, status=status, manifest_sha256=written.manifest_sha256,
-                files=[FileRecord(name=f.name, size=f.size, sha256=f.sha256)
-                       for f in written.manifest.files.values()],
-                total_bytes=written.total_bytes, epoch=int_field(meta, "epoch", 0) or 0,
-                consumed_samples=int_field(meta, "consumed_samples", 0) or 0,
-                optimizer_step=written.manifest.optimizer_step, policy_version=written.manifest.policy_version,
-                metrics=[], attempt_id=None, tags=tags, writer=self.writer)
-        except BaseException as exc:
-            commit_failed(self.catalog, claim, run=run, step=step, writer=self.writer, final=final,
-                          retired=retired, exc=exc)
-        if retired is not None:
-            discard(retired)
+        info = publish_sequence(
+            self.catalog, run=run, step=step, final=final, relpath=self.store.relpath(final), writer=self.writer,
+            overwrite=overwrite, verify=True, write=lambda staging: stage(foreign, staging, move=move),
+            epoch=int_field(meta, "epoch", 0) or 0, consumed_samples=int_field(meta, "consumed_samples", 0) or 0,
+            record=lambda payload: CommitRecord(payload=payload, tags=tags))
         if move:
             remove_originals(foreign)
-        info = self.catalog.get(run, step)
-        assert info is not None
         return self._absolute(info)
 
     # ------------------------------------------------------------------ fsck

@@ -1,6 +1,6 @@
-"""The filesystem half of the publish protocol (docs/protocol.md), between claim and commit.
+"""The publish sequence (docs/protocol.md), the one place that talks to both the catalog and the store.
 
-A publish (and an import) runs:
+A publish and an import both run :func:`publish_sequence`:
 
 1. claim a ``staging`` row (the unique constraint picks one winner);
 2. write the payload into a hidden staging directory, hashing as it writes,
@@ -14,7 +14,6 @@ previous status (an overwritten step) or marks it ``failed``; a failed commit
 puts the retired old payload back (:func:`commit_failed`). The retired
 payload is discarded only after the commit, so a crash at any moment leaves
 either the old or the new payload in place, and ``fsck`` finishes the job.
-This module is the one place that talks to both the catalog and the store.
 """
 
 from __future__ import annotations
@@ -25,13 +24,60 @@ from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 
-from registry.catalog import Catalog, Claim
+from registry.catalog import Catalog, Claim, CommitRecord, FileRecord, PayloadRecord
 from registry.crashpoints import crashpoint
 from registry.errors import CatalogError, CorruptCheckpointError, PublishError, RegistryError
+from registry.records import CheckpointInfo
 from registry.store import (Written, check_written, discard, hidden_sibling, install, new_staging,
-                            remove_stale_staging, uninstall)
+                            remove_stale_staging, uninstall, writer_alive)
 
 HEARTBEAT = timedelta(seconds=30)  # well inside store.STALE_AFTER, so a slow beat never looks like a dead writer
+
+
+def publish_sequence(catalog: Catalog, *, run: str, step: int, final: Path, relpath: str, writer: str,
+                     overwrite: bool, verify: bool, write: Callable[[Path], Written], epoch: int,
+                     consumed_samples: int, record: Callable[[PayloadRecord], CommitRecord],
+                     uncommitted: Callable[[], object] = lambda: None,
+                     committed: Callable[[], object] = lambda: None) -> CheckpointInfo:
+    """Phases 1-4: publish what ``write`` puts into a directory as ``run@step`` at ``final``.
+
+    ``relpath`` is ``final`` as the catalog records it. ``record`` turns the
+    payload, once installed, into what the commit records (metrics, tags and
+    the attempt it adds); ``uncommitted`` runs when that commit raised (give
+    back whatever ``record`` took) and ``committed`` once it happened, which
+    can be both when a failed COMMIT turns out to have happened after all.
+    Every failure after the claim is undone before it is raised. Returns the
+    step as the catalog now has it (with ``relpath``).
+    """
+    claim = catalog.claim(run, step, path=relpath, writer=writer, overwrite=overwrite, writer_alive=writer_alive)
+    crashpoint("after-claim")
+    written, status, retired = write_and_install(catalog, claim, final, write, verify=verify)
+    try:  # from here on, anything (even a KeyboardInterrupt) must reach commit_failed's undo
+        catalog.commit_publish(claim, record(payload_record(written, status, epoch=epoch,
+                                                            consumed_samples=consumed_samples)), writer=writer)
+    except BaseException as exc:
+        try:
+            uncommitted()
+        finally:
+            commit_failed(catalog, claim, run=run, step=step, writer=writer, final=final, retired=retired,
+                          exc=exc)
+    committed()
+    if retired is not None:
+        discard(retired)
+    crashpoint("after-commit")
+    info = catalog.get(run, step)
+    assert info is not None, "a committed step has a row"
+    return info
+
+
+def payload_record(written: Written, status: str, *, epoch: int, consumed_samples: int) -> PayloadRecord:
+    """What the catalog records about the payload just written."""
+    return PayloadRecord(status=status, manifest_sha256=written.manifest_sha256,
+                         files=tuple(FileRecord(name=f.name, size=f.size, sha256=f.sha256)
+                                     for f in written.manifest.files.values()),
+                         total_bytes=written.total_bytes, epoch=epoch, consumed_samples=consumed_samples,
+                         optimizer_step=written.manifest.optimizer_step,
+                         policy_version=written.manifest.policy_version)
 
 
 def write_and_install(catalog: Catalog, claim: Claim, final: Path, write: Callable[[Path], Written], *,

@@ -41,7 +41,7 @@ from sqlalchemy import insert, select, text
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from registry.catalog import Catalog  # noqa: E402
+from registry.catalog import Catalog, CommitRecord, PayloadRecord  # noqa: E402
 from registry.catalog.models import CheckpointRow, Metric, Run, Tag  # noqa: E402
 from registry.catalog.session import write_connection  # noqa: E402
 from registry.errors import CheckpointNotFoundError  # noqa: E402
@@ -180,9 +180,9 @@ def follower_wakeups(catalog: Catalog, samples: int) -> list[tuple[float, float]
             time.sleep(rng.uniform(0.05, 0.3))
             claim = catalog.claim(run, i, path=f"{run}/step-{i:08d}", writer="bench:1", overwrite=False)
             t0 = time.perf_counter()
-            catalog.commit_publish(claim, status="verified", manifest_sha256="0" * 64, files=[], total_bytes=0,
-                                   epoch=0, consumed_samples=0, optimizer_step=None, policy_version=None,
-                                   metrics=[], attempt_id=None, tags=[], writer="bench:1")
+            record = CommitRecord(payload=PayloadRecord(status="verified", manifest_sha256="0" * 64, files=(),
+                                                        total_bytes=0))
+            catalog.commit_publish(claim, record, writer="bench:1")
             t1 = time.perf_counter()
             waiter.join()
             out.append(((woke[0] - t0) * 1000, (woke[0] - t1) * 1000))

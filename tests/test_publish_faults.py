@@ -177,6 +177,36 @@ def test_a_failed_commit_on_a_full_disk_is_undone(reg: Registry, failing_mkdir: 
     assert_state_equal(reg.load("run@latest").state_dict, make_state(20))
 
 
+@pytest.mark.parametrize("how", ["publish", "import"])
+def test_an_interrupt_during_the_commit_is_undone(reg: Registry, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  how: str) -> None:
+    """Ctrl-C while the catalog commits an overwrite: the old payload, its row and the buffered points come back."""
+    reg.publish("run", 2, make_state(2), tags=["release"])
+    reg.log_metrics("run", 2, {"loss": 0.5})
+    source = tmp_path / "hf"
+    state = write_hf_sharded(source)
+    real_commit = Catalog.commit_publish
+
+    def interrupted(self: Catalog, *args: Any, **kwargs: Any) -> None:
+        raise KeyboardInterrupt
+
+    def overwrite() -> CheckpointInfo:
+        if how == "publish":
+            return reg.publish("run", 2, make_state(20), overwrite=True)
+        return reg.import_checkpoint(source, run="run", step=2, overwrite=True)
+    monkeypatch.setattr(Catalog, "commit_publish", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        overwrite()
+    assert status(reg, 2) == "verified" and reg.resolve("run@release").step == 2
+    assert_state_equal(reg.load("run@2").state_dict, make_state(2))
+    assert hidden(reg) == [] and reg.metrics("run") == []
+    monkeypatch.setattr(Catalog, "commit_publish", real_commit)
+    assert overwrite().status == "verified"
+    assert_state_equal(reg.load("run@2").state_dict, make_state(20) if how == "publish" else state)
+    reg.flush()
+    assert [(m.step, m.key, m.value) for m in reg.metrics("run")] == [(2, "loss", 0.5)]
+
+
 # --------------------------------------------------------------------------- writer identity
 
 

@@ -1,5 +1,5 @@
 """The SQL catalog: schema, migrations runner and queries. Knows nothing of torch."""
 
-from registry.catalog.queries import Catalog, Claim, FileRecord
+from registry.catalog.queries import Catalog, Claim, CommitRecord, FileRecord, PayloadRecord
 
-__all__ = ["Catalog", "Claim", "FileRecord"]
+__all__ = ["Catalog", "Claim", "CommitRecord", "FileRecord", "PayloadRecord"]

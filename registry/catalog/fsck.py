@@ -10,16 +10,15 @@ Knows SQL and nothing of files or torch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Connection, delete, insert, select, update
+from sqlalchemy import Connection, insert, select, update
 from sqlalchemy.exc import IntegrityError
 
 from registry.catalog.models import CheckpointFile, CheckpointRow, Run
-from registry.catalog.queries import Catalog, FileRecord, _aware, utcnow
+from registry.catalog.queries import Catalog, PayloadRecord, _aware, replace_files, utcnow
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,20 +33,6 @@ class RowState:
     manifest_sha256: str | None
     files: dict[str, tuple[int, str]] = field(default_factory=dict)  # name -> (size, sha256)
     updated_at: datetime | None = None  # a live writer on another host keeps refreshing it
-
-
-@dataclass(frozen=True, kw_only=True)
-class PayloadRecord:
-    """What a repair records about a payload it found valid on disk."""
-
-    status: str  # published or verified
-    manifest_sha256: str
-    files: Sequence[FileRecord]
-    total_bytes: int
-    epoch: int = 0
-    consumed_samples: int = 0
-    optimizer_step: int | None = None
-    policy_version: int | None = None
 
 
 def snapshot(catalog: Catalog) -> list[RowState]:
@@ -96,19 +81,12 @@ def record_payload(catalog: Catalog, seen: RowState | None, *, run: str, step: i
 
     Returns False, changing nothing, when the row is no longer as ``seen``.
     """
-    files = list(payload.files)
-
     def fn(conn: Connection) -> bool:
         now = utcnow()
         row = _row(conn, run, step)
         if not _unchanged(row, seen):
             return False
-        values: dict[str, Any] = dict(
-            status=payload.status, manifest_sha256=payload.manifest_sha256, total_bytes=payload.total_bytes,
-            epoch=payload.epoch, consumed_samples=payload.consumed_samples,
-            optimizer_step=payload.optimizer_step, policy_version=payload.policy_version, path=path,
-            updated_at=now, published_at=now, verified_at=now if payload.status == "verified" else None,
-            deleted_at=None)
+        values = {**payload.columns(now), "path": path}
         if row is None:
             run_id = Catalog._run_id(conn, run, create=True)
             try:
@@ -121,10 +99,7 @@ def record_payload(catalog: Catalog, seen: RowState | None, *, run: str, step: i
         else:
             run_id, cid = row.run_id, row.id
             conn.execute(update(CheckpointRow).where(CheckpointRow.id == cid).values(**values))
-        conn.execute(delete(CheckpointFile).where(CheckpointFile.checkpoint_id == cid))
-        if files:
-            conn.execute(insert(CheckpointFile), [
-                {"checkpoint_id": cid, "name": f.name, "size": f.size, "sha256": f.sha256} for f in files])
+        replace_files(conn, cid, payload.files)
         Catalog._event(conn, run_id, step, "repair", actor=actor, problem=kind, status=payload.status, **detail)
         return True
     return bool(catalog._write(fn))

@@ -56,6 +56,51 @@ class FileRecord:
     sha256: str
 
 
+@dataclass(frozen=True, kw_only=True)
+class PayloadRecord:
+    """What the catalog records about a payload found valid on disk, by a publish, an import or fsck."""
+
+    status: str  # published or verified
+    manifest_sha256: str
+    files: Sequence[FileRecord]
+    total_bytes: int
+    epoch: int = 0
+    consumed_samples: int = 0
+    optimizer_step: int | None = None
+    policy_version: int | None = None
+
+    def columns(self, now: datetime) -> dict[str, Any]:
+        """The checkpoint row's values once this payload is in place, as of ``now``."""
+        return dict(status=self.status, manifest_sha256=self.manifest_sha256, total_bytes=self.total_bytes,
+                    epoch=self.epoch, consumed_samples=self.consumed_samples,
+                    optimizer_step=self.optimizer_step, policy_version=self.policy_version, updated_at=now,
+                    published_at=now, verified_at=now if self.status == "verified" else None, deleted_at=None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommitRecord:
+    """A publish's commit: its payload, and what its writer records in the same transaction.
+
+    ``attempt_id`` is the writer's attempt (None for an import);
+    ``resumed_from`` is set on the first publish of an attempt that resumed
+    (see :meth:`Catalog.commit_publish`).
+    """
+
+    payload: PayloadRecord
+    metrics: Sequence[tuple[int, str, float]] = ()
+    attempt_id: int | None = None
+    tags: Sequence[str] = ()
+    resumed_from: int | None = None
+
+
+def replace_files(conn: Connection, checkpoint_id: int, files: Iterable[FileRecord]) -> None:
+    """Make ``files`` the checkpoint's whole file table."""
+    conn.execute(delete(CheckpointFile).where(CheckpointFile.checkpoint_id == checkpoint_id))
+    rows = [{"checkpoint_id": checkpoint_id, "name": f.name, "size": f.size, "sha256": f.sha256} for f in files]
+    if rows:
+        conn.execute(insert(CheckpointFile), rows)
+
+
 def _sqlite_read_engine(engine: Engine) -> Engine:
     """A pooled engine for SQLite *read* transactions.
 
@@ -330,14 +375,10 @@ class Catalog:
                                                        started_at=utcnow()).returning(Attempt.id)).scalar_one()
         return self._write(fn)
 
-    def commit_publish(self, claim: Claim, *, status: str, manifest_sha256: str,
-                       files: Iterable[FileRecord], total_bytes: int, epoch: int, consumed_samples: int,
-                       optimizer_step: int | None, policy_version: int | None,
-                       metrics: Sequence[tuple[int, str, float]], attempt_id: int | None,
-                       tags: Sequence[str], writer: str, resumed_from: int | None = None) -> None:
+    def commit_publish(self, claim: Claim, record: CommitRecord, *, writer: str) -> None:
         """Phase 4: the step becomes visible together with its files, metrics and tags.
 
-        ``resumed_from=N`` says this is the first publish of an attempt that
+        ``record.resumed_from=N`` says this is the first publish of an attempt that
         resumed from step N: in the same transaction, current metric points of
         the run at steps > N logged by any *other* attempt become superseded
         (kept as history), because they describe a timeline that was abandoned.
@@ -348,7 +389,7 @@ class Catalog:
         earlier incarnation was published (or deleted, if it was); this
         attempt's later points, and those committed here, are for the new one.
         """
-        files = list(files)
+        payload, attempt_id, resumed_from = record.payload, record.attempt_id, record.resumed_from
 
         def fn(conn: Connection) -> None:
             now = utcnow()
@@ -357,10 +398,7 @@ class Catalog:
                                    .where(CheckpointRow.id == cid)).one()
             step = earlier.step
             conn.execute(update(CheckpointRow).where(CheckpointRow.id == cid).values(
-                status=status, manifest_sha256=manifest_sha256, total_bytes=total_bytes,
-                epoch=epoch, consumed_samples=consumed_samples, optimizer_step=optimizer_step,
-                policy_version=policy_version, attempt_id=attempt_id, writer=writer, updated_at=now,
-                published_at=now, verified_at=now if status == "verified" else None, deleted_at=None))
+                **payload.columns(now), attempt_id=attempt_id, writer=writer))
             self._lock_run(conn, claim.run_id)
             others = or_(Metric.attempt_id.is_(None), Metric.attempt_id != attempt_id)
             current = [Metric.run_id == claim.run_id, Metric.superseded.is_(False), others]
@@ -379,17 +417,15 @@ class Catalog:
                 superseded = conn.execute(update(Metric).where(
                     Metric.run_id == claim.run_id, Metric.superseded.is_(False), Metric.step == step, stale)
                     .values(superseded=True)).rowcount
-            conn.execute(delete(CheckpointFile).where(CheckpointFile.checkpoint_id == cid))
-            if files:
-                conn.execute(insert(CheckpointFile), [
-                    {"checkpoint_id": cid, "name": f.name, "size": f.size, "sha256": f.sha256} for f in files])
-            self._insert_metrics(conn, claim.run_id, metrics, attempt_id, now=now)
+            replace_files(conn, cid, payload.files)
+            self._insert_metrics(conn, claim.run_id, record.metrics, attempt_id, now=now)
             again = {} if superseded is None else {"superseded_points": superseded}
-            self._event(conn, claim.run_id, step, "publish", actor=writer, status=status,
-                        manifest_sha256=manifest_sha256, overwrite=claim.previous_status is not None, **again)
-            for name in tags:
+            self._event(conn, claim.run_id, step, "publish", actor=writer, status=payload.status,
+                        manifest_sha256=payload.manifest_sha256, overwrite=claim.previous_status is not None,
+                        **again)
+            for name in record.tags:
                 self._set_tag(conn, claim.run_id, step, cid, name, actor=writer)
-            self._notify(conn, claim.run_id, step, status)
+            self._notify(conn, claim.run_id, step, payload.status)
         self._write(fn)
 
     def _notify(self, conn: Connection, run_id: int, step: int | None, status: str) -> None:
@@ -729,4 +765,5 @@ class Catalog:
         return head_revision()
 
 
-__all__ = ["Catalog", "Claim", "FileRecord", "NOTIFY_CHANNEL", "utcnow"]
+__all__ = ["Catalog", "Claim", "CommitRecord", "FileRecord", "NOTIFY_CHANNEL", "PayloadRecord", "replace_files",
+           "utcnow"]
