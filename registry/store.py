@@ -166,7 +166,7 @@ def fsync_dir(path: Path) -> None:
 
 
 def json_bytes(doc: Mapping[str, Any], what: str) -> bytes:
-    """The bytes of a JSON file that the reader (``_read_json``) gives back as ``doc``.
+    """The bytes of a JSON file that the reader (``registry.filemaps.json_object``) gives back as ``doc``.
 
     So: string keys only (``json`` would turn ``1`` into ``"1"``), finite
     numbers, at most ``MAX_JSON_DEPTH`` levels and ``MAX_JSON_BYTES`` bytes.
