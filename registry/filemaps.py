@@ -168,7 +168,7 @@ def select_extras(directory: Path, present: Iterable[str], extras: Extras) -> li
 
 
 @dataclass(frozen=True, kw_only=True)
-class Mapped:
+class MappedFiles:
     """The files a load of ``directory`` reads, each mapped whole, in the order they were mapped."""
 
     directory: Path
@@ -179,7 +179,7 @@ class Mapped:
 
 
 def map_directory(directory: Path, *, extras: Extras = True, verify: bool = False,
-                  expected_digest: str | None = None) -> Mapped:
+                  expected_digest: str | None = None) -> MappedFiles:
     """Map exactly what a load with ``extras`` reads, checking names, sizes and the catalog's digest.
 
     With a manifest, only the files it lists are read and every size is
@@ -197,7 +197,7 @@ def map_directory(directory: Path, *, extras: Extras = True, verify: bool = Fals
         raise read_error(directory, exc) from exc
 
 
-def _map_directory(directory: Path, *, extras: Extras, verify: bool, expected_digest: str | None) -> Mapped:
+def _map_directory(directory: Path, *, extras: Extras, verify: bool, expected_digest: str | None) -> MappedFiles:
     buffers: dict[str, torch.Tensor] = {}
     manifest: Manifest | None = None
     digest: str | None = None
@@ -233,7 +233,7 @@ def _map_directory(directory: Path, *, extras: Extras, verify: bool, expected_di
         raise CorruptCheckpointError(f"no model weights in {directory}", path=directory)
     for name in select_extras(directory, present, extras):
         add(name)
-    return Mapped(directory=directory, buffers=buffers, manifest=manifest, manifest_sha256=digest, owner=owner)
+    return MappedFiles(directory=directory, buffers=buffers, manifest=manifest, manifest_sha256=digest, owner=owner)
 
 
 # --------------------------------------------------------------------------- the parser
@@ -388,7 +388,7 @@ def _on_cpu(map_location: Any) -> bool:
 
 
 def parse_files(directory: Path, files: Mapping[str, torch.Tensor | Sequence[torch.Tensor]], *,
-                trust_pickle: bool, map_location: Any, mapped: Mapped | None = None) -> Loaded:
+                trust_pickle: bool, map_location: Any, mapped: MappedFiles | None = None) -> Loaded:
     """The checkpoint held in ``files`` (name -> bytes): what :func:`map_directory` mapped, or its bytes received.
 
     A safetensors file may be given as the pieces of its :func:`layout`;
@@ -448,6 +448,6 @@ def read_directory(directory: Path, *, verify: bool = True, trust_pickle: bool =
                        mapped=mapped)
 
 
-__all__ = ["Extras", "Loaded", "Mapped", "assemble_shards", "check_extras", "check_file_digest", "header_of",
-           "json_object", "layout", "map_directory", "map_file", "parse_files", "read_directory", "read_error",
-           "read_json", "select_extras", "tensors_of", "weight_map"]
+__all__ = ["Extras", "Loaded", "MappedFiles", "assemble_shards", "check_extras", "check_file_digest",
+           "header_of", "json_object", "layout", "map_directory", "map_file", "parse_files", "read_directory",
+           "read_error", "read_json", "select_extras", "tensors_of", "weight_map"]
