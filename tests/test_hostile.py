@@ -261,6 +261,15 @@ def test_symlink_out_of_the_checkpoint_is_refused(tmp_path: Path, opened: list[P
     assert_state_equal(read_directory(directory).state_dict, make_state(1, n=1))
 
 
+def test_dangling_manifest_symlink_does_not_make_a_legacy_directory(tmp_path: Path) -> None:
+    """A manifest that is a broken link must not turn the directory into one with nothing to verify."""
+    directory = checkpoint_dir(tmp_path)
+    (directory / "manifest.json").unlink()
+    (directory / "manifest.json").symlink_to(tmp_path / "nowhere.json")
+    with pytest.raises(UnsafePathError, match="symlink"):
+        read_directory(directory, verify=True)
+
+
 def reg_fsck_refuses(directory: Path) -> bool:
     """fsck's payload check (used to adopt and roll forward) refuses the directory too."""
     from registry.fsck import _check_payload
