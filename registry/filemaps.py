@@ -1,23 +1,33 @@
-"""A checkpoint's files as byte buffers, and the checkpoint parsed out of them.
+"""Reading a checkpoint directory: which files a load reads, mapped once, and one parser of their bytes.
 
-The distributed loader moves *files*, not tensors: rank 0 memory-maps the
-files a load needs, the other ranks either map the same files (shared
-filesystem) or receive their bytes into buffers allocated ahead. Every rank
-then parses the very same bytes with the very same code below, which is why
-the results are bit-identical everywhere.
+Every reader of a checkpoint directory goes through here: a local load
+(:func:`read_directory`), rank 0 of a distributed load and the ranks that
+receive its bytes (:func:`map_directory`, :func:`parse_files`), an import
+(which checks what a load would read) and fsck (:func:`read_json`). A load
+reads the manifest if any, ``meta.json``, ``config.json``, the weights (one
+file, or the index and every shard it names) and the ``.pt`` extras asked
+for; :func:`map_directory` decides that once and maps exactly those files.
 
-Parsing makes no second copy of the weights, and every tensor owns a storage
-of exactly its bytes, as ``safetensors.torch.load_file`` gives: over a mapped
-file (rank 0, or a shared filesystem) a slice of the private, copy-on-write
-mapping, so the page cache is the only copy; on a receiving rank the very
-storage its bytes were received into, because a safetensors file travels as
-its header plus one piece per tensor (:func:`layout`). A tensor whose offset
-is not a multiple of its element size (never in files we or ``safetensors``
-write) is copied into an aligned storage of its own.
+Every file is mapped private (copy-on-write), and the tensors are views of
+that mapping: parsing makes no second copy of the weights, and a verified
+load hashes the very bytes its tensors view. Every tensor owns a storage of
+exactly its bytes, as ``safetensors.torch.load_file`` gives: over a mapped
+file a slice of the mapping, so the page cache is the only copy; on a
+receiving rank the very storage its bytes were received into, because a
+safetensors file travels as its header plus one piece per tensor
+(:func:`layout`). A tensor whose offset is not a multiple of its element
+size (never in files we or ``safetensors`` write) is copied into an aligned
+storage of its own.
+
+Bytes that do not match raise ``CorruptCheckpointError`` (or a subclass); a
+directory that is not there, or a file this process cannot open or map (no
+permission, out of file descriptors), raises ``CheckpointReadError``: that is
+the reader's trouble, not the checkpoint's.
 """
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import mmap
@@ -25,27 +35,47 @@ import os
 import pickle
 import re
 import zipfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
-from registry.errors import CorruptCheckpointError, ManifestError, SafetensorsFormatError, UnsafePickleError
-from registry.manifest import (CONFIG, MANIFEST, MAX_JSON_BYTES, META, WEIGHTS, WEIGHTS_INDEX, Manifest,
+from registry.errors import (CheckpointReadError, CorruptCheckpointError, ExtraNotFoundError, InvalidStateError,
+                             ManifestError, RegistryError, SafetensorsFormatError, UnsafePickleError)
+from registry.manifest import (CONFIG, MANIFEST, MAX_JSON_BYTES, META, WEIGHTS, WEIGHTS_INDEX, FileEntry, Manifest,
                                check_file_name, digest_bytes, open_regular, parse_manifest)
-from registry.store import Loaded, assemble_shards
-from registry.tensorio import MAX_HEADER, SafetensorsHeader, read_safetensors_header, tensors_in
+from registry.pieces import first_mismatch
+from registry.tensorio import MAX_HEADER, SafetensorsHeader, hash_bytes, read_safetensors_header, tensors_in
+
+T = TypeVar("T")
+Extras = bool | Collection[str]
 
 
-def map_file(directory: Path, name: str, *, expected_size: int | None = None) -> torch.Tensor:
+@dataclass(frozen=True, kw_only=True)
+class Loaded:
+    state_dict: dict[str, torch.Tensor]
+    extra: dict[str, Any]
+    meta: dict[str, Any]
+    config: dict[str, Any]
+    manifest: Manifest | None
+    manifest_sha256: str | None
+
+
+# --------------------------------------------------------------------------- bytes
+
+
+def map_file(directory: Path, name: str, *, expected_size: int | None = None,
+             error: type[CorruptCheckpointError] = CorruptCheckpointError,
+             what: str = "checkpoint file") -> torch.Tensor:
     """``directory/name`` as a uint8 tensor over a private (copy-on-write) memory map.
 
     Symlinks are refused; the size is checked against the manifest before any
     byte is touched. The mapping lives as long as the tensor or any view of it.
     """
     path = directory / name
-    fd = open_regular(directory, name)
+    fd = open_regular(directory, name, error=error, what=what)
     try:
         size = os.fstat(fd).st_size
         if expected_size is not None and size != expected_size:
@@ -71,6 +101,144 @@ def _host_bytes(buf: torch.Tensor, limit: int | None = None) -> bytes:
     return bytes(host_view(part.cpu()))
 
 
+def check_file_digest(directory: Path, entry: FileEntry, data: bytes | memoryview) -> None:
+    """Check a whole file's bytes against the fastest digest its manifest entry has.
+
+    xxh3-128 of 16 MiB pieces (hashed on all cores), else of the whole file
+    (manifests written before pieces), else sha256 (the reference module's).
+    The manifest itself is matched against the sha256 the catalog keeps, so a
+    recorded xxh3 is as trustworthy as the manifest; xxh3 catches any
+    accidental damage (bit rot, torn or truncated writes) but, unlike sha256,
+    not a deliberate forgery, which is what ``registry verify`` re-checks.
+    """
+    where = ""
+    if entry.xxh3_128_pieces is not None and entry.piece_size is not None:
+        piece = first_mismatch(data, entry.piece_size, entry.xxh3_128_pieces)
+        ok = piece is None
+        if piece is not None and piece >= 0:  # tells an operator where the damage starts
+            where = f" (bytes {piece * entry.piece_size}-{min(len(data), (piece + 1) * entry.piece_size) - 1})"
+    elif entry.xxh3_128 is not None:
+        ok = hash_bytes(data, "xxh3_128") == entry.xxh3_128
+    else:
+        ok = hash_bytes(data, "sha256") == entry.sha256
+    if not ok:
+        path = directory / entry.name
+        raise CorruptCheckpointError(f"checkpoint file checksum mismatch: {path}{where}", path=path)
+
+
+def read_error(directory: Path, exc: OSError) -> CheckpointReadError:
+    """A failure of this process to read ``directory``: never evidence against the checkpoint."""
+    where = exc.filename or directory
+    return CheckpointReadError(f"cannot read {where}: {exc.strerror or exc}", errno=exc.errno, path=where)
+
+
+def _checked_directory(directory: Path) -> None:
+    if not directory.is_dir():
+        if directory.exists():
+            raise CorruptCheckpointError(f"checkpoint path is not a directory: {directory}", path=directory)
+        raise CheckpointReadError(f"checkpoint directory is missing: {directory}", errno=errno.ENOENT,
+                                  path=directory)
+
+
+# --------------------------------------------------------------------------- the plan
+
+
+def check_extras(extras: object) -> Extras:
+    """``extras`` of a load: True (all), False (none) or a collection of extra names."""
+    if isinstance(extras, bool):
+        return extras
+    if isinstance(extras, (str, bytes)) or not isinstance(extras, Collection) or not all(
+            isinstance(n, str) and n and "/" not in n and not n.startswith(".") for n in extras):
+        raise InvalidStateError(f"extras must be True, False or a list of extra names, got {extras!r}")
+    return frozenset(extras)
+
+
+def select_extras(directory: Path, present: Iterable[str], extras: Extras) -> list[str]:
+    """The ``NAME.pt`` files among ``present`` that a load with ``extras`` reads, sorted."""
+    files = sorted(n for n in present if n.endswith(".pt"))
+    if extras is True:
+        return files
+    if extras is False:
+        return []
+    missing = sorted(set(extras) - {n[:-3] for n in files})
+    if missing:
+        raise ExtraNotFoundError(f"{directory} has no extra {missing[0]!r} (it has: "
+                                 f"{', '.join(n[:-3] for n in files) or 'none'})", path=directory)
+    return [n for n in files if n[:-3] in extras]
+
+
+@dataclass(frozen=True, kw_only=True)
+class MappedFiles:
+    """The files a load of ``directory`` reads, each mapped whole, in the order they were mapped."""
+
+    directory: Path
+    buffers: dict[str, torch.Tensor]
+    manifest: Manifest | None
+    manifest_sha256: str | None
+    owner: dict[str, str] | None  # an index's weight_map (tensor -> shard); None for one weights file
+
+
+def map_directory(directory: Path, *, extras: Extras = True, verify: bool = False,
+                  expected_digest: str | None = None) -> MappedFiles:
+    """Map exactly what a load with ``extras`` reads, checking names, sizes and the catalog's digest.
+
+    With a manifest, only the files it lists are read and every size is
+    checked before a byte is touched; with ``verify`` each file is checked
+    against its digest as soon as it is mapped, before anything parses it.
+    Without a manifest the reference's layout is read as it is and nothing
+    can be verified.
+    """
+    _checked_directory(directory)
+    try:
+        return _map_directory(directory, extras=extras, verify=verify, expected_digest=expected_digest)
+    except RegistryError:
+        raise
+    except OSError as exc:
+        raise read_error(directory, exc) from exc
+
+
+def _map_directory(directory: Path, *, extras: Extras, verify: bool, expected_digest: str | None) -> MappedFiles:
+    buffers: dict[str, torch.Tensor] = {}
+    manifest: Manifest | None = None
+    digest: str | None = None
+    if (directory / MANIFEST).exists() or (directory / MANIFEST).is_symlink():
+        buffers[MANIFEST] = map_file(directory, MANIFEST, error=ManifestError, what="manifest")
+        manifest, digest = _parse_manifest(buffers[MANIFEST], directory)
+        if expected_digest and digest != expected_digest:
+            raise CorruptCheckpointError(f"manifest of {directory} does not match the catalog's record",
+                                         path=directory)
+    listed = manifest.files if manifest is not None else None
+    present = set(listed) if listed is not None else {p.name for p in directory.iterdir() if p.is_file()}
+
+    def add(name: str) -> torch.Tensor:
+        entry = listed.get(name) if listed is not None else None
+        if listed is not None and entry is None:  # only a shard can be asked for without being listed
+            raise ManifestError(f"manifest of {directory} does not cover shard {name!r}", path=directory)
+        buffers[name] = map_file(directory, name, expected_size=entry.size if entry is not None else None)
+        if entry is not None and verify:
+            check_file_digest(directory, entry, host_view(buffers[name]))
+        return buffers[name]
+
+    for name in (META, CONFIG):
+        if name in present:
+            add(name)
+    owner: dict[str, str] | None = None
+    if WEIGHTS in present:
+        add(WEIGHTS)
+    elif WEIGHTS_INDEX in present:
+        owner = weight_map(json_object(add(WEIGHTS_INDEX), directory / WEIGHTS_INDEX), directory / WEIGHTS_INDEX)
+        for shard in sorted(set(owner.values())):
+            add(shard)
+    else:
+        raise CorruptCheckpointError(f"no model weights in {directory}", path=directory)
+    for name in select_extras(directory, present, extras):
+        add(name)
+    return MappedFiles(directory=directory, buffers=buffers, manifest=manifest, manifest_sha256=digest, owner=owner)
+
+
+# --------------------------------------------------------------------------- the parser
+
+
 def json_object(buf: torch.Tensor, path: Path) -> dict[str, Any]:
     if buf.numel() > MAX_JSON_BYTES:
         raise CorruptCheckpointError(f"{path} is larger than {MAX_JSON_BYTES} bytes", path=path)
@@ -81,6 +249,11 @@ def json_object(buf: torch.Tensor, path: Path) -> dict[str, Any]:
     if not isinstance(doc, dict):
         raise ManifestError(f"{path} is not a JSON object", path=path)
     return doc
+
+
+def read_json(directory: Path, name: str) -> dict[str, Any]:
+    """One JSON object file of a checkpoint directory (e.g. ``meta.json``), checked as a load checks it."""
+    return json_object(map_file(directory, name), directory / name)
 
 
 def weight_map(index: dict[str, Any], path: Path) -> dict[str, str]:
@@ -94,7 +267,7 @@ def weight_map(index: dict[str, Any], path: Path) -> dict[str, str]:
     return mapping
 
 
-def parse_manifest_buffer(buf: torch.Tensor, directory: Path) -> tuple[Manifest, str]:
+def _parse_manifest(buf: torch.Tensor, directory: Path) -> tuple[Manifest, str]:
     raw = _host_bytes(buf)
     return parse_manifest(raw, path=directory / MANIFEST), digest_bytes(raw)
 
@@ -113,14 +286,14 @@ class _ViewReader:
         return out
 
 
-def _header(buf: torch.Tensor, size: int, path: Path) -> SafetensorsHeader:
-    """The validated header at the start of ``buf``, for a file of ``size`` bytes."""
+def header_of(buf: torch.Tensor, path: Path, *, size: int | None = None) -> SafetensorsHeader:
+    """The validated header at the start of ``buf``, for a file of ``size`` bytes (default: all of ``buf``)."""
     have = buf.numel()
     prefix = _host_bytes(buf, min(have, 8))
     declared = int.from_bytes(prefix, "little") if len(prefix) == 8 else 0
     # only the header is copied out; its parser checks the declared length against the limits
     head = _host_bytes(buf, min(have, 8 + min(declared, MAX_HEADER + 1)))
-    return read_safetensors_header(_ViewReader(head), size, path)  # type: ignore[arg-type]
+    return read_safetensors_header(_ViewReader(head), have if size is None else size, path)  # type: ignore[arg-type]
 
 
 _OFFSETS = re.compile(rb'"data_offsets"\s*:\s*\[\s*(\d+)\s*,\s*(\d+)\s*\]')
@@ -162,9 +335,9 @@ def tensors_of(buf: torch.Tensor | Sequence[torch.Tensor], path: Path) -> dict[s
     tensor is then the storage its piece was received into).
     """
     if isinstance(buf, torch.Tensor):
-        return tensors_in(buf, _header(buf, buf.numel(), path))
+        return tensors_in(buf, header_of(buf, path))
     try:
-        header = _header(buf[0], sum(b.numel() for b in buf), path)
+        header = header_of(buf[0], path, size=sum(b.numel() for b in buf))
         lengths = [e.end - e.begin for e in header.entries if e.end > e.begin]
         fits = buf[0].numel() == header.data_start and [b.numel() for b in buf[1:]] == lengths
     except SafetensorsFormatError:
@@ -174,6 +347,25 @@ def tensors_of(buf: torch.Tensor | Sequence[torch.Tensor], path: Path) -> dict[s
     pieces = iter(buf[1:])  # detach(): the tensor keeps the piece's storage, not a view's base object
     return {e.name: next(pieces).view(e.dtype).view(e.shape).detach() if e.end > e.begin
             else torch.empty(e.shape, dtype=e.dtype, device=buf[0].device) for e in header.entries}
+
+
+def assemble_shards(directory: Path, shards: Iterable[tuple[str, Mapping[str, T]]],
+                    owner: Mapping[str, str] | None) -> dict[str, T]:
+    """One state dict from weight files; with an index (``owner``: tensor -> shard), exactly as it maps."""
+    state: dict[str, T] = {}
+    for name, tensors in shards:
+        for key, tensor in tensors.items():
+            if key in state:
+                raise SafetensorsFormatError(f"tensor {key!r} appears in two shards of {directory}",
+                                             path=directory / name)
+            if owner is not None and owner.get(key) != name:
+                raise SafetensorsFormatError(f"the shards of {directory} do not hold exactly the tensors that "
+                                             f"{WEIGHTS_INDEX} maps: {key!r} is in {name}", path=directory / name)
+            state[key] = tensor
+    if owner is not None and set(owner) != set(state):
+        raise SafetensorsFormatError(f"the shards of {directory} do not hold exactly the tensors that "
+                                     f"{WEIGHTS_INDEX} maps", path=directory)
+    return state
 
 
 def unpickle(buf: torch.Tensor, path: Path, *, trust_pickle: bool, map_location: Any) -> Any:
@@ -190,18 +382,20 @@ def unpickle(buf: torch.Tensor, path: Path, *, trust_pickle: bool, map_location:
         raise CorruptCheckpointError(f"cannot load {path}: {first}", path=path) from None
 
 
-def is_cpu(device: torch.device | None) -> bool:
-    return device is None or device.type == "cpu"
+def _on_cpu(map_location: Any) -> bool:
+    return map_location is None or map_location == "cpu" or (
+        isinstance(map_location, torch.device) and map_location.type == "cpu")
 
 
 def parse_files(directory: Path, files: Mapping[str, torch.Tensor | Sequence[torch.Tensor]], *,
-                trust_pickle: bool, device: torch.device | None) -> Loaded:
-    """The checkpoint held in ``files`` (name -> bytes), as ``read_directory`` would load it.
+                trust_pickle: bool, map_location: Any, mapped: MappedFiles | None = None) -> Loaded:
+    """The checkpoint held in ``files`` (name -> bytes): what :func:`map_directory` mapped, or its bytes received.
 
-    ``files`` holds exactly what a load needs (see the loader's plan): the
-    manifest if any, meta, config, weights or index plus shards, ``.pt`` extras.
     A safetensors file may be given as the pieces of its :func:`layout`;
-    every other file is one buffer.
+    every other file is one buffer. ``mapped``, when ``files`` are its
+    buffers, spares parsing the manifest and the index a second time.
+    Tensors are moved to ``map_location`` unless it is the CPU; extras are
+    unpickled onto it.
     """
     def whole(name: str) -> torch.Tensor:
         buf = files[name]
@@ -209,15 +403,20 @@ def parse_files(directory: Path, files: Mapping[str, torch.Tensor | Sequence[tor
 
     manifest: Manifest | None = None
     manifest_sha: str | None = None
-    if MANIFEST in files:
-        manifest, manifest_sha = parse_manifest_buffer(whole(MANIFEST), directory)
+    if mapped is not None:
+        manifest, manifest_sha = mapped.manifest, mapped.manifest_sha256
+    elif MANIFEST in files:
+        manifest, manifest_sha = _parse_manifest(whole(MANIFEST), directory)
     meta = json_object(whole(META), directory / META) if META in files else {}
     config = json_object(whole(CONFIG), directory / CONFIG) if CONFIG in files else {}
     owner: dict[str, str] | None = None
     if WEIGHTS in files:
         weight_files = [WEIGHTS]
     elif WEIGHTS_INDEX in files:
-        owner = weight_map(json_object(whole(WEIGHTS_INDEX), directory / WEIGHTS_INDEX), directory / WEIGHTS_INDEX)
+        owner = mapped.owner if mapped is not None else None
+        if owner is None:
+            owner = weight_map(json_object(whole(WEIGHTS_INDEX), directory / WEIGHTS_INDEX),
+                               directory / WEIGHTS_INDEX)
         weight_files = sorted(set(owner.values()))
         missing = [w for w in weight_files if w not in files]
         if missing:
@@ -227,12 +426,28 @@ def parse_files(directory: Path, files: Mapping[str, torch.Tensor | Sequence[tor
     state = assemble_shards(directory, ((name, tensors_of(files[name], directory / name))
                                         for name in weight_files), owner)
     extra = {name[:-3]: unpickle(whole(name), directory / name, trust_pickle=trust_pickle,
-                                 map_location=device if device is not None else "cpu")
+                                 map_location=map_location)
              for name in sorted(n for n in files if n.endswith(".pt"))}
-    if device is not None:
-        state = {k: (v if v.device == device else v.to(device)) for k, v in state.items()}
+    if not _on_cpu(map_location):
+        state = {k: v.to(map_location) for k, v in state.items()}
     return Loaded(state_dict=state, extra=extra, meta=meta, config=config,
                   manifest=manifest, manifest_sha256=manifest_sha)
 
 
-__all__ = ["json_object", "layout", "map_file", "parse_files", "tensors_of", "weight_map"]
+def read_directory(directory: Path, *, verify: bool = True, trust_pickle: bool = False,
+                   map_location: Any = "cpu", extras: Extras = True) -> Loaded:
+    """Load a checkpoint directory written by us, the reference module, or a legacy trainer.
+
+    Reads what :func:`map_directory` plans (with ``verify`` every byte is
+    hashed, the very mapping the tensors then view). ``extras``: read every
+    ``.pt`` extra (True), none (False), or only those named; the others are
+    never opened.
+    """
+    mapped = map_directory(directory, extras=extras, verify=verify)
+    return parse_files(directory, mapped.buffers, trust_pickle=trust_pickle, map_location=map_location,
+                       mapped=mapped)
+
+
+__all__ = ["Extras", "Loaded", "MappedFiles", "assemble_shards", "check_extras", "check_file_digest",
+           "header_of", "json_object", "layout", "map_directory", "map_file", "parse_files", "read_directory",
+           "read_error", "read_json", "select_extras", "tensors_of", "weight_map"]

@@ -47,7 +47,6 @@ while it holds the payload the row deleted.
 from __future__ import annotations
 
 import errno
-import json
 import os
 import stat
 from collections.abc import Callable, Iterator
@@ -58,13 +57,13 @@ from typing import Any
 from registry.catalog import Catalog, FileRecord
 from registry.catalog.fsck import PayloadRecord, RowState, record_payload, set_status_if, snapshot, unchanged
 from registry.crashpoints import crashpoint
-from registry.errors import CheckpointReadError, CorruptCheckpointError
+from registry.errors import CheckpointReadError, CorruptCheckpointError, RegistryError
+from registry.filemaps import read_json
 from registry.manifest import MANIFEST, META, Manifest, read_manifest
 from registry.refs import MAX_STEP, RUN_NAME_RE, parse_step_dirname, step_dirname
 from registry.retention import manifest_digest, remove_tree, retire_and_remove
 from registry.store import fsync_dir, verify_directory, writer_alive
 
-MAX_META_BYTES = 1 << 20
 
 REPAIRS = {
     "uncommitted-publish": "roll forward",
@@ -200,12 +199,8 @@ def _read_meta(directory: Path, manifest: Manifest) -> dict[str, Any]:
     if META not in manifest.files:
         return {}
     try:
-        fd = os.open(directory / META, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-        with os.fdopen(fd, "rb") as f:
-            doc = json.loads(f.read(MAX_META_BYTES + 1)[:MAX_META_BYTES])
-    except (OSError, ValueError, RecursionError):
-        return {}
-    if not isinstance(doc, dict):
+        doc = read_json(directory, META)
+    except (RegistryError, OSError):
         return {}
     return {k: doc[k] for k in ("epoch", "consumed_samples")
             if isinstance(doc.get(k), int) and not isinstance(doc.get(k), bool) and 0 <= doc[k] <= MAX_STEP}

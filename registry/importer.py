@@ -18,7 +18,6 @@ the catalog: ``Registry.import_checkpoint`` runs the two-phase publish.
 from __future__ import annotations
 
 import errno
-import json
 import os
 import stat
 from dataclasses import dataclass, field
@@ -27,11 +26,12 @@ from typing import Any
 
 from registry.errors import (CheckpointNotFoundError, CorruptCheckpointError, ManifestError, PublishError,
                              UnsafePathError)
-from registry.manifest import (CONFIG, MANIFEST, MAX_JSON_BYTES, META, WEIGHTS, WEIGHTS_INDEX, FileEntry, Manifest,
-                               check_file_name, digest_bytes, read_manifest)
+from registry.filemaps import assemble_shards, header_of, json_object, map_directory
+from registry.manifest import (CONFIG, MANIFEST, META, WEIGHTS, WEIGHTS_INDEX, FileEntry, Manifest, check_file_name,
+                               digest_bytes)
 from registry.refs import MAX_STEP
 from registry.store import Written, fsync_dir, now_timestamp
-from registry.tensorio import CHUNK, HashingWriter, read_safetensors_header, sha256_file
+from registry.tensorio import CHUNK, HashingWriter, sha256_file
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,23 +44,6 @@ class Foreign:
     manifest: Manifest | None
     meta: dict[str, Any] = field(default_factory=dict)
     tensors: tuple[str, ...] = ()
-
-
-def _json(path: Path) -> dict[str, Any]:
-    if path.stat().st_size > MAX_JSON_BYTES:
-        raise CorruptCheckpointError(f"{path} is larger than {MAX_JSON_BYTES} bytes", path=path)
-    try:
-        doc = json.loads(path.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        raise ManifestError(f"{path} is not valid JSON", path=path) from None
-    if not isinstance(doc, dict):
-        raise ManifestError(f"{path} is not a JSON object", path=path)
-    return doc
-
-
-def _tensor_names(path: Path) -> list[str]:
-    with open(path, "rb") as f:
-        return [e.name for e in read_safetensors_header(f, os.fstat(f.fileno()).st_size, path).entries]
 
 
 def _listing(directory: Path) -> dict[str, int]:
@@ -78,15 +61,16 @@ def _listing(directory: Path) -> dict[str, int]:
 
 
 def scan(directory: Path) -> Foreign:
-    """Check ``directory`` for adoption without changing anything."""
+    """Check ``directory`` for adoption without changing anything: it must load as a load would read it."""
     if directory.is_symlink():
         raise UnsafePathError(f"{directory} is a symlink; pass the real directory", path=directory)
     if not directory.is_dir():
         raise CheckpointNotFoundError(f"no checkpoint directory at {directory}", path=directory)
     sizes = _listing(directory)
-    manifest: Manifest | None = None
-    if MANIFEST in sizes:
-        manifest, _ = read_manifest(directory)
+    # extras are only listed: adopting them does not unpickle them
+    files = map_directory(directory, extras=False)
+    manifest = files.manifest
+    if manifest is not None:
         for name, entry in manifest.files.items():
             if name not in sizes:
                 raise CorruptCheckpointError(f"checkpoint file is missing: {directory / name}", path=directory / name)
@@ -104,40 +88,17 @@ def scan(directory: Path) -> Foreign:
         layout = "legacy"
     else:
         layout = "huggingface"
-    meta = _json(directory / META) if META in sizes else {}
-    if CONFIG in sizes:
-        _json(directory / CONFIG)
-    if WEIGHTS in sizes:
-        tensors = _tensor_names(directory / WEIGHTS)
-    elif WEIGHTS_INDEX in sizes:
-        tensors = _check_index(directory, sizes)
-    else:
-        raise CorruptCheckpointError(f"no model weights in {directory} (model.safetensors or "
-                                     "model.safetensors.index.json)", path=directory)
+    meta = json_object(files.buffers[META], directory / META) if META in files.buffers else {}
+    if CONFIG in files.buffers:
+        json_object(files.buffers[CONFIG], directory / CONFIG)
+    if files.owner is not None and not files.owner:
+        raise ManifestError(f"{directory / WEIGHTS_INDEX} has no valid weight_map", path=directory / WEIGHTS_INDEX)
+    weights = [WEIGHTS] if files.owner is None else sorted(set(files.owner.values()))
+    tensors = assemble_shards(directory, ((name, {e.name: e for e in header_of(files.buffers[name],
+                                                                                 directory / name).entries})
+                                          for name in weights), files.owner)
     return Foreign(directory=directory, layout=layout, sizes=sizes, manifest=manifest, meta=meta,
                    tensors=tuple(sorted(tensors)))
-
-
-def _check_index(directory: Path, sizes: dict[str, int]) -> list[str]:
-    path = directory / WEIGHTS_INDEX
-    mapping = _json(path).get("weight_map")
-    if not isinstance(mapping, dict) or not mapping or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in mapping.items()):
-        raise ManifestError(f"{path} has no valid weight_map", path=path)
-    found: dict[str, str] = {}
-    for shard in sorted(set(mapping.values())):
-        check_file_name(shard, where=path)
-        if shard not in sizes:
-            raise CorruptCheckpointError(f"shard {shard!r} named by {path} is missing", path=directory / shard)
-        for name in _tensor_names(directory / shard):
-            if name in found:
-                raise CorruptCheckpointError(f"tensor {name!r} appears in two shards of {directory}",
-                                             path=directory / shard)
-            found[name] = shard
-    if found != mapping:
-        raise CorruptCheckpointError(f"the shards of {directory} do not hold exactly the tensors that "
-                                     f"{WEIGHTS_INDEX} maps", path=path)
-    return sorted(found)
 
 
 def _copy(src: Path, dst: Path) -> FileEntry:

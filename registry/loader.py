@@ -56,15 +56,14 @@ import torch
 import torch.distributed as dist
 
 from registry.collectives import Comm, Failure, active, as_timedelta, first_failure, transfer
-from registry.errors import (CheckpointReadError, CorruptCheckpointError, DistributedError, InvalidStateError,
-                             ManifestError, RegistryError)
-from registry.filemaps import host_view, json_object, layout, map_file, parse_files, weight_map
-from registry.manifest import CONFIG, MANIFEST, META, WEIGHTS, WEIGHTS_INDEX, Manifest, parse_manifest, digest_bytes
+from registry.errors import CorruptCheckpointError, DistributedError, InvalidStateError, RegistryError
+from registry.filemaps import (Extras, Loaded, check_file_digest, host_view, layout, map_directory, map_file,
+                               parse_files, read_directory)
+from registry.manifest import MANIFEST, Manifest, digest_bytes
 from registry.reading import Access, CatalogRead, Fallback, report
 from registry.reading import load as load_local
 from registry.records import CheckpointInfo
 from registry.refs import Ref
-from registry.store import Extras, Loaded, check_file_digest, read_directory, read_error, select_extras
 
 if TYPE_CHECKING:
     from registry.checkpoint import Checkpoint
@@ -121,7 +120,7 @@ def fingerprint(directory: Path, names: list[str], manifest_raw: bytes | None) -
     return "legacy:" + hashlib.sha256(json.dumps(listing).encode()).hexdigest()
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class Mapped:
     """A checkpoint directory mapped on rank 0: the files a load needs, in transfer order."""
 
@@ -134,58 +133,11 @@ class Mapped:
 
 def map_checkpoint(directory: Path, *, expected_digest: str | None, extras: Extras = True) -> Mapped:
     """Map what ``read_directory`` would read, checking names, sizes and the catalog's digest."""
-    if not directory.is_dir():
-        if directory.exists():
-            raise CorruptCheckpointError(f"checkpoint path is not a directory: {directory}", path=directory)
-        raise CheckpointReadError(f"checkpoint directory is missing: {directory}", path=directory)
-    try:
-        return _map_checkpoint(directory, expected_digest=expected_digest, extras=extras)
-    except RegistryError:
-        raise
-    except OSError as exc:
-        raise read_error(directory, exc) from exc
-
-
-def _map_checkpoint(directory: Path, *, expected_digest: str | None, extras: Extras) -> Mapped:
-    buffers: dict[str, torch.Tensor] = {}
-    manifest: Manifest | None = None
-    digest: str | None = None
-    raw: bytes | None = None
-    if (directory / MANIFEST).exists() or (directory / MANIFEST).is_symlink():
-        buffers[MANIFEST] = map_file(directory, MANIFEST)
-        raw = bytes(host_view(buffers[MANIFEST]))
-        manifest, digest = parse_manifest(raw, path=directory / MANIFEST), digest_bytes(raw)
-        if expected_digest and digest != expected_digest:
-            raise CorruptCheckpointError(f"manifest of {directory} does not match the catalog's record",
-                                         path=directory)
-    listed = manifest.files if manifest is not None else None
-
-    def has(name: str) -> bool:
-        return name in listed if listed is not None else (directory / name).is_file()
-
-    def add(name: str) -> torch.Tensor:
-        entry = listed.get(name) if listed is not None else None
-        buffers[name] = map_file(directory, name, expected_size=entry.size if entry is not None else None)
-        return buffers[name]
-
-    for name in (META, CONFIG):
-        if has(name):
-            add(name)
-    if has(WEIGHTS):
-        add(WEIGHTS)
-    elif has(WEIGHTS_INDEX):
-        index = weight_map(json_object(add(WEIGHTS_INDEX), directory / WEIGHTS_INDEX), directory / WEIGHTS_INDEX)
-        for shard in sorted(set(index.values())):
-            if listed is not None and shard not in listed:
-                raise ManifestError(f"manifest of {directory} does not cover shard {shard!r}", path=directory)
-            add(shard)
-    else:
-        raise CorruptCheckpointError(f"no model weights in {directory}", path=directory)
-    candidates = listed if listed is not None else {p.name for p in directory.iterdir() if p.is_file()}
-    for name in select_extras(directory, candidates, extras):
-        add(name)
-    return Mapped(directory=directory, buffers=buffers, manifest=manifest, manifest_sha256=digest,
-                  fingerprint=fingerprint(directory, [n for n in buffers if n != MANIFEST], raw))
+    files = map_directory(directory, extras=extras, expected_digest=expected_digest)
+    raw = bytes(host_view(files.buffers[MANIFEST])) if MANIFEST in files.buffers else None
+    return Mapped(directory=directory, buffers=files.buffers, manifest=files.manifest,
+                  manifest_sha256=files.manifest_sha256,
+                  fingerprint=fingerprint(directory, [n for n in files.buffers if n != MANIFEST], raw))
 
 
 def integrity(mapped: Mapped, *, hashes: dict[str, str] | None) -> None:
@@ -404,8 +356,8 @@ def _one_round(comm: Comm, src: _Source | None, *, verify: bool, device: torch.d
     if _settle(comm, src, mine, "agreeing on integrity") == "retry":
         return None, plan
 
-    loaded, mine = _status(lambda: parse_files(directory, files, trust_pickle=trust_pickle, device=device),
-                           comm.rank)
+    loaded, mine = _status(lambda: parse_files(directory, files, trust_pickle=trust_pickle,
+                                               map_location=device if device is not None else "cpu"), comm.rank)
     if _settle(comm, src, mine, "agreeing on the parsed checkpoint") == "retry":
         return None, plan
     assert loaded is not None

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import errno
 import functools
-import io
 import json
 import os
 import pickle
@@ -20,8 +19,7 @@ import socket
 import stat
 import tempfile
 import time
-import zipfile
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
@@ -31,16 +29,14 @@ from typing import Any
 import torch
 
 from registry.crashpoints import crashpoint
-from registry.errors import (CheckpointReadError, CorruptCheckpointError, ExtraNotFoundError, InvalidStateError,
-                             ManifestError, PublishError, RegistryError, RootError, SafetensorsFormatError,
-                             UnsafePickleError)
+from registry.errors import CorruptCheckpointError, InvalidStateError, PublishError, RootError, SafetensorsFormatError
+# the read side lives in registry.filemaps; its names stay importable from here for the store's callers
+from registry.filemaps import Extras, Loaded, check_extras, read_directory, read_error, select_extras  # noqa: F401
 from registry.manifest import (CONFIG, MANIFEST, MAX_JSON_BYTES, META, WEIGHTS, WEIGHTS_INDEX, FileEntry, Manifest,
-                               check_file_name, digest_bytes, open_regular, read_manifest)
-from registry.pieces import first_mismatch
+                               check_file_name, digest_bytes, read_manifest)
 from registry.pools import Pool
 from registry.refs import CATALOG_FILE, step_dirname
-from registry.tensorio import (HashingWriter, hash_bytes, hash_file, map_safetensors,
-                               read_safetensors_header, write_safetensors)
+from registry.tensorio import HashingWriter, hash_file, read_safetensors_header, write_safetensors
 
 
 _HOST = socket.gethostname()[:128]  # bounded so that a writer id fits the catalog's 255-character columns
@@ -170,7 +166,7 @@ def fsync_dir(path: Path) -> None:
 
 
 def json_bytes(doc: Mapping[str, Any], what: str) -> bytes:
-    """The bytes of a JSON file that the reader (``_read_json``) gives back as ``doc``.
+    """The bytes of a JSON file that the reader (``registry.filemaps.json_object``) gives back as ``doc``.
 
     So: string keys only (``json`` would turn ``1`` into ``"1"``), finite
     numbers, at most ``MAX_JSON_DEPTH`` levels and ``MAX_JSON_BYTES`` bytes.
@@ -419,252 +415,6 @@ def save_directory(directory: Path, payload: Payload) -> Written:
 
 
 # --------------------------------------------------------------------------- reading
-
-
-@dataclass(frozen=True, kw_only=True)
-class Loaded:
-    state_dict: dict[str, torch.Tensor]
-    extra: dict[str, Any]
-    meta: dict[str, Any]
-    config: dict[str, Any]
-    manifest: Manifest | None
-    manifest_sha256: str | None
-
-
-def _open_inside(directory: Path, name: str) -> io.FileIO:
-    return io.FileIO(open_regular(directory, name), "rb", closefd=True)
-
-
-def assemble_shards(directory: Path, shards: Iterable[tuple[str, Mapping[str, torch.Tensor]]],
-                    owner: Mapping[str, str] | None) -> dict[str, torch.Tensor]:
-    """One state dict from weight files; with an index (``owner``: tensor -> shard), exactly as it maps."""
-    state: dict[str, torch.Tensor] = {}
-    for name, tensors in shards:
-        for key, tensor in tensors.items():
-            if key in state:
-                raise SafetensorsFormatError(f"tensor {key!r} appears in two shards of {directory}",
-                                             path=directory / name)
-            if owner is not None and owner.get(key) != name:
-                raise SafetensorsFormatError(f"tensor {key!r} in {name} is not mapped there by the index",
-                                             path=directory / name)
-            state[key] = tensor
-    if owner is not None and set(owner) != set(state):
-        raise SafetensorsFormatError(f"shards of {directory} do not hold every tensor of the index",
-                                     path=directory)
-    return state
-
-
-def _check_size(directory: Path, entry: FileEntry, size: int) -> None:
-    if size != entry.size:
-        path = directory / entry.name
-        raise CorruptCheckpointError(
-            f"checkpoint file size mismatch: {path} is {size} bytes, manifest says {entry.size}", path=path)
-
-
-def check_file_digest(directory: Path, entry: FileEntry, data: bytes | memoryview) -> None:
-    """Check a whole file's bytes against the fastest digest its manifest entry has.
-
-    xxh3-128 of 16 MiB pieces (hashed on all cores), else of the whole file
-    (manifests written before pieces), else sha256 (the reference module's).
-    The manifest itself is matched against the sha256 the catalog keeps, so a
-    recorded xxh3 is as trustworthy as the manifest; xxh3 catches any
-    accidental damage (bit rot, torn or truncated writes) but, unlike sha256,
-    not a deliberate forgery, which is what ``registry verify`` re-checks.
-    """
-    where = ""
-    if entry.xxh3_128_pieces is not None and entry.piece_size is not None:
-        piece = first_mismatch(data, entry.piece_size, entry.xxh3_128_pieces)
-        ok = piece is None
-        if piece is not None and piece >= 0:  # tells an operator where the damage starts
-            where = f" (bytes {piece * entry.piece_size}-{min(len(data), (piece + 1) * entry.piece_size) - 1})"
-    elif entry.xxh3_128 is not None:
-        ok = hash_bytes(data, "xxh3_128") == entry.xxh3_128
-    else:
-        ok = hash_bytes(data, "sha256") == entry.sha256
-    if not ok:
-        path = directory / entry.name
-        raise CorruptCheckpointError(f"checkpoint file checksum mismatch: {path}{where}", path=path)
-
-
-def _read_bytes(directory: Path, name: str, entry: FileEntry | None, verify: bool,
-                limit: int | None = None) -> bytes:
-    with _open_inside(directory, name) as f:
-        size = os.fstat(f.fileno()).st_size
-        if entry is not None:
-            _check_size(directory, entry, size)
-        if limit is not None and size > limit:
-            raise CorruptCheckpointError(f"{directory / name} is larger than {limit} bytes",
-                                         path=directory / name)
-        raw = f.read()
-    if entry is not None:
-        _check_size(directory, entry, len(raw))
-        if verify:
-            check_file_digest(directory, entry, raw)
-    return raw
-
-
-def _read_json(directory: Path, name: str, entry: FileEntry | None, verify: bool) -> dict[str, Any]:
-    raw = _read_bytes(directory, name, entry, verify, limit=MAX_JSON_BYTES)
-    try:
-        doc = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        raise ManifestError(f"{directory / name} is not valid JSON", path=directory / name) from None
-    if not isinstance(doc, dict):
-        raise ManifestError(f"{directory / name} is not a JSON object", path=directory / name)
-    return doc
-
-
-def _read_weights(directory: Path, name: str, entry: FileEntry | None,
-                  verify: bool) -> dict[str, torch.Tensor]:
-    path = directory / name
-    with _open_inside(directory, name) as f:  # refuses symlinks and non-files; says why it cannot open
-        if entry is not None:
-            _check_size(directory, entry, os.fstat(f.fileno()).st_size)
-
-        def check(data: memoryview) -> None:  # the mapping itself: what was hashed is what the tensors view
-            if entry is not None:
-                _check_size(directory, entry, len(data))
-                if verify:
-                    check_file_digest(directory, entry, data)
-        try:
-            return map_safetensors(path, check=check)[0]
-        except RuntimeError as exc:  # torch could not open or map the file: this process's trouble
-            raise CheckpointReadError(f"cannot map {path}: {str(exc).splitlines()[0]}", path=path) from exc
-
-
-def _load_pickle(raw: bytes, path: Path, *, trust_pickle: bool, map_location: Any) -> Any:
-    try:
-        return torch.load(io.BytesIO(raw), map_location=map_location, weights_only=not trust_pickle)
-    except pickle.UnpicklingError as exc:
-        if trust_pickle:
-            raise CorruptCheckpointError(f"cannot unpickle {path}: {exc}".splitlines()[0], path=path) from None
-        raise UnsafePickleError(
-            f"{path} needs full unpickling, which can run arbitrary code; "
-            "pass trust_pickle=True only if you trust its author", path=path) from None
-    except (RuntimeError, zipfile.BadZipFile, EOFError, ValueError) as exc:
-        raise CorruptCheckpointError(f"cannot load {path}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
-                                     path=path) from None
-
-
-def _weights_files(directory: Path, names: set[str] | None) -> tuple[str | None, list[str]]:
-    """(index file or None, weight files) by what the directory or manifest holds."""
-    has = (lambda n: n in names) if names is not None else (lambda n: (directory / n).is_file())
-    if has(WEIGHTS):
-        return None, [WEIGHTS]
-    if has(WEIGHTS_INDEX):
-        return WEIGHTS_INDEX, []
-    raise CorruptCheckpointError(f"no model weights in {directory}", path=directory)
-
-
-Extras = bool | Collection[str]
-
-
-def check_extras(extras: object) -> Extras:
-    """``extras`` of a load: True (all), False (none) or a collection of extra names."""
-    if isinstance(extras, bool):
-        return extras
-    if isinstance(extras, (str, bytes)) or not isinstance(extras, Collection) or not all(
-            isinstance(n, str) and n and "/" not in n and not n.startswith(".") for n in extras):
-        raise InvalidStateError(f"extras must be True, False or a list of extra names, got {extras!r}")
-    return frozenset(extras)
-
-
-def select_extras(directory: Path, present: Iterable[str], extras: Extras) -> list[str]:
-    """The ``NAME.pt`` files among ``present`` that a load with ``extras`` reads, sorted."""
-    files = sorted(n for n in present if n.endswith(".pt"))
-    if extras is True:
-        return files
-    if extras is False:
-        return []
-    missing = sorted(set(extras) - {n[:-3] for n in files})
-    if missing:
-        raise ExtraNotFoundError(f"{directory} has no extra {missing[0]!r} (it has: "
-                                 f"{', '.join(n[:-3] for n in files) or 'none'})", path=directory)
-    return [n for n in files if n[:-3] in extras]
-
-
-def read_error(directory: Path, exc: OSError) -> CheckpointReadError:
-    """A failure of this process to read ``directory``: never evidence against the checkpoint."""
-    where = exc.filename or directory
-    return CheckpointReadError(f"cannot read {where}: {exc.strerror or exc}", errno=exc.errno, path=where)
-
-
-def read_directory(directory: Path, *, verify: bool = True, trust_pickle: bool = False,
-                   map_location: Any = "cpu", extras: Extras = True) -> Loaded:
-    """Load a checkpoint directory written by us, the reference module, or a legacy trainer.
-
-    With a manifest, only the files it lists are read and every size is
-    checked; with ``verify`` every byte is hashed too. Without a manifest the
-    reference's layout is read as-is (``meta.json``, ``config.json``, weights
-    single or sharded, ``*.pt``) and nothing can be verified. ``extras``:
-    read every ``.pt`` extra (True), none (False), or only those named; the
-    others are never opened.
-
-    Bytes that do not match raise ``CorruptCheckpointError``; a directory that
-    is not there, or a file this process cannot open (no permission, out of
-    file descriptors), raises ``CheckpointReadError``: that is the reader's
-    trouble, not the checkpoint's.
-    """
-    if not directory.is_dir():
-        if directory.exists():
-            raise CorruptCheckpointError(f"checkpoint path is not a directory: {directory}", path=directory)
-        raise CheckpointReadError(f"checkpoint directory is missing: {directory}", errno=errno.ENOENT,
-                                  path=directory)
-    try:
-        return _read_directory(directory, verify=verify, trust_pickle=trust_pickle, map_location=map_location,
-                               extras=extras)
-    except RegistryError:
-        raise
-    except OSError as exc:
-        raise read_error(directory, exc) from exc
-
-
-def _read_directory(directory: Path, *, verify: bool, trust_pickle: bool, map_location: Any,
-                    extras: Extras) -> Loaded:
-    manifest: Manifest | None = None
-    manifest_sha: str | None = None
-    if (directory / MANIFEST).exists():
-        manifest, manifest_sha = read_manifest(directory)
-    listed = manifest.files if manifest is not None else None
-
-    def entry(name: str) -> FileEntry | None:
-        return listed.get(name) if listed is not None else None
-
-    names = set(listed) if listed is not None else None
-    has = (lambda n: n in names) if names is not None else (lambda n: (directory / n).is_file())
-    meta = _read_json(directory, META, entry(META), verify) if has(META) else {}
-    config = _read_json(directory, CONFIG, entry(CONFIG), verify) if has(CONFIG) else {}
-
-    index_name, weight_files = _weights_files(directory, names)
-    expected_owner: dict[str, str] | None = None
-    if index_name is not None:
-        index = _read_json(directory, index_name, entry(index_name), verify)
-        weight_map = index.get("weight_map")
-        if not isinstance(weight_map, dict) or not all(
-                isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
-            raise ManifestError(f"{directory / index_name} has no valid weight_map", path=directory / index_name)
-        expected_owner = weight_map
-        weight_files = sorted(set(weight_map.values()))
-        if listed is not None:
-            missing = [w for w in weight_files if w not in listed]
-            if missing:
-                raise ManifestError(f"manifest of {directory} does not cover shard {missing[0]!r}",
-                                    path=directory)
-    state = assemble_shards(directory, ((name, _read_weights(directory, name, entry(name), verify))
-                                        for name in weight_files), expected_owner)
-
-    extra_names = select_extras(directory, names if names is not None else
-                                {p.name for p in directory.iterdir() if p.is_file()}, extras)
-    extra: dict[str, Any] = {}
-    for name in extra_names:
-        raw = _read_bytes(directory, name, entry(name), verify)
-        extra[name[:-3]] = _load_pickle(raw, directory / name, trust_pickle=trust_pickle,
-                                         map_location=map_location)
-    if map_location not in (None, "cpu") and not (isinstance(map_location, torch.device)
-                                                   and map_location.type == "cpu"):
-        state = {k: v.to(map_location) for k, v in state.items()}
-    return Loaded(state_dict=state, extra=extra, meta=meta, config=config,
-                  manifest=manifest, manifest_sha256=manifest_sha)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -19,11 +19,11 @@ dict is made. What bounds a publish on a fast disk is sha256 itself, about
   pieces are views of the tensors, and only coalesced small pieces are copies,
   so the extra memory stays under ``MAX_PENDING * SMALL`` bytes.
 
-Reading is the mirror image: each tensor is allocated once and filled with
-``readinto`` while the worker hashes the bytes just read. The safetensors
-header is validated completely (size, JSON, dtypes, shapes, offsets that tile
-the data area exactly) before any tensor is allocated, so a hostile file
-cannot make us allocate or read beyond the file.
+Reading maps files rather than reading them (``registry.filemaps``); this
+module validates a safetensors header completely (size, JSON, dtypes, shapes,
+offsets that tile the data area exactly) before any tensor is made from it,
+so a hostile file cannot make us allocate or view beyond the file, and gives
+each tensor of a mapped file a storage of its own bytes (:func:`tensors_in`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import struct
 import sys
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -472,100 +472,6 @@ def _hexdigest(hasher: Hasher, digest: str) -> str:
     value = found.sha256 if digest == "sha256" else found.xxh3_128
     assert value is not None
     return value
-
-
-def _readinto_exactly(f: BinaryIO, view: memoryview, path: Path) -> None:
-    got = f.readinto(view) or 0
-    while got < len(view):
-        more = f.readinto(view[got:])
-        if not more:
-            raise SafetensorsFormatError(f"truncated safetensors file {path}", path=path)
-        got += more
-
-
-def read_safetensors(path: Path, *, checksum: bool = False, digest: str | None = None,
-                     names: Iterable[str] | None = None) -> tuple[dict[str, torch.Tensor], str | None]:
-    """Load the tensors of ``path``, each in its own storage, and a digest of the file.
-
-    ``digest`` ("sha256" or "xxh3_128"; ``checksum=True`` means "sha256") is
-    computed on a worker thread while the next tensor is read, for the caller
-    to compare with the manifest; without one the digest is None. ``names``
-    restricts which tensors are returned (all bytes are still read when
-    hashing).
-    """
-    if checksum and digest is None:
-        digest = "sha256"
-    wanted = set(names) if names is not None else None
-    hasher = _new_hasher(digest)
-    out: dict[str, torch.Tensor] = {}
-    with open(path, "rb", buffering=0) as f:
-        file_size = os.fstat(f.fileno()).st_size
-        header = read_safetensors_header(f, file_size, path)
-        if hasher is not None:
-            f.seek(0)
-            hasher.update(f.read(header.data_start))
-        for entry in header.entries:
-            if wanted is not None and entry.name not in wanted and hasher is None:
-                f.seek(header.data_start + entry.end)
-                continue
-            tensor = torch.empty(entry.shape, dtype=entry.dtype)
-            if entry.end > entry.begin:
-                view = memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
-                for start in range(0, len(view), CHUNK):
-                    piece = view[start:start + CHUNK]
-                    _readinto_exactly(f, piece, path)
-                    if hasher is not None:
-                        hasher.update(piece)
-            if wanted is None or entry.name in wanted:
-                out[entry.name] = tensor
-    return out, (_hexdigest(hasher, digest) if hasher is not None and digest is not None else None)
-
-
-class _ViewReader:
-    """``read`` over a memoryview without copying it (the header parser's file interface)."""
-
-    def __init__(self, view: memoryview) -> None:
-        self._view = view
-        self._pos = 0
-
-    def read(self, n: int = -1) -> bytes:
-        end = len(self._view) if n < 0 else min(len(self._view), self._pos + n)
-        out = bytes(self._view[self._pos:end])
-        self._pos = end
-        return out
-
-
-def map_safetensors(path: Path, *, digest: str | None = None,
-                    check: Callable[[memoryview], None] | None = None) -> tuple[dict[str, torch.Tensor], str | None]:
-    """The tensors of ``path`` over one private (copy-on-write) mapping of the file.
-
-    This is what ``safetensors.torch.load_file`` does, and why it is the fast
-    way to load: nothing is copied, pages come from the page cache when first
-    touched, and writing to a tensor copies just that page and never reaches
-    the file. Each tensor's storage is exactly its own slice of the mapping
-    (see :func:`tensors_in`); the mapping lives while any of them does. With
-    ``digest`` the whole mapping is hashed before return (which reads it; for
-    xxh3 at memory speed), and ``check`` is called with the whole mapping and
-    may raise, so a damaged file is refused before anything uses it. The
-    header is parsed from the mapping itself and must tile exactly the mapped
-    size, so a file swapped or resized between ``stat`` and ``mmap`` cannot
-    make a view reach past the mapping.
-    """
-    hasher_kind = digest
-    if hasher_kind is not None and hasher_kind not in DIGESTS:
-        raise ValueError(f"unknown digest {digest!r}; expected one of {DIGESTS}")
-    file_size = os.stat(path).st_size
-    if file_size < 8:
-        raise SafetensorsFormatError(f"malformed safetensors file {path}: shorter than its 8-byte header length",
-                                     path=path)
-    storage = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=file_size)
-    u8 = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (file_size,))
-    view = memoryview(u8.numpy()).cast("B")
-    header = read_safetensors_header(_ViewReader(view), file_size, path)  # type: ignore[arg-type]
-    value = hash_bytes(view, hasher_kind) if hasher_kind is not None else None
-    if check is not None:
-        check(view)
-    return tensors_in(u8, header), value
 
 
 def tensors_in(u8: torch.Tensor, header: SafetensorsHeader) -> dict[str, torch.Tensor]:

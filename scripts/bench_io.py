@@ -342,14 +342,14 @@ def _sha256_read(path: Path) -> object:
     """Our reader forced to sha256: what a load would cost without the xxh3 digests."""
     import dataclasses
 
-    import registry.store as store
-    real = store.check_file_digest
-    store.check_file_digest = lambda directory, entry, data: real(  # type: ignore[assignment]
+    import registry.filemaps as filemaps
+    real = filemaps.check_file_digest
+    filemaps.check_file_digest = lambda directory, entry, data: real(  # type: ignore[assignment]
         directory, dataclasses.replace(entry, xxh3_128=None, piece_size=None, xxh3_128_pieces=None), data)
     try:
         return read_directory(path, verify=True)
     finally:
-        store.check_file_digest = real  # type: ignore[assignment]
+        filemaps.check_file_digest = real  # type: ignore[assignment]
 
 
 def _derived(saves: Table, loads: Table) -> list[str]:

@@ -17,7 +17,8 @@ from hypothesis import strategies as hs
 import registry.pieces as pieces_mod
 import registry.tensorio as tio
 from registry.errors import SafetensorsFormatError
-from registry.tensorio import DTYPES, HashingWriter, hash_file, read_safetensors, write_safetensors
+from registry.filemaps import map_file, tensors_of
+from registry.tensorio import DTYPES, HashingWriter, hash_file, write_safetensors
 
 
 def every_dtype_state() -> dict[str, torch.Tensor]:
@@ -48,6 +49,11 @@ def write(path: Path, state: dict[str, torch.Tensor], metadata: dict[str, str] |
     return out
 
 
+def mapped(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of one safetensors file as every load gets them: parsed over its private mapping."""
+    return tensors_of(map_file(path.parent, path.name), path)
+
+
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
@@ -64,7 +70,7 @@ def test_every_dtype_loads_with_safetensors(tmp_path: Path) -> None:
     assert set(loaded) == set(state)
     for name, tensor in state.items():
         assert bits_equal(loaded[name], tensor), name
-    ours, _ = read_safetensors(path)
+    ours = mapped(path)
     for name, tensor in state.items():
         assert bits_equal(ours[name], tensor), name
 
@@ -137,22 +143,11 @@ def test_large_tensor_spans_many_chunks(tmp_path: Path, monkeypatch: pytest.Monk
     path = tmp_path / "m.safetensors"
     write(path, state)
     raw = path.read_bytes()
+    tensors = mapped(path)
+    assert all(bits_equal(tensors[k], state[k]) for k in state)
     for digest, fn in (("sha256", lambda b: hashlib.sha256(b).hexdigest()),
                        ("xxh3_128", xxhash.xxh3_128_hexdigest)):
-        tensors, value = read_safetensors(path, digest=digest)
-        assert value == fn(raw)
-        assert all(bits_equal(tensors[k], state[k]) for k in state)
         assert hash_file(path, digest) == (len(raw), fn(raw))
-
-
-def test_read_names_subset_still_hashes_everything(tmp_path: Path) -> None:
-    state = {"a": torch.randn(5), "b": torch.randn(7)}
-    path = tmp_path / "m.safetensors"
-    out = write(path, state)
-    tensors, digest = read_safetensors(path, names=["b"], checksum=True)
-    assert list(tensors) == ["b"] and digest == out.sha256
-    tensors, digest = read_safetensors(path, names=["a"])
-    assert list(tensors) == ["a"] and digest is None
 
 
 def test_truncated_file_is_a_format_error(tmp_path: Path) -> None:
@@ -161,7 +156,7 @@ def test_truncated_file_is_a_format_error(tmp_path: Path) -> None:
     raw = path.read_bytes()
     path.write_bytes(raw[:-10])
     with pytest.raises(SafetensorsFormatError):
-        read_safetensors(path)
+        mapped(path)
 
 
 def test_aborted_writer_leaves_no_digest(tmp_path: Path) -> None:
@@ -177,19 +172,16 @@ def test_unknown_digest_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "m.safetensors"
     write(path, {"a": torch.randn(3)})
     with pytest.raises(ValueError):
-        read_safetensors(path, digest="md5")
+        hash_file(path, "md5")
 
 
 def test_mapped_tensors_are_private_views(tmp_path: Path) -> None:
     state = every_dtype_state()
     path = tmp_path / "m.safetensors"
-    out = write(path, state)
+    write(path, state)
     before = path.read_bytes()
-    whole = xxhash.xxh3_128_hexdigest(path.read_bytes())
-    for digest, expected in ((None, None), ("sha256", out.sha256), ("xxh3_128", whole)):
-        tensors, value = tio.map_safetensors(path, digest=digest)
-        assert value == expected
-        assert set(tensors) == set(state) and all(bits_equal(tensors[k], state[k]) for k in state)
+    tensors = mapped(path)
+    assert set(tensors) == set(state) and all(bits_equal(tensors[k], state[k]) for k in state)
     tensors["transposed"].add_(1)  # copy-on-write: never reaches the file
     assert path.read_bytes() == before
 
@@ -201,7 +193,7 @@ def test_mapped_unaligned_tensor_is_copied(tmp_path: Path) -> None:
     header += b" " * (1 - len(header) % 2)  # odd length: the data starts at an odd offset
     path = tmp_path / "odd.safetensors"
     path.write_bytes(struct.pack("<Q", len(header)) + header + data.numpy().tobytes())
-    tensors, _ = tio.map_safetensors(path)
+    tensors = mapped(path)
     assert torch.equal(tensors["x"], data.view(2, 3))
     assert torch.equal(st.load_file(str(path))["x"], data.view(2, 3))
 
@@ -223,7 +215,7 @@ def test_mapped_runs_of_mixed_dtypes_in_any_order(tmp_path: Path) -> None:
     head += b" " * (-len(head) % 8)  # the data starts aligned; "c" starts at byte 18, off its 4-byte size
     path = tmp_path / "mixed.safetensors"
     path.write_bytes(struct.pack("<Q", len(head)) + head + data)
-    tensors, _ = tio.map_safetensors(path)
+    tensors = mapped(path)
     assert list(tensors) == [name for name, _ in parts]
     for name, tensor in parts:
         assert tensors[name].dtype == tensor.dtype and bits_equal(tensors[name], tensor), name
@@ -235,7 +227,7 @@ def test_mapped_file_must_tile_the_mapping(tmp_path: Path) -> None:
     with open(path, "ab") as f:
         f.write(b"\0" * 8)
     with pytest.raises(SafetensorsFormatError, match="covers"):
-        tio.map_safetensors(path)
+        mapped(path)
     path.write_bytes(b"\1\0")
     with pytest.raises(SafetensorsFormatError):
-        tio.map_safetensors(path)
+        mapped(path)
