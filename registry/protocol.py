@@ -28,8 +28,8 @@ from pathlib import Path
 from registry.catalog import Catalog, Claim
 from registry.crashpoints import crashpoint
 from registry.errors import CatalogError, CorruptCheckpointError, PublishError, RegistryError
-from registry.store import (Written, check_written, discard, hidden_sibling, install, new_staging,
-                            remove_stale_staging, uninstall)
+from registry.layout import hidden_sibling
+from registry.store import Written, check_written, discard, install, new_staging, remove_stale_staging, uninstall
 
 HEARTBEAT = timedelta(seconds=30)  # well inside store.STALE_AFTER, so a slow beat never looks like a dead writer
 
