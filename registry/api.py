@@ -28,9 +28,10 @@ from registry.background import BackgroundPublisher
 from registry.catalog import Catalog, CommitRecord, PayloadRecord
 from registry.checkpoint import Checkpoint
 from registry.errors import InvalidStateError, RegistryError, StepExistsError
+from registry.layout import step_dirname
 from registry.protocol import publish_sequence
 from registry.records import LIVE, CheckpointInfo, EventInfo, MetricPoint, RunInfo
-from registry.refs import Ref, check_metric_key, check_run_name, check_step, check_tag_name, parse_ref, step_dirname
+from registry.refs import Ref, check_metric_key, check_run_name, check_step, check_tag_name, parse_ref
 from registry.scrub import VerifyResult, scrub
 from registry.snapshot import Snapshotter
 from registry.store import Payload, Store, check_extras, now_timestamp, write_payload, writer_alive, writer_id
@@ -538,8 +539,9 @@ class Registry:
         ``KeepBest`` over a metric none of the run's checkpoints has raises
         ``UnknownMetricError`` (a ``PolicyError``) unless ``allow_missing_metrics``.
         """
-        from registry.retention import make_plan
-        return make_plan(self, run, policy, now=now, protect=protect or {},
+        from registry.retention import RetentionScope, make_plan
+        scope = RetentionScope(catalog=self.catalog, root=self.store.root, actor=self.writer)
+        return make_plan(scope, run, policy, now=now, protect=protect or {},
                          allow_missing_metrics=allow_missing_metrics)
 
     def apply_retention(self, run: str, policy: Policy, *, protect: Mapping[int, str] | None = None,

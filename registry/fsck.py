@@ -59,8 +59,9 @@ from registry.catalog.fsck import PayloadRecord, RowState, record_payload, set_s
 from registry.crashpoints import crashpoint
 from registry.errors import CheckpointReadError, CorruptCheckpointError, RegistryError
 from registry.filemaps import read_json
+from registry.layout import scan_run, step_dirname
 from registry.manifest import MANIFEST, META, Manifest, read_manifest
-from registry.refs import MAX_STEP, RUN_NAME_RE, parse_step_dirname, step_dirname
+from registry.refs import MAX_STEP, RUN_NAME_RE
 from registry.retention import manifest_digest, remove_tree, retire_and_remove
 from registry.store import fsync_dir, verify_directory, writer_alive
 
@@ -176,21 +177,18 @@ def _scan(root: Path, failures: list[str]) -> dict[tuple[str, int], _Step]:
         if not run_entry.is_dir(follow_symlinks=False) or not RUN_NAME_RE.fullmatch(run_entry.name):
             continue
         try:
-            entries = sorted(os.scandir(run_entry.path), key=lambda e: e.name)
+            entries = scan_run(Path(run_entry.path))
         except (FileNotFoundError, NotADirectoryError):
             continue
         except OSError as exc:
             failures.append(f"{run_entry.name}: cannot list {run_entry.path}: {_one_line(exc)}")
             continue
         for entry in entries:
-            parsed = parse_step_dirname(entry.name)
-            if parsed is None or not entry.is_dir(follow_symlinks=False):
-                continue
-            slot = found.setdefault((run_entry.name, parsed[0]), _Step())
-            if parsed[1] == "final":
-                slot.final = Path(entry.path)
+            slot = found.setdefault((run_entry.name, entry.step), _Step())
+            if entry.kind == "final":
+                slot.final = entry.path
             else:
-                (slot.tmp if parsed[1] == "tmp" else slot.retired).append(Path(entry.path))
+                (slot.tmp if entry.kind == "tmp" else slot.retired).append(entry.path)
     return found
 
 

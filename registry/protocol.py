@@ -27,9 +27,10 @@ from pathlib import Path
 from registry.catalog import Catalog, Claim, CommitRecord, FileRecord, PayloadRecord
 from registry.crashpoints import crashpoint
 from registry.errors import CatalogError, CorruptCheckpointError, PublishError, RegistryError
+from registry.layout import hidden_sibling
 from registry.records import CheckpointInfo
-from registry.store import (Written, check_written, discard, hidden_sibling, install, new_staging,
-                            remove_stale_staging, uninstall, writer_alive)
+from registry.store import (Written, check_written, discard, install, new_staging, remove_stale_staging, uninstall,
+                            writer_alive)
 
 HEARTBEAT = timedelta(seconds=30)  # well inside store.STALE_AFTER, so a slow beat never looks like a dead writer
 

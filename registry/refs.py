@@ -61,33 +61,6 @@ def check_metric_key(key: object) -> str:
     return key
 
 
-def step_dirname(step: int) -> str:
-    """``step-00001000``: zero-padded so a plain ``ls`` sorts by step."""
-    return f"step-{step:08d}"
-
-
-StepDirKind = Literal["final", "tmp", "retired"]
-_STEP_DIR_RE = re.compile(r"(\.?)(step-([0-9]+))(?:\.(tmp|retired)-.+)?", re.DOTALL)
-
-
-def parse_step_dirname(name: str) -> tuple[int, StepDirKind] | None:
-    """The step of a directory name the registry writes, and which kind it is; None for any other name.
-
-    ``step-00001000`` is a step's final directory (exactly what :func:`step_dirname`
-    gives); ``.step-00001000.tmp-XXXX`` a publish's staging directory and
-    ``.step-00001000.retired-XXXX`` a payload being replaced or deleted. The step
-    may exceed :data:`MAX_STEP` (a directory nobody published): callers check.
-    """
-    m = _STEP_DIR_RE.fullmatch(name)
-    if m is None or bool(m.group(1)) != bool(m.group(4)) or len(m.group(3)) > 64:
-        return None
-    step = int(m.group(3))
-    if step_dirname(step) != m.group(2):
-        return None
-    kind: StepDirKind = m.group(4) or "final"
-    return step, kind
-
-
 @dataclass(frozen=True, kw_only=True)
 class Ref:
     """A parsed reference. ``value`` is the step, tag or metric as fits ``kind``."""

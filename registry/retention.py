@@ -30,25 +30,23 @@ import difflib
 import os
 import shutil
 import sys
-import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
+from registry.catalog import Catalog
 from registry.catalog.retention import CANDIDATES, RetentionCatalog, RunSnapshot
 from registry.crashpoints import crashpoint
 from registry.errors import CorruptCheckpointError, PolicyError, RegistryError, UnknownMetricError
+from registry.layout import hidden_sibling, scan_run
 from registry.manifest import MANIFEST, MAX_MANIFEST_BYTES, digest_bytes, open_regular
 from registry.records import LIVE, RANKABLE, CheckpointInfo, human_bytes
-from registry.refs import check_metric_key, check_run_name, parse_step_dirname
+from registry.refs import check_metric_key, check_run_name
 from registry.store import fsync_dir
-
-if TYPE_CHECKING:
-    from registry.api import Registry
 
 
 class RetentionWarning(RuntimeWarning):
@@ -365,6 +363,15 @@ class MaxBytes(Policy):
 
 
 @dataclass(frozen=True, kw_only=True)
+class RetentionScope:
+    """What retention acts on: a catalog, the checkpoint root its paths are relative to, and who acts."""
+
+    catalog: Catalog
+    root: Path
+    actor: str | None  # recorded on the ``delete`` events
+
+
+@dataclass(frozen=True, kw_only=True)
 class Decision:
     """One step of a plan: kept (with every reason) or deleted."""
 
@@ -431,7 +438,7 @@ class RetentionPlan:
     now: datetime
     protect: Mapping[int, str] = field(default_factory=dict)  # extra protections (the step just published)
     allow_missing_metrics: bool = False  # see KeepBest: keep nothing by a metric no checkpoint has
-    registry: Registry | None = field(default=None, repr=False, compare=False)
+    scope: RetentionScope | None = field(default=None, repr=False, compare=False)
 
     @property
     def keep(self) -> Mapping[int, str]:
@@ -460,16 +467,16 @@ class RetentionPlan:
 
     def execute(self) -> RetentionResult:
         """Delete what the plan deletes and is still deletable now; see the module docstring."""
-        if self.registry is None:
+        if self.scope is None:
             raise PolicyError("this plan is not bound to a registry; make it with Registry.plan_retention")
-        return _execute(self.registry, self)
+        return _execute(self.scope, self)
 
 
-def _candidates(reg: Registry, snap: RunSnapshot) -> list[CheckpointInfo]:
-    return [reg._absolute(c) for c in snap.checkpoints if c.status in CANDIDATES]
+def _candidates(scope: RetentionScope, snap: RunSnapshot) -> list[CheckpointInfo]:
+    return [replace(c, path=scope.root / c.path) for c in snap.checkpoints if c.status in CANDIDATES]
 
 
-def make_plan(reg: Registry, run: str, policy: Policy, *, now: datetime | None = None,
+def make_plan(scope: RetentionScope, run: str, policy: Policy, *, now: datetime | None = None,
               protect: Mapping[int, str] = MappingProxyType({}),
               allow_missing_metrics: bool = False) -> RetentionPlan:
     """Decide, without changing anything, what ``policy`` keeps and deletes in ``run``.
@@ -484,9 +491,9 @@ def make_plan(reg: Registry, run: str, policy: Policy, *, now: datetime | None =
         now = datetime.now(timezone.utc)
     elif now.tzinfo is None:
         raise PolicyError("now= must be a timezone-aware datetime")
-    snap = RetentionCatalog(reg.catalog).snapshot(run)
+    snap = RetentionCatalog(scope.catalog).snapshot(run)
     protected = protections(snap, protect)
-    candidates = _candidates(reg, snap)
+    candidates = _candidates(scope, snap)
     kept = evaluate(policy, candidates, RetentionContext(run=run, now=now, protected=protected,
                                                          allow_missing_metrics=allow_missing_metrics))
     decisions = []
@@ -498,10 +505,10 @@ def make_plan(reg: Registry, run: str, policy: Policy, *, now: datetime | None =
         decisions.append(Decision(step=c.step, status=c.status, action="keep" if keep else "delete",
                                   reasons=reasons or ("kept",),
                                   protected=c.step in protected, total_bytes=c.total_bytes,
-                                  path=reg.store.root / c.path))
+                                  path=scope.root / c.path))
     return RetentionPlan(run=run, policy=policy, decisions=tuple(decisions), now=now,
                          protect=MappingProxyType(dict(protect)), allow_missing_metrics=allow_missing_metrics,
-                         registry=reg)
+                         scope=scope)
 
 
 # ---------------------------------------------------------------------------- execute
@@ -557,8 +564,7 @@ def retire_and_remove(final: Path, manifest_sha256: str | None) -> Literal["remo
         return "absent"
     if manifest_sha256 is not None and manifest_digest(final) not in (None, manifest_sha256):
         return "kept"
-    retired = Path(tempfile.mkdtemp(prefix=f".{final.name}.retired-", dir=final.parent))
-    retired.rmdir()
+    retired = hidden_sibling(final, "retired")
     try:
         os.replace(final, retired)
     except FileNotFoundError:
@@ -576,33 +582,32 @@ def retire_and_remove(final: Path, manifest_sha256: str | None) -> Literal["remo
     return "removed"
 
 
-def finish_interrupted(reg: Registry, run: str) -> tuple[tuple[int, ...], dict[int, str]]:
+def finish_interrupted(scope: RetentionScope, run: str) -> tuple[tuple[int, ...], dict[int, str]]:
     """Remove what a killed gc left of ``deleted`` rows: final or retired directories."""
-    rows = RetentionCatalog(reg.catalog).deleted_rows(run)
+    rows = RetentionCatalog(scope.catalog).deleted_rows(run)
     deleted = {r.step for r in rows}
     healed: set[int] = set()
     errors: dict[int, str] = {}
     for r in rows:
         try:
-            if remove_checkpoint_dir(reg.store.root / r.path, r.manifest_sha256):
+            if remove_checkpoint_dir(scope.root / r.path, r.manifest_sha256):
                 healed.add(r.step)
         except OSError as exc:
-            errors[r.step] = f"cannot remove {reg.store.root / r.path}: {exc.strerror or exc}"
-    run_dir = reg.store.run_dir(run)
+            errors[r.step] = f"cannot remove {scope.root / r.path}: {exc.strerror or exc}"
+    run_dir = scope.root / run
     if deleted and run_dir.is_dir():
-        for entry in run_dir.iterdir():
-            parsed = parse_step_dirname(entry.name)
-            if parsed is not None and parsed[1] == "retired" and parsed[0] in deleted and entry.is_dir():
+        for entry in scan_run(run_dir):
+            if entry.kind == "retired" and entry.step in deleted:
                 try:
-                    remove_tree(entry)
-                    healed.add(parsed[0])
+                    remove_tree(entry.path)
+                    healed.add(entry.step)
                 except OSError as exc:
-                    errors[parsed[0]] = f"cannot remove {entry}: {exc.strerror or exc}"
+                    errors[entry.step] = f"cannot remove {entry.path}: {exc.strerror or exc}"
     return tuple(sorted(healed)), errors
 
 
-def _execute(reg: Registry, plan: RetentionPlan) -> RetentionResult:
-    healed, errors = finish_interrupted(reg, plan.run)
+def _execute(scope: RetentionScope, plan: RetentionPlan) -> RetentionResult:
+    healed, errors = finish_interrupted(scope, plan.run)
     planned = sorted(plan.delete)
     skipped: dict[int, str] = {}
 
@@ -610,7 +615,7 @@ def _execute(reg: Registry, plan: RetentionPlan) -> RetentionResult:
         skipped.clear()  # the transaction may be retried: start over each time
         protected = protections(snap, plan.protect)
         by_step = {c.step: c for c in snap.checkpoints}
-        kept = evaluate(plan.policy, _candidates(reg, snap),
+        kept = evaluate(plan.policy, _candidates(scope, snap),
                         RetentionContext(run=plan.run, now=plan.now, protected=protected,
                                          allow_missing_metrics=plan.allow_missing_metrics))
         doomed: dict[int, str] = {}
@@ -626,18 +631,18 @@ def _execute(reg: Registry, plan: RetentionPlan) -> RetentionResult:
                 doomed[step] = plan.delete[step]
         return doomed
 
-    marked = RetentionCatalog(reg.catalog).mark_deleted(plan.run, decide, actor=reg.writer)
+    marked = RetentionCatalog(scope.catalog).mark_deleted(plan.run, decide, actor=scope.actor)
     if marked:
         crashpoint("gc-after-mark")
     for row in marked:
         try:
-            remove_checkpoint_dir(reg.store.root / row.path, row.manifest_sha256)
+            remove_checkpoint_dir(scope.root / row.path, row.manifest_sha256)
         except OSError as exc:
-            errors[row.step] = f"cannot remove {reg.store.root / row.path}: {exc.strerror or exc}"
+            errors[row.step] = f"cannot remove {scope.root / row.path}: {exc.strerror or exc}"
     return RetentionResult(run=plan.run, deleted=tuple(r.step for r in marked), skipped=dict(skipped),
                            bytes_freed=sum(r.total_bytes for r in marked), healed=healed, errors=errors)
 
 
 __all__ = ["AnyOf", "Decision", "KeepBest", "KeepEvery", "KeepLast", "KeepNewerThan", "KeepPolicyVersions",
-           "KeepTagged", "MISSING_METRIC_HINT", "MaxBytes", "Policy", "RetentionContext", "RetentionPlan", "RetentionResult",
+           "KeepTagged", "MISSING_METRIC_HINT", "MaxBytes", "Policy", "RetentionContext", "RetentionPlan", "RetentionResult", "RetentionScope",
            "RetentionWarning", "evaluate", "finish_interrupted", "make_plan", "protections"]

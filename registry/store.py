@@ -32,10 +32,11 @@ from registry.crashpoints import crashpoint
 from registry.errors import CorruptCheckpointError, InvalidStateError, PublishError, RootError, SafetensorsFormatError
 # the read side lives in registry.filemaps; its names stay importable from here for the store's callers
 from registry.filemaps import Extras, Loaded, check_extras, read_directory, read_error, select_extras  # noqa: F401
+from registry.layout import hidden_sibling, hidden_siblings, step_dirname
 from registry.manifest import (CONFIG, MANIFEST, MAX_JSON_BYTES, META, WEIGHTS, WEIGHTS_INDEX, FileEntry, Manifest,
                                check_file_name, digest_bytes, read_manifest)
 from registry.pools import Pool
-from registry.refs import CATALOG_FILE, step_dirname
+from registry.refs import CATALOG_FILE
 from registry.tensorio import HashingWriter, hash_file, read_safetensors_header, write_safetensors
 
 
@@ -151,7 +152,7 @@ def _started_after(started: str, moment: datetime) -> bool:
 def remove_stale_staging(final: Path) -> list[Path]:
     """Remove ``.NAME.tmp-*`` siblings of ``final``; call only while owning its catalog row."""
     removed = []
-    for candidate in final.parent.glob(f".{final.name}.tmp-*"):
+    for candidate in hidden_siblings(final, "tmp"):
         shutil.rmtree(candidate, ignore_errors=True)
         removed.append(candidate)
     return removed
@@ -339,11 +340,6 @@ def new_staging(final: Path) -> Path:
             continue
         return staging
     raise FileExistsError(errno.EEXIST, "no unused staging name", str(parent))
-
-
-def hidden_sibling(final: Path, kind: str) -> Path:
-    """An unused name for a hidden ``.NAME.KIND-*`` sibling of ``final`` (``tmp`` or ``retired``), not created."""
-    return final.parent / f".{final.name}.{kind}-{secrets.token_hex(6)}"
 
 
 def install(staging: Path, final: Path, *, keep_retired: bool = False) -> Path | None:

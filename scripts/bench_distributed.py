@@ -150,7 +150,8 @@ def rank_main(rank: int, port: int, args: dict[str, Any]) -> None:
                             timeout=timedelta(seconds=600))
     url = args["url"] if rank == 0 else f"sqlite:///{WORK / f'empty-{rank}.db'}"
     results: dict[str, Any] = {}
-    with Registry.open(url=url, root=args["root"]) as reg:
+    root = args["root"] if rank == 0 else str(WORK / f"empty-root-{rank}")  # a root belongs to one catalog
+    with Registry.open(url=url, root=root) as reg:
         for case in ("small", "big"):
             ref, path = f"{case}@1", Path(args["paths"][case])
             repeats = args["repeats"]

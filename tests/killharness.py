@@ -41,6 +41,7 @@ from registry import Registry
 from registry.catalog.session import head_revision
 from registry.crashpoints import arm
 from registry.errors import RegistryError
+from registry.layout import parse_hidden
 from registry.store import read_directory
 
 RUNS = ("r0", "r1")
@@ -199,6 +200,12 @@ class InvariantError(AssertionError):
     pass
 
 
+def hidden_dirs(root: Path) -> list[str]:
+    """Staging and retired names left in any directory of ``root``: after a settled fsck there are none."""
+    return [f"{d.name}/{n}" for d in sorted(root.iterdir()) if d.is_dir()
+            for n in sorted(os.listdir(d)) if parse_hidden(n) is not None]
+
+
 def _fail(msg: str) -> None:
     raise InvariantError(msg)
 
@@ -249,7 +256,7 @@ def check_invariants(reg: Registry, *, before: dict[tuple[str, int], str], lates
     if not again.clean or again.in_progress:
         _fail(f"second fsck not clean: {again.to_json()}")
     root = reg.store.root
-    leftovers = [p.name for p in root.glob("*/.*") if ".tmp-" in p.name or ".retired-" in p.name]
+    leftovers = hidden_dirs(root)
     if leftovers:
         _fail(f"hidden directories left behind: {leftovers}")
     view = catalog_view(reg, runs)

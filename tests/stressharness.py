@@ -41,7 +41,7 @@ import torch
 
 from registry import Registry
 from registry.errors import CheckpointNotFoundError, StepExistsError
-from tests.killharness import _pg_url_factory, context, settle, state, worker_url
+from tests.killharness import _pg_url_factory, context, hidden_dirs, settle, state, worker_url
 
 RUNS = ("s0", "s1")
 STEPS = tuple(range(10, 90, 10))  # few steps, so publishers collide
@@ -243,7 +243,7 @@ def check_after(reg: Registry, tally: StressTally) -> None:
                 tally.violations.append(f"{run}@{i.step} is {i.status} but its directory is gone")
         if rows and not any(i.status == "verified" for i in rows):
             tally.violations.append(f"{run} has no verified step left")
-    leftovers = [p.name for p in reg.store.root.glob("*/.*") if ".tmp-" in p.name or ".retired-" in p.name]
+    leftovers = hidden_dirs(reg.store.root)
     if leftovers:
         tally.violations.append(f"hidden directories left behind: {leftovers}")
     for checksums in (False, True):

@@ -20,7 +20,8 @@ import registry.fsck as fsck_module
 from registry import Checkpoint, Registry
 from registry.cli import main
 from registry.fsck import FsckReport
-from registry.refs import MAX_STEP, parse_step_dirname, step_dirname
+from registry.layout import parse_step_dirname, step_dirname
+from registry.refs import MAX_STEP
 from registry.retention import KeepLast
 from tests.helpers import assert_state_equal, make_state
 

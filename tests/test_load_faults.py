@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from registry import Checkpoint, CorruptCheckpointError, InvalidStateError, Registry
 from registry.errors import CheckpointReadError, ExtraNotFoundError

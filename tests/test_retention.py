@@ -495,3 +495,29 @@ def test_no_policy_can_break_the_invariants(reg: Registry) -> None:
     reg.tag("run", 40, "late")
     result = plan.execute()
     assert set(result.deleted) == set(steps) - protected - {20, 40} and set(result.skipped) == {40}
+
+
+def test_gc_leaves_a_symlink_with_a_retired_name_alone(reg: Registry, tmp_path: Path) -> None:
+    """Finishing a deletion removes only real retired directories: a symlink is not followed, not an error."""
+    publish(reg, "run", [1, 2, 3])
+    assert reg.apply_retention("run", KeepLast(1)).deleted == (1, 2)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("not the registry's")
+    (reg.store.run_dir("run") / ".step-00000001.retired-planted").symlink_to(outside, target_is_directory=True)
+    result = reg.apply_retention("run", KeepLast(1))
+    assert result.errors == {} and result.healed == ()
+    assert (outside / "keep.txt").read_text() == "not the registry's"
+
+
+def test_retention_and_fsck_do_not_import_the_facade() -> None:
+    """They take a catalog, a root and an actor, so the facade can import them and not the other way round."""
+    import ast
+
+    import registry
+    package = Path(registry.__file__).parent
+    for module in ("retention.py", "fsck.py", "layout.py", "catalog/retention.py", "catalog/fsck.py"):
+        tree = ast.parse((package / module).read_text())
+        imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        assert "registry.api" not in imported, module

@@ -18,7 +18,7 @@ from sqlalchemy import Connection, insert, select, update
 from sqlalchemy.exc import IntegrityError
 
 from registry.catalog.models import CheckpointFile, CheckpointRow, Run
-from registry.catalog.queries import Catalog, PayloadRecord, _aware, replace_files, utcnow
+from registry.catalog.queries import Catalog, PayloadRecord, aware, replace_files, utcnow
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,8 +48,8 @@ def snapshot(catalog: Catalog) -> list[RowState]:
             files.setdefault(cid, {})[name] = (size, sha)
         return [RowState(run=r.name, step=r.step, status=r.status, path=r.path, writer=r.writer,
                          manifest_sha256=r.manifest_sha256, files=files.get(r.id, {}),
-                         updated_at=_aware(r.updated_at)) for r in rows]
-    return catalog._read(fn)
+                         updated_at=aware(r.updated_at)) for r in rows]
+    return catalog.read(fn)
 
 
 def _row(conn: Connection, run: str, step: int, *, lock: bool = True) -> Any:
@@ -67,12 +67,12 @@ def _unchanged(row: Any, seen: RowState | None) -> bool:
         return row is None
     return (row is not None and row.status == seen.status and row.writer == seen.writer
             and row.manifest_sha256 == seen.manifest_sha256
-            and _aware(row.updated_at) == seen.updated_at)  # refreshed since: its writer is alive
+            and aware(row.updated_at) == seen.updated_at)  # refreshed since: its writer is alive
 
 
 def unchanged(catalog: Catalog, seen: RowState) -> bool:
     """Whether the row is still as ``seen``: read now, so after whatever fsck checked on disk since."""
-    return bool(catalog._read(lambda conn: _unchanged(_row(conn, seen.run, seen.step, lock=False), seen)))
+    return bool(catalog.read(lambda conn: _unchanged(_row(conn, seen.run, seen.step, lock=False), seen)))
 
 
 def record_payload(catalog: Catalog, seen: RowState | None, *, run: str, step: int, path: str,
@@ -88,7 +88,7 @@ def record_payload(catalog: Catalog, seen: RowState | None, *, run: str, step: i
             return False
         values = {**payload.columns(now), "path": path}
         if row is None:
-            run_id = Catalog._run_id(conn, run, create=True)
+            run_id = Catalog.lookup_run(conn, run, create=True)
             try:
                 with conn.begin_nested():
                     cid = conn.execute(insert(CheckpointRow).values(
@@ -100,9 +100,9 @@ def record_payload(catalog: Catalog, seen: RowState | None, *, run: str, step: i
             run_id, cid = row.run_id, row.id
             conn.execute(update(CheckpointRow).where(CheckpointRow.id == cid).values(**values))
         replace_files(conn, cid, payload.files)
-        Catalog._event(conn, run_id, step, "repair", actor=actor, problem=kind, status=payload.status, **detail)
+        Catalog.record_event(conn, run_id, step, "repair", actor=actor, problem=kind, status=payload.status, **detail)
         return True
-    return bool(catalog._write(fn))
+    return bool(catalog.write(fn))
 
 
 def set_status_if(catalog: Catalog, seen: RowState, status: str, *, kind: str, actor: str,
@@ -117,9 +117,9 @@ def set_status_if(catalog: Catalog, seen: RowState, status: str, *, kind: str, a
         if status == "deleted":
             values["deleted_at"] = now
         conn.execute(update(CheckpointRow).where(CheckpointRow.id == row.id).values(**values))
-        Catalog._event(conn, row.run_id, seen.step, "repair", actor=actor, problem=kind, status=status, **detail)
+        Catalog.record_event(conn, row.run_id, seen.step, "repair", actor=actor, problem=kind, status=status, **detail)
         return True
-    return bool(catalog._write(fn))
+    return bool(catalog.write(fn))
 
 
 __all__ = ["PayloadRecord", "RowState", "record_payload", "set_status_if", "snapshot", "unchanged"]

@@ -36,7 +36,8 @@ def utcnow() -> datetime:
     return datetime.now(timezone.utc)
 
 
-def _aware(value: datetime | None) -> datetime | None:
+def aware(value: datetime | None) -> datetime | None:
+    """A timestamp read back from the catalog, in UTC (SQLite returns them naive)."""
     if value is not None and value.tzinfo is None:
         return value.replace(tzinfo=timezone.utc)
     return value
@@ -134,7 +135,7 @@ WriterAlive = Callable[[str | None, datetime | None], bool]  # (writer, row last
 def _claim_conflict(run: str, step: int, status: str, writer: str | None, updated_at: datetime | None, *,
                     overwrite: bool, writer_alive: WriterAlive) -> StepExistsError | None:
     """Why an existing row of ``run@step`` may not be claimed now, or None if it may."""
-    if status == "staging" and writer_alive(writer, _aware(updated_at)):
+    if status == "staging" and writer_alive(writer, aware(updated_at)):
         return StepExistsError(f"{run}@{step} is being published by {writer}", run=run, step=step)
     if status in ("published", "verified", "corrupt") and not overwrite:
         return StepExistsError(f"{run}@{step} already exists ({status}); pass overwrite=True to replace it",
@@ -189,13 +190,15 @@ class Catalog:
     def dialect(self) -> str:
         return self.engine.dialect.name
 
-    def _write(self, fn: Any, *, durable: bool = True) -> Any:
+    def write(self, fn: Any, *, durable: bool = True) -> Any:
+        """``fn(conn)`` in one write transaction, retried on lock timeouts (so ``fn`` must not keep state)."""
         def txn() -> Any:
             with write_connection(self.engine, durable=durable) as conn:
                 return fn(conn)
         return self._transaction(txn)
 
-    def _read(self, fn: Any) -> Any:
+    def read(self, fn: Any) -> Any:
+        """``fn(conn)`` in one read transaction, retried like :meth:`write`."""
         def txn() -> Any:
             with self._read_engine.connect() as conn, conn.begin():
                 return fn(conn)
@@ -218,7 +221,8 @@ class Catalog:
     # ------------------------------------------------------------------ helpers
 
     @staticmethod
-    def _run_id(conn: Connection, run: str, *, create: bool = False) -> int | None:
+    def lookup_run(conn: Connection, run: str, *, create: bool = False) -> int | None:
+        """The id of ``run``; None when it has none, unless ``create``."""
         run_id = conn.scalar(select(Run.id).where(Run.name == run))
         if run_id is None and create:
             try:  # a concurrent writer may create the same run first: then use theirs
@@ -229,19 +233,22 @@ class Catalog:
             run_id = conn.scalar(select(Run.id).where(Run.name == run))
         return run_id
 
-    def _require_run(self, conn: Connection, run: str) -> int:
-        run_id = self._run_id(conn, run)
+    def require_run(self, conn: Connection, run: str) -> int:
+        """The id of ``run``; ``CheckpointNotFoundError`` when there is no such run."""
+        run_id = self.lookup_run(conn, run)
         if run_id is None:
             raise CheckpointNotFoundError(f"no run named {run!r}", run=run)
         return run_id
 
     @staticmethod
-    def _event(conn: Connection, run_id: int | None, step: int | None, kind: str,
-               actor: str | None = None, **detail: Any) -> None:
+    def record_event(conn: Connection, run_id: int | None, step: int | None, kind: str,
+                     actor: str | None = None, **detail: Any) -> None:
+        """Append an event to the audit log, in the caller's transaction."""
         conn.execute(insert(Event).values(run_id=run_id, step=step, kind=kind, actor=actor,
                                           detail=json.dumps(detail, sort_keys=True), created_at=utcnow()))
 
-    def _infos(self, conn: Connection, run: str, rows: Sequence[Any]) -> list[CheckpointInfo]:
+    def checkpoint_infos(self, conn: Connection, run: str, rows: Sequence[Any]) -> list[CheckpointInfo]:
+        """Checkpoint rows of one run as records, with their current metrics and tags."""
         if not rows:
             return []
         run_id = rows[0].run_id
@@ -279,8 +286,8 @@ class Catalog:
             consumed_samples=r.consumed_samples, policy_version=r.policy_version,
             optimizer_step=r.optimizer_step, metrics=metrics.get(r.step, {}),
             tags=tuple(tags.get(r.id, ())), total_bytes=r.total_bytes,
-            manifest_sha256=r.manifest_sha256, created_at=_aware(r.created_at),
-            verified_at=_aware(r.verified_at), writer=r.writer) for r in rows]
+            manifest_sha256=r.manifest_sha256, created_at=aware(r.created_at),
+            verified_at=aware(r.verified_at), writer=r.writer) for r in rows]
 
     # ------------------------------------------------------------------ publish
 
@@ -292,7 +299,7 @@ class Catalog:
         (a crashed trainer that is now resuming) is taken over.
         """
         def fn(conn: Connection) -> Claim:
-            run_id = self._run_id(conn, run, create=True)
+            run_id = self.lookup_run(conn, run, create=True)
             assert run_id is not None
             now = utcnow()
             query = select(CheckpointRow.__table__).where(CheckpointRow.run_id == run_id, CheckpointRow.step == step)
@@ -318,9 +325,9 @@ class Catalog:
                          .values(status="staging", writer=writer, path=path, updated_at=now))
             previous = row.status if row.status != "staging" else None
             if row.status == "staging":
-                self._event(conn, run_id, step, "takeover", actor=writer, dead_writer=row.writer)
+                self.record_event(conn, run_id, step, "takeover", actor=writer, dead_writer=row.writer)
             return Claim(checkpoint_id=row.id, run_id=run_id, previous_status=previous)
-        return self._write(fn)
+        return self.write(fn)
 
     def check_claimable(self, run: str, step: int, *, overwrite: bool,
                         writer_alive: WriterAlive = lambda _writer, _at: True) -> None:
@@ -338,7 +345,7 @@ class Catalog:
                                            overwrite=overwrite, writer_alive=writer_alive)
                 if conflict is not None:
                     raise conflict
-        self._read(fn)
+        self.read(fn)
 
     def touch_claim(self, claim: Claim) -> None:
         """Refresh a claimed ``staging`` row: other hosts see that its writer is still at work.
@@ -349,7 +356,7 @@ class Catalog:
             conn.execute(update(CheckpointRow).where(CheckpointRow.id == claim.checkpoint_id,
                                                      CheckpointRow.status == "staging")
                          .values(updated_at=utcnow()))
-        self._write(fn, durable=False)
+        self.write(fn, durable=False)
 
     def abort_claim(self, claim: Claim, *, reason: str, old_payload_intact: bool) -> None:
         """Undo phase 1 after a failure: the row returns to its previous status, or ``failed``.
@@ -365,15 +372,15 @@ class Catalog:
                                                      CheckpointRow.status == "staging")
                          .values(status=status, updated_at=utcnow()))
             step = conn.scalar(select(CheckpointRow.step).where(CheckpointRow.id == claim.checkpoint_id))
-            self._event(conn, claim.run_id, step, "publish-failed", reason=reason, restored=restore)
-        self._write(fn)
+            self.record_event(conn, claim.run_id, step, "publish-failed", reason=reason, restored=restore)
+        self.write(fn)
 
     def start_attempt(self, run: str, *, writer: str, resumed_from: int | None) -> int:
         def fn(conn: Connection) -> int:
-            run_id = self._run_id(conn, run, create=True)
+            run_id = self.lookup_run(conn, run, create=True)
             return conn.execute(insert(Attempt).values(run_id=run_id, writer=writer, resumed_from=resumed_from,
                                                        started_at=utcnow()).returning(Attempt.id)).scalar_one()
-        return self._write(fn)
+        return self.write(fn)
 
     def commit_publish(self, claim: Claim, record: CommitRecord, *, writer: str) -> None:
         """Phase 4: the step becomes visible together with its files, metrics and tags.
@@ -407,9 +414,9 @@ class Catalog:
                                  .values(superseded=True)).rowcount
                 if attempt_id is not None:
                     conn.execute(update(Attempt).where(Attempt.id == attempt_id).values(resumed_from=resumed_from))
-                self._event(conn, claim.run_id, step, "resume", actor=writer, attempt=attempt_id,
+                self.record_event(conn, claim.run_id, step, "resume", actor=writer, attempt=attempt_id,
                             resumed_from=resumed_from, superseded_points=n)
-            ended = max((t for t in (_aware(earlier.published_at), _aware(earlier.deleted_at)) if t is not None),
+            ended = max((t for t in (aware(earlier.published_at), aware(earlier.deleted_at)) if t is not None),
                         default=None)
             superseded = None
             if claim.previous_status is not None or ended is not None:
@@ -420,15 +427,16 @@ class Catalog:
             replace_files(conn, cid, payload.files)
             self._insert_metrics(conn, claim.run_id, record.metrics, attempt_id, now=now)
             again = {} if superseded is None else {"superseded_points": superseded}
-            self._event(conn, claim.run_id, step, "publish", actor=writer, status=payload.status,
-                        manifest_sha256=payload.manifest_sha256, overwrite=claim.previous_status is not None,
-                        **again)
+            self.record_event(conn, claim.run_id, step, "publish", actor=writer, status=payload.status,
+                              manifest_sha256=payload.manifest_sha256, overwrite=claim.previous_status is not None,
+                              **again)
             for name in record.tags:
                 self._set_tag(conn, claim.run_id, step, cid, name, actor=writer)
-            self._notify(conn, claim.run_id, step, payload.status)
-        self._write(fn)
+            self.notify(conn, claim.run_id, step, payload.status)
+        self.write(fn)
 
-    def _notify(self, conn: Connection, run_id: int, step: int | None, status: str) -> None:
+    def notify(self, conn: Connection, run_id: int, step: int | None, status: str) -> None:
+        """Wake PostgreSQL followers of the run when the caller's transaction commits."""
         if conn.dialect.name == "postgresql":
             run = conn.scalar(select(Run.name).where(Run.id == run_id))
             conn.execute(text("SELECT pg_notify(:c, :p)"),
@@ -464,10 +472,10 @@ class Catalog:
                     attempt_id: int | None) -> None:
         """Durably record metric points outside a publish (``flush``, late evaluation)."""
         def fn(conn: Connection) -> None:
-            run_id = self._run_id(conn, run, create=True)
+            run_id = self.lookup_run(conn, run, create=True)
             assert run_id is not None
             self._insert_metrics(conn, run_id, metrics, attempt_id)
-        self._write(fn)
+        self.write(fn)
 
     # ------------------------------------------------------------------ status changes
 
@@ -482,7 +490,7 @@ class Catalog:
         alone and False is returned.
         """
         def fn(conn: Connection) -> bool:
-            run_id = self._require_run(conn, run)
+            run_id = self.require_run(conn, run)
             cond = [CheckpointRow.run_id == run_id, CheckpointRow.step == step]
             if only_from is not None:
                 cond.append(CheckpointRow.status.in_(only_from))
@@ -496,11 +504,11 @@ class Catalog:
                 values["deleted_at"] = now
             changed = conn.execute(update(CheckpointRow).where(*cond).values(**values)).rowcount
             if changed:
-                self._event(conn, run_id, step, kind, actor=actor, status=status, **detail)
+                self.record_event(conn, run_id, step, kind, actor=actor, status=status, **detail)
                 if status == "verified":
-                    self._notify(conn, run_id, step, status)  # followers wait for verified steps
+                    self.notify(conn, run_id, step, status)  # followers wait for verified steps
             return bool(changed)
-        return self._write(fn)
+        return self.write(fn)
 
     # ------------------------------------------------------------------ tags
 
@@ -529,12 +537,12 @@ class Catalog:
         if old is not None:
             conn.execute(update(Tag).where(Tag.run_id == run_id, Tag.name == name)
                          .values(checkpoint_id=checkpoint_id, updated_at=now))
-        self._event(conn, run_id, step, "tag", actor=actor, tag=name,
+        self.record_event(conn, run_id, step, "tag", actor=actor, tag=name,
                     old_step=old.step if old is not None else None, new_step=step)
 
     def tag(self, run: str, step: int, name: str, *, actor: str | None = None) -> None:
         def fn(conn: Connection) -> None:
-            run_id = self._require_run(conn, run)
+            run_id = self.require_run(conn, run)
             query = select(CheckpointRow.id, CheckpointRow.status).where(CheckpointRow.run_id == run_id,
                                                                          CheckpointRow.step == step)
             if conn.dialect.name == "postgresql":
@@ -544,18 +552,18 @@ class Catalog:
                 raise CheckpointNotFoundError(
                     f"cannot tag {run}@{step}: no published checkpoint at that step", run=run, step=step)
             self._set_tag(conn, run_id, step, row.id, name, actor)
-        self._write(fn)
+        self.write(fn)
 
     def untag(self, run: str, name: str, *, actor: str | None = None) -> int:
         def fn(conn: Connection) -> int:
-            run_id = self._require_run(conn, run)
+            run_id = self.require_run(conn, run)
             old = self._tagged(conn, run_id, name)
             if old is None:
                 raise CheckpointNotFoundError(f"run {run!r} has no tag {name!r}", run=run)
             conn.execute(delete(Tag).where(Tag.run_id == run_id, Tag.name == name))
-            self._event(conn, run_id, old.step, "untag", actor=actor, tag=name, old_step=old.step)
+            self.record_event(conn, run_id, old.step, "untag", actor=actor, tag=name, old_step=old.step)
             return int(old.step)
-        return self._write(fn)
+        return self.write(fn)
 
     # ------------------------------------------------------------------ queries
 
@@ -621,12 +629,12 @@ class Catalog:
             query, what = self.resolve_query(ref, below=below, min_policy_version=min_policy_version)
             row = conn.execute(query).first()
             if row is None:
-                self._require_run(conn, ref.run)
+                self.require_run(conn, ref.run)
                 raise CheckpointNotFoundError(f"{ref}: {what}", run=ref.run, step=ref.step)
             if ref.kind in ("tag", "step") and row.status not in LIVE + ("corrupt",):
                 raise CheckpointNotFoundError(f"{ref}: step {row.step} is {row.status}", run=ref.run, step=row.step)
-            return self._infos(conn, ref.run, [row])[0]
-        return self._read(fn)
+            return self.checkpoint_infos(conn, ref.run, [row])[0]
+        return self.read(fn)
 
     def next_after(self, run: str, after_step: int | None, *, newest: bool = False,
                    statuses: Sequence[str] = ("verified",),
@@ -638,7 +646,7 @@ class Catalog:
         enough to poll.
         """
         def fn(conn: Connection) -> CheckpointInfo | None:
-            run_id = self._run_id(conn, run)
+            run_id = self.lookup_run(conn, run)
             if run_id is None:
                 return None
             c = CheckpointRow
@@ -648,24 +656,24 @@ class Catalog:
             if min_policy_version is not None:
                 query = query.where(c.policy_version >= min_policy_version)
             row = conn.execute(query.order_by(c.step.desc() if newest else c.step.asc()).limit(1)).first()
-            return self._infos(conn, run, [row])[0] if row is not None else None
-        return self._read(fn)
+            return self.checkpoint_infos(conn, run, [row])[0] if row is not None else None
+        return self.read(fn)
 
     def get(self, run: str, step: int) -> CheckpointInfo | None:
         def fn(conn: Connection) -> CheckpointInfo | None:
-            run_id = self._run_id(conn, run)
+            run_id = self.lookup_run(conn, run)
             if run_id is None:
                 return None
             row = conn.execute(select(CheckpointRow.__table__).where(CheckpointRow.run_id == run_id,
                                                                      CheckpointRow.step == step)).first()
-            return self._infos(conn, run, [row])[0] if row is not None else None
-        return self._read(fn)
+            return self.checkpoint_infos(conn, run, [row])[0] if row is not None else None
+        return self.read(fn)
 
     def checkpoints(self, run: str, *, include_deleted: bool = False,
                     statuses: Sequence[str] | None = None,
                     policy_version: int | None = None) -> list[CheckpointInfo]:
         def fn(conn: Connection) -> list[CheckpointInfo]:
-            run_id = self._require_run(conn, run)
+            run_id = self.require_run(conn, run)
             query = select(CheckpointRow.__table__).where(CheckpointRow.run_id == run_id)
             if statuses is not None:
                 query = query.where(CheckpointRow.status.in_(statuses))
@@ -674,8 +682,8 @@ class Catalog:
             if policy_version is not None:
                 query = query.where(CheckpointRow.policy_version == policy_version)
             rows = conn.execute(query.order_by(CheckpointRow.step)).all()
-            return self._infos(conn, run, rows)
-        return self._read(fn)
+            return self.checkpoint_infos(conn, run, rows)
+        return self.read(fn)
 
     def runs(self) -> list[RunInfo]:
         def fn(conn: Connection) -> list[RunInfo]:
@@ -687,49 +695,49 @@ class Catalog:
                      .where(live).group_by(CheckpointRow.run_id).subquery())
             rows = conn.execute(select(Run.name, Run.created_at, stats.c.n, stats.c.latest, stats.c.bytes)
                                 .outerjoin(stats, stats.c.run_id == Run.id).order_by(Run.name)).all()
-            return [RunInfo(name=r.name, created_at=_aware(r.created_at), checkpoints=int(r.n or 0),
+            return [RunInfo(name=r.name, created_at=aware(r.created_at), checkpoints=int(r.n or 0),
                             latest_step=r.latest, total_bytes=int(r.bytes or 0)) for r in rows]
-        return self._read(fn)
+        return self.read(fn)
 
     def metrics(self, run: str, *, key: str | None = None, history: bool = False) -> list[MetricPoint]:
         def fn(conn: Connection) -> list[MetricPoint]:
-            run_id = self._require_run(conn, run)
+            run_id = self.require_run(conn, run)
             query = select(Metric.__table__).where(Metric.run_id == run_id)
             if key is not None:
                 query = query.where(Metric.key == key)
             if not history:
                 query = query.where(Metric.superseded.is_(False))
             rows = conn.execute(query.order_by(Metric.step, Metric.key, Metric.id)).all()
-            return [MetricPoint(step=r.step, key=r.key, value=r.value, logged_at=_aware(r.logged_at),
+            return [MetricPoint(step=r.step, key=r.key, value=r.value, logged_at=aware(r.logged_at),
                                 attempt=r.attempt_id, current=not r.superseded) for r in rows]
-        return self._read(fn)
+        return self.read(fn)
 
     def files(self, run: str, step: int) -> list[FileRecord]:
         def fn(conn: Connection) -> list[FileRecord]:
-            run_id = self._require_run(conn, run)
+            run_id = self.require_run(conn, run)
             rows = conn.execute(select(CheckpointFile.__table__).join(CheckpointRow, CheckpointRow.id == CheckpointFile.checkpoint_id)
                                 .where(CheckpointRow.run_id == run_id, CheckpointRow.step == step)
                                 .order_by(CheckpointFile.name)).all()
             return [FileRecord(name=r.name, size=r.size, sha256=r.sha256) for r in rows]
-        return self._read(fn)
+        return self.read(fn)
 
     def events(self, run: str | None = None, *, step: int | None = None, limit: int = 1000) -> list[EventInfo]:
         def fn(conn: Connection) -> list[EventInfo]:
             query = select(Event.__table__, Run.name.label("run_name")).outerjoin(Run, Run.id == Event.run_id)
             if run is not None:
-                query = query.where(Event.run_id == self._require_run(conn, run))
+                query = query.where(Event.run_id == self.require_run(conn, run))
             if step is not None:
                 query = query.where(Event.step == step)
             rows = conn.execute(query.order_by(Event.id.desc()).limit(limit)).all()
             return [EventInfo(id=e.id, run=e.run_name, step=e.step, kind=e.kind, detail=json.loads(e.detail),
-                              actor=e.actor, created_at=_aware(e.created_at)) for e in reversed(rows)]
-        return self._read(fn)
+                              actor=e.actor, created_at=aware(e.created_at)) for e in reversed(rows)]
+        return self.read(fn)
 
     # ------------------------------------------------------------------ reader leases
 
     def acquire_lease(self, run: str, step: int, *, holder: str, ttl: timedelta) -> int | None:
         def fn(conn: Connection) -> int | None:
-            run_id = self._require_run(conn, run)
+            run_id = self.require_run(conn, run)
             query = select(CheckpointRow.id).where(CheckpointRow.run_id == run_id, CheckpointRow.step == step,
                                                    CheckpointRow.status.in_(LIVE))
             if conn.dialect.name == "postgresql":
@@ -741,17 +749,17 @@ class Catalog:
                 return None
             return conn.execute(insert(Lease).values(checkpoint_id=cid, holder=holder,
                                                      expires_at=utcnow() + ttl).returning(Lease.id)).scalar_one()
-        return self._write(fn, durable=False)  # a lease outlives no power loss: its reader died too
+        return self.write(fn, durable=False)  # a lease outlives no power loss: its reader died too
 
     def release_lease(self, lease_id: int) -> None:
-        self._write(lambda conn: conn.execute(delete(Lease).where(Lease.id == lease_id)), durable=False)
+        self.write(lambda conn: conn.execute(delete(Lease).where(Lease.id == lease_id)), durable=False)
 
     def leased_steps(self, run: str) -> set[int]:
         def fn(conn: Connection) -> set[int]:
-            run_id = self._require_run(conn, run)
+            run_id = self.require_run(conn, run)
             return set(conn.scalars(select(CheckpointRow.step).join(Lease, Lease.checkpoint_id == CheckpointRow.id)
                                     .where(CheckpointRow.run_id == run_id, Lease.expires_at > utcnow())))
-        return self._read(fn)
+        return self.read(fn)
 
     # ------------------------------------------------------------------ schema
 

@@ -27,7 +27,7 @@ from typing import Any
 from sqlalchemy import Connection, func, select, update
 
 from registry.catalog.models import CheckpointRow, Lease
-from registry.catalog.queries import Catalog, _aware, utcnow
+from registry.catalog.queries import Catalog, aware, utcnow
 from registry.records import LIVE, CheckpointInfo
 
 #: statuses retention may delete; everything else is never touched
@@ -67,11 +67,11 @@ class RetentionCatalog:
         c = CheckpointRow
         rows = conn.execute(select(c.__table__).where(c.run_id == run_id, c.status.in_(SHOWN))
                             .order_by(c.step)).all()
-        infos = tuple(self.catalog._infos(conn, run, rows))
+        infos = tuple(self.catalog.checkpoint_infos(conn, run, rows))
         verified = [i.step for i in infos if i.status == "verified"]
         live = [i.step for i in infos if i.status in LIVE]
         now = utcnow()
-        leases = {int(step): _aware(expires) for step, expires in conn.execute(
+        leases = {int(step): aware(expires) for step, expires in conn.execute(
             select(c.step, func.max(Lease.expires_at)).join(Lease, Lease.checkpoint_id == c.id)
             .where(c.run_id == run_id, Lease.expires_at > now).group_by(c.step))}
         return RunSnapshot(run=run, checkpoints=infos, latest=max(verified, default=None),
@@ -80,8 +80,8 @@ class RetentionCatalog:
     def snapshot(self, run: str) -> RunSnapshot:
         """The run now, for planning; raises ``CheckpointNotFoundError`` for an unknown run."""
         def fn(conn: Connection) -> RunSnapshot:
-            return self._snapshot(conn, self.catalog._require_run(conn, run), run)
-        result: RunSnapshot = self.catalog._read(fn)
+            return self._snapshot(conn, self.catalog.require_run(conn, run), run)
+        result: RunSnapshot = self.catalog.read(fn)
         return result
 
     def mark_deleted(self, run: str, decide: Callable[[RunSnapshot], Mapping[int, str]], *,
@@ -94,7 +94,7 @@ class RetentionCatalog:
         Each mark records a ``delete`` event; metrics and the row stay as history.
         """
         def fn(conn: Connection) -> list[DeletedRow]:
-            run_id = self.catalog._require_run(conn, run)
+            run_id = self.catalog.require_run(conn, run)
             c = CheckpointRow
             if conn.dialect.name == "postgresql":
                 conn.execute(select(c.id).where(c.run_id == run_id).order_by(c.id).with_for_update())
@@ -112,26 +112,26 @@ class RetentionCatalog:
                                        .values(status="deleted", deleted_at=now, updated_at=now)).rowcount
                 if not changed:
                     continue
-                self.catalog._event(conn, run_id, step, "delete", actor=actor, status="deleted",
+                self.catalog.record_event(conn, run_id, step, "delete", actor=actor, status="deleted",
                                     previous_status=info.status, total_bytes=info.total_bytes,
                                     reason=doomed[step])
-                self.catalog._notify(conn, run_id, step, "deleted")
+                self.catalog.notify(conn, run_id, step, "deleted")
                 marked.append(DeletedRow(step=step, path=info.path.as_posix(), total_bytes=info.total_bytes,
                                          manifest_sha256=info.manifest_sha256, reason=doomed[step]))
             return marked
-        result: list[DeletedRow] = self.catalog._write(fn)
+        result: list[DeletedRow] = self.catalog.write(fn)
         return result
 
     def deleted_rows(self, run: str) -> list[DeletedRow]:
         """Every ``deleted`` row of ``run``: whose directories a finished deletion has removed."""
         def fn(conn: Connection) -> list[DeletedRow]:
-            run_id = self.catalog._require_run(conn, run)
+            run_id = self.catalog.require_run(conn, run)
             c = CheckpointRow
             rows: Any = conn.execute(select(c.step, c.path, c.total_bytes, c.manifest_sha256)
                                      .where(c.run_id == run_id, c.status == "deleted").order_by(c.step)).all()
             return [DeletedRow(step=r.step, path=r.path, total_bytes=r.total_bytes,
                                manifest_sha256=r.manifest_sha256) for r in rows]
-        result: list[DeletedRow] = self.catalog._read(fn)
+        result: list[DeletedRow] = self.catalog.read(fn)
         return result
 
 

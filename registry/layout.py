@@ -1,0 +1,101 @@
+"""The names the registry gives directories under a checkpoint root, and the scan of a run directory.
+
+A step's payload lives in ``RUN/step-00001000`` (:func:`step_dirname`). While
+it is written it is a hidden staging sibling ``.step-00001000.tmp-XXXX``; a
+payload being replaced or deleted is first renamed to a hidden retired
+sibling ``.step-00001000.retired-XXXX``, so it vanishes from its final path at
+once. Publish, gc and fsck build and read these names only through this
+module. Knows nothing of SQL or torch.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+HiddenKind = Literal["tmp", "retired"]
+StepDirKind = Literal["final", "tmp", "retired"]
+
+_STEP_RE = re.compile(r"step-([0-9]{1,64})")
+_HIDDEN_RE = re.compile(r"\.(.+?)\.(tmp|retired)-(.+)", re.DOTALL)
+
+
+def step_dirname(step: int) -> str:
+    """``step-00001000``: zero-padded so a plain ``ls`` sorts by step."""
+    return f"step-{step:08d}"
+
+
+def hidden_sibling(final: Path, kind: HiddenKind) -> Path:
+    """An unused name for a hidden ``.NAME.KIND-XXXX`` sibling of ``final`` (``tmp`` or ``retired``), not created."""
+    return final.parent / f".{final.name}.{kind}-{secrets.token_hex(6)}"
+
+
+def parse_hidden(name: str) -> tuple[str, HiddenKind] | None:
+    """``(NAME, kind)`` for a hidden ``.NAME.tmp-XXXX`` or ``.NAME.retired-XXXX`` name; None for any other."""
+    m = _HIDDEN_RE.fullmatch(name)
+    if m is None:
+        return None
+    kind: HiddenKind = "tmp" if m.group(2) == "tmp" else "retired"
+    return m.group(1), kind
+
+
+def parse_step_dirname(name: str) -> tuple[int, StepDirKind] | None:
+    """The step of a directory name the registry writes, and which kind it is; None for any other name.
+
+    ``step-00001000`` is a step's final directory (exactly what :func:`step_dirname`
+    gives); ``.step-00001000.tmp-XXXX`` a publish's staging directory and
+    ``.step-00001000.retired-XXXX`` a payload being replaced or deleted. The step
+    may exceed the catalog's largest step (a directory nobody published): callers check.
+    """
+    hidden = parse_hidden(name)
+    final = hidden[0] if hidden is not None else name
+    m = _STEP_RE.fullmatch(final)
+    if m is None:
+        return None
+    step = int(m.group(1))
+    if step_dirname(step) != final:
+        return None
+    kind: StepDirKind = hidden[1] if hidden is not None else "final"
+    return step, kind
+
+
+def hidden_siblings(final: Path, kind: HiddenKind) -> list[Path]:
+    """The existing hidden ``kind`` siblings of ``final``; none when its parent cannot be listed."""
+    try:
+        names = os.listdir(final.parent)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return [final.parent / n for n in sorted(names) if parse_hidden(n) == (final.name, kind)]
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepDir:
+    """One directory of a run directory that the registry named: a step's final, staging or retired directory."""
+
+    step: int
+    kind: StepDirKind
+    path: Path
+
+
+def scan_run(run_dir: Path) -> list[StepDir]:
+    """The step directories in ``run_dir``, by name, without following symlinks or reading any file.
+
+    Anything else (files, symlinks, names the registry does not write) is
+    left out. Raises ``OSError`` when ``run_dir`` cannot be listed.
+    """
+    with os.scandir(run_dir) as listing:
+        entries = sorted(listing, key=lambda e: e.name)
+    found = []
+    for entry in entries:
+        parsed = parse_step_dirname(entry.name)
+        if parsed is not None and entry.is_dir(follow_symlinks=False):
+            found.append(StepDir(step=parsed[0], kind=parsed[1], path=Path(entry.path)))
+    return found
+
+
+__all__ = ["HiddenKind", "StepDir", "StepDirKind", "hidden_sibling", "hidden_siblings", "parse_hidden",
+           "parse_step_dirname", "scan_run", "step_dirname"]
