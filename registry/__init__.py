@@ -1,22 +1,68 @@
 """A checkpoint registry for PyTorch training: atomic publish, a real catalog,
 verified and rank-consistent loads, and retention that never deletes what
-must be kept. See ``Registry.open``."""
+must be kept. See ``Registry.open``.
 
-from registry.api import Registry, VerifyResult
-from registry.checkpoint import Checkpoint
-from registry.errors import (AsyncPublishError, CatalogError, CheckpointNotFoundError, CorruptCheckpointError,
-                             DistributedError, InvalidNameError, InvalidRefError, InvalidStateError,
-                             ManifestError, PolicyError, PublishError, RegistryError, RootError, SafetensorsFormatError,
-                             SchemaTooNewError, StepExistsError, UnsafePathError, UnsafePickleError)
-from registry.records import CheckpointInfo, EventInfo, MetricPoint, RunInfo
-from registry.refs import Ref, parse_ref
+The names below are imported on first use, so that ``import registry.catalog``
+or ``registry --help`` does not pay for importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from registry.api import Registry, VerifyResult
+    from registry.checkpoint import Checkpoint
+    from registry.errors import (AsyncPublishError, CatalogError, CheckpointDeletedError, CheckpointNotFoundError,
+                                 CheckpointReadError, CorruptCheckpointError, DistributedError, ExtraNotFoundError,
+                                 InvalidNameError, InvalidRefError, InvalidStateError, ManifestError, PolicyError,
+                                 PublishError, ReadOnlyError, RegistryError, RootError, RootMismatchError,
+                                 SafetensorsFormatError, SchemaTooNewError, StepExistsError, UnknownMetricError,
+                                 UnsafePathError, UnsafePickleError)
+    from registry.records import CheckpointInfo, EventInfo, MetricPoint, RunInfo
+    from registry.refs import Ref, parse_ref
 
 __version__ = "0.1.0"
 
+_ERRORS = (
+    "AsyncPublishError", "CatalogError", "CheckpointDeletedError", "CheckpointNotFoundError", "CheckpointReadError",
+    "CorruptCheckpointError", "DistributedError", "ExtraNotFoundError", "InvalidNameError", "InvalidRefError",
+    "InvalidStateError", "ManifestError", "PolicyError", "PublishError", "ReadOnlyError", "RegistryError",
+    "RootError", "RootMismatchError", "SafetensorsFormatError", "SchemaTooNewError", "StepExistsError",
+    "UnknownMetricError", "UnsafePathError", "UnsafePickleError",
+)
+
+# public name -> the module that defines it
+_HOMES: dict[str, str] = {
+    "Registry": "registry.api", "VerifyResult": "registry.api",
+    "Checkpoint": "registry.checkpoint",
+    "CheckpointInfo": "registry.records", "EventInfo": "registry.records", "MetricPoint": "registry.records",
+    "RunInfo": "registry.records",
+    "Ref": "registry.refs", "parse_ref": "registry.refs",
+    **{name: "registry.errors" for name in _ERRORS},
+}
+
+# spelled out (not computed) so that type checkers see what the package exports
 __all__ = [
-    "AsyncPublishError", "CatalogError", "Checkpoint", "CheckpointInfo", "CheckpointNotFoundError", "CorruptCheckpointError",
-    "DistributedError", "EventInfo", "InvalidNameError", "InvalidRefError", "InvalidStateError",
-    "ManifestError", "MetricPoint", "PolicyError", "PublishError", "Ref", "Registry", "RegistryError", "RootError",
-    "RunInfo", "SafetensorsFormatError", "SchemaTooNewError", "StepExistsError", "UnsafePathError",
-    "UnsafePickleError", "VerifyResult", "parse_ref",
+    "AsyncPublishError", "CatalogError", "Checkpoint", "CheckpointDeletedError", "CheckpointInfo",
+    "CheckpointNotFoundError", "CheckpointReadError", "CorruptCheckpointError", "DistributedError", "EventInfo",
+    "ExtraNotFoundError", "InvalidNameError", "InvalidRefError", "InvalidStateError", "ManifestError", "MetricPoint",
+    "PolicyError", "PublishError", "ReadOnlyError", "Ref", "Registry", "RegistryError", "RootError",
+    "RootMismatchError", "RunInfo", "SafetensorsFormatError", "SchemaTooNewError", "StepExistsError",
+    "UnknownMetricError", "UnsafePathError", "UnsafePickleError", "VerifyResult", "parse_ref",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        # AttributeError (not ImportError) lets ``from registry import tensorio`` fall back to the submodule
+        raise AttributeError(f"module 'registry' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_HOMES))

@@ -19,7 +19,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import torch
 
@@ -204,13 +204,44 @@ class Registry:
 
     # ------------------------------------------------------------------ publish
 
+    @overload
     def publish(self, run: str, step: int, state_dict: Mapping[str, torch.Tensor], *,
                 extra: Mapping[str, Any] | None = None, config: Mapping[str, Any] | None = None,
                 meta: Mapping[str, Any] | None = None, metrics: Mapping[str, Any] | None = None,
                 epoch: int = 0, consumed_samples: int = 0, policy_version: int | None = None,
                 optimizer_step: int | None = None, tags: Iterable[str] = (), overwrite: bool = False,
                 verify: bool = True, max_shard_size: int | None = None,
-                retention: Policy | None = None, blocking: bool = True, trust_pickle: bool = False) -> Any:
+                retention: Policy | None = None, blocking: Literal[True] = True,
+                trust_pickle: bool = False) -> CheckpointInfo: ...
+
+    @overload
+    def publish(self, run: str, step: int, state_dict: Mapping[str, torch.Tensor], *,
+                extra: Mapping[str, Any] | None = None, config: Mapping[str, Any] | None = None,
+                meta: Mapping[str, Any] | None = None, metrics: Mapping[str, Any] | None = None,
+                epoch: int = 0, consumed_samples: int = 0, policy_version: int | None = None,
+                optimizer_step: int | None = None, tags: Iterable[str] = (), overwrite: bool = False,
+                verify: bool = True, max_shard_size: int | None = None,
+                retention: Policy | None = None, blocking: Literal[False],
+                trust_pickle: bool = False) -> Future[CheckpointInfo]: ...
+
+    @overload
+    def publish(self, run: str, step: int, state_dict: Mapping[str, torch.Tensor], *,
+                extra: Mapping[str, Any] | None = None, config: Mapping[str, Any] | None = None,
+                meta: Mapping[str, Any] | None = None, metrics: Mapping[str, Any] | None = None,
+                epoch: int = 0, consumed_samples: int = 0, policy_version: int | None = None,
+                optimizer_step: int | None = None, tags: Iterable[str] = (), overwrite: bool = False,
+                verify: bool = True, max_shard_size: int | None = None,
+                retention: Policy | None = None, blocking: bool,
+                trust_pickle: bool = False) -> CheckpointInfo | Future[CheckpointInfo]: ...
+
+    def publish(self, run: str, step: int, state_dict: Mapping[str, torch.Tensor], *,
+                extra: Mapping[str, Any] | None = None, config: Mapping[str, Any] | None = None,
+                meta: Mapping[str, Any] | None = None, metrics: Mapping[str, Any] | None = None,
+                epoch: int = 0, consumed_samples: int = 0, policy_version: int | None = None,
+                optimizer_step: int | None = None, tags: Iterable[str] = (), overwrite: bool = False,
+                verify: bool = True, max_shard_size: int | None = None,
+                retention: Policy | None = None, blocking: bool = True,
+                trust_pickle: bool = False) -> CheckpointInfo | Future[CheckpointInfo]:
         """Atomically publish ``state_dict`` and friends as ``run@step``.
 
         Returns the ``CheckpointInfo``; with ``blocking=False`` a
@@ -319,32 +350,49 @@ class Registry:
                 self._pending_metrics.pop(name, None)
 
     def metrics(self, run: str, key: str | None = None, *, history: bool = False) -> list[MetricPoint]:
+        """The metric points of ``run`` (of one ``key``, or all), ordered by step.
+
+        ``history=True`` also returns the points that a later attempt at the run
+        superseded, so a restarted training's curve can be inspected whole.
+        """
         check_run_name(run)
         return self.catalog.metrics(run, key=key, history=history)
 
     # ------------------------------------------------------------------ queries
 
     def resolve(self, ref: str | Ref) -> CheckpointInfo:
+        """The live checkpoint that ``ref`` (``RUN@latest``, ``@STEP``, ``@TAG``, ``@best:METRIC``) names.
+
+        Raises ``CheckpointNotFoundError`` where it names none; reads nothing from the root.
+        """
         return self._absolute(self.catalog.resolve(parse_ref(ref)))
 
     def checkpoints(self, run: str, include_deleted: bool = False, *,
                     policy_version: int | None = None) -> list[CheckpointInfo]:
+        """The live checkpoints of ``run``, oldest first; with ``include_deleted``, those of every status.
+
+        ``policy_version`` keeps only the steps published under that version of the training policy.
+        """
         check_run_name(run)
         return [self._absolute(i) for i in self.catalog.checkpoints(
             run, include_deleted=include_deleted, policy_version=policy_version)]
 
     def runs(self) -> list[RunInfo]:
+        """Every run, by name, with the count, newest step and total size of its live checkpoints."""
         return self.catalog.runs()
 
     def events(self, run: str | None = None, *, step: int | None = None) -> list[EventInfo]:
+        """The newest 1000 events (publishes, tags, deletions, repairs) of a run or step, or of all, oldest first."""
         return self.catalog.events(run, step=step)
 
     def tag(self, run: str, step: int, name: str) -> None:
+        """Point tag ``name`` of ``run`` at the live ``step`` (moving it if set), so ``run@name`` resolves there."""
         check_run_name(run)
         check_step(step)
         self.catalog.tag(run, step, check_tag_name(name), actor=self.writer)
 
     def untag(self, run: str, name: str) -> None:
+        """Remove tag ``name`` from ``run`` (``CheckpointNotFoundError`` if unset); the step is untouched."""
         check_run_name(run)
         self.catalog.untag(run, check_tag_name(name), actor=self.writer)
 

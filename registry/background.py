@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from registry.errors import AsyncPublishError
 
@@ -26,7 +26,7 @@ class BackgroundPublisher:
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._worker: ThreadPoolExecutor | None = None
-        self._pending: list[Future[object]] = []
+        self._pending: list[Future[Any]] = []
         self._errors: list[tuple[str, BaseException]] = []
 
     def _forked(self) -> None:
@@ -55,11 +55,11 @@ class BackgroundPublisher:
             if self._worker is None:
                 self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="registry-publish")
             future = self._worker.submit(run)
-            self._pending.append(future)  # type: ignore[arg-type]
+            self._pending.append(future)
         future.add_done_callback(self._done)
         return future
 
-    def _done(self, future: Future[object]) -> None:
+    def _done(self, future: Future[Any]) -> None:
         with self._lock:
             if future in self._pending:
                 self._pending.remove(future)

@@ -69,7 +69,7 @@ def command(fn: F) -> F:
             from sqlalchemy.exc import DBAPIError, SQLAlchemyError
             if not isinstance(exc, (SQLAlchemyError, sqlite3.Error)):
                 raise
-            cause = exc.orig if isinstance(exc, DBAPIError) else exc
+            cause = exc.orig if isinstance(exc, DBAPIError) and exc.orig is not None else exc
             state = next((a for a in args if isinstance(a, State)), None)
             where = catalog_name(state) if state is not None else "catalog"
             fail(f"catalog {where}: {first_line(cause)}")

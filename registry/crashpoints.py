@@ -31,5 +31,5 @@ def arm(name: str | None) -> None:
 
 
 def crashpoint(name: str) -> None:
-    if _TARGET is not None and _TARGET == name:
+    if _TARGET is not None and name == _TARGET:
         os.kill(os.getpid(), signal.SIGKILL)

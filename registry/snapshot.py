@@ -57,8 +57,9 @@ def _rebuild(obj: Any, copies: dict[int, torch.Tensor], memo: dict[int, Any]) ->
         return copies[id(obj)]
     if isinstance(obj, Mapping):
         items = [(k, _rebuild(v, copies, memo)) for k, v in obj.items()]
+        rebuild: Any = type(obj)  # a Mapping subclass whose constructor takes pairs, as dict's does
         try:
-            return type(obj)(items)
+            return rebuild(items)
         except TypeError:
             return dict(items)
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple

@@ -261,7 +261,7 @@ def _loads_weights_only(key: str, where: str, obj: Any) -> bool:
             torch.load(buffer, weights_only=True)
             return True
         unpickler = Unpickler(io.BytesIO(raw), encoding="utf-8")
-        unpickler.persistent_load = lambda pid: storages[pid[1]]  # type: ignore[attr-defined]
+        unpickler.persistent_load = lambda pid: storages[pid[1]]  # type: ignore[method-assign]
         unpickler.load()
     except Exception:  # noqa: BLE001 - refused, or a rebuild that would fail at load too
         return False

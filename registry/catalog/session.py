@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 from urllib.parse import quote
 
 from alembic import command
@@ -54,7 +54,7 @@ def head_revision() -> str:
     return head
 
 
-def _sqlite_pragmas(dbapi_conn, _record) -> None:  # type: ignore[no-untyped-def]
+def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
     dbapi_conn.isolation_level = None  # we issue BEGIN ourselves
     cur = dbapi_conn.cursor()
     cur.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
@@ -64,7 +64,7 @@ def _sqlite_pragmas(dbapi_conn, _record) -> None:  # type: ignore[no-untyped-def
     cur.close()
 
 
-def _switch_to_wal(cur) -> None:  # type: ignore[no-untyped-def]
+def _switch_to_wal(cur: Any) -> None:
     """Put the database in WAL mode, waiting out other connections doing the same.
 
     Two connections switching a fresh file at once both hold a shared lock and
@@ -89,7 +89,7 @@ def _sqlite_begin(conn: Connection) -> None:
     conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
 
 
-def _sqlite_read_only_pragmas(dbapi_conn, _record) -> None:  # type: ignore[no-untyped-def]
+def _sqlite_read_only_pragmas(dbapi_conn: Any, _record: Any) -> None:
     dbapi_conn.isolation_level = None
     cur = dbapi_conn.cursor()
     cur.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
@@ -188,7 +188,7 @@ def failure_reason(exc: BaseException) -> str:
     return lines[0] if lines else type(exc).__name__
 
 
-def _postgresql_read_only(dbapi_conn, _record) -> None:  # type: ignore[no-untyped-def]
+def _postgresql_read_only(dbapi_conn: Any, _record: Any) -> None:
     with dbapi_conn.cursor() as cur:
         cur.execute("SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY")
     dbapi_conn.commit()

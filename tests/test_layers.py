@@ -1,0 +1,128 @@
+"""The import boundaries between the package's layers.
+
+The catalog knows nothing of torch, the store and the on-disk format know
+nothing of SQL, and a lower layer never imports a higher one. Imports are
+checked in fresh interpreters (what a module really pulls in) and statically
+over the source (every import, also those inside functions or under
+``TYPE_CHECKING``, as each is a dependency).
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "registry"
+
+# Lowest first; a module may import its own layer and those below it. A package
+# entry covers its submodules.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("registry.errors", "registry.records", "registry.crashpoints", "registry.pools"),
+    ("registry.refs", "registry.pieces"),
+    ("registry.manifest", "registry.tensorio"),
+    ("registry.store", "registry.filemaps", "registry.validation", "registry.snapshot", "registry.importer"),
+    ("registry.catalog", "registry.migrations"),
+    ("registry.background", "registry.binding", "registry.follow", "registry.protocol", "registry.reading",
+     "registry.scrub", "registry.fsck", "registry.retention", "registry.collectives", "registry.loader",
+     "registry.checkpoint"),
+    ("registry.api",),
+    ("registry.cli", "registry.__main__", "registry"),
+)
+
+# Imports that break the order today, each to be removed by the change that removes the dependency.
+KNOWN_VIOLATIONS = {
+    ("registry.retention", "registry.api"),  # retention still takes the whole Registry
+}
+
+TORCH_FREE = ("registry", "registry.catalog", "registry.catalog.queries", "registry.records", "registry.refs",
+              "registry.errors", "registry.cli")
+SQL_FREE = ("registry.store", "registry.manifest", "registry.tensorio", "registry.pieces", "registry.filemaps")
+
+
+def loaded_after(code: str) -> set[str]:
+    """The top-level packages loaded by a fresh interpreter that runs ``code``."""
+    probe = code + "\nimport sys\nprint(' '.join(sorted({m.split('.')[0] for m in sys.modules})))\n"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                         cwd=PACKAGE.parent)
+    return set(out.stdout.split())
+
+
+@pytest.mark.parametrize("module", TORCH_FREE)
+def test_catalog_and_cli_import_without_torch(module: str) -> None:
+    assert "torch" not in loaded_after(f"import {module}")
+
+
+def test_cli_help_runs_without_torch() -> None:
+    code = ("from registry.cli import main\n"
+            "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n")
+    assert "torch" not in loaded_after(code)
+
+
+def test_store_and_format_import_without_sql() -> None:
+    loaded = loaded_after("\n".join(f"import {m}" for m in SQL_FREE))
+    assert "torch" in loaded  # the probe works: these modules do load their own dependencies
+    assert not loaded & {"sqlalchemy", "alembic", "psycopg"}, f"one of {SQL_FREE} imports SQL"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def layer_of(module: str) -> int | None:
+    best: tuple[int, int] | None = None  # (length of the matching entry, layer)
+    for layer, names in enumerate(LAYERS):
+        for name in names:
+            if (module == name or module.startswith(name + ".")) and (best is None or len(name) > best[0]):
+                best = (len(name), layer)
+    return None if best is None else best[1]
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every ``registry`` module that ``path`` imports, wherever the import statement is."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            for alias in node.names:  # ``from registry import reading`` imports the submodule, not the package
+                candidate = PACKAGE.parent.joinpath(*base.split("."), alias.name)
+                is_module = candidate.with_suffix(".py").is_file() or candidate.is_dir()
+                found.add(f"{base}.{alias.name}" if is_module else base)
+    return {m for m in found if m == "registry" or m.startswith("registry.")}
+
+
+SOURCES = sorted(PACKAGE.rglob("*.py"))
+
+
+def test_every_module_has_a_layer() -> None:
+    assert [module_name(p) for p in SOURCES if layer_of(module_name(p)) is None] == []
+
+
+def test_no_module_imports_a_higher_layer() -> None:
+    upward = set()
+    for path in SOURCES:
+        importer = module_name(path)
+        for imported in imported_modules(path):
+            low, high = layer_of(importer), layer_of(imported)
+            if low is not None and high is not None and high > low:
+                upward.add((importer, imported))
+    assert upward - KNOWN_VIOLATIONS == set()
+
+
+def test_the_static_check_sees_every_kind_of_import() -> None:
+    found = imported_modules(PACKAGE / "api.py")
+    assert {"registry.reading", "registry.catalog", "registry.store"} <= found  # module level, from-package
+    assert {"registry.loader", "registry.fsck"} <= found  # inside functions and under TYPE_CHECKING
+    assert "registry" not in found
+    assert layer_of("registry.catalog.queries") == layer_of("registry.catalog")
