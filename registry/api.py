@@ -732,7 +732,8 @@ class Registry:
             raise
 
     def __repr__(self) -> str:
-        return f"Registry(url={self.catalog.engine.url.render_as_string(hide_password=True)!r}, root={str(self.store.root)!r})"
+        url = self.catalog.engine.url.render_as_string(hide_password=True)
+        return f"Registry(url={url!r}, root={str(self.store.root)!r})"
 
 
 __all__ = ["Registry", "VerifyResult", "RegistryError", "step_dirname"]

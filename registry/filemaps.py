@@ -93,7 +93,7 @@ def map_file(directory: Path, name: str, *, expected_size: int | None = None,
 
 def host_view(buf: torch.Tensor) -> memoryview:
     """The bytes of a CPU uint8 tensor, without a copy."""
-    return memoryview(buf.numpy()).cast("B") if buf.numel() else memoryview(b"")
+    return buf.reshape(-1).numpy().data.cast("B") if buf.numel() else memoryview(b"")
 
 
 def _host_bytes(buf: torch.Tensor, limit: int | None = None) -> bytes:

@@ -22,7 +22,7 @@ problem stays unrepaired) and the rest still run.
 
 | kind | found | repair |
 |---|---|---|
-| uncommitted-publish | staging row (dead writer), valid final dir | roll forward: published, or verified when checksums pass |
+| uncommitted-publish | staging row (dead writer), valid final dir | roll forward: published (verified if hashed) |
 | invalid-staged-payload | staging row (dead writer), final dir fails its manifest or checksums | mark corrupt |
 | abandoned-publish | staging row (dead writer), no final dir | remove staging dirs, mark failed |
 | abandoned-staging | ``.tmp-`` dir with no live writer | remove |
@@ -47,6 +47,7 @@ while it holds the payload the row deleted.
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import stat
 from collections.abc import Callable, Iterator
@@ -353,7 +354,7 @@ class Fsck:
             if staging_live:
                 continue
             p = self._found("abandoned-staging", run, step, tmp, "staging directory with no live writer")
-            self._fix(p, lambda tmp=tmp: self._remove([tmp]))
+            self._fix(p, functools.partial(self._remove, [tmp]))
         if staging_live:
             assert row is not None
             self.in_progress.append(Problem(kind="in-progress", run=run, step=step, path=final,
@@ -388,7 +389,7 @@ class Fsck:
                 rest = found.retired
             for old in rest:
                 p = self._found("leftover-retired", run, step, old, "retired payload next to its replacement")
-                self._fix(p, lambda old=old: self._remove([old]))
+                self._fix(p, functools.partial(self._remove, [old]))
 
         if row is None or row.status == "failed":
             if payload_dir is not None:

@@ -142,8 +142,8 @@ def stage(foreign: Foreign, staging: Path, *, move: bool) -> Written:
         entry = (_link if move else _copy)(src, staging / name)
         if entry.size != size or not stat.S_ISREG(os.lstat(staging / name).st_mode):
             raise CorruptCheckpointError(f"{src} changed while it was being imported", path=src)
-        old = foreign.manifest.files.get(name) if foreign.manifest is not None else None
-        if old is not None and old.sha256 != entry.sha256:
+        listed = foreign.manifest.files.get(name) if foreign.manifest is not None else None
+        if listed is not None and listed.sha256 != entry.sha256:
             raise CorruptCheckpointError(f"checkpoint file checksum mismatch: {src}", path=src)
         entries[name] = entry
     meta, old = foreign.meta, foreign.manifest

@@ -46,7 +46,7 @@ import hashlib
 import json
 import logging
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -316,7 +316,7 @@ def _one_round(comm: Comm, src: _Source | None, *, verify: bool, device: torch.d
         chosen = "shared-fs" if all(comm.all_gather_object(sees_same(), "probing for a shared filesystem")) \
             else "broadcast"
 
-    files: dict[str, torch.Tensor | tuple[torch.Tensor, ...]] = {}
+    files: Mapping[str, torch.Tensor | tuple[torch.Tensor, ...]] = {}
     if chosen == "shared-fs":
         if comm.rank == 0:
             assert mapped is not None

@@ -274,9 +274,9 @@ def load(access: Access, ref: Ref, *, verify: bool, map_location: Any, trust_pic
                 read.notes.clear()
                 continue
             read.release()
-            fallback = read.record(info)
-            report(fallback)
-            return Checkpoint.from_loaded(loaded, step=info.step, info=info, fallback=fallback)
+            went = read.record(info)
+            report(went)
+            return Checkpoint.from_loaded(loaded, step=info.step, info=info, fallback=went)
     finally:
         read.release()
 

@@ -644,5 +644,6 @@ def _execute(scope: RetentionScope, plan: RetentionPlan) -> RetentionResult:
 
 
 __all__ = ["AnyOf", "Decision", "KeepBest", "KeepEvery", "KeepLast", "KeepNewerThan", "KeepPolicyVersions",
-           "KeepTagged", "MISSING_METRIC_HINT", "MaxBytes", "Policy", "RetentionContext", "RetentionPlan", "RetentionResult", "RetentionScope",
-           "RetentionWarning", "evaluate", "finish_interrupted", "make_plan", "protections"]
+           "KeepTagged", "MISSING_METRIC_HINT", "MaxBytes", "Policy", "RetentionContext", "RetentionPlan",
+           "RetentionResult", "RetentionScope", "RetentionWarning", "evaluate", "finish_interrupted", "make_plan",
+           "protections"]

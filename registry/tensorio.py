@@ -314,7 +314,7 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     t = t.resolve_conj().resolve_neg().contiguous()
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    return t.reshape(-1).view(torch.uint8).numpy().data.cast("B")
 
 
 def check_state_dict(state_dict: object, *, what: str = "state_dict") -> dict[str, torch.Tensor]:

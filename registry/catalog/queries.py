@@ -258,7 +258,7 @@ class Catalog:
         tags: dict[int, list[str]] = {}
         if len(rows) == 1:  # resolve's case: one round trip for both, it is most of resolve's cost
             one = rows[0]
-            found = conn.execute(union_all(
+            found: Sequence[Any] = conn.execute(union_all(
                 select(literal_column("'m'").label("kind"), Metric.key.label("name"), Metric.value.label("value"),
                        Metric.id.label("ord"))
                 .where(Metric.run_id == run_id, Metric.step == one.step, Metric.superseded.is_(False)),
@@ -715,7 +715,8 @@ class Catalog:
     def files(self, run: str, step: int) -> list[FileRecord]:
         def fn(conn: Connection) -> list[FileRecord]:
             run_id = self.require_run(conn, run)
-            rows = conn.execute(select(CheckpointFile.__table__).join(CheckpointRow, CheckpointRow.id == CheckpointFile.checkpoint_id)
+            rows = conn.execute(select(CheckpointFile.__table__)
+                                .join(CheckpointRow, CheckpointRow.id == CheckpointFile.checkpoint_id)
                                 .where(CheckpointRow.run_id == run_id, CheckpointRow.step == step)
                                 .order_by(CheckpointFile.name)).all()
             return [FileRecord(name=r.name, size=r.size, sha256=r.sha256) for r in rows]

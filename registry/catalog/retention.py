@@ -71,9 +71,10 @@ class RetentionCatalog:
         verified = [i.step for i in infos if i.status == "verified"]
         live = [i.step for i in infos if i.status in LIVE]
         now = utcnow()
-        leases = {int(step): aware(expires) for step, expires in conn.execute(
+        leases = {int(step): when for step, expires in conn.execute(
             select(c.step, func.max(Lease.expires_at)).join(Lease, Lease.checkpoint_id == c.id)
-            .where(c.run_id == run_id, Lease.expires_at > now).group_by(c.step))}
+            .where(c.run_id == run_id, Lease.expires_at > now).group_by(c.step))
+            if (when := aware(expires)) is not None}
         return RunSnapshot(run=run, checkpoints=infos, latest=max(verified, default=None),
                            latest_published=max(live, default=None), leases=leases, taken_at=now)
 
