@@ -30,7 +30,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -153,23 +152,6 @@ def floor_map_hash(path: Path, digest: str, pool: ThreadPoolExecutor) -> None:
     fn = xxhash.xxh3_128_hexdigest if digest == "xxh3_128" else (lambda b: hashlib.sha256(b).hexdigest())
     for fut in [pool.submit(fn, view[i:i + CHUNK]) for i in range(0, size, CHUNK)]:
         fut.result()
-    settle(pool)
-
-
-def settle(pool: ThreadPoolExecutor) -> None:
-    """Return once every worker has dropped its last task.
-
-    A worker lets go of a task (and of the buffer slice it was given) just
-    after the future's result is set, so without this the last reference to
-    a 1 GiB buffer can die in a worker while the next variant runs: its
-    ``munmap`` (~20 ms for 1 GiB of touched pages) then holds the process's
-    memory-map lock, and the next variant's own ``mmap`` waits for it.
-    """
-    workers = pool._max_workers  # noqa: SLF001 - fixed at creation
-    barrier = threading.Barrier(workers + 1)
-    for _ in range(workers):
-        pool.submit(barrier.wait)
-    barrier.wait()
 
 
 def touch_all(tensors: dict[str, torch.Tensor]) -> None:
@@ -195,7 +177,6 @@ def floor_read(path: Path, digest: str | None, pool: ThreadPoolExecutor) -> None
                 futures.append(pool.submit(fn, piece))
     for fut in futures:
         fut.result()
-    settle(pool)
 
 
 # --------------------------------------------------------------------------- measuring
