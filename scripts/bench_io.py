@@ -481,7 +481,7 @@ def main() -> None:
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir on the system disk)")
     parser.add_argument("--only", choices=["lazy"], default=None,
                         help="lazy: only a lazy load(verify=False) against load_file, and its parts")
-    parser.add_argument("--url", default=None, help="catalog for --only lazy (default: a SQLite file in --dir)")
+    parser.add_argument("--url", default=None, help="an empty catalog for --only lazy (default: a new SQLite file in --dir)")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-io-", dir=args.dir))
     try:
