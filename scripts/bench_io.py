@@ -486,11 +486,12 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-io-", dir=args.dir))
     try:
         if args.only == "lazy":
-            url = f" --url {args.url}" if args.url else ""
+            from sqlalchemy.engine import make_url
+            url = f" --url {make_url(args.url).render_as_string(hide_password=True)}" if args.url else ""
             lines = [f"command: ./scripts/bench io --only lazy --mib {args.mib} --runs {args.runs}{url}",
                      f"load average at start: {os.getloadavg()[0]:.1f}",
-                     f"machine: {os.cpu_count()} cores; medians of {args.runs} rounds after a warm-up, "
-                     "variants interleaved; ratios are medians of per-round ratios"]
+                     (f"machine: {os.cpu_count()} cores; medians of {args.runs} rounds after a warm-up, "
+                      "variants interleaved; ratios are medians of per-round ratios")]
             lines += bench_lazy(args.mib, work, args.runs, args.url)
             lines.append(f"\nload average at end: {os.getloadavg()[0]:.1f}")
             print("\n".join(lines))
