@@ -16,6 +16,7 @@ transformer-shaped state dict (env ``REGISTRY_BENCH_MIB``), ``--small`` the
 number of small tensors of the second workload.
 
     ./scripts/bench io [--mib 1024] [--small 2000] [--runs 5] [--dir DIR]
+    ./scripts/bench io --only lazy [--mib 256] [--runs 15] [--url URL]
 """
 
 from __future__ import annotations
@@ -378,6 +379,56 @@ def _derived(saves: Table, loads: Table) -> list[str]:
     ]
 
 
+# --------------------------------------------------------------------------- lazy load overhead
+
+
+def bench_lazy(mib: int, work: Path, runs: int, url: str | None) -> list[str]:
+    """A lazy ``load(verify=False)`` against ``load_file`` of the same file, and its parts.
+
+    Neither reads the tensors' pages, so what separates them is the fixed
+    cost of a load: the catalog's resolve, the reader lease taken and
+    released, the manifest read. Thread CPU is this thread's own: on a busy
+    machine wall time also counts the time other processes held the core.
+    """
+    from registry.refs import parse_ref
+    run = f"lazy-{os.getpid()}"  # a fresh run, also in a PostgreSQL catalog used before
+    reg = Registry.open(url=url or f"sqlite:///{work / 'catalog.db'}", root=work / "root")
+    state = transformer_state(mib)
+    info = reg.publish(run, 1, state)
+    del state
+    weights = str(info.path / "model.safetensors")
+    ref = parse_ref(f"{run}@1")
+    catalog = reg.catalog
+
+    def lease() -> None:
+        catalog.release_lease(catalog.acquire_lease(run, 1, holder=reg.writer, ttl=reg.lease_ttl))
+
+    variants: dict[str, Callable[[], object]] = {
+        "safetensors load_file (same file)": lambda: st.load_file(weights),
+        "registry load(verify=False)": lambda: reg.load(ref, verify=False),
+        "store only: read_directory(verify=False)": lambda: read_directory(info.path, verify=False),
+        "catalog resolve": lambda: catalog.resolve(ref),
+        "catalog lease + release": lease,
+    }
+    walls: Table = Table("safetensors load_file (same file)")
+    names = list(variants)
+    for round_ in range(runs + 1):
+        for name in names[round_ % len(names):] + names[:round_ % len(names)]:
+            cpu0 = time.thread_time()
+            seconds = timed(variants[name])
+            if round_:
+                walls.add(name, seconds, time.thread_time() - cpu0)
+    gaps = [a - b for a, b in zip(walls.times["registry load(verify=False)"],
+                                  walls.times["safetensors load_file (same file)"])]
+    reg.close()
+    lines = [f"\n### lazy load overhead: {catalog.dialect} catalog, {info.total_bytes / 2**20:.0f} MiB step\n",
+             "| variant | median ms | x load_file | thread CPU ms |", "|---|---:|---:|---:|"]
+    lines += [f"| {n} | {t * 1e3:.2f} | {r:.2f} | {c * 1e3:.2f} |" for n, t, r, c in walls.rows()]
+    lines.append(f"\nload(verify=False) - load_file, median of per-round differences: "
+                 f"{statistics.median(gaps) * 1e3:.2f} ms")
+    return lines
+
+
 # --------------------------------------------------------------------------- memory
 
 _MEM_CHILD = r"""
@@ -428,9 +479,23 @@ def main() -> None:
     parser.add_argument("--small", type=int, default=2000)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir on the system disk)")
+    parser.add_argument("--only", choices=["lazy"], default=None,
+                        help="lazy: only a lazy load(verify=False) against load_file, and its parts")
+    parser.add_argument("--url", default=None, help="an empty catalog for --only lazy (default: a new SQLite file in --dir)")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-io-", dir=args.dir))
     try:
+        if args.only == "lazy":
+            from sqlalchemy.engine import make_url
+            url = f" --url {make_url(args.url).render_as_string(hide_password=True)}" if args.url else ""
+            lines = [f"command: ./scripts/bench io --only lazy --mib {args.mib} --runs {args.runs}{url}",
+                     f"load average at start: {os.getloadavg()[0]:.1f}",
+                     (f"machine: {os.cpu_count()} cores; medians of {args.runs} rounds after a warm-up, "
+                      "variants interleaved; ratios are medians of per-round ratios")]
+            lines += bench_lazy(args.mib, work, args.runs, args.url)
+            lines.append(f"\nload average at end: {os.getloadavg()[0]:.1f}")
+            print("\n".join(lines))
+            return
         lines = [f"command: ./scripts/bench io --mib {args.mib} --small {args.small} --runs {args.runs}",
                  f"load average at start: {os.getloadavg()[0]:.1f}",
                  f"machine: {os.cpu_count()} cores, torch {torch.__version__}; medians of {args.runs} rounds "

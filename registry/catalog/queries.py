@@ -103,18 +103,23 @@ def replace_files(conn: Connection, checkpoint_id: int, files: Iterable[FileReco
 
 
 def _sqlite_read_engine(engine: Engine) -> Engine:
-    """A pooled engine for SQLite *read* transactions.
+    """A pooled engine for SQLite *read* transactions and reader leases.
 
     The main engine opens a fresh connection per transaction (NullPool), which
-    costs ~0.3 ms of connect and pragmas: more than the indexed queries of a
-    ``resolve``. Readers reuse connections from a small pool instead; an idle
-    pooled connection holds no transaction, so it blocks neither writers nor
-    WAL checkpoints. A connection inherited through ``fork()`` is never used
-    (nor closed) by the child: SQLite forbids it, so the child opens its own.
+    costs ~0.3 ms of connect and pragmas when the process is quiet, and
+    several ms after it freed a lot of memory: more than the indexed queries
+    of a ``resolve``. Readers reuse connections from a small pool instead; an
+    idle pooled connection holds no transaction, so it blocks neither writers
+    nor WAL checkpoints. A connection inherited through ``fork()`` is never
+    used (nor closed) by the child: SQLite forbids it, so the child opens its
+    own. The only writes made here are reader leases, which need not survive
+    a power loss, so these connections commit without the WAL fsync
+    (``synchronous = NORMAL``; a checkpoint still syncs what it copies).
     """
     read = create_engine(engine.url, poolclass=QueuePool, pool_size=2, max_overflow=8,
                          connect_args={"check_same_thread": False})
     event.listen(read, "connect", _sqlite_pragmas)
+    event.listen(read, "connect", _not_durable)
     event.listen(read, "begin", _sqlite_begin)
 
     @event.listens_for(read, "connect")
@@ -127,6 +132,10 @@ def _sqlite_read_engine(engine: Engine) -> Engine:
             record.dbapi_connection = proxy.dbapi_connection = None
             raise DisconnectionError("SQLite connection inherited across fork()")
     return read
+
+
+def _not_durable(dbapi_conn: Any, _record: Any) -> None:
+    dbapi_conn.execute("PRAGMA synchronous = NORMAL")
 
 
 WriterAlive = Callable[[str | None, datetime | None], bool]  # (writer, row last refreshed at) -> may still write
@@ -195,6 +204,19 @@ class Catalog:
         def txn() -> Any:
             with write_connection(self.engine, durable=durable) as conn:
                 return fn(conn)
+        return self._transaction(txn)
+
+    def _lease_write(self, fn: Any) -> Any:
+        """A write that need not survive a power loss (a reader lease), on SQLite over a pooled
+        connection: a load takes two of them, and a fresh connection for each cost more than the load."""
+        if self._read_engine is self.engine:
+            return self.write(fn, durable=False)
+
+        def txn() -> Any:
+            with self._read_engine.connect() as conn:
+                conn.execution_options(registry_write=True)  # BEGIN IMMEDIATE, as every write
+                with conn.begin():
+                    return fn(conn)
         return self._transaction(txn)
 
     def read(self, fn: Any) -> Any:
@@ -750,10 +772,10 @@ class Catalog:
                 return None
             return conn.execute(insert(Lease).values(checkpoint_id=cid, holder=holder,
                                                      expires_at=utcnow() + ttl).returning(Lease.id)).scalar_one()
-        return self.write(fn, durable=False)  # a lease outlives no power loss: its reader died too
+        return self._lease_write(fn)  # a lease outlives no power loss: its reader died too
 
     def release_lease(self, lease_id: int) -> None:
-        self.write(lambda conn: conn.execute(delete(Lease).where(Lease.id == lease_id)), durable=False)
+        self._lease_write(lambda conn: conn.execute(delete(Lease).where(Lease.id == lease_id)))
 
     def leased_steps(self, run: str) -> set[int]:
         def fn(conn: Connection) -> set[int]:

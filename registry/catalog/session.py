@@ -227,7 +227,7 @@ def write_connection(engine: Engine, *, durable: bool = True) -> Iterator[Connec
     """A write transaction (``BEGIN IMMEDIATE`` on SQLite).
 
     ``durable=False`` is for rows that mean nothing after a power loss, such as
-    reader leases (the reader died with the machine): on SQLite its commit
+    a writer's heartbeat (the writer died with the machine): on SQLite its commit
     skips the WAL fsync (``synchronous = NORMAL``), which is most of a commit's
     cost. It is still atomic and survives a crash of the process. The write
     engine opens a fresh connection per transaction, so the setting ends with it.
