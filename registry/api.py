@@ -30,7 +30,7 @@ from registry.checkpoint import Checkpoint
 from registry.errors import InvalidStateError, RegistryError, StepExistsError
 from registry.layout import step_dirname
 from registry.protocol import publish_sequence
-from registry.records import LIVE, CheckpointInfo, EventInfo, MetricPoint, RunInfo
+from registry.records import HAS_PAYLOAD, LIVE, CheckpointInfo, EventInfo, MetricPoint, RunInfo, Status
 from registry.refs import Ref, check_metric_key, check_run_name, check_step, check_tag_name, parse_ref
 from registry.scrub import VerifyResult, scrub
 from registry.snapshot import Snapshotter
@@ -476,7 +476,7 @@ class Registry:
 
     def mark_corrupt(self, info: CheckpointInfo, reason: str) -> bool:
         """Mark ``info`` corrupt if its row still holds the payload ``info`` describes; True when it did."""
-        return self.catalog.set_status(info.run, info.step, "corrupt", kind="corrupt", actor=self.writer,
+        return self.catalog.set_status(info.run, info.step, Status.CORRUPT, kind="corrupt", actor=self.writer,
                                        only_from=LIVE, manifest_sha256=info.manifest_sha256, reason=reason)
 
     # ------------------------------------------------------------------ verify
@@ -493,7 +493,7 @@ class Registry:
                 targets.append(self.resolve(parsed))
             else:
                 targets.extend(i for i in self.checkpoints(parsed.run)
-                               if i.status in ("published", "verified", "corrupt"))
+                               if i.status in HAS_PAYLOAD)
         return scrub(self.catalog, targets, actor=self.writer)
 
     # ------------------------------------------------------------------ followers

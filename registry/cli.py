@@ -16,7 +16,7 @@ import click
 
 from registry.errors import RegistryError
 from registry.policies import PolicyOptionError, build_policy
-from registry.records import human_bytes
+from registry.records import ENDED, NO_PAYLOAD, Status, human_bytes
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -255,7 +255,7 @@ def show(state: State, ref: str, as_json: bool) -> None:
         info = reg.resolve(parsed)
     except CheckpointNotFoundError:
         row = reg.catalog.get(parsed.run, parsed.step) if parsed.kind == "step" else None
-        if row is None or row.status not in ("deleted", "failed", "staging"):
+        if row is None or row.status not in NO_PAYLOAD:
             raise
         info = reg._absolute(row)
     files = reg.catalog.files(info.run, info.step)
@@ -271,7 +271,7 @@ def show(state: State, ref: str, as_json: bool) -> None:
         doc["ended_by"] = ended.to_json() if ended is not None else None
         emit_json(doc)
         return
-    marked = info.status.upper() if info.status in ("deleted", "failed", "staging") else info.status
+    marked = info.status.upper() if info.status in NO_PAYLOAD else info.status
     click.echo(f"{info.run}@{info.step}  {marked}  {human_bytes(info.total_bytes)}")
     if ended is not None:
         click.echo(f"ended:    {ended.kind} at {ended.created_at:%Y-%m-%d %H:%M:%S} by {ended.actor or '-'}  "
@@ -295,10 +295,10 @@ def show(state: State, ref: str, as_json: bool) -> None:
 
 def ending_event(status: str, events: Sequence[Any]) -> Any:
     """The newest event that put a deleted or failed step in that status, or None."""
-    if status not in ("deleted", "failed"):
+    if status not in ENDED:
         return None
     return next((e for e in reversed(events)
-                 if e.detail.get("status") == status or (status == "failed" and e.kind == "publish-failed")), None)
+                 if e.detail.get("status") == status or (status == Status.FAILED and e.kind == "publish-failed")), None)
 
 
 def manifest_summary(directory: Any) -> dict[str, Any]:

@@ -62,6 +62,7 @@ from registry.errors import CheckpointReadError, CorruptCheckpointError, Registr
 from registry.filemaps import read_json
 from registry.layout import scan_run, step_dirname
 from registry.manifest import MANIFEST, META, Manifest, read_manifest
+from registry.records import LIVE, Status
 from registry.refs import MAX_STEP, RUN_NAME_RE
 from registry.retention import manifest_digest, remove_tree, retire_and_remove
 from registry.store import fsync_dir, verify_directory, writer_alive
@@ -221,13 +222,13 @@ def _check_payload(directory: Path, *, checksums: bool) -> tuple[PayloadRecord |
         if exc.errno in (errno.ENOENT, errno.ENOTDIR):
             return None, "the directory vanished while being checked"
         raise
-    status = "published"
+    status = Status.PUBLISHED
     try:
         if checksums:
             problems = verify_directory(directory, manifest)
             if problems:
                 return None, f"{problems[0].name}: {problems[0].problem}"
-            status = "verified"
+            status = Status.VERIFIED
         else:
             for name, entry in manifest.files.items():
                 try:
@@ -348,7 +349,7 @@ class Fsck:
                       else (scanned.final if scanned.final is not None and _is_dir(scanned.final) else None),
                       tmp=[p for p in scanned.tmp if _is_dir(p)],
                       retired=[p for p in scanned.retired if _is_dir(p)])
-        staging_live = row is not None and row.status == "staging" and writer_alive(row.writer, row.updated_at)
+        staging_live = row is not None and row.status == Status.STAGING and writer_alive(row.writer, row.updated_at)
 
         for tmp in found.tmp:
             if staging_live:
@@ -361,7 +362,7 @@ class Fsck:
                                             detail=f"being published by {row.writer}", repair=None))
             return
 
-        if row is not None and row.status == "deleted":
+        if row is not None and row.status == Status.DELETED:
             leftovers = ([found.final] if found.final is not None else []) + found.retired
             if leftovers:
                 p = self._found("unfinished-deletion", run, step, leftovers[0],
@@ -391,22 +392,22 @@ class Fsck:
                 p = self._found("leftover-retired", run, step, old, "retired payload next to its replacement")
                 self._fix(p, functools.partial(self._remove, [old]))
 
-        if row is None or row.status == "failed":
+        if row is None or row.status == Status.FAILED:
             if payload_dir is not None:
                 self._unregistered(run, step, row, payload_dir)
             return
-        if row.status == "staging":
+        if row.status == Status.STAGING:
             self._dead_staging(row, payload_dir, final)
-        elif row.status == "corrupt":
+        elif row.status == Status.CORRUPT:
             where = "its directory is missing" if payload_dir is None else f"its files are at {payload_dir}"
             self._found("corrupt-step", run, step, final,
                         f"marked corrupt ({where}): restore its files and run 'registry verify {run}@{step}', "
                         f"or let 'registry gc {run}' delete it", repairable=False, row=row)
-        elif row.status in ("published", "verified"):
+        elif row.status in LIVE:
             if payload_dir is None:
                 p = self._found("missing-payload", run, step, final, f"{row.status} step has no directory", row=row,
                                 still=lambda: not _is_dir(final))
-                self._fix(p, lambda: set_status_if(self.catalog, row, "corrupt", kind="missing-payload",
+                self._fix(p, lambda: set_status_if(self.catalog, row, Status.CORRUPT, kind="missing-payload",
                                                    actor=self.actor, reason=f"{row.status} step has no directory"))
                 return
             checked = manifest_digest(payload_dir)
@@ -414,7 +415,7 @@ class Fsck:
             if why:
                 p = self._found("damaged-payload", run, step, payload_dir, why, row=row,
                                 still=lambda: manifest_digest(payload_dir) == checked)
-                self._fix(p, lambda: set_status_if(self.catalog, row, "corrupt", kind="damaged-payload",
+                self._fix(p, lambda: set_status_if(self.catalog, row, Status.CORRUPT, kind="damaged-payload",
                                                    actor=self.actor, reason=why))
 
     def _restore(self, retired: Path, final: Path) -> None:
@@ -435,14 +436,14 @@ class Fsck:
         if payload_dir is None:
             detail = f"staging row of dead writer {row.writer} and no directory: crash before the rename"
             p = self._found("abandoned-publish", row.run, row.step, final, detail, row=row)
-            self._fix(p, lambda: set_status_if(self.catalog, row, "failed", kind="abandoned-publish",
+            self._fix(p, lambda: set_status_if(self.catalog, row, Status.FAILED, kind="abandoned-publish",
                                                actor=self.actor, dead_writer=row.writer))
             return
         record, why = _check_payload(payload_dir, checksums=True)
         if record is None:
             p = self._found("invalid-staged-payload", row.run, row.step, payload_dir,
                             f"staging row of dead writer {row.writer}; its directory is invalid: {why}", row=row)
-            self._fix(p, lambda: set_status_if(self.catalog, row, "corrupt", kind="invalid-staged-payload",
+            self._fix(p, lambda: set_status_if(self.catalog, row, Status.CORRUPT, kind="invalid-staged-payload",
                                                actor=self.actor, reason=why))
             return
         p = self._found("uncommitted-publish", row.run, row.step, payload_dir,

@@ -28,7 +28,7 @@ from registry.catalog import Catalog, Claim, CommitRecord, FileRecord, PayloadRe
 from registry.crashpoints import crashpoint
 from registry.errors import CatalogError, CorruptCheckpointError, PublishError, RegistryError
 from registry.layout import hidden_sibling
-from registry.records import CheckpointInfo
+from registry.records import CheckpointInfo, Status
 from registry.store import (Written, check_written, discard, install, new_staging, remove_stale_staging, uninstall,
                             writer_alive)
 
@@ -96,13 +96,13 @@ def write_and_install(catalog: Catalog, claim: Claim, final: Path, write: Callab
         with heartbeat(catalog, claim):
             written = write(staging)
         crashpoint("after-write")
-        status = "published"
+        status = Status.PUBLISHED
         if verify:
             problems = check_written(staging, written)
             if problems:
                 raise CorruptCheckpointError(
                     f"read-back of {final} failed: {problems[0].name}: {problems[0].problem}", path=final)
-            status = "verified"
+            status = Status.VERIFIED
         retired = install(staging, final, keep_retired=True)
         installed = True
         return written, status, retired
@@ -172,7 +172,7 @@ def commit_failed(catalog: Catalog, claim: Claim, *, run: str, step: int, writer
         # cannot tell: leave the payload in place; fsck rolls it forward once we are gone
         raise CatalogError(f"could not record {run}@{step} in the catalog and cannot tell whether it "
                            f"was: {_first_line(exc)}", run=run, step=step) from exc
-    if row is not None and not (row.status == "staging" and row.writer == writer):
+    if row is not None and not (row.status == Status.STAGING and row.writer == writer):
         return
     undo_error: OSError | None = None
     try:

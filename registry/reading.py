@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from registry.errors import (CheckpointDeletedError, CheckpointReadError, CorruptCheckpointError,
                              RegistryError)
-from registry.records import LIVE, CheckpointInfo
+from registry.records import LIVE, CheckpointInfo, Status
 from registry.refs import Ref
 from registry.store import Extras, Loaded, read_directory
 
@@ -153,7 +153,7 @@ class CatalogRead:
         while True:
             raw = self.access.catalog.resolve(self.ref, below=self.below)
             info = replace(raw, path=self.access.root / raw.path)
-            if info.status == "corrupt":
+            if info.status == Status.CORRUPT:
                 raise CorruptCheckpointError(f"{self.ref} is marked corrupt (step {info.step}); "
                                              "run 'registry verify' after repairing it",
                                              run=info.run, step=info.step, path=info.path)
@@ -192,11 +192,11 @@ class CatalogRead:
         if not isinstance(exc, CorruptCheckpointError):
             raise exc
         marked = self.access.catalog.set_status(
-            info.run, info.step, "corrupt", kind="corrupt", actor=self.access.holder, only_from=LIVE,
+            info.run, info.step, Status.CORRUPT, kind="corrupt", actor=self.access.holder, only_from=LIVE,
             manifest_sha256=info.manifest_sha256, reason=str(exc))
         if not marked:
             now = self.access.catalog.get(info.run, info.step)
-            if now is None or (now.status, now.manifest_sha256) != ("corrupt", info.manifest_sha256):
+            if now is None or (now.status, now.manifest_sha256) != (Status.CORRUPT, info.manifest_sha256):
                 self._raced(exc)  # the row is no longer the one we checked against: a race, not corruption
                 return
             # another reader condemned this very payload first: the same verdict, go on from it

@@ -7,13 +7,35 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime
+from enum import Enum
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-Status = Literal["staging", "published", "verified", "failed", "corrupt", "deleted"]
-STATUSES: tuple[str, ...] = ("staging", "published", "verified", "failed", "corrupt", "deleted")
-LIVE = ("published", "verified")          # loadable and resolvable by latest-published
-RANKABLE = ("published", "verified")      # eligible for best:
+
+class Status(str, Enum):
+    """A checkpoint's status: the catalog's ``status`` column and the ``status`` of every record.
+
+    Members are strings, so ``info.status == "verified"``, JSON output, SQL parameters and f-strings see the
+    plain value.
+    """
+
+    STAGING = "staging"        # a writer holds the step and is writing its payload
+    PUBLISHED = "published"    # committed, not yet re-hashed
+    VERIFIED = "verified"      # committed and re-hashed against its manifest
+    FAILED = "failed"          # a publish that never committed; nothing on disk is kept
+    CORRUPT = "corrupt"        # committed, but bytes read did not match the manifest
+    DELETED = "deleted"        # committed once, payload removed (or being removed) on purpose
+
+    def __str__(self) -> str:
+        return self.value
+
+
+STATUSES: tuple[Status, ...] = tuple(Status)
+LIVE = (Status.PUBLISHED, Status.VERIFIED)                         # loadable, resolvable by latest-published
+RANKABLE = (Status.PUBLISHED, Status.VERIFIED)                     # eligible for best:
+HAS_PAYLOAD = (Status.PUBLISHED, Status.VERIFIED, Status.CORRUPT)  # committed bytes on disk: verify, retention
+NO_PAYLOAD = (Status.DELETED, Status.FAILED, Status.STAGING)       # nothing committed on disk to read
+ENDED = (Status.DELETED, Status.FAILED)                            # over; only a new publish of the step revives it
 
 
 def human_bytes(n: int) -> str:
@@ -46,7 +68,7 @@ class CheckpointInfo:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "run": self.run, "step": self.step, "status": self.status, "path": str(self.path),
+            "run": self.run, "step": self.step, "status": str(self.status), "path": str(self.path),
             "epoch": self.epoch, "consumed_samples": self.consumed_samples,
             "policy_version": self.policy_version, "optimizer_step": self.optimizer_step,
             "metrics": dict(self.metrics), "tags": list(self.tags), "total_bytes": self.total_bytes,

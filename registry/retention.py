@@ -44,7 +44,7 @@ from registry.crashpoints import crashpoint
 from registry.errors import CorruptCheckpointError, PolicyError, RegistryError, UnknownMetricError
 from registry.layout import hidden_sibling, scan_run
 from registry.manifest import MANIFEST, MAX_MANIFEST_BYTES, digest_bytes, open_regular
-from registry.records import LIVE, RANKABLE, CheckpointInfo, human_bytes
+from registry.records import LIVE, RANKABLE, CheckpointInfo, Status, human_bytes
 from registry.refs import check_metric_key, check_run_name
 from registry.store import fsync_dir
 
@@ -396,7 +396,7 @@ def protections(snap: RunSnapshot, extra: Mapping[int, str] = MappingProxyType({
     """The invariants: steps no policy may delete, with why."""
     why: dict[int, list[str]] = {}
     for c in snap.checkpoints:
-        if c.status == "staging":
+        if c.status == Status.STAGING:
             why.setdefault(c.step, []).append("staging: publish in progress")
         if c.step == snap.latest:
             why.setdefault(c.step, []).append("@latest")

@@ -25,10 +25,10 @@ from dataclasses import dataclass, replace
 from registry.catalog import Catalog
 from registry.errors import CheckpointReadError, CorruptCheckpointError
 from registry.manifest import MANIFEST, Manifest, read_manifest
-from registry.records import CheckpointInfo
+from registry.records import HAS_PAYLOAD, CheckpointInfo, Status
 from registry.store import verify_directory
 
-VERDICT_FROM = ("published", "verified", "corrupt")
+VERDICT_FROM = HAS_PAYLOAD
 MISMATCH = "manifest does not match the catalog"
 
 
@@ -99,7 +99,7 @@ def scrub(catalog: Catalog, infos: Sequence[CheckpointInfo], *, actor: str) -> l
     A corrupt step that hashes clean again (restored from a backup) is verified again.
     """
     def result(info: CheckpointInfo, status: str, *problems: str) -> VerifyResult:
-        return VerifyResult(run=info.run, step=info.step, ok=status == "verified", status=status,
+        return VerifyResult(run=info.run, step=info.step, ok=status == Status.VERIFIED, status=status,
                             problems=problems)
 
     def changed(info: CheckpointInfo) -> VerifyResult:
@@ -107,7 +107,7 @@ def scrub(catalog: Catalog, infos: Sequence[CheckpointInfo], *, actor: str) -> l
                                        "nothing recorded, verify it again")
 
     def record(info: CheckpointInfo, digest: str | None, problems: tuple[str, ...]) -> VerifyResult:
-        status = "corrupt" if problems else "verified"
+        status = Status.CORRUPT if problems else Status.VERIFIED
         if digest is None or not catalog.set_status(
                 info.run, info.step, status, kind="corrupt" if problems else "verify", actor=actor,
                 only_from=VERDICT_FROM, manifest_sha256=digest, problems=list(problems)):

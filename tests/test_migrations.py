@@ -7,11 +7,13 @@ from pathlib import Path
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import text
+from sqlalchemy import text, update
 
-from registry import Registry, SchemaTooNewError
-from registry.catalog.models import Base
+from registry import CatalogError, Registry, SchemaTooNewError
+from registry.catalog import Catalog
+from registry.catalog.models import Base, CheckpointRow
 from registry.catalog.session import head_revision, make_engine, open_engine, upgrade
+from registry.records import Status
 
 
 def test_empty_to_head_and_current(catalog_url: str) -> None:
@@ -34,6 +36,24 @@ def test_models_match_migrations(catalog_url: str) -> None:
         assert diff == []
     finally:
         engine.dispose()
+
+
+def test_migrated_status_check_admits_every_status_and_refuses_others(catalog_url: str) -> None:
+    # compare_metadata ignores CHECK constraints, and the migrations spell the statuses out on their own.
+    catalog = Catalog.open(catalog_url)
+    try:
+        claim = catalog.claim("r", 1, path="r/step", writer="w", overwrite=False)
+
+        def set_to(value: str) -> None:
+            catalog.write(lambda conn: conn.execute(update(CheckpointRow)
+                                                    .where(CheckpointRow.id == claim.checkpoint_id)
+                                                    .values(status=value)))
+        for status in Status:
+            set_to(status.value)
+        with pytest.raises(CatalogError, match="(?i)check"):
+            set_to("archived")
+    finally:
+        catalog.close()
 
 
 def test_newer_schema_is_refused(catalog_url: str, root: Path) -> None:

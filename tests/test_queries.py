@@ -34,6 +34,15 @@ def test_every_ref_form(reg: Registry) -> None:
     assert info.tags == ("release",) and info.metrics == {"eval/loss": 1.0} and info.status == "verified"
 
 
+def test_status_reads_as_the_plain_string(reg: Registry) -> None:
+    reg.publish("run", 10, make_state(10))
+    info = reg.resolve("run@10")
+    assert info.status == "verified" and str(info.status) == f"{info.status:>8}" == "verified"
+    assert {"verified": 1}[info.status] == 1 and info.status.upper() == "VERIFIED"
+    doc = info.to_json()
+    assert type(doc["status"]) is str and json.loads(json.dumps(doc))["status"] == "verified"
+
+
 def test_best_ties_go_to_the_newest_step(reg: Registry) -> None:
     publish_steps(reg, {10: 1.0, 20: 0.5, 30: 0.5, 40: 2.0, 50: 2.0, 60: 0.7})
     assert reg.resolve("run@best:eval/loss").step == 30

@@ -19,6 +19,7 @@ from sqlalchemy.exc import IntegrityError
 
 from registry.catalog.models import CheckpointFile, CheckpointRow, Run
 from registry.catalog.queries import Catalog, PayloadRecord, aware, replace_files, utcnow
+from registry.records import Status
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,7 +115,7 @@ def set_status_if(catalog: Catalog, seen: RowState, status: str, *, kind: str, a
             return False
         now = utcnow()
         values: dict[str, Any] = {"status": status, "updated_at": now}
-        if status == "deleted":
+        if status == Status.DELETED:
             values["deleted_at"] = now
         conn.execute(update(CheckpointRow).where(CheckpointRow.id == row.id).values(**values))
         Catalog.record_event(conn, row.run_id, seen.step, "repair", actor=actor, problem=kind, status=status, **detail)

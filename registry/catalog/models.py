@@ -12,6 +12,8 @@ from sqlalchemy import (BigInteger, Boolean, CheckConstraint, DateTime, Float, F
                         Integer, MetaData, String, Text, UniqueConstraint)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from registry.records import Status
+
 NAMING_CONVENTION = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
     "uq": "uq_%(table_name)s_%(column_0_N_name)s",
@@ -20,7 +22,7 @@ NAMING_CONVENTION = {
     "pk": "pk_%(table_name)s",
 }
 
-STATUS_SQL = "status IN ('staging', 'published', 'verified', 'failed', 'corrupt', 'deleted')"
+STATUS_SQL = "status IN (" + ", ".join(f"'{s.value}'" for s in Status) + ")"  # migrations keep their own literal copy
 
 
 class Base(DeclarativeBase):

@@ -26,7 +26,7 @@ from registry.catalog.models import (Attempt, CheckpointFile, CheckpointRow, Eve
 from registry.catalog.session import (_sqlite_begin, _sqlite_pragmas, catalog_name, failure_reason, head_revision,
                                       open_engine, retrying, write_connection)
 from registry.errors import CatalogError, CheckpointNotFoundError, StepExistsError
-from registry.records import LIVE, RANKABLE, CheckpointInfo, EventInfo, MetricPoint, RunInfo
+from registry.records import ENDED, HAS_PAYLOAD, LIVE, RANKABLE, CheckpointInfo, EventInfo, MetricPoint, RunInfo, Status
 from registry.refs import Ref, selector_hint
 
 NOTIFY_CHANNEL = "registry_checkpoints"
@@ -75,7 +75,7 @@ class PayloadRecord:
         return dict(status=self.status, manifest_sha256=self.manifest_sha256, total_bytes=self.total_bytes,
                     epoch=self.epoch, consumed_samples=self.consumed_samples,
                     optimizer_step=self.optimizer_step, policy_version=self.policy_version, updated_at=now,
-                    published_at=now, verified_at=now if self.status == "verified" else None, deleted_at=None)
+                    published_at=now, verified_at=now if self.status == Status.VERIFIED else None, deleted_at=None)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -144,9 +144,9 @@ WriterAlive = Callable[[str | None, datetime | None], bool]  # (writer, row last
 def _claim_conflict(run: str, step: int, status: str, writer: str | None, updated_at: datetime | None, *,
                     overwrite: bool, writer_alive: WriterAlive) -> StepExistsError | None:
     """Why an existing row of ``run@step`` may not be claimed now, or None if it may."""
-    if status == "staging" and writer_alive(writer, aware(updated_at)):
+    if status == Status.STAGING and writer_alive(writer, aware(updated_at)):
         return StepExistsError(f"{run}@{step} is being published by {writer}", run=run, step=step)
-    if status in ("published", "verified", "corrupt") and not overwrite:
+    if status in HAS_PAYLOAD and not overwrite:
         return StepExistsError(f"{run}@{step} already exists ({status}); pass overwrite=True to replace it",
                                run=run, step=step)
     return None
@@ -304,7 +304,7 @@ class Catalog:
                                           .where(Tag.checkpoint_id.in_(id_chunk)).order_by(Tag.name)):
                 tags.setdefault(cid, []).append(name)
         return [CheckpointInfo(
-            run=run, step=r.step, status=r.status, path=Path(r.path), epoch=r.epoch,
+            run=run, step=r.step, status=Status(r.status), path=Path(r.path), epoch=r.epoch,
             consumed_samples=r.consumed_samples, policy_version=r.policy_version,
             optimizer_step=r.optimizer_step, metrics=metrics.get(r.step, {}),
             tags=tuple(tags.get(r.id, ())), total_bytes=r.total_bytes,
@@ -332,7 +332,7 @@ class Catalog:
                 try:
                     with conn.begin_nested():
                         cid = conn.execute(insert(CheckpointRow).values(
-                            run_id=run_id, step=step, status="staging", path=path, writer=writer,
+                            run_id=run_id, step=step, status=Status.STAGING, path=path, writer=writer,
                             epoch=0, consumed_samples=0, total_bytes=0, created_at=now,
                             updated_at=now).returning(CheckpointRow.id)).scalar_one()
                 except IntegrityError:
@@ -344,9 +344,9 @@ class Catalog:
             if conflict is not None:
                 raise conflict
             conn.execute(update(CheckpointRow).where(CheckpointRow.id == row.id)
-                         .values(status="staging", writer=writer, path=path, updated_at=now))
-            previous = row.status if row.status != "staging" else None
-            if row.status == "staging":
+                         .values(status=Status.STAGING, writer=writer, path=path, updated_at=now))
+            previous = row.status if row.status != Status.STAGING else None
+            if row.status == Status.STAGING:
                 self.record_event(conn, run_id, step, "takeover", actor=writer, dead_writer=row.writer)
             return Claim(checkpoint_id=row.id, run_id=run_id, previous_status=previous)
         return self.write(fn)
@@ -376,7 +376,7 @@ class Catalog:
         """
         def fn(conn: Connection) -> None:
             conn.execute(update(CheckpointRow).where(CheckpointRow.id == claim.checkpoint_id,
-                                                     CheckpointRow.status == "staging")
+                                                     CheckpointRow.status == Status.STAGING)
                          .values(updated_at=utcnow()))
         self.write(fn, durable=False)
 
@@ -387,11 +387,11 @@ class Catalog:
         always does (gc removes whatever is left of it).
         """
         def fn(conn: Connection) -> None:
-            restore = (claim.previous_status == "deleted"
-                       or claim.previous_status in ("published", "verified", "corrupt") and old_payload_intact)
-            status = claim.previous_status if restore else "failed"
+            restore = (claim.previous_status == Status.DELETED
+                       or claim.previous_status in HAS_PAYLOAD and old_payload_intact)
+            status = claim.previous_status if restore else Status.FAILED
             conn.execute(update(CheckpointRow).where(CheckpointRow.id == claim.checkpoint_id,
-                                                     CheckpointRow.status == "staging")
+                                                     CheckpointRow.status == Status.STAGING)
                          .values(status=status, updated_at=utcnow()))
             step = conn.scalar(select(CheckpointRow.step).where(CheckpointRow.id == claim.checkpoint_id))
             self.record_event(conn, claim.run_id, step, "publish-failed", reason=reason, restored=restore)
@@ -520,14 +520,14 @@ class Catalog:
                 cond.append(CheckpointRow.manifest_sha256 == manifest_sha256)
             now = utcnow()
             values: dict[str, Any] = {"status": status, "updated_at": now}
-            if status == "verified":
+            if status == Status.VERIFIED:
                 values["verified_at"] = now
-            if status == "deleted":
+            if status == Status.DELETED:
                 values["deleted_at"] = now
             changed = conn.execute(update(CheckpointRow).where(*cond).values(**values)).rowcount
             if changed:
                 self.record_event(conn, run_id, step, kind, actor=actor, status=status, **detail)
-                if status == "verified":
+                if status == Status.VERIFIED:
                     self.notify(conn, run_id, step, status)  # followers wait for verified steps
             return bool(changed)
         return self.write(fn)
@@ -570,7 +570,7 @@ class Catalog:
             if conn.dialect.name == "postgresql":
                 query = query.with_for_update(read=True)  # serialise with gc, as acquire_lease does
             row = conn.execute(query).first()
-            if row is None or row.status not in ("published", "verified"):
+            if row is None or row.status not in LIVE:
                 raise CheckpointNotFoundError(
                     f"cannot tag {run}@{step}: no published checkpoint at that step", run=run, step=step)
             self._set_tag(conn, run_id, step, row.id, name, actor)
@@ -600,7 +600,7 @@ class Catalog:
         if ref.kind not in ("best", "tag"):  # those constrain the run through their join: one subquery
             query = query.where(c.run_id == run_id)
         if ref.kind in ("latest", "latest-published"):
-            statuses = ("verified",) if ref.kind == "latest" else LIVE
+            statuses = (Status.VERIFIED,) if ref.kind == "latest" else LIVE
             query = query.where(c.status.in_(statuses))
             if below is not None:
                 query = query.where(c.step < below)
@@ -653,13 +653,13 @@ class Catalog:
             if row is None:
                 self.require_run(conn, ref.run)
                 raise CheckpointNotFoundError(f"{ref}: {what}", run=ref.run, step=ref.step)
-            if ref.kind in ("tag", "step") and row.status not in LIVE + ("corrupt",):
+            if ref.kind in ("tag", "step") and row.status not in HAS_PAYLOAD:
                 raise CheckpointNotFoundError(f"{ref}: step {row.step} is {row.status}", run=ref.run, step=row.step)
             return self.checkpoint_infos(conn, ref.run, [row])[0]
         return self.read(fn)
 
     def next_after(self, run: str, after_step: int | None, *, newest: bool = False,
-                   statuses: Sequence[str] = ("verified",),
+                   statuses: Sequence[str] = (Status.VERIFIED,),
                    min_policy_version: int | None = None) -> CheckpointInfo | None:
         """The first (or, with ``newest``, the last) step above ``after_step`` in ``statuses``.
 
@@ -700,7 +700,7 @@ class Catalog:
             if statuses is not None:
                 query = query.where(CheckpointRow.status.in_(statuses))
             elif not include_deleted:
-                query = query.where(CheckpointRow.status.not_in(("deleted", "failed")))
+                query = query.where(CheckpointRow.status.not_in(ENDED))
             if policy_version is not None:
                 query = query.where(CheckpointRow.policy_version == policy_version)
             rows = conn.execute(query.order_by(CheckpointRow.step)).all()

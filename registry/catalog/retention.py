@@ -28,12 +28,12 @@ from sqlalchemy import Connection, func, select, update
 
 from registry.catalog.models import CheckpointRow, Lease
 from registry.catalog.queries import Catalog, aware, utcnow
-from registry.records import LIVE, CheckpointInfo
+from registry.records import HAS_PAYLOAD, LIVE, CheckpointInfo, Status
 
 #: statuses retention may delete; everything else is never touched
-CANDIDATES = ("published", "verified", "corrupt")
+CANDIDATES = HAS_PAYLOAD
 #: statuses a plan shows (``staging`` rows are always kept)
-SHOWN = ("staging",) + CANDIDATES
+SHOWN = (Status.STAGING,) + CANDIDATES
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,7 +68,7 @@ class RetentionCatalog:
         rows = conn.execute(select(c.__table__).where(c.run_id == run_id, c.status.in_(SHOWN))
                             .order_by(c.step)).all()
         infos = tuple(self.catalog.checkpoint_infos(conn, run, rows))
-        verified = [i.step for i in infos if i.status == "verified"]
+        verified = [i.step for i in infos if i.status == Status.VERIFIED]
         live = [i.step for i in infos if i.status in LIVE]
         now = utcnow()
         leases = {int(step): when for step, expires in conn.execute(
@@ -110,13 +110,13 @@ class RetentionCatalog:
                     continue
                 changed = conn.execute(update(c).where(c.run_id == run_id, c.step == step,
                                                        c.status.in_(CANDIDATES))
-                                       .values(status="deleted", deleted_at=now, updated_at=now)).rowcount
+                                       .values(status=Status.DELETED, deleted_at=now, updated_at=now)).rowcount
                 if not changed:
                     continue
-                self.catalog.record_event(conn, run_id, step, "delete", actor=actor, status="deleted",
+                self.catalog.record_event(conn, run_id, step, "delete", actor=actor, status=Status.DELETED,
                                     previous_status=info.status, total_bytes=info.total_bytes,
                                     reason=doomed[step])
-                self.catalog.notify(conn, run_id, step, "deleted")
+                self.catalog.notify(conn, run_id, step, Status.DELETED)
                 marked.append(DeletedRow(step=step, path=info.path.as_posix(), total_bytes=info.total_bytes,
                                          manifest_sha256=info.manifest_sha256, reason=doomed[step]))
             return marked
@@ -129,7 +129,7 @@ class RetentionCatalog:
             run_id = self.catalog.require_run(conn, run)
             c = CheckpointRow
             rows: Any = conn.execute(select(c.step, c.path, c.total_bytes, c.manifest_sha256)
-                                     .where(c.run_id == run_id, c.status == "deleted").order_by(c.step)).all()
+                                     .where(c.run_id == run_id, c.status == Status.DELETED).order_by(c.step)).all()
             return [DeletedRow(step=r.step, path=r.path, total_bytes=r.total_bytes,
                                manifest_sha256=r.manifest_sha256) for r in rows]
         result: list[DeletedRow] = self.catalog.read(fn)
