@@ -21,8 +21,6 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, overload
 
-import torch
-
 from registry import reading
 from registry.background import BackgroundPublisher
 from registry.catalog import Catalog, CommitRecord, PayloadRecord
@@ -39,6 +37,8 @@ from registry.tensorio import check_state_dict
 from registry.validation import check_flags, check_tags, checked_payload
 
 if TYPE_CHECKING:
+    import torch
+
     from registry.fsck import FsckReport
     from registry.retention import Policy, RetentionPlan, RetentionResult
 
@@ -50,6 +50,7 @@ def _check_metrics(run: str, step: int, metrics: Mapping[str, Any] | None) -> li
         return []
     if not isinstance(metrics, Mapping):
         raise InvalidStateError(f"metrics for {run}@{step} must be a mapping of names to numbers")
+    import torch
     out = []
     for key, value in metrics.items():
         check_metric_key(key)

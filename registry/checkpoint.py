@@ -14,13 +14,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from registry.store import Loaded, Payload, check_extras, now_timestamp, read_directory, save_directory
 from registry.tensorio import check_state_dict
 from registry.validation import check_manifest_fields
 
 if TYPE_CHECKING:
+    import torch
+
     from registry.reading import Fallback
     from registry.records import CheckpointInfo
 

@@ -38,9 +38,7 @@ import zipfile
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
-
-import torch
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from registry.errors import (CheckpointReadError, CorruptCheckpointError, ExtraNotFoundError, InvalidStateError,
                              ManifestError, RegistryError, SafetensorsFormatError, UnsafePickleError)
@@ -48,6 +46,9 @@ from registry.manifest import (CONFIG, MANIFEST, MAX_JSON_BYTES, META, WEIGHTS, 
                                check_file_name, digest_bytes, open_regular, parse_manifest)
 from registry.pieces import first_mismatch
 from registry.tensorio import MAX_HEADER, SafetensorsHeader, hash_bytes, read_safetensors_header, tensors_in
+
+if TYPE_CHECKING:
+    import torch
 
 T = TypeVar("T")
 Extras = bool | Collection[str]
@@ -74,6 +75,7 @@ def map_file(directory: Path, name: str, *, expected_size: int | None = None,
     Symlinks are refused; the size is checked against the manifest before any
     byte is touched. The mapping lives as long as the tensor or any view of it.
     """
+    import torch
     path = directory / name
     fd = open_regular(directory, name, error=error, what=what)
     try:
@@ -334,6 +336,7 @@ def tensors_of(buf: torch.Tensor | Sequence[torch.Tensor], path: Path) -> dict[s
     ``buf`` is the whole file, or the pieces of its :func:`layout` (each
     tensor is then the storage its piece was received into).
     """
+    import torch
     if isinstance(buf, torch.Tensor):
         return tensors_in(buf, header_of(buf, path))
     try:
@@ -370,6 +373,7 @@ def assemble_shards(directory: Path, shards: Iterable[tuple[str, Mapping[str, T]
 
 def unpickle(buf: torch.Tensor, path: Path, *, trust_pickle: bool, map_location: Any) -> Any:
     """A ``.pt`` extra: ``weights_only`` unless the caller trusts its author."""
+    import torch
     try:
         return torch.load(io.BytesIO(_host_bytes(buf)), map_location=map_location, weights_only=not trust_pickle)
     except pickle.UnpicklingError as exc:
@@ -383,6 +387,7 @@ def unpickle(buf: torch.Tensor, path: Path, *, trust_pickle: bool, map_location:
 
 
 def _on_cpu(map_location: Any) -> bool:
+    import torch
     return map_location is None or map_location == "cpu" or (
         isinstance(map_location, torch.device) and map_location.type == "cpu")
 
@@ -397,6 +402,8 @@ def parse_files(directory: Path, files: Mapping[str, torch.Tensor | Sequence[tor
     Tensors are moved to ``map_location`` unless it is the CPU; extras are
     unpickled onto it.
     """
+    import torch
+
     def whole(name: str) -> torch.Tensor:
         buf = files[name]
         return buf if isinstance(buf, torch.Tensor) else torch.cat(list(buf))

@@ -22,11 +22,12 @@ import os
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from registry.pools import Pool
+
+if TYPE_CHECKING:
+    import torch
 
 ALIGN = 64  # every view starts on a cache line, so any dtype may be viewed there
 PARALLEL_COPY_FROM = 8 << 20  # below this, handing runs to threads costs more than it saves
@@ -39,33 +40,33 @@ def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def _tensors(obj: Any, out: dict[int, torch.Tensor]) -> None:
-    """Every distinct tensor object in a nest of dicts, lists and tuples."""
-    if isinstance(obj, torch.Tensor):
+def _tensors(obj: Any, out: dict[int, torch.Tensor], tensor: type[torch.Tensor]) -> None:
+    """Every distinct tensor object in a nest of dicts, lists and tuples (``tensor`` is ``torch.Tensor``)."""
+    if isinstance(obj, tensor):
         out.setdefault(id(obj), obj)
     elif isinstance(obj, Mapping):
         for value in obj.values():
-            _tensors(value, out)
+            _tensors(value, out, tensor)
     elif isinstance(obj, (list, tuple)):
         for value in obj:
-            _tensors(value, out)
+            _tensors(value, out, tensor)
 
 
-def _rebuild(obj: Any, copies: dict[int, torch.Tensor], memo: dict[int, Any]) -> Any:
+def _rebuild(obj: Any, copies: dict[int, torch.Tensor], memo: dict[int, Any], tensor: type[torch.Tensor]) -> Any:
     """``obj`` with every tensor replaced by its copy and every container rebuilt."""
-    if isinstance(obj, torch.Tensor):
+    if isinstance(obj, tensor):
         return copies[id(obj)]
     if isinstance(obj, Mapping):
-        items = [(k, _rebuild(v, copies, memo)) for k, v in obj.items()]
+        items = [(k, _rebuild(v, copies, memo, tensor)) for k, v in obj.items()]
         rebuild: Any = type(obj)  # a Mapping subclass whose constructor takes pairs, as dict's does
         try:
             return rebuild(items)
         except TypeError:
             return dict(items)
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        return type(obj)(*(_rebuild(v, copies, memo) for v in obj))
+        return type(obj)(*(_rebuild(v, copies, memo, tensor) for v in obj))
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_rebuild(v, copies, memo) for v in obj)
+        return type(obj)(_rebuild(v, copies, memo, tensor) for v in obj)
     return copy.deepcopy(obj, memo)
 
 
@@ -98,6 +99,7 @@ class _Arena:
         tensor's copy is already parallel inside torch, and a copy from CUDA
         is an asynchronous DMA either way.
         """
+        import torch
         workers = min(_COPY_THREADS, len(sources))
         if non_blocking or workers < 2 or total < PARALLEL_COPY_FROM or total > len(sources) * SMALL_TENSOR:
             torch._foreach_copy_(self.views, sources, non_blocking=non_blocking)
@@ -114,6 +116,7 @@ class _Arena:
 
 
 def _copy_run(views: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    import torch
     with torch.no_grad():  # grad mode is per thread: without this the copies would join the autograd graph
         torch._foreach_copy_(views, sources)
 
@@ -147,6 +150,7 @@ class Snapshotter:
         self._lock = threading.Lock()
 
     def _get(self, size: int, pinned: bool) -> _Arena:
+        import torch
         with self._lock:
             fits = [a for a in self._idle if a.pinned == pinned and a.size >= size]
             if fits:
@@ -180,8 +184,9 @@ class Snapshotter:
         thousands of small tensors, per-tensor Python calls (cutting a view,
         launching a copy) cost several times the copying itself.
         """
+        import torch
         found: dict[int, torch.Tensor] = {id(t): t for t in state_dict.values()}
-        _tensors(extra, found)
+        _tensors(extra, found, torch.Tensor)
         sources = list(found.values())
         layout = tuple((t.dtype, t.shape) for t in sources)
         total = sum(_align(shape.numel() * dtype.itemsize) for dtype, shape in layout)
@@ -197,7 +202,7 @@ class Snapshotter:
             copies = {key: view for key, view in zip(found, views)}
             memo: dict[int, Any] = {}
             snap_state = {name: copies[id(t)] for name, t in state_dict.items()}
-            snap_extra = {key: _rebuild(value, copies, memo) for key, value in extra.items()}
+            snap_extra = {key: _rebuild(value, copies, memo, torch.Tensor) for key, value in extra.items()}
         except BaseException:
             self._put(arena)
             raise

@@ -24,9 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from registry.crashpoints import crashpoint
 from registry.errors import CorruptCheckpointError, InvalidStateError, PublishError, RootError, SafetensorsFormatError
@@ -38,6 +36,9 @@ from registry.manifest import (CONFIG, MANIFEST, MAX_JSON_BYTES, META, WEIGHTS, 
 from registry.pools import Pool
 from registry.refs import CATALOG_FILE
 from registry.tensorio import HashingWriter, hash_file, read_safetensors_header, write_safetensors
+
+if TYPE_CHECKING:
+    import torch
 
 
 _HOST = socket.gethostname()[:128]  # bounded so that a writer id fits the catalog's 255-character columns
@@ -302,6 +303,7 @@ def _write_files(staging: Path, payload: Payload, syncing: list[Future[None]]) -
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         index_raw = json_bytes(index, "weights index")
         put(WEIGHTS_INDEX, lambda out: out.write(index_raw))
+    import torch
     for key, value in payload.extra.items():
         name = check_file_name(f"{key}.pt")
         try:

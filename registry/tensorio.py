@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import hashlib
 import json
 import os
@@ -41,14 +42,16 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, NamedTuple
+from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple
 
-import torch
 import xxhash
 
 from registry.errors import InvalidStateError, SafetensorsFormatError
 from registry.pieces import PieceHasher
 from registry.pools import Pool
+
+if TYPE_CHECKING:
+    import torch
 
 CHUNK = 16 << 20          # bytes handed to write()/hash in one call
 SMALL = 1 << 20           # pieces below this are coalesced before writing
@@ -59,14 +62,29 @@ MAX_HEADER = 100 << 20    # the safetensors reference implementation's own limit
 if sys.byteorder != "little":  # safetensors is little-endian; we write tensor memory as is
     raise ImportError("registry.tensorio supports little-endian machines only")
 
-DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
-    "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32,
-    "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
-    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
-DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+
+@functools.cache
+def dtypes() -> Mapping[str, torch.dtype]:
+    """The safetensors dtype names and the torch dtypes they stand for.
+
+    Built on first use: the store imports this module for commands that
+    never touch a tensor, and those should not pay for importing torch.
+    """
+    import torch
+    return {
+        "F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+        "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32,
+        "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+        "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
+        "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    }
+
+
+@functools.cache
+def dtype_names() -> Mapping[torch.dtype, str]:
+    """The inverse of :func:`dtypes`."""
+    return {v: k for k, v in dtypes().items()}
+
 
 _HASH_POOL = Pool(max(2, min(16, os.cpu_count() or 2)), "registry-hash")
 
@@ -308,6 +326,7 @@ class HashingWriter:
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """The raw little-endian bytes of a CPU tensor, without a copy when contiguous."""
+    import torch
     t = tensor.detach()
     if t.device.type != "cpu":
         t = t.cpu()
@@ -318,8 +337,10 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
 
 
 def check_state_dict(state_dict: object, *, what: str = "state_dict") -> dict[str, torch.Tensor]:
+    import torch
     if not isinstance(state_dict, Mapping):
         raise InvalidStateError(f"{what} must be a mapping of names to tensors, got {type(state_dict).__name__}")
+    names = dtype_names()
     for name, value in state_dict.items():
         if not isinstance(name, str) or not name or name == "__metadata__":
             raise InvalidStateError(f"{what} has an invalid tensor name {name!r}")
@@ -327,7 +348,7 @@ def check_state_dict(state_dict: object, *, what: str = "state_dict") -> dict[st
             raise InvalidStateError(
                 f"{what}[{name!r}] is a {type(value).__name__}, not a tensor; "
                 "put non-tensor state in extra=, meta= or config=")
-        if value.layout != torch.strided or value.dtype not in DTYPE_NAMES:
+        if value.layout != torch.strided or value.dtype not in names:
             raise InvalidStateError(
                 f"{what}[{name!r}] has layout {value.layout} and dtype {value.dtype}, "
                 "which safetensors cannot store")
@@ -348,10 +369,11 @@ def safetensors_header(tensors: Mapping[str, torch.Tensor],
     if metadata:
         header["__metadata__"] = dict(metadata)
     offset = 0
+    names = dtype_names()
     for name in order:
         t = tensors[name]
         nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape),
+        header[name] = {"dtype": names[t.dtype], "shape": list(t.shape),
                         "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
@@ -424,11 +446,12 @@ def read_safetensors_header(f: BinaryIO, file_size: int, path: Path) -> Safetens
             isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise bad("__metadata__ must map strings to strings")
     entries = []
+    known = dtypes()
     for name, spec in doc.items():  # type(x) is int: bools are ints to isinstance, never to a shape
         if type(spec) is not dict:
             raise bad(f"entry {name!r} is not an object")
         dtype_name, shape, offsets = spec.get("dtype"), spec.get("shape"), spec.get("data_offsets")
-        dtype = DTYPES.get(dtype_name) if type(dtype_name) is str else None
+        dtype = known.get(dtype_name) if type(dtype_name) is str else None
         if dtype is None:
             raise bad(f"entry {name!r} has unknown dtype {dtype_name!r}")
         if type(shape) is not list:
@@ -487,6 +510,7 @@ def tensors_in(u8: torch.Tensor, header: SafetensorsHeader) -> dict[str, torch.T
     its element size (legal in the format, never written by us) is copied
     into a storage of its own.
     """
+    import torch
     array = u8.numpy()
     base = header.data_start
     address = u8.data_ptr() + base

@@ -20,26 +20,35 @@ never ``timestamp``, which is the time of the publish.
 
 from __future__ import annotations
 
+import functools
 import io
 import pickle
 from collections import OrderedDict
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from registry.errors import InvalidStateError, ManifestError, UnsafePathError, UnsafePickleError
 from registry.manifest import MANIFEST, META, FileEntry, Manifest, check_file_name, parse_manifest
 from registry.refs import MAX_STEP, check_tag_name
 from registry.store import Payload, json_bytes
 
+if TYPE_CHECKING:
+    import torch
+
 RESERVED_META = ("epoch", "consumed_samples", "timestamp", "optimizer_step", "policy_version")
 MAX_FILE_NAME = 255  # bytes in one path component on every filesystem we write to
 
-# Leaves the weights-only unpickler always accepts; anything else is tried for real (``_loads_weights_only``).
-_PLAIN = frozenset({str, int, float, bool, type(None), bytes, torch.Size, torch.dtype, torch.device})
-_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
+
+@functools.cache
+def _always_accepted() -> tuple[frozenset[type], frozenset[type]]:
+    """The leaves the weights-only unpickler always accepts, and the tensor types it accepts without attributes.
+
+    Anything else is tried for real (``_loads_weights_only``).
+    """
+    import torch
+    return (frozenset({str, int, float, bool, type(None), bytes, torch.Size, torch.dtype, torch.device}),
+            frozenset({torch.Tensor, torch.nn.Parameter}))
 
 
 def check_count(value: object, what: str, *, optional: bool = False) -> int | None:
@@ -183,14 +192,15 @@ def _first_refused(key: str, value: Any) -> tuple[str, Any] | None:
     # a path is (parent path, step) and is spelt out only for the object refused
     stack: list[tuple[Any, Any]] = [(value, None)]
     seen: set[int] = set()
+    plain, tensors = _always_accepted()
     while stack:
         obj, path = stack.pop()
         kind = type(obj)
-        if kind in _PLAIN:
+        if kind in plain:
             continue
         if id(obj) in seen:
             continue
-        if kind in _TENSORS and not obj.__dict__:
+        if kind in tensors and not obj.__dict__:
             continue
         seen.add(id(obj))
         if kind is dict or kind is OrderedDict:
@@ -222,11 +232,13 @@ class _Probe(pickle.Pickler):
     """Pickles like ``torch.save`` (protocol 2) but keeps tensor storages by reference."""
 
     def __init__(self, file: io.BytesIO) -> None:
+        import torch
         super().__init__(file, protocol=2)
         self.storages: list[Any] = []
+        self._storage_types = (torch.storage.TypedStorage, torch.storage.UntypedStorage)
 
     def persistent_id(self, obj: Any) -> tuple[str, int] | None:
-        if isinstance(obj, (torch.storage.TypedStorage, torch.storage.UntypedStorage)):
+        if isinstance(obj, self._storage_types):
             self.storages.append(obj)
             return ("storage", len(self.storages) - 1)
         return None
@@ -255,6 +267,7 @@ def _loads_weights_only(key: str, where: str, obj: Any) -> bool:
         try:
             from torch._weights_only_unpickler import Unpickler
         except ImportError:  # a torch that moved it: the public way, which copies the tensors' data
+            import torch
             buffer = io.BytesIO()
             torch.save(obj, buffer)
             buffer.seek(0)

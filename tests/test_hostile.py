@@ -198,7 +198,7 @@ def test_bad_safetensors(raw: bytes, why: str, tmp_path: Path, monkeypatch: pyte
     assert [a for a in allocations if a != (0,)] == []  # (0,): the buffer of an empty file, not a tensor
 
 
-_dtypes = st.sampled_from(sorted(tensorio.DTYPES))
+_dtypes = st.sampled_from(sorted(tensorio.dtypes()))
 _spec = st.fixed_dictionaries({"dtype": st.one_of(_dtypes, _json), "shape": st.one_of(
     st.lists(st.integers(-2, 6), max_size=3), _json), "data_offsets": st.one_of(
     st.lists(st.integers(-4, 300), min_size=2, max_size=2), _json)})

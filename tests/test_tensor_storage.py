@@ -136,7 +136,7 @@ def hand_written(path: Path) -> dict[str, torch.Tensor]:
     data = b""
     for name, tensor in parts:
         raw = tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
-        header[name] = {"dtype": tio.DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape),
+        header[name] = {"dtype": tio.dtype_names()[tensor.dtype], "shape": list(tensor.shape),
                         "data_offsets": [len(data), len(data) + len(raw)]}
         data += raw
     head = json.dumps(header).encode()

@@ -18,13 +18,13 @@ import registry.pieces as pieces_mod
 import registry.tensorio as tio
 from registry.errors import SafetensorsFormatError
 from registry.filemaps import map_file, tensors_of
-from registry.tensorio import DTYPES, HashingWriter, hash_file, write_safetensors
+from registry.tensorio import HashingWriter, hash_file, write_safetensors
 
 
 def every_dtype_state() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     state: dict[str, torch.Tensor] = {}
-    for name, dtype in DTYPES.items():
+    for name, dtype in tio.dtypes().items():
         raw = torch.randint(0, 256, (3, 5), dtype=torch.uint8, generator=g)
         if dtype == torch.bool:
             state[f"t.{name}"] = raw > 127
@@ -92,7 +92,7 @@ def test_file_layout_is_exactly_the_format(tmp_path: Path) -> None:
         assert begin == cursor
         tensor = state[name].contiguous()
         assert header[name]["shape"] == list(tensor.shape)
-        assert DTYPES[header[name]["dtype"]] == tensor.dtype
+        assert tio.dtypes()[header[name]["dtype"]] == tensor.dtype
         assert data[begin:end] == tensor.view(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else True
         assert begin % tensor.element_size() == 0  # every tensor aligned to its element size
         cursor = end
@@ -208,7 +208,7 @@ def test_mapped_runs_of_mixed_dtypes_in_any_order(tmp_path: Path) -> None:
     data = b""
     for name, tensor in parts:
         raw = tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
-        header[name] = {"dtype": tio.DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape),
+        header[name] = {"dtype": tio.dtype_names()[tensor.dtype], "shape": list(tensor.shape),
                         "data_offsets": [len(data), len(data) + len(raw)]}
         data += raw
     head = json.dumps(header).encode()
