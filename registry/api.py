@@ -257,8 +257,8 @@ class Registry:
         Every argument is checked before anything is written (see
         :mod:`registry.validation`): a refused call leaves no row, event or
         file. ``meta`` may not contradict the keyword arguments it sits beside
-        in ``meta.json`` (``epoch``, ``optimizer_step``, ...) nor set
-        ``timestamp``. An ``extra`` that ``torch.load(weights_only=True)``
+        in ``meta.json`` (``epoch``, ``optimizer_step``, ...); its ``timestamp``
+        is always the time of the publish. An ``extra`` that ``torch.load(weights_only=True)``
         would refuse raises ``UnsafePickleError`` unless ``trust_pickle=True``,
         after which every load of the step needs ``trust_pickle=True`` too.
         """

@@ -14,8 +14,9 @@ says ``trust_pickle=True``.
 ``meta`` is the caller's; the registry's own keys in ``meta.json``
 (:data:`RESERVED_META`) come from the keyword arguments. ``meta`` may repeat
 one of them only with the very value recorded (so a loaded checkpoint's meta
-can be passed on), never with another (it would contradict the catalog), and
-never ``timestamp``, which is the time of the publish.
+can be passed on), never with another (it would contradict the catalog).
+``timestamp`` is always the time of the publish: a string there (a loaded
+checkpoint's) is replaced by it, anything else is refused.
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ def publish_meta(meta: object, *, epoch: object, consumed_samples: object, optim
 
     Raises ``InvalidStateError`` for a bad number, for a reserved key in
     ``meta`` whose value differs from the one recorded, and for any
-    ``timestamp`` in ``meta``; the header fields are then parsed by the
+    ``timestamp`` in ``meta`` that is not a string; the header fields are then parsed by the
     manifest's own parser, as a reader will parse them.
     """
     user = _mapping(meta, "meta")
@@ -115,15 +116,17 @@ def publish_meta(meta: object, *, epoch: object, consumed_samples: object, optim
     for key in RESERVED_META:
         if key not in user:
             continue
-        if key == "timestamp":
-            raise InvalidStateError("meta may not set 'timestamp': the registry records the time of the "
-                                    "publish there; store your own time under another key")
         value, recorded = user[key], own[key]
+        if key == "timestamp":
+            if not isinstance(value, str):
+                raise InvalidStateError(f"meta['timestamp'] is {value!r}: the registry records the time of the "
+                                        "publish there; store your own time under another key")
+            continue  # a loaded checkpoint's time, passed on: replaced by this publish's
         if type(value) is not type(recorded) or value != recorded:
             raise InvalidStateError(f"meta[{key!r}] is {value!r} but this publish records {key}={recorded!r}; "
                                     f"pass {key}= to publish instead of setting it in meta")
     check_manifest_fields(own)
-    return {**own, **user}
+    return {**own, **user, "timestamp": timestamp}
 
 
 def check_manifest_fields(meta: Mapping[str, Any]) -> None:
