@@ -21,7 +21,7 @@ if TYPE_CHECKING:
                                  SafetensorsFormatError, SchemaTooNewError, StepExistsError, UnknownMetricError,
                                  UnsafePathError, UnsafePickleError)
     from registry.records import CheckpointInfo, EventInfo, MetricPoint, RunInfo
-    from registry.refs import Ref, parse_ref
+    from registry.format.refs import Ref, parse_ref
 
 __version__ = "0.1.0"
 
@@ -39,7 +39,7 @@ _HOMES: dict[str, str] = {
     "Checkpoint": "registry.checkpoint",
     "CheckpointInfo": "registry.records", "EventInfo": "registry.records", "MetricPoint": "registry.records",
     "RunInfo": "registry.records",
-    "Ref": "registry.refs", "parse_ref": "registry.refs",
+    "Ref": "registry.format.refs", "parse_ref": "registry.format.refs",
     **{name: "registry.errors" for name in _ERRORS},
 }
 
@@ -57,7 +57,7 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     home = _HOMES.get(name)
     if home is None:
-        # AttributeError (not ImportError) lets ``from registry import tensorio`` fall back to the submodule
+        # AttributeError (not ImportError) lets ``from registry import retention`` fall back to the submodule
         raise AttributeError(f"module 'registry' has no attribute {name!r}")
     value = getattr(importlib.import_module(home), name)
     globals()[name] = value  # later lookups skip this function

@@ -1,10 +1,10 @@
 """``Registry``: the public API, composing the catalog, the store and the loader.
 
 A publish validates the call here, then runs the four phases of the publish
-protocol (claim, write, install, commit; :mod:`registry.protocol`) on the
+protocol (claim, write, install, commit; :mod:`registry.ops.protocol`) on the
 caller's thread, or on the background publisher's for
-``publish(..., blocking=False)`` (see ``registry.background``), after the
-state has been copied (``registry.snapshot``).
+``publish(..., blocking=False)`` (see ``registry.ops.background``), after the
+state has been copied (``registry.fs.snapshot``).
 """
 
 from __future__ import annotations
@@ -21,25 +21,25 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, overload
 
-from registry import reading
-from registry.background import BackgroundPublisher
+from registry.ops import reading
+from registry.ops.background import BackgroundPublisher
 from registry.catalog import Catalog, CommitRecord, PayloadRecord
 from registry.checkpoint import Checkpoint
 from registry.errors import InvalidStateError, RegistryError, StepExistsError
-from registry.layout import step_dirname
-from registry.protocol import publish_sequence
+from registry.format.layout import step_dirname
+from registry.ops.protocol import publish_sequence
 from registry.records import HAS_PAYLOAD, LIVE, CheckpointInfo, EventInfo, MetricPoint, RunInfo, Status
-from registry.refs import Ref, check_metric_key, check_run_name, check_step, check_tag_name, parse_ref
-from registry.scrub import VerifyResult, scrub
-from registry.snapshot import Snapshotter
-from registry.store import Payload, Store, check_extras, now_timestamp, write_payload, writer_alive, writer_id
-from registry.tensorio import check_state_dict
-from registry.validation import check_flags, check_tags, checked_payload
+from registry.format.refs import Ref, check_metric_key, check_run_name, check_step, check_tag_name, parse_ref
+from registry.ops.scrub import VerifyResult, scrub
+from registry.fs.snapshot import Snapshotter
+from registry.fs.store import Payload, Store, check_extras, now_timestamp, write_payload, writer_alive, writer_id
+from registry.format.tensorio import check_state_dict
+from registry.fs.validation import check_flags, check_tags, checked_payload
 
 if TYPE_CHECKING:
     import torch
 
-    from registry.fsck import FsckReport
+    from registry.ops.fsck import FsckReport
     from registry.retention import Policy, RetentionPlan, RetentionResult
 
 DEFAULT_ROOT = "checkpoints"
@@ -131,9 +131,9 @@ class Registry:
         The root is bound to the catalog at the first creating open; a root
         bound to another catalog, or one without a marker where the catalog
         has a bound root, raises ``RootMismatchError`` (see
-        ``registry.binding``); ``rebind_root=True`` binds this root anyway.
+        ``registry.ops.binding``); ``rebind_root=True`` binds this root anyway.
         """
-        from registry.binding import check_binding
+        from registry.ops.binding import check_binding
         from registry.catalog.readonly import ReadOnlyCatalog
         from registry.catalog.session import cannot_write, open_engine
 
@@ -249,13 +249,13 @@ class Registry:
         ``Future[CheckpointInfo]`` instead, as soon as the state is copied
         (see "async publish" below). ``verify=True`` makes the step
         ``verified`` at once when the written files pass
-        :func:`registry.store.check_written`; ``verify=False`` leaves it
+        :func:`registry.fs.store.check_written`; ``verify=False`` leaves it
         ``published`` until ``registry verify`` re-hashes it.
         ``retention``: a ``registry.retention.Policy`` applied to the run after
         the publish commits (see :meth:`_retention_after_publish`).
 
         Every argument is checked before anything is written (see
-        :mod:`registry.validation`): a refused call leaves no row, event or
+        :mod:`registry.fs.validation`): a refused call leaves no row, event or
         file. ``meta`` may not contradict the keyword arguments it sits beside
         in ``meta.json`` (``epoch``, ``optimizer_step``, ...); its ``timestamp``
         is always the time of the publish. An ``extra`` that ``torch.load(weights_only=True)``
@@ -412,7 +412,7 @@ class Registry:
 
         ``fallback``: a corrupt ``@latest`` (or ``@latest-published``) is
         marked ``corrupt`` and the next older step is loaded; how far that
-        went is logged (logger ``registry.reading``) and kept in
+        went is logged (logger ``registry.ops.reading``) and kept in
         ``Checkpoint.fallback``. With ``fallback=False`` the load raises
         ``CorruptCheckpointError`` instead. A ref naming one step never falls
         back. A failure of this process to read (root not mounted, out of
@@ -427,7 +427,7 @@ class Registry:
 
         With ``broadcast`` inside a process group, ``strategy`` ("auto",
         "broadcast", "shared-fs") and ``timeout`` (seconds per collective) are
-        described in :mod:`registry.loader`; every rank must pass the same
+        described in :mod:`registry.dist.loader`; every rank must pass the same
         options.
         """
         parsed = parse_ref(ref)
@@ -437,7 +437,7 @@ class Registry:
         if resume is not None and not isinstance(resume, bool):
             raise InvalidStateError(f"resume must be True, False or None, got {resume!r}")
         if broadcast:
-            from registry.loader import distributed_load
+            from registry.dist.loader import distributed_load
             ckpt = distributed_load(self._reader(), parsed, verify=verify, map_location=map_location,
                                     trust_pickle=trust_pickle, strategy=strategy, timeout=timeout,
                                     extras=extras, fallback=fallback)
@@ -485,7 +485,7 @@ class Registry:
     def verify(self, *refs: str) -> list[VerifyResult]:
         """Re-hash checkpoints from storage: every live step of a ``RUN``, or the step a ``REF`` names.
 
-        Intact steps become ``verified``; damaged ones ``corrupt`` (see :mod:`registry.scrub`).
+        Intact steps become ``verified``; damaged ones ``corrupt`` (see :mod:`registry.ops.scrub`).
         """
         targets: list[CheckpointInfo] = []
         for ref in refs:
@@ -557,7 +557,7 @@ class Registry:
         comes from the catalog, never from a notification's payload, so a
         step is never returned before its publish committed.
         """
-        from registry.follow import Follower
+        from registry.ops.follow import Follower
         with Follower(self.catalog, run, newest=newest, min_policy_version=min_policy_version) as follower:
             info = follower.wait(after_step, timeout=timeout)
         return self._absolute(info) if info is not None else None
@@ -570,7 +570,7 @@ class Registry:
         Keeps one listener open across steps, so nothing published between two
         yields is missed.
         """
-        from registry.follow import Follower
+        from registry.ops.follow import Follower
         with Follower(self.catalog, run, newest=newest, min_policy_version=min_policy_version) as follower:
             while (info := follower.wait(after_step, timeout=timeout)) is not None:
                 after_step = info.step
@@ -631,14 +631,14 @@ class Registry:
 
         Accepts the reference module's layout (its manifest checksums are
         checked), a legacy directory without a manifest, and a Hugging Face
-        style one with shards (see :mod:`registry.importer`). The files go
+        style one with shards (see :mod:`registry.fs.importer`). The files go
         through the same two-phase publish as :meth:`publish` and get a
         manifest of their own. By default they are copied; with ``move`` they
         are hard-linked into the staging directory (same filesystem only) and
         the originals removed once the catalog has committed, so a crash at
         any moment leaves the source intact.
         """
-        from registry.importer import int_field, remove_originals, scan, stage
+        from registry.fs.importer import int_field, remove_originals, scan, stage
         check_run_name(run)
         check_step(step)
         check_flags(move=move, overwrite=overwrite)
@@ -670,7 +670,7 @@ class Registry:
         load stay correct while problems are pending. ``checksums`` re-hashes
         every live step instead of checking sizes and manifest digests.
         """
-        from registry.fsck import run_fsck
+        from registry.ops.fsck import run_fsck
         return run_fsck(catalog=self.catalog, root=self.store.root, repair=repair, checksums=checksums,
                         actor=self.writer)
 
@@ -679,7 +679,7 @@ class Registry:
     # ``publish(..., blocking=False)`` validates on the caller's thread and
     # refuses a step that exists or is already queued (a read, no commit), then
     # copies every tensor of the state dict and of ``extra`` into a reusable
-    # CPU arena (pinned when the source is on CUDA; see ``registry.snapshot``)
+    # CPU arena (pinned when the source is on CUDA; see ``registry.fs.snapshot``)
     # and returns a future. Everything durable, the claim included, happens on
     # one background thread per registry, which runs the queued publishes one
     # at a time, in call order, so a trainer's steps commit in step order and

@@ -14,14 +14,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from registry.store import Loaded, Payload, check_extras, now_timestamp, read_directory, save_directory
-from registry.tensorio import check_state_dict
-from registry.validation import check_manifest_fields
+from registry.fs.store import Loaded, Payload, check_extras, now_timestamp, read_directory, save_directory
+from registry.format.tensorio import check_state_dict
+from registry.fs.validation import check_manifest_fields
 
 if TYPE_CHECKING:
     import torch
 
-    from registry.reading import Fallback
+    from registry.ops.reading import Fallback
     from registry.records import CheckpointInfo
 
 
@@ -69,13 +69,13 @@ class Checkpoint:
              timeout: float | None = None, extras: bool | Collection[str] = True) -> Checkpoint:
         """Load a directory; with ``broadcast`` rank 0 checks it and every rank gets the same contents.
 
-        ``strategy`` and ``timeout`` are those of :mod:`registry.loader`;
+        ``strategy`` and ``timeout`` are those of :mod:`registry.dist.loader`;
         ``extras`` is that of :meth:`registry.Registry.load`.
         """
         path = Path(save_dir)
         extras = check_extras(extras)
         if broadcast:
-            from registry.loader import broadcast_directory
+            from registry.dist.loader import broadcast_directory
             loaded = broadcast_directory(path, verify=verify_checksums, trust_pickle=trust_pickle,
                                          map_location=map_location, strategy=strategy, timeout=timeout,
                                          extras=extras)
@@ -92,7 +92,7 @@ class Checkpoint:
         found = any((path / n).is_file() for n in ("meta.json", "model.safetensors",
                                                    "model.safetensors.index.json"))
         if broadcast:
-            from registry.collectives import Comm, active
+            from registry.dist.collectives import Comm, active
             if active():  # rank 0 decides, or ranks without the files would skip the collective load
                 found = bool(Comm(timeout=None).broadcast_object(found, "checking for weights"))
         if not found:

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import click
 
 from registry.errors import RegistryError
-from registry.policies import PolicyOptionError, build_policy
+from registry.ops.policies import PolicyOptionError, build_policy
 from registry.records import ENDED, NO_PAYLOAD, Status, human_bytes
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -156,7 +156,7 @@ def db_upgrade(state: State) -> None:
     """Bring the catalog schema to the newest revision."""
     from registry.api import locations
     from registry.catalog.session import make_engine, upgrade
-    from registry.store import Store
+    from registry.fs.store import Store
     root, url = locations(state.url, state.root)
     Store(root)
     engine = make_engine(url)
@@ -248,7 +248,7 @@ def show(state: State, ref: str, as_json: bool) -> None:
     marked as such, with the event that ended it.
     """
     from registry.errors import CheckpointNotFoundError
-    from registry.refs import parse_ref
+    from registry.format.refs import parse_ref
     reg = state.registry()
     parsed = parse_ref(ref)
     try:
@@ -303,7 +303,7 @@ def ending_event(status: str, events: Sequence[Any]) -> Any:
 
 def manifest_summary(directory: Any) -> dict[str, Any]:
     """What the manifest on disk says, or why it cannot be read (``show`` must work on a corrupt step)."""
-    from registry.manifest import FORMAT_VERSION, read_manifest
+    from registry.format.manifest import FORMAT_VERSION, read_manifest
     try:
         manifest, digest = read_manifest(directory)
     except (RegistryError, OSError) as exc:
@@ -499,7 +499,7 @@ def import_(state: State, path: str, run: str, step: int, move: bool, overwrite:
 @command
 def fsck(state: State, repair: bool, checksums: bool, as_json: bool) -> None:
     """Reconcile the catalog with the checkpoint root; exit 1 if problems remain unrepaired."""
-    from registry.fsck import iter_lines
+    from registry.ops.fsck import iter_lines
     report = state.registry().fsck(repair=repair, checksums=checksums)
     if as_json:
         emit_json(report.to_json())

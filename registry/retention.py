@@ -42,11 +42,11 @@ from registry.catalog import Catalog
 from registry.catalog.retention import CANDIDATES, RetentionCatalog, RunSnapshot
 from registry.crashpoints import crashpoint
 from registry.errors import CorruptCheckpointError, PolicyError, RegistryError, UnknownMetricError
-from registry.layout import hidden_sibling, scan_run
-from registry.manifest import MANIFEST, MAX_MANIFEST_BYTES, digest_bytes, open_regular
+from registry.format.layout import hidden_sibling, scan_run
+from registry.format.manifest import MANIFEST, MAX_MANIFEST_BYTES, digest_bytes, open_regular
 from registry.records import LIVE, RANKABLE, CheckpointInfo, Status, human_bytes
-from registry.refs import check_metric_key, check_run_name
-from registry.store import fsync_dir
+from registry.format.refs import check_metric_key, check_run_name
+from registry.fs.store import fsync_dir
 
 
 class RetentionWarning(RuntimeWarning):

@@ -42,7 +42,7 @@ import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from registry import Registry  # noqa: E402
-from registry.store import read_directory  # noqa: E402
+from registry.fs.store import read_directory  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
 CHUNK = 16 << 20
@@ -343,7 +343,7 @@ def _sha256_read(path: Path) -> object:
     """Our reader forced to sha256: what a load would cost without the xxh3 digests."""
     import dataclasses
 
-    import registry.filemaps as filemaps
+    import registry.fs.filemaps as filemaps
     real = filemaps.check_file_digest
     filemaps.check_file_digest = lambda directory, entry, data: real(  # type: ignore[assignment]
         directory, dataclasses.replace(entry, xxh3_128=None, piece_size=None, xxh3_128_pieces=None), data)
@@ -390,7 +390,7 @@ def bench_lazy(mib: int, work: Path, runs: int, url: str | None) -> list[str]:
     released, the manifest read. Thread CPU is this thread's own: on a busy
     machine wall time also counts the time other processes held the core.
     """
-    from registry.refs import parse_ref
+    from registry.format.refs import parse_ref
     run = f"lazy-{os.getpid()}"  # a fresh run, also in a PostgreSQL catalog used before
     reg = Registry.open(url=url or f"sqlite:///{work / 'catalog.db'}", root=work / "root")
     state = transformer_state(mib)

@@ -45,8 +45,8 @@ from registry.catalog import Catalog, CommitRecord, PayloadRecord  # noqa: E402
 from registry.catalog.models import CheckpointRow, Metric, Run, Tag  # noqa: E402
 from registry.catalog.session import write_connection  # noqa: E402
 from registry.errors import CheckpointNotFoundError  # noqa: E402
-from registry.follow import POLL_MAX_S  # noqa: E402
-from registry.refs import Ref, parse_ref  # noqa: E402
+from registry.ops.follow import POLL_MAX_S  # noqa: E402
+from registry.format.refs import Ref, parse_ref  # noqa: E402
 
 CHUNK = 20_000
 BEST_KEY = "eval/loss"
@@ -167,7 +167,7 @@ def follower_wakeups(catalog: Catalog, samples: int) -> list[tuple[float, float]
     after a random 50-300 ms, as a catalog-only publish (this measures the
     wake-up path, not the payload write).
     """
-    from registry.follow import Follower
+    from registry.ops.follow import Follower
     run = "follow-bench"
     rng = random.Random(2)
     out = []

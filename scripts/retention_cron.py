@@ -25,7 +25,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from registry import Registry, RegistryError, policies  # noqa: E402
+from registry import Registry, RegistryError  # noqa: E402
+from registry.ops import policies  # noqa: E402
 from registry.records import human_bytes  # noqa: E402
 from registry.retention import Policy  # noqa: E402
 

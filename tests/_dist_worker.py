@@ -63,7 +63,8 @@ def main() -> None:
         torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=spec.get("pg_timeout", 30)))
-    from registry import Checkpoint, Registry, loader
+    from registry import Checkpoint, Registry
+    from registry.dist import loader
     from registry.crashpoints import arm
 
     chosen: list[str] = []

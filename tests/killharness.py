@@ -41,8 +41,8 @@ from registry import Registry
 from registry.catalog.session import head_revision
 from registry.crashpoints import arm
 from registry.errors import RegistryError
-from registry.layout import parse_hidden
-from registry.store import read_directory
+from registry.format.layout import parse_hidden
+from registry.fs.store import read_directory
 
 RUNS = ("r0", "r1")
 MAX_STEPS = 6  # per run; beyond it "publish" overwrites, keeping each check cheap
@@ -170,7 +170,7 @@ def context() -> Any:
     global _CTX
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(["torch", "registry.api", "registry.fsck", "tests.killharness", "psycopg",
+        _CTX.set_forkserver_preload(["torch", "registry.api", "registry.ops.fsck", "tests.killharness", "psycopg",
                                      "sqlalchemy.dialects.postgresql.psycopg", "sqlalchemy.dialects.sqlite"])
     return _CTX
 

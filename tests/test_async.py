@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import registry.store as store_mod
+import registry.fs.store as store_mod
 from registry import (AsyncPublishError, CheckpointInfo, CheckpointNotFoundError, InvalidNameError, PublishError,
                       Registry, StepExistsError)
-from registry.snapshot import Snapshotter
+from registry.fs.snapshot import Snapshotter
 from tests.helpers import assert_state_equal, child_env, make_state, optimizer_state
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -244,7 +244,7 @@ def test_snapshot_reused_arena_follows_a_changed_layout() -> None:
 
 
 def test_snapshot_of_many_small_tensors_copies_on_several_threads(monkeypatch: pytest.MonkeyPatch) -> None:
-    import registry.snapshot as snapshot_mod
+    import registry.fs.snapshot as snapshot_mod
     monkeypatch.setattr(snapshot_mod, "PARALLEL_COPY_FROM", 0)
     monkeypatch.setattr(snapshot_mod, "_COPY_THREADS", 3)
     threads: set[str] = set()
@@ -304,8 +304,8 @@ def test_a_forked_child_publishes_and_verifies_after_its_parent_did(sqlite_reg: 
     """Thread pools created before a fork are dead in the child; ours are re-created there."""
     import multiprocessing
 
-    import registry.pieces as pieces_mod
-    import registry.snapshot as snapshot_mod
+    import registry.format.pieces as pieces_mod
+    import registry.fs.snapshot as snapshot_mod
     monkeypatch.setattr(pieces_mod, "PIECE_SIZE", 4096)  # verification fans out to the verify pool
     monkeypatch.setattr(snapshot_mod, "PARALLEL_COPY_FROM", 0)  # snapshots fan out to the copy pool
     reg = sqlite_reg

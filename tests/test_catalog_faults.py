@@ -17,12 +17,12 @@ from click.testing import CliRunner
 from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
 
-import registry.scrub
+import registry.ops.scrub
 from registry import CatalogError, Registry
 from registry.cli import main
-from registry.manifest import MANIFEST
+from registry.format.manifest import MANIFEST
 from registry.retention import KeepLast
-from registry.scrub import scrub
+from registry.ops.scrub import scrub
 from tests.helpers import assert_state_equal, make_state
 
 
@@ -43,7 +43,7 @@ def once(action: Any) -> Any:
 def test_verify_records_nothing_about_a_step_overwritten_while_it_hashed(
         reg: Registry, catalog_url: str, root: Path, monkeypatch: pytest.MonkeyPatch, moment: str) -> None:
     reg.publish("run", 1, make_state(1), verify=moment == "before-hashing")
-    real = registry.scrub.verify_directory
+    real = registry.ops.scrub.verify_directory
     with Registry.open(url=catalog_url, root=root) as other:
         # the new payload is left unhashed (published) so that a verdict on the old one could promote it
         overwrite = once(lambda: other.publish("run", 1, make_state(2), overwrite=True, verify=False))
@@ -56,9 +56,9 @@ def test_verify_records_nothing_about_a_step_overwritten_while_it_hashed(
                 overwrite()
             return found
 
-        monkeypatch.setattr(registry.scrub, "verify_directory", hashing)
+        monkeypatch.setattr(registry.ops.scrub, "verify_directory", hashing)
         [result] = reg.verify("run@1")
-        monkeypatch.setattr(registry.scrub, "verify_directory", real)
+        monkeypatch.setattr(registry.ops.scrub, "verify_directory", real)
         new_digest = other.resolve("run@1").manifest_sha256
     assert (result.status, result.ok) == ("changed", False), result
     info = reg.resolve("run@1")

@@ -13,7 +13,7 @@ import pytest
 
 from registry import PolicyError, Registry
 from registry.errors import InvalidRefError, UnknownMetricError
-from registry.refs import REF_GRAMMAR, parse_ref
+from registry.format.refs import REF_GRAMMAR, parse_ref
 from registry.retention import KeepBest, KeepLast, KeepPolicyVersions, MaxBytes, RetentionWarning
 from tests.helpers import make_state
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from registry import Checkpoint, Registry
-from registry.collectives import buckets
+from registry.dist.collectives import buckets
 from tests._dist_worker import checkpoint_fingerprint
 from tests.helpers import child_env, write_hf_sharded
 

@@ -20,8 +20,8 @@ from click.testing import CliRunner
 from registry import Checkpoint, Registry
 from registry.catalog import Claim
 from registry.cli import main
-from registry.fsck import FsckReport
-from registry.store import Payload, install, new_staging, now_timestamp, write_payload
+from registry.ops.fsck import FsckReport
+from registry.fs.store import Payload, install, new_staging, now_timestamp, write_payload
 from tests.helpers import assert_state_equal, make_state
 
 DEAD = f"{socket.gethostname()}:4194399"  # above Linux's pid_max: provably not running

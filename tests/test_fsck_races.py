@@ -16,12 +16,12 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-import registry.fsck as fsck_module
+import registry.ops.fsck as fsck_module
 from registry import Checkpoint, Registry
 from registry.cli import main
-from registry.fsck import FsckReport
-from registry.layout import parse_step_dirname, step_dirname
-from registry.refs import MAX_STEP
+from registry.ops.fsck import FsckReport
+from registry.format.layout import parse_step_dirname, step_dirname
+from registry.format.refs import MAX_STEP
 from registry.retention import KeepLast
 from tests.helpers import assert_state_equal, make_state
 

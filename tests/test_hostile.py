@@ -23,12 +23,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import registry.tensorio as tensorio
+import registry.format.tensorio as tensorio
 from registry import (Checkpoint, CorruptCheckpointError, ManifestError, Registry, RegistryError,
                       SafetensorsFormatError, UnsafePathError, UnsafePickleError)
-from registry.manifest import check_file_name, parse_manifest, read_manifest
-from registry.store import read_directory, verify_directory
-from registry.tensorio import read_safetensors_header
+from registry.format.manifest import check_file_name, parse_manifest, read_manifest
+from registry.fs.store import read_directory, verify_directory
+from registry.format.tensorio import read_safetensors_header
 from tests.helpers import assert_state_equal, make_state
 
 FUZZ = int(os.environ.get("REGISTRY_FUZZ_EXAMPLES", "300"))
@@ -108,7 +108,7 @@ def test_bad_manifests(raw: bytes, error: type[Exception]) -> None:
 
 
 def test_oversized_manifest_is_not_read_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("registry.manifest.MAX_MANIFEST_BYTES", 1024)
+    monkeypatch.setattr("registry.format.manifest.MAX_MANIFEST_BYTES", 1024)
     (tmp_path / "manifest.json").write_bytes(b" " * 10_000_000)
     with pytest.raises(ManifestError, match="larger than 1024"):
         read_manifest(tmp_path)
@@ -272,7 +272,7 @@ def test_dangling_manifest_symlink_does_not_make_a_legacy_directory(tmp_path: Pa
 
 def reg_fsck_refuses(directory: Path) -> bool:
     """fsck's payload check (used to adopt and roll forward) refuses the directory too."""
-    from registry.fsck import _check_payload
+    from registry.ops.fsck import _check_payload
     return _check_payload(directory, checksums=True)[0] is None
 
 

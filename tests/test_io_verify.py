@@ -13,10 +13,10 @@ import pytest
 import torch
 import xxhash
 
-import registry.pieces as pieces_mod
+import registry.format.pieces as pieces_mod
 from registry import CorruptCheckpointError, ManifestError, Registry
-from registry.manifest import MANIFEST, WEIGHTS, read_manifest
-from registry.store import Payload, check_written, read_directory, verify_directory, write_payload
+from registry.format.manifest import MANIFEST, WEIGHTS, read_manifest
+from registry.fs.store import Payload, check_written, read_directory, verify_directory, write_payload
 from tests.helpers import assert_state_equal, make_state
 
 SEED = Path(__file__).resolve().parents[1].parent / "shared" / "seed"

@@ -185,7 +185,7 @@ def test_fallback_is_logged_recorded_and_can_be_refused(reg: Registry, caplog: p
         reg.load("run@latest", fallback=False)
     assert statuses(reg) == {100: "verified", 200: "verified", 300: "corrupt"}  # the verdict stands
 
-    with caplog.at_level(logging.WARNING, logger="registry.reading"), pytest.warns(RuntimeWarning):
+    with caplog.at_level(logging.WARNING, logger="registry.ops.reading"), pytest.warns(RuntimeWarning):
         ckpt = reg.load("run@latest")
     assert ckpt.step == 100
     assert ckpt.fallback is not None

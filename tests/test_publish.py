@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import registry.store as store_mod
+import registry.fs.store as store_mod
 from registry import (CheckpointNotFoundError, CorruptCheckpointError, InvalidStateError, PublishError,
                       Registry, StepExistsError)
 from tests.helpers import assert_state_equal, make_state, optimizer_state

@@ -4,7 +4,7 @@ import pytest
 
 from registry import InvalidRefError
 from registry.errors import InvalidNameError
-from registry.refs import check_run_name, check_step, check_tag_name, parse_ref
+from registry.format.refs import check_run_name, check_step, check_tag_name, parse_ref
 
 
 @pytest.mark.parametrize("text,kind,extra", [

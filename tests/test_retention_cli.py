@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from registry import Registry
-from registry.policies import parse_keep_best, parse_size
+from registry.ops.policies import parse_keep_best, parse_size
 from tests.helpers import make_state
 
 REPO = Path(__file__).resolve().parents[1]

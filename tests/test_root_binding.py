@@ -124,7 +124,7 @@ def test_catalog_and_root_from_before_binding_are_adopted(catalog_url: str, root
 
 def test_an_opener_that_loses_the_binding_race_is_refused(catalog_url: str, root: Path, tmp_path: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    import registry.binding as binding
+    import registry.ops.binding as binding
     other = tmp_path / "other"
     real = binding.locked_identity
     calls = []
@@ -239,7 +239,7 @@ def test_reader_commands_create_nothing(catalog_url: str, tmp_path: Path, monkey
 
 def test_read_only_open_reads_takes_no_lease_and_writes_nothing(catalog_url: str, root: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    import registry.reading as reading
+    import registry.ops.reading as reading
     with Registry.open(url=catalog_url, root=root) as reg:
         reg.publish("r", 1, make_state(1), metrics={"loss": 0.5}, tags=["release"])
         events = len(reg.events("r"))

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select, update
 
-import registry.protocol as protocol
-import registry.store as store_mod
+import registry.ops.protocol as protocol
+import registry.fs.store as store_mod
 from registry import Registry, StepExistsError
 from registry.catalog import Claim
 from registry.catalog.models import CheckpointRow
-from registry.store import STALE_AFTER, new_staging, writer_alive
+from registry.fs.store import STALE_AFTER, new_staging, writer_alive
 from tests.helpers import make_state
 
 ELSEWHERE = "another-node:4242"  # a host name that is not this machine's

@@ -26,8 +26,8 @@ import pytest
 import torch
 
 from registry import Checkpoint, Registry
-from registry import tensorio as tio
-from registry.filemaps import layout, map_file, tensors_of
+from registry.format import tensorio as tio
+from registry.fs.filemaps import layout, map_file, tensors_of
 from tests._dist_worker import fingerprint
 from tests.helpers import child_env
 
@@ -195,7 +195,8 @@ rank, world, port, spec_path = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[
 spec = json.loads(Path(spec_path).read_text())
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                         timeout=timedelta(seconds=60))
-from registry import Registry, loader
+from registry import Registry
+from registry.dist import loader
 from tests._dist_worker import fingerprint
 
 

@@ -14,11 +14,11 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as hs
 
-import registry.pieces as pieces_mod
-import registry.tensorio as tio
+import registry.format.pieces as pieces_mod
+import registry.format.tensorio as tio
 from registry.errors import SafetensorsFormatError
-from registry.filemaps import map_file, tensors_of
-from registry.tensorio import HashingWriter, hash_file, write_safetensors
+from registry.fs.filemaps import map_file, tensors_of
+from registry.format.tensorio import HashingWriter, hash_file, write_safetensors
 
 
 def every_dtype_state() -> dict[str, torch.Tensor]:

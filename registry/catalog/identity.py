@@ -1,8 +1,8 @@
 """The catalog's identity and the record of the checkpoint root bound to it.
 
 Knows SQL only: the root's side of the binding (its marker file) belongs to
-``registry.store``, and the rule that ties the two together to
-``registry.binding``.
+``registry.fs.store``, and the rule that ties the two together to
+``registry.ops.binding``.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from registry.catalog.session import (_sqlite_begin, _sqlite_pragmas, catalog_na
                                       open_engine, retrying, write_connection)
 from registry.errors import CatalogError, CheckpointNotFoundError, StepExistsError
 from registry.records import ENDED, HAS_PAYLOAD, LIVE, RANKABLE, CheckpointInfo, EventInfo, MetricPoint, RunInfo, Status
-from registry.refs import Ref, selector_hint
+from registry.format.refs import Ref, selector_hint
 
 NOTIFY_CHANNEL = "registry_checkpoints"
 

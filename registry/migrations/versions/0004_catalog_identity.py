@@ -2,7 +2,7 @@
 
 One row. Every catalog, new or migrated, gets a fresh random id here; no root
 is bound yet (``root_bound_at`` NULL), so the first writer that opens it binds
-its root (see ``registry.binding``).
+its root (see ``registry.ops.binding``).
 
 Revision ID: 0004
 Revises: 0003

@@ -28,14 +28,14 @@ from typing import TYPE_CHECKING, Any
 
 from registry.crashpoints import crashpoint
 from registry.errors import CorruptCheckpointError, InvalidStateError, PublishError, RootError, SafetensorsFormatError
-# the read side lives in registry.filemaps; its names stay importable from here for the store's callers
-from registry.filemaps import Extras, Loaded, check_extras, read_directory, read_error, select_extras  # noqa: F401
-from registry.layout import hidden_sibling, hidden_siblings, step_dirname
-from registry.manifest import (CONFIG, MANIFEST, MAX_JSON_BYTES, META, WEIGHTS, WEIGHTS_INDEX, FileEntry, Manifest,
-                               check_file_name, digest_bytes, read_manifest)
+# the read side lives in registry.fs.filemaps; its names stay importable from here for the store's callers
+from registry.fs.filemaps import Extras, Loaded, check_extras, read_directory, read_error, select_extras  # noqa: F401
+from registry.format.layout import hidden_sibling, hidden_siblings, step_dirname
+from registry.format.manifest import (CONFIG, MANIFEST, MAX_JSON_BYTES, META, WEIGHTS, WEIGHTS_INDEX, FileEntry,
+                                      Manifest, check_file_name, digest_bytes, read_manifest)
 from registry.pools import Pool
-from registry.refs import CATALOG_FILE
-from registry.tensorio import HashingWriter, hash_file, read_safetensors_header, write_safetensors
+from registry.format.refs import CATALOG_FILE
+from registry.format.tensorio import HashingWriter, hash_file, read_safetensors_header, write_safetensors
 
 if TYPE_CHECKING:
     import torch
@@ -105,7 +105,7 @@ def writer_alive(writer: str | None, updated_at: datetime | None = None) -> bool
     is another process that reuses the pid, such as the trainer of a
     restarted container. A writer elsewhere, or from another boot under this
     host name, cannot be asked, so its row decides: a publish refreshes its
-    staging row while it writes (``registry.protocol.HEARTBEAT``), and a row
+    staging row while it writes (``registry.ops.protocol.HEARTBEAT``), and a row
     left unrefreshed for ``STALE_AFTER`` belongs to a writer that is gone,
     such as a preempted node whose job resumed elsewhere. Without
     ``updated_at`` it is presumed alive. The row's time is the writer's clock
@@ -168,7 +168,7 @@ def fsync_dir(path: Path) -> None:
 
 
 def json_bytes(doc: Mapping[str, Any], what: str) -> bytes:
-    """The bytes of a JSON file that the reader (``registry.filemaps.json_object``) gives back as ``doc``.
+    """The bytes of a JSON file that the reader (``registry.fs.filemaps.json_object``) gives back as ``doc``.
 
     So: string keys only (``json`` would turn ``1`` into ``"1"``), finite
     numbers, at most ``MAX_JSON_DEPTH`` levels and ``MAX_JSON_BYTES`` bytes.

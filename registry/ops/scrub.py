@@ -24,9 +24,9 @@ from dataclasses import dataclass, replace
 
 from registry.catalog import Catalog
 from registry.errors import CheckpointReadError, CorruptCheckpointError
-from registry.manifest import MANIFEST, Manifest, read_manifest
+from registry.format.manifest import MANIFEST, Manifest, read_manifest
 from registry.records import HAS_PAYLOAD, CheckpointInfo, Status
-from registry.store import verify_directory
+from registry.fs.store import verify_directory
 
 VERDICT_FROM = HAS_PAYLOAD
 MISMATCH = "manifest does not match the catalog"

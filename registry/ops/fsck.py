@@ -35,7 +35,7 @@ problem stays unrepaired) and the rest still run.
 | corrupt-step | corrupt row | none: says what to do (restore, ``registry verify``; or gc) |
 
 A staging row whose writer is alive is reported in ``in_progress`` and left alone
-(on another host: one it refreshed within ``registry.store.STALE_AFTER``).
+(on another host: one it refreshed within ``registry.fs.store.STALE_AFTER``).
 A repair skipped because the row changed after the snapshot (a writer took the
 step over, or a dead writer's last COMMIT was still completing on the server)
 is listed in ``failures``; running fsck again judges the new state. An
@@ -59,13 +59,13 @@ from registry.catalog import Catalog, FileRecord
 from registry.catalog.fsck import PayloadRecord, RowState, record_payload, set_status_if, snapshot, unchanged
 from registry.crashpoints import crashpoint
 from registry.errors import CheckpointReadError, CorruptCheckpointError, RegistryError
-from registry.filemaps import read_json
-from registry.layout import scan_run, step_dirname
-from registry.manifest import MANIFEST, META, Manifest, read_manifest
+from registry.fs.filemaps import read_json
+from registry.format.layout import scan_run, step_dirname
+from registry.format.manifest import MANIFEST, META, Manifest, read_manifest
 from registry.records import LIVE, Status
-from registry.refs import MAX_STEP, RUN_NAME_RE
+from registry.format.refs import MAX_STEP, RUN_NAME_RE
 from registry.retention import manifest_digest, remove_tree, retire_and_remove
-from registry.store import fsync_dir, verify_directory, writer_alive
+from registry.fs.store import fsync_dir, verify_directory, writer_alive
 
 
 REPAIRS = {

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from registry.errors import CheckpointReadError, CorruptCheckpointError, ManifestError, UnsafePathError
-from registry.pieces import MIN_PIECE_SIZE, piece_count
+from registry.format.pieces import MIN_PIECE_SIZE, piece_count
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -42,7 +42,7 @@ class FileEntry:
     # Added fields: fast digests for load-time checks; sha256 stays the
     # reference-compatible checksum that scrubs (``registry verify``) use.
     # ``xxh3_128`` is of the whole file (written before pieces existed);
-    # ``xxh3_128_pieces`` of each ``piece_size`` piece (see ``registry.pieces``).
+    # ``xxh3_128_pieces`` of each ``piece_size`` piece (see ``registry.format.pieces``).
     xxh3_128: str | None = None
     piece_size: int | None = None
     xxh3_128_pieces: tuple[str, ...] | None = None

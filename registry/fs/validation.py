@@ -5,7 +5,7 @@ row (and, with ``blocking=False``, an error that only shows on the future);
 one that succeeds with a value the reader refuses condemns the step at its
 first load. So every argument is checked here, on the caller's thread,
 against the rules of whatever will read it back: ``config`` and ``meta`` are
-encoded once to the JSON bytes the writer stores (``registry.store.json_bytes``),
+encoded once to the JSON bytes the writer stores (``registry.fs.store.json_bytes``),
 the fields that reach ``manifest.json`` go through the manifest's own parser,
 the numbers that reach the catalog must fit its 64-bit columns, and every
 ``extra`` must load under ``torch.load(weights_only=True)`` unless the caller
@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from registry.errors import InvalidStateError, ManifestError, UnsafePathError, UnsafePickleError
-from registry.manifest import MANIFEST, META, FileEntry, Manifest, check_file_name, parse_manifest
-from registry.refs import MAX_STEP, check_tag_name
-from registry.store import Payload, json_bytes
+from registry.format.manifest import MANIFEST, META, FileEntry, Manifest, check_file_name, parse_manifest
+from registry.format.refs import MAX_STEP, check_tag_name
+from registry.fs.store import Payload, json_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -133,7 +133,7 @@ def check_manifest_fields(meta: Mapping[str, Any]) -> None:
     """Run the reader's manifest parser over the fields ``meta`` puts into ``manifest.json``.
 
     The writer copies ``timestamp``, ``optimizer_step`` and ``policy_version``
-    from ``meta.json``'s document into the manifest (``registry.store.write_payload``).
+    from ``meta.json``'s document into the manifest (``registry.fs.store.write_payload``).
     """
     probe = Manifest(files={META: FileEntry(name=META, size=0, sha256="0" * 64)},
                      created_at=meta.get("timestamp"), optimizer_step=meta.get("optimizer_step"),

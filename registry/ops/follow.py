@@ -31,7 +31,7 @@ from registry.catalog import Catalog
 from registry.catalog.queries import NOTIFY_CHANNEL
 from registry.errors import InvalidStateError
 from registry.records import CheckpointInfo
-from registry.refs import check_run_name, check_step
+from registry.format.refs import check_run_name, check_step
 
 POLL_MIN_S = 0.01
 POLL_MAX_S = 0.1

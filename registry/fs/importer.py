@@ -26,12 +26,12 @@ from typing import Any
 
 from registry.errors import (CheckpointNotFoundError, CorruptCheckpointError, ManifestError, PublishError,
                              UnsafePathError)
-from registry.filemaps import assemble_shards, header_of, json_object, map_directory
-from registry.manifest import (CONFIG, MANIFEST, META, WEIGHTS, WEIGHTS_INDEX, FileEntry, Manifest, check_file_name,
-                               digest_bytes)
-from registry.refs import MAX_STEP
-from registry.store import Written, fsync_dir, now_timestamp
-from registry.tensorio import CHUNK, HashingWriter, sha256_file
+from registry.fs.filemaps import assemble_shards, header_of, json_object, map_directory
+from registry.format.manifest import (CONFIG, MANIFEST, META, WEIGHTS, WEIGHTS_INDEX, FileEntry, Manifest,
+                                      check_file_name, digest_bytes)
+from registry.format.refs import MAX_STEP
+from registry.fs.store import Written, fsync_dir, now_timestamp
+from registry.format.tensorio import CHUNK, HashingWriter, sha256_file
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -2,7 +2,7 @@
 
 Every load that starts from a ref goes through :class:`CatalogRead`: the
 local :meth:`Registry.load <registry.api.Registry.load>` and rank 0 of a
-distributed one (:mod:`registry.loader`), which differ only in how they read
+distributed one (:mod:`registry.dist.loader`), which differ only in how they read
 the bytes. The judging is the same for both:
 
 - The step is read under a reader lease. No lease for a step that resolved
@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from registry.errors import (CheckpointDeletedError, CheckpointReadError, CorruptCheckpointError,
                              RegistryError)
 from registry.records import LIVE, CheckpointInfo, Status
-from registry.refs import Ref
-from registry.store import Extras, Loaded, read_directory
+from registry.format.refs import Ref
+from registry.fs.store import Extras, Loaded, read_directory
 
 if TYPE_CHECKING:
     from registry.catalog import Catalog

@@ -27,10 +27,10 @@ from pathlib import Path
 from registry.catalog import Catalog, Claim, CommitRecord, FileRecord, PayloadRecord
 from registry.crashpoints import crashpoint
 from registry.errors import CatalogError, CorruptCheckpointError, PublishError, RegistryError
-from registry.layout import hidden_sibling
+from registry.format.layout import hidden_sibling
 from registry.records import CheckpointInfo, Status
-from registry.store import (Written, check_written, discard, install, new_staging, remove_stale_staging, uninstall,
-                            writer_alive)
+from registry.fs.store import (Written, check_written, discard, install, new_staging, remove_stale_staging, uninstall,
+                               writer_alive)
 
 HEARTBEAT = timedelta(seconds=30)  # well inside store.STALE_AFTER, so a slow beat never looks like a dead writer
 
@@ -137,7 +137,7 @@ def heartbeat(catalog: Catalog, claim: Claim) -> Iterator[None]:
 
     A writer on another host cannot be asked whether it is alive; a row it
     keeps refreshing says so, and one left unrefreshed for
-    ``registry.store.STALE_AFTER`` is taken over by the next claim and
+    ``registry.fs.store.STALE_AFTER`` is taken over by the next claim and
     repaired by fsck. A missed beat is harmless unless every beat for that
     long is missed.
     """

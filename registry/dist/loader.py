@@ -7,7 +7,7 @@ that will never come):
    options) and any local argument error. Different requests, or an error on
    any rank, make every rank raise.
 1. *plan*: only rank 0 touches the catalog, through the same
-   :class:`registry.reading.CatalogRead` as a local load (resolve, reader
+   :class:`registry.ops.reading.CatalogRead` as a local load (resolve, reader
    lease, race-versus-corruption judgement, fall-back). It checks the
    manifest against the catalog's digest and maps the files the load needs;
    it broadcasts the plan (step, info, manifest digest, file names and
@@ -28,7 +28,7 @@ that will never come):
    goes round again with an older step; any other failure is raised on
    every rank.
 4. *parse*: each rank parses the same bytes with the same code
-   (:mod:`registry.filemaps`); statuses are gathered once more.
+   (:mod:`registry.fs.filemaps`); statuses are gathered once more.
 
 ``strategy="auto"`` (the default) picks ``shared-fs`` when every rank can read
 the directory at rank 0's path and sees the very same manifest (same sha256;
@@ -55,15 +55,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from registry.collectives import Comm, Failure, active, as_timedelta, first_failure, transfer
+from registry.dist.collectives import Comm, Failure, active, as_timedelta, first_failure, transfer
 from registry.errors import CorruptCheckpointError, DistributedError, InvalidStateError, RegistryError
-from registry.filemaps import (Extras, Loaded, check_file_digest, host_view, layout, map_directory, map_file,
-                               parse_files, read_directory)
-from registry.manifest import MANIFEST, Manifest, digest_bytes
-from registry.reading import Access, CatalogRead, Fallback, report
-from registry.reading import load as load_local
+from registry.fs.filemaps import (Extras, Loaded, check_file_digest, host_view, layout, map_directory, map_file,
+                                  parse_files, read_directory)
+from registry.format.manifest import MANIFEST, Manifest, digest_bytes
+from registry.ops.reading import Access, CatalogRead, Fallback, report
+from registry.ops.reading import load as load_local
 from registry.records import CheckpointInfo
-from registry.refs import Ref
+from registry.format.refs import Ref
 
 if TYPE_CHECKING:
     from registry.checkpoint import Checkpoint

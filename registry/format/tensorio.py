@@ -10,7 +10,7 @@ dict is made. What bounds a publish on a fast disk is sha256 itself, about
 2 GB/s on one core, so everything else is arranged to hide behind it:
 
 - the writer thread also computes an xxh3-128 digest of every 16 MiB piece
-  (about 30 GB/s; ``registry.pieces``), recorded next to sha256 in the
+  (about 30 GB/s; ``registry.format.pieces``), recorded next to sha256 in the
   manifest so that loads can check every byte at memory speed on all cores;
 - kernel writeback is started as each piece is written (``sync_file_range``
   on Linux), so the closing ``fsync`` has almost nothing left to flush and the
@@ -19,7 +19,7 @@ dict is made. What bounds a publish on a fast disk is sha256 itself, about
   pieces are views of the tensors, and only coalesced small pieces are copies,
   so the extra memory stays under ``MAX_PENDING * SMALL`` bytes.
 
-Reading maps files rather than reading them (``registry.filemaps``); this
+Reading maps files rather than reading them (``registry.fs.filemaps``); this
 module validates a safetensors header completely (size, JSON, dtypes, shapes,
 offsets that tile the data area exactly) before any tensor is made from it,
 so a hostile file cannot make us allocate or view beyond the file, and gives
@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple
 import xxhash
 
 from registry.errors import InvalidStateError, SafetensorsFormatError
-from registry.pieces import PieceHasher
+from registry.format.pieces import PieceHasher
 from registry.pools import Pool
 
 if TYPE_CHECKING:
@@ -60,7 +60,7 @@ WRITEBACK = 8 << 20       # start kernel writeback every this many bytes
 MAX_HEADER = 100 << 20    # the safetensors reference implementation's own limit
 
 if sys.byteorder != "little":  # safetensors is little-endian; we write tensor memory as is
-    raise ImportError("registry.tensorio supports little-endian machines only")
+    raise ImportError("registry.format.tensorio supports little-endian machines only")
 
 
 @functools.cache

@@ -42,10 +42,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from registry.errors import (CheckpointReadError, CorruptCheckpointError, ExtraNotFoundError, InvalidStateError,
                              ManifestError, RegistryError, SafetensorsFormatError, UnsafePickleError)
-from registry.manifest import (CONFIG, MANIFEST, MAX_JSON_BYTES, META, WEIGHTS, WEIGHTS_INDEX, FileEntry, Manifest,
-                               check_file_name, digest_bytes, open_regular, parse_manifest)
-from registry.pieces import first_mismatch
-from registry.tensorio import MAX_HEADER, SafetensorsHeader, hash_bytes, read_safetensors_header, tensors_in
+from registry.format.manifest import (CONFIG, MANIFEST, MAX_JSON_BYTES, META, WEIGHTS, WEIGHTS_INDEX, FileEntry,
+                                      Manifest, check_file_name, digest_bytes, open_regular, parse_manifest)
+from registry.format.pieces import first_mismatch
+from registry.format.tensorio import MAX_HEADER, SafetensorsHeader, hash_bytes, read_safetensors_header, tensors_in
 
 if TYPE_CHECKING:
     import torch

@@ -28,7 +28,7 @@ import socket
 from registry.catalog.identity import Identity, live_paths, locked_identity, read_identity, record_binding
 from registry.catalog.queries import Catalog
 from registry.errors import RootMismatchError
-from registry.store import Store
+from registry.fs.store import Store
 
 EVIDENCE_ROWS = 64  # how many of the newest live checkpoints an unbound catalog looks for under a new root
 
