@@ -21,7 +21,6 @@ import pytest
 from registry import Registry
 from tests.helpers import IN_CI, PG_ADMIN, pg_connect, pg_schema_url
 # Re-exported while tests still import helpers from here; new code imports tests.helpers.
-from tests.helpers import assert_state_equal, child_env, make_state, optimizer_state, write_hf_sharded  # noqa: F401
 
 
 @pytest.fixture(scope="session")

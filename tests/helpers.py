@@ -9,7 +9,9 @@ from __future__ import annotations
 import itertools
 import os
 import uuid
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -80,3 +82,48 @@ def assert_state_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -
         assert a[key].dtype == b[key].dtype, key
         assert a[key].shape == b[key].shape, key
         assert torch.equal(a[key], b[key]), key
+
+
+def write_raw_safetensors(path: Path, parts: list[tuple[str, torch.Tensor]]) -> None:
+    """A safetensors file laid out exactly as ``parts`` say, in that order, with no alignment padding
+    between tensors: layouts no writer of ours makes (interleaved dtypes, a tensor off its element size)."""
+    import json
+    import struct
+
+    from registry.format.tensorio import dtype_names
+    header: dict[str, object] = {}
+    data = b""
+    for name, tensor in parts:
+        raw = tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+        header[name] = {"dtype": dtype_names()[tensor.dtype], "shape": list(tensor.shape),
+                        "data_offsets": [len(data), len(data) + len(raw)]}
+        data += raw
+    head = json.dumps(header).encode()
+    head += b" " * (-len(head) % 8)  # the data area starts aligned; what is inside it is as given
+    path.write_bytes(struct.pack("<Q", len(head)) + head + data)
+
+
+def fail_commits(monkeypatch: Any, *, before: Callable[[], None] | None = None) -> Callable[..., None]:
+    """Make every publish commit fail as a full disk under the database makes it fail: the real
+    transaction runs and is rolled back at COMMIT. ``before`` runs first (say, to fill the disk
+    for the undo as well). Returns the real ``Catalog.commit_publish``, to put back."""
+    from sqlalchemy import event
+    from sqlalchemy.exc import OperationalError
+
+    from registry.catalog import Catalog
+    real_commit = Catalog.commit_publish
+
+    def failing_commit(self: Catalog, *args: Any, **kwargs: Any) -> None:
+        if before is not None:
+            before()
+
+        def boom(conn: Any) -> None:
+            raise OperationalError("COMMIT", {}, Exception("database or disk is full"))
+        event.listen(self.engine, "commit", boom)
+        try:
+            real_commit(self, *args, **kwargs)
+        finally:
+            event.remove(self.engine, "commit", boom)
+
+    monkeypatch.setattr(Catalog, "commit_publish", failing_commit)
+    return real_commit

@@ -18,12 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import event
-from sqlalchemy.exc import OperationalError
 
 from registry import CatalogError, PublishError, Registry
 from registry.catalog import Catalog
-from tests.helpers import assert_state_equal, make_state
+from tests.helpers import assert_state_equal, fail_commits, make_state
 
 ERRNOS = {"write": (errno.ENOSPC, errno.EIO), "fsync-file": (errno.EIO, errno.ENOSPC),
           "fsync-dir": (errno.EIO,), "replace": (errno.EXDEV, errno.EIO, errno.ENOSPC)}
@@ -151,18 +149,7 @@ def test_every_os_call_of_publish_fails_in_turn(reg: Registry, kind: str, monkey
 def test_catalog_commit_fails(reg: Registry, kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The publish transaction itself fails (disk full under the database): a real rollback."""
     publish = scenario(reg, kind)
-    real_commit = Catalog.commit_publish
-
-    def failing_commit(self: Catalog, *args: Any, **kwargs: Any) -> None:
-        def boom(conn: Any) -> None:
-            raise OperationalError("COMMIT", {}, Exception("database or disk is full"))
-        event.listen(self.engine, "commit", boom)
-        try:
-            real_commit(self, *args, **kwargs)
-        finally:
-            event.remove(self.engine, "commit", boom)
-
-    monkeypatch.setattr(Catalog, "commit_publish", failing_commit)
+    real_commit = fail_commits(monkeypatch)
     with pytest.raises(CatalogError, match="nothing was published"):
         publish()
     monkeypatch.setattr(Catalog, "commit_publish", real_commit)

@@ -23,8 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import event, update
-from sqlalchemy.exc import OperationalError
+from sqlalchemy import update
 
 import registry.retention as retention_mod
 from registry import CatalogError, PublishError, Registry, StepExistsError
@@ -34,7 +33,7 @@ from registry.errors import AsyncPublishError
 from registry.records import CheckpointInfo
 from registry.retention import KeepLast, Policy, RetentionContext, remove_checkpoint_dir
 from registry.fs.store import STALE_AFTER, new_staging, writer_alive, writer_id
-from tests.helpers import assert_state_equal, make_state, write_hf_sharded
+from tests.helpers import assert_state_equal, fail_commits, make_state, write_hf_sharded
 
 
 def hidden(reg: Registry, run: str = "run") -> list[str]:
@@ -150,20 +149,7 @@ def test_a_failed_commit_on_a_full_disk_is_undone(reg: Registry, failing_mkdir: 
                                                   monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
     """The catalog commit fails while the disk is full: putting the old payload back needs no new directory."""
     reg.publish("run", 2, make_state(2), tags=["release"])
-    real_commit = Catalog.commit_publish
-
-    def full_disk_commit(self: Catalog, *args: Any, **kwargs: Any) -> None:
-        failing_mkdir.append(errno.ENOSPC)
-
-        def boom(conn: Any) -> None:
-            raise OperationalError("COMMIT", {}, Exception("database or disk is full"))
-        event.listen(self.engine, "commit", boom)
-        try:
-            real_commit(self, *args, **kwargs)
-        finally:
-            event.remove(self.engine, "commit", boom)
-
-    monkeypatch.setattr(Catalog, "commit_publish", full_disk_commit)
+    real_commit = fail_commits(monkeypatch, before=lambda: failing_mkdir.append(errno.ENOSPC))
     step = 3 if kind == "new" else 2
     with pytest.raises(CatalogError, match="nothing was published"):
         reg.publish("run", step, make_state(20), overwrite=True)

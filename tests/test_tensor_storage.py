@@ -15,7 +15,6 @@ import io
 import itertools
 import json
 import os
-import struct
 import subprocess
 import sys
 import time
@@ -26,10 +25,9 @@ import pytest
 import torch
 
 from registry import Checkpoint, Registry
-from registry.format import tensorio as tio
 from registry.fs.filemaps import layout, map_file, tensors_of
 from tests._dist_worker import fingerprint
-from tests.helpers import child_env
+from tests.helpers import child_env, write_raw_safetensors
 
 REPO = Path(__file__).resolve().parents[1]
 ONE_SAVE_LIMIT = 8 << 10  # torch.save of a few-byte tensor: ~1.5 KiB of zip framing, far below any file here
@@ -132,16 +130,7 @@ def hand_written(path: Path) -> dict[str, torch.Tensor]:
              ("c", torch.tensor([[1.5, -2.0]], dtype=torch.float32)), ("steps", torch.tensor(9, dtype=torch.int64)),
              ("e", torch.empty(0, 4, dtype=torch.float64)), ("f", torch.arange(4, dtype=torch.int16).view(2, 2)),
              ("g", torch.empty(0, dtype=torch.int32)), ("h", torch.tensor([True, False]))]
-    header: dict[str, object] = {}
-    data = b""
-    for name, tensor in parts:
-        raw = tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
-        header[name] = {"dtype": tio.dtype_names()[tensor.dtype], "shape": list(tensor.shape),
-                        "data_offsets": [len(data), len(data) + len(raw)]}
-        data += raw
-    head = json.dumps(header).encode()
-    head += b" " * (-len(head) % 8)  # "c" starts at byte 18, off its 4-byte size: it must be copied
-    path.write_bytes(struct.pack("<Q", len(head)) + head + data)
+    write_raw_safetensors(path, parts)  # "c" starts at byte 18, off its 4-byte size: it must be copied
     return dict(parts)
 
 

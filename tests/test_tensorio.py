@@ -19,6 +19,7 @@ import registry.format.tensorio as tio
 from registry.errors import SafetensorsFormatError
 from registry.fs.filemaps import map_file, tensors_of
 from registry.format.tensorio import HashingWriter, hash_file, write_safetensors
+from tests.helpers import write_raw_safetensors
 
 
 def every_dtype_state() -> dict[str, torch.Tensor]:
@@ -204,17 +205,8 @@ def test_mapped_runs_of_mixed_dtypes_in_any_order(tmp_path: Path) -> None:
              ("c", torch.tensor([[1.5, -2.0]], dtype=torch.float32)), ("d", torch.tensor(True)),
              ("e", torch.empty(0, 4, dtype=torch.float64)), ("f", torch.arange(4, dtype=torch.int16).view(2, 2)),
              ("g", torch.tensor([7], dtype=torch.int16))]
-    header: dict[str, object] = {}
-    data = b""
-    for name, tensor in parts:
-        raw = tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
-        header[name] = {"dtype": tio.dtype_names()[tensor.dtype], "shape": list(tensor.shape),
-                        "data_offsets": [len(data), len(data) + len(raw)]}
-        data += raw
-    head = json.dumps(header).encode()
-    head += b" " * (-len(head) % 8)  # the data starts aligned; "c" starts at byte 18, off its 4-byte size
     path = tmp_path / "mixed.safetensors"
-    path.write_bytes(struct.pack("<Q", len(head)) + head + data)
+    write_raw_safetensors(path, parts)  # "c" starts at byte 18, off its 4-byte size
     tensors = mapped(path)
     assert list(tensors) == [name for name, _ in parts]
     for name, tensor in parts:

@@ -57,8 +57,8 @@ import torch.distributed as dist
 
 from registry.dist.collectives import Comm, Failure, active, as_timedelta, first_failure, transfer
 from registry.errors import CorruptCheckpointError, DistributedError, InvalidStateError, RegistryError
-from registry.fs.filemaps import (Extras, Loaded, check_file_digest, host_view, layout, map_directory, map_file,
-                                  parse_files, read_directory)
+from registry.fs.filemaps import (Extras, Loaded, MappedFiles, check_file_digest, host_view, layout, map_directory,
+                                  map_file, parse_files, read_directory)
 from registry.format.manifest import MANIFEST, Manifest, digest_bytes
 from registry.ops.reading import Access, CatalogRead, Fallback, report
 from registry.ops.reading import load as load_local
@@ -122,12 +122,9 @@ def fingerprint(directory: Path, names: list[str], manifest_raw: bytes | None) -
 
 @dataclass(frozen=True, kw_only=True)
 class Mapped:
-    """A checkpoint directory mapped on rank 0: the files a load needs, in transfer order."""
+    """A checkpoint directory mapped on rank 0, and the fingerprint the other ranks compare theirs with."""
 
-    directory: Path
-    buffers: dict[str, torch.Tensor]
-    manifest: Manifest | None
-    manifest_sha256: str | None
+    files: MappedFiles
     fingerprint: str
 
 
@@ -135,30 +132,28 @@ def map_checkpoint(directory: Path, *, expected_digest: str | None, extras: Extr
     """Map what ``read_directory`` would read, checking names, sizes and the catalog's digest."""
     files = map_directory(directory, extras=extras, expected_digest=expected_digest)
     raw = bytes(host_view(files.buffers[MANIFEST])) if MANIFEST in files.buffers else None
-    return Mapped(directory=directory, buffers=files.buffers, manifest=files.manifest,
-                  manifest_sha256=files.manifest_sha256,
-                  fingerprint=fingerprint(directory, [n for n in files.buffers if n != MANIFEST], raw))
+    return Mapped(files=files, fingerprint=fingerprint(directory, [n for n in files.buffers if n != MANIFEST], raw))
 
 
 def integrity(mapped: Mapped, *, hashes: dict[str, str] | None) -> None:
     """Compare computed sha256s with the manifest's (only files a manifest lists can be checked)."""
-    if mapped.manifest is None or hashes is None:
+    if mapped.files.manifest is None or hashes is None:
         return
     for name, digest in hashes.items():
-        entry = mapped.manifest.files.get(name)
+        entry = mapped.files.manifest.files.get(name)
         if entry is not None and entry.sha256 != digest:
-            raise CorruptCheckpointError(f"checkpoint file checksum mismatch: {mapped.directory / name}",
-                                         path=mapped.directory / name)
+            raise CorruptCheckpointError(f"checkpoint file checksum mismatch: {mapped.files.directory / name}",
+                                         path=mapped.files.directory / name)
 
 
 def check_mapped(mapped: Mapped) -> None:
     """Check every mapped file against its manifest's fastest digest (xxh3 pieces on all cores)."""
-    if mapped.manifest is None:  # a legacy directory has no checksums
+    if mapped.files.manifest is None:  # a legacy directory has no checksums
         return
-    for name, buf in mapped.buffers.items():
-        entry = mapped.manifest.files.get(name)
+    for name, buf in mapped.files.buffers.items():
+        entry = mapped.files.manifest.files.get(name)
         if entry is not None:
-            check_file_digest(mapped.directory, entry, host_view(buf))
+            check_file_digest(mapped.files.directory, entry, host_view(buf))
 
 
 # --------------------------------------------------------------------------- sources (rank 0)
@@ -282,8 +277,9 @@ def _one_round(comm: Comm, src: _Source | None, *, verify: bool, device: torch.d
                 except RegistryError as exc:
                     src.judge(exc)  # returns when another candidate should be tried
                     continue
-                outcome = Plan(path=str(path), files=tuple((n, b.numel()) for n, b in mapped.buffers.items()),
-                               manifest_sha256=mapped.manifest_sha256, fingerprint=mapped.fingerprint,
+                buffers = mapped.files.buffers
+                outcome = Plan(path=str(path), files=tuple((n, b.numel()) for n, b in buffers.items()),
+                               manifest_sha256=mapped.files.manifest_sha256, fingerprint=mapped.fingerprint,
                                bucket_bytes=limit, step=info.step if info else None, info=info,
                                warnings=tuple(src.notes), fallback=src.fallback(info))
                 break
@@ -320,7 +316,7 @@ def _one_round(comm: Comm, src: _Source | None, *, verify: bool, device: torch.d
     if chosen == "shared-fs":
         if comm.rank == 0:
             assert mapped is not None
-            files = mapped.buffers
+            files = mapped.files.buffers
             _, mine = _status(lambda: check_mapped(mapped) if verify else None, 0)
         else:
             def open_same() -> dict[str, torch.Tensor]:
@@ -342,11 +338,11 @@ def _one_round(comm: Comm, src: _Source | None, *, verify: bool, device: torch.d
                     f"rank {comm.rank} cannot read the checkpoint at {directory} ({exc}); the root is not "
                     "shared: use strategy='broadcast'"), comm.rank)
     else:
-        sources = [mapped.buffers[n] for n in names] if mapped is not None else None
+        sources = [mapped.files.buffers[n] for n in names] if mapped is not None else None
         cuts = [layout(n, b) for n, b in zip(names, sources)] if sources is not None else None
         layouts = comm.broadcast_object(cuts, "sending the files' layout")
         pieces, digests = transfer(comm, layouts, sources, limit=plan.bucket_bytes,
-                                   hash_files=verify and mapped is not None and mapped.manifest is not None)
+                                   hash_files=verify and mapped is not None and mapped.files.manifest is not None)
         files = {n: got[0] if len(got) == 1 else tuple(got) for n, got in zip(names, pieces)}
         mine = None
         if comm.rank == 0:
