@@ -20,7 +20,6 @@ import pytest
 
 from registry import Registry
 from tests.helpers import IN_CI, PG_ADMIN, pg_connect, pg_schema_url
-# Re-exported while tests still import helpers from here; new code imports tests.helpers.
 
 
 @pytest.fixture(scope="session")
