@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import sys
 import warnings
 from datetime import timedelta
@@ -54,6 +55,14 @@ def checkpoint_fingerprint(ckpt: Any) -> str:
                         "step": ckpt.step, "policy": ckpt.policy_version})
 
 
+def replace_files(source: Path, target: Path) -> None:
+    """Every file of ``target`` replaced (new inodes, so rank 0's maps keep the old bytes) by ``source``'s."""
+    for path in sorted(source.iterdir()):
+        staged = target / f".swap-{path.name}"
+        shutil.copyfile(path, staged)
+        os.replace(staged, target / path.name)
+
+
 def main() -> None:
     rank, world, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     spec = json.loads(Path(sys.argv[4]).read_text())
@@ -76,6 +85,20 @@ def main() -> None:
     loader.log.addHandler(Chosen())
     loader.log.setLevel(logging.DEBUG)
 
+    # A scenario's "swap" gives this rank a different checkpoint at rank 0's path, at the exact
+    # moment between rank 0 mapping its files (it sent the plan) and this rank looking at them.
+    from registry.dist.collectives import Comm
+    swap: dict[str, str] = {}
+    real_broadcast_object = Comm.broadcast_object
+
+    def broadcast_then_swap(self: Comm, obj: Any, what: str) -> Any:
+        got = real_broadcast_object(self, obj, what)
+        if isinstance(got, loader.Plan) and swap:
+            replace_files(Path(swap.pop("from")), Path(got.path))
+        return got
+
+    Comm.broadcast_object = broadcast_then_swap  # type: ignore[method-assign]
+
     # Only rank 0 may consult the catalog: the others get an empty catalog (and, since a root
     # belongs to one catalog, an empty root) of their own, so any lookup they made would fail
     # with CheckpointNotFoundError.
@@ -91,6 +114,9 @@ def main() -> None:
             where = sc.get("map_locations", {}).get(str(rank), "cpu")
             timeout = sc.get("timeouts", {}).get(str(rank), sc.get("timeout"))
             chosen.clear()
+            swap.clear()
+            if str(rank) in sc.get("swap", {}):
+                swap["from"] = sc["swap"][str(rank)]
             try:
                 with warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always")
@@ -99,7 +125,7 @@ def main() -> None:
                                                strategy=sc["strategy"], timeout=timeout)
                     else:
                         ckpt = reg.load(ref, broadcast=True, map_location=where, strategy=sc["strategy"],
-                                        timeout=timeout)
+                                        timeout=timeout, trust_pickle=sc.get("trust_pickle", False))
                 results[sc["name"]] = {"ok": True, "fp": checkpoint_fingerprint(ckpt), "step": ckpt.step,
                                        "devices": sorted({t.device.type for t in ckpt.state_dict.values()}),
                                        "strategy": chosen[-1] if chosen else None,
