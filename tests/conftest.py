@@ -6,20 +6,23 @@ Every catalog test runs on both backends through the ``catalog_url`` fixture.
 PostgreSQL tests get a database made for this test run and a schema of their
 own per test. Without a reachable server they are skipped, and say so; with
 ``CI=true`` a missing server is an error instead, so CI cannot pass by
-skipping them.
+skipping them. The reference module (``reference``) is treated the same way.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
 from registry import Registry
-from tests.helpers import IN_CI, PG_ADMIN, pg_connect, pg_schema_url
+from tests.helpers import IN_CI, PG_ADMIN, REFERENCE_MODULE, pg_connect, pg_schema_url
 
 
 @pytest.fixture(scope="session")
@@ -38,6 +41,27 @@ def pg_database() -> Iterator[str]:
     yield base
     with pg_connect(PG_ADMIN) as admin:
         admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(scope="session")
+def reference_path() -> Path:
+    """The reference module's file; without it the test is skipped, and in CI it fails."""
+    if not REFERENCE_MODULE.is_file():
+        if IN_CI:
+            pytest.fail(f"reference module not found at {REFERENCE_MODULE}; CI must check interop with it")
+        pytest.skip(f"reference module not found at {REFERENCE_MODULE}")
+    return REFERENCE_MODULE
+
+
+@pytest.fixture(scope="session")
+def reference(reference_path: Path) -> ModuleType:
+    """The reference module, imported as ``checkpoint_reference``."""
+    spec = importlib.util.spec_from_file_location("checkpoint_reference", reference_path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["checkpoint_reference"] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

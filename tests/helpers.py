@@ -18,6 +18,8 @@ import torch
 PG_ADMIN = os.environ.get("REGISTRY_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test")
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 REPO = Path(__file__).resolve().parents[1]
+# the format's reference module, in shared/ beside the checkout (as CI lays it out)
+REFERENCE_MODULE = REPO.parent / "shared" / "seed" / "checkpoint_reference.py"
 
 
 def child_env() -> dict[str, str]:

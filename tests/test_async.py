@@ -7,6 +7,7 @@ import os
 import threading
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from registry.fs.snapshot import Snapshotter
 from tests.helpers import assert_state_equal, child_env, make_state, optimizer_state
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+WAIT = 60  # seconds: a hang guard on every wait, so a regression fails instead of blocking the run
 
 
 def clone_tree(obj: object) -> object:
@@ -34,7 +36,7 @@ def test_returns_future_and_commits(reg: Registry) -> None:
     state = make_state(1)
     future = reg.publish("run", 10, state, metrics={"loss": 0.5}, blocking=False)
     assert isinstance(future, Future)
-    info = future.result()
+    info = future.result(timeout=WAIT)
     assert isinstance(info, CheckpointInfo)
     assert info.step == 10 and info.status == "verified" and info.metrics == {"loss": 0.5}
     assert_state_equal(reg.load("run@10").state_dict, state)
@@ -52,7 +54,7 @@ def test_mutating_right_after_return_does_not_change_what_is_published(reg: Regi
         for value in per_param.values():
             value.add_(100)
     opt["param_groups"][0]["lr"] = 123.0  # type: ignore[index]
-    future.result()
+    future.result(timeout=WAIT)
     ckpt = reg.load("run@1")
     assert_state_equal(ckpt.state_dict, expected_state)
     loaded = ckpt.extra["optimizer"]
@@ -92,8 +94,11 @@ class GatedWriter:
 
     def __call__(self, staging: Path, payload: store_mod.Payload) -> store_mod.Written:
         self.entered.set()
-        self.gate.wait()
+        assert self.gate.wait(WAIT), "the test never released the held publish"
         return self.real(staging, payload)
+
+    def wait_entered(self) -> None:
+        assert self.entered.wait(WAIT), "the background publisher never reached write_payload"
 
     def ungated(self) -> None:
         """Later publishes write at once (the one held stays held until ``gate`` is set)."""
@@ -106,7 +111,7 @@ def test_pending_publish_is_invisible_until_committed(sqlite_reg: Registry,
     held = GatedWriter(monkeypatch)
     future = reg.publish("run", 7, make_state(7), blocking=False)
     try:
-        held.entered.wait()
+        held.wait_entered()
         assert not future.done() and reg.pending_publishes() == 1
         with pytest.raises(CheckpointNotFoundError):
             reg.resolve("run@latest-published")
@@ -125,16 +130,16 @@ def test_a_step_claimed_elsewhere_while_queued_fails_on_the_future(sqlite_reg: R
     held = GatedWriter(monkeypatch)
     first = reg.publish("run", 4, make_state(4), blocking=False)
     try:
-        held.entered.wait()  # the background thread is busy with step 4; step 5 waits behind it, unclaimed
+        held.wait_entered()  # the background thread is busy with step 4; step 5 waits behind it, unclaimed
         queued = reg.publish("run", 5, make_state(5), meta={"by": "queued"}, blocking=False)
         held.ungated()
         with Registry.open(url=reg.url, root=reg.store.root) as other:
             other.publish("run", 5, make_state(50), meta={"by": "other"})
     finally:
         held.gate.set()
-    assert first.result().step == 4
+    assert first.result(timeout=WAIT).step == 4
     with pytest.raises(StepExistsError):
-        queued.result()
+        queued.result(timeout=WAIT)
     with pytest.raises(AsyncPublishError, match="run@5"):
         reg.wait()
     ckpt = reg.load("run@5")
@@ -142,37 +147,64 @@ def test_a_step_claimed_elsewhere_while_queued_fails_on_the_future(sqlite_reg: R
     assert_state_equal(ckpt.state_dict, make_state(50))
 
 
+class FailingOsCall:
+    """``os.NAME`` fails with ``err`` on files under the checkpoint root, on the background publisher's thread only.
+
+    A real failure of the kernel call the publish makes (the writer code runs
+    unchanged); ``threads`` records where it struck, so a test can tell it
+    struck in the background and not in the caller.
+    """
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, root: Path, name: str, err: int) -> None:
+        self.root, self.name, self.err = str(root.resolve()), name, err
+        self.threads: list[str] = []
+        self._real = getattr(os, name)
+        self._monkeypatch = monkeypatch
+        monkeypatch.setattr(os, name, self)
+
+    def __call__(self, fd: int, *args: Any) -> Any:
+        thread = threading.current_thread().name
+        if thread.startswith("registry-publish") and os.readlink(f"/proc/self/fd/{fd}").startswith(self.root):
+            self.threads.append(thread)
+            raise OSError(self.err, os.strerror(self.err))
+        return self._real(fd, *args)
+
+    def undo(self) -> None:
+        self._monkeypatch.setattr(os, self.name, self._real)
+
+
 def test_error_surfaces_on_future_and_once_on_next_call(reg: Registry, monkeypatch: pytest.MonkeyPatch) -> None:
     reg.log_metrics("run", 3, {"loss": 1.0})
-    real = store_mod.write_payload
-
-    def full(staging: Path, payload: store_mod.Payload) -> store_mod.Written:
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr("registry.api.write_payload", full)
+    full = FailingOsCall(monkeypatch, reg.store.root, "write", errno.ENOSPC)
     future = reg.publish("run", 3, make_state(3), blocking=False)
     with pytest.raises(PublishError, match="No space left"):
-        future.result()
-    monkeypatch.setattr("registry.api.write_payload", real)
+        future.result(timeout=WAIT)
+    assert full.threads  # the disk filled up under the background writer, not under the caller
+    full.undo()
     with pytest.raises(AsyncPublishError, match="run@3") as caught:
         reg.publish("run", 4, make_state(4))
     assert isinstance(caught.value.__cause__, PublishError)
     assert reg.catalog.get("run", 3).status == "failed"  # type: ignore[union-attr]
+    assert not reg.store.step_dir("run", 3).exists()
+    assert [p.name for p in (reg.store.root / "run").iterdir() if p.name.startswith(".")] == []
     # reported once: the next call goes through, and the metrics were kept for it
-    reg.publish("run", 4, make_state(4), blocking=False).result()
+    reg.publish("run", 4, make_state(4), blocking=False).result(timeout=WAIT)
     reg.wait()
     assert [(m.step, m.key, m.value) for m in reg.metrics("run")] == [(3, "loss", 1.0)]
+    assert_state_equal(reg.load("run@4").state_dict, make_state(4))
 
 
 def test_wait_raises_a_background_failure(reg: Registry, monkeypatch: pytest.MonkeyPatch) -> None:
-    def broken(staging: Path, payload: store_mod.Payload) -> store_mod.Written:
-        raise OSError(errno.EIO, "Input/output error")
-
-    monkeypatch.setattr("registry.api.write_payload", broken)
+    broken = FailingOsCall(monkeypatch, reg.store.root, "fsync", errno.EIO)
     reg.publish("run", 1, make_state(1), blocking=False)
     with pytest.raises(AsyncPublishError, match="Input/output error"):
         reg.wait()
+    assert len(broken.threads) == 1  # a failed fsync is not retried: the page cache may have dropped the data
     reg.wait()  # once only
+    broken.undo()
+    assert reg.catalog.get("run", 1).status == "failed"  # type: ignore[union-attr]
+    with pytest.raises(CheckpointNotFoundError):
+        reg.resolve("run@latest")
 
 
 def test_close_waits_for_pending_publishes(catalog_url: str, root: Path) -> None:
@@ -189,14 +221,11 @@ def test_close_waits_for_pending_publishes(catalog_url: str, root: Path) -> None
 
 def test_close_raises_unreported_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     reg = Registry.open(url=f"sqlite:///{tmp_path / 'c.db'}", root=tmp_path / "ckpt")
-
-    def broken(staging: Path, payload: store_mod.Payload) -> store_mod.Written:
-        raise OSError(errno.EIO, "Input/output error")
-
-    monkeypatch.setattr("registry.api.write_payload", broken)
+    broken = FailingOsCall(monkeypatch, reg.store.root, "fsync", errno.EIO)
     reg.publish("run", 1, make_state(1), blocking=False)
-    with pytest.raises(AsyncPublishError):
+    with pytest.raises(AsyncPublishError, match="Input/output error"):
         reg.close()
+    assert broken.threads
     reg.close()  # closed; nothing left to report
 
 
@@ -284,13 +313,13 @@ def test_cuda_state_is_snapshotted_to_pinned_memory(reg: Registry) -> None:
     future = reg.publish("run", 1, state, blocking=False)
     for tensor in state.values():
         tensor.zero_() if tensor.dtype != torch.bool else tensor.logical_not_()
-    future.result()
+    future.result(timeout=WAIT)
     assert_state_equal(reg.load("run@1").state_dict, expected)
 
 
 def _publish_in_forked_child(reg: Registry) -> None:
     # the inherited registry's background worker, and every module-level pool, must work here
-    reg.publish("run", 3, make_state(3), meta={"seed": 3}, blocking=False).result()
+    reg.publish("run", 3, make_state(3), meta={"seed": 3}, blocking=False).result(timeout=WAIT)
     reg.wait()
     assert_state_equal(reg.load("run@3", verify=True).state_dict, make_state(3))
     with Registry.open(url=reg.url, root=reg.store.root) as fresh:
@@ -310,7 +339,7 @@ def test_a_forked_child_publishes_and_verifies_after_its_parent_did(sqlite_reg: 
     monkeypatch.setattr(snapshot_mod, "PARALLEL_COPY_FROM", 0)  # snapshots fan out to the copy pool
     reg = sqlite_reg
     reg.publish("run", 1, make_state(1))
-    reg.publish("run", 2, make_state(2), blocking=False).result()
+    reg.publish("run", 2, make_state(2), blocking=False).result(timeout=WAIT)
     assert_state_equal(reg.load("run@1", verify=True).state_dict, make_state(1))
     child = multiprocessing.get_context("fork").Process(target=_publish_in_forked_child, args=(reg,))
     child.start()

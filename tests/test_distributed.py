@@ -23,12 +23,12 @@ import torch
 from registry import Checkpoint, Registry
 from registry.dist.collectives import buckets
 from tests._dist_worker import checkpoint_fingerprint
-from tests.helpers import child_env, write_hf_sharded
+from tests.helpers import REFERENCE_MODULE, child_env, write_hf_sharded
 
 pytestmark = pytest.mark.distributed
 
 REPO = Path(__file__).resolve().parents[1]
-SEED = REPO.parents[0] / "shared" / "seed" / "checkpoint_reference.py"
+SEED = REFERENCE_MODULE
 DEADLINE_S = 180  # a hang detector for the whole group, far above the per-collective timeouts
 
 
@@ -253,11 +253,12 @@ def test_the_group_stays_usable_after_failures(session: dict[str, Any]) -> None:
 
 @pytest.mark.parametrize("layout", ["reference", "legacy", "hf"])
 @pytest.mark.parametrize("strategy", ["broadcast", "shared-fs"])
-def test_catalog_free_directories_broadcast(session: dict[str, Any], layout: str, strategy: str) -> None:
+def test_catalog_free_directories_broadcast(session: dict[str, Any], layout: str, strategy: str,
+                                           request: pytest.FixtureRequest) -> None:
     if session["world"] != 2:
         pytest.skip("directory loads run in the 2-rank group only")
-    if f"dir:{layout}" not in session["expected"]:
-        pytest.skip("reference module not available")
+    if layout != "hf":
+        request.getfixturevalue("reference_path")  # skipped without it, and an error in CI
     got = outcomes(session, f"dir-{layout}-{strategy}")
     assert all(g["ok"] for g in got), got
     assert {g["fp"] for g in got} == {session["expected"][f"dir:{layout}"]}

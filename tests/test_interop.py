@@ -2,32 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
-import pytest
 import safetensors.torch as st
 import torch
 
 from registry import Checkpoint, Registry
-from tests.helpers import IN_CI, assert_state_equal, make_state, write_hf_sharded
-
-SEED = Path(__file__).resolve().parents[2] / "shared" / "seed" / "checkpoint_reference.py"
-
-
-@pytest.fixture(scope="module")
-def reference():  # type: ignore[no-untyped-def]
-    if not SEED.exists():
-        if IN_CI:
-            pytest.fail(f"reference module not found at {SEED}; CI must check interop with it")
-        pytest.skip(f"reference module not found at {SEED}")
-    spec = importlib.util.spec_from_file_location("checkpoint_reference", SEED)
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    sys.modules["checkpoint_reference"] = module
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
+from tests.helpers import assert_state_equal, make_state, write_hf_sharded
 
 
 def test_reference_loads_what_we_publish(reference, sqlite_reg: Registry) -> None:  # type: ignore[no-untyped-def]

@@ -19,8 +19,6 @@ from registry.format.manifest import MANIFEST, WEIGHTS, read_manifest
 from registry.fs.store import Payload, check_written, read_directory, verify_directory, write_payload
 from tests.helpers import assert_state_equal, make_state
 
-SEED = Path(__file__).resolve().parents[1].parent / "shared" / "seed"
-
 
 def payload(seed: int = 0) -> Payload:
     return Payload(state_dict=make_state(seed), meta={"timestamp": "t", "epoch": 0}, config={"a": 1},
@@ -149,11 +147,10 @@ def test_invalid_xxh3_field_is_a_manifest_error(tmp_path: Path) -> None:
         read_directory(staging)
 
 
-@pytest.mark.skipif(not (SEED / "checkpoint_reference.py").exists(), reason="reference module not present")
-def test_reference_module_verifies_our_checksums(sqlite_reg: Registry) -> None:
+def test_reference_module_verifies_our_checksums(sqlite_reg: Registry, reference_path: Path) -> None:
     info = sqlite_reg.publish("run", 1, make_state(1), extra={"optimizer": {"m": torch.randn(5)}})
     code = ("import sys; sys.path.insert(0, sys.argv[1]); import checkpoint_reference as r; "
             "c = r.Checkpoint.load(sys.argv[2], verify_checksums=True); print(sorted(c.state_dict))")
-    out = subprocess.run([sys.executable, "-c", code, str(SEED), str(info.path)], capture_output=True,
-                         text=True, env={**os.environ, "PYTHONPATH": ""}, check=True)
+    out = subprocess.run([sys.executable, "-c", code, str(reference_path.parent), str(info.path)],
+                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ""}, check=True)
     assert out.stdout.strip() == str(sorted(make_state(1)))

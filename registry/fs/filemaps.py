@@ -235,7 +235,25 @@ def _map_directory(directory: Path, *, extras: Extras, verify: bool, expected_di
         raise CorruptCheckpointError(f"no model weights in {directory}", path=directory)
     for name in select_extras(directory, present, extras):
         add(name)
+    for name in sorted(present - buffers.keys()) if listed is not None else ():
+        _check_listed_exists(directory, name)
     return MappedFiles(directory=directory, buffers=buffers, manifest=manifest, manifest_sha256=digest, owner=owner)
+
+
+def _check_listed_exists(directory: Path, name: str) -> None:
+    """A file the manifest lists but this load does not read must still be there.
+
+    Otherwise one damaged name in a manifest (``meta.json`` spelt ``oeta.json``)
+    passes for a checkpoint without that file, and a catalog-free load drops
+    its meta without a word. Only looked up, never opened.
+    """
+    try:
+        os.lstat(directory / name)
+    except FileNotFoundError:
+        if not directory.is_dir():
+            raise  # the whole directory went away: the reader's trouble, not evidence against the checkpoint
+        raise CorruptCheckpointError(f"checkpoint file is missing: {directory / name}",
+                                     path=directory / name) from None
 
 
 # --------------------------------------------------------------------------- the parser
