@@ -195,17 +195,16 @@ class Recorder:
             where = None if self.quiet else self._where(path, dir_fd)
             existed = where is not None and where[1] in self.nodes[where[0]].entries
             fd = self.originals["open"](path, flags, mode, dir_fd=dir_fd)
-            if where is not None:
-                if not existed and flags & os.O_CREAT:
-                    ino = self._new(FILE)
-                    self.data[ino] = b""
-                    self.nodes[where[0]].entries[where[1]] = ino
-                    self._event(("link", where[0], where[1], ino))
-                ino_now = self._ino(path)
-                if ino_now is not None:
-                    self.fds[fd] = ino_now
-                    if flags & os.O_TRUNC and self.nodes[ino_now].kind == FILE and self.data[ino_now]:
-                        raise NotImplementedError("O_TRUNC of an existing file is not modelled")
+            if where is not None and not existed and flags & os.O_CREAT:
+                ino = self._new(FILE)
+                self.data[ino] = b""
+                self.nodes[where[0]].entries[where[1]] = ino
+                self._event(("link", where[0], where[1], ino))
+            ino_now = None if self.quiet or dir_fd is not None or isinstance(path, int) else self._ino(path)
+            if ino_now is not None:
+                self.fds[fd] = ino_now
+                if flags & os.O_TRUNC and self.nodes[ino_now].kind == FILE and self.data[ino_now]:
+                    raise NotImplementedError("O_TRUNC of an existing file is not modelled")
             return fd
 
     def _write(self, fd: int, data: Any) -> int:
@@ -420,6 +419,7 @@ class Scenario:
 
 SCENARIOS = {
     "publish": Scenario("publish", {1: (1,), 2: (2,)}, frozenset({1})),
+    "new-run": Scenario("new-run", {1: (OLD,)}, frozenset()),  # the first publish of a run: its directory is new
     "overwrite": Scenario("overwrite", {1: (OLD, NEW), 2: (2,)}, frozenset({1, 2})),
     "gc": Scenario("gc", {1: (1,), 2: (2,), 3: (3,)}, frozenset({3})),
     "fsck": Scenario("fsck", {1: (OLD,), 2: (2,)}, frozenset({1, 2})),
@@ -452,7 +452,9 @@ def _child_main(name: str, workdir: str, rich: bool = False) -> None:
     root, db = work / "root", work / "catalog.db"
     url = f"sqlite:///{db}"
     with Registry.open(url=url, root=root) as reg:
-        if name == "gc":
+        if name == "new-run":
+            pass
+        elif name == "gc":
             for step in (1, 2, 3):
                 reg.publish(RUN, step, make_state(step), **more)
         else:
@@ -471,6 +473,8 @@ def _child_main(name: str, workdir: str, rich: bool = False) -> None:
         with Recorder(root, db) as recorder:
             if name == "publish":
                 reg.publish(RUN, 2, state, **more)
+            elif name == "new-run":
+                reg.publish(RUN, 1, make_state(OLD), **more)
             elif name == "overwrite":
                 reg.publish(RUN, 1, state, overwrite=True, **more)
             elif name == "gc":
@@ -618,7 +622,8 @@ def main(argv: list[str]) -> int:
         with tempfile.TemporaryDirectory(prefix=f"crashstates-{name}-") as tmp:
             outcome = explore(name, Path(tmp), limit=args.limit, rich=not args.plain, log=print)
         lost += len(outcome.failures)
-        print(f"{name + ('' if args.plain else ' (shards)'):<20} events {outcome.events:>4}  crash points {outcome.crash_points:>4}  "
+        label = name + ("" if args.plain else " (shards)")
+        print(f"{label:<20} events {outcome.events:>4}  crash points {outcome.crash_points:>4}  "
               f"crash states {outcome.combinations:>6}  distinct states checked {outcome.states:>5}  "
               f"failing {len(outcome.failures)}  ({time.monotonic() - started:.0f}s)", flush=True)
     return 1 if lost else 0

@@ -51,6 +51,7 @@ EXPECTED_EVENTS = {
     "overwrite": ("link", "write", "fsync", "rename", "unlink", "catalog"),
     "gc": ("rename", "fsync", "unlink", "catalog"),
     "fsck": ("rename", "fsync", "unlink", "catalog"),
+    "new-run": ("link", "write", "fsync", "rename", "catalog"),
 }
 
 

@@ -333,7 +333,10 @@ def new_staging(final: Path) -> Path:
     parent = final.parent
     if parent.exists() and not parent.is_dir():
         raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(parent))
+    missing = [] if parent.is_dir() else [d for d in (parent, *parent.parents) if not d.is_dir()]
     parent.mkdir(parents=True, exist_ok=True)
+    for d in reversed(missing):  # a new run directory must survive a power cut as surely as the step in it
+        fsync_dir(d.parent)
     for _ in range(100):
         staging = hidden_sibling(final, "tmp")
         try:
