@@ -421,6 +421,8 @@ SCENARIOS = {
     "publish": Scenario("publish", {1: (1,), 2: (2,)}, frozenset({1})),
     "new-run": Scenario("new-run", {1: (OLD,)}, frozenset()),  # the first publish of a run: its directory is new
     "overwrite": Scenario("overwrite", {1: (OLD, NEW), 2: (2,)}, frozenset({1, 2})),
+    # the overwrite's catalog commit fails (a full disk under the database): the renames are undone
+    "overwrite-failed-commit": Scenario("overwrite-failed-commit", {1: (OLD, NEW), 2: (2,)}, frozenset({1, 2})),
     "gc": Scenario("gc", {1: (1,), 2: (2,), 3: (3,)}, frozenset({3})),
     "fsck": Scenario("fsck", {1: (OLD,), 2: (2,)}, frozenset({1, 2})),
 }
@@ -436,6 +438,20 @@ def _overwrite(url: str, root: str, rich: bool) -> None:
     from tests.helpers import make_state
     with Registry.open(url=url, root=root) as reg:
         reg.publish(RUN, 1, make_state(NEW), overwrite=True, **_more(rich))
+
+
+def _failed_overwrite(reg: Any, state: dict[str, Any], more: dict[str, Any]) -> None:
+    import pytest
+
+    from registry.errors import CatalogError
+    from tests.helpers import fail_commits
+    with pytest.MonkeyPatch.context() as mp:
+        fail_commits(mp)
+        try:
+            reg.publish(RUN, 1, state, overwrite=True, **more)
+        except CatalogError:
+            return
+    raise RuntimeError("the overwrite's commit was meant to fail")
 
 
 def _child_main(name: str, workdir: str, rich: bool = False) -> None:
@@ -469,7 +485,7 @@ def _child_main(name: str, workdir: str, rich: bool = False) -> None:
             raise RuntimeError(f"the overwrite was meant to die at after-retire: rc {proc.returncode} "
                                f"{proc.stderr.decode()[-2000:]}")
     with Registry.open(url=url, root=root) as reg:
-        state = make_state(NEW) if name == "overwrite" else make_state(2)
+        state = make_state(NEW) if name.startswith("overwrite") else make_state(2)
         with Recorder(root, db) as recorder:
             if name == "publish":
                 reg.publish(RUN, 2, state, **more)
@@ -477,6 +493,8 @@ def _child_main(name: str, workdir: str, rich: bool = False) -> None:
                 reg.publish(RUN, 1, make_state(OLD), **more)
             elif name == "overwrite":
                 reg.publish(RUN, 1, state, overwrite=True, **more)
+            elif name == "overwrite-failed-commit":
+                _failed_overwrite(reg, state, more)
             elif name == "gc":
                 result = reg.apply_retention(RUN, KeepLast(1))
                 if result.deleted != (1, 2):

@@ -52,6 +52,7 @@ EXPECTED_EVENTS = {
     "gc": ("rename", "fsync", "unlink", "catalog"),
     "fsck": ("rename", "fsync", "unlink", "catalog"),
     "new-run": ("link", "write", "fsync", "rename", "catalog"),
+    "overwrite-failed-commit": ("link", "write", "fsync", "rename", "unlink", "catalog"),
 }
 
 
