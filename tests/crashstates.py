@@ -17,8 +17,16 @@ backup API before every file-system event, at every catalog commit and at
 the end; a copy that differs from the previous one is a ``catalog`` event.
 The catalog runs in WAL mode with ``synchronous = FULL``, so a commit is
 durable when it returns: the catalog of a crash state is the last copy
-before the crash point. (SQLite only: PostgreSQL's own durability is the
-server's business, and a file copy of it cannot be taken mid-operation.)
+before the crash point. (Heartbeats and reader leases commit without the
+WAL fsync; none happens inside the operations recorded here.) SQLite only:
+PostgreSQL's own durability is the server's business, and a file copy of it
+cannot be taken mid-operation. The tree before the operation counts as
+durable (for ``fsck`` it is what a SIGKILLed overwrite left).
+
+Operations (``SCENARIOS``): a publish of a new step into an existing run,
+the first publish of a run, an overwrite, an overwrite whose catalog commit
+fails (its renames are undone), a gc deleting two of three steps, and an
+fsck repairing an overwrite killed between its two renames.
 
 Crash model (the usual one, kept simple):
 
@@ -421,7 +429,8 @@ SCENARIOS = {
     "publish": Scenario("publish", {1: (1,), 2: (2,)}, frozenset({1})),
     "new-run": Scenario("new-run", {1: (OLD,)}, frozenset()),  # the first publish of a run: its directory is new
     "overwrite": Scenario("overwrite", {1: (OLD, NEW), 2: (2,)}, frozenset({1, 2})),
-    # the overwrite's catalog commit fails (a full disk under the database): the renames are undone
+    # the overwrite's catalog commit fails (a full disk under the database): the renames are undone;
+    # a crash before the failure is reported may still roll the new payload forward
     "overwrite-failed-commit": Scenario("overwrite-failed-commit", {1: (OLD, NEW), 2: (2,)}, frozenset({1, 2})),
     "gc": Scenario("gc", {1: (1,), 2: (2,), 3: (3,)}, frozenset({3})),
     "fsck": Scenario("fsck", {1: (OLD,), 2: (2,)}, frozenset({1, 2})),
@@ -641,7 +650,7 @@ def main(argv: list[str]) -> int:
             outcome = explore(name, Path(tmp), limit=args.limit, rich=not args.plain, log=print)
         lost += len(outcome.failures)
         label = name + ("" if args.plain else " (shards)")
-        print(f"{label:<20} events {outcome.events:>4}  crash points {outcome.crash_points:>4}  "
+        print(f"{label:<34} events {outcome.events:>4}  crash points {outcome.crash_points:>4}  "
               f"crash states {outcome.combinations:>6}  distinct states checked {outcome.states:>5}  "
               f"failing {len(outcome.failures)}  ({time.monotonic() - started:.0f}s)", flush=True)
     return 1 if lost else 0
