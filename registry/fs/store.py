@@ -333,7 +333,10 @@ def new_staging(final: Path) -> Path:
     parent = final.parent
     if parent.exists() and not parent.is_dir():
         raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(parent))
+    missing = [] if parent.is_dir() else [d for d in (parent, *parent.parents) if not d.is_dir()]
     parent.mkdir(parents=True, exist_ok=True)
+    for d in reversed(missing):  # a new run directory must survive a power cut as surely as the step in it
+        fsync_dir(d.parent)
     for _ in range(100):
         staging = hidden_sibling(final, "tmp")
         try:
@@ -374,7 +377,7 @@ def install(staging: Path, final: Path, *, keep_retired: bool = False) -> Path |
     try:
         fsync_dir(final.parent)
     except BaseException:
-        uninstall(staging, final, retired)
+        uninstall(staging, final, retired, fsync=False)
         raise
     crashpoint("after-rename")
     if retired is not None and not keep_retired:
@@ -383,11 +386,19 @@ def install(staging: Path, final: Path, *, keep_retired: bool = False) -> Path |
     return retired
 
 
-def uninstall(staging: Path, final: Path, retired: Path | None) -> None:
-    """Undo :func:`install`: the new payload back to ``staging``, the retired one back in place."""
+def uninstall(staging: Path, final: Path, retired: Path | None, *, fsync: bool = True) -> None:
+    """Undo :func:`install`: the new payload back to ``staging``, the retired one back in place.
+
+    The parent is fsync'd before return: the caller then removes the new
+    payload and tells the catalog the old one is back, and a power cut must
+    not find the new payload in place, half removed, and the old one retired.
+    ``fsync=False`` where the parent's fsync has just failed: it is never retried.
+    """
     os.replace(final, staging)
     if retired is not None:
         os.replace(retired, final)
+    if fsync:
+        fsync_dir(final.parent)
 
 
 def discard(path: Path) -> None:
