@@ -293,11 +293,16 @@ def check_before_repair(reg: Registry, *, tally: Tally, runs: tuple[str, ...] = 
                     _fail(f"{where} is half-visible: {entry.name}: {exc.strerror}")
                 if size != entry.size:
                     _fail(f"{where}: {entry.name} is {size} bytes, its manifest says {entry.size}")
+        loaded: set[int] = set()
         for kind, statuses in (("latest", ("verified",)), ("latest-published", ("published", "verified"))):
             newest = max((i.step for i in live if i.status in statuses), default=None)
             if newest is None:
                 continue
             ref = f"{run}@{kind}"
+            if newest in loaded:  # both refs name one step, which just loaded: resolving is enough
+                if reg.resolve(ref).step != newest:
+                    _fail(f"{ref} does not resolve to the newest {' or '.join(statuses)} step {newest}")
+                continue
             try:
                 ckpt = reg.load(ref, verify=True, fallback=False, resume=False)
             except RegistryError as exc:  # CorruptCheckpointError included: a resolved step must load
@@ -305,6 +310,7 @@ def check_before_repair(reg: Registry, *, tally: Tally, runs: tuple[str, ...] = 
             if ckpt.step != newest or ckpt.fallback is not None:
                 _fail(f"{ref} loaded step {ckpt.step}, not the newest {' or '.join(statuses)} step {newest}")
             check_payload(f"{ref} (step {newest}, before repair)", ckpt.meta, ckpt.state_dict, ckpt.extra)
+            loaded.add(newest)
             tally.loaded_before_repair += 1
     tally.checked_before_repair += 1
 
@@ -412,50 +418,33 @@ def random_kills(url: str, root: Path, *, kills: int, seed: int = 0, mix: tuple[
     return tally
 
 
-def open_times(make_url: Callable[[], str], root: Path, *, samples: int = 3) -> tuple[float, float]:
-    """Median seconds from starting a worker to its registry being open: on a fresh catalog (which it
-    migrates) and on that catalog again (already at head); the migration runs in between."""
-    fresh, again = [], []
-    for i in range(samples):
-        url = make_url()
-        for times in (fresh, again):
-            ready = context().Event()
-            proc = context().Process(target=worker, args=(worker_url(url), str(root / f"t{i}"), ("tag",), i,
-                                                          None, None, ready), daemon=True)
-            started = time.monotonic()
-            proc.start()
-            if not ready.wait(120):
-                proc.kill()
-                _fail("a worker did not open its registry within 120 s")
-            times.append(time.monotonic() - started)
-            proc.kill()
-            proc.join()
-    return sorted(fresh)[samples // 2], sorted(again)[samples // 2]
-
-
 def migration_kills(make_url: Callable[[], str], root: Path, *, kills: int, seed: int = 0) -> Tally:
     """Kill a worker while it creates and migrates a fresh catalog, then open it and publish.
 
     Every other kill is at the crash point inside the migration transaction
     (all revisions applied, nothing committed), so at least one per call
-    certainly lands mid-migration; the others come after a random delay drawn
-    from the measured window between opening an up-to-date catalog and
-    migrating a fresh one, so they land before, inside or just after it.
+    certainly lands mid-migration; it also measures how long starting,
+    opening and migrating takes. The others come after a random delay up to
+    the shortest time measured, so they land anywhere from process start to
+    the end of the migration.
     """
     rng = random.Random(seed)
     tally = Tally()
-    fresh, again = open_times(make_url, root / "timing") if kills > 1 else (0.0, 0.0)
+    to_crash_point: list[float] = []  # seconds from start to the crash point, one per crash-point kill
     for i in range(kills):
         url = make_url()
         sub = root / f"m{i}"
         crash_at = "migrate-before-commit" if i % 2 == 0 else None
         proc = context().Process(target=worker, args=(worker_url(url), str(sub), ("publish",), i, crash_at, None),
                                  daemon=True)
+        started = time.monotonic()
         proc.start()
         if crash_at is None:
-            time.sleep(rng.uniform(again, fresh))  # the random moment of the kill, not a wait for a result
+            time.sleep(rng.uniform(0, min(to_crash_point)))  # the random moment of the kill, not a wait for a result
             proc.kill()
         proc.join(120)
+        if crash_at is not None:
+            to_crash_point.append(time.monotonic() - started)
         if proc.exitcode != -9:
             proc.kill()
             _fail(f"migration worker ended with {proc.exitcode}" + (f" before {crash_at}" if crash_at else ""))
