@@ -1,4 +1,4 @@
-"""Kill harness: run registry operations in a real subprocess, SIGKILL it, repair, check.
+"""Kill harness: run registry operations in a real subprocess, SIGKILL it, check, repair, check.
 
 Two ways to kill (the way SQLite tests itself):
 
@@ -11,10 +11,10 @@ Two ways to kill (the way SQLite tests itself):
 
 After every kill the parent first checks what a trainer resuming at once would
 see, before anyone repairs (:func:`check_before_repair`), then runs ``fsck
---repair`` and checks the invariants again (:func:`check_invariants`). Workers are forked from a ``forkserver`` that has
-already imported torch and the registry, so a kill costs milliseconds of
-process start-up, not seconds. Operations are pluggable (:func:`register_op`)
-so retention gc can join the mix.
+--repair`` and checks the invariants again (:func:`check_invariants`).
+Workers are forked from a ``forkserver`` that has already imported torch and
+the registry, so a kill costs milliseconds of process start-up, not seconds.
+Operations are pluggable (:func:`register_op`) so retention gc can join the mix.
 
 ``python -m tests.killharness --kills N`` (what ``scripts/killtest`` runs)
 prints a summary; the tests in ``tests/test_kill.py`` use the same functions.
