@@ -1,4 +1,4 @@
-"""Named points of the publish and retention protocols where a test may kill us.
+"""Named points of the publish, retention and migration protocols where a test may kill us.
 
 The kill-test harness starts a subprocess with ``REGISTRY_CRASH_AT=<name>``
 and the process SIGKILLs itself on reaching that point, so every window of
@@ -21,6 +21,7 @@ POINTS = (
     "gc-after-mark",         # retention: row marked, payload still in place
     "gc-after-retire",       # retention: payload renamed to .retired-
     "fsck-after-restore",    # fsck: retired payload renamed back, catalog row not yet repaired
+    "migrate-before-commit",  # schema migration: every revision applied, its transaction not yet committed
 )
 
 

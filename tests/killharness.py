@@ -1,4 +1,4 @@
-"""Kill harness: run registry operations in a real subprocess, SIGKILL it, repair, check.
+"""Kill harness: run registry operations in a real subprocess, SIGKILL it, check, repair, check.
 
 Two ways to kill (the way SQLite tests itself):
 
@@ -9,11 +9,12 @@ Two ways to kill (the way SQLite tests itself):
   SIGKILLs it after a random delay, which also lands inside writes, fsyncs,
   catalog transactions and migrations.
 
-After every kill the parent runs ``fsck --repair`` and checks the invariants
-(:func:`check_invariants`). Workers are forked from a ``forkserver`` that has
-already imported torch and the registry, so a kill costs milliseconds of
-process start-up, not seconds. Operations are pluggable (:func:`register_op`)
-so retention gc can join the mix.
+After every kill the parent first checks what a trainer resuming at once would
+see, before anyone repairs (:func:`check_before_repair`), then runs ``fsck
+--repair`` and checks the invariants again (:func:`check_invariants`).
+Workers are forked from a ``forkserver`` that has already imported torch and
+the registry, so a kill costs milliseconds of process start-up, not seconds.
+Operations are pluggable (:func:`register_op`) so retention gc can join the mix.
 
 ``python -m tests.killharness --kills N`` (what ``scripts/killtest`` runs)
 prints a summary; the tests in ``tests/test_kill.py`` use the same functions.
@@ -33,7 +34,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -42,6 +43,7 @@ from registry.catalog.session import head_revision
 from registry.crashpoints import arm
 from registry.errors import RegistryError
 from registry.format.layout import parse_hidden
+from registry.format.manifest import read_manifest
 from registry.fs.store import read_directory
 
 RUNS = ("r0", "r1")
@@ -186,6 +188,8 @@ class Tally:
     not_reached: int = 0  # crash point not on this operation's path: the worker finished
     repairs: collections.Counter[str] = field(default_factory=collections.Counter)
     checked_steps: int = 0
+    checked_before_repair: int = 0  # kills after which the unrepaired state was checked
+    loaded_before_repair: int = 0  # @latest / @latest-published loads, verified and bit-exact, before repair
     lost: int = 0  # stays 0, or check_invariants raises
     loaded: dict[tuple[str, int], str | None] = field(default_factory=dict, repr=False)
 
@@ -194,6 +198,8 @@ class Tally:
         self.not_reached += other.not_reached
         self.repairs.update(other.repairs)
         self.checked_steps += other.checked_steps
+        self.checked_before_repair += other.checked_before_repair
+        self.loaded_before_repair += other.loaded_before_repair
 
 
 class InvariantError(AssertionError):
@@ -206,7 +212,7 @@ def hidden_dirs(root: Path) -> list[str]:
             for n in sorted(os.listdir(d)) if parse_hidden(n) is not None]
 
 
-def _fail(msg: str) -> None:
+def _fail(msg: str) -> NoReturn:
     raise InvariantError(msg)
 
 
@@ -244,6 +250,71 @@ def latest_verified(view: dict[str, list[Any]]) -> dict[str, int]:
     return out
 
 
+def check_payload(where: str, meta: dict[str, Any], state_dict: dict[str, torch.Tensor],
+                  extra: dict[str, Any]) -> None:
+    """The tensors (and optimizer extra) are bit for bit the ones generated from the seed in ``meta``."""
+    seed = meta.get("seed")
+    if not isinstance(seed, int):
+        _fail(f"{where}: meta.json has no seed: {meta}")
+    want = state(seed)
+    if set(state_dict) != set(want) or not all(torch.equal(state_dict[k], want[k]) for k in want):
+        _fail(f"{where} loads but its tensors are not the ones published with seed {seed}")
+    if "opt" in extra and not torch.equal(extra["opt"]["m"], torch.full((8,), float(seed % 97))):
+        _fail(f"{where} optimizer extra does not belong to its weights")
+
+
+def check_before_repair(reg: Registry, *, tally: Tally, runs: tuple[str, ...] = RUNS) -> None:
+    """What a trainer resuming right after the kill sees, before anyone runs fsck.
+
+    Every live row is whole on disk: its directory is there and holds the
+    manifest the catalog recorded, every file at its manifest size (so no
+    reader finds a step half-visible; the bytes of every one were hashed when
+    it was last checked after a repair). ``@latest`` and ``@latest-published``
+    resolve to the newest such step and load through the public API with
+    ``verify=True`` and no fallback (a fallback would mean a live step was
+    broken), bit for bit what its seed generates.
+    """
+    root = reg.store.root
+    for run, infos in catalog_view(reg, runs).items():
+        live = _live(infos)
+        for info in live:
+            where = f"{run}@{info.step} ({info.status}, before repair)"
+            directory = root / info.path
+            try:
+                manifest, digest = read_manifest(directory)
+            except RegistryError as exc:
+                _fail(f"{where} is half-visible: {exc}")
+            if digest != info.manifest_sha256:
+                _fail(f"{where}: the manifest on disk is not the one the catalog recorded")
+            for entry in manifest.files.values():
+                try:
+                    size = (directory / entry.name).stat().st_size
+                except OSError as exc:
+                    _fail(f"{where} is half-visible: {entry.name}: {exc.strerror}")
+                if size != entry.size:
+                    _fail(f"{where}: {entry.name} is {size} bytes, its manifest says {entry.size}")
+        loaded: set[int] = set()
+        for kind, statuses in (("latest", ("verified",)), ("latest-published", ("published", "verified"))):
+            newest = max((i.step for i in live if i.status in statuses), default=None)
+            if newest is None:
+                continue
+            ref = f"{run}@{kind}"
+            if newest in loaded:  # both refs name one step, which just loaded: resolving is enough
+                if reg.resolve(ref).step != newest:
+                    _fail(f"{ref} does not resolve to the newest {' or '.join(statuses)} step {newest}")
+                continue
+            try:
+                ckpt = reg.load(ref, verify=True, fallback=False, resume=False)
+            except RegistryError as exc:  # CorruptCheckpointError included: a resolved step must load
+                _fail(f"{ref} (step {newest}) does not load before repair: {type(exc).__name__}: {exc}")
+            if ckpt.step != newest or ckpt.fallback is not None:
+                _fail(f"{ref} loaded step {ckpt.step}, not the newest {' or '.join(statuses)} step {newest}")
+            check_payload(f"{ref} (step {newest}, before repair)", ckpt.meta, ckpt.state_dict, ckpt.extra)
+            loaded.add(newest)
+            tally.loaded_before_repair += 1
+    tally.checked_before_repair += 1
+
+
 def check_invariants(reg: Registry, *, before: dict[tuple[str, int], str], latest_before: dict[str, int],
                      may_delete: bool, tally: Tally, runs: tuple[str, ...] = RUNS) -> None:
     """fsck --repair, then everything the product promises after a crash."""
@@ -272,14 +343,7 @@ def check_invariants(reg: Registry, *, before: dict[tuple[str, int], str], lates
             loaded = read_directory(root / info.path, verify=True)  # raises on any checksum mismatch
             if loaded.manifest_sha256 != info.manifest_sha256:
                 _fail(f"{run}@{step}: manifest on disk is not the one the catalog recorded")
-            seed = loaded.meta.get("seed")
-            want = state(seed)
-            if set(loaded.state_dict) != set(want) or not all(
-                    torch.equal(loaded.state_dict[k], want[k]) for k in want):
-                _fail(f"{run}@{step} loads but its tensors are not the ones published with seed {seed}")
-            if "opt" in loaded.extra and not torch.equal(loaded.extra["opt"]["m"],
-                                                         torch.full((8,), float(seed % 97))):
-                _fail(f"{run}@{step} optimizer extra does not belong to its weights")
+            check_payload(f"{run}@{step}", loaded.meta, loaded.state_dict, loaded.extra)
             tally.checked_steps += 1
             tally.loaded[(run, step)] = info.manifest_sha256
         for i in infos:
@@ -335,6 +399,7 @@ def kill_once(reg: Registry, url: str, *, rng: random.Random, mix: tuple[str, ..
     else:
         tally.kills += 1
     settle(reg)
+    check_before_repair(reg, tally=tally, runs=runs)
     may_delete = any(OPS[name].deletes for name in (mix if once is None else (once,)))
     check_invariants(reg, before=before, latest_before=latest, may_delete=may_delete, tally=tally, runs=runs)
     return proc.exitcode
@@ -353,38 +418,59 @@ def random_kills(url: str, root: Path, *, kills: int, seed: int = 0, mix: tuple[
     return tally
 
 
-def migration_kills(make_url: Callable[[], str], root: Path, *, kills: int, seed: int = 0,
-                    max_delay: float = 0.15) -> Tally:
-    """Kill a worker while it creates and migrates a fresh catalog, then open it and publish."""
+def migration_kills(make_url: Callable[[], str], root: Path, *, kills: int, seed: int = 0) -> Tally:
+    """Kill a worker while it creates and migrates a fresh catalog, then open it and publish.
+
+    Every other kill is at the crash point inside the migration transaction
+    (all revisions applied, nothing committed), so at least one per call
+    certainly lands mid-migration; it also measures how long starting,
+    opening and migrating takes. The others come after a random delay up to
+    the shortest time measured, so they land anywhere from process start to
+    the end of the migration.
+    """
     rng = random.Random(seed)
     tally = Tally()
+    to_crash_point: list[float] = []  # seconds from start to the crash point, one per crash-point kill
     for i in range(kills):
         url = make_url()
         sub = root / f"m{i}"
-        proc = context().Process(target=worker, args=(worker_url(url), str(sub), ("publish",), i, None, None),
+        crash_at = "migrate-before-commit" if i % 2 == 0 else None
+        proc = context().Process(target=worker, args=(worker_url(url), str(sub), ("publish",), i, crash_at, None),
                                  daemon=True)
+        started = time.monotonic()
         proc.start()
-        time.sleep(rng.uniform(0, max_delay))
-        proc.kill()
+        if crash_at is None:
+            time.sleep(rng.uniform(0, min(to_crash_point)))  # the random moment of the kill, not a wait for a result
+            proc.kill()
         proc.join(120)
+        if crash_at is not None:
+            to_crash_point.append(time.monotonic() - started)
         if proc.exitcode != -9:
-            _fail(f"migration worker ended with {proc.exitcode}")
+            proc.kill()
+            _fail(f"migration worker ended with {proc.exitcode}" + (f" before {crash_at}" if crash_at else ""))
         tally.kills += 1
         from registry.catalog.session import current_revision, make_engine
         engine = make_engine(url)
         try:
             with engine.connect() as conn:
-                if current_revision(conn) != head_revision():
-                    tally.repairs["killed-before-migration-done"] += 1
+                migrated = current_revision(conn) == head_revision()
         finally:
             engine.dispose()
+        if crash_at is not None:
+            if migrated:
+                _fail("a migration killed before its commit left the catalog at head")
+            tally.repairs["killed-mid-migration"] += 1
+        tally.repairs["killed-before-migration-done" if not migrated else "killed-after-migration"] += 1
         with Registry.open(url=url, root=sub) as reg:
             settle(reg)
             if reg.catalog.revision() != head_revision():
                 _fail(f"catalog at {reg.catalog.revision()} after a killed migration")
+            check_before_repair(reg, tally=tally)
             check_invariants(reg, before={}, latest_before={}, may_delete=False, tally=tally)
             reg.publish("after", 1, state(1), meta={"seed": 1})
             reg.load("after")
+    if kills and not tally.repairs["killed-mid-migration"]:
+        _fail("no kill landed mid-migration")
     return tally
 
 
@@ -444,6 +530,7 @@ def _fsck_kill(reg: Registry, url: str, *, rng: random.Random, tally: Tally) -> 
             _fail(f"{once} never reached {crash_at} (exit {proc.exitcode})")
         tally.kills += 1
         settle(reg)
+        check_before_repair(reg, tally=tally)
     check_invariants(reg, before=before, latest_before=latest, may_delete=False, tally=tally)
 
 
@@ -507,9 +594,13 @@ def main(argv: list[str] | None = None) -> int:
                         ("migrations", migration_kills(make, base / "mg", kills=args.migration_kills,
                                                        seed=args.seed))):
                     print(f"{backend:<10} {name:<15} kills={tally.kills:<6} not-reached={tally.not_reached:<4} "
-                          f"steps-checked={tally.checked_steps:<7} repairs={dict(sorted(tally.repairs.items()))}")
+                          f"steps-checked={tally.checked_steps:<7} "
+                          f"checked-before-repair={tally.checked_before_repair:<6} "
+                          f"loaded-before-repair={tally.loaded_before_repair:<6} "
+                          f"repairs={dict(sorted(tally.repairs.items()))}")
                     total.merge(tally)
-                print(f"{backend:<10} {'total':<15} kills={total.kills:<6} lost-or-corrupt=0 "
+                print(f"{backend:<10} {'total':<15} kills={total.kills:<6} "
+                      f"checked-before-repair={total.checked_before_repair:<6} lost-or-corrupt=0 "
                       f"({time.monotonic() - started:.0f} s)")
             finally:
                 drop()

@@ -34,6 +34,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError
 from sqlalchemy.pool import NullPool
 
+from registry.crashpoints import crashpoint
 from registry.errors import CatalogError, ReadOnlyError, SchemaTooNewError
 
 MIGRATIONS = Path(__file__).resolve().parent.parent / "migrations"
@@ -269,6 +270,7 @@ def upgrade(engine: Engine, target: str = "head") -> tuple[str | None, str]:
                 cfg = alembic_config()
                 cfg.attributes["connection"] = conn
                 command.upgrade(cfg, target)
+                crashpoint("migrate-before-commit")
             after = current_revision(conn)
             return before, after or ""
 
