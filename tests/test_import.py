@@ -16,7 +16,6 @@ from registry import (CheckpointNotFoundError, CorruptCheckpointError, InvalidSt
                       StepExistsError, UnsafePathError)
 from registry.cli import main
 from tests.helpers import assert_state_equal, make_state, write_hf_sharded
-from tests.test_interop import reference  # noqa: F401  (the module fixture)
 
 
 def write_reference(reference: Any, path: Path, seed: int = 1) -> dict[str, torch.Tensor]:  # noqa: F811

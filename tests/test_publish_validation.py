@@ -19,7 +19,6 @@ import torch
 from registry import (Checkpoint, InvalidNameError, InvalidStateError, ManifestError, Registry, RegistryError,
                       UnsafePickleError)
 from tests.helpers import assert_state_equal, make_state, optimizer_state
-from tests.test_interop import reference  # noqa: F401  (the module fixture)
 
 
 class Opaque:
