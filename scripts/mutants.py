@@ -260,11 +260,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="seed of the sample")
     parser.add_argument("--timeout", type=float, default=0,
                         help="per-mutant limit in seconds (default: 3 x the unmutated run + 10)")
+    parser.add_argument("--ids", default="",
+                        help="run only these mutants, e.g. refs#1,store#11 (as printed by a run or --list)")
     parser.add_argument("--list", action="store_true", help="list the chosen mutants and exit")
     parser.add_argument("--verbose", action="store_true", help="show pytest output")
     args = parser.parse_args(argv)
 
     names = [n.strip() for n in args.modules.split(",") if n.strip()]
+    if args.ids:
+        names = [n for n in names if any(i.startswith(f"{n}#") for i in args.ids.split(","))]
     unknown = [n for n in names if n not in MODULES]
     if unknown:
         parser.error(f"unknown module(s) {', '.join(unknown)}; choose from {', '.join(MODULES)}")
@@ -275,6 +279,9 @@ def main(argv: list[str] | None = None) -> int:
         source = (REPO / path).read_text()
         mutants = find_mutants(name, source)
         total = len(mutants)
+        wanted = {int(i.split("#")[1]) for i in args.ids.split(",") if i.startswith(f"{name}#")}
+        if args.ids:
+            mutants = [m for m in mutants if m.index in wanted]
         if args.max_mutants and args.max_mutants < total:
             mutants = sorted(random.Random(f"{args.seed}:{name}").sample(mutants, args.max_mutants),
                              key=lambda m: m.index)
