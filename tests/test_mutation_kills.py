@@ -6,6 +6,7 @@ Each test names the behaviour a surviving mutant broke; the mutant itself is lis
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import socket
 import subprocess
@@ -13,9 +14,12 @@ import sys
 
 import pytest
 
+from registry import Registry
 from registry.errors import InvalidNameError, InvalidRefError
+from registry.format.layout import hidden_sibling
 from registry.format.refs import MAX_STEP, Ref, check_run_name, check_step, parse_ref
 from registry.fs.store import writer_alive
+from tests.helpers import make_state
 
 
 # --- registry/format/refs.py ---------------------------------------------------------------------------------
@@ -59,3 +63,21 @@ def test_a_zombie_writer_is_not_alive() -> None:
     finally:
         proc.wait()
     assert writer_alive(f"{socket.gethostname()[:128]}:{os.getpid()}") is True
+
+
+def test_a_stale_staging_directory_that_cannot_be_removed_does_not_stop_a_publish(
+        reg: Registry, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Removing a dead writer's staging leftovers is best effort: fsck removes what the next publish could not."""
+    final = reg.store.step_dir("run", 1)
+    final.parent.mkdir(parents=True)
+    stale = hidden_sibling(final, "tmp")
+    stale.mkdir()
+    real_rmdir = os.rmdir
+
+    def rmdir(path: str | os.PathLike[str], *args: object, **kwargs: object) -> None:
+        if os.fspath(path) == os.fspath(stale):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), os.fspath(path))
+        real_rmdir(path, *args, **kwargs)  # type: ignore[arg-type]
+    monkeypatch.setattr(os, "rmdir", rmdir)
+    assert reg.publish("run", 1, make_state(1)).status == "verified"
+    assert stale.is_dir()
