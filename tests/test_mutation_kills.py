@@ -11,14 +11,18 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from registry import Registry
-from registry.errors import InvalidNameError, InvalidRefError
+import registry.fs.store as store_mod
+import registry.ops.protocol as protocol
+from registry import CorruptCheckpointError, Registry
+from registry.errors import InvalidNameError, InvalidRefError, InvalidStateError
 from registry.format.layout import hidden_sibling
+from registry.format.manifest import WEIGHTS
 from registry.format.refs import MAX_STEP, Ref, check_run_name, check_step, parse_ref
-from registry.fs.store import writer_alive
+from registry.fs.store import Written, json_bytes, writer_alive
 from tests.helpers import make_state
 
 
@@ -81,3 +85,59 @@ def test_a_stale_staging_directory_that_cannot_be_removed_does_not_stop_a_publis
     monkeypatch.setattr(os, "rmdir", rmdir)
     assert reg.publish("run", 1, make_state(1)).status == "verified"
     assert stale.is_dir()
+
+
+@pytest.mark.parametrize("doc,why", [
+    ({"lr": float("nan")}, "not JSON-serialisable"),
+    ({"lr": float("inf")}, "not JSON-serialisable"),
+    ({"layers": [{"1": 1}, {1: 2}]}, "is not a string"),  # a key checked through a list
+    ({"x": [[[[{2: 0}]]]]}, "is not a string"),
+])
+def test_json_that_would_not_read_back_as_written_is_refused(doc: dict[str, object], why: str) -> None:
+    with pytest.raises(InvalidStateError, match=why):
+        json_bytes(doc, "meta")
+
+
+def test_json_nested_too_deeply_is_refused_with_one_line() -> None:
+    shallow: object = []  # the dict is level 1, each list one more
+    for _ in range(store_mod.MAX_JSON_DEPTH - 2):
+        shallow = [shallow]
+    json_bytes({"x": shallow}, "meta")
+    too_deep: object = []
+    for _ in range(store_mod.MAX_JSON_DEPTH - 1):
+        too_deep = [too_deep]
+    with pytest.raises(InvalidStateError, match="nested more than"):
+        json_bytes({"x": too_deep}, "meta")
+    past_the_stack: object = []
+    for _ in range(sys.getrecursionlimit() * 2):
+        past_the_stack = [past_the_stack]
+    with pytest.raises(InvalidStateError, match="nested too deeply"):
+        json_bytes({"x": past_the_stack}, "meta")
+
+
+def test_json_over_the_size_bound_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(store_mod, "MAX_JSON_BYTES", 100)
+    assert json_bytes({"x": "a" * 50}, "meta")
+    with pytest.raises(InvalidStateError, match="at most 100 can be stored"):
+        json_bytes({"x": "a" * 100}, "meta")
+
+
+# --- registry/ops/protocol.py --------------------------------------------------------------------------------
+
+def test_a_failed_read_back_names_the_file_and_publishes_nothing(reg: Registry,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The filesystem loses the tail of the weights between the write and the read-back check."""
+    real_check = protocol.check_written
+
+    def truncate_then_check(directory: Path, written: Written) -> list[store_mod.FileProblem]:
+        victim = directory / WEIGHTS
+        with open(victim, "r+b") as f:
+            f.truncate(victim.stat().st_size - 1)
+        return real_check(directory, written)
+    monkeypatch.setattr(protocol, "check_written", truncate_then_check)
+    with pytest.raises(CorruptCheckpointError, match=f"read-back of .* failed: {WEIGHTS}: "):
+        reg.publish("run", 1, make_state(1))
+    info = reg.catalog.get("run", 1)
+    assert info is None or info.status == "failed"
+    run_dir = reg.store.run_dir("run")
+    assert not run_dir.exists() or list(run_dir.iterdir()) == []
