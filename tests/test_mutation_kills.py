@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import json
 import os
 import socket
 import subprocess
@@ -14,16 +15,17 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import registry.fs.store as store_mod
 import registry.ops.protocol as protocol
 from registry import CorruptCheckpointError, Registry
 from registry.errors import InvalidNameError, InvalidRefError, InvalidStateError
 from registry.format.layout import hidden_sibling
-from registry.format.manifest import WEIGHTS
+from registry.format.manifest import WEIGHTS, WEIGHTS_INDEX
 from registry.format.refs import MAX_STEP, Ref, check_run_name, check_step, parse_ref
 from registry.fs.store import Written, json_bytes, writer_alive
-from tests.helpers import make_state
+from tests.helpers import assert_state_equal, make_state
 
 
 # --- registry/format/refs.py ---------------------------------------------------------------------------------
@@ -120,6 +122,20 @@ def test_json_over_the_size_bound_is_refused(monkeypatch: pytest.MonkeyPatch) ->
     assert json_bytes({"x": "a" * 50}, "meta")
     with pytest.raises(InvalidStateError, match="at most 100 can be stored"):
         json_bytes({"x": "a" * 100}, "meta")
+
+
+def test_shards_are_filled_up_to_the_bound_and_none_is_empty(reg: Registry) -> None:
+    """16 KiB tensors under a 40,000-byte bound go two to a shard; a tensor over the bound gets one of its own."""
+    state = {f"w{i}": torch.randn(64, 64) for i in range(6)}
+    state["big"] = torch.randn(64, 256)  # 64 KiB, sorts first
+    info = reg.publish("run", 1, state, max_shard_size=40_000)
+    weight_map = json.loads((info.path / WEIGHTS_INDEX).read_text())["weight_map"]
+    groups: dict[str, set[str]] = {}
+    for name, file in weight_map.items():
+        groups.setdefault(file, set()).add(name)
+    assert sorted(map(sorted, groups.values())) == [["big"], ["w0", "w1"], ["w2", "w3"], ["w4", "w5"]]
+    assert sorted(p.name for p in info.path.glob("*.safetensors")) == sorted(groups)
+    assert_state_equal(reg.load("run@1").state_dict, state)
 
 
 # --- registry/ops/protocol.py --------------------------------------------------------------------------------
