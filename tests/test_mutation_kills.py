@@ -9,6 +9,7 @@ import dataclasses
 import errno
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -19,7 +20,7 @@ import torch
 
 import registry.fs.store as store_mod
 import registry.ops.protocol as protocol
-from registry import CorruptCheckpointError, Registry
+from registry import CorruptCheckpointError, PublishError, Registry
 from registry.errors import InvalidNameError, InvalidRefError, InvalidStateError
 from registry.format.layout import hidden_sibling
 from registry.format.manifest import WEIGHTS, WEIGHTS_INDEX
@@ -157,3 +158,20 @@ def test_a_failed_read_back_names_the_file_and_publishes_nothing(reg: Registry,
     assert info is None or info.status == "failed"
     run_dir = reg.store.run_dir("run")
     assert not run_dir.exists() or list(run_dir.iterdir()) == []
+
+
+def test_an_overwrite_that_fails_over_a_vanished_payload_leaves_the_step_failed(
+        reg: Registry, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The row returns to ``verified`` only with its old payload still in place; here it was removed meanwhile."""
+    info = reg.publish("run", 1, make_state(1))
+    shutil.rmtree(info.path)
+    real_mkdir = os.mkdir
+
+    def mkdir(path: str | os.PathLike[str], *args: object, **kwargs: object) -> None:
+        if ".tmp-" in os.path.basename(os.fspath(path)):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.fspath(path))
+        real_mkdir(path, *args, **kwargs)  # type: ignore[arg-type]
+    monkeypatch.setattr(os, "mkdir", mkdir)
+    with pytest.raises(PublishError, match="No space left"):
+        reg.publish("run", 1, make_state(2), overwrite=True)
+    assert reg.catalog.get("run", 1).status == "failed"  # type: ignore[union-attr]
