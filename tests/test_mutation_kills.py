@@ -172,6 +172,36 @@ def test_an_overwrite_that_fails_over_a_vanished_payload_leaves_the_step_failed(
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.fspath(path))
         real_mkdir(path, *args, **kwargs)  # type: ignore[arg-type]
     monkeypatch.setattr(os, "mkdir", mkdir)
+    # the error names the file it concerns when that is not the step's own directory
+    with pytest.raises(PublishError, match=rf"No space left on device: \S*/\.{info.path.name}\.tmp-"):
+        reg.publish("run", 1, make_state(2), overwrite=True)
+    assert reg.catalog.get("run", 1).status == "failed"  # type: ignore[union-attr]
+    [failed] = [e for e in reg.events("run", step=1) if e.kind == "publish-failed"]
+    assert "No space left on device" in failed.detail["reason"] and failed.detail["restored"] is False
+
+
+def test_an_overwrite_that_fails_where_the_old_payload_cannot_be_seen_leaves_the_step_failed(
+        reg: Registry, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The disk fails: the staging directory gets ENOSPC, then the old payload answers EIO: not presumed intact."""
+    info = reg.publish("run", 1, make_state(1))
+    final = os.fspath(info.path)
+    real_mkdir, real_stat = os.mkdir, os.stat
+    failing: list[bool] = []
+
+    def mkdir(path: str | os.PathLike[str], *args: object, **kwargs: object) -> None:
+        if ".tmp-" in os.path.basename(os.fspath(path)):
+            failing.append(True)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.fspath(path))
+        real_mkdir(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    def stat(path: object, *args: object, **kwargs: object) -> os.stat_result:
+        if failing and isinstance(path, (str, os.PathLike)) and os.fspath(path) == final:
+            raise OSError(errno.EIO, os.strerror(errno.EIO), final)
+        return real_stat(path, *args, **kwargs)  # type: ignore[arg-type]
+    monkeypatch.setattr(os, "mkdir", mkdir)
+    monkeypatch.setattr(os, "stat", stat)
     with pytest.raises(PublishError, match="No space left"):
         reg.publish("run", 1, make_state(2), overwrite=True)
+    assert failing
+    monkeypatch.undo()
     assert reg.catalog.get("run", 1).status == "failed"  # type: ignore[union-attr]
