@@ -21,11 +21,11 @@ import torch
 import registry.fs.store as store_mod
 import registry.ops.protocol as protocol
 from registry import CorruptCheckpointError, PublishError, Registry
-from registry.errors import InvalidNameError, InvalidRefError, InvalidStateError
+from registry.errors import InvalidNameError, InvalidRefError, InvalidStateError, RootError
 from registry.format.layout import hidden_sibling
 from registry.format.manifest import WEIGHTS, WEIGHTS_INDEX
 from registry.format.refs import MAX_STEP, Ref, check_run_name, check_step, parse_ref
-from registry.fs.store import Written, json_bytes, writer_alive
+from registry.fs.store import Store, Written, json_bytes, writer_alive
 from tests.helpers import assert_state_equal, make_state
 
 
@@ -137,6 +137,15 @@ def test_shards_are_filled_up_to_the_bound_and_none_is_empty(reg: Registry) -> N
     assert sorted(map(sorted, groups.values())) == [["big"], ["w0", "w1"], ["w2", "w3"], ["w4", "w5"]]
     assert sorted(p.name for p in info.path.glob("*.safetensors")) == sorted(groups)
     assert_state_equal(reg.load("run@1").state_dict, state)
+
+
+@pytest.mark.parametrize("create", [True, False])
+def test_a_root_that_is_a_file_is_named_as_such(tmp_path: Path, create: bool) -> None:
+    root = tmp_path / "root"
+    root.write_text("not a directory")
+    with pytest.raises(RootError, match="checkpoint root is not a directory"):
+        Store(root, create=create)
+    assert root.read_text() == "not a directory"
 
 
 # --- registry/ops/protocol.py --------------------------------------------------------------------------------
