@@ -20,13 +20,14 @@ import torch
 
 import registry.fs.store as store_mod
 import registry.ops.protocol as protocol
-from registry import CorruptCheckpointError, PublishError, Registry
+from registry import CatalogError, CorruptCheckpointError, PublishError, Registry
+from registry.checkpoint import Checkpoint
 from registry.errors import InvalidNameError, InvalidRefError, InvalidStateError, RootError
 from registry.format.layout import hidden_sibling
 from registry.format.manifest import WEIGHTS, WEIGHTS_INDEX
 from registry.format.refs import MAX_STEP, Ref, check_run_name, check_step, parse_ref
 from registry.fs.store import Store, Written, json_bytes, writer_alive
-from tests.helpers import assert_state_equal, make_state
+from tests.helpers import assert_state_equal, fail_commits, make_state
 
 
 # --- registry/format/refs.py ---------------------------------------------------------------------------------
@@ -148,6 +149,23 @@ def test_a_root_that_is_a_file_is_named_as_such(tmp_path: Path, create: bool) ->
     assert root.read_text() == "not a directory"
 
 
+def test_saving_over_a_directory_replaces_it_and_leaves_no_retired_copy(tmp_path: Path) -> None:
+    target = tmp_path / "ckpt"
+    Checkpoint(state_dict=make_state(1), epoch=1).save(target)
+    Checkpoint(state_dict=make_state(2), epoch=2).save(target)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    loaded = Checkpoint.load(target, verify_checksums=True)
+    assert loaded.epoch == 2
+    assert_state_equal(loaded.state_dict, make_state(2))
+
+
+def test_a_root_marker_that_cannot_be_read_is_a_root_error(tmp_path: Path) -> None:
+    store = Store(tmp_path / "root")
+    store.marker.mkdir(parents=True)  # EISDIR on read
+    with pytest.raises(RootError, match="cannot read .*Is a directory"):
+        store.read_marker()
+
+
 # --- registry/ops/protocol.py --------------------------------------------------------------------------------
 
 def test_a_failed_read_back_names_the_file_and_publishes_nothing(reg: Registry,
@@ -214,3 +232,16 @@ def test_an_overwrite_that_fails_where_the_old_payload_cannot_be_seen_leaves_the
     assert failing
     monkeypatch.undo()
     assert reg.catalog.get("run", 1).status == "failed"  # type: ignore[union-attr]
+
+
+def test_a_failed_commit_records_why_and_puts_the_old_payload_back(reg: Registry,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    reg.publish("run", 1, make_state(1))
+    fail_commits(monkeypatch)
+    with pytest.raises(CatalogError, match="database or disk is full"):
+        reg.publish("run", 1, make_state(2), overwrite=True)
+    monkeypatch.undo()
+    assert reg.catalog.get("run", 1).status == "verified"  # type: ignore[union-attr]
+    [failed] = [e for e in reg.events("run", step=1) if e.kind == "publish-failed"]
+    assert "database or disk is full" in failed.detail["reason"] and failed.detail["restored"] is True
+    assert_state_equal(reg.load("run@1").state_dict, make_state(1))
