@@ -245,3 +245,24 @@ def test_a_failed_commit_records_why_and_puts_the_old_payload_back(reg: Registry
     [failed] = [e for e in reg.events("run", step=1) if e.kind == "publish-failed"]
     assert "database or disk is full" in failed.detail["reason"] and failed.detail["restored"] is True
     assert_state_equal(reg.load("run@1").state_dict, make_state(1))
+
+
+def test_a_failed_commit_whose_undo_fails_too_says_so_and_leaves_the_step_failed(
+        reg: Registry, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The commit fails, then every rename fails (EIO): the old payload is not back, so the row is not restored."""
+    reg.publish("run", 1, make_state(1))
+    failing: list[bool] = []
+    real_replace = os.replace
+
+    def replace(src: str | os.PathLike[str], dst: str | os.PathLike[str], **kwargs: object) -> None:
+        if failing:
+            raise OSError(errno.EIO, os.strerror(errno.EIO), os.fspath(src))
+        real_replace(src, dst, **kwargs)  # type: ignore[arg-type]
+    monkeypatch.setattr(os, "replace", replace)
+    fail_commits(monkeypatch, before=lambda: failing.append(True))
+    with pytest.raises(PublishError, match="nor undo its rename: Input/output error.*fsck --repair"):
+        reg.publish("run", 1, make_state(2), overwrite=True)
+    monkeypatch.undo()
+    assert reg.catalog.get("run", 1).status == "failed"  # type: ignore[union-attr]
+    [failed] = [e for e in reg.events("run", step=1) if e.kind == "publish-failed"]
+    assert failed.detail["restored"] is False
