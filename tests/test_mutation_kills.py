@@ -24,7 +24,7 @@ from registry import CatalogError, CorruptCheckpointError, PublishError, Registr
 from registry.checkpoint import Checkpoint
 from registry.errors import InvalidNameError, InvalidRefError, InvalidStateError, RootError
 from registry.format.layout import hidden_sibling
-from registry.format.manifest import WEIGHTS, WEIGHTS_INDEX
+from registry.format.manifest import MANIFEST, WEIGHTS, WEIGHTS_INDEX
 from registry.format.refs import MAX_STEP, Ref, check_run_name, check_step, parse_ref
 from registry.fs.store import Store, Written, json_bytes, writer_alive
 from tests.helpers import assert_state_equal, fail_commits, make_state
@@ -266,3 +266,29 @@ def test_a_failed_commit_whose_undo_fails_too_says_so_and_leaves_the_step_failed
     assert reg.catalog.get("run", 1).status == "failed"  # type: ignore[union-attr]
     [failed] = [e for e in reg.events("run", step=1) if e.kind == "publish-failed"]
     assert failed.detail["restored"] is False
+
+
+
+# --- registry/ops/fsck.py ------------------------------------------------------------------------------------
+
+def test_fsck_names_the_step_it_could_not_read_and_condemns_nothing(reg: Registry,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """EIO on one step's manifest is a local failure: reported as ``RUN@STEP: cannot check``, not corruption."""
+    reg.publish("run", 1, make_state(1))
+    reg.publish("run", 2, make_state(2))
+    bad = reg.store.step_dir("run", 2) / MANIFEST
+    real_open = os.open
+
+    def open_(path: str | os.PathLike[str], flags: int, *args: object, **kwargs: object) -> int:
+        dir_fd = kwargs.get("dir_fd")
+        full = os.fspath(path) if dir_fd is None else os.path.join(os.readlink(f"/proc/self/fd/{dir_fd}"),
+                                                                   os.fspath(path))
+        if full == os.fspath(bad):
+            raise OSError(errno.EIO, os.strerror(errno.EIO), full)
+        return real_open(path, flags, *args, **kwargs)  # type: ignore[arg-type]
+    monkeypatch.setattr(os, "open", open_)
+    report = reg.fsck(repair=True)
+    monkeypatch.undo()
+    assert [f.split(": ")[:2] for f in report.failures] == [["run@2", "cannot check"]]
+    assert report.problems == ()
+    assert [reg.catalog.get("run", s).status for s in (1, 2)] == ["verified", "verified"]  # type: ignore[union-attr]
