@@ -13,6 +13,7 @@ import shutil
 import socket
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -292,3 +293,15 @@ def test_fsck_names_the_step_it_could_not_read_and_condemns_nothing(reg: Registr
     assert [f.split(": ")[:2] for f in report.failures] == [["run@2", "cannot check"]]
     assert report.problems == ()
     assert [reg.catalog.get("run", s).status for s in (1, 2)] == ["verified", "verified"]  # type: ignore[union-attr]
+
+
+
+# --- registry/catalog/queries.py -----------------------------------------------------------------------------
+
+def test_timestamps_read_back_from_the_catalog_are_utc_aware(reg: Registry) -> None:
+    """SQLite hands timestamps back naive; every one the catalog returns is aware, in UTC, on both backends."""
+    reg.publish("run", 1, make_state(1), metrics={"eval/loss": 1.0})
+    stamps = [r.created_at for r in reg.runs()]
+    stamps += [p.logged_at for p in reg.metrics("run")]
+    stamps += [e.created_at for e in reg.events("run")]
+    assert stamps and all(t is not None and t.utcoffset() == timedelta(0) for t in stamps)
