@@ -305,3 +305,15 @@ def test_timestamps_read_back_from_the_catalog_are_utc_aware(reg: Registry) -> N
     stamps += [p.logged_at for p in reg.metrics("run")]
     stamps += [e.created_at for e in reg.events("run")]
     assert stamps and all(t is not None and t.utcoffset() == timedelta(0) for t in stamps)
+
+
+
+def test_a_status_change_records_its_event_and_a_refused_one_records_none(reg: Registry) -> None:
+    info = reg.publish("run", 1, make_state(1))
+    assert not reg.catalog.set_status("run", 1, "corrupt", kind="scrub", actor="tester", manifest_sha256="0" * 64,
+                                      reason="a payload that is not there any more")
+    assert reg.catalog.set_status("run", 1, "corrupt", kind="scrub", actor="tester",
+                                  manifest_sha256=info.manifest_sha256, reason="bytes differ")
+    [event] = [e for e in reg.events("run", step=1) if e.kind == "scrub"]
+    assert (event.actor, event.detail["status"], event.detail["reason"]) == ("tester", "corrupt", "bytes differ")
+    assert reg.catalog.get("run", 1).status == "corrupt"  # type: ignore[union-attr]
