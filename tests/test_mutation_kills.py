@@ -23,7 +23,8 @@ import registry.fs.store as store_mod
 import registry.ops.protocol as protocol
 from registry import CatalogError, CorruptCheckpointError, PublishError, Registry
 from registry.checkpoint import Checkpoint
-from registry.errors import InvalidNameError, InvalidRefError, InvalidStateError, RootError
+from registry.retention import Decision, KeepLast, KeepPolicyVersions, RetentionPlan, RetentionResult
+from registry.errors import InvalidNameError, InvalidRefError, InvalidStateError, PolicyError, RootError
 from registry.format.layout import hidden_sibling
 from registry.format.manifest import MANIFEST, WEIGHTS, WEIGHTS_INDEX
 from registry.format.refs import MAX_STEP, Ref, check_run_name, check_step, parse_ref
@@ -317,3 +318,27 @@ def test_a_status_change_records_its_event_and_a_refused_one_records_none(reg: R
     [event] = [e for e in reg.events("run", step=1) if e.kind == "scrub"]
     assert (event.actor, event.detail["status"], event.detail["reason"]) == ("tester", "corrupt", "bytes differ")
     assert reg.catalog.get("run", 1).status == "corrupt"  # type: ignore[union-attr]
+
+
+
+# --- registry/retention.py -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("versions", [[-1], [True], ["3"], [1, -2]])
+def test_policy_versions_must_be_non_negative_integers(versions: list[object]) -> None:
+    with pytest.raises(PolicyError, match="non-negative integers"):
+        KeepPolicyVersions(versions=versions)  # type: ignore[arg-type]
+
+
+def test_retention_plans_and_results_are_frozen_and_keyword_only(reg: Registry) -> None:
+    for step in (1, 2):
+        reg.publish("run", step, make_state(step))
+    plan = reg.plan_retention("run", KeepLast(1))
+    result = reg.apply_retention("run", KeepLast(1))
+    assert result.deleted == (1,)
+    for obj, field in ((plan, "run"), (plan.decisions[0], "action"), (result, "run")):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(obj, field, None)
+    for cls in (Decision, RetentionResult, RetentionPlan):
+        fields = [f.name for f in dataclasses.fields(cls)]
+        with pytest.raises(TypeError):
+            cls(*[None] * len(fields))
