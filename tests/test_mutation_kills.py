@@ -342,3 +342,9 @@ def test_retention_plans_and_results_are_frozen_and_keyword_only(reg: Registry) 
         fields = [f.name for f in dataclasses.fields(cls)]
         with pytest.raises(TypeError):
             cls(*[None] * len(fields))
+
+
+
+def test_a_plan_for_an_invalid_run_name_is_refused(reg: Registry) -> None:
+    with pytest.raises(InvalidNameError, match="invalid run name"):
+        reg.plan_retention("no such/run", KeepLast(1))
