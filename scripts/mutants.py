@@ -29,21 +29,26 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 
-# module short name -> (source file, its matching test files)
+# module short name -> (source file, its matching test files); tests/test_mutation_kills.py holds the tests written
+# to kill survivors of earlier runs, so it goes with every module
+KILLS = "tests/test_mutation_kills.py"
 MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
-    "refs": ("registry/format/refs.py", ("tests/test_refs.py", "tests/test_cli_operator.py")),
+    "refs": ("registry/format/refs.py", ("tests/test_refs.py", "tests/test_cli_operator.py", KILLS)),
     "protocol": ("registry/ops/protocol.py",
-                 ("tests/test_publish_faults.py", "tests/test_faults.py", "tests/test_publish.py")),
+                 ("tests/test_publish_faults.py", "tests/test_faults.py", "tests/test_publish.py",
+                  "tests/test_metrics.py", KILLS)),
     "store": ("registry/fs/store.py",
               ("tests/test_publish.py", "tests/test_faults.py", "tests/test_publish_faults.py",
-               "tests/test_io_verify.py")),
+               "tests/test_io_verify.py", "tests/test_root_binding.py", KILLS)),
     "retention": ("registry/retention.py",
-                  ("tests/test_retention.py", "tests/test_retention_cli.py", "tests/test_retention_crash.py")),
-    "fsck": ("registry/ops/fsck.py", ("tests/test_fsck.py", "tests/test_fsck_races.py")),
+                  ("tests/test_retention.py", "tests/test_retention_cli.py", "tests/test_retention_crash.py",
+                   "tests/test_cli_operator.py", KILLS)),
+    "fsck": ("registry/ops/fsck.py", ("tests/test_fsck.py", "tests/test_fsck_races.py", KILLS)),
     "queries": ("registry/catalog/queries.py",
-                ("tests/test_queries.py", "tests/test_catalog_session.py", "tests/test_catalog_faults.py")),
+                ("tests/test_queries.py", "tests/test_catalog_session.py", "tests/test_catalog_faults.py",
+                 "tests/test_metrics.py", KILLS)),
     "loader": ("registry/dist/loader.py",
-               ("tests/test_load_faults.py", "tests/test_io_verify.py", "tests/test_distributed.py")),
+               ("tests/test_load_faults.py", "tests/test_io_verify.py", "tests/test_distributed.py", KILLS)),
 }
 
 _FLIP: dict[type[ast.cmpop], type[ast.cmpop]] = {
