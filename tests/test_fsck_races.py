@@ -244,3 +244,18 @@ def test_one_parser_for_step_directory_names() -> None:
     for name in ("step-1", "step-000000001", ".step-00000001", "step-00000001.tmp-x", ".step-00000001.tmp-",
                  ".step-00000001.old-x", "step-0000000\u0661", "step-" + "9" * 300, "catalog.db", "run"):
         assert parse_step_dirname(name) is None, name
+
+
+def test_fsck_refuses_a_root_that_vanished_and_marks_nothing(reg: Registry) -> None:
+    """A root unmounted after the registry opened must not turn every step into a 'missing payload'."""
+    import shutil
+
+    from registry.errors import RootError
+    reg.publish("run", 1, make_state(1))
+    reg.publish("run", 2, make_state(2))
+    shutil.rmtree(reg.store.root)
+    for repair in (False, True):
+        with pytest.raises(RootError, match="is not there on this host"):
+            reg.fsck(repair=repair)
+    assert {i.step: i.status for i in reg.checkpoints("run", include_deleted=True)} == {1: "verified", 2: "verified"}
+    assert not any(e.kind not in ("publish",) for e in reg.events("run"))

@@ -58,7 +58,7 @@ from typing import Any
 from registry.catalog import Catalog, FileRecord
 from registry.catalog.fsck import PayloadRecord, RowState, record_payload, set_status_if, snapshot, unchanged
 from registry.crashpoints import crashpoint
-from registry.errors import CheckpointReadError, CorruptCheckpointError, RegistryError
+from registry.errors import CheckpointReadError, CorruptCheckpointError, RegistryError, RootError
 from registry.fs.filemaps import read_json
 from registry.format.layout import scan_run, step_dirname
 from registry.format.manifest import MANIFEST, META, Manifest, read_manifest
@@ -329,6 +329,11 @@ class Fsck:
             remove_tree(path)
 
     def run(self) -> FsckReport:
+        if not self.root.is_dir():
+            # a root that is not there (an unmounted share) says nothing about the steps: judging
+            # them against it would condemn every one
+            raise RootError(f"checkpoint root {self.root} is not there on this host (is the shared filesystem "
+                            "mounted?); fsck checked and changed nothing", path=self.root)
         disk = _scan(self.root, self.failures)  # before the snapshot: see the module docstring
         rows = {(r.run, r.step): r for r in snapshot(self.catalog)}
         for key in sorted(set(disk) | set(rows)):
