@@ -296,3 +296,33 @@ def test_a_sqlite_catalog_nobody_here_may_write_opens_read_only(tmp_path: Path,
         assert_state_equal(ro.load("r").state_dict, make_state(1))
         with pytest.raises(ReadOnlyError):
             ro.publish("r", 2, make_state(2))
+
+
+def test_a_read_only_load_of_a_corrupt_latest_falls_back_once_and_records_nothing(
+        catalog_url: str, root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A verdict a read-only catalog cannot record is still a verdict: fall back, do not re-read the step."""
+    import registry.ops.reading as reading
+    with Registry.open(url=catalog_url, root=root) as reg:
+        reg.publish("r", 1, make_state(1))
+        bad = reg.publish("r", 2, make_state(2))
+        events = len(reg.events("r"))
+    weights = bad.path / "model.safetensors"
+    raw = bytearray(weights.read_bytes())
+    raw[-1] ^= 0xFF
+    weights.write_bytes(bytes(raw))
+    reads: list[Path] = []
+    real_read = reading.read_directory
+
+    def counted(path: Path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        reads.append(path)
+        return real_read(path, *args, **kwargs)
+
+    monkeypatch.setattr(reading, "read_directory", counted)
+    with Registry.open(url=catalog_url, root=root, read_only=True) as ro, \
+            pytest.warns(RuntimeWarning, match="falling back"):
+        ckpt = ro.load("r@latest")
+    assert ckpt.step == 1 and ckpt.fallback is not None and ckpt.fallback.from_step == 2
+    assert_state_equal(ckpt.state_dict, make_state(1))
+    assert [p.name for p in reads] == ["step-00000002", "step-00000001"]  # each step read once
+    with Registry.open(url=catalog_url, root=root) as reg:
+        assert reg.resolve("r@2").status == "verified" and len(reg.events("r")) == events

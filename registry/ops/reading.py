@@ -196,11 +196,13 @@ class CatalogRead:
             manifest_sha256=info.manifest_sha256, reason=str(exc))
         if not marked:
             now = self.access.catalog.get(info.run, info.step)
-            if now is None or (now.status, now.manifest_sha256) != (Status.CORRUPT, info.manifest_sha256):
+            if (now is None or now.manifest_sha256 != info.manifest_sha256
+                    or now.status not in (info.status, Status.CORRUPT)):
                 self._raced(exc)  # the row is no longer the one we checked against: a race, not corruption
                 return
-            # another reader condemned this very payload first: the same verdict, go on from it
-        log.error("%s@%s is corrupt and was marked so: %s", info.run, info.step, exc)
+            # the same payload: another reader condemned it first, or the catalog records nothing
+            # (opened read-only); either way the verdict stands, go on from it
+        log.error("%s@%s is corrupt (marked so unless the catalog is read-only): %s", info.run, info.step, exc)
         if self.ref.names_one_step or not self.fallback:
             raise exc
         self.skipped.append(Skipped(step=info.step, reason=str(exc), created_at=info.created_at))
