@@ -15,7 +15,6 @@ no permission, no file descriptors left) is ``unreadable`` and records nothing.
 
 from __future__ import annotations
 
-import errno
 import os
 import stat
 from collections.abc import Sequence
@@ -69,12 +68,7 @@ def _manifest(info: CheckpointInfo) -> tuple[Manifest | None, str]:
         return read_manifest(info.path)
     except CheckpointReadError as exc:
         raise _Unreadable(str(exc)) from None
-    except CorruptCheckpointError as exc:
-        # a failed open or read is reported as a ManifestError; the OSError behind it tells
-        # a manifest that is not there (or is a symlink) from a reader that could not read it
-        cause = exc.__context__
-        if isinstance(cause, OSError) and cause.errno not in (errno.ENOENT, errno.ELOOP):
-            raise _Unreadable(str(exc)) from None
+    except CorruptCheckpointError as exc:  # missing, a symlink, not a file, or not a valid manifest
         return None, f"{MANIFEST}: {exc}"
 
 
