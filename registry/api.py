@@ -463,12 +463,6 @@ class Registry:
         if resume:  # resuming again after publishing: a new attempt, as begin_attempt says
             self.begin_attempt(ref.run, resumed_from=step)
 
-    def load_local(self, parsed: Ref, *, verify: bool, map_location: Any, trust_pickle: bool,
-                   extras: bool | Collection[str] = True, fallback: bool = True) -> Checkpoint:
-        """Load ``parsed`` in this process only (no resume bookkeeping); see :meth:`load`."""
-        return reading.load(self._reader(), parsed, verify=verify, map_location=map_location,
-                            trust_pickle=trust_pickle, extras=check_extras(extras), fallback=fallback)
-
     def read_checked(self, info: CheckpointInfo, *, verify: bool, map_location: Any,
                      trust_pickle: bool) -> Any:
         """Read ``info``'s directory under a reader lease and match it against the catalog."""
