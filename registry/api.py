@@ -32,7 +32,8 @@ from registry.records import HAS_PAYLOAD, LIVE, CheckpointInfo, EventInfo, Metri
 from registry.format.refs import Ref, check_metric_key, check_run_name, check_step, check_tag_name, parse_ref
 from registry.ops.scrub import VerifyResult, scrub
 from registry.fs.snapshot import Snapshotter
-from registry.fs.store import Payload, Store, check_extras, now_timestamp, write_payload, writer_alive, writer_id
+from registry.fs.filemaps import check_extras
+from registry.fs.store import Payload, Store, now_timestamp, write_payload, writer_alive, writer_id
 from registry.format.tensorio import check_state_dict
 from registry.fs.validation import check_flags, check_tags, checked_payload
 

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from registry.fs.store import Loaded, Payload, check_extras, now_timestamp, read_directory, save_directory
+from registry.fs.filemaps import Loaded, check_extras, read_directory
+from registry.fs.store import Payload, now_timestamp, save_directory
 from registry.format.tensorio import check_state_dict
 from registry.fs.validation import check_manifest_fields
 

@@ -42,7 +42,7 @@ import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from registry import Registry  # noqa: E402
-from registry.fs.store import read_directory  # noqa: E402
+from registry.fs.filemaps import read_directory  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
 CHUNK = 16 << 20

@@ -44,7 +44,7 @@ from registry.crashpoints import arm
 from registry.errors import RegistryError
 from registry.format.layout import parse_hidden
 from registry.format.manifest import read_manifest
-from registry.fs.store import read_directory
+from registry.fs.filemaps import read_directory
 
 RUNS = ("r0", "r1")
 MAX_STEPS = 6  # per run; beyond it "publish" overwrites, keeping each check cheap

@@ -30,7 +30,8 @@ from registry import (Checkpoint, CorruptCheckpointError, ManifestError, Registr
                       SafetensorsFormatError, UnsafePathError, UnsafePickleError)
 from registry.format.manifest import check_file_name, parse_manifest, read_manifest
 from registry.format.pieces import MIN_PIECE_SIZE, piece_count
-from registry.fs.store import read_directory, verify_directory
+from registry.fs.filemaps import read_directory
+from registry.fs.store import verify_directory
 from registry.format.tensorio import read_safetensors_header
 from tests.helpers import assert_state_equal, make_state
 

@@ -28,8 +28,6 @@ from typing import TYPE_CHECKING, Any
 
 from registry.crashpoints import crashpoint
 from registry.errors import CorruptCheckpointError, InvalidStateError, PublishError, RootError, SafetensorsFormatError
-# the read side lives in registry.fs.filemaps; its names stay importable from here for the store's callers
-from registry.fs.filemaps import Extras, Loaded, check_extras, read_directory, read_error, select_extras  # noqa: F401
 from registry.format.layout import hidden_sibling, hidden_siblings, step_dirname
 from registry.format.manifest import (CONFIG, MANIFEST, MAX_JSON_BYTES, META, WEIGHTS, WEIGHTS_INDEX, FileEntry,
                                       Manifest, check_file_name, digest_bytes, read_manifest)

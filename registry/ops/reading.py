@@ -33,7 +33,7 @@ from registry.errors import (CheckpointDeletedError, CheckpointReadError, Corrup
                              RegistryError)
 from registry.records import LIVE, CheckpointInfo, Status
 from registry.format.refs import Ref
-from registry.fs.store import Extras, Loaded, read_directory
+from registry.fs.filemaps import Extras, Loaded, read_directory
 
 if TYPE_CHECKING:
     from registry.catalog import Catalog
