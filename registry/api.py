@@ -40,6 +40,7 @@ from registry.fs.validation import check_flags, check_tags, checked_payload
 if TYPE_CHECKING:
     import torch
 
+    from registry.ops.export import Checkout, Exported
     from registry.ops.fsck import FsckReport
     from registry.retention import Policy, RetentionPlan, RetentionResult
 
@@ -448,6 +449,36 @@ class Registry:
         if ckpt.info is not None:
             self._note_resume(parsed, ckpt.info.step, resume)
         return ckpt
+
+    def checkout(self, ref: str | Ref, dest: str | os.PathLike[str] | None = None, *,
+                 ttl: timedelta | None = None, verify: bool = True, fallback: bool = True) -> Checkout:
+        """A directory of links to ``ref``'s verified files, under a reader lease (see :mod:`registry.ops.export`).
+
+        ``dest`` must be empty or absent; by default one is made under
+        ``<root>/.registry/checkouts/`` and removed on ``close()``. The lease
+        lasts ``ttl`` (default: this registry's ``lease_ttl``); ``renew()`` it
+        for longer work. Use as a context manager or as a path.
+        """
+        from registry.ops.export import checkout
+        check_flags(verify=verify, fallback=fallback)
+        return checkout(self._reader(), parse_ref(ref), Path(dest).absolute() if dest is not None else None,
+                        ttl=ttl, verify=verify, fallback=fallback)
+
+    def export(self, ref: str | Ref, dest: str | os.PathLike[str], *, format: str = "safetensors",  # noqa: A002
+               max_shard_size: int | None = None, overwrite: bool = False,
+               trust_pickle: bool = False) -> Exported:
+        """Write ``ref``'s weights and config to ``dest`` as a standalone checkpoint (see :mod:`registry.ops.export`).
+
+        Read through :meth:`load` (verified, falling back past a corrupt
+        ``@latest``), without the extras.
+        """
+        from registry.ops.export import check_dest, check_format, export
+        check_format(format, max_shard_size)
+        check_flags(overwrite=overwrite)
+        check_dest(Path(dest), overwrite=overwrite)
+        ckpt = self.load(ref, extras=False, resume=False, trust_pickle=trust_pickle)
+        return export(ckpt, Path(dest).absolute(), format=format,  # type: ignore[arg-type]
+                      max_shard_size=max_shard_size, overwrite=overwrite)
 
     def _reader(self) -> reading.ReadAccess:
         return reading.ReadAccess(catalog=self.catalog, root=self.store.root, holder=self.writer,

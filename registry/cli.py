@@ -512,5 +512,7 @@ def fsck(state: State, repair: bool, checksums: bool, as_json: bool) -> None:
         sys.exit(1)
 
 
+import registry.cli_export  # noqa: E402, F401 - registers export and checkout on main (it imports this module)
+
 if __name__ == "__main__":  # pragma: no cover
     main()

@@ -1,0 +1,61 @@
+"""``registry export`` and ``registry checkout``: a step as a plain directory for tools that want a path.
+
+Importing this module registers them on ``registry.cli.main``. Each is one
+library call of the same name (:meth:`registry.Registry.export`,
+:meth:`registry.Registry.checkout`).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import click
+
+from registry.cli import State, command, main
+from registry.ops.policies import parse_size
+
+
+def _size(_ctx: click.Context, _param: click.Parameter, value: str | None) -> int | None:
+    if value is None:
+        return None
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+@main.command("export")
+@click.argument("ref")
+@click.argument("dest", type=click.Path(path_type=str))
+@click.option("--format", "fmt", type=click.Choice(["safetensors", "hf"]), default="safetensors", show_default=True,
+              help="One model.safetensors, or Hugging Face shards with model.safetensors.index.json.")
+@click.option("--max-shard-size", callback=_size, default=None,
+              help="Largest shard with --format hf, like 500MB or 2GiB (default 5GB).")
+@click.option("--overwrite", is_flag=True, help="Replace DEST if it is not empty.")
+@click.pass_obj
+@command
+def export(state: State, ref: str, dest: str, fmt: str, max_shard_size: int | None, overwrite: bool) -> None:
+    """Write REF's weights and config.json to DEST as a standalone checkpoint (a verified read)."""
+    done = state.registry().export(ref, dest, format=fmt, max_shard_size=max_shard_size, overwrite=overwrite)
+    click.echo(f"{done.run}@{done.step} -> {done.path} ({', '.join(done.files)})")
+
+
+@main.command("checkout")
+@click.argument("ref")
+@click.argument("dest", required=False, type=click.Path(path_type=str))
+@click.option("--ttl", type=click.IntRange(min=1), default=24 * 3600, show_default=True,
+              help="Seconds the reader lease protects the step from retention; it then expires by itself.")
+@click.option("--no-verify", is_flag=True, help="Link without checking the files against the manifest.")
+@click.pass_obj
+@command
+def checkout(state: State, ref: str, dest: str | None, ttl: int, no_verify: bool) -> None:
+    """Link REF's verified files into DEST (default: under ROOT/.registry/checkouts/) and print the directory.
+
+    The directory looks like a Hugging Face checkpoint folder. The lease is
+    left to expire after --ttl seconds, as this command exits at once; the
+    links stay usable after that (hard links keep the bytes even if the step
+    is deleted; symbolic links, used across filesystems, do not).
+    """
+    done = state.registry().checkout(ref, dest, ttl=timedelta(seconds=ttl), verify=not no_verify)
+    click.echo(str(done.path))
+
