@@ -1,0 +1,241 @@
+"""The registry in the Hugging Face ``Trainer``: every save becomes a registry step.
+
+::
+
+    cb = RegistryCallback(reg, "run", keep=KeepLast(3) | KeepBest(1, "eval_loss"))
+    trainer = Trainer(..., callbacks=[cb])
+    trainer.train(resume_from_checkpoint=cb.resume_from())  # None on a fresh start
+
+At each save the ``Trainer`` writes ``checkpoint-N`` as usual; the callback
+publishes what it wrote (the model's safetensors and ``config.json``, the
+optimizer, scheduler and scaler state, the RNG states and the trainer state)
+as ``run@N`` with the evaluation metrics of step N in the same transaction,
+then removes ``checkpoint-N`` (the registry's copy is the checkpoint now;
+``remove_trainer_checkpoints=False`` keeps it). An evaluation after step N
+was published lands as a late metric, so ``run@best:eval_loss`` re-ranks at
+once. ``save_total_limit`` is replaced by ``keep``, a retention policy
+applied after each publish (which never deletes the newest step, a tagged
+one or one being read).
+
+Resuming goes through :meth:`registry.Registry.checkout`: the newest
+verified step (falling back past a corrupt one with a warning) as a
+directory laid out as ``checkpoint-N`` is, with ``trainer_state.json`` and
+``rng_state.pth`` restored beside the linked files. Only the main process
+publishes; each process of a multi-process job checks out on its own.
+
+Non-tensor state is read back with ``torch.load(weights_only=True)``; an
+optimizer or scheduler state that needs full unpickling is refused with
+``UnsafePickleError`` unless ``trust_pickle=True``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+from concurrent.futures import Future
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from transformers import TrainerCallback
+
+from registry.errors import CheckpointNotFoundError
+from registry.integrations import numeric_metrics
+
+if TYPE_CHECKING:
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    from registry.api import Registry
+    from registry.ops.export import Checkout
+    from registry.retention import Policy
+
+TRAINER_STATE = "trainer_state.json"  # the Trainer's names for what it reads back on resume
+RNG_FILE = "rng_state.pth"
+RNG_EXTRA = "rng_state"  # published as rng_state.pt: extras are NAME.pt
+PUBLISHED_EXTRAS = ("optimizer", "scheduler", "scaler")  # the Trainer's NAME.pt files, kept under their names
+META_KEY = "hf_trainer_state"
+
+
+def _plain_rng(state: dict[str, Any]) -> dict[str, Any]:
+    """The Trainer's RNG file with numpy's state as plain numbers, so it loads with ``weights_only=True``."""
+    out = dict(state)
+    numpy_state = out.get("numpy")
+    if numpy_state is not None:
+        name, keys, pos, has_gauss, cached = numpy_state
+        out["numpy"] = (str(name), torch.from_numpy(np.asarray(keys, dtype=np.int64)), int(pos), int(has_gauss),
+                        float(cached))
+    return out
+
+
+def _read_rng(path: Path) -> dict[str, Any] | None:
+    if not path.is_file():
+        return None
+    from transformers.trainer_pt_utils import safe_globals
+    with safe_globals():  # the Trainer's own reader of this file: it allows numpy's state
+        state = torch.load(path, weights_only=True)
+    return _plain_rng(state)
+
+
+def _numpy_state(state: Any) -> Any:
+    """numpy's state tuple back from :func:`_plain_rng`'s form (the Trainer passes it to ``set_state``)."""
+    name, keys, pos, has_gauss, cached = state
+    keys = keys.numpy().astype(np.uint32) if isinstance(keys, torch.Tensor) else np.asarray(keys, dtype=np.uint32)
+    return (name, keys, pos, has_gauss, cached)
+
+
+class RegistryCallback(TrainerCallback):
+    """Publish each ``Trainer`` save to ``registry`` as ``run@global_step``; see the module docstring.
+
+    ``blocking=False`` publishes in the background (the next save, or
+    ``on_train_end``, waits for it). ``keep`` is a retention policy applied
+    after each publish.
+    """
+
+    def __init__(self, registry: Registry, run: str, *, keep: Policy | None = None, blocking: bool = True,
+                 remove_trainer_checkpoints: bool = True, trust_pickle: bool = False,
+                 tags: tuple[str, ...] = ()) -> None:
+        from registry.format.refs import check_run_name
+        check_run_name(run)
+        self.registry = registry
+        self.run = run
+        self.keep = keep
+        self.blocking = blocking
+        self.remove_trainer_checkpoints = remove_trainer_checkpoints
+        self.trust_pickle = trust_pickle
+        self.tags = tags
+        self.published: set[int] = set()
+        self.checkout: Checkout | None = None
+        self._pending: list[tuple[Any, Path]] = []  # (publish result or future, checkpoint-N directory)
+        self.resumed_at: int | None = None  # steps above it belong to the abandoned timeline: replaced
+
+    # ------------------------------------------------------------------ resume
+
+    def resume_from(self, ref: str | None = None, *, dest: str | os.PathLike[str] | None = None) -> str | None:
+        """A ``checkpoint-N`` style directory of ``ref`` (default ``RUN@latest``) for ``resume_from_checkpoint``.
+
+        None when the run has no checkpoint yet, so the same line starts a
+        fresh training and resumes a killed one. The reader lease is held
+        until training ends.
+        """
+        try:
+            checkout = self.registry.checkout(ref or f"{self.run}@latest", dest)
+        except CheckpointNotFoundError:
+            if ref is None and not _has_steps(self.registry, self.run):
+                return None
+            raise
+        try:
+            restore_trainer_files(checkout.path)
+        except BaseException:
+            checkout.close()
+            raise
+        if checkout.info.run == self.run:
+            self.registry.begin_attempt(self.run, resumed_from=checkout.step)
+            self.resumed_at = checkout.step
+        self.checkout = checkout
+        return str(checkout.path)
+
+    # ------------------------------------------------------------------ hooks
+
+    def on_evaluate(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    metrics: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        if not state.is_world_process_zero:
+            return
+        points = numeric_metrics({k: v for k, v in (metrics or {}).items() if k != "epoch"})
+        if points:  # late when the step is already published: written now, so best: re-ranks at once
+            self.registry.log_metrics(self.run, state.global_step, points,
+                                      flush=state.global_step in self.published)
+
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                **kwargs: Any) -> None:
+        if not state.is_world_process_zero:
+            return
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+        folder = Path(args.output_dir or ".") / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        self.publish_directory(folder, step=state.global_step, epoch=int(state.epoch or 0))
+
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                     **kwargs: Any) -> None:
+        if state.is_world_process_zero:
+            self.registry.wait()
+            self._remove_published(wait=True)
+            self.registry.flush(self.run)
+        if self.checkout is not None:
+            checkout, self.checkout = self.checkout, None
+            checkout.close()
+
+    # ------------------------------------------------------------------ publish
+
+    def publish_directory(self, folder: Path, *, step: int, epoch: int) -> None:
+        """Publish a ``checkpoint-N`` directory the ``Trainer`` wrote as ``run@step``, then remove it.
+
+        Read through the registry's own directory reader (weights mapped, not
+        copied; ``NAME.pt`` files with ``weights_only=True``). In the
+        background mode the directory is removed once its publish committed.
+        """
+        from registry.checkpoint import Checkpoint
+        names = [n for n in PUBLISHED_EXTRAS if (folder / f"{n}.pt").is_file()]
+        ckpt = Checkpoint.load(folder, trust_pickle=self.trust_pickle, extras=names)
+        extra = dict(ckpt.extra)
+        rng = _read_rng(folder / RNG_FILE)
+        if rng is not None:
+            extra[RNG_EXTRA] = rng
+        meta: dict[str, Any] = {}
+        if (folder / TRAINER_STATE).is_file():
+            meta[META_KEY] = json.loads((folder / TRAINER_STATE).read_text())
+        result = self.registry.publish(
+            self.run, step, ckpt.state_dict, extra=extra, config=ckpt.config, meta=meta, epoch=epoch,
+            optimizer_step=step, retention=self.keep, tags=self.tags, blocking=self.blocking,
+            trust_pickle=self.trust_pickle, overwrite=self.resumed_at is not None and step > self.resumed_at)
+        self.published.add(step)
+        if self.remove_trainer_checkpoints:
+            self._pending.append((result, folder))
+        self._remove_published()
+
+    def _remove_published(self, *, wait: bool = False) -> None:
+        """Remove the ``checkpoint-N`` directories whose publish committed; a failed one is kept."""
+        left = []
+        for result, folder in self._pending:
+            if isinstance(result, Future):
+                if not (wait or result.done()):
+                    left.append((result, folder))
+                    continue
+                if result.exception() is not None:
+                    warnings.warn(f"{folder} is kept: publishing it failed: {result.exception()}", RuntimeWarning,
+                                  stacklevel=2)
+                    continue
+            shutil.rmtree(folder, ignore_errors=True)
+        self._pending = left
+
+
+def _has_steps(registry: Registry, run: str) -> bool:
+    """Whether ``run`` has any step in the catalog, whatever its status (a fresh start has none)."""
+    try:
+        return bool(registry.checkpoints(run, include_deleted=True))
+    except CheckpointNotFoundError:
+        return False
+
+
+def restore_trainer_files(directory: Path) -> None:
+    """Give a checked-out step the files the ``Trainer`` reads on resume under its own names.
+
+    ``trainer_state.json`` is written from the step's ``meta.json``;
+    ``rng_state.pth`` is written from the ``rng_state`` extra in the
+    Trainer's numpy form. The weights, ``config.json``, ``optimizer.pt`` and
+    ``scheduler.pt`` are the linked files themselves.
+    """
+    meta = json.loads((directory / "meta.json").read_text())
+    state = meta.get(META_KEY)
+    if isinstance(state, dict):
+        (directory / TRAINER_STATE).write_text(json.dumps(state, indent=2))
+    rng_file = directory / f"{RNG_EXTRA}.pt"
+    if rng_file.is_file():
+        rng = torch.load(rng_file, weights_only=True)
+        if "numpy" in rng:
+            rng["numpy"] = _numpy_state(rng["numpy"])
+        torch.save(rng, directory / RNG_FILE)
+
+
+__all__ = ["RegistryCallback", "restore_trainer_files"]
