@@ -1,0 +1,278 @@
+"""The registry in PyTorch Lightning: a callback that publishes, a ``CheckpointIO`` that resumes.
+
+::
+
+    ckpt = RegistryCheckpoint(reg, "run", every_n_epochs=1, keep=KeepLast(3) | KeepBest(2, "val_loss"))
+    trainer = L.Trainer(callbacks=[ckpt], enable_checkpointing=False)
+    trainer.fit(model, data, ckpt_path=ckpt.resume_path())  # "registry:run@latest", None on a fresh start
+
+:class:`RegistryCheckpoint` publishes ``run@global_step`` every N steps or
+epochs through ``trainer.save_checkpoint``, so Lightning assembles its full
+checkpoint (model, optimizers, schedulers, loops, callbacks' state,
+hyper-parameters) as it does for a file, with ``trainer.callback_metrics``
+committed in the same transaction; validation metrics that arrive after the
+step was published are logged as late metrics. ``keep`` (a retention
+policy) replaces ``save_top_k``, and never deletes the newest step, a
+tagged step, or one being read. It also saves the RNG states (torch, numpy,
+Python) in its own callback state, so a resumed run draws what the
+uninterrupted one would have.
+
+:class:`RegistryCheckpointIO` (installed by the callback at ``setup``, or
+passed as ``plugins=[...]``) writes ``registry:RUN@STEP`` targets to the
+registry and reads ``registry:REF`` paths from it: ``ckpt_path=
+"registry:run@latest"`` resumes the newest verified step, falling back past
+a corrupt one with a warning. Any other path goes to the ``CheckpointIO``
+it wraps (Lightning's default). On disk, the weights are the step's
+``model.safetensors``, the optimizer states the ``optimizer`` extra, every
+other part that is plain data (loops, schedulers, hyper-parameters) JSON in
+``meta.json``, and what is not (a callback's tensors) the ``lightning``
+extra, read back with ``torch.load(weights_only=True)``: a part that needs
+full unpickling is refused with ``UnsafePickleError`` unless
+``trust_pickle=True``.
+
+Distributed (DDP): global rank 0 publishes (Lightning's strategy calls the
+``CheckpointIO`` there only) and every rank waits at the barrier after it;
+a resume loads with ``broadcast=True``, so rank 0 resolves and verifies one
+step and every rank restores that very step. Sharded strategies (FSDP,
+DeepSpeed) are not handled here.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.pytorch.plugins.io.torch_plugin import TorchCheckpointIO
+
+from registry.errors import CheckpointNotFoundError, InvalidStateError, UnsafePickleError
+from registry.format.refs import parse_ref
+from registry.integrations import numeric_metrics
+
+if TYPE_CHECKING:
+    from registry.api import Registry
+    from registry.retention import Policy
+
+PREFIX = "registry:"
+META_KEY = "lightning"  # meta.json: the plain-data parts of Lightning's checkpoint
+EXTRA_REST = "lightning"  # lightning.pt: the parts that are not plain data
+EXTRA_OPTIMIZERS = "optimizer"  # optimizer.pt: the list of optimizer states
+
+
+def is_registry_path(path: object) -> bool:
+    return isinstance(path, str) and path.startswith(PREFIX)
+
+
+def _is_plain(value: Any) -> bool:
+    """Whether ``value`` survives a JSON round trip unchanged (types included)."""
+    if value is None or isinstance(value, (bool, str)):
+        return True
+    if isinstance(value, int):
+        return True
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if type(value) is list:
+        return all(_is_plain(v) for v in value)
+    if isinstance(value, dict) and (type(value) is dict or type(value).__name__ == "AttributeDict"):
+        return all(isinstance(k, str) and _is_plain(v) for k, v in value.items())
+    return False
+
+
+def split_checkpoint(checkpoint: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any],
+                                                              dict[str, Any]]:
+    """Lightning's checkpoint as (weights, the JSON parts, the extras)."""
+    plain: dict[str, Any] = {}
+    rest: dict[str, Any] = {}
+    extra: dict[str, Any] = {}
+    for key, value in checkpoint.items():
+        if key == "state_dict":
+            continue
+        if key == "optimizer_states":
+            extra[EXTRA_OPTIMIZERS] = value
+        elif _is_plain(value):
+            plain[key] = dict(value) if isinstance(value, dict) else value
+        else:
+            rest[key] = value
+    if rest:
+        extra[EXTRA_REST] = rest
+    return dict(checkpoint.get("state_dict", {})), plain, extra
+
+
+class RegistryCheckpointIO(CheckpointIO):
+    """Lightning's ``CheckpointIO`` for ``registry:`` paths; anything else goes to ``wrapped``."""
+
+    def __init__(self, registry: Registry, *, trust_pickle: bool = False,
+                 wrapped: CheckpointIO | None = None) -> None:
+        self.registry = registry
+        self.trust_pickle = trust_pickle
+        self.wrapped = wrapped if wrapped is not None else TorchCheckpointIO()
+        self.loaded_step: int | None = None
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        if not is_registry_path(path):
+            self.wrapped.save_checkpoint(checkpoint, path, storage_options=storage_options)
+            return
+        ref = parse_ref(path[len(PREFIX):])
+        if ref.kind != "step" or ref.step is None:
+            raise InvalidStateError(f"save to {path!r}: name one step, as registry:RUN@STEP")
+        options = dict(storage_options or {})
+        state, plain, extra = split_checkpoint(checkpoint)
+        try:
+            self.registry.publish(
+                ref.run, ref.step, state, extra=extra, meta={META_KEY: plain},
+                config=plain.get("hyper_parameters") or {}, epoch=int(checkpoint.get("epoch", 0)),
+                optimizer_step=int(checkpoint.get("global_step", ref.step)), trust_pickle=self.trust_pickle,
+                **options)
+        except UnsafePickleError as exc:
+            raise UnsafePickleError(f"{exc}; for Lightning pass RegistryCheckpoint(..., trust_pickle=True) "
+                                    "(or RegistryCheckpointIO(..., trust_pickle=True))") from None
+
+    def load_checkpoint(self, path: Any, map_location: Any | None = None,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        if not is_registry_path(path):
+            return self.wrapped.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        broadcast = torch.distributed.is_available() and torch.distributed.is_initialized()
+        try:
+            ckpt = self.registry.load(path[len(PREFIX):], broadcast=broadcast, trust_pickle=self.trust_pickle,
+                                      map_location="cpu" if map_location is None else map_location)
+        except UnsafePickleError as exc:
+            raise UnsafePickleError(f"{exc}; for Lightning pass RegistryCheckpoint(..., trust_pickle=True) "
+                                    "(or RegistryCheckpointIO(..., trust_pickle=True))") from None
+        out: dict[str, Any] = dict(ckpt.meta.get(META_KEY) or {})
+        out.update(ckpt.extra.get(EXTRA_REST) or {})
+        out["state_dict"] = ckpt.state_dict
+        if EXTRA_OPTIMIZERS in ckpt.extra:
+            out["optimizer_states"] = ckpt.extra[EXTRA_OPTIMIZERS]
+        self.loaded_step = ckpt.step
+        return out
+
+    def remove_checkpoint(self, path: Any) -> None:
+        if not is_registry_path(path):  # the registry's retention removes steps, never Lightning
+            self.wrapped.remove_checkpoint(path)
+
+    def teardown(self) -> None:
+        self.wrapped.teardown()
+
+
+def _rng_state() -> dict[str, Any]:
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    version, internal, gauss = random.getstate()
+    return {"torch": torch.get_rng_state(), "python": [version, list(internal), gauss],
+            "numpy": [str(name), torch.from_numpy(np.asarray(keys, dtype=np.int64)), int(pos), int(has_gauss),
+                      float(cached)]}
+
+
+def _set_rng_state(state: Mapping[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+
+
+class RegistryCheckpoint(pl.Callback):
+    """Publish Lightning's checkpoint to ``registry`` as ``run@global_step``; see the module docstring.
+
+    ``every_n_steps`` publishes after that many optimizer steps (in
+    ``on_train_batch_end``), ``every_n_epochs`` at the end of that many
+    epochs (default 1 when neither is given). ``blocking=False`` publishes in
+    the background (snapshotting the tensors first), so training goes on
+    while the files are written and fsync'd.
+    """
+
+    def __init__(self, registry: Registry, run: str, *, every_n_steps: int | None = None,
+                 every_n_epochs: int | None = None, keep: Policy | None = None, blocking: bool = True,
+                 trust_pickle: bool = False, save_rng: bool = True) -> None:
+        from registry.format.refs import check_run_name
+        check_run_name(run)
+        for name, value in (("every_n_steps", every_n_steps), ("every_n_epochs", every_n_epochs)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise InvalidStateError(f"{name} must be a positive integer, got {value!r}")
+        self.registry = registry
+        self.run = run
+        self.every_n_steps = every_n_steps
+        self.every_n_epochs = every_n_epochs if every_n_epochs is not None or every_n_steps else 1
+        self.keep = keep
+        self.blocking = blocking
+        self.save_rng = save_rng
+        self.io = RegistryCheckpointIO(registry, trust_pickle=trust_pickle)
+        self.published: set[int] = set()
+        self.resumed_at: int | None = None
+
+    @property
+    def state_key(self) -> str:
+        return f"RegistryCheckpoint[{self.run}]"
+
+    def resume_path(self, ref: str | None = None) -> str | None:
+        """``registry:RUN@latest`` (or ``ref``) for ``ckpt_path``; None when the run has no step yet."""
+        if ref is None:
+            try:
+                if not self.registry.checkpoints(self.run, include_deleted=True):
+                    return None
+            except CheckpointNotFoundError:
+                return None
+            return f"{PREFIX}{self.run}@latest"
+        return ref if ref.startswith(PREFIX) else PREFIX + ref
+
+    # ------------------------------------------------------------------ hooks
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        current = trainer.strategy.checkpoint_io
+        if not isinstance(current, RegistryCheckpointIO):
+            self.io.wrapped = current
+            trainer.strategy.checkpoint_io = self.io
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        step = trainer.global_step
+        if self.every_n_steps and step > 0 and step % self.every_n_steps == 0 and step not in self.published:
+            self.publish(trainer)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        epochs = trainer.current_epoch + 1
+        if self.every_n_epochs and epochs % self.every_n_epochs == 0 and trainer.global_step not in self.published:
+            self.publish(trainer)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        step = trainer.global_step
+        if trainer.sanity_checking or step not in self.published or not trainer.is_global_zero:
+            return
+        # validation after the step was published: late metrics, written now so best: re-ranks at once
+        self.registry.wait()
+        points = numeric_metrics(trainer.callback_metrics)
+        if points:
+            self.registry.log_metrics(self.run, step, points, flush=True)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.is_global_zero:
+            self.registry.wait()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rng": _rng_state()} if self.save_rng else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.save_rng and "rng" in state_dict:
+            _set_rng_state(state_dict["rng"])
+        step = self.io.loaded_step
+        if step is not None and self.resumed_at is None:
+            self.resumed_at = step
+            self.registry.begin_attempt(self.run, resumed_from=step)
+
+    # ------------------------------------------------------------------ publish
+
+    def publish(self, trainer: pl.Trainer) -> None:
+        """Publish the trainer's full checkpoint as ``run@global_step`` (rank 0 writes; all ranks must call)."""
+        step = trainer.global_step
+        options = {"metrics": numeric_metrics(trainer.callback_metrics), "retention": self.keep,
+                   "blocking": self.blocking,
+                   "overwrite": self.resumed_at is not None and step > self.resumed_at}
+        trainer.save_checkpoint(f"{PREFIX}{self.run}@{step}", storage_options=options)
+        self.published.add(step)
+
+
+__all__ = ["PREFIX", "RegistryCheckpoint", "RegistryCheckpointIO", "is_registry_path", "split_checkpoint"]

@@ -1,0 +1,108 @@
+"""A child process for the Lightning tests: a tiny regression model, trained on the CPU.
+
+``python tests/_lightning_worker.py ROOT first``: trains run ``full`` for four
+epochs, then run ``crash``, which SIGKILLs itself right after epoch 2's
+publish committed. ``... ROOT resume``: resumes ``crash`` from
+``registry:crash@latest`` and ``full`` (whose newest step the test corrupted).
+``... ROOT ddp``: one rank of a two-rank gloo job (the test sets the
+environment) that trains, then resumes from the registry. Each prints JSON
+lines of results.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from registry import Registry
+from registry.integrations.lightning import RegistryCheckpoint
+from registry.retention import KeepBest, KeepLast
+
+warnings.filterwarnings("ignore")
+
+
+class Model(pl.LightningModule):
+    def __init__(self, lr: float = 0.05) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Dropout(0.1),
+                                       torch.nn.Linear(8, 1))
+        self.losses: dict[int, float] = {}
+
+    def training_step(self, batch: Any, idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = ((self.net(x) - y) ** 2).mean()
+        self.losses[self.trainer.global_step] = float(loss)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: Any, idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", ((self.net(x) - y) ** 2).mean(), sync_dist=True)
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 3, gamma=0.5)}
+
+
+def data() -> tuple[DataLoader[Any], DataLoader[Any]]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(24, 4, generator=g)
+    y = x.sum(1, keepdim=True) + 0.1 * torch.randn(24, 1, generator=g)
+    return DataLoader(TensorDataset(x, y), batch_size=6, shuffle=True), DataLoader(TensorDataset(x, y), batch_size=12)
+
+
+class KillAfterEpoch(pl.Callback):
+    def __init__(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.current_epoch == self.epoch:  # after RegistryCheckpoint's hook: the publish has committed
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def fit(reg: Registry, run: str, *, epochs: int = 4, kill: int | None = None, **trainer_args: Any) -> dict[str, Any]:
+    torch.manual_seed(1)
+    ckpt = RegistryCheckpoint(reg, run, every_n_epochs=1, keep=KeepLast(1) | KeepBest(1, "val_loss"))
+    callbacks: list[pl.Callback] = [ckpt] + ([KillAfterEpoch(kill)] if kill is not None else [])
+    trainer = pl.Trainer(max_epochs=epochs, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                         callbacks=callbacks, deterministic=True, **trainer_args)
+    model = Model()
+    train, val = data()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, train, val, ckpt_path=ckpt.resume_path())
+    return {"losses": model.losses, "resumed_at": ckpt.io.loaded_step,
+            "fell_back": [str(w.message) for w in caught if "falling back" in str(w.message)],
+            "weights": float(sum(p.double().sum() for p in model.parameters())), "rank": trainer.global_rank,
+            "epoch": trainer.current_epoch}
+
+
+def main(root: Path, mode: str) -> None:
+    if mode == "ddp":
+        with Registry.open(root=root) as reg:
+            first = fit(reg, "ddp", epochs=2, devices=2, strategy="ddp")
+            again = fit(reg, "ddp", epochs=3, devices=2, strategy="ddp")
+            print(json.dumps({"first": first, "again": again}), flush=True)
+        return
+    with Registry.open(root=root) as reg:
+        if mode == "first":
+            print(json.dumps({"full": fit(reg, "full")}), flush=True)
+            fit(reg, "crash", kill=1)
+        else:
+            print(json.dumps({"crash": fit(reg, "crash"), "full": fit(reg, "full")}), flush=True)
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2])
