@@ -73,7 +73,7 @@ class KillAfterEpoch(pl.Callback):
 
 def fit(reg: Registry, run: str, *, epochs: int = 4, kill: int | None = None, **trainer_args: Any) -> dict[str, Any]:
     torch.manual_seed(1)
-    ckpt = RegistryCheckpoint(reg, run, every_n_epochs=1, keep=KeepLast(1) | KeepBest(1, "val_loss"))
+    ckpt = RegistryCheckpoint(reg, run, every_n_epochs=1, keep=KeepLast(2) | KeepBest(1, "val_loss"))
     callbacks: list[pl.Callback] = [ckpt] + ([KillAfterEpoch(kill)] if kill is not None else [])
     trainer = pl.Trainer(max_epochs=epochs, accelerator="cpu", logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
