@@ -223,9 +223,24 @@ class RegistryCheckpoint(pl.Callback):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         current = trainer.strategy.checkpoint_io
-        if not isinstance(current, RegistryCheckpointIO):
+        if isinstance(current, RegistryCheckpointIO):
+            self.io = current  # the user's own, passed as a plugin
+        else:
             self.io.wrapped = current
             trainer.strategy.checkpoint_io = self.io
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """After a resume from the registry: steps above the resumed one belong to the abandoned timeline.
+
+        They are replaced when this attempt publishes them again (say, a
+        corrupt newest step the resume fell back past), and the metrics that
+        the dead attempt logged for them stop counting (``begin_attempt``).
+        """
+        step = self.io.loaded_step
+        if step is not None and self.resumed_at is None:
+            self.resumed_at = step
+            if trainer.is_global_zero:
+                self.registry.begin_attempt(self.run, resumed_from=step)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -243,7 +258,6 @@ class RegistryCheckpoint(pl.Callback):
         if trainer.sanity_checking or step not in self.published or not trainer.is_global_zero:
             return
         # validation after the step was published: late metrics, written now so best: re-ranks at once
-        self.registry.wait()
         points = numeric_metrics(trainer.callback_metrics)
         if points:
             self.registry.log_metrics(self.run, step, points, flush=True)
@@ -258,10 +272,6 @@ class RegistryCheckpoint(pl.Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.save_rng and "rng" in state_dict:
             _set_rng_state(state_dict["rng"])
-        step = self.io.loaded_step
-        if step is not None and self.resumed_at is None:
-            self.resumed_at = step
-            self.registry.begin_attempt(self.run, resumed_from=step)
 
     # ------------------------------------------------------------------ publish
 

@@ -277,7 +277,8 @@ def export(ckpt: Checkpoint, dest: Path, *, format: ExportFormat = "safetensors"
 
     ``format="safetensors"``: one ``model.safetensors``; ``format="hf"``:
     Hugging Face shards of at most ``max_shard_size`` bytes (default 5 GB)
-    and ``model.safetensors.index.json``. Either way with ``config.json``,
+    and ``model.safetensors.index.json``, or one ``model.safetensors`` when
+    the weights fit one shard, as ``save_pretrained`` writes them. Either way with ``config.json``,
     ``meta.json`` (epoch, step, source) and a ``manifest.json``, so the
     registry can import it back. Extras (optimizer state) are left out.
     """
@@ -291,6 +292,8 @@ def export(ckpt: Checkpoint, dest: Path, *, format: ExportFormat = "safetensors"
         meta["exported_from"] = f"{ckpt.info.run}@{ckpt.info.step}"
     out = Checkpoint(state_dict=ckpt.state_dict, epoch=ckpt.epoch, consumed_samples=ckpt.consumed_samples,
                      meta=meta, config=ckpt.config, policy_version=ckpt.policy_version)
+    if shard is not None and sum(t.numel() * t.element_size() for t in ckpt.state_dict.values()) <= shard:
+        shard = None  # as ``save_pretrained`` does: weights that fit one shard are one ``model.safetensors``
     out.save(dest, max_shard_size=shard)
     files = tuple(sorted(p.name for p in dest.iterdir()))
     return Exported(run=ckpt.info.run if ckpt.info else None, step=ckpt.step, path=dest, format=format,
