@@ -81,11 +81,26 @@ class _Arena:
     offsets: list[int] = field(default_factory=list)  # where each view starts in the buffer
 
     def views_for(self, layout: tuple[tuple[torch.dtype, torch.Size], ...]) -> list[torch.Tensor]:
+        """Tensors over the arena's bytes, one per ``(dtype, shape)``, each with a storage of exactly its bytes.
+
+        Own storages, as :func:`registry.format.tensorio.tensors_in` gives a
+        loaded file's tensors: ``torch.save`` of an extra writes a tensor's
+        whole storage, so plain slices of the arena would put every tensor of
+        the snapshot into every ``.pt`` file (and refuse tensors of two dtypes).
+        """
+        import torch
         if layout != self.layout:
             views, offsets, offset = [], [], 0
+            array = self.buffer.numpy()
             for dtype, shape in layout:
                 nbytes = shape.numel() * dtype.itemsize
-                views.append(self.buffer[offset:offset + nbytes].view(dtype).view(shape))
+                if nbytes == 0:
+                    view = torch.empty(shape, dtype=dtype)
+                else:
+                    view = torch.frombuffer(array[offset:offset + nbytes], dtype=dtype)
+                    if len(shape) != 1:
+                        view.resize_(shape)  # in place: the same bytes, no view keeping a base alive
+                views.append(view)
                 offsets.append(offset)
                 offset += _align(nbytes)
             self.layout, self.views, self.offsets = layout, views, offsets
