@@ -132,3 +132,24 @@ def test_non_plain_state_needs_trust_pickle(tmp_path: Path) -> None:
         assert torch.equal(back["state_dict"]["w"], torch.ones(2))
         meta = json.loads((reg.resolve("run@3").path / "meta.json").read_text())
         assert meta["lightning"]["loops"] == {"fit_loop": {"x": 1}} and "callbacks" not in meta["lightning"]
+
+
+def test_step_publishes_get_their_own_validation_metrics_late(tmp_path: Path) -> None:
+    import lightning.pytorch as pl
+
+    from registry.integrations.lightning import RegistryCheckpoint
+    from tests._lightning_worker import Model, data
+    with Registry.open(root=tmp_path / "root") as reg:
+        ckpt = RegistryCheckpoint(reg, "steps", every_n_steps=2)
+        trainer = pl.Trainer(max_epochs=2, accelerator="cpu", logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, callbacks=[ckpt])
+        train, val = data()
+        trainer.fit(Model(), train, val)  # 4 steps an epoch, validation at its end: steps 4 and 8
+        infos = {i.step: i.metrics for i in reg.checkpoints("steps")}
+        assert sorted(infos) == [2, 4, 6, 8]
+        assert all("train_loss" in m for m in infos.values())
+        # validated after their publish: late metrics; steps 2 and 6 never get an older step's score
+        assert "val_loss" in infos[4] and "val_loss" in infos[8]
+        assert "val_loss" not in infos[2] and "val_loss" not in infos[6]
+        best = min((4, 8), key=lambda s: infos[s]["val_loss"])
+        assert reg.resolve("steps@best:val_loss").step == best

@@ -203,6 +203,9 @@ class RegistryCheckpoint(pl.Callback):
         self.io = RegistryCheckpointIO(registry, trust_pickle=trust_pickle)
         self.published: set[int] = set()
         self.resumed_at: int | None = None
+        self._val_keys: set[str] = set()  # what validation logs (learnt at the first one, the sanity check too)
+        self._keys_before: set[str] = set()
+        self._validated: tuple[int, dict[str, float]] | None = None  # a validation's step and values, not yet sent
 
     @property
     def state_key(self) -> str:
@@ -253,18 +256,39 @@ class RegistryCheckpoint(pl.Callback):
         if self.every_n_epochs and epochs % self.every_n_epochs == 0 and trainer.global_step not in self.published:
             self.publish(trainer)
 
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._keys_before = set(trainer.callback_metrics)
+
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        step = trainer.global_step
-        if trainer.sanity_checking or step not in self.published or not trainer.is_global_zero:
+        """Remember which metrics validation logs, and give this validation's values to its own step.
+
+        ``callback_metrics`` keeps a validation's values until the next
+        validation, so a publish between two validations would otherwise
+        record the older weights' scores as its own. They go to the step
+        that was validated: as late metrics when it is already published,
+        with its publish when that comes next, else as points of their own.
+        """
+        self._val_keys |= set(trainer.callback_metrics) - self._keys_before
+        if trainer.sanity_checking or not trainer.is_global_zero:
             return
-        # validation after the step was published: late metrics, written now so best: re-ranks at once
-        points = numeric_metrics(trainer.callback_metrics)
-        if points:
-            self.registry.log_metrics(self.run, step, points, flush=True)
+        step = trainer.global_step
+        points = numeric_metrics({k: v for k, v in trainer.callback_metrics.items() if k in self._val_keys})
+        if self._validated is not None and self._validated[0] != step:
+            self.registry.log_metrics(self.run, *self._validated)  # never published: kept at its own step
+        self._validated = None
+        if not points:
+            return
+        if step in self.published:
+            self.registry.log_metrics(self.run, step, points, flush=True)  # late: best: re-ranks at once
+        else:
+            self._validated = (step, points)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.is_global_zero:
             self.registry.wait()
+            if self._validated is not None:  # the last validation's step was never published
+                self.registry.log_metrics(self.run, *self._validated, flush=True)
+                self._validated = None
 
     def state_dict(self) -> dict[str, Any]:
         return {"rng": _rng_state()} if self.save_rng else {}
@@ -276,10 +300,21 @@ class RegistryCheckpoint(pl.Callback):
     # ------------------------------------------------------------------ publish
 
     def publish(self, trainer: pl.Trainer) -> None:
-        """Publish the trainer's full checkpoint as ``run@global_step`` (rank 0 writes; all ranks must call)."""
+        """Publish the trainer's full checkpoint as ``run@global_step`` (rank 0 writes; all ranks must call).
+
+        With it go the training metrics of ``callback_metrics`` and the
+        validation metrics only if validation ran at this very step.
+        """
         step = trainer.global_step
-        options = {"metrics": numeric_metrics(trainer.callback_metrics), "retention": self.keep,
-                   "blocking": self.blocking,
+        metrics = numeric_metrics({k: v for k, v in trainer.callback_metrics.items() if k not in self._val_keys})
+        if self._validated is not None:
+            validated, points = self._validated
+            if validated == step:
+                metrics.update(points)
+            elif trainer.is_global_zero:
+                self.registry.log_metrics(self.run, validated, points)  # an older step's: its own points
+            self._validated = None
+        options = {"metrics": metrics, "retention": self.keep, "blocking": self.blocking,
                    "overwrite": self.resumed_at is not None and step > self.resumed_at}
         trainer.save_checkpoint(f"{PREFIX}{self.run}@{step}", storage_options=options)
         self.published.add(step)
