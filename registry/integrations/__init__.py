@@ -16,9 +16,12 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from registry.format.refs import METRIC_KEY_RE
+
+if TYPE_CHECKING:
+    from registry.api import Registry
 
 
 def numeric_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float]:
@@ -42,4 +45,18 @@ def numeric_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float]:
     return out
 
 
-__all__ = ["numeric_metrics"]
+def has_checkpoint(registry: Registry, run: str) -> bool:
+    """Whether ``run`` has a step with a payload to resume from (or to fail loudly on, when corrupt).
+
+    A fresh run has none, and so has one whose only publishes failed or were
+    interrupted (a ``staging`` row): both start from scratch.
+    """
+    from registry.errors import CheckpointNotFoundError
+    from registry.records import HAS_PAYLOAD
+    try:
+        return any(info.status in HAS_PAYLOAD for info in registry.checkpoints(run))
+    except CheckpointNotFoundError:  # no such run yet
+        return False
+
+
+__all__ = ["has_checkpoint", "numeric_metrics"]

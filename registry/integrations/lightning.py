@@ -50,9 +50,9 @@ import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.pytorch.plugins.io.torch_plugin import TorchCheckpointIO
 
-from registry.errors import CheckpointNotFoundError, InvalidStateError, UnsafePickleError
+from registry.errors import InvalidStateError, UnsafePickleError
 from registry.format.refs import parse_ref
-from registry.integrations import numeric_metrics
+from registry.integrations import has_checkpoint, numeric_metrics
 
 if TYPE_CHECKING:
     from registry.api import Registry
@@ -214,12 +214,7 @@ class RegistryCheckpoint(pl.Callback):
     def resume_path(self, ref: str | None = None) -> str | None:
         """``registry:RUN@latest`` (or ``ref``) for ``ckpt_path``; None when the run has no step yet."""
         if ref is None:
-            try:
-                if not self.registry.checkpoints(self.run, include_deleted=True):
-                    return None
-            except CheckpointNotFoundError:
-                return None
-            return f"{PREFIX}{self.run}@latest"
+            return f"{PREFIX}{self.run}@latest" if has_checkpoint(self.registry, self.run) else None
         return ref if ref.startswith(PREFIX) else PREFIX + ref
 
     # ------------------------------------------------------------------ hooks

@@ -42,8 +42,8 @@ import numpy as np
 import torch
 from transformers import TrainerCallback
 
-from registry.errors import CheckpointNotFoundError
-from registry.integrations import numeric_metrics
+from registry.errors import CheckpointNotFoundError, InvalidStateError
+from registry.integrations import has_checkpoint, numeric_metrics
 
 if TYPE_CHECKING:
     from transformers import TrainerControl, TrainerState, TrainingArguments
@@ -123,7 +123,7 @@ class RegistryCallback(TrainerCallback):
         try:
             checkout = self.registry.checkout(ref or f"{self.run}@latest", dest)
         except CheckpointNotFoundError:
-            if ref is None and not _has_steps(self.registry, self.run):
+            if ref is None and not has_checkpoint(self.registry, self.run):
                 return None
             raise
         try:
@@ -138,6 +138,19 @@ class RegistryCallback(TrainerCallback):
         return str(checkout.path)
 
     # ------------------------------------------------------------------ hooks
+
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                       **kwargs: Any) -> None:
+        if not self.remove_trainer_checkpoints:
+            return
+        if args.load_best_model_at_end:
+            raise InvalidStateError("load_best_model_at_end needs the Trainer's checkpoint-N directories: pass "
+                                    "RegistryCallback(..., remove_trainer_checkpoints=False), or load "
+                                    f"'{self.run}@best:eval_loss' from the registry after training")
+        if args.save_total_limit:
+            warnings.warn("save_total_limit has no effect with RegistryCallback: the checkpoint-N directories "
+                          "are removed once published; pass keep= (a retention policy) instead", UserWarning,
+                          stacklevel=2)
 
     def on_evaluate(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     metrics: dict[str, Any] | None = None, **kwargs: Any) -> None:
@@ -208,14 +221,6 @@ class RegistryCallback(TrainerCallback):
                     continue
             shutil.rmtree(folder, ignore_errors=True)
         self._pending = left
-
-
-def _has_steps(registry: Registry, run: str) -> bool:
-    """Whether ``run`` has any step in the catalog, whatever its status (a fresh start has none)."""
-    try:
-        return bool(registry.checkpoints(run, include_deleted=True))
-    except CheckpointNotFoundError:
-        return False
 
 
 def restore_trainer_files(directory: Path) -> None:
