@@ -28,7 +28,8 @@ from registry.retention import KeepBest, KeepLast  # noqa: E402
 
 class Tokens(torch.utils.data.Dataset):  # type: ignore[type-arg]
     def __init__(self, n: int, seed: int) -> None:
-        self.rows = (torch.arange(32) + torch.randint(0, 128, (n, 1), generator=torch.Generator().manual_seed(seed))) % 128
+        starts = torch.randint(0, 128, (n, 1), generator=torch.Generator().manual_seed(seed))
+        self.rows = (torch.arange(32) + starts) % 128  # runs of consecutive tokens: quick to learn
 
     def __len__(self) -> int:
         return len(self.rows)
