@@ -465,8 +465,7 @@ class Registry:
                         ttl=ttl, verify=verify, fallback=fallback)
 
     def export(self, ref: str | Ref, dest: str | os.PathLike[str], *, format: str = "safetensors",  # noqa: A002
-               max_shard_size: int | None = None, overwrite: bool = False,
-               trust_pickle: bool = False) -> Exported:
+               max_shard_size: int | None = None, overwrite: bool = False) -> Exported:
         """Write ``ref``'s weights and config to ``dest`` as a standalone checkpoint (see :mod:`registry.ops.export`).
 
         Read through :meth:`load` (verified, falling back past a corrupt
@@ -476,7 +475,7 @@ class Registry:
         check_format(format, max_shard_size)
         check_flags(overwrite=overwrite)
         check_dest(Path(dest), overwrite=overwrite)
-        ckpt = self.load(ref, extras=False, resume=False, trust_pickle=trust_pickle)
+        ckpt = self.load(ref, extras=False, resume=False)  # no extra is read, so none needs trusting
         return export(ckpt, Path(dest).absolute(), format=format,  # type: ignore[arg-type]
                       max_shard_size=max_shard_size, overwrite=overwrite)
 

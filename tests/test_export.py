@@ -116,3 +116,16 @@ def test_cli_export_and_checkout(reg: Registry, cli, tmp_path: Path) -> None:  #
     assert reg.catalog.leased_steps("run") == {2}  # left to expire: the command has exited
     out = cli("export", "run@1", str(tmp_path / "hf"))
     assert out.exit_code == 1 and "not empty" in out.output
+
+
+def test_an_expired_checkout_lease_protects_nothing_and_hard_links_outlive_the_step(reg: Registry,
+                                                                                    tmp_path: Path) -> None:
+    from datetime import timedelta
+    publish_two(reg)
+    reg.publish("run", 3, make_state(3))
+    co = reg.checkout("run@1", tmp_path / "co", ttl=timedelta(0))  # as a dead reader's lease is, once past its ttl
+    assert reg.catalog.leased_steps("run") == set()
+    assert 1 in reg.apply_retention("run", KeepLast(1)).deleted
+    assert not reg.resolve("run@latest").path.with_name("step-00000001").exists()
+    assert_state_equal(st.load_file(str(tmp_path / "co" / "model.safetensors")), make_state(1))
+    co.close()
