@@ -137,16 +137,19 @@ def test_non_plain_state_needs_trust_pickle(tmp_path: Path) -> None:
 def test_step_publishes_get_their_own_validation_metrics_late(tmp_path: Path) -> None:
     import lightning.pytorch as pl
 
-    from registry.integrations.lightning import RegistryCheckpoint
+    from registry.integrations.lightning import RegistryCheckpoint, RegistryCheckpointIO
     from tests._lightning_worker import Model, data
     with Registry.open(root=tmp_path / "root") as reg:
-        ckpt = RegistryCheckpoint(reg, "steps", every_n_steps=2)
+        ckpt = RegistryCheckpoint(reg, "steps", every_n_steps=2, blocking=False)  # published in the background
         trainer = pl.Trainer(max_epochs=2, accelerator="cpu", logger=False, enable_checkpointing=False,
                              enable_progress_bar=False, enable_model_summary=False, callbacks=[ckpt])
         train, val = data()
         trainer.fit(Model(), train, val)  # 4 steps an epoch, validation at its end: steps 4 and 8
+        assert {i.status for i in reg.checkpoints("steps")} == {"verified"}
         infos = {i.step: i.metrics for i in reg.checkpoints("steps")}
         assert sorted(infos) == [2, 4, 6, 8]
+        restored = RegistryCheckpointIO(reg).load_checkpoint("registry:steps@8")  # mixed dtypes: RNG, optimizer
+        assert restored["global_step"] == 8 and len(restored["optimizer_states"]) == 1
         assert all("train_loss" in m for m in infos.values())
         # validated after their publish: late metrics; steps 2 and 6 never get an older step's score
         assert "val_loss" in infos[4] and "val_loss" in infos[8]
