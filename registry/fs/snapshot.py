@@ -81,26 +81,11 @@ class _Arena:
     offsets: list[int] = field(default_factory=list)  # where each view starts in the buffer
 
     def views_for(self, layout: tuple[tuple[torch.dtype, torch.Size], ...]) -> list[torch.Tensor]:
-        """Tensors over the arena's bytes, one per ``(dtype, shape)``, each with a storage of exactly its bytes.
-
-        Own storages, as :func:`registry.format.tensorio.tensors_in` gives a
-        loaded file's tensors: ``torch.save`` of an extra writes a tensor's
-        whole storage, so plain slices of the arena would put every tensor of
-        the snapshot into every ``.pt`` file (and refuse tensors of two dtypes).
-        """
-        import torch
         if layout != self.layout:
             views, offsets, offset = [], [], 0
-            array = self.buffer.numpy()
             for dtype, shape in layout:
                 nbytes = shape.numel() * dtype.itemsize
-                if nbytes == 0:
-                    view = torch.empty(shape, dtype=dtype)
-                else:
-                    view = torch.frombuffer(array[offset:offset + nbytes], dtype=dtype)
-                    if len(shape) != 1:
-                        view.resize_(shape)  # in place: the same bytes, no view keeping a base alive
-                views.append(view)
+                views.append(self.buffer[offset:offset + nbytes].view(dtype).view(shape))
                 offsets.append(offset)
                 offset += _align(nbytes)
             self.layout, self.views, self.offsets = layout, views, offsets
@@ -124,6 +109,26 @@ class _Arena:
         runs = [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
         for done in [_COPY_POOL.submit(_copy_run, self.views[a:b], sources[a:b]) for a, b in runs]:
             done.result()
+
+    def owned(self, index: int) -> torch.Tensor:
+        """The bytes of view ``index`` as a tensor whose storage is exactly those bytes (no copy).
+
+        For the tensors of ``extra``: ``torch.save`` writes a tensor's whole
+        storage, so a view of the arena would put the whole snapshot into
+        every ``.pt`` file (and ``torch.save`` refuses two dtypes over one
+        storage). Built as :func:`registry.format.tensorio.tensors_in` builds
+        a loaded file's tensors.
+        """
+        import torch
+        view = self.views[index]
+        nbytes = view.numel() * view.element_size()
+        if nbytes == 0:
+            return torch.empty(view.shape, dtype=view.dtype)
+        start = self.offsets[index]
+        tensor = torch.frombuffer(self.buffer.numpy()[start:start + nbytes], dtype=view.dtype)
+        if view.dim() != 1:
+            tensor.resize_(view.shape)  # in place: the same bytes, no view keeping a base alive
+        return tensor
 
     @property
     def size(self) -> int:
@@ -217,7 +222,11 @@ class Snapshotter:
             copies = {key: view for key, view in zip(found, views)}
             memo: dict[int, Any] = {}
             snap_state = {name: copies[id(t)] for name, t in state_dict.items()}
-            snap_extra = {key: _rebuild(value, copies, memo, torch.Tensor) for key, value in extra.items()}
+            in_extra: dict[int, torch.Tensor] = {}
+            _tensors(extra, in_extra, torch.Tensor)
+            index = {key: i for i, key in enumerate(found)}
+            owned = {key: arena.owned(index[key]) for key in in_extra}  # extras are pickled: own storages
+            snap_extra = {key: _rebuild(value, owned, memo, torch.Tensor) for key, value in extra.items()}
         except BaseException:
             self._put(arena)
             raise
