@@ -129,3 +129,19 @@ def test_an_expired_checkout_lease_protects_nothing_and_hard_links_outlive_the_s
     assert not reg.resolve("run@latest").path.with_name("step-00000001").exists()
     assert_state_equal(st.load_file(str(tmp_path / "co" / "model.safetensors")), make_state(1))
     co.close()
+
+
+def test_checkout_tells_a_missing_file_from_a_missing_directory(reg: Registry, tmp_path: Path) -> None:
+    from registry.errors import CheckpointReadError
+    publish_two(reg)
+    step2 = reg.resolve("run@2").path
+    moved = step2.with_name("elsewhere")
+    step2.rename(moved)  # as an unmounted root looks: this reader's trouble, not the step's
+    with pytest.raises(CheckpointReadError, match="nothing was marked"):
+        reg.checkout("run@latest", tmp_path / "a")
+    assert reg.catalog.get("run", 2).status == "verified"  # type: ignore[union-attr]
+    moved.rename(step2)
+    (step2 / "optimizer.pt").unlink()  # a file the manifest lists is gone: the step is damaged
+    with pytest.warns(RuntimeWarning, match="falling back"), reg.checkout("run@latest", tmp_path / "b") as co:
+        assert co.step == 1
+    assert reg.catalog.get("run", 2).status == "corrupt"  # type: ignore[union-attr]

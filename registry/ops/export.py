@@ -35,9 +35,10 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Literal
 
-from registry.errors import CheckpointDeletedError, InvalidStateError, RegistryError, RootError
-from registry.format.manifest import MANIFEST
-from registry.fs.filemaps import map_directory
+from registry.errors import (CheckpointDeletedError, CheckpointReadError, CorruptCheckpointError, InvalidStateError,
+                             RegistryError, RootError)
+from registry.format.manifest import MANIFEST, read_manifest
+from registry.fs.filemaps import map_directory, read_error
 from registry.fs.store import REGISTRY_DIR
 from registry.ops.reading import CatalogRead, ReadAccess, report
 
@@ -199,7 +200,13 @@ def checkout(access: ReadAccess, ref: Ref, dest: Path | None = None, *, ttl: tim
             try:
                 manifest_files = _listed(info.path)
                 target, made = _target(access, info, dest)
-                links = _link_all(info.path, manifest_files, target)
+                try:
+                    links = _link_all(info.path, manifest_files, target)
+                except FileNotFoundError as exc:  # a file the manifest lists is gone: the step is damaged
+                    raise CorruptCheckpointError(f"checkpoint file is missing: {exc.filename}",
+                                                 path=info.path) from exc
+                except OSError as exc:
+                    raise read_error(info.path, exc) from exc
                 map_directory(info.path, extras=True, verify=verify, expected_digest=info.manifest_sha256)
             except RegistryError as exc:
                 if target is not None:
@@ -222,9 +229,14 @@ def checkout(access: ReadAccess, ref: Ref, dest: Path | None = None, *, ttl: tim
 
 
 def _listed(directory: Path) -> list[str]:
-    """The files a checkout links: the manifest and what it lists (whatever a load would read)."""
-    from registry.fs.filemaps import read_error
-    from registry.format.manifest import read_manifest
+    """The files a checkout links: the manifest and what it lists (whatever a load would read).
+
+    A directory that is not there is this reader's trouble (an unmounted
+    root), never evidence against the step.
+    """
+    if not directory.is_dir():
+        raise CheckpointReadError(f"checkpoint directory is missing: {directory}", errno=errno.ENOENT,
+                                  path=directory)
     try:
         manifest, _ = read_manifest(directory)
     except FileNotFoundError as exc:
