@@ -89,9 +89,9 @@ def _numpy_state(state: Any) -> Any:
 class RegistryCallback(TrainerCallback):
     """Publish each ``Trainer`` save to ``registry`` as ``run@global_step``; see the module docstring.
 
-    ``blocking=False`` publishes in the background (the next save, or
-    ``on_train_end``, waits for it). ``keep`` is a retention policy applied
-    after each publish.
+    ``blocking=False`` publishes in the background (``on_train_end`` waits
+    for it; a ``checkpoint-N`` directory is removed once its publish
+    committed). ``keep`` is a retention policy applied after each publish.
     """
 
     def __init__(self, registry: Registry, run: str, *, keep: Policy | None = None, blocking: bool = True,
