@@ -734,6 +734,15 @@ class Catalog:
                                 attempt=r.attempt_id, current=not r.superseded) for r in rows]
         return self.read(fn)
 
+    def metric_keys(self, run: str) -> list[str]:
+        """The keys ``run`` has current metric points for, sorted: what a curve may be drawn of."""
+        def fn(conn: Connection) -> list[str]:
+            run_id = self.require_run(conn, run)
+            query = (select(Metric.key).where(Metric.run_id == run_id, Metric.superseded.is_(False))
+                     .distinct().order_by(Metric.key))
+            return list(conn.execute(query).scalars())
+        return self.read(fn)
+
     def files(self, run: str, step: int) -> list[FileRecord]:
         def fn(conn: Connection) -> list[FileRecord]:
             run_id = self.require_run(conn, run)
