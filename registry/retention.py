@@ -27,6 +27,7 @@ running gc again (or ``fsck --repair``) completes the job.
 from __future__ import annotations
 
 import difflib
+import logging
 import os
 import shutil
 import sys
@@ -47,6 +48,8 @@ from registry.format.manifest import MANIFEST, MAX_MANIFEST_BYTES, digest_bytes,
 from registry.records import LIVE, RANKABLE, CheckpointInfo, Status, human_bytes
 from registry.format.refs import check_metric_key, check_run_name
 from registry.fs.store import fsync_dir
+
+log = logging.getLogger(__name__)
 
 
 class RetentionWarning(RuntimeWarning):
@@ -635,6 +638,8 @@ def _execute(scope: RetentionScope, plan: RetentionPlan) -> RetentionResult:
     if marked:
         crashpoint("gc-after-mark")
     for row in marked:
+        log.info("retention deleted %s@%d (%d bytes): %s", plan.run, row.step, row.total_bytes,
+                 plan.delete.get(row.step, "not kept"))
         try:
             remove_checkpoint_dir(scope.root / row.path, row.manifest_sha256)
         except OSError as exc:

@@ -9,6 +9,7 @@ serialization failures and deadlocks, so none of those reach the caller.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -180,6 +181,9 @@ class _SqliteFile:
                                "restore it from a backup or open the registry again", path=self.path)
 
 
+log = logging.getLogger(__name__)
+
+
 class Catalog:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -321,6 +325,7 @@ class Catalog:
         (a crashed trainer that is now resuming) is taken over.
         """
         def fn(conn: Connection) -> Claim:
+            taken_from.clear()  # a retried transaction starts over
             run_id = self.lookup_run(conn, run, create=True)
             assert run_id is not None
             now = utcnow()
@@ -348,8 +353,13 @@ class Catalog:
             previous = row.status if row.status != Status.STAGING else None
             if row.status == Status.STAGING:
                 self.record_event(conn, run_id, step, "takeover", actor=writer, dead_writer=row.writer)
+                taken_from.append(row.writer)
             return Claim(checkpoint_id=row.id, run_id=run_id, previous_status=previous)
-        return self.write(fn)
+        taken_from: list[str | None] = []
+        claim: Claim = self.write(fn)
+        if taken_from:
+            log.info("%s@%d: took over the staging row of dead writer %s", run, step, taken_from[-1])
+        return claim
 
     def check_claimable(self, run: str, step: int, *, overwrite: bool,
                         writer_alive: WriterAlive = lambda _writer, _at: True) -> None:

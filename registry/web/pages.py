@@ -48,7 +48,8 @@ def runs_page(runs: Sequence[dict[str, Any]], *, metric: str) -> str:
             + _cell(r["latest_verified_step"], r["latest_verified_step"])
             + _cell(None if value is None else f"{value:.6g}", value)
             + _cell(human_bytes(r["total_bytes"]), r["total_bytes"])
-            + _cell(format_time(created), stamp) + _cell(format_age(created), -stamp if stamp is not None else None) + "</tr>")
+            + _cell(format_time(created), stamp)
+            + _cell(format_age(created), -stamp if stamp is not None else None) + "</tr>")
     heads = ["run", "checkpoints", "last step", "latest verified", f"best {metric}" if metric else "best",
              "size", "created", "age"]
     header = "".join(f'<th data-col="{i}" tabindex="0">{escape(h)}</th>' for i, h in enumerate(heads))
