@@ -42,6 +42,11 @@ class State:
                                            rebind_root=rebind_root)
         return self._registry
 
+    def progress(self, as_json: bool) -> Any:
+        """Progress bars on stderr for long work: on a terminal only, never with --json or --quiet."""
+        from registry.terminal import progress_bar
+        return progress_bar(enabled=not (as_json or self.quiet))
+
     def close(self) -> None:
         if self._registry is not None:
             self._registry.close()
@@ -438,7 +443,8 @@ def metrics(state: State, run: str, key: str | None, history: bool, plot: bool, 
 @command
 def verify(state: State, targets: tuple[str, ...], as_json: bool) -> None:
     """Re-hash checkpoints (every live step of a RUN, or one REF); exit 1 unless every one is verified."""
-    results = state.registry().verify(*targets)
+    with state.progress(as_json) as bar:
+        results = state.registry().verify(*targets, progress=bar)
     if as_json:
         from registry.views import verify_doc
         emit_json(verify_doc(results))
@@ -488,7 +494,8 @@ def gc(state: State, run: str, keep_last: int | None, keep_best: tuple[str, ...]
         raise click.UsageError("say what to keep: --keep-last, --keep-best, --keep-every, --max-bytes "
                                "or --policy (gc never guesses)")
     plan = state.registry().plan_retention(run, policy, allow_missing_metrics=allow_missing_metric)
-    result = None if dry_run else plan.execute()
+    with state.progress(as_json) as bar:
+        result = None if dry_run else plan.execute(progress=bar)
     if as_json:
         from registry.views import gc_doc
         emit_json(gc_doc(plan, dry_run=dry_run, result=result))
@@ -528,8 +535,9 @@ def gc(state: State, run: str, keep_last: int | None, keep_best: tuple[str, ...]
 def import_(state: State, path: str, run: str, step: int, move: bool, overwrite: bool,
             tags: tuple[str, ...], as_json: bool) -> None:
     """Adopt the checkpoint directory PATH (reference, legacy or Hugging Face layout) as RUN@STEP."""
-    info = state.registry().import_checkpoint(path, run=run, step=step, move=move, overwrite=overwrite,
-                                              tags=tags)
+    with state.progress(as_json) as bar:
+        info = state.registry().import_checkpoint(path, run=run, step=step, move=move, overwrite=overwrite,
+                                                  tags=tags, progress=bar)
     if as_json:
         emit_json(info.to_json())
         return
@@ -549,7 +557,8 @@ def import_(state: State, path: str, run: str, step: int, move: bool, overwrite:
 def fsck(state: State, repair: bool, checksums: bool, as_json: bool) -> None:
     """Reconcile the catalog with the checkpoint root; exit 1 if problems remain unrepaired."""
     from registry.ops.fsck import iter_lines
-    report = state.registry().fsck(repair=repair, checksums=checksums)
+    with state.progress(as_json) as bar:
+        report = state.registry().fsck(repair=repair, checksums=checksums, progress=bar)
     if as_json:
         emit_json(report.to_json())
     else:

@@ -9,6 +9,7 @@ None (the default) costs nothing.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,7 +29,7 @@ ProgressFn = Callable[[ProgressEvent], None]
 
 
 class Counter:
-    """Adds up work done towards a known total and reports each advance; a no-op without a callback."""
+    """Adds up work done towards a total and reports each advance; a no-op without a callback; thread-safe."""
 
     def __init__(self, progress: ProgressFn | None, *, task: str, total: int | None, unit: str = "bytes") -> None:
         self.progress = progress
@@ -36,10 +37,13 @@ class Counter:
         self.total = total
         self.unit = unit
         self.done = 0
+        self._lock = threading.Lock()
 
     def advance(self, amount: int, *, item: str | None = None) -> None:
-        self.done += amount
-        if self.progress is not None:
+        if self.progress is None:
+            return
+        with self._lock:  # one event at a time, in order, from whichever thread did the work
+            self.done += amount
             self.progress(ProgressEvent(task=self.task, done=self.done, total=self.total, unit=self.unit, item=item))
 
 

@@ -92,13 +92,17 @@ def plot(points: Sequence[MetricPoint], checkpoints: Sequence[CheckpointInfo], *
 def progress_bar(*, enabled: bool) -> Iterator[ProgressFn | None]:
     """A :data:`~registry.progress.ProgressFn` that draws ``rich`` bars on stderr, or None when off.
 
-    Off unless stderr is a terminal: piped output and ``--json`` stay clean.
+    Off unless stderr is a terminal: piped output and ``--json`` stay clean;
+    off too without ``rich`` (the ``ui`` extra): bars are a nicety, never a reason to fail.
     """
+    try:
+        import rich.progress as rich_progress
+        from rich.console import Console
+    except ImportError:
+        enabled = False
     if not enabled or not sys.stderr.isatty():
         yield None
         return
-    rich_progress = require("rich.progress", "progress bars")
-    from rich.console import Console
     bars = rich_progress.Progress(
         rich_progress.TextColumn("{task.description}"), rich_progress.BarColumn(),
         rich_progress.DownloadColumn(), rich_progress.TransferSpeedColumn(), rich_progress.TimeRemainingColumn(),

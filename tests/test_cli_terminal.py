@@ -102,3 +102,26 @@ def test_publish_is_logged_not_printed(reg: Registry, caplog: pytest.LogCaptureF
     assert any(r.getMessage().startswith("retention deleted alpha@1") for r in caplog.records)
     assert all(r.name.startswith("registry") for r in caplog.records)
     assert capsys.readouterr() == ("", "")
+
+
+def test_long_work_reports_progress(reg: Registry, tmp_path: Path) -> None:
+    from registry.progress import ProgressEvent
+    from tests.helpers import write_hf_sharded
+    events: list[ProgressEvent] = []
+    for step in (1, 2, 3):
+        reg.publish("alpha", step, make_state(step))
+    sizes = sum(i.total_bytes for i in reg.checkpoints("alpha"))
+    assert all(r.ok for r in reg.verify("alpha", progress=events.append))
+    verify = [e for e in events if e.task == "verify"]
+    assert verify and verify[-1].total == sizes and verify[-1].done <= sizes
+    assert [e.done for e in verify] == sorted(e.done for e in verify) and verify[-1].item.startswith("alpha@")
+    events.clear()
+    assert not reg.fsck(checksums=True, progress=events.append).problems
+    assert events and events[-1].task == "fsck" and events[-1].done > 0
+    events.clear()
+    write_hf_sharded(tmp_path / "hf")
+    reg.import_checkpoint(tmp_path / "hf", run="alpha", step=4, progress=events.append)
+    assert events[-1].task == "import" and events[-1].done == events[-1].total > 0
+    events.clear()
+    reg.plan_retention("alpha", KeepLast(1)).execute(progress=events.append)
+    assert [e.done for e in events if e.task == "gc"][-1] == 3 and events[-1].unit == "checkpoints"
