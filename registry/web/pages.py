@@ -69,12 +69,12 @@ def run_page(run: str, keys: Sequence[str]) -> str:
             f'<div class="bar"><label>metric <select id="key">{options}</select></label>'
             '<span id="curve-note" class="note"></span></div>'
             '<div id="chart" class="chart"></div><div id="legend" class="legend"></div>'
-            '<h2>Checkpoints</h2><table id="checkpoints"><thead><tr><th>step</th><th>status</th><th>tags</th>'
-            '<th>value</th><th>size</th><th>created</th></tr></thead><tbody></tbody></table>'
             '<h2>Retention preview <small>read-only: nothing is deleted</small></h2>'
             '<form id="retention" class="bar"><input id="policy" size="48" '
             'placeholder="keep-last 3, keep-best eval/loss 2, keep-every 1000, max-bytes 10G">'
             '<button>preview</button></form><div id="plan"></div>'
+            '<h2>Checkpoints</h2><table id="checkpoints"><thead><tr><th>step</th><th>status</th><th>tags</th>'
+            '<th>value</th><th>size</th><th>created</th></tr></thead><tbody></tbody></table>'
             '<h2>Events</h2><ol id="events" class="timeline"></ol>')
     return layout(run, body, scripts=["chart.js", "run.js"])
 
