@@ -15,7 +15,7 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, Literal
 
 from registry.errors import CheckpointNotFoundError, InvalidNameError, RegistryError
-from registry.format.refs import check_metric_key, parse_ref
+from registry.format.refs import check_metric_key, check_run_name, parse_ref
 from registry.records import ENDED, NO_PAYLOAD, CheckpointInfo, EventInfo, MetricPoint, Status
 
 if TYPE_CHECKING:
@@ -76,13 +76,19 @@ def runs_doc(reg: Registry, *, sort_by: str | None = None) -> list[dict[str, Any
     are compared exactly as the ``best:`` ref ranks their checkpoints.
     """
     sort = parse_sort(sort_by)
+    runs = reg.runs()
+    refs = [parse_ref(f"{r.name}@latest") for r in runs]
+    if sort is not None:
+        refs += [parse_ref(f"{r.name}@best:{sort[0]}:{sort[1]}") for r in runs]
+    found = reg.catalog.resolve_each(refs)  # one transaction, not two round trips per run
     docs = []
-    for run in reg.runs():
+    for i, run in enumerate(runs):
         doc = run.to_json()
-        doc["latest_verified_step"] = _resolved_step(reg, f"{run.name}@latest")
+        latest = found[i]
+        doc["latest_verified_step"] = latest.step if latest else None
         if sort is not None:
             metric, mode = sort
-            best = _resolved(reg, f"{run.name}@best:{metric}:{mode}")
+            best = found[len(runs) + i]
             doc["best"] = {"metric": metric, "mode": mode, "step": best.step if best else None,
                            "value": best.metrics.get(metric) if best else None}
         docs.append(doc)
@@ -90,18 +96,6 @@ def runs_doc(reg: Registry, *, sort_by: str | None = None) -> list[dict[str, Any
         sign = -1.0 if sort[1] == "max" else 1.0
         docs.sort(key=lambda d: (d["best"]["value"] is None, sign * (d["best"]["value"] or 0.0), d["name"]))
     return docs
-
-
-def _resolved(reg: Registry, ref: str) -> CheckpointInfo | None:
-    try:
-        return reg.resolve(ref)
-    except CheckpointNotFoundError:
-        return None
-
-
-def _resolved_step(reg: Registry, ref: str) -> int | None:
-    info = _resolved(reg, ref)
-    return info.step if info is not None else None
 
 
 def checkpoints_doc(infos: Iterable[CheckpointInfo]) -> list[dict[str, Any]]:
@@ -261,7 +255,8 @@ def run_view(reg: Registry, run: str, *, key: str | None = None,
     ``total_points`` says how many there were. Each checkpoint carries the
     curve's value at its step (None where the metric was not logged there).
     """
-    infos = reg.checkpoints(run, include_deleted=True)
+    check_run_name(run)
+    infos = reg.catalog.checkpoints(run, include_deleted=True, with_metrics=False)  # the curve has the values
     keys = reg.catalog.metric_keys(run)
     if key is None and keys:
         key = "eval/loss" if "eval/loss" in keys else keys[0]

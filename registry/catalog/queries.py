@@ -273,8 +273,9 @@ class Catalog:
         conn.execute(insert(Event).values(run_id=run_id, step=step, kind=kind, actor=actor,
                                           detail=json.dumps(detail, sort_keys=True), created_at=utcnow()))
 
-    def checkpoint_infos(self, conn: Connection, run: str, rows: Sequence[Any]) -> list[CheckpointInfo]:
-        """Checkpoint rows of one run as records, with their current metrics and tags."""
+    def checkpoint_infos(self, conn: Connection, run: str, rows: Sequence[Any], *,
+                         with_metrics: bool = True) -> list[CheckpointInfo]:
+        """Checkpoint rows of one run as records, with their tags and (unless not asked for) current metrics."""
         if not rows:
             return []
         run_id = rows[0].run_id
@@ -282,7 +283,7 @@ class Catalog:
         steps = [r.step for r in rows]
         metrics: dict[int, dict[str, float]] = {}
         tags: dict[int, list[str]] = {}
-        if len(rows) == 1:  # resolve's case: one round trip for both, it is most of resolve's cost
+        if len(rows) == 1 and with_metrics:  # resolve's case: one round trip for both, it is most of resolve's cost
             one = rows[0]
             found: Sequence[Any] = conn.execute(union_all(
                 select(literal_column("'m'").label("kind"), Metric.key.label("name"), Metric.value.label("value"),
@@ -302,7 +303,7 @@ class Catalog:
             for step, key, value in conn.execute(
                     select(Metric.step, Metric.key, Metric.value)
                     .where(Metric.run_id == run_id, Metric.step.in_(step_chunk), Metric.superseded.is_(False))
-                    .order_by(Metric.id)):
+                    .order_by(Metric.id)) if with_metrics else ():
                 metrics.setdefault(step, {})[key] = value
             for cid, name in conn.execute(select(Tag.checkpoint_id, Tag.name)
                                           .where(Tag.checkpoint_id.in_(id_chunk)).order_by(Tag.name)):
@@ -668,6 +669,17 @@ class Catalog:
             return self.checkpoint_infos(conn, ref.run, [row])[0]
         return self.read(fn)
 
+    def resolve_each(self, refs: Sequence[Ref]) -> list[CheckpointInfo | None]:
+        """:meth:`resolve` of many refs in one read transaction; None where one names no step (a runs table)."""
+        def fn(conn: Connection) -> list[CheckpointInfo | None]:
+            found: list[CheckpointInfo | None] = []
+            for ref in refs:
+                row = conn.execute(self.resolve_query(ref)[0]).first()
+                ok = row is not None and (ref.kind not in ("tag", "step") or row.status in HAS_PAYLOAD)
+                found.append(self.checkpoint_infos(conn, ref.run, [row])[0] if ok else None)
+            return found
+        return self.read(fn)
+
     def next_after(self, run: str, after_step: int | None, *, newest: bool = False,
                    statuses: Sequence[str] = (Status.VERIFIED,),
                    min_policy_version: int | None = None) -> CheckpointInfo | None:
@@ -703,7 +715,8 @@ class Catalog:
 
     def checkpoints(self, run: str, *, include_deleted: bool = False,
                     statuses: Sequence[str] | None = None,
-                    policy_version: int | None = None) -> list[CheckpointInfo]:
+                    policy_version: int | None = None, with_metrics: bool = True) -> list[CheckpointInfo]:
+        """The checkpoints of ``run`` by step; ``with_metrics=False`` leaves ``metrics`` empty (a chart's marks)."""
         def fn(conn: Connection) -> list[CheckpointInfo]:
             run_id = self.require_run(conn, run)
             query = select(CheckpointRow.__table__).where(CheckpointRow.run_id == run_id)
@@ -714,7 +727,7 @@ class Catalog:
             if policy_version is not None:
                 query = query.where(CheckpointRow.policy_version == policy_version)
             rows = conn.execute(query.order_by(CheckpointRow.step)).all()
-            return self.checkpoint_infos(conn, run, rows)
+            return self.checkpoint_infos(conn, run, rows, with_metrics=with_metrics)
         return self.read(fn)
 
     def runs(self) -> list[RunInfo]:
