@@ -256,19 +256,18 @@ def run_view(reg: Registry, run: str, *, key: str | None = None,
     curve's value at its step (None where the metric was not logged there).
     """
     check_run_name(run)
-    infos = reg.catalog.checkpoints(run, include_deleted=True, with_metrics=False)  # the curve has the values
+    marks = reg.catalog.checkpoint_marks(run)
     keys = reg.catalog.metric_keys(run)
     if key is None and keys:
         key = "eval/loss" if "eval/loss" in keys else keys[0]
-    raw = [(p.step, p.value) for p in reg.metrics(run, key)] if key is not None else []
+    raw = reg.catalog.curve(run, check_metric_key(key)) if key is not None else []
     values = dict(raw)
-    steps = [i.step for i in infos]
-    curve = downsample(raw, buckets=max(1, max_points // 2), keep_steps=steps)
+    curve = downsample(raw, buckets=max(1, max_points // 2), keep_steps=[m[0] for m in marks])
     return {
         "run": run, "key": key, "keys": keys,
-        "checkpoints": [{"step": i.step, "status": str(i.status), "tags": list(i.tags),
-                         "total_bytes": i.total_bytes, "value": values.get(i.step),
-                         "created_at": i.created_at.isoformat() if i.created_at else None} for i in infos],
+        "checkpoints": [{"step": step, "status": status, "tags": list(tags), "total_bytes": size,
+                         "value": values.get(step), "created_at": created.isoformat() if created else None}
+                        for step, status, size, created, tags in marks],
         "curve": {"points": [[s, v if math.isfinite(v) else None] for s, v in curve],
                   "total_points": len(raw), "downsampled": len(curve) < len(raw)},
         "events": events_doc(reg.events(run)),

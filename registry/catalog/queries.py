@@ -273,9 +273,8 @@ class Catalog:
         conn.execute(insert(Event).values(run_id=run_id, step=step, kind=kind, actor=actor,
                                           detail=json.dumps(detail, sort_keys=True), created_at=utcnow()))
 
-    def checkpoint_infos(self, conn: Connection, run: str, rows: Sequence[Any], *,
-                         with_metrics: bool = True) -> list[CheckpointInfo]:
-        """Checkpoint rows of one run as records, with their tags and (unless not asked for) current metrics."""
+    def checkpoint_infos(self, conn: Connection, run: str, rows: Sequence[Any]) -> list[CheckpointInfo]:
+        """Checkpoint rows of one run as records, with their current metrics and tags."""
         if not rows:
             return []
         run_id = rows[0].run_id
@@ -283,7 +282,7 @@ class Catalog:
         steps = [r.step for r in rows]
         metrics: dict[int, dict[str, float]] = {}
         tags: dict[int, list[str]] = {}
-        if len(rows) == 1 and with_metrics:  # resolve's case: one round trip for both, it is most of resolve's cost
+        if len(rows) == 1:  # resolve's case: one round trip for both, it is most of resolve's cost
             one = rows[0]
             found: Sequence[Any] = conn.execute(union_all(
                 select(literal_column("'m'").label("kind"), Metric.key.label("name"), Metric.value.label("value"),
@@ -303,7 +302,7 @@ class Catalog:
             for step, key, value in conn.execute(
                     select(Metric.step, Metric.key, Metric.value)
                     .where(Metric.run_id == run_id, Metric.step.in_(step_chunk), Metric.superseded.is_(False))
-                    .order_by(Metric.id)) if with_metrics else ():
+                    .order_by(Metric.id)):
                 metrics.setdefault(step, {})[key] = value
             for cid, name in conn.execute(select(Tag.checkpoint_id, Tag.name)
                                           .where(Tag.checkpoint_id.in_(id_chunk)).order_by(Tag.name)):
@@ -715,8 +714,7 @@ class Catalog:
 
     def checkpoints(self, run: str, *, include_deleted: bool = False,
                     statuses: Sequence[str] | None = None,
-                    policy_version: int | None = None, with_metrics: bool = True) -> list[CheckpointInfo]:
-        """The checkpoints of ``run`` by step; ``with_metrics=False`` leaves ``metrics`` empty (a chart's marks)."""
+                    policy_version: int | None = None) -> list[CheckpointInfo]:
         def fn(conn: Connection) -> list[CheckpointInfo]:
             run_id = self.require_run(conn, run)
             query = select(CheckpointRow.__table__).where(CheckpointRow.run_id == run_id)
@@ -727,7 +725,7 @@ class Catalog:
             if policy_version is not None:
                 query = query.where(CheckpointRow.policy_version == policy_version)
             rows = conn.execute(query.order_by(CheckpointRow.step)).all()
-            return self.checkpoint_infos(conn, run, rows, with_metrics=with_metrics)
+            return self.checkpoint_infos(conn, run, rows)
         return self.read(fn)
 
     def runs(self) -> list[RunInfo]:
@@ -755,6 +753,35 @@ class Catalog:
             rows = conn.execute(query.order_by(Metric.step, Metric.key, Metric.id)).all()
             return [MetricPoint(step=r.step, key=r.key, value=r.value, logged_at=aware(r.logged_at),
                                 attempt=r.attempt_id, current=not r.superseded) for r in rows]
+        return self.read(fn)
+
+    def curve(self, run: str, key: str) -> list[tuple[int, float]]:
+        """The current ``(step, value)`` points of one metric by step: :meth:`metrics` without the records."""
+        def fn(conn: Connection) -> list[tuple[int, float]]:
+            run_id = self.require_run(conn, run)
+            rows = conn.execute(select(Metric.step, Metric.value)
+                                .where(Metric.run_id == run_id, Metric.key == key, Metric.superseded.is_(False))
+                                .order_by(Metric.step, Metric.id))
+            return [(int(step), float(value)) for step, value in rows]
+        return self.read(fn)
+
+    def checkpoint_marks(self, run: str) -> list[tuple[int, str, int, datetime | None, tuple[str, ...]]]:
+        """Every checkpoint of ``run``, any status, by step, as ``(step, status, total_bytes, created_at, tags)``.
+
+        What a chart marks, for runs of any length: :meth:`checkpoints` builds a
+        full record per step, which a run of 10,000 steps cannot afford per page view.
+        """
+        def fn(conn: Connection) -> list[tuple[int, str, int, datetime | None, tuple[str, ...]]]:
+            run_id = self.require_run(conn, run)
+            c = CheckpointRow
+            tags: dict[int, list[str]] = {}
+            for step, name in conn.execute(select(c.step, Tag.name).join(Tag, Tag.checkpoint_id == c.id)
+                                           .where(Tag.run_id == run_id).order_by(Tag.name)):
+                tags.setdefault(step, []).append(name)
+            rows = conn.execute(select(c.step, c.status, c.total_bytes, c.created_at)
+                                .where(c.run_id == run_id).order_by(c.step))
+            return [(r.step, str(r.status), int(r.total_bytes or 0), aware(r.created_at), tuple(tags.get(r.step, ())))
+                    for r in rows]
         return self.read(fn)
 
     def metric_keys(self, run: str) -> list[str]:
