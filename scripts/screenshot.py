@@ -23,7 +23,7 @@ def main() -> None:
             build_site(reg)
         with Registry.open(url=url, root=root, read_only=True, create=False) as ro, \
                 background_server(create_app(ro)) as base:
-            driver = browser()
+            driver = browser(Path(tmp))
             try:
                 screenshot_run_page(driver, base, out)
             finally:

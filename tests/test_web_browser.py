@@ -47,7 +47,7 @@ def page(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         site = build_site(reg)
     with Registry.open(url=url, root=tmp / "ckpt", read_only=True, create=False) as ro, \
             background_server(create_app(ro)) as base:
-        driver = browser()
+        driver = browser(tmp)
         try:
             yield {"base": base, "driver": driver, "url": url, "root": tmp / "ckpt", "site": site,
                    "shots": tmp_path_factory.mktemp(f"ui-screens-{request.param}")}

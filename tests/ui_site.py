@@ -50,8 +50,11 @@ def build_site(reg: Registry) -> Site:
                 dense_points=len(reg.metrics("alpha", "train/loss")))
 
 
-def browser(download_dir: Path | None = None):  # type: ignore[no-untyped-def]
-    """Headless Debian chromium through its own chromedriver; nothing is ever downloaded."""
+def browser(scratch: Path):  # type: ignore[no-untyped-def]
+    """Headless Debian chromium through its own chromedriver; nothing is ever downloaded.
+
+    Its profile and temporary files go to ``scratch`` (chromium leaves empty directories in $TMPDIR).
+    """
     import os
 
     from selenium import webdriver
@@ -62,7 +65,8 @@ def browser(download_dir: Path | None = None):  # type: ignore[no-untyped-def]
     for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
                 "--window-size=1280,1100", "--hide-scrollbars", "--no-first-run", "--disable-extensions"):
         options.add_argument(arg)
-    return webdriver.Chrome(service=Service(executable_path=str(CHROMEDRIVER)), options=options)
+    service = Service(executable_path=str(CHROMEDRIVER), env={**os.environ, "TMPDIR": str(scratch)})
+    return webdriver.Chrome(service=service, options=options)
 
 
 def wait_for(driver, script: str, *, timeout: float = 20.0):  # type: ignore[no-untyped-def]
