@@ -125,3 +125,25 @@ def test_long_work_reports_progress(reg: Registry, tmp_path: Path) -> None:
     events.clear()
     reg.plan_retention("alpha", KeepLast(1)).execute(progress=events.append)
     assert [e.done for e in events if e.task == "gc"][-1] == 3 and events[-1].unit == "checkpoints"
+
+
+def test_progress_bars_only_on_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    from registry.cli import State
+    from registry.progress import ProgressEvent
+    from registry.terminal import progress_bar
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+    terminal = Terminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+    with progress_bar(enabled=True) as bar:
+        assert bar is not None
+        bar(ProgressEvent(task="verify", done=50, total=100, item="alpha@3"))
+    assert "verify alpha@3" in terminal.getvalue()
+    for state, as_json in ((State(None, None, quiet=True), False), (State(None, None), True)):
+        with state.progress(as_json) as bar:
+            assert bar is None
+    monkeypatch.setattr("sys.stderr", io.StringIO())  # piped
+    with progress_bar(enabled=True) as bar:
+        assert bar is None

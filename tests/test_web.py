@@ -173,3 +173,18 @@ def test_only_loopback_binds_without_a_token(site: tuple[str, Path, Site]) -> No
     result = CliRunner().invoke(main, ["--url", url, "--root", str(root), "ui", "--host", "0.0.0.0"],
                                 env={"REGISTRY_UI_TOKEN": ""})
     assert result.exit_code == 1 and "refusing to bind 0.0.0.0" in result.output
+
+
+def test_every_asset_ships_in_the_wheel_and_nothing_comes_from_the_network(client: TestClient) -> None:
+    import re
+
+    from registry.web.app import STATIC
+    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    package_data = pyproject.split("[tool.setuptools.package-data]", 1)[1].split("\n[", 1)[0]
+    assert '"web/static/*"' in package_data
+    pages = [client.get(p).text for p in ("/", "/runs/alpha", "/runs/alpha/steps/800")]
+    sources = pages + [p.read_text() for p in STATIC.iterdir()]
+    urls = {u for text in sources for u in re.findall(r"(?:https?:)?//[\w.-]+\.[a-z]{2,}[^\s\"'<>)]*", text)}
+    assert urls <= {"http://www.w3.org/2000/svg"}  # an XML namespace name, never fetched
+    linked = {m for page in pages for m in re.findall(r'(?:src|href)="(/static/[^"]+)"', page)}
+    assert linked and all(client.get(u).status_code == 200 for u in linked)
