@@ -335,7 +335,8 @@ def show(state: State, ref: str, as_json: bool) -> None:
         click.echo(f"manifest: unreadable: {manifest['error']}")
     else:
         click.echo(f"manifest: format {manifest['format_version']}, {manifest['tensors']} tensors, "
-                   f"{manifest['files']} files, created {manifest['created_at']}")
+                   f"{manifest['files']} files, created {manifest['created_at']} (writer's local time; "
+                   "the manifest records no zone)")
     click.echo(f"path:     {info.path}")
     click.echo(f"epoch:    {info.epoch}  consumed_samples: {info.consumed_samples}  "
                f"policy_version: {info.policy_version}")

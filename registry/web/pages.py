@@ -15,6 +15,9 @@ from registry.records import human_bytes
 from registry.views import StepView, format_age, format_time, load_snippets
 
 
+LOCAL_TIME = "(writer's local time; no zone recorded)"  # the manifest's format predates zones
+
+
 def layout(title: str, body: str, *, scripts: Sequence[str] = ()) -> str:
     tags = "".join(f'<script src="/static/{s}"></script>' for s in scripts)
     return (f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>{escape(title)} · registry</title>'
@@ -88,7 +91,9 @@ def step_page(view: StepView, *, lineage: Any = None) -> str:
     info = view.info
     manifest = view.manifest
     summary = (f'<p class="error">manifest unreadable: {escape(manifest["error"])}</p>' if "error" in manifest else
-               "<dl>" + "".join(f"<dt>{escape(k)}</dt><dd>{escape(str(v))}</dd>" for k, v in manifest.items())
+               "<dl>" + "".join(f"<dt>{escape(k)}</dt><dd>{escape(str(v))}"
+                                + (f" <small>{LOCAL_TIME}</small>" if k == "created_at" else "")
+                                + "</dd>" for k, v in manifest.items())
                + "</dl>")
     facts = {"status": str(info.status), "path": str(info.path), "size": human_bytes(info.total_bytes),
              "epoch": info.epoch, "consumed samples": info.consumed_samples, "policy version": info.policy_version,
