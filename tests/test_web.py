@@ -188,3 +188,36 @@ def test_every_asset_ships_in_the_wheel_and_nothing_comes_from_the_network(clien
     assert urls <= {"http://www.w3.org/2000/svg"}  # an XML namespace name, never fetched
     linked = {m for page in pages for m in re.findall(r'(?:src|href)="(/static/[^"]+)"', page)}
     assert linked and all(client.get(u).status_code == 200 for u in linked)
+
+
+def test_registry_ui_serves_read_only_on_loopback(sqlite_reg: Registry) -> None:
+    """The real command in a child process: it binds 127.0.0.1, serves the API, and opened the catalog read-only."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    from tests.helpers import child_env, make_state
+    sqlite_reg.publish("alpha", 1, make_state(1))
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    child = subprocess.Popen([sys.executable, "-m", "registry", "ui", "--port", str(port),
+                              "--url", sqlite_reg.url, "--root", str(sqlite_reg.store.root)],
+                             env=child_env(), stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stderr is not None
+        banner = child.stderr.readline()  # printed before serving starts
+        assert f"http://127.0.0.1:{port}/" in banner and "read-only" in banner, banner
+        runs = None
+        while runs is None and child.poll() is None:  # uvicorn binds right after the banner
+            try:
+                runs = httpx.get(f"http://127.0.0.1:{port}/api/runs", timeout=5).json()
+            except httpx.ConnectError:
+                time.sleep(0.05)  # polling for the listening socket, not waiting out a race
+        assert runs is not None and [r["name"] for r in runs] == ["alpha"], child.poll()
+    finally:
+        child.terminate()
+        child.wait(10)
