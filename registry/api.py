@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 
     from registry.ops.export import Checkout, Exported
     from registry.ops.fsck import FsckReport
+    from registry.progress import ProgressFn
     from registry.retention import Policy, RetentionPlan, RetentionResult
 
 DEFAULT_ROOT = "checkpoints"
@@ -507,10 +508,11 @@ class Registry:
 
     # ------------------------------------------------------------------ verify
 
-    def verify(self, *refs: str) -> list[VerifyResult]:
+    def verify(self, *refs: str, progress: ProgressFn | None = None) -> list[VerifyResult]:
         """Re-hash checkpoints from storage: every live step of a ``RUN``, or the step a ``REF`` names.
 
         Intact steps become ``verified``; damaged ones ``corrupt`` (see :mod:`registry.ops.scrub`).
+        ``progress`` hears of the bytes hashed (see :mod:`registry.progress`).
         """
         targets: list[CheckpointInfo] = []
         for ref in refs:
@@ -520,7 +522,7 @@ class Registry:
             else:
                 targets.extend(i for i in self.checkpoints(parsed.run)
                                if i.status in HAS_PAYLOAD)
-        return scrub(self.catalog, targets, actor=self.writer)
+        return scrub(self.catalog, targets, actor=self.writer, progress=progress)
 
     # ------------------------------------------------------------------ followers
 
@@ -651,7 +653,8 @@ class Registry:
     # ------------------------------------------------------------------ import
 
     def import_checkpoint(self, path: str | os.PathLike[str], *, run: str, step: int, move: bool = False,
-                          overwrite: bool = False, tags: Iterable[str] = ()) -> CheckpointInfo:
+                          overwrite: bool = False, tags: Iterable[str] = (),
+                          progress: ProgressFn | None = None) -> CheckpointInfo:
         """Adopt a checkpoint directory written elsewhere as ``run@step``.
 
         Accepts the reference module's layout (its manifest checksums are
@@ -679,7 +682,8 @@ class Registry:
         meta = foreign.meta
         info = publish_sequence(
             self.catalog, run=run, step=step, final=final, relpath=self.store.relpath(final), writer=self.writer,
-            overwrite=overwrite, verify=True, write=lambda staging: stage(foreign, staging, move=move),
+            overwrite=overwrite, verify=True,
+            write=lambda staging: stage(foreign, staging, move=move, progress=progress),
             epoch=int_field(meta, "epoch", 0) or 0, consumed_samples=int_field(meta, "consumed_samples", 0) or 0,
             record=lambda payload: CommitRecord(payload=payload, tags=tags))
         if move:
@@ -688,15 +692,18 @@ class Registry:
 
     # ------------------------------------------------------------------ fsck
 
-    def fsck(self, repair: bool = False, *, checksums: bool = False) -> FsckReport:
+    def fsck(self, repair: bool = False, *, checksums: bool = False,
+             progress: ProgressFn | None = None) -> FsckReport:
         """Reconcile the catalog with the root (docs/protocol.md); ``repair`` fixes what it finds.
 
         Never called implicitly: :meth:`open` does not repair, and publish and
         load stay correct while problems are pending. ``checksums`` re-hashes
-        every live step instead of checking sizes and manifest digests.
+        every live step instead of checking sizes and manifest digests;
+        ``progress`` hears of the bytes re-hashed.
         """
         from registry.ops.fsck import run_fsck
         return run_fsck(catalog=self.catalog, root=self.store.root, repair=repair, checksums=checksums,
+                        progress=progress,
                         actor=self.writer)
 
     # ------------------------------------------------------------------ async publish

@@ -16,7 +16,7 @@ import click
 
 from registry.errors import RegistryError
 from registry.ops.policies import PolicyOptionError, build_policy
-from registry.records import ENDED, NO_PAYLOAD, Status, human_bytes
+from registry.records import NO_PAYLOAD, human_bytes
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -26,8 +26,9 @@ CREATORS = frozenset({"import", "db"})  # may create the root and the catalog; o
 
 class State:
     def __init__(self, url: str | None, root: str | None, *, command: str | None = None,
-                 read_only: bool = False) -> None:
+                 read_only: bool = False, quiet: bool = False) -> None:
         self.url = url
+        self.quiet = quiet
         self.root = root
         self.command = command
         self.read_only = read_only
@@ -40,6 +41,11 @@ class State:
                                            create=self.command in CREATORS, read_only=self.read_only,
                                            rebind_root=rebind_root)
         return self._registry
+
+    def progress(self, as_json: bool) -> Any:
+        """Progress bars on stderr for long work: on a terminal only, never with --json or --quiet."""
+        from registry.terminal import progress_bar
+        return progress_bar(enabled=not (as_json or self.quiet))
 
     def close(self) -> None:
         if self._registry is not None:
@@ -128,18 +134,68 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 
 
-@click.group()
-@click.option("--url", envvar="REGISTRY_URL",
+class Main(click.Group):
+    """The top group: its options may also follow the subcommand (``registry ls RUN --root /data``)."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        return super().parse_args(ctx, hoist_global_options(args))
+
+
+GLOBAL_VALUED = ("--url", "--root")
+GLOBAL_FLAGS = ("--read-only", "--quiet", "-q")
+
+
+def hoist_global_options(args: Sequence[str]) -> list[str]:
+    """Move the global options found after the subcommand's name to before it; ``--`` ends the search."""
+    args = list(args)
+    first = next((i for i, a in enumerate(args) if not a.startswith("-")
+                  and (i == 0 or args[i - 1] not in GLOBAL_VALUED)), None)
+    if first is None:
+        return args
+    head, rest, tail = args[:first], [], args[first:]
+    i = 1
+    while i < len(tail):
+        arg = tail[i]
+        if arg == "--":
+            break
+        name = arg.split("=", 1)[0]
+        if name in GLOBAL_VALUED and "=" in arg:
+            rest.append(arg)
+            del tail[i]
+        elif arg in GLOBAL_VALUED and i + 1 < len(tail):
+            rest.extend(tail[i:i + 2])
+            del tail[i:i + 2]
+        elif arg in GLOBAL_FLAGS:
+            rest.append(arg)
+            del tail[i]
+        else:
+            i += 1
+    return head + rest + tail
+
+
+def package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("checkpoint-registry")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+@click.group(cls=Main, epilog="Environment: REGISTRY_URL, REGISTRY_ROOT and REGISTRY_READ_ONLY set the options of the "
+             "same names; REGISTRY_UI_TOKEN is registry ui's --token. Global options may follow the command.")
+@click.version_option(package_version(), "--version", prog_name="registry", message="%(prog)s %(version)s")
+@click.option("--url", envvar="REGISTRY_URL", show_envvar=True,
               help="Catalog URL (default sqlite:///ROOT/.registry/catalog.db, or ROOT/catalog.db where it exists).")
-@click.option("--root", envvar="REGISTRY_ROOT", type=click.Path(path_type=str),
+@click.option("--root", envvar="REGISTRY_ROOT", show_envvar=True, type=click.Path(path_type=str),
               help="Checkpoint root (default ./checkpoints); each host passes its own mount of it.")
-@click.option("--read-only", is_flag=True, envvar="REGISTRY_READ_ONLY",
+@click.option("--read-only", is_flag=True, envvar="REGISTRY_READ_ONLY", show_envvar=True,
               help="Open the catalog read-only (automatic for a SQLite catalog this user cannot write); "
                    "loads take no lease.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bars (they are drawn only on a terminal anyway).")
 @click.pass_context
-def main(ctx: click.Context, url: str | None, root: str | None, read_only: bool) -> None:
+def main(ctx: click.Context, url: str | None, root: str | None, read_only: bool, quiet: bool) -> None:
     """A checkpoint registry for PyTorch training."""
-    state = State(url, root, command=ctx.invoked_subcommand, read_only=read_only)
+    state = State(url, root, command=ctx.invoked_subcommand, read_only=read_only, quiet=quiet)
     ctx.obj = state
     ctx.call_on_close(state.close)
 
@@ -204,17 +260,32 @@ def db_bind_root(state: State) -> None:
 
 
 @main.command()
+@click.option("--sort-by", default=None, metavar="METRIC[:max]",
+              help="Order runs by their best value of METRIC (lowest first; ':max' for highest), as RUN@best ranks.")
 @json_option
 @click.pass_obj
 @command
-def runs(state: State, as_json: bool) -> None:
-    """List runs."""
-    result = state.registry().runs()
+def runs(state: State, sort_by: str | None, as_json: bool) -> None:
+    """List runs, with when each was created."""
+    from registry.views import format_age, format_time, runs_doc
+    docs = runs_doc(state.registry(), sort_by=sort_by)
     if as_json:
-        emit_json([r.to_json() for r in result])
+        emit_json(docs)
         return
-    table(["RUN", "CHECKPOINTS", "LATEST", "SIZE"],
-          [[r.name, r.checkpoints, r.latest_step, human_bytes(r.total_bytes)] for r in result])
+    best = [f"BEST {sort_by}", "AT"] if sort_by else []
+    table(["RUN", "CHECKPOINTS", "LATEST", "VERIFIED", "SIZE", *best, "CREATED", "AGE"],
+          [[d["name"], d["checkpoints"], d["latest_step"], d["latest_verified_step"], human_bytes(d["total_bytes"]),
+            *([_number(d["best"]["value"]), d["best"]["step"]] if sort_by else []),
+            format_time(_time(d["created_at"])), format_age(_time(d["created_at"]))] for d in docs])
+
+
+def _number(value: float | None) -> str | None:
+    return None if value is None else f"{value:.6g}"
+
+
+def _time(iso: str | None) -> Any:
+    from datetime import datetime
+    return datetime.fromisoformat(iso) if iso else None
 
 
 @main.command("ls")
@@ -227,12 +298,14 @@ def runs(state: State, as_json: bool) -> None:
 @command
 def ls(state: State, run: str, include_deleted: bool, policy_version: int | None, as_json: bool) -> None:
     """List the checkpoints of RUN, oldest first, with their tags and metrics."""
+    from registry.views import checkpoints_doc, format_age, format_time
     infos = state.registry().checkpoints(run, include_deleted=include_deleted, policy_version=policy_version)
     if as_json:
-        emit_json([i.to_json() for i in infos])
+        emit_json(checkpoints_doc(infos))
         return
-    table(["STEP", "STATUS", "POLICY", "SIZE", "TAGS", "METRICS"],
+    table(["STEP", "STATUS", "POLICY", "SIZE", "TAGS", "CREATED", "AGE", "METRICS"],
           [[i.step, i.status, i.policy_version, human_bytes(i.total_bytes), ",".join(i.tags),
+            format_time(i.created_at), format_age(i.created_at),
             " ".join(f"{k}={v:.4g}" for k, v in sorted(i.metrics.items()))] for i in infos])
 
 
@@ -247,71 +320,34 @@ def show(state: State, ref: str, as_json: bool) -> None:
     A deleted, failed or staging step (named by its number) is shown too,
     marked as such, with the event that ended it.
     """
-    from registry.errors import CheckpointNotFoundError
-    from registry.format.refs import parse_ref
-    reg = state.registry()
-    parsed = parse_ref(ref)
-    try:
-        info = reg.resolve(parsed)
-    except CheckpointNotFoundError:
-        row = reg.catalog.get(parsed.run, parsed.step) if parsed.kind == "step" else None
-        if row is None or row.status not in NO_PAYLOAD:
-            raise
-        info = reg._absolute(row)
-    files = reg.catalog.files(info.run, info.step)
-    events = reg.events(info.run, step=info.step)
-    ended = ending_event(info.status, events)
-    manifest = manifest_summary(info.path)
+    from registry.views import format_time, step_view
+    view = step_view(state.registry(), ref)
     if as_json:
-        doc = info.to_json()
-        doc["ref"] = ref
-        doc["files"] = [{"name": f.name, "size": f.size, "sha256": f.sha256} for f in files]
-        doc["manifest"] = manifest
-        doc["events"] = [e.to_json() for e in events]
-        doc["ended_by"] = ended.to_json() if ended is not None else None
-        emit_json(doc)
+        emit_json(view.to_json())
         return
+    info, files, events, ended, manifest = view.info, view.files, view.events, view.ended, view.manifest
     marked = info.status.upper() if info.status in NO_PAYLOAD else info.status
     click.echo(f"{info.run}@{info.step}  {marked}  {human_bytes(info.total_bytes)}")
     if ended is not None:
-        click.echo(f"ended:    {ended.kind} at {ended.created_at:%Y-%m-%d %H:%M:%S} by {ended.actor or '-'}  "
+        click.echo(f"ended:    {ended.kind} at {format_time(ended.created_at)} by {ended.actor or '-'}  "
                    f"{json.dumps(ended.detail, sort_keys=True)}")
     if "error" in manifest:
         click.echo(f"manifest: unreadable: {manifest['error']}")
     else:
         click.echo(f"manifest: format {manifest['format_version']}, {manifest['tensors']} tensors, "
-                   f"{manifest['files']} files, created {manifest['created_at']}")
+                   f"{manifest['files']} files, created {manifest['created_at']} (writer's local time; "
+                   "the manifest records no zone)")
     click.echo(f"path:     {info.path}")
     click.echo(f"epoch:    {info.epoch}  consumed_samples: {info.consumed_samples}  "
                f"policy_version: {info.policy_version}")
     click.echo(f"tags:     {', '.join(info.tags) or '-'}")
     click.echo(f"metrics:  {', '.join(f'{k}={v:.6g}' for k, v in sorted(info.metrics.items())) or '-'}")
+    click.echo(f"created:  {format_time(info.created_at)}  verified: {format_time(info.verified_at)}")
     click.echo(f"manifest: {info.manifest_sha256}")
     for f in files:
         click.echo(f"  {f.name:<40} {human_bytes(f.size):>10}  {f.sha256[:16]}")
     for e in events:
-        click.echo(f"  {e.created_at:%Y-%m-%d %H:%M:%S}  {e.kind:<14} {json.dumps(e.detail, sort_keys=True)}")
-
-
-def ending_event(status: str, events: Sequence[Any]) -> Any:
-    """The newest event that put a deleted or failed step in that status, or None."""
-    if status not in ENDED:
-        return None
-    return next((e for e in reversed(events)
-                 if e.detail.get("status") == status or (status == Status.FAILED and e.kind == "publish-failed")), None)
-
-
-def manifest_summary(directory: Any) -> dict[str, Any]:
-    """What the manifest on disk says, or why it cannot be read (``show`` must work on a corrupt step)."""
-    from registry.format.manifest import FORMAT_VERSION, read_manifest
-    try:
-        manifest, digest = read_manifest(directory)
-    except (RegistryError, OSError) as exc:
-        return {"error": str(exc)}
-    return {"format_version": FORMAT_VERSION, "sha256": digest,
-            "files": len(manifest.files), "tensors": len(manifest.tensors),
-            "created_at": manifest.created_at, "optimizer_step": manifest.optimizer_step,
-            "policy_version": manifest.policy_version}
+        click.echo(f"  {format_time(e.created_at)}  {e.kind:<14} {json.dumps(e.detail, sort_keys=True)}")
 
 
 @main.command()
@@ -364,16 +400,37 @@ def untag(state: State, run: str, name: str) -> None:
 
 @main.command()
 @click.argument("run")
-@click.option("--key", default=None, help="Only this metric.")
+@click.option("--key", default=None, help="Only this metric (with --plot: the one drawn; default eval/loss or the "
+                                          "first key).")
 @click.option("--history", is_flag=True, help="Include superseded points.")
+@click.option("--plot", is_flag=True, help="Draw the curve in the terminal with every checkpoint marked on it.")
+@click.option("--wide", is_flag=True, help="One row per step, one column per key.")
+@click.option("--csv", "as_csv", is_flag=True, help="Print CSV (for spreadsheets); with --wide, steps x keys.")
 @json_option
 @click.pass_obj
 @command
-def metrics(state: State, run: str, key: str | None, history: bool, as_json: bool) -> None:
-    """List the metric points of RUN."""
-    points = state.registry().metrics(run, key, history=history)
+def metrics(state: State, run: str, key: str | None, history: bool, plot: bool, wide: bool, as_csv: bool,
+            as_json: bool) -> None:
+    """List the metric points of RUN, or draw them (--plot)."""
+    from registry.views import metrics_doc
+    reg = state.registry()
+    if plot:
+        from registry.cli_ui import plot_metrics
+        plot_metrics(reg, run, key)
+        return
+    points = reg.metrics(run, key, history=history)
     if as_json:
-        emit_json([p.to_json() for p in points])
+        emit_json(metrics_doc(points))
+        return
+    if wide or as_csv:
+        from registry.terminal import to_csv, wide_rows
+        header, rows = (wide_rows(points) if wide else
+                        (["step", "key", "value"], [[p.step, p.key, p.value] for p in points]))
+        if as_csv:
+            click.echo(to_csv(header, rows), nl=False)
+        else:
+            table([h.upper() if h == "step" else h for h in header],
+                  [[r[0], *(None if v is None else f"{v:.6g}" for v in r[1:])] for r in rows])
         return
     table(["STEP", "KEY", "VALUE"] + (["CURRENT", "ATTEMPT"] if history else []),
           [[p.step, p.key, f"{p.value:.6g}"] + (["yes" if p.current else "no", p.attempt] if history else [])
@@ -387,10 +444,11 @@ def metrics(state: State, run: str, key: str | None, history: bool, as_json: boo
 @command
 def verify(state: State, targets: tuple[str, ...], as_json: bool) -> None:
     """Re-hash checkpoints (every live step of a RUN, or one REF); exit 1 unless every one is verified."""
-    results = state.registry().verify(*targets)
+    with state.progress(as_json) as bar:
+        results = state.registry().verify(*targets, progress=bar)
     if as_json:
-        emit_json([{"run": r.run, "step": r.step, "ok": r.ok, "status": r.status,
-                    "problems": list(r.problems)} for r in results])
+        from registry.views import verify_doc
+        emit_json(verify_doc(results))
     else:
         table(["RUN", "STEP", "RESULT", "PROBLEMS"],
               [[r.run, r.step, "ok" if r.ok else r.status.upper(), "; ".join(r.problems)] for r in results])
@@ -437,12 +495,11 @@ def gc(state: State, run: str, keep_last: int | None, keep_best: tuple[str, ...]
         raise click.UsageError("say what to keep: --keep-last, --keep-best, --keep-every, --max-bytes "
                                "or --policy (gc never guesses)")
     plan = state.registry().plan_retention(run, policy, allow_missing_metrics=allow_missing_metric)
-    result = None if dry_run else plan.execute()
+    with state.progress(as_json) as bar:
+        result = None if dry_run else plan.execute(progress=bar)
     if as_json:
-        doc = plan.to_json()
-        doc["dry_run"] = dry_run
-        doc["result"] = result.to_json() if result is not None else None
-        emit_json(doc)
+        from registry.views import gc_doc
+        emit_json(gc_doc(plan, dry_run=dry_run, result=result))
     else:
         click.echo(f"{run}: {policy!r}")
         table(["STEP", "STATUS", "ACTION", "SIZE", "REASON"],
@@ -479,8 +536,9 @@ def gc(state: State, run: str, keep_last: int | None, keep_best: tuple[str, ...]
 def import_(state: State, path: str, run: str, step: int, move: bool, overwrite: bool,
             tags: tuple[str, ...], as_json: bool) -> None:
     """Adopt the checkpoint directory PATH (reference, legacy or Hugging Face layout) as RUN@STEP."""
-    info = state.registry().import_checkpoint(path, run=run, step=step, move=move, overwrite=overwrite,
-                                              tags=tags)
+    with state.progress(as_json) as bar:
+        info = state.registry().import_checkpoint(path, run=run, step=step, move=move, overwrite=overwrite,
+                                                  tags=tags, progress=bar)
     if as_json:
         emit_json(info.to_json())
         return
@@ -500,7 +558,8 @@ def import_(state: State, path: str, run: str, step: int, move: bool, overwrite:
 def fsck(state: State, repair: bool, checksums: bool, as_json: bool) -> None:
     """Reconcile the catalog with the checkpoint root; exit 1 if problems remain unrepaired."""
     from registry.ops.fsck import iter_lines
-    report = state.registry().fsck(repair=repair, checksums=checksums)
+    with state.progress(as_json) as bar:
+        report = state.registry().fsck(repair=repair, checksums=checksums, progress=bar)
     if as_json:
         emit_json(report.to_json())
     else:
@@ -512,6 +571,12 @@ def fsck(state: State, repair: bool, checksums: bool, as_json: bool) -> None:
         sys.exit(1)
 
 
+def _register_optional_commands() -> None:
+    from registry.cli_ui import ui
+    main.add_command(ui)
+
+
+_register_optional_commands()
 import registry.cli_export  # noqa: E402, F401 - registers export and checkout on main (it imports this module)
 
 if __name__ == "__main__":  # pragma: no cover

@@ -27,6 +27,7 @@ running gc again (or ``fsck --repair``) completes the job.
 from __future__ import annotations
 
 import difflib
+import logging
 import os
 import shutil
 import sys
@@ -47,6 +48,9 @@ from registry.format.manifest import MANIFEST, MAX_MANIFEST_BYTES, digest_bytes,
 from registry.records import LIVE, RANKABLE, CheckpointInfo, Status, human_bytes
 from registry.format.refs import check_metric_key, check_run_name
 from registry.fs.store import fsync_dir
+from registry.progress import Counter, ProgressFn
+
+log = logging.getLogger(__name__)
 
 
 class RetentionWarning(RuntimeWarning):
@@ -465,11 +469,14 @@ class RetentionPlan:
                 "bytes_freed": self.bytes_freed, "bytes_kept": self.bytes_kept,
                 "decisions": [d.to_json() for d in self.decisions]}
 
-    def execute(self) -> RetentionResult:
-        """Delete what the plan deletes and is still deletable now; see the module docstring."""
+    def execute(self, *, progress: ProgressFn | None = None) -> RetentionResult:
+        """Delete what the plan deletes and is still deletable now; see the module docstring.
+
+        ``progress`` hears of each checkpoint removed (see :mod:`registry.progress`).
+        """
         if self.scope is None:
             raise PolicyError("this plan is not bound to a registry; make it with Registry.plan_retention")
-        return _execute(self.scope, self)
+        return _execute(self.scope, self, progress)
 
 
 def _candidates(scope: RetentionScope, snap: RunSnapshot) -> list[CheckpointInfo]:
@@ -606,7 +613,7 @@ def finish_interrupted(scope: RetentionScope, run: str) -> tuple[tuple[int, ...]
     return tuple(sorted(healed)), errors
 
 
-def _execute(scope: RetentionScope, plan: RetentionPlan) -> RetentionResult:
+def _execute(scope: RetentionScope, plan: RetentionPlan, progress: ProgressFn | None = None) -> RetentionResult:
     healed, errors = finish_interrupted(scope, plan.run)
     planned = sorted(plan.delete)
     skipped: dict[int, str] = {}
@@ -634,11 +641,16 @@ def _execute(scope: RetentionScope, plan: RetentionPlan) -> RetentionResult:
     marked = RetentionCatalog(scope.catalog).mark_deleted(plan.run, decide, actor=scope.actor)
     if marked:
         crashpoint("gc-after-mark")
+    counter = Counter(progress, task="gc", total=len(marked), unit="checkpoints")
     for row in marked:
+        counter.advance(0, item=f"{plan.run}@{row.step}")
+        log.info("retention deleted %s@%d (%d bytes): %s", plan.run, row.step, row.total_bytes,
+                 plan.delete.get(row.step, "not kept"))
         try:
             remove_checkpoint_dir(scope.root / row.path, row.manifest_sha256)
         except OSError as exc:
             errors[row.step] = f"cannot remove {scope.root / row.path}: {exc.strerror or exc}"
+        counter.advance(1, item=f"{plan.run}@{row.step}")
     return RetentionResult(run=plan.run, deleted=tuple(r.step for r in marked), skipped=dict(skipped),
                            bytes_freed=sum(r.total_bytes for r in marked), healed=healed, errors=errors)
 

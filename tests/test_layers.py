@@ -25,14 +25,16 @@ PACKAGE = Path(__file__).resolve().parent.parent / "registry"
 # Lowest first; a module may import its own layer and those below it. A layer is a folder of the package
 # (an entry covers its submodules) plus the top-level modules that sit at its level.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("registry.errors", "registry.records", "registry.crashpoints", "registry.pools"),
+    ("registry.errors", "registry.records", "registry.crashpoints", "registry.pools", "registry.progress"),
     ("registry.format",),
     ("registry.fs",),
     ("registry.catalog", "registry.migrations"),
     # one layer: ``Checkpoint`` loads through the dist loader, which reads through ops
     ("registry.ops", "registry.dist", "registry.retention", "registry.checkpoint"),
-    ("registry.api",),
-    ("registry.cli", "registry.cli_export", "registry.__main__", "registry"),
+    ("registry.api", "registry.views"),
+    # the web view sits beside the command line: it may import the api; nothing but ``registry ui`` imports it
+    ("registry.cli", "registry.cli_export", "registry.cli_ui", "registry.terminal", "registry.web",
+     "registry.__main__", "registry"),
     # the trainers' integrations: they call the public API; nothing in the package imports them
     ("registry.integrations",),
 )
@@ -44,7 +46,8 @@ KNOWN_VIOLATIONS: set[tuple[str, str]] = set()
 TORCH_FREE = ("registry", "registry.catalog", "registry.catalog.queries", "registry.records", "registry.format.refs",
               "registry.errors", "registry.cli", "registry.api", "registry.ops.reading", "registry.checkpoint",
               "registry.fs.snapshot", "registry.fs.validation", "registry.fs.store", "registry.fs.filemaps",
-              "registry.format.tensorio", "registry.cli_export")
+              "registry.format.tensorio", "registry.cli_export", "registry.views", "registry.cli_ui",
+              "registry.web")
 # Every module of the format and filesystem folders.
 SQL_FREE = tuple(f"registry.{folder}.{path.stem}" for folder in ("format", "fs")
                  for path in sorted((PACKAGE / folder).glob("*.py")) if path.stem != "__init__")
@@ -142,6 +145,12 @@ def test_no_module_imports_a_higher_layer() -> None:
             if low is not None and high is not None and high > low:
                 upward.add((importer, imported))
     assert upward - KNOWN_VIOLATIONS == set()
+
+
+def test_only_the_ui_command_imports_the_web_view() -> None:
+    importers = {module_name(p) for p in SOURCES if not module_name(p).startswith("registry.web")
+                 and any(m == "registry.web" or m.startswith("registry.web.") for m in imported_modules(p))}
+    assert importers == {"registry.cli_ui"}
 
 
 def test_the_static_check_sees_every_kind_of_import() -> None:

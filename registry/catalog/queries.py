@@ -9,6 +9,7 @@ serialization failures and deadlocks, so none of those reach the caller.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -180,6 +181,9 @@ class _SqliteFile:
                                "restore it from a backup or open the registry again", path=self.path)
 
 
+log = logging.getLogger(__name__)
+
+
 class Catalog:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -321,6 +325,7 @@ class Catalog:
         (a crashed trainer that is now resuming) is taken over.
         """
         def fn(conn: Connection) -> Claim:
+            taken_from.clear()  # a retried transaction starts over
             run_id = self.lookup_run(conn, run, create=True)
             assert run_id is not None
             now = utcnow()
@@ -348,8 +353,13 @@ class Catalog:
             previous = row.status if row.status != Status.STAGING else None
             if row.status == Status.STAGING:
                 self.record_event(conn, run_id, step, "takeover", actor=writer, dead_writer=row.writer)
+                taken_from.append(row.writer)
             return Claim(checkpoint_id=row.id, run_id=run_id, previous_status=previous)
-        return self.write(fn)
+        taken_from: list[str | None] = []
+        claim: Claim = self.write(fn)
+        if taken_from:
+            log.info("%s@%d: took over the staging row of dead writer %s", run, step, taken_from[-1])
+        return claim
 
     def check_claimable(self, run: str, step: int, *, overwrite: bool,
                         writer_alive: WriterAlive = lambda _writer, _at: True) -> None:
@@ -658,6 +668,17 @@ class Catalog:
             return self.checkpoint_infos(conn, ref.run, [row])[0]
         return self.read(fn)
 
+    def resolve_each(self, refs: Sequence[Ref]) -> list[CheckpointInfo | None]:
+        """:meth:`resolve` of many refs in one read transaction; None where one names no step (a runs table)."""
+        def fn(conn: Connection) -> list[CheckpointInfo | None]:
+            found: list[CheckpointInfo | None] = []
+            for ref in refs:
+                row = conn.execute(self.resolve_query(ref)[0]).first()
+                ok = row is not None and (ref.kind not in ("tag", "step") or row.status in HAS_PAYLOAD)
+                found.append(self.checkpoint_infos(conn, ref.run, [row])[0] if ok else None)
+            return found
+        return self.read(fn)
+
     def next_after(self, run: str, after_step: int | None, *, newest: bool = False,
                    statuses: Sequence[str] = (Status.VERIFIED,),
                    min_policy_version: int | None = None) -> CheckpointInfo | None:
@@ -732,6 +753,44 @@ class Catalog:
             rows = conn.execute(query.order_by(Metric.step, Metric.key, Metric.id)).all()
             return [MetricPoint(step=r.step, key=r.key, value=r.value, logged_at=aware(r.logged_at),
                                 attempt=r.attempt_id, current=not r.superseded) for r in rows]
+        return self.read(fn)
+
+    def curve(self, run: str, key: str) -> list[tuple[int, float]]:
+        """The current ``(step, value)`` points of one metric by step: :meth:`metrics` without the records."""
+        def fn(conn: Connection) -> list[tuple[int, float]]:
+            run_id = self.require_run(conn, run)
+            rows = conn.execute(select(Metric.step, Metric.value)
+                                .where(Metric.run_id == run_id, Metric.key == key, Metric.superseded.is_(False))
+                                .order_by(Metric.step, Metric.id))
+            return [(int(step), float(value)) for step, value in rows]
+        return self.read(fn)
+
+    def checkpoint_marks(self, run: str) -> list[tuple[int, str, int, datetime | None, tuple[str, ...]]]:
+        """Every checkpoint of ``run``, any status, by step, as ``(step, status, total_bytes, created_at, tags)``.
+
+        What a chart marks, for runs of any length: :meth:`checkpoints` builds a
+        full record per step, which a run of 10,000 steps cannot afford per page view.
+        """
+        def fn(conn: Connection) -> list[tuple[int, str, int, datetime | None, tuple[str, ...]]]:
+            run_id = self.require_run(conn, run)
+            c = CheckpointRow
+            tags: dict[int, list[str]] = {}
+            for step, name in conn.execute(select(c.step, Tag.name).join(Tag, Tag.checkpoint_id == c.id)
+                                           .where(Tag.run_id == run_id).order_by(Tag.name)):
+                tags.setdefault(step, []).append(name)
+            rows = conn.execute(select(c.step, c.status, c.total_bytes, c.created_at)
+                                .where(c.run_id == run_id).order_by(c.step))
+            return [(r.step, str(r.status), int(r.total_bytes or 0), aware(r.created_at), tuple(tags.get(r.step, ())))
+                    for r in rows]
+        return self.read(fn)
+
+    def metric_keys(self, run: str) -> list[str]:
+        """The keys ``run`` has current metric points for, sorted: what a curve may be drawn of."""
+        def fn(conn: Connection) -> list[str]:
+            run_id = self.require_run(conn, run)
+            query = (select(Metric.key).where(Metric.run_id == run_id, Metric.superseded.is_(False))
+                     .distinct().order_by(Metric.key))
+            return list(conn.execute(query).scalars())
         return self.read(fn)
 
     def files(self, run: str, step: int) -> list[FileRecord]:

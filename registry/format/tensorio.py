@@ -531,8 +531,12 @@ def tensors_in(u8: torch.Tensor, header: SafetensorsHeader) -> dict[str, torch.T
     return out
 
 
-def hash_file(path: Path, digest: str = "sha256") -> tuple[int, str]:
-    """Size and ``digest`` of a file, reading the next piece while the last is hashed."""
+def hash_file(path: Path, digest: str = "sha256", *,
+              on_bytes: Callable[[int], object] | None = None) -> tuple[int, str]:
+    """Size and ``digest`` of a file, reading the next piece while the last is hashed.
+
+    ``on_bytes(n)`` is called after each piece read, for progress reports.
+    """
     hasher = _new_hasher(digest, max_pending=2)  # each queued piece is a fresh bytes object
     assert hasher is not None
     size = 0
@@ -543,6 +547,8 @@ def hash_file(path: Path, digest: str = "sha256") -> tuple[int, str]:
                 break
             size += len(piece)
             hasher.update(piece)
+            if on_bytes is not None:
+                on_bytes(len(piece))
     return size, _hexdigest(hasher, digest)
 
 

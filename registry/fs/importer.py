@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from registry.progress import Counter, ProgressFn
 from registry.errors import (CheckpointNotFoundError, CorruptCheckpointError, ManifestError, PublishError,
                              UnsafePathError)
 from registry.fs.filemaps import assemble_shards, header_of, json_object, map_directory
@@ -129,7 +130,7 @@ def _link(src: Path, dst: Path) -> FileEntry:
     return FileEntry(name=dst.name, size=size, sha256=digest)
 
 
-def stage(foreign: Foreign, staging: Path, *, move: bool) -> Written:
+def stage(foreign: Foreign, staging: Path, *, move: bool, progress: ProgressFn | None = None) -> Written:
     """Put every file into ``staging`` (copied, or hard-linked with ``move``), hashed; manifest last.
 
     Hard links rather than renames make ``move`` crash-safe: the originals stay
@@ -137,6 +138,7 @@ def stage(foreign: Foreign, staging: Path, *, move: bool) -> Written:
     does the caller unlink them.
     """
     entries: dict[str, FileEntry] = {}
+    counter = Counter(progress, task="import", total=sum(foreign.sizes.values()))
     for name, size in foreign.sizes.items():
         src = foreign.directory / name
         entry = (_link if move else _copy)(src, staging / name)
@@ -146,6 +148,7 @@ def stage(foreign: Foreign, staging: Path, *, move: bool) -> Written:
         if listed is not None and listed.sha256 != entry.sha256:
             raise CorruptCheckpointError(f"checkpoint file checksum mismatch: {src}", path=src)
         entries[name] = entry
+        counter.advance(entry.size, item=name)
     meta, old = foreign.meta, foreign.manifest
     manifest = Manifest(
         files=entries, tensors=foreign.tensors,

@@ -19,7 +19,7 @@ import socket
 import stat
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
@@ -430,12 +430,14 @@ class FileProblem:
     problem: str
 
 
-def verify_directory(directory: Path, manifest: Manifest | None = None) -> list[FileProblem]:
+def verify_directory(directory: Path, manifest: Manifest | None = None, *,
+                     on_bytes: Callable[[int], object] | None = None) -> list[FileProblem]:
     """Re-read and re-hash (sha256) every file the manifest lists; an empty list means intact.
 
     This is the full scrub behind ``registry verify``: it trusts nothing that
     was computed at write time. Files are hashed in parallel (sha256 of one
     file cannot be split), each overlapping its reads with its hashing.
+    ``on_bytes(n)`` hears of every piece hashed (from several threads).
     """
     if manifest is None:
         try:
@@ -447,7 +449,7 @@ def verify_directory(directory: Path, manifest: Manifest | None = None) -> list[
         path = directory / entry.name
         if path.is_symlink() or not path.is_file():
             return FileProblem(name=entry.name, problem="missing or not a regular file")
-        size, digest = hash_file(path, "sha256")
+        size, digest = hash_file(path, "sha256", on_bytes=on_bytes)
         if size != entry.size:
             return FileProblem(name=entry.name, problem=f"size {size}, manifest says {entry.size}")
         if digest != entry.sha256:

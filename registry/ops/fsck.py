@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from registry.progress import Counter, ProgressFn
 from registry.catalog import Catalog, FileRecord
 from registry.catalog.fsck import PayloadRecord, RowState, record_payload, set_status_if, snapshot, unchanged
 from registry.crashpoints import crashpoint
@@ -206,7 +207,8 @@ def _read_meta(directory: Path, manifest: Manifest) -> dict[str, Any]:
             if isinstance(doc.get(k), int) and not isinstance(doc.get(k), bool) and 0 <= doc[k] <= MAX_STEP}
 
 
-def _check_payload(directory: Path, *, checksums: bool) -> tuple[PayloadRecord | None, str]:
+def _check_payload(directory: Path, *, checksums: bool,
+                   on_bytes: Callable[[int], object] | None = None) -> tuple[PayloadRecord | None, str]:
     """A record of a valid payload, or (None, why it is not valid).
 
     Files that vanish while being read make the payload invalid, never raise;
@@ -225,7 +227,7 @@ def _check_payload(directory: Path, *, checksums: bool) -> tuple[PayloadRecord |
     status = Status.PUBLISHED
     try:
         if checksums:
-            problems = verify_directory(directory, manifest)
+            problems = verify_directory(directory, manifest, on_bytes=on_bytes)
             if problems:
                 return None, f"{problems[0].name}: {problems[0].problem}"
             status = Status.VERIFIED
@@ -250,9 +252,10 @@ def _check_payload(directory: Path, *, checksums: bool) -> tuple[PayloadRecord |
                          optimizer_step=manifest.optimizer_step, policy_version=manifest.policy_version), ""
 
 
-def _matches_catalog(directory: Path, row: RowState, *, checksums: bool) -> str:
+def _matches_catalog(directory: Path, row: RowState, *, checksums: bool,
+                     on_bytes: Callable[[int], object] | None = None) -> str:
     """Why a live row's directory does not hold what the catalog recorded ('' when it does)."""
-    record, why = _check_payload(directory, checksums=checksums)
+    record, why = _check_payload(directory, checksums=checksums, on_bytes=on_bytes)
     if record is None:
         return why
     if row.manifest_sha256 and record.manifest_sha256 != row.manifest_sha256:
@@ -277,8 +280,10 @@ Repair = Callable[[], "bool | str | None"]
 class Fsck:
     """One pass of fsck over a catalog and a root. Use :func:`run_fsck`."""
 
-    def __init__(self, *, catalog: Catalog, root: Path, repair: bool, checksums: bool, actor: str) -> None:
+    def __init__(self, *, catalog: Catalog, root: Path, repair: bool, checksums: bool, actor: str,
+                 progress: ProgressFn | None = None) -> None:
         self.catalog = catalog
+        self.counter = Counter(progress, task="fsck", total=None)
         self.root = root
         self.repair = repair
         self.checksums = checksums
@@ -416,7 +421,8 @@ class Fsck:
                                                    actor=self.actor, reason=f"{row.status} step has no directory"))
                 return
             checked = manifest_digest(payload_dir)
-            why = _matches_catalog(payload_dir, row, checksums=self.checksums)
+            why = _matches_catalog(payload_dir, row, checksums=self.checksums,
+                                   on_bytes=lambda n: self.counter.advance(n, item=f"{run}@{step}"))
             if why:
                 p = self._found("damaged-payload", run, step, payload_dir, why, row=row,
                                 still=lambda: manifest_digest(payload_dir) == checked)
@@ -478,13 +484,15 @@ class Fsck:
 
 
 def run_fsck(*, catalog: Catalog, root: Path, repair: bool = False, checksums: bool = False,
-             actor: str) -> FsckReport:
+             actor: str, progress: ProgressFn | None = None) -> FsckReport:
     """Check (and with ``repair`` fix) every step under ``root`` against ``catalog``.
 
     ``checksums`` re-hashes every live step's files instead of checking sizes
-    and the manifest digest; roll-forward and adoption always hash.
+    and the manifest digest; roll-forward and adoption always hash. ``progress``
+    hears of the bytes that ``checksums`` re-hashes (the total is not known ahead).
     """
-    return Fsck(catalog=catalog, root=root, repair=repair, checksums=checksums, actor=actor).run()
+    return Fsck(catalog=catalog, root=root, repair=repair, checksums=checksums, actor=actor,
+                progress=progress).run()
 
 
 def iter_lines(report: FsckReport) -> Iterator[str]:

@@ -98,4 +98,44 @@ def build_policy(*, keep_last: int | None = None, keep_best: Sequence[str] = (),
     return retention.MaxBytes(budget, keep=policy) if budget is not None else policy
 
 
-__all__ = ["PolicyOptionError", "build_policy", "load_policy_file", "parse_keep_best", "parse_size"]
+POLICY_TEXT_GRAMMAR = ("keep-last N, keep-best METRIC[:max] K, keep-every N, max-bytes SIZE "
+                       "(clauses separated by commas or new lines)")
+
+
+def parse_policy_text(text: str) -> Policy:
+    """``keep-last 3, keep-best eval/loss 2``: the ``gc`` options written as one line, built by :func:`build_policy`.
+
+    What a person types into the web view's retention preview; each clause
+    is one ``gc`` option with its value after a space (or ``=``). Anything
+    else raises :class:`~registry.errors.PolicyError` naming the clause.
+    """
+    keep_last: int | None = None
+    keep_every: int | None = None
+    max_bytes: str | None = None
+    keep_best: list[str] = []
+    for clause in filter(None, (c.strip() for c in re.split(r"[,\n;]", text))):
+        name, _, value = clause.replace("=", " ", 1).partition(" ")
+        name, value = name.strip().lower().removeprefix("--"), value.strip()
+        if name in ("keep-last", "keep-every") and value.isdigit() and int(value) >= 1:
+            if name == "keep-last":
+                keep_last = int(value)
+            else:
+                keep_every = int(value)
+        elif name == "keep-best" and len(value.split()) == 2:
+            metric, count = value.split()
+            keep_best.append(f"{metric}={count}")
+        elif name == "max-bytes" and value:
+            max_bytes = value
+        else:
+            raise PolicyError(f"cannot read policy clause {clause!r}: expected {POLICY_TEXT_GRAMMAR}")
+    try:
+        policy = build_policy(keep_last=keep_last, keep_best=keep_best, keep_every=keep_every, max_bytes=max_bytes)
+    except PolicyOptionError as exc:
+        raise PolicyError(f"cannot read policy {text.strip()!r}: {exc}") from None
+    if policy is None:
+        raise PolicyError(f"empty policy: say what to keep ({POLICY_TEXT_GRAMMAR})")
+    return policy
+
+
+__all__ = ["POLICY_TEXT_GRAMMAR", "PolicyOptionError", "build_policy", "load_policy_file", "parse_keep_best",
+           "parse_policy_text", "parse_size"]

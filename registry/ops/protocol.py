@@ -18,7 +18,9 @@ either the old or the new payload in place, and ``fsck`` finishes the job.
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -31,6 +33,8 @@ from registry.format.layout import hidden_sibling
 from registry.records import CheckpointInfo, Status
 from registry.fs.store import (Written, check_written, discard, install, new_staging, remove_stale_staging, uninstall,
                                writer_alive)
+
+log = logging.getLogger(__name__)
 
 HEARTBEAT = timedelta(seconds=30)  # well inside store.STALE_AFTER, so a slow beat never looks like a dead writer
 
@@ -50,6 +54,7 @@ def publish_sequence(catalog: Catalog, *, run: str, step: int, final: Path, relp
     Every failure after the claim is undone before it is raised. Returns the
     step as the catalog now has it (with ``relpath``).
     """
+    started = time.perf_counter()
     claim = catalog.claim(run, step, path=relpath, writer=writer, overwrite=overwrite, writer_alive=writer_alive)
     crashpoint("after-claim")
     written, status, retired = write_and_install(catalog, claim, final, write, verify=verify)
@@ -66,6 +71,9 @@ def publish_sequence(catalog: Catalog, *, run: str, step: int, final: Path, relp
     if retired is not None:
         discard(retired)
     crashpoint("after-commit")
+    seconds = time.perf_counter() - started
+    log.info("published %s@%d (%s): %d bytes in %.3f s, %.2f GB/s", run, step, status, written.total_bytes, seconds,
+             written.total_bytes / seconds / 1e9 if seconds > 0 else 0.0)
     info = catalog.get(run, step)
     assert info is not None, "a committed step has a row"
     return info

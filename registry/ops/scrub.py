@@ -26,6 +26,7 @@ from registry.errors import CheckpointReadError, CorruptCheckpointError
 from registry.format.manifest import MANIFEST, Manifest, read_manifest
 from registry.records import HAS_PAYLOAD, CheckpointInfo, Status
 from registry.fs.store import verify_directory
+from registry.progress import Counter, ProgressFn
 
 VERDICT_FROM = HAS_PAYLOAD
 MISMATCH = "manifest does not match the catalog"
@@ -72,13 +73,14 @@ def _manifest(info: CheckpointInfo) -> tuple[Manifest | None, str]:
         return None, f"{MANIFEST}: {exc}"
 
 
-def _read(info: CheckpointInfo) -> _Read:
+def _read(info: CheckpointInfo, counter: Counter) -> _Read:
     """Read and re-hash the step as stored now; raises ``_Unreadable`` when this host cannot."""
     manifest, digest = _manifest(info)
     if manifest is None:
         return _Read(digest=None, files={}, problems=(digest,))
     try:
-        damaged = verify_directory(info.path, manifest)
+        damaged = verify_directory(info.path, manifest,
+                                   on_bytes=lambda n: counter.advance(n, item=f"{info.run}@{info.step}"))
     except OSError as exc:
         raise _Unreadable(f"cannot read {exc.filename or info.path}: {exc.strerror or exc}") from None
     if damaged and not info.path.is_dir():  # vanished while being read: gc, or the mount went away
@@ -87,10 +89,12 @@ def _read(info: CheckpointInfo) -> _Read:
                  problems=tuple(f"{p.name}: {p.problem}" for p in damaged))
 
 
-def scrub(catalog: Catalog, infos: Sequence[CheckpointInfo], *, actor: str) -> list[VerifyResult]:
+def scrub(catalog: Catalog, infos: Sequence[CheckpointInfo], *, actor: str,
+          progress: ProgressFn | None = None) -> list[VerifyResult]:
     """Re-hash each checkpoint (a few in parallel); intact ones become ``verified``, damaged ``corrupt``.
 
     A corrupt step that hashes clean again (restored from a backup) is verified again.
+    ``progress`` hears of the bytes hashed, of the sum of the steps' sizes (``registry.progress``).
     """
     def result(info: CheckpointInfo, status: str, *problems: str) -> VerifyResult:
         return VerifyResult(run=info.run, step=info.step, ok=status == Status.VERIFIED, status=status,
@@ -121,7 +125,7 @@ def scrub(catalog: Catalog, infos: Sequence[CheckpointInfo], *, actor: str) -> l
 
     def check(info: CheckpointInfo) -> VerifyResult:
         try:
-            found = _read(info)
+            found = _read(info, counter)
             if found.digest is not None and found.digest != info.manifest_sha256:
                 now = current(info)  # re-published since it was listed?
                 if now is not None and now.manifest_sha256 == found.digest:
@@ -147,5 +151,6 @@ def scrub(catalog: Catalog, infos: Sequence[CheckpointInfo], *, actor: str) -> l
         except _Unreadable as exc:
             return unreadable(info, str(exc))
 
+    counter = Counter(progress, task="verify", total=sum(i.total_bytes for i in infos))
     with ThreadPoolExecutor(max_workers=min(4, max(1, len(infos)))) as pool:
         return list(pool.map(check, infos))

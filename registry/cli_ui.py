@@ -1,0 +1,64 @@
+"""``registry ui`` and ``registry metrics --plot``: looking at a run instead of reading tables."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from typing import TYPE_CHECKING, Any
+
+import click
+
+if TYPE_CHECKING:
+    from registry.cli import State
+
+
+@click.command("ui")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to bind. Anything but loopback needs --token.")
+@click.option("--port", type=click.IntRange(0, 65535), default=8765, show_default=True, help="Port to bind.")
+@click.option("--token", envvar="REGISTRY_UI_TOKEN", show_envvar=True, default=None,
+              help="Access token every request must carry (open http://HOST:PORT/?token=TOKEN once).")
+@click.pass_obj
+def ui(state: State, host: str, port: int, token: str | None) -> None:
+    """Serve a read-only web view of the runs, their curves, checkpoints and retention previews.
+
+    Needs the ``ui`` extra (pip install 'checkpoint-registry[ui]'). The
+    catalog is opened read-only; training never depends on this server.
+    """
+    from registry.cli import command  # imported here: registry.cli registers this command at its import
+    command(serve_ui)(state, host=host, port=port, token=token)
+
+
+def serve_ui(state: State, *, host: str, port: int, token: str | None) -> None:
+    from registry.terminal import require
+    require("starlette", "registry ui")
+    require("uvicorn", "registry ui")
+    from registry.web import check_bind, create_app, serve
+    check_bind(host, token)
+    state.read_only = True
+    reg = state.registry()
+    shown = f"[{host}]" if ":" in host else host
+    click.echo(f"registry ui: http://{shown}:{port}/{'?token=...' if token else ''} (read-only; Ctrl-C stops)",
+               err=True)
+    serve(create_app(reg, token=token), host=host, port=port, token=token)
+
+
+def plot_metrics(reg: Any, run: str, key: str | None) -> None:
+    """Draw ``key`` of ``run`` (default ``eval/loss`` or the first key) with its checkpoints marked."""
+    from registry.errors import CheckpointNotFoundError
+    from registry.terminal import plot
+    keys = reg.catalog.metric_keys(run)
+    if key is None:
+        if not keys:
+            raise CheckpointNotFoundError(f"run {run!r} has no metrics to plot")
+        key = "eval/loss" if "eval/loss" in keys else keys[0]
+    points = reg.metrics(run, key)
+    if not points:
+        raise CheckpointNotFoundError(f"run {run!r} has no points of {key!r} (it has: {', '.join(keys) or 'none'})")
+    size = shutil.get_terminal_size((100, 30))
+    text = plot(points, reg.checkpoints(run, include_deleted=True), run=run, key=key,
+                width=max(40, size.columns), height=max(12, min(size.lines - 2, 30)), colour=sys.stdout.isatty())
+    click.echo(text)
+
+
+__all__ = ["plot_metrics", "ui"]

@@ -1,0 +1,279 @@
+"""The documents behind ``--json`` and the web view: one builder per fact, called by both.
+
+The command line prints these dictionaries; ``registry ui`` serves the very
+same ones under ``/api/...``, so a script that reads one can read the other.
+Everything here reads through :class:`~registry.api.Registry` and writes
+nothing, which is what lets the web view run on a read-only catalog.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any, Literal
+
+from registry.errors import CheckpointNotFoundError, InvalidNameError, RegistryError
+from registry.format.refs import check_metric_key, check_run_name, parse_ref
+from registry.records import ENDED, NO_PAYLOAD, CheckpointInfo, EventInfo, MetricPoint, Status
+
+if TYPE_CHECKING:
+    from registry.api import Registry
+    from registry.catalog import FileRecord
+    from registry.ops.scrub import VerifyResult
+    from registry.retention import RetentionPlan, RetentionResult
+
+DEFAULT_CURVE_POINTS = 1200  # what a chart a few hundred pixels wide can show; min and max per bucket
+
+
+def now_utc() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def format_time(value: datetime | None) -> str:
+    """``2026-12-01 04:07:45 UTC``: a time with its zone, as every table shows it."""
+    if value is None:
+        return "-"
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=timezone.utc)
+    return value.strftime("%Y-%m-%d %H:%M:%S %Z").replace("UTC+00:00", "UTC")
+
+
+def format_age(value: datetime | None, *, now: datetime | None = None) -> str:
+    """``3d 4h``, ``12m``: how long ago, to the two biggest units."""
+    if value is None:
+        return "-"
+    seconds = max(0, int(((now or now_utc()) - value).total_seconds()))
+    parts: list[str] = []
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
+        if seconds >= size or (unit == "s" and not parts):
+            parts.append(f"{seconds // size}{unit}")
+            seconds %= size
+        if len(parts) == 2:
+            break
+    return " ".join(parts)
+
+
+def parse_sort(spec: str | None) -> tuple[str, Literal["min", "max"]] | None:
+    """``eval/loss`` or ``eval/acc:max`` -> (metric, mode); None for no sort."""
+    if not spec:
+        return None
+    metric, _, mode = spec.partition(":")
+    if mode not in ("", "min", "max"):
+        raise InvalidNameError(f"cannot sort by {spec!r}: expected METRIC or METRIC:max")
+    return check_metric_key(metric), "max" if mode == "max" else "min"
+
+
+# ---------------------------------------------------------------------- runs
+
+
+def runs_doc(reg: Registry, *, sort_by: str | None = None) -> list[dict[str, Any]]:
+    """Every run: its counts, newest and latest verified step, and, with ``sort_by``, its best value.
+
+    ``sort_by`` (``METRIC`` or ``METRIC:max``) orders the runs best first by
+    the value of ``RUN@best:METRIC`` (runs without the metric last), so runs
+    are compared exactly as the ``best:`` ref ranks their checkpoints.
+    """
+    sort = parse_sort(sort_by)
+    runs = reg.runs()
+    refs = [parse_ref(f"{r.name}@latest") for r in runs]
+    if sort is not None:
+        refs += [parse_ref(f"{r.name}@best:{sort[0]}:{sort[1]}") for r in runs]
+    found = reg.catalog.resolve_each(refs)  # one transaction, not two round trips per run
+    docs = []
+    for i, run in enumerate(runs):
+        doc = run.to_json()
+        latest = found[i]
+        doc["latest_verified_step"] = latest.step if latest else None
+        if sort is not None:
+            metric, mode = sort
+            best = found[len(runs) + i]
+            doc["best"] = {"metric": metric, "mode": mode, "step": best.step if best else None,
+                           "value": best.metrics.get(metric) if best else None}
+        docs.append(doc)
+    if sort is not None:
+        sign = -1.0 if sort[1] == "max" else 1.0
+        docs.sort(key=lambda d: (d["best"]["value"] is None, sign * (d["best"]["value"] or 0.0), d["name"]))
+    return docs
+
+
+def checkpoints_doc(infos: Iterable[CheckpointInfo]) -> list[dict[str, Any]]:
+    """``ls --json``."""
+    return [i.to_json() for i in infos]
+
+
+def metrics_doc(points: Iterable[MetricPoint]) -> list[dict[str, Any]]:
+    """``metrics --json``."""
+    return [p.to_json() for p in points]
+
+
+def events_doc(events: Iterable[EventInfo]) -> list[dict[str, Any]]:
+    return [e.to_json() for e in events]
+
+
+def verify_doc(results: Iterable[VerifyResult]) -> list[dict[str, Any]]:
+    """``verify --json``."""
+    return [{"run": r.run, "step": r.step, "ok": r.ok, "status": r.status, "problems": list(r.problems)}
+            for r in results]
+
+
+def gc_doc(plan: RetentionPlan, *, dry_run: bool, result: RetentionResult | None) -> dict[str, Any]:
+    """``gc --json``: the plan with its reasons, and what executing it did (None for a dry run)."""
+    doc = plan.to_json()
+    doc["dry_run"] = dry_run
+    doc["result"] = result.to_json() if result is not None else None
+    return doc
+
+
+def retention_preview(reg: Registry, run: str, policy_text: str, *,
+                      allow_missing_metric: bool = False) -> dict[str, Any]:
+    """What ``gc RUN --dry-run --json`` prints for the policy typed as text (``keep-last 3, ...``)."""
+    from registry.ops.policies import parse_policy_text
+    policy = parse_policy_text(policy_text)
+    plan = reg.plan_retention(run, policy, allow_missing_metrics=allow_missing_metric)
+    return gc_doc(plan, dry_run=True, result=None)
+
+
+# ---------------------------------------------------------------------- one step
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepView:
+    """Everything ``show`` says about one step, including a deleted or failed one."""
+
+    ref: str
+    info: CheckpointInfo
+    files: tuple[FileRecord, ...]
+    events: tuple[EventInfo, ...]
+    ended: EventInfo | None
+    manifest: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        doc = self.info.to_json()
+        doc["ref"] = self.ref
+        doc["files"] = [{"name": f.name, "size": f.size, "sha256": f.sha256} for f in self.files]
+        doc["manifest"] = self.manifest
+        doc["events"] = events_doc(self.events)
+        doc["ended_by"] = self.ended.to_json() if self.ended is not None else None
+        return doc
+
+
+def step_view(reg: Registry, ref: str) -> StepView:
+    """``show REF``: a live step by any ref, or a deleted, failed or staging one named by its number."""
+    parsed = parse_ref(ref)
+    try:
+        info = reg.resolve(parsed)
+    except CheckpointNotFoundError:
+        row = reg.catalog.get(parsed.run, parsed.step) if parsed.step is not None else None
+        if row is None or row.status not in NO_PAYLOAD:
+            raise
+        info = reg._absolute(row)
+    events = reg.events(info.run, step=info.step)
+    return StepView(ref=ref, info=info, files=tuple(reg.catalog.files(info.run, info.step)), events=tuple(events),
+                    ended=ending_event(info.status, events), manifest=manifest_summary(info.path))
+
+
+def ending_event(status: str, events: Sequence[EventInfo]) -> EventInfo | None:
+    """The newest event that put a deleted or failed step in that status, or None."""
+    if status not in ENDED:
+        return None
+    return next((e for e in reversed(events)
+                 if e.detail.get("status") == status or (status == Status.FAILED and e.kind == "publish-failed")), None)
+
+
+def manifest_summary(directory: Any) -> dict[str, Any]:
+    """What the manifest on disk says, or why it cannot be read (``show`` must work on a corrupt step)."""
+    from registry.format.manifest import FORMAT_VERSION, read_manifest
+    try:
+        manifest, digest = read_manifest(directory)
+    except (RegistryError, OSError) as exc:
+        return {"error": str(exc)}
+    return {"format_version": FORMAT_VERSION, "sha256": digest,
+            "files": len(manifest.files), "tensors": len(manifest.tensors),
+            "created_at": manifest.created_at, "optimizer_step": manifest.optimizer_step,
+            "policy_version": manifest.policy_version}
+
+
+def load_snippets(info: CheckpointInfo) -> dict[str, str]:
+    """The exact lines that load this step, from a shell and from Python."""
+    ref = f"{info.run}@{info.step}"
+    return {"shell": f"registry show {ref}\nregistry resolve {ref}",
+            "python": ("from registry import Registry\n\n"
+                       "with Registry.open() as reg:\n"
+                       f"    ckpt = reg.load({ref!r})\n"
+                       "    model.load_state_dict(ckpt.state_dict)")}
+
+
+# ---------------------------------------------------------------------- curves
+
+
+def downsample(points: Sequence[tuple[int, float]], *, buckets: int,
+               keep_steps: Iterable[int] = ()) -> list[tuple[int, float]]:
+    """At most about ``2 * buckets`` points of a curve sorted by step, its shape kept.
+
+    Each of ``buckets`` equal step ranges keeps its lowest and highest point
+    (so a spike never disappears), and every point at a step in
+    ``keep_steps`` (the checkpoints) is kept whatever its bucket, so a marker
+    always sits on the curve. A curve already short enough is returned whole.
+    """
+    if len(points) <= 2 * buckets:
+        return list(points)
+    keep = set(keep_steps)
+    first, last = points[0][0], points[-1][0]
+    width = max(1.0, (last - first + 1) / buckets)
+    chosen: dict[int, tuple[int, float]] = {}
+    low: tuple[int, float] | None = None
+    high: tuple[int, float] | None = None
+    bucket = -1
+    for point in points:
+        b = int((point[0] - first) / width)
+        if b != bucket:
+            for p in (low, high):
+                if p is not None:
+                    chosen[p[0]] = p
+            bucket, low, high = b, point, point
+        else:
+            if point[1] < low[1]:  # type: ignore[index]
+                low = point
+            if point[1] > high[1]:  # type: ignore[index]
+                high = point
+        if point[0] in keep:
+            chosen[point[0]] = point
+    for p in (low, high):
+        if p is not None:
+            chosen[p[0]] = p
+    return sorted(chosen.values())
+
+
+def run_view(reg: Registry, run: str, *, key: str | None = None,
+             max_points: int = DEFAULT_CURVE_POINTS) -> dict[str, Any]:
+    """The run page's data: every checkpoint (any status), the metric keys, one curve, the events.
+
+    The curve of ``key`` (default: the first key, ``eval/loss`` if logged) is
+    downsampled to about ``max_points`` points (see :func:`downsample`);
+    ``total_points`` says how many there were. Each checkpoint carries the
+    curve's value at its step (None where the metric was not logged there).
+    """
+    check_run_name(run)
+    marks = reg.catalog.checkpoint_marks(run)
+    keys = reg.catalog.metric_keys(run)
+    if key is None and keys:
+        key = "eval/loss" if "eval/loss" in keys else keys[0]
+    raw = reg.catalog.curve(run, check_metric_key(key)) if key is not None else []
+    values = dict(raw)
+    curve = downsample(raw, buckets=max(1, max_points // 2), keep_steps=[m[0] for m in marks])
+    return {
+        "run": run, "key": key, "keys": keys,
+        "checkpoints": [{"step": step, "status": status, "tags": list(tags), "total_bytes": size,
+                         "value": values.get(step), "created_at": created.isoformat() if created else None}
+                        for step, status, size, created, tags in marks],
+        "curve": {"points": [[s, v if math.isfinite(v) else None] for s, v in curve],
+                  "total_points": len(raw), "downsampled": len(curve) < len(raw)},
+        "events": events_doc(reg.events(run)),
+    }
+
+
+__all__ = ["StepView", "checkpoints_doc", "downsample", "events_doc", "format_age", "format_time", "gc_doc",
+           "load_snippets", "metrics_doc", "retention_preview", "run_view", "runs_doc", "step_view",
+           "verify_doc"]

@@ -1,0 +1,88 @@
+"""A small real catalog for the web view's tests and for ``scripts/screenshot``: every status, tags, curves.
+
+``build_site(reg)`` publishes three runs through the public API: ``alpha``
+has a dense ``train/loss`` curve, an ``eval/loss`` at each checkpoint and one
+checkpoint of each status (verified, published, corrupt, deleted, failed),
+two tags and a retention pass; ``beta`` and ``gamma`` are there to be sorted.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from registry import Registry
+from registry.retention import KeepEvery, KeepLast
+from tests.helpers import make_state
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMEDRIVER = Path("/usr/bin/chromedriver")
+BROWSER_MISSING = "chromium not installed (/usr/bin/chromium, /usr/bin/chromedriver); browser tests skipped"
+
+
+@dataclass(frozen=True)
+class Site:
+    runs: tuple[str, ...]
+    checkpoints: int  # of alpha, every status
+    dense_points: int  # train/loss points of alpha
+
+
+def build_site(reg: Registry) -> Site:
+    for step in range(10, 1610, 10):  # a dense training curve, most points between checkpoints
+        reg.log_metrics("alpha", step, {"train/loss": 2.0 * math.exp(-step / 600) + 0.05 * math.sin(step / 37)})
+    for i, step in enumerate(range(200, 1601, 200)):
+        reg.publish("alpha", step, make_state(i), metrics={"eval/loss": 1.5 * math.exp(-step / 700) + 0.1,
+                                                            "eval/acc": 1 - math.exp(-step / 500)},
+                    verify=step % 400 == 0)
+    reg.tag("alpha", 800, "release")
+    reg.tag("alpha", 1200, "best-eval")
+    reg.apply_retention("alpha", KeepEvery(400) | KeepLast(3))  # deletes 200, 600 and 1000
+    reg.mark_corrupt(next(i for i in reg.checkpoints("alpha") if i.step == 1200), "bit flip found by a scrub")
+    claim = reg.catalog.claim("alpha", 1700, path="alpha/step-00001700", writer=reg.writer, overwrite=False)
+    reg.catalog.abort_claim(claim, reason="out of disk while writing", old_payload_intact=False)
+    for name, best in (("beta", 0.3), ("gamma", 0.7)):
+        for i, step in enumerate((100, 200)):
+            reg.publish(name, step, make_state(10 + i), metrics={"eval/loss": best + 0.1 * (1 - i),
+                                                                  "eval/acc": 1 - best})
+    reg.flush()
+    return Site(runs=("alpha", "beta", "gamma"), checkpoints=len(reg.checkpoints("alpha", include_deleted=True)),
+                dense_points=len(reg.metrics("alpha", "train/loss")))
+
+
+def browser(scratch: Path):  # type: ignore[no-untyped-def]
+    """Headless Debian chromium through its own chromedriver; nothing is ever downloaded.
+
+    Its profile and temporary files go to ``scratch`` (chromium leaves empty directories in $TMPDIR).
+    """
+    import os
+
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    os.environ["SE_OFFLINE"] = "true"  # Selenium Manager, should it ever run, must not fetch a browser
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                "--window-size=1280,1100", "--hide-scrollbars", "--no-first-run", "--disable-extensions"):
+        options.add_argument(arg)
+    service = Service(executable_path=str(CHROMEDRIVER), env={**os.environ, "TMPDIR": str(scratch)})
+    return webdriver.Chrome(service=service, options=options)
+
+
+def wait_for(driver, script: str, *, timeout: float = 20.0):  # type: ignore[no-untyped-def]
+    """Wait until ``script`` (a JS expression) is truthy in the page; returns its value."""
+    from selenium.webdriver.support.ui import WebDriverWait
+    return WebDriverWait(driver, timeout).until(lambda d: d.execute_script(f"return {script};"))
+
+
+def screenshot_run_page(driver, base_url: str, out: Path, *, run: str = "alpha",  # type: ignore[no-untyped-def]
+                        policy: str = "keep-last 2, keep-best eval/loss 1") -> Path:
+    """The README's picture: the run page with a retention preview filled in."""
+    driver.get(f"{base_url}/runs/{run}")
+    wait_for(driver, "document.body.dataset.ready === '1'")
+    driver.find_element("id", "policy").send_keys(policy)
+    driver.find_element("css selector", "#retention button").click()
+    wait_for(driver, "document.getElementById('plan').dataset.ready === '1'")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    driver.save_screenshot(str(out))
+    return out
