@@ -2,10 +2,10 @@
 
 - :mod:`registry.integrations.lightning`: a PyTorch Lightning callback that
   publishes, and a ``CheckpointIO`` plugin that resumes from
-  ``ckpt_path="registry:RUN@latest"`` (extra ``registry[lightning]``).
+  ``ckpt_path="registry:RUN@latest"`` (extra ``checkpoint-registry[lightning]``).
 - :mod:`registry.integrations.transformers`: a Hugging Face ``TrainerCallback``
   that publishes every save, and ``resume_from()`` for
-  ``trainer.train(resume_from_checkpoint=...)`` (extra ``registry[transformers]``).
+  ``trainer.train(resume_from_checkpoint=...)`` (extra ``checkpoint-registry[transformers]``).
 
 Each module imports its framework; importing ``registry`` imports neither.
 They use only the public :class:`registry.Registry` API.
