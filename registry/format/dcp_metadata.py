@@ -1,0 +1,318 @@
+"""Reading ``torch.distributed.checkpoint`` (DCP) directories without unpickling anything foreign.
+
+A DCP checkpoint is a directory holding ``.metadata`` (a pickled
+``Metadata``: which tensors exist, their shapes and chunks, and where each
+chunk's bytes lie) and ``__<rank>_<n>.distcp`` data files. DCP's own
+``FileSystemReader`` reads ``.metadata`` with ``pickle.load``, and its default
+planner reads every non-tensor entry with ``torch.load(weights_only=False)``:
+a directory someone else wrote would run whatever code it names. Here
+``.metadata`` goes through an unpickler that can only build DCP's metadata
+classes (the list is what torch's own ``dcp.save`` writes, for plain,
+FSDP2/DTensor and optimizer state), whose result is then checked field by
+field; and :class:`RestrictedFileSystemReader` reads non-tensor entries with
+``torch.load(weights_only=True)``. Anything else is refused with a one-line
+``UnsafePickleError`` (a forbidden global) or ``DcpMetadataError``
+(truncated, malformed, or naming files that are not there).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pathlib
+import pickle
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
+from torch.distributed.checkpoint.metadata import (_MEM_FORMAT_ENCODING, BytesStorageMetadata, ChunkStorageMetadata,
+                                                   Metadata, MetadataIndex, StorageMeta, TensorProperties,
+                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+
+from registry.errors import DcpMetadataError, RegistryError, UnsafePickleError
+from registry.format.manifest import check_file_name, open_regular
+
+METADATA = ".metadata"
+MAX_METADATA_BYTES = 1 << 30  # read whole before unpickling, so bounded; a 70B model's is tens of MiB
+DATA_FILE = re.compile(r"__([0-9]{1,6})_([0-9]{1,6})\.distcp")
+MAX_WORLD_SIZE = 1 << 16
+
+# The classes a ``.metadata`` may instantiate and fill in (BUILD), by exact type.
+_RECORDS: tuple[type, ...] = (Metadata, TensorStorageMetadata, BytesStorageMetadata, ChunkStorageMetadata,
+                              TensorProperties, MetadataIndex, StorageMeta, _StorageInfo)
+
+
+def _layout(name: str) -> torch.layout:
+    """``torch.serialization._get_layout``, but with the name checked first."""
+    layout = _LAYOUTS.get(name) if isinstance(name, str) else None
+    if layout is None:
+        raise UnsafePickleError(f"unknown tensor layout {name!r}")
+    return layout
+
+
+_LAYOUTS = {str(v): v for v in vars(torch).values() if isinstance(v, torch.layout)}
+_GLOBALS: dict[tuple[str, str], Any] = {
+    **{(cls.__module__, cls.__qualname__): cls for cls in (*_RECORDS, _MEM_FORMAT_ENCODING)},
+    ("torch", "Size"): torch.Size,
+    ("torch.serialization", "_get_layout"): _layout,
+    # StorageMeta.checkpoint_id: a path is only ever a name here, so a Windows one stays pure
+    ("pathlib", "PosixPath"): pathlib.PurePosixPath,
+    ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
+    ("pathlib", "WindowsPath"): pathlib.PureWindowsPath,
+    ("pathlib", "PureWindowsPath"): pathlib.PureWindowsPath,
+    **{("torch", name): value for name, value in vars(torch).items() if isinstance(value, torch.dtype)},
+}
+
+
+class _Unpickler(pickle._Unpickler):
+    """The pure-Python unpickler, so BUILD can be checked: only DCP's records may be filled in.
+
+    ``find_class`` alone is not enough: BUILD on an admitted class object
+    (not an instance) would set attributes on the class itself, for every
+    later user in the process.
+    """
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = _GLOBALS.get((module, name))
+        if found is None:
+            raise UnsafePickleError(f"refusing to unpickle {module}.{name}")
+        return found
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise UnsafePickleError("refusing a persistent id")
+
+    def load_build(self) -> None:
+        stack: list[Any] = self.stack  # type: ignore[attr-defined]
+        inst, state = stack[-2], stack[-1]
+        if type(inst) not in _RECORDS:
+            raise UnsafePickleError(f"refusing to set the state of a {type(inst).__name__}")
+        if type(inst) is not TensorProperties and not (
+                isinstance(state, dict) and all(isinstance(k, str) and not k.startswith("__") for k in state)):
+            raise UnsafePickleError(f"refusing a non-field state for a {type(inst).__name__}")
+        pickle._Unpickler.load_build(self)  # type: ignore[attr-defined]
+
+    dispatch = {**pickle._Unpickler.dispatch, pickle.BUILD[0]: load_build}  # type: ignore[dict-item]
+
+
+def _read(source: bytes | str | os.PathLike[str]) -> tuple[bytes, str]:
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        return bytes(source), "DCP .metadata"
+    path = Path(source)
+    if path.is_dir():
+        path = path / METADATA
+    fd = open_regular(path.parent, path.name, error=DcpMetadataError, what="DCP metadata")
+    with os.fdopen(fd, "rb") as f:
+        raw = f.read(MAX_METADATA_BYTES + 1)
+    if len(raw) > MAX_METADATA_BYTES:
+        raise DcpMetadataError(f"{path} is larger than {MAX_METADATA_BYTES} bytes", path=path)
+    return raw, str(path)
+
+
+def load_dcp_metadata(source: bytes | str | os.PathLike[str]) -> Metadata:
+    """The ``Metadata`` in ``source`` (its bytes, the file, or the checkpoint directory), checked.
+
+    Never runs code the file names: only DCP's metadata classes, torch sizes,
+    dtypes and layouts can be built. The result is checked as
+    :func:`check_metadata` says before it is returned.
+    """
+    raw, where = _read(source)
+    path = None if isinstance(source, (bytes, bytearray, memoryview)) else Path(where)
+    try:
+        metadata = _Unpickler(io.BytesIO(raw)).load()
+    except UnsafePickleError as exc:
+        raise UnsafePickleError(f"{where}: {exc}; a DCP .metadata may only hold DCP's metadata records",
+                                path=path) from None
+    except RegistryError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a damaged pickle fails in every way pickle can fail
+        raise DcpMetadataError(f"{where} does not unpickle ({type(exc).__name__}: {exc}); it is truncated "
+                               "or damaged", path=path) from None
+    check_metadata(metadata, where=where, path=path)
+    return metadata
+
+
+def _bad(where: str, path: Path | None, why: str) -> DcpMetadataError:
+    return DcpMetadataError(f"{where}: {why}", path=path)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_size(value: object) -> bool:
+    return isinstance(value, torch.Size) and all(_is_int(v) and v >= 0 for v in value)
+
+
+def check_metadata(metadata: object, *, where: str, path: Path | None = None) -> None:
+    """Refuse a ``Metadata`` whose fields are not what DCP writes, before anything acts on them.
+
+    Every data file must be a plain name inside the directory, with a
+    non-negative offset and length; every chunk must lie inside its tensor.
+    """
+    if type(metadata) is not Metadata:
+        raise _bad(where, path, f"holds a {type(metadata).__name__}, not a DCP Metadata")
+    entries = metadata.state_dict_metadata
+    if not isinstance(entries, dict):
+        raise _bad(where, path, "state_dict_metadata is not a dict")
+    for fqn, entry in entries.items():
+        if not isinstance(fqn, str):
+            raise _bad(where, path, f"key {fqn!r} is not a string")
+        if type(entry) is BytesStorageMetadata:
+            continue
+        if type(entry) is not TensorStorageMetadata:
+            raise _bad(where, path, f"{fqn!r} is a {type(entry).__name__}")
+        props = entry.properties
+        if type(props) is not TensorProperties or not isinstance(getattr(props, "dtype", None), torch.dtype):
+            raise _bad(where, path, f"{fqn!r} has no valid tensor properties")
+        if not _is_size(entry.size) or not isinstance(entry.chunks, list):
+            raise _bad(where, path, f"{fqn!r} has an invalid size or chunk list")
+        for chunk in entry.chunks:
+            if (type(chunk) is not ChunkStorageMetadata or not _is_size(chunk.offsets) or not _is_size(chunk.sizes)
+                    or len(chunk.offsets) != len(entry.size) or len(chunk.sizes) != len(entry.size)
+                    or any(o + s > n for o, s, n in zip(chunk.offsets, chunk.sizes, entry.size))):
+                raise _bad(where, path, f"{fqn!r} has a chunk outside its tensor")
+    storage = metadata.storage_data
+    if not isinstance(storage, dict):
+        raise _bad(where, path, "storage_data is not a dict")
+    for index, info in storage.items():
+        if type(index) is not MetadataIndex or not isinstance(index.fqn, str) or index.fqn not in entries:
+            raise _bad(where, path, f"storage_data has an entry for no known tensor: {index!r}")
+        if (type(info) is not _StorageInfo or not _is_int(info.offset) or not _is_int(info.length)
+                or info.offset < 0 or info.length < 0):
+            raise _bad(where, path, f"storage_data entry for {index.fqn!r} is malformed")
+        if not isinstance(info.relative_path, str):
+            raise _bad(where, path, f"storage_data entry for {index.fqn!r} names no file")
+        check_file_name(info.relative_path, where=path)
+        descriptors = getattr(info, "transform_descriptors", None)
+        if descriptors is not None and not (isinstance(descriptors, (list, tuple))
+                                            and all(isinstance(d, str) for d in descriptors)):
+            raise _bad(where, path, f"storage_data entry for {index.fqn!r} has malformed transforms")
+    planner = metadata.planner_data
+    if planner is not None and not (isinstance(planner, dict) and all(
+            isinstance(k, str) and isinstance(v, (tuple, list)) and all(isinstance(p, (str, int)) for p in v)
+            for k, v in planner.items())):
+        raise _bad(where, path, "planner_data is not a map of names to key paths")
+    if metadata.storage_meta is not None and type(metadata.storage_meta) is not StorageMeta:
+        raise _bad(where, path, "storage_meta is malformed")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DcpFiles:
+    """What a ``.metadata`` says about the directory's data files."""
+
+    needed: dict[str, int]                 # data file -> the bytes it must have at least
+    world_size: int                        # ranks seen in the data file names (``__<rank>_<n>.distcp``)
+    files_per_rank: dict[int, tuple[str, ...]]
+
+    def manifest_field(self) -> dict[str, Any]:
+        """The manifest's ``layout`` field, which tells a load this step is a DCP checkpoint."""
+        return {"kind": "dcp", "world_size": self.world_size,
+                "files_per_rank": {str(rank): list(names) for rank, names in self.files_per_rank.items()}}
+
+
+def tensor_names(metadata: Metadata) -> tuple[str, ...]:
+    """The flattened names of the tensor entries (the manifest's ``tensors``)."""
+    return tuple(sorted(k for k, v in metadata.state_dict_metadata.items() if type(v) is TensorStorageMetadata))
+
+
+def data_files(metadata: Metadata, present: Mapping[str, int]) -> DcpFiles:
+    """The data files ``metadata`` needs and how they map to ranks; ``present`` is name -> size."""
+    needed: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    per_rank: dict[int, list[str]] = {}
+    for name in sorted({*needed, *present}):
+        match = DATA_FILE.fullmatch(name)
+        if match:
+            per_rank.setdefault(int(match[1]), []).append(name)
+    world = max(per_rank, default=-1) + 1
+    if world > MAX_WORLD_SIZE:
+        raise DcpMetadataError(f"DCP data files name rank {world - 1}, more than {MAX_WORLD_SIZE} ranks")
+    return DcpFiles(needed=needed, world_size=world,
+                    files_per_rank={rank: tuple(per_rank.get(rank, ())) for rank in range(world)})
+
+
+def check_data_files(directory: Path, metadata: Metadata, sizes: Mapping[str, int]) -> DcpFiles:
+    """Every file ``metadata`` references exists in ``sizes`` (name -> size) with enough bytes."""
+    files = data_files(metadata, sizes)
+    for name, need in sorted(files.needed.items()):
+        if name not in sizes:
+            raise DcpMetadataError(f"{directory / METADATA} references {name}, which is missing: {directory / name}",
+                                   path=directory / name)
+        if sizes[name] < need:
+            raise DcpMetadataError(f"{directory / name} is {sizes[name]} bytes; {METADATA} needs at least {need}",
+                                   path=directory / name)
+    return files
+
+
+class _SafeBytes:
+    """A load planner whose non-tensor entries were read with ``weights_only=True``.
+
+    DCP's default planner unpickles them with ``weights_only=False``; it is
+    handed a fresh pickle of what the restricted load produced instead.
+    """
+
+    def __init__(self, planner: LoadPlanner, where: Path) -> None:
+        self._planner, self._where = planner, where
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._planner, name)
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        try:
+            obj = torch.load(value, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as exc:
+            first = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+            raise UnsafePickleError(f"{self._where}: entry {read_item.dest_index.fqn!r} needs full unpickling, "
+                                    f"which is refused ({first})", path=self._where) from None
+        except Exception as exc:  # noqa: BLE001 - a damaged entry
+            raise DcpMetadataError(f"{self._where}: entry {read_item.dest_index.fqn!r} does not load "
+                                   f"({type(exc).__name__})", path=self._where) from None
+        clean = io.BytesIO()
+        torch.save(obj, clean)
+        clean.seek(0)
+        self._planner.load_bytes(read_item, clean)
+
+
+class RestrictedFileSystemReader(FileSystemReader):
+    """DCP's ``FileSystemReader`` with nothing unpickled beyond plain data and tensors.
+
+    ``.metadata`` goes through :func:`load_dcp_metadata`; non-tensor entries
+    through ``torch.load(weights_only=True)``; tensors DCP already reads with
+    ``weights_only=True``. Pass it as ``storage_reader=`` to ``dcp.load``.
+    """
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        rank = kwargs.get("rank")
+        metadata = load_dcp_metadata(Path(self._get_metadata_path(rank)))
+        if metadata.storage_meta is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
+        return super().read_data(plan, _SafeBytes(planner, Path(self.path)))  # type: ignore[arg-type]
+
+
+def load_dcp_state_dict(directory: str | os.PathLike[str]) -> dict[str, Any]:
+    """The whole state dict a DCP directory holds, as plain CPU tensors and values, in one process.
+
+    For evaluation and conversion: no process group, every shard assembled
+    into full tensors, nested as it was saved.
+    """
+    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict[str, Any] = {}
+    _load_state_dict(state, storage_reader=RestrictedFileSystemReader(os.fspath(directory)),
+                     planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    return state
+
+
+__all__ = ["DATA_FILE", "METADATA", "DcpFiles", "RestrictedFileSystemReader", "check_data_files", "check_metadata",
+           "data_files", "load_dcp_metadata", "load_dcp_state_dict", "tensor_names"]
