@@ -23,7 +23,7 @@ import pathlib
 import pickle
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.metadata import (_MEM_FORMAT_ENCODING, BytesSt
                                                    TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 
-from registry.errors import DcpMetadataError, RegistryError, UnsafePickleError
+from registry.errors import CorruptCheckpointError, DcpMetadataError, RegistryError, UnsafePickleError
 from registry.format.manifest import check_file_name, open_regular
 
 METADATA = ".metadata"
@@ -130,8 +130,8 @@ def load_dcp_metadata(source: bytes | str | os.PathLike[str]) -> Metadata:
     except RegistryError:
         raise
     except Exception as exc:  # noqa: BLE001 - a damaged pickle fails in every way pickle can fail
-        raise DcpMetadataError(f"{where} does not unpickle ({type(exc).__name__}: {exc}); it is truncated "
-                               "or damaged", path=path) from None
+        raise DcpMetadataError(f"{where} does not unpickle ({_short(exc)}); it is truncated or damaged",
+                               path=path) from None
     check_metadata(metadata, where=where, path=path)
     return metadata
 
@@ -148,57 +148,71 @@ def _is_size(value: object) -> bool:
     return isinstance(value, torch.Size) and all(_is_int(v) and v >= 0 for v in value)
 
 
+def _record(obj: object, cls: type) -> bool:
+    """``obj`` is exactly a ``cls`` with every field set and no other attribute (pickle can leave any out)."""
+    if type(obj) is not cls:
+        return False
+    names = {f.name for f in fields(cls)}
+    return set(vars(obj)) <= names and all(hasattr(obj, name) for name in names)
+
+
 def check_metadata(metadata: object, *, where: str, path: Path | None = None) -> None:
     """Refuse a ``Metadata`` whose fields are not what DCP writes, before anything acts on them.
 
-    Every data file must be a plain name inside the directory, with a
-    non-negative offset and length; every chunk must lie inside its tensor.
+    Every record must have all its fields and no others; every data file must
+    be a plain name inside the directory, with a non-negative offset and
+    length; every chunk must lie inside its tensor.
     """
-    if type(metadata) is not Metadata:
-        raise _bad(where, path, f"holds a {type(metadata).__name__}, not a DCP Metadata")
+    if not _record(metadata, Metadata):
+        raise _bad(where, path, f"holds a {type(metadata).__name__}, not a complete DCP Metadata")
+    assert isinstance(metadata, Metadata)
     entries = metadata.state_dict_metadata
     if not isinstance(entries, dict):
         raise _bad(where, path, "state_dict_metadata is not a dict")
     for fqn, entry in entries.items():
         if not isinstance(fqn, str):
-            raise _bad(where, path, f"key {fqn!r} is not a string")
+            raise _bad(where, path, f"a key is a {type(fqn).__name__}, not a string")
         if type(entry) is BytesStorageMetadata:
             continue
-        if type(entry) is not TensorStorageMetadata:
-            raise _bad(where, path, f"{fqn!r} is a {type(entry).__name__}")
+        if not _record(entry, TensorStorageMetadata):
+            raise _bad(where, path, f"{fqn[:200]!r} is not a complete tensor entry")
         props = entry.properties
-        if type(props) is not TensorProperties or not isinstance(getattr(props, "dtype", None), torch.dtype):
-            raise _bad(where, path, f"{fqn!r} has no valid tensor properties")
+        if not _record(props, TensorProperties) or not isinstance(props.dtype, torch.dtype):
+            raise _bad(where, path, f"{fqn[:200]!r} has no valid tensor properties")
         if not _is_size(entry.size) or not isinstance(entry.chunks, list):
-            raise _bad(where, path, f"{fqn!r} has an invalid size or chunk list")
+            raise _bad(where, path, f"{fqn[:200]!r} has an invalid size or chunk list")
         for chunk in entry.chunks:
-            if (type(chunk) is not ChunkStorageMetadata or not _is_size(chunk.offsets) or not _is_size(chunk.sizes)
-                    or len(chunk.offsets) != len(entry.size) or len(chunk.sizes) != len(entry.size)
+            if (not _record(chunk, ChunkStorageMetadata) or not _is_size(chunk.offsets)
+                    or not _is_size(chunk.sizes) or len(chunk.offsets) != len(entry.size)
+                    or len(chunk.sizes) != len(entry.size)
                     or any(o + s > n for o, s, n in zip(chunk.offsets, chunk.sizes, entry.size))):
-                raise _bad(where, path, f"{fqn!r} has a chunk outside its tensor")
+                raise _bad(where, path, f"{fqn[:200]!r} has a chunk outside its tensor")
     storage = metadata.storage_data
     if not isinstance(storage, dict):
         raise _bad(where, path, "storage_data is not a dict")
     for index, info in storage.items():
-        if type(index) is not MetadataIndex or not isinstance(index.fqn, str) or index.fqn not in entries:
-            raise _bad(where, path, f"storage_data has an entry for no known tensor: {index!r}")
-        if (type(info) is not _StorageInfo or not _is_int(info.offset) or not _is_int(info.length)
+        if (not _record(index, MetadataIndex) or not isinstance(index.fqn, str) or index.fqn not in entries
+                or not (index.offset is None or _is_size(index.offset))):
+            raise _bad(where, path, "storage_data has an entry for no known state entry")
+        if (not _record(info, _StorageInfo) or not _is_int(info.offset) or not _is_int(info.length)
                 or info.offset < 0 or info.length < 0):
-            raise _bad(where, path, f"storage_data entry for {index.fqn!r} is malformed")
+            raise _bad(where, path, f"storage_data entry for {index.fqn[:200]!r} is malformed")
         if not isinstance(info.relative_path, str):
-            raise _bad(where, path, f"storage_data entry for {index.fqn!r} names no file")
+            raise _bad(where, path, f"storage_data entry for {index.fqn[:200]!r} names no file")
         check_file_name(info.relative_path, where=path)
-        descriptors = getattr(info, "transform_descriptors", None)
+        descriptors = info.transform_descriptors
         if descriptors is not None and not (isinstance(descriptors, (list, tuple))
                                             and all(isinstance(d, str) for d in descriptors)):
-            raise _bad(where, path, f"storage_data entry for {index.fqn!r} has malformed transforms")
+            raise _bad(where, path, f"storage_data entry for {index.fqn[:200]!r} has malformed transforms")
     planner = metadata.planner_data
     if planner is not None and not (isinstance(planner, dict) and all(
             isinstance(k, str) and isinstance(v, (tuple, list)) and all(isinstance(p, (str, int)) for p in v)
             for k, v in planner.items())):
         raise _bad(where, path, "planner_data is not a map of names to key paths")
-    if metadata.storage_meta is not None and type(metadata.storage_meta) is not StorageMeta:
+    if metadata.storage_meta is not None and not _record(metadata.storage_meta, StorageMeta):
         raise _bad(where, path, "storage_meta is malformed")
+    if metadata.version is not None and not isinstance(metadata.version, str):
+        raise _bad(where, path, "version is not a string")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -266,13 +280,12 @@ class _SafeBytes:
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         try:
             obj = torch.load(value, map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError as exc:
-            first = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-            raise UnsafePickleError(f"{self._where}: entry {read_item.dest_index.fqn!r} needs full unpickling, "
-                                    f"which is refused ({first})", path=self._where) from None
+        except pickle.UnpicklingError:
+            raise UnsafePickleError(f"{self._where}: entry {read_item.dest_index.fqn[:200]!r} needs full "
+                                    "unpickling, which can run arbitrary code; refused", path=self._where) from None
         except Exception as exc:  # noqa: BLE001 - a damaged entry
-            raise DcpMetadataError(f"{self._where}: entry {read_item.dest_index.fqn!r} does not load "
-                                   f"({type(exc).__name__})", path=self._where) from None
+            raise DcpMetadataError(f"{self._where}: entry {read_item.dest_index.fqn[:200]!r} does not load "
+                                   f"({_short(exc)})", path=self._where) from None
         clean = io.BytesIO()
         torch.save(obj, clean)
         clean.seek(0)
@@ -284,12 +297,24 @@ class RestrictedFileSystemReader(FileSystemReader):
 
     ``.metadata`` goes through :func:`load_dcp_metadata`; non-tensor entries
     through ``torch.load(weights_only=True)``; tensors DCP already reads with
-    ``weights_only=True``. Pass it as ``storage_reader=`` to ``dcp.load``.
+    ``weights_only=True``. Pass it as ``storage_reader=`` to ``dcp.load``,
+    which reports a refused ``.metadata`` inside its own exception; the
+    refusal itself is kept in ``refusal``.
     """
+
+    refusal: RegistryError | None = None  # why ``.metadata`` was refused, once it was
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
-        metadata = load_dcp_metadata(Path(self._get_metadata_path(rank)))
+        if rank is not None and self.refusal is not None:
+            # DCP retries with a rank's own metadata after any failure: a refused one is not a missing one
+            raise self.refusal
+        try:
+            metadata = load_dcp_metadata(Path(self._get_metadata_path(rank)))
+        except RegistryError as exc:
+            if rank is None:
+                self.refusal = exc
+            raise
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -303,16 +328,43 @@ def load_dcp_state_dict(directory: str | os.PathLike[str]) -> dict[str, Any]:
     """The whole state dict a DCP directory holds, as plain CPU tensors and values, in one process.
 
     For evaluation and conversion: no process group, every shard assembled
-    into full tensors, nested as it was saved.
+    into full tensors, nested as it was saved. DCP reports every failure as
+    a ``CheckpointException`` (a ``BaseException``); the registry error inside
+    it is raised instead, and any other failure as ``CorruptCheckpointError``.
     """
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     state: dict[str, Any] = {}
-    _load_state_dict(state, storage_reader=RestrictedFileSystemReader(os.fspath(directory)),
-                     planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    reader = RestrictedFileSystemReader(os.fspath(directory))
+    try:
+        _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    except CheckpointException as exc:
+        cause = reader.refusal or dcp_cause(exc)
+        if isinstance(cause, RegistryError):
+            raise cause from None
+        raise CorruptCheckpointError(f"cannot load the DCP checkpoint {directory}: {_short(cause)}",
+                                     path=Path(directory)) from None
     return state
 
 
+def dcp_cause(exc: BaseException) -> BaseException:
+    """The first original exception inside DCP's ``CheckpointException`` (which gathers them per rank)."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict):
+        for failure in failures.values():
+            inner = failure[0] if isinstance(failure, tuple) and failure else failure
+            if isinstance(inner, BaseException):
+                return dcp_cause(inner)
+    return exc
+
+
+def _short(exc: BaseException) -> str:
+    """An exception in at most one short line: its text may echo bytes from a hostile file."""
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text[:160]}{'...' if len(text) > 160 else ''}"
+
+
 __all__ = ["DATA_FILE", "METADATA", "DcpFiles", "RestrictedFileSystemReader", "check_data_files", "check_metadata",
-           "data_files", "load_dcp_metadata", "load_dcp_state_dict", "tensor_names"]
+           "data_files", "dcp_cause", "load_dcp_metadata", "load_dcp_state_dict", "tensor_names"]
