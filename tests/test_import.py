@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from registry import (CheckpointNotFoundError, CorruptCheckpointError, InvalidStateError, Registry,
                       StepExistsError, UnsafePathError)
 from registry.cli import main
-from tests.helpers import assert_state_equal, make_state, write_hf_sharded
+from tests.helpers import assert_state_equal, dcp_state, make_state, write_dcp, write_hf_sharded
 
 
 def write_reference(reference: Any, path: Path, seed: int = 1) -> dict[str, torch.Tensor]:  # noqa: F811
@@ -164,3 +164,58 @@ def test_cli_import(tmp_path: Path) -> None:
     assert usage.exit_code == 2
     with Registry.open(url=url, root=root) as reg:
         assert_state_equal(reg.load("c@9").state_dict, state)
+
+
+def assert_nested_equal(got: Any, want: Any, where: str = "state") -> None:
+    """Nested dicts and lists of tensors and plain values, equal leaf by leaf (tensors by value and dtype)."""
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor) and got.dtype == want.dtype and torch.equal(got, want), where
+    elif isinstance(want, dict):
+        assert isinstance(got, dict) and set(got) == set(want), where
+        for key in want:
+            assert_nested_equal(got[key], want[key], f"{where}.{key}")
+    elif isinstance(want, (list, tuple)):
+        assert type(got) is type(want) and len(got) == len(want), where
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert_nested_equal(a, b, f"{where}[{i}]")
+    else:
+        assert got == want and type(got) is type(want), where
+
+
+def test_import_dcp_directory(reg: Registry, tmp_path: Path) -> None:
+    """A directory plain ``dcp.save`` wrote (torchtitan's ``step-N``) is adopted, hashed, and loads whole."""
+    from registry.format.dcp_metadata import load_dcp_state_dict
+    src = tmp_path / "step-3"
+    state = dcp_state(3)
+    write_dcp(src, state, threads=2)
+    before = snapshot(src)
+    info = reg.import_checkpoint(src, run="titan", step=3, tags=["seed"])
+    assert info.status == "verified" and info.tags == ("seed",)
+    assert snapshot(src) == before, "copy mode must leave the source untouched"
+    manifest = json.loads((info.path / "manifest.json").read_text())
+    assert set(manifest["files"]) == {".metadata", "__0_0.distcp", "__0_1.distcp"}
+    for name, entry in manifest["files"].items():
+        assert entry["size"] == len(before[name]) and entry["xxh3_128_pieces"]["digests"], name
+    assert manifest["layout"] == {"kind": "dcp", "world_size": 1,
+                                  "files_per_rank": {"0": ["__0_0.distcp", "__0_1.distcp"]}}
+    assert manifest["imported"]["layout"] == "dcp"
+    assert "model.embed.weight" in manifest["tensors"] and "train_state.step" not in manifest["tensors"]
+    assert_nested_equal(load_dcp_state_dict(info.path), state)
+    assert [r.ok for r in reg.verify("titan@3")] == [True]
+
+
+def test_import_dcp_directory_by_move_from_the_command_line(cli, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from registry.format.dcp_metadata import load_dcp_state_dict
+    src = tmp_path / "step-9"
+    state = dcp_state(9)
+    write_dcp(src, state)
+    result = cli("import", str(src), "--run", "titan", "--step", "9", "--move")
+    assert result.exit_code == 0, result.output
+    assert not src.exists(), "move removes the original directory once the import is committed"
+    path = Path(cli("resolve", "titan@9").output.strip())
+    assert_nested_equal(load_dcp_state_dict(path), state)
+    size = (path / ".metadata").stat().st_size
+    (path / ".metadata").write_bytes(b"\x80\x04" + b"g" * (size - 2))  # a damaged copy, its size kept, is refused
+    result = cli("import", str(path), "--run", "titan", "--step", "10")
+    assert result.exit_code == 1 and "truncated or damaged" in result.output
+    assert len(result.output.strip().splitlines()) == 1

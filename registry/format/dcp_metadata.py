@@ -23,9 +23,9 @@ import pathlib
 import pickle
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard, TypeVar
 
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
@@ -41,6 +41,7 @@ METADATA = ".metadata"
 MAX_METADATA_BYTES = 1 << 30  # read whole before unpickling, so bounded; a 70B model's is tens of MiB
 DATA_FILE = re.compile(r"__([0-9]{1,6})_([0-9]{1,6})\.distcp")
 MAX_WORLD_SIZE = 1 << 16
+_T = TypeVar("_T")
 
 # The classes a ``.metadata`` may instantiate and fill in (BUILD), by exact type.
 _RECORDS: tuple[type, ...] = (Metadata, TensorStorageMetadata, BytesStorageMetadata, ChunkStorageMetadata,
@@ -148,11 +149,11 @@ def _is_size(value: object) -> bool:
     return isinstance(value, torch.Size) and all(_is_int(v) and v >= 0 for v in value)
 
 
-def _record(obj: object, cls: type) -> bool:
+def _record(obj: object, cls: type[_T]) -> TypeGuard[_T]:
     """``obj`` is exactly a ``cls`` with every field set and no other attribute (pickle can leave any out)."""
     if type(obj) is not cls:
         return False
-    names = {f.name for f in fields(cls)}
+    names = set(getattr(cls, "__dataclass_fields__", ()))
     return set(vars(obj)) <= names and all(hasattr(obj, name) for name in names)
 
 
@@ -165,7 +166,6 @@ def check_metadata(metadata: object, *, where: str, path: Path | None = None) ->
     """
     if not _record(metadata, Metadata):
         raise _bad(where, path, f"holds a {type(metadata).__name__}, not a complete DCP Metadata")
-    assert isinstance(metadata, Metadata)
     entries = metadata.state_dict_metadata
     if not isinstance(entries, dict):
         raise _bad(where, path, "state_dict_metadata is not a dict")
