@@ -1,0 +1,246 @@
+"""Async publish and the GIL: how long the trainer is blocked, and how fast a Python-bound trainer runs meanwhile.
+
+Two questions about ``publish(..., blocking=False)``, answered in the same
+run, interleaved round by round so that load from other processes hits every
+variant alike:
+
+(a) *blocked*: the time ``publish(blocking=False)`` takes to return (the
+    snapshot) as a fraction of a blocking publish of the same state in the
+    same round;
+(b) *GIL*: the step rate of a trainer loop that is pure Python (dict and
+    integer work, holding the GIL all the time) while the background publish
+    runs, as a fraction of its idle rate (the mean of the idle windows just
+    before and just after, in the same round).
+
+Each variant starts a publish and is measured until it has committed:
+
+- ``thread``: ``publish(blocking=False)`` in the trainer's interpreter (the
+  background publisher thread shares the trainer's GIL);
+- ``process``: the control. The same publish of the same state, run by a
+  separate interpreter (its own GIL); it competes for the CPUs exactly like
+  the thread does but cannot take the trainer's GIL. ``thread`` below
+  ``process`` is what the GIL costs; ``process`` below 1.0 is what the CPUs
+  cost (on a machine with few cores, busy with other work, that part is not
+  the registry's to fix).
+
+A sharded variant plugs in as one more entry of ``VARIANTS``.
+
+    ./scripts/bench async [--mib 256] [--runs 5] [--dir DIR] [--url URL]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from registry import Registry  # noqa: E402
+
+warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+IDLE_WINDOW = 0.5  # seconds of idle stepping before and after each measured publish
+
+
+def make_state(mib: int) -> dict[str, torch.Tensor]:
+    """``mib`` MiB of fp32 weights in 4 MiB tensors, plus a few small ones (a trainer's usual mix)."""
+    g = torch.Generator().manual_seed(0)
+    state = {f"layers.{i}.weight": torch.randn(1024, 1024, generator=g) for i in range(max(1, mib // 4))}
+    state.update({f"layers.{i}.norm": torch.ones(1024) for i in range(max(1, mib // 4))})
+    return state
+
+
+def python_step() -> int:
+    """One trainer step that never releases the GIL: dict and integer work, about 0.1 ms."""
+    acc: dict[int, int] = {}
+    for i in range(400):
+        acc[i & 31] = acc.get(i & 31, 0) + (i * 7) % 13
+    return len(acc)
+
+
+def step_until(done: Callable[[], bool]) -> tuple[int, float]:
+    """Steps taken, and wall seconds, until ``done()`` (checked between steps)."""
+    steps, t0 = 0, time.perf_counter()
+    while not done():
+        python_step()
+        steps += 1
+    return steps, time.perf_counter() - t0
+
+
+def idle_rate() -> float:
+    end = time.perf_counter() + IDLE_WINDOW
+    steps, seconds = step_until(lambda: time.perf_counter() >= end)
+    return steps / seconds
+
+
+# --------------------------------------------------------------------------- variants
+
+
+@dataclass
+class Started:
+    returned_after: float           # seconds the trainer was blocked by the call
+    done: Callable[[], bool]        # True once the publish has committed
+    finish: Callable[[], Path]      # the committed step's directory (raises what the publish raised)
+
+
+class ProcessPublisher:
+    """A separate interpreter with its own registry and its own copy of the state, publishing on request."""
+
+    def __init__(self, mib: int, url: str, root: Path) -> None:
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_child, args=(child, mib, url, str(root)), daemon=True)
+        self._proc.start()
+        assert self._conn.recv() == "ready"
+
+    def start(self, run: str, step: int) -> Started:
+        t0 = time.perf_counter()
+        self._conn.send((run, step))
+        returned = time.perf_counter() - t0
+        got: list[object] = []
+
+        def done() -> bool:
+            if not got and self._conn.poll():
+                got.append(self._conn.recv())
+            return bool(got)
+
+        def finish() -> Path:
+            while not done():
+                time.sleep(0.001)
+            if isinstance(got[0], BaseException):
+                raise got[0]
+            return Path(str(got[0]))
+        return Started(returned_after=returned, done=done, finish=finish)
+
+    def close(self) -> None:
+        self._conn.send(None)
+        self._proc.join(timeout=30)
+
+
+def _child(conn: Connection, mib: int, url: str, root: str) -> None:
+    state = make_state(mib)
+    with Registry.open(url=url, root=root) as reg:
+        conn.send("ready")
+        while (job := conn.recv()) is not None:
+            run, step = job
+            try:
+                conn.send(str(reg.publish(run, step, state).path))
+            except BaseException as exc:  # noqa: BLE001 - handed to the parent
+                conn.send(exc)
+
+
+def thread_variant(reg: Registry, state: dict[str, torch.Tensor]) -> Callable[[str, int], Started]:
+    def start(run: str, step: int) -> Started:
+        t0 = time.perf_counter()
+        future = reg.publish(run, step, state, blocking=False)
+        return Started(returned_after=time.perf_counter() - t0, done=future.done,
+                       finish=lambda: future.result().path)
+    return start
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+def bench(mib: int, work: Path, runs: int, url: str | None) -> list[str]:
+    url = url or f"sqlite:///{work / 'catalog.db'}"
+    state = make_state(mib)
+    size = sum(t.numel() * t.element_size() for t in state.values())
+    reg = Registry.open(url=url, root=work / "root")
+    child = ProcessPublisher(mib, url, work / "root")
+    variants: dict[str, Callable[[str, int], Started]] = {
+        "thread": thread_variant(reg, state),
+        "process": child.start,
+    }
+    steps = iter(range(1, 1_000_000))
+    blocking: list[float] = []
+    returned: dict[str, list[float]] = {name: [] for name in variants}
+    committed: dict[str, list[float]] = {name: [] for name in variants}
+    rate: dict[str, list[float]] = {name: [] for name in variants}
+    idle: list[float] = []
+
+    def publish_blocking() -> None:
+        t0 = time.perf_counter()
+        path = reg.publish("bench", next(steps), state).path
+        blocking.append(time.perf_counter() - t0)
+        shutil.rmtree(path)
+
+    try:
+        for round_ in range(runs + 1):  # round 0 warms up and is dropped
+            publish_blocking()
+            names = list(variants)
+            names = names[round_ % len(names):] + names[:round_ % len(names)]
+            for name in names:
+                before = idle_rate()
+                started = variants[name]("bench", next(steps))
+                n, seconds = step_until(started.done)
+                total = started.returned_after + seconds
+                shutil.rmtree(started.finish())
+                after = idle_rate()
+                returned[name].append(started.returned_after)
+                committed[name].append(total)
+                rate[name].append((n / seconds) / ((before + after) / 2) if seconds > 0 else float("nan"))
+                idle.append((before + after) / 2)
+            if round_ == 0:
+                blocking.clear()
+                for d in (returned, committed, rate):
+                    for v in d.values():
+                        v.clear()
+                idle.clear()
+    finally:
+        child.close()
+        reg.close()
+
+    med = statistics.median
+    lines = [f"\nstate: {size / 2**20:.0f} MiB in {len(state)} tensors; publish(verify=True) into {work}",
+             f"idle trainer: {med(idle):.0f} steps/s (pure-Python steps, median of the idle windows)",
+             "| variant | blocking publish s | call returned after s | blocked / blocking | committed after s "
+             "| trainer steps/s during publish / idle |",
+             "|---|---|---|---|---|---|"]
+    for name in variants:
+        ratios = [r / b for r, b in zip(returned[name], blocking)]
+        blocked = ("- | - (no snapshot: it has its own copy)" if name == "process"
+                   else f"{med(returned[name]):.4f} | {med(ratios):.3f}")
+        lines.append(f"| {name} | {med(blocking):.3f} | {blocked} | {med(committed[name]):.3f} "
+                     f"| {med(rate[name]):.2f} |")
+    lines.append("per-round trainer rate / idle: " + "; ".join(
+        f"{name} " + " ".join(f"{r:.2f}" for r in rate[name]) for name in variants))
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mib", type=int, default=int(os.environ.get("REGISTRY_BENCH_MIB", "256")))
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--dir", default=None, help="where to write (default: a temp dir on the system disk)")
+    parser.add_argument("--url", default=None, help="an empty catalog (default: a new SQLite file in the work dir)")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="bench-async-", dir=args.dir))
+    try:
+        lines = [f"command: ./scripts/bench async --mib {args.mib} --runs {args.runs}"
+                 + (f" --dir {args.dir}" if args.dir else ""),
+                 f"load average at start: {' '.join(f'{x:.1f}' for x in os.getloadavg())}",
+                 f"machine: {os.cpu_count()} cores, torch {torch.__version__}, switch interval "
+                 f"{sys.getswitchinterval() * 1000:.0f} ms; medians of {args.runs} rounds after a warm-up, "
+                 "variants interleaved; ratios are medians of per-round ratios"]
+        lines += bench(args.mib, work, args.runs, args.url)
+        lines.append(f"load average at end: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+        print("\n".join(lines))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    threading.current_thread().name = "trainer"
+    main()
