@@ -70,19 +70,58 @@ def python_step() -> int:
     return len(acc)
 
 
-def step_until(done: Callable[[], bool]) -> tuple[int, float]:
-    """Steps taken, and wall seconds, until ``done()`` (checked between steps)."""
-    steps, t0 = 0, time.perf_counter()
+def schedstat() -> tuple[float, float]:
+    """This thread's seconds on a CPU and seconds runnable but waiting for one (Linux schedstat)."""
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as f:
+            run_ns, wait_ns, _ = f.read().split()
+        return int(run_ns) / 1e9, int(wait_ns) / 1e9
+    except OSError:
+        return float("nan"), float("nan")
+
+
+@dataclass(frozen=True)
+class Window:
+    """The trainer's steps over a stretch of wall time, and where that time went.
+
+    ``wall = on_cpu + waiting_for_cpu + blocked``: ``waiting_for_cpu`` is the
+    scheduler's run-queue wait (other processes, and our own threads, using
+    the cores); ``blocked`` is time the thread slept, which for a loop that
+    never does I/O is waiting for the GIL.
+    """
+
+    steps: int
+    wall: float
+    on_cpu: float
+    waiting_for_cpu: float
+
+    @property
+    def blocked(self) -> float:
+        return max(0.0, self.wall - self.on_cpu - self.waiting_for_cpu)
+
+    @property
+    def rate(self) -> float:
+        return self.steps / self.wall
+
+    @property
+    def rate_given_a_cpu(self) -> float:
+        """Steps per second of the time the thread had a core or could have run but for the GIL."""
+        return self.steps / (self.wall - self.waiting_for_cpu)
+
+
+def step_until(done: Callable[[], bool]) -> Window:
+    """The trainer stepping until ``done()`` (checked between steps)."""
+    steps, (run0, wait0), t0 = 0, schedstat(), time.perf_counter()
     while not done():
         python_step()
         steps += 1
-    return steps, time.perf_counter() - t0
+    wall, (run1, wait1) = time.perf_counter() - t0, schedstat()
+    return Window(steps=steps, wall=wall, on_cpu=run1 - run0, waiting_for_cpu=wait1 - wait0)
 
 
-def idle_rate() -> float:
+def idle_window() -> Window:
     end = time.perf_counter() + IDLE_WINDOW
-    steps, seconds = step_until(lambda: time.perf_counter() >= end)
-    return steps / seconds
+    return step_until(lambda: time.perf_counter() >= end)
 
 
 # --------------------------------------------------------------------------- variants
@@ -167,8 +206,8 @@ def bench(mib: int, work: Path, runs: int, url: str | None) -> list[str]:
     blocking: list[float] = []
     returned: dict[str, list[float]] = {name: [] for name in variants}
     committed: dict[str, list[float]] = {name: [] for name in variants}
-    rate: dict[str, list[float]] = {name: [] for name in variants}
-    idle: list[float] = []
+    busy: dict[str, list[Window]] = {name: [] for name in variants}
+    idle: dict[str, list[Window]] = {name: [] for name in variants}  # the mean of the windows around each
 
     def publish_blocking() -> None:
         t0 = time.perf_counter()
@@ -182,40 +221,55 @@ def bench(mib: int, work: Path, runs: int, url: str | None) -> list[str]:
             names = list(variants)
             names = names[round_ % len(names):] + names[:round_ % len(names)]
             for name in names:
-                before = idle_rate()
+                before = idle_window()
                 started = variants[name]("bench", next(steps))
-                n, seconds = step_until(started.done)
-                total = started.returned_after + seconds
+                window = step_until(started.done)
                 shutil.rmtree(started.finish())
-                after = idle_rate()
+                after = idle_window()
                 returned[name].append(started.returned_after)
-                committed[name].append(total)
-                rate[name].append((n / seconds) / ((before + after) / 2) if seconds > 0 else float("nan"))
-                idle.append((before + after) / 2)
+                committed[name].append(started.returned_after + window.wall)
+                busy[name].append(window)
+                idle[name].append(Window(before.steps + after.steps, before.wall + after.wall,
+                                         before.on_cpu + after.on_cpu,
+                                         before.waiting_for_cpu + after.waiting_for_cpu))
             if round_ == 0:
                 blocking.clear()
-                for d in (returned, committed, rate):
+                for d in (returned, committed, busy, idle):
                     for v in d.values():
                         v.clear()
-                idle.clear()
     finally:
         child.close()
         reg.close()
 
     med = statistics.median
+    all_idle = [w for ws in idle.values() for w in ws]
     lines = [f"\nstate: {size / 2**20:.0f} MiB in {len(state)} tensors; publish(verify=True) into {work}",
-             f"idle trainer: {med(idle):.0f} steps/s (pure-Python steps, median of the idle windows)",
-             "| variant | blocking publish s | call returned after s | blocked / blocking | committed after s "
-             "| trainer steps/s during publish / idle |",
-             "|---|---|---|---|---|---|"]
+             f"idle trainer: {med(w.rate for w in all_idle):.0f} steps/s (pure-Python steps); of its wall time "
+             f"{med(w.waiting_for_cpu / w.wall for w in all_idle):.0%} waiting for a CPU",
+             "",
+             "| variant | blocking publish s | call returned after s | blocked / blocking | committed after s |",
+             "|---|---:|---:|---:|---:|"]
     for name in variants:
         ratios = [r / b for r, b in zip(returned[name], blocking)]
-        blocked = ("- | - (no snapshot: it has its own copy)" if name == "process"
-                   else f"{med(returned[name]):.4f} | {med(ratios):.3f}")
-        lines.append(f"| {name} | {med(blocking):.3f} | {blocked} | {med(committed[name]):.3f} "
-                     f"| {med(rate[name]):.2f} |")
-    lines.append("per-round trainer rate / idle: " + "; ".join(
-        f"{name} " + " ".join(f"{r:.2f}" for r in rate[name]) for name in variants))
+        blocked = ("- | -" if name == "process" else f"{med(returned[name]):.4f} | {med(ratios):.3f}")
+        lines.append(f"| {name} | {med(blocking):.3f} | {blocked} | {med(committed[name]):.3f} |")
+    lines += ["",
+              "Trainer during the publish (window: call returned -> committed), against the idle windows "
+              "around it:",
+              "",
+              "| variant | steps/s / idle | share of wall: on a CPU | waiting for a CPU | blocked (GIL) "
+              "| steps/s given a CPU / idle |",
+              "|---|---:|---:|---:|---:|---:|"]
+    for name in variants:
+        w, i = busy[name], idle[name]
+        lines.append(
+            f"| {name} | {med(a.rate / b.rate for a, b in zip(w, i)):.2f} "
+            f"| {med(a.on_cpu / a.wall for a in w):.0%} | {med(a.waiting_for_cpu / a.wall for a in w):.0%} "
+            f"| {med(a.blocked / a.wall for a in w):.0%} "
+            f"| {med(a.rate_given_a_cpu / b.rate_given_a_cpu for a, b in zip(w, i)):.2f} |")
+    lines.append("per-round steps/s / idle: " + "; ".join(
+        f"{name} " + " ".join(f"{a.rate / b.rate:.2f}" for a, b in zip(busy[name], idle[name]))
+        for name in variants))
     return lines
 
 
