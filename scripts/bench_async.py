@@ -15,7 +15,10 @@ variant alike:
 Each variant starts a publish and is measured until it has committed:
 
 - ``thread``: ``publish(blocking=False)`` in the trainer's interpreter (the
-  background publisher thread shares the trainer's GIL);
+  background publisher thread shares the trainer's GIL), as shipped: its
+  thread runs ``registry.ops.background.NICE`` levels below the trainer;
+- ``thread, same priority``: the same with the publisher at the trainer's
+  priority (``NICE`` = 0), what the registry did before;
 - ``process``: the control. The same publish of the same state, run by a
   separate interpreter (its own GIL); it competes for the CPUs exactly like
   the thread does but cannot take the trainer's GIL. ``thread`` below
@@ -25,7 +28,7 @@ Each variant starts a publish and is measured until it has committed:
 
 A sharded variant plugs in as one more entry of ``VARIANTS``.
 
-    ./scripts/bench async [--mib 256] [--runs 5] [--dir DIR] [--url URL]
+    ./scripts/bench async [--mib 256] [--runs 5] [--dir DIR] [--url URL] [--switch-interval-ms MS]
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from registry import Registry  # noqa: E402
+from registry.ops.background import NICE, BackgroundPublisher  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
 IDLE_WINDOW = 0.5  # seconds of idle stepping before and after each measured publish
@@ -197,9 +201,12 @@ def bench(mib: int, work: Path, runs: int, url: str | None) -> list[str]:
     state = make_state(mib)
     size = sum(t.numel() * t.element_size() for t in state.values())
     reg = Registry.open(url=url, root=work / "root")
+    same = Registry.open(url=url, root=work / "root")
+    same._background = BackgroundPublisher(nice=0)  # no worker started yet: swapped before its first use
     child = ProcessPublisher(mib, url, work / "root")
     variants: dict[str, Callable[[str, int], Started]] = {
         "thread": thread_variant(reg, state),
+        "thread, same priority": thread_variant(same, state),
         "process": child.start,
     }
     steps = iter(range(1, 1_000_000))
@@ -240,10 +247,12 @@ def bench(mib: int, work: Path, runs: int, url: str | None) -> list[str]:
     finally:
         child.close()
         reg.close()
+        same.close()
 
     med = statistics.median
     all_idle = [w for ws in idle.values() for w in ws]
     lines = [f"\nstate: {size / 2**20:.0f} MiB in {len(state)} tensors; publish(verify=True) into {work}",
+             f"background publisher priority: {NICE} nice levels below the trainer (\"thread\"), or equal",
              f"idle trainer: {med(w.rate for w in all_idle):.0f} steps/s (pure-Python steps); of its wall time "
              f"{med(w.waiting_for_cpu / w.wall for w in all_idle):.0%} waiting for a CPU",
              "",
@@ -279,14 +288,19 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir on the system disk)")
     parser.add_argument("--url", default=None, help="an empty catalog (default: a new SQLite file in the work dir)")
+    parser.add_argument("--switch-interval-ms", type=float, default=None,
+                        help="sys.setswitchinterval for the trainer's interpreter (Python's default: 5 ms)")
     args = parser.parse_args()
+    if args.switch_interval_ms is not None:
+        sys.setswitchinterval(args.switch_interval_ms / 1000)
     work = Path(tempfile.mkdtemp(prefix="bench-async-", dir=args.dir))
     try:
         lines = [f"command: ./scripts/bench async --mib {args.mib} --runs {args.runs}"
-                 + (f" --dir {args.dir}" if args.dir else ""),
+                 + (f" --dir {args.dir}" if args.dir else "")
+                 + (f" --switch-interval-ms {args.switch_interval_ms:g}" if args.switch_interval_ms else ""),
                  f"load average at start: {' '.join(f'{x:.1f}' for x in os.getloadavg())}",
                  f"machine: {os.cpu_count()} cores, torch {torch.__version__}, switch interval "
-                 f"{sys.getswitchinterval() * 1000:.0f} ms; medians of {args.runs} rounds after a warm-up, "
+                 f"{sys.getswitchinterval() * 1000:g} ms; medians of {args.runs} rounds after a warm-up, "
                  "variants interleaved; ratios are medians of per-round ratios"]
         lines += bench(args.mib, work, args.runs, args.url)
         lines.append(f"load average at end: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
