@@ -276,6 +276,9 @@ def bench(mib: int, work: Path, runs: int, url: str | None) -> list[str]:
             f"| {med(a.on_cpu / a.wall for a in w):.0%} | {med(a.waiting_for_cpu / a.wall for a in w):.0%} "
             f"| {med(a.blocked / a.wall for a in w):.0%} "
             f"| {med(a.rate_given_a_cpu / b.rate_given_a_cpu for a, b in zip(w, i)):.2f} |")
+    lines.append("per-round blocked / blocking: " + "; ".join(
+        f"{name} " + " ".join(f"{r / b:.2f}" for r, b in zip(returned[name], blocking))
+        for name in variants if name != "process"))
     lines.append("per-round steps/s / idle: " + "; ".join(
         f"{name} " + " ".join(f"{a.rate / b.rate:.2f}" for a, b in zip(busy[name], idle[name]))
         for name in variants))
