@@ -34,6 +34,7 @@ A sharded variant plugs in as one more entry of ``VARIANTS``.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import multiprocessing as mp
 import os
 import shutil
@@ -111,6 +112,14 @@ class Window:
     def rate_given_a_cpu(self) -> float:
         """Steps per second of the time the thread had a core or could have run but for the GIL."""
         return self.steps / (self.wall - self.waiting_for_cpu)
+
+
+_BLOCK = os.urandom(4 << 20)
+TRAINERS: dict[str, Callable[[], object]] = {
+    "sleeps (a GPU-bound trainer)": lambda: time.sleep(0.001),
+    "computes, GIL released (hashlib over 4 MiB)": lambda: hashlib.sha256(_BLOCK),
+    "computes, GIL held (pure Python)": python_step,
+}
 
 
 def step_until(done: Callable[[], bool]) -> Window:
@@ -215,6 +224,7 @@ def bench(mib: int, work: Path, runs: int, url: str | None) -> list[str]:
     committed: dict[str, list[float]] = {name: [] for name in variants}
     busy: dict[str, list[Window]] = {name: [] for name in variants}
     idle: dict[str, list[Window]] = {name: [] for name in variants}  # the mean of the windows around each
+    latency: dict[str, list[float]] = {kind: [] for kind in TRAINERS}  # "thread" variant, call to commit
 
     def publish_blocking() -> None:
         t0 = time.perf_counter()
@@ -239,9 +249,16 @@ def bench(mib: int, work: Path, runs: int, url: str | None) -> list[str]:
                 idle[name].append(Window(before.steps + after.steps, before.wall + after.wall,
                                          before.on_cpu + after.on_cpu,
                                          before.waiting_for_cpu + after.waiting_for_cpu))
+            for kind, trainer in TRAINERS.items():
+                t0 = time.perf_counter()
+                future = reg.publish("bench", next(steps), state, blocking=False)
+                while not future.done():
+                    trainer()
+                latency[kind].append(time.perf_counter() - t0)
+                shutil.rmtree(future.result().path)
             if round_ == 0:
                 blocking.clear()
-                for d in (returned, committed, busy, idle):
+                for d in (returned, committed, busy, idle, latency):
                     for v in d.values():
                         v.clear()
     finally:
@@ -276,6 +293,11 @@ def bench(mib: int, work: Path, runs: int, url: str | None) -> list[str]:
             f"| {med(a.on_cpu / a.wall for a in w):.0%} | {med(a.waiting_for_cpu / a.wall for a in w):.0%} "
             f"| {med(a.blocked / a.wall for a in w):.0%} "
             f"| {med(a.rate_given_a_cpu / b.rate_given_a_cpu for a, b in zip(w, i)):.2f} |")
+    lines += ["", "Background publish (\"thread\"), call to commit, by what the trainer does meanwhile:", "",
+              "| trainer | committed after s | x blocking publish |", "|---|---:|---:|"]
+    for kind in TRAINERS:
+        lines.append(f"| {kind} | {med(latency[kind]):.3f} "
+                     f"| {med(t / b for t, b in zip(latency[kind], blocking)):.2f} |")
     lines.append("per-round blocked / blocking: " + "; ".join(
         f"{name} " + " ".join(f"{r / b:.2f}" for r, b in zip(returned[name], blocking))
         for name in variants if name != "process"))
