@@ -219,3 +219,62 @@ def test_import_dcp_directory_by_move_from_the_command_line(cli, tmp_path: Path)
     result = cli("import", str(path), "--run", "titan", "--step", "10")
     assert result.exit_code == 1 and "truncated or damaged" in result.output
     assert len(result.output.strip().splitlines()) == 1
+
+
+FSDP_SAVE = r"""
+import os, socket, sys, warnings
+import torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+
+def rank(r, port, out):
+    warnings.simplefilter("ignore")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=r, world_size=2)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Linear(6, 3))
+    fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd, "step": 1}, checkpoint_id=out + "/step-1")  # DTensor shards
+    full_m, full_o = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if r == 0:
+        torch.save({"model": full_m, "optim": full_o, "step": 1}, out + "/full.pt")
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(rank, args=(port, sys.argv[1]), nprocs=2)
+"""
+
+
+def test_import_dcp_directory_saved_by_two_fsdp_ranks(sqlite_reg: Registry, tmp_path: Path) -> None:
+    """DTensor shards of model and optimizer from two ranks: adopted as world size 2, and they load whole."""
+    import subprocess
+    import sys
+
+    from registry.format.dcp_metadata import load_dcp_state_dict
+    from tests.helpers import child_env
+    script = tmp_path / "save.py"
+    script.write_text(FSDP_SAVE)
+    out = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True,
+                         env=child_env(), timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    info = sqlite_reg.import_checkpoint(tmp_path / "step-1", run="fsdp", step=1)
+    manifest = json.loads((info.path / "manifest.json").read_text())
+    assert manifest["layout"] == {"kind": "dcp", "world_size": 2,
+                                  "files_per_rank": {"0": ["__0_0.distcp"], "1": ["__1_0.distcp"]}}
+    full = torch.load(tmp_path / "full.pt", weights_only=True)
+    loaded = load_dcp_state_dict(info.path)
+    assert_nested_equal(loaded["model"], full["model"])
+    assert loaded["step"] == 1
+    # DCP keys the optimizer state by parameter name; every moment tensor comes back whole
+    for name, moments in full["optim"]["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(loaded["optim"]["state"][name][key], moments[key]), (name, key)
