@@ -870,3 +870,16 @@ def test_dcp_metadata_random_edits() -> None:
     check()
     print(f"\nDCP .metadata random edits: {seen}")
     assert seen["refused"] >= FUZZ // 5, seen
+
+
+def test_dcp_reader_does_not_follow_a_symlinked_data_file(tmp_path: Path, opened: list[Path]) -> None:
+    from registry.format.dcp_metadata import load_dcp_state_dict
+    directory = dcp_dir(tmp_path)
+    outside = tmp_path / "outside.distcp"
+    (directory / "__0_0.distcp").rename(outside)  # the very bytes expected: following the link would "work"
+    (directory / "__0_0.distcp").symlink_to(outside)
+    opened.clear()
+    with pytest.raises(UnsafePathError, match="symlink") as info:
+        load_dcp_state_dict(directory)
+    assert_refusal(info.value, UnsafePathError)
+    assert_inside(opened, directory)

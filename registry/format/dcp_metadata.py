@@ -22,13 +22,14 @@ import os
 import pathlib
 import pickle
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeGuard, TypeVar
+from typing import Any, TypeGuard, TypeVar, cast
 
 import torch
-from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, _StorageInfo
 from torch.distributed.checkpoint.metadata import (_MEM_FORMAT_ENCODING, BytesStorageMetadata, ChunkStorageMetadata,
                                                    Metadata, MetadataIndex, StorageMeta, TensorProperties,
                                                    TensorStorageMetadata)
@@ -292,17 +293,37 @@ class _SafeBytes:
         self._planner.load_bytes(read_item, clean)
 
 
+class _PlainFiles(FileSystem):
+    """DCP's filesystem, reading only regular files directly inside the directory (no symlinks, no FIFOs)."""
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
+        if mode != "rb":  # a reader never writes; kept as DCP has it
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        target = Path(path)
+        fd = open_regular(target.parent, target.name, error=DcpMetadataError, what="DCP data file")
+        with os.fdopen(fd, "rb") as stream:
+            yield cast(io.IOBase, stream)
+
+
 class RestrictedFileSystemReader(FileSystemReader):
     """DCP's ``FileSystemReader`` with nothing unpickled beyond plain data and tensors.
 
     ``.metadata`` goes through :func:`load_dcp_metadata`; non-tensor entries
     through ``torch.load(weights_only=True)``; tensors DCP already reads with
-    ``weights_only=True``. Pass it as ``storage_reader=`` to ``dcp.load``,
+    ``weights_only=True``. Data files are opened only as regular files
+    directly inside the directory (a symlink is refused, not followed). Pass it as ``storage_reader=`` to ``dcp.load``,
     which reports a refused ``.metadata`` inside its own exception; the
     refusal itself is kept in ``refusal``.
     """
 
     refusal: RegistryError | None = None  # why ``.metadata`` was refused, once it was
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        super().__init__(path)
+        self.fs = _PlainFiles()
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
