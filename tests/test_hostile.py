@@ -797,6 +797,7 @@ def test_every_dcp_metadata_truncation_is_refused(sqlite_reg: Registry, tmp_path
     ("short", "DcpMetadataError", "needs at least"),
     ("outside", "UnsafePathError", "unsafe file name"),
     ("past-the-end", "DcpMetadataError", "needs at least"),
+    ("huge-tensor", "DcpMetadataError", "claims"),
 ])
 def test_dcp_metadata_naming_files_that_are_not_there(sqlite_reg: Registry, tmp_path: Path, opened: list[Path],
                                                       damage: str, error: str, match: str) -> None:
@@ -812,9 +813,14 @@ def test_dcp_metadata_naming_files_that_are_not_there(sqlite_reg: Registry, tmp_
         (tmp_path / "x.distcp").write_bytes(data.read_bytes())  # would "work" if followed
         rewrite_metadata(directory, lambda md: [setattr(i, "relative_path", "../x.distcp")
                                                 for i in md.storage_data.values()])
-    else:
+    elif damage == "past-the-end":
         rewrite_metadata(directory, lambda md: [setattr(i, "length", i.length + (1 << 40))
                                                 for i in md.storage_data.values()])
+    else:  # a load would allocate 4 TiB before reading a byte
+        def huge(md: Any) -> None:
+            entry = md.state_dict_metadata["model.embed.weight"]
+            entry.size = entry.chunks[0].sizes = torch.Size([1 << 20, 1 << 20])
+        rewrite_metadata(directory, huge)
     before = {p.name: p.read_bytes() for p in directory.iterdir()}
     opened.clear()
     with pytest.raises(getattr(errors, error), match=match) as info:

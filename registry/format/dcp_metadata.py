@@ -18,6 +18,7 @@ field; and :class:`RestrictedFileSystemReader` reads non-tensor entries with
 from __future__ import annotations
 
 import io
+import math
 import os
 import pathlib
 import pickle
@@ -82,7 +83,7 @@ class _Unpickler(pickle._Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         found = _GLOBALS.get((module, name))
         if found is None:
-            raise UnsafePickleError(f"refusing to unpickle {module}.{name}")
+            raise UnsafePickleError(f"refusing to unpickle {str(module)[:100]}.{str(name)[:100]}")
         return found
 
     def persistent_load(self, pid: Any) -> Any:
@@ -178,7 +179,10 @@ def check_metadata(metadata: object, *, where: str, path: Path | None = None) ->
         if not _record(entry, TensorStorageMetadata):
             raise _bad(where, path, f"{fqn[:200]!r} is not a complete tensor entry")
         props = entry.properties
-        if not _record(props, TensorProperties) or not isinstance(props.dtype, torch.dtype):
+        if (not _record(props, TensorProperties) or not isinstance(props.dtype, torch.dtype)
+                or not isinstance(props.layout, torch.layout)
+                or not isinstance(props.memory_format, torch.memory_format)
+                or not isinstance(props.requires_grad, bool) or not isinstance(props.pin_memory, bool)):
             raise _bad(where, path, f"{fqn[:200]!r} has no valid tensor properties")
         if not _is_size(entry.size) or not isinstance(entry.chunks, list):
             raise _bad(where, path, f"{fqn[:200]!r} has an invalid size or chunk list")
@@ -205,6 +209,7 @@ def check_metadata(metadata: object, *, where: str, path: Path | None = None) ->
         if descriptors is not None and not (isinstance(descriptors, (list, tuple))
                                             and all(isinstance(d, str) for d in descriptors)):
             raise _bad(where, path, f"storage_data entry for {index.fqn[:200]!r} has malformed transforms")
+    _check_stored_bytes(metadata, where=where, path=path)
     planner = metadata.planner_data
     if planner is not None and not (isinstance(planner, dict) and all(
             isinstance(k, str) and isinstance(v, (tuple, list)) and all(isinstance(p, (str, int)) for p in v)
@@ -214,6 +219,29 @@ def check_metadata(metadata: object, *, where: str, path: Path | None = None) ->
         raise _bad(where, path, "storage_meta is malformed")
     if metadata.version is not None and not isinstance(metadata.version, str):
         raise _bad(where, path, "version is not a string")
+
+
+def _check_stored_bytes(metadata: Metadata, *, where: str, path: Path | None) -> None:
+    """Every chunk of every tensor has a stored entry holding at least its bytes.
+
+    A load allocates each tensor at the size ``.metadata`` claims before it
+    reads a byte; tying every claim to stored bytes (which the data files
+    must then have, :func:`check_data_files`) bounds what a hostile file can
+    make a load allocate. Compressed entries (DCP's optional transforms)
+    cannot be tied this way and are only checked for presence.
+    """
+    stored = {(index.fqn, None if index.offset is None else tuple(index.offset)): info
+              for index, info in metadata.storage_data.items()}
+    for fqn, entry in metadata.state_dict_metadata.items():
+        if type(entry) is not TensorStorageMetadata:
+            continue
+        for chunk in entry.chunks:
+            info = stored.get((fqn, tuple(chunk.offsets)))
+            if info is None:
+                raise _bad(where, path, f"{fqn[:200]!r} has a chunk with no stored entry")
+            need = math.prod(chunk.sizes) * entry.properties.dtype.itemsize
+            if not info.transform_descriptors and info.length < need:
+                raise _bad(where, path, f"{fqn[:200]!r} claims {need} bytes for a chunk stored in {info.length}")
 
 
 @dataclass(frozen=True, kw_only=True)
