@@ -851,15 +851,13 @@ def test_dcp_value_needing_full_unpickling_is_refused(sqlite_reg: Registry, tmp_
     assert marker.exists()
 
 
-def test_dcp_metadata_random_edits() -> None:
-    """A real ``.metadata`` with a few bytes edited: a one-line refusal, or a well-formed ``Metadata``."""
-    import tempfile
-
+def test_dcp_metadata_random_edits(tmp_path: Path) -> None:
+    """A real ``.metadata`` with a few bytes edited: a one-line refusal, or a ``Metadata`` that loads or is refused."""
     from registry.errors import DcpMetadataError
-    from registry.format.dcp_metadata import check_metadata, load_dcp_metadata
-    with tempfile.TemporaryDirectory() as tmp:
-        raw = (dcp_dir(Path(tmp)) / ".metadata").read_bytes()
-    seen = {"accepted": 0, "refused": 0}
+    from registry.format.dcp_metadata import check_metadata, load_dcp_metadata, load_dcp_state_dict
+    directory = dcp_dir(tmp_path)
+    raw = (directory / ".metadata").read_bytes()
+    seen = {"accepted": 0, "refused": 0, "loaded": 0}
 
     @settings(max_examples=FUZZ, deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(edited=_edited(st.just(raw)))
@@ -872,6 +870,12 @@ def test_dcp_metadata_random_edits() -> None:
             return
         check_metadata(metadata, where="again")
         seen["accepted"] += 1
+        (directory / ".metadata").write_bytes(edited)
+        try:
+            load_dcp_state_dict(directory)  # the data file is intact: the edit either still loads, or is refused
+            seen["loaded"] += 1
+        except RegistryError as exc:
+            assert_refusal(exc, CorruptCheckpointError, UnsafePickleError, UnsafePathError)
 
     check()
     print(f"\nDCP .metadata random edits: {seen}")
