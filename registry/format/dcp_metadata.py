@@ -102,9 +102,9 @@ class _Unpickler(pickle._Unpickler):
     dispatch = {**pickle._Unpickler.dispatch, pickle.BUILD[0]: load_build}  # type: ignore[dict-item]
 
 
-def _read(source: bytes | str | os.PathLike[str]) -> tuple[bytes, str]:
+def _read(source: bytes | str | os.PathLike[str], named: Path | None) -> tuple[bytes, str]:
     if isinstance(source, (bytes, bytearray, memoryview)):
-        return bytes(source), "DCP .metadata"
+        return bytes(source), str(named) if named is not None else "DCP .metadata"
     path = Path(source)
     if path.is_dir():
         path = path / METADATA
@@ -116,15 +116,17 @@ def _read(source: bytes | str | os.PathLike[str]) -> tuple[bytes, str]:
     return raw, str(path)
 
 
-def load_dcp_metadata(source: bytes | str | os.PathLike[str]) -> Metadata:
+def load_dcp_metadata(source: bytes | str | os.PathLike[str], *, path: Path | None = None) -> Metadata:
     """The ``Metadata`` in ``source`` (its bytes, the file, or the checkpoint directory), checked.
 
     Never runs code the file names: only DCP's metadata classes, torch sizes,
     dtypes and layouts can be built. The result is checked as
-    :func:`check_metadata` says before it is returned.
+    :func:`check_metadata` says before it is returned. ``path`` names bytes
+    read elsewhere (e.g. already checked against a manifest) in errors.
     """
-    raw, where = _read(source)
-    path = None if isinstance(source, (bytes, bytearray, memoryview)) else Path(where)
+    raw, where = _read(source, path)
+    if not isinstance(source, (bytes, bytearray, memoryview)):
+        path = Path(where)
     try:
         metadata = _Unpickler(io.BytesIO(raw)).load()
     except UnsafePickleError as exc:
