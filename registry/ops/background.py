@@ -6,14 +6,14 @@ is also kept here, to be raised once more (as ``AsyncPublishError``) by the
 registry's next call: a trainer that never looks at its futures still hears
 that a checkpoint was not saved.
 
-The worker runs ``nice`` levels below the trainer (Linux, where the
-scheduler's priority is per thread). Measured with ``./scripts/bench async``:
-on a machine whose cores are all busy, a Python-bound trainer keeps ~0.84 of
-its idle step rate during a background publish instead of ~0.46, and the
-publish commits no later, because its critical path (sha256 on the hash
-pool, which keeps the process's priority) is unchanged. On a machine with a
-free core the priority changes nothing. Threads the worker starts would
-inherit its priority, so the process-wide pools reset theirs
+The worker runs ``NICE`` levels below the trainer (Linux, where the
+scheduler's priority is per thread): when the cores are busy, the trainer's
+threads go first and the checkpoint commits later. Measured with
+``./scripts/bench async`` on a loaded 2-core machine, a Python-bound trainer
+kept a median 0.81 of its idle step rate during a background publish against
+0.59 at equal priority, and the commit took 1.2-1.6x as long. On a machine
+with a free core the priority changes nothing. Threads the worker starts
+would inherit its priority, so the process-wide pools reset theirs
 (``registry.pools``).
 """
 
