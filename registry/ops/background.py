@@ -11,7 +11,7 @@ scheduler's priority is per thread): when the cores are busy, the trainer's
 threads go first and the checkpoint commits later. Measured with
 ``./scripts/bench async`` on a loaded 2-core machine, a Python-bound trainer
 kept a median 0.81 of its idle step rate during a background publish against
-0.59 at equal priority, and the commit took 1.2-1.6x as long. On a machine
+0.59 at equal priority, and the commit took 1.0-2.2x as long. On a machine
 with a free core the priority changes nothing. Threads the worker starts
 would inherit its priority, so the process-wide pools reset theirs
 (``registry.pools``).
