@@ -535,7 +535,7 @@ def gc(state: State, run: str, keep_last: int | None, keep_best: tuple[str, ...]
 @command
 def import_(state: State, path: str, run: str, step: int, move: bool, overwrite: bool,
             tags: tuple[str, ...], as_json: bool) -> None:
-    """Adopt the checkpoint directory PATH (reference, legacy or Hugging Face layout) as RUN@STEP."""
+    """Adopt the checkpoint directory PATH (reference, legacy, Hugging Face or DCP layout) as RUN@STEP."""
     with state.progress(as_json) as bar:
         info = state.registry().import_checkpoint(path, run=run, step=step, move=move, overwrite=overwrite,
                                                   tags=tags, progress=bar)

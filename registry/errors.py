@@ -60,7 +60,7 @@ class SafetensorsFormatError(CorruptCheckpointError):
 
 
 class UnsafePickleError(RegistryError, ValueError):
-    """A ``.pt`` extra that needs full unpickling and was not trusted."""
+    """A ``.pt`` extra that needs full unpickling and was not trusted, or a DCP ``.metadata`` naming code."""
 
 
 class CatalogError(RegistryError, RuntimeError):
@@ -138,3 +138,7 @@ class CheckpointReadError(RegistryError, OSError):
 
 class ExtraNotFoundError(RegistryError, LookupError):
     """A load asked for an extra (``NAME.pt``) the checkpoint does not have."""
+
+
+class DcpMetadataError(CorruptCheckpointError):
+    """A DCP ``.metadata`` that is truncated or malformed, or names data files that are missing or short."""

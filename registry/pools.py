@@ -13,6 +13,7 @@ then creates its own.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -38,7 +39,8 @@ class Pool:
             with self._lock:
                 if self._executor is None:
                     self._executor = ThreadPoolExecutor(max_workers=self.max_workers,
-                                                        thread_name_prefix=self._name)
+                                                        thread_name_prefix=self._name,
+                                                        initializer=_process_priority)
                 executor = self._executor
         return executor
 
@@ -51,6 +53,25 @@ class Pool:
     def _forget_after_fork(self) -> None:
         self._executor = None
         self._lock = threading.Lock()
+
+
+def _process_priority() -> None:
+    """A worker started by a thread running at lower priority (the background publisher) takes the process's.
+
+    Linux threads inherit their creator's nice level; a shared pool's worker
+    must not keep the background publisher's for every later blocking publish
+    or load. Raising a priority back needs privilege (root, or ``RLIMIT_NICE``);
+    without it the worker keeps the lower one.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        tid = threading.get_native_id()
+        process = os.getpriority(os.PRIO_PROCESS, os.getpid())
+        if os.getpriority(os.PRIO_PROCESS, tid) != process:
+            os.setpriority(os.PRIO_PROCESS, tid, process)
+    except OSError:
+        pass
 
 
 def _after_fork_in_child() -> None:

@@ -129,3 +129,24 @@ def fail_commits(monkeypatch: Any, *, before: Callable[[], None] | None = None) 
 
     monkeypatch.setattr(Catalog, "commit_publish", failing_commit)
     return real_commit
+
+
+def write_dcp(path: Path, state: dict[str, Any], *, threads: int = 1) -> None:
+    """``state`` saved by plain ``torch.distributed.checkpoint`` in this process, as a trainer's ``dcp.save``
+    would (``threads`` > 1 writes that many ``__0_N.distcp`` data files)."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "assuming the intent is to save in a single process"
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(path, thread_count=threads))
+
+
+def dcp_state(seed: int = 1) -> dict[str, Any]:
+    """A trainer's state as DCP saves it: nested model and optimizer state, tensors and plain values."""
+    gen = torch.Generator().manual_seed(seed)
+    model = {"embed.weight": torch.randn(16, 8, generator=gen), "head.bias": torch.zeros(3, dtype=torch.bfloat16),
+             "head.weight": torch.randn(3, 8, generator=gen).t()}
+    optim = {"state": {"embed.weight": {"step": torch.tensor(7.0), "exp_avg": torch.randn(16, 8, generator=gen)}},
+             "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.99), "params": ["embed.weight"]}]}
+    return {"model": model, "optim": optim, "train_state": {"step": 7, "name": "run-a"}}

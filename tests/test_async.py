@@ -387,3 +387,38 @@ def test_kill_during_background_publish(tmp_path: Path, point: str) -> None:
             assert reg.resolve("run@latest-published").step == 1
             info = reg.publish("run", 2, {"w": torch.full((3,), 2.0)}, overwrite=True)  # dead writer: taken over
             assert info.status == "verified"
+
+
+PRIORITIES = r"""
+import json, os, sys, tempfile, threading, torch
+from registry import Registry
+with tempfile.TemporaryDirectory() as tmp, Registry.open(root=tmp) as reg:
+    seen = {}
+    def note():
+        for t in threading.enumerate():
+            seen[t.name.rsplit("_", 1)[0]] = os.getpriority(os.PRIO_PROCESS, t.native_id)
+    # 64 MiB: big enough that the hash pool's workers are started, by the background publisher's thread
+    future = reg.publish("run", 1, {"w": torch.ones(16 << 20)}, blocking=False)
+    future.add_done_callback(lambda _: note())  # on the publisher's thread, with the pool workers alive
+    future.result(timeout=60)
+    print(json.dumps({"process": os.getpriority(os.PRIO_PROCESS, os.getpid()), **seen}))
+"""
+
+
+@pytest.mark.skipif(os.uname().sysname != "Linux", reason="per-thread priorities are Linux's")
+def test_background_publisher_runs_below_the_trainer_and_pools_do_not_inherit_it() -> None:
+    """A busy machine's cores go to the trainer first; a blocking publish or load later gets full priority."""
+    import json
+    import subprocess
+    import sys
+
+    from registry.ops.background import NICE
+    out = subprocess.run([sys.executable, "-c", PRIORITIES], capture_output=True, text=True, env=child_env(),
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    seen = json.loads(out.stdout)
+    base = seen["process"]
+    assert seen["MainThread"] == base and seen["registry-publish"] == min(19, base + NICE), seen
+    assert "registry-hash" in seen and "registry-fsync" in seen, seen
+    if os.geteuid() == 0:  # raising a priority back needs privilege (or RLIMIT_NICE)
+        assert seen["registry-hash"] == base and seen["registry-fsync"] == base, seen

@@ -698,3 +698,198 @@ def test_bad_json_sidecars(tmp_path: Path, name: str, content: bytes) -> None:
     (directory / name).write_bytes(content)
     with pytest.raises(ManifestError):
         read_directory(directory, verify=False)
+
+
+# --------------------------------------------------------------------------- DCP .metadata
+
+
+class Shell:
+    """A pickle that runs a shell command when unpickled."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def dcp_dir(tmp_path: Path, name: str = "dcp", **state: Any) -> Path:
+    from tests.helpers import dcp_state, write_dcp
+    directory = tmp_path / name
+    write_dcp(directory, state or dcp_state())
+    return directory
+
+
+def rewrite_metadata(directory: Path, edit: Any) -> None:
+    """Apply ``edit`` to the directory's real ``Metadata`` and pickle it back as DCP does."""
+    import pickle
+    with open(directory / ".metadata", "rb") as f:
+        metadata = pickle.load(f)  # written by this test from dcp.save's own output
+    edit(metadata)
+    (directory / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("payload", [Sentinel, Shell])
+def test_code_running_dcp_metadata_never_runs(sqlite_reg: Registry, tmp_path: Path, payload: type) -> None:
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    from registry.format.dcp_metadata import RestrictedFileSystemReader, load_dcp_state_dict
+    marker = tmp_path / "pwned"
+    directory = dcp_dir(tmp_path)
+    rewrite_metadata(directory, lambda md: setattr(md, "planner_data", payload(marker)))
+    with pytest.raises(UnsafePickleError, match="refusing to unpickle") as info:
+        sqlite_reg.import_checkpoint(directory, run="run", step=1)
+    assert_refusal(info.value, UnsafePickleError)
+    assert sqlite_reg.runs() == [] and not (sqlite_reg.store.root / "run").exists()
+    with pytest.raises(UnsafePickleError):
+        load_dcp_state_dict(directory)
+    reader = RestrictedFileSystemReader(directory)
+    from torch.distributed.checkpoint.api import CheckpointException
+    with pytest.raises(CheckpointException):  # how DCP reports any failure
+        dcp.load({}, storage_reader=reader, no_dist=True)
+    assert isinstance(reader.refusal, UnsafePickleError)
+    assert not marker.exists()
+    with open(directory / ".metadata", "rb") as f:
+        pickle.load(f)  # what DCP's own FileSystemReader does
+    assert marker.exists()  # the payload was armed: the refusal is what protected us
+
+
+def test_dcp_metadata_cannot_set_attributes_on_an_admitted_class() -> None:
+    """BUILD on a class object (not an instance) would change the class for the whole process."""
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from registry.format.dcp_metadata import load_dcp_metadata
+    # PROTO 2, GLOBAL Metadata, (None, {"pwned_": 1}), BUILD, STOP
+    raw = b"\x80\x02ctorch.distributed.checkpoint.metadata\nMetadata\nN}X\x06\x00\x00\x00pwned_K\x01s\x86b."
+    with pytest.raises(UnsafePickleError, match="state of a type"):
+        load_dcp_metadata(raw)
+    assert not hasattr(Metadata, "pwned_")
+    try:
+        pickle.loads(raw)
+        assert Metadata.pwned_ == 1  # type: ignore[attr-defined]  # the attack is real
+    finally:
+        del Metadata.pwned_  # type: ignore[attr-defined]
+
+
+def test_every_dcp_metadata_truncation_is_refused(sqlite_reg: Registry, tmp_path: Path) -> None:
+    from registry.errors import DcpMetadataError
+    from registry.format.dcp_metadata import load_dcp_metadata
+    directory = dcp_dir(tmp_path)
+    raw = (directory / ".metadata").read_bytes()
+    for length in range(len(raw)):
+        with pytest.raises(DcpMetadataError) as info:
+            load_dcp_metadata(raw[:length])
+        assert_refusal(info.value, DcpMetadataError)
+    (directory / ".metadata").write_bytes(raw[:len(raw) // 2])
+    with pytest.raises(DcpMetadataError, match="truncated"):
+        sqlite_reg.import_checkpoint(directory, run="run", step=1)
+    assert sqlite_reg.runs() == []
+    print(f"\nDCP .metadata truncations refused: {len(raw)}")
+
+
+@pytest.mark.parametrize("damage, error, match", [
+    ("missing", "DcpMetadataError", "missing"),
+    ("short", "DcpMetadataError", "needs at least"),
+    ("outside", "UnsafePathError", "unsafe file name"),
+    ("past-the-end", "DcpMetadataError", "needs at least"),
+    ("huge-tensor", "DcpMetadataError", "claims"),
+])
+def test_dcp_metadata_naming_files_that_are_not_there(sqlite_reg: Registry, tmp_path: Path, opened: list[Path],
+                                                      damage: str, error: str, match: str) -> None:
+    from registry import errors
+    directory = dcp_dir(tmp_path)
+    data = directory / "__0_0.distcp"
+    if damage == "missing":
+        rewrite_metadata(directory, lambda md: [setattr(i, "relative_path", "__1_0.distcp")
+                                                for i in md.storage_data.values()])
+    elif damage == "short":
+        data.write_bytes(data.read_bytes()[:-1])
+    elif damage == "outside":
+        (tmp_path / "x.distcp").write_bytes(data.read_bytes())  # would "work" if followed
+        rewrite_metadata(directory, lambda md: [setattr(i, "relative_path", "../x.distcp")
+                                                for i in md.storage_data.values()])
+    elif damage == "past-the-end":
+        rewrite_metadata(directory, lambda md: [setattr(i, "length", i.length + (1 << 40))
+                                                for i in md.storage_data.values()])
+    else:  # a load would allocate 4 TiB before reading a byte
+        def huge(md: Any) -> None:
+            entry = md.state_dict_metadata["model.embed.weight"]
+            entry.size = entry.chunks[0].sizes = torch.Size([1 << 20, 1 << 20])
+        rewrite_metadata(directory, huge)
+    before = {p.name: p.read_bytes() for p in directory.iterdir()}
+    opened.clear()
+    with pytest.raises(getattr(errors, error), match=match) as info:
+        sqlite_reg.import_checkpoint(directory, run="run", step=1)
+    assert_refusal(info.value, getattr(errors, error))
+    assert_inside([p for p in opened if p.name.endswith(".distcp")], directory)
+    assert sqlite_reg.runs() == []
+    assert {p.name: p.read_bytes() for p in directory.iterdir()} == before
+
+
+def test_dcp_value_needing_full_unpickling_is_refused(sqlite_reg: Registry, tmp_path: Path) -> None:
+    """DCP's default planner reads non-tensor values with ``weights_only=False``; ours never does."""
+    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    from registry.format.dcp_metadata import FileSystemReader, load_dcp_state_dict
+    marker = tmp_path / "pwned"
+    directory = dcp_dir(tmp_path, w=torch.ones(2), obj=Sentinel(marker))
+    info = sqlite_reg.import_checkpoint(directory, run="run", step=1)  # nothing of the data is unpickled
+    assert info.status == "verified" and not marker.exists()
+    for where in (directory, info.path):
+        with pytest.raises(UnsafePickleError, match="full unpickling") as refused:
+            load_dcp_state_dict(where)
+        assert_refusal(refused.value, UnsafePickleError)
+    assert not marker.exists()
+    _load_state_dict({}, storage_reader=FileSystemReader(directory), planner=_EmptyStateDictLoadPlanner(),
+                     no_dist=True)  # what dcp.load does by default
+    assert marker.exists()
+
+
+def test_dcp_metadata_random_edits(tmp_path: Path) -> None:
+    """A real ``.metadata`` with a few bytes edited: a one-line refusal, or a ``Metadata`` that loads or is refused."""
+    from registry.errors import DcpMetadataError
+    from registry.format.dcp_metadata import check_metadata, load_dcp_metadata, load_dcp_state_dict
+    directory = dcp_dir(tmp_path)
+    raw = (directory / ".metadata").read_bytes()
+    seen = {"accepted": 0, "refused": 0, "loaded": 0}
+
+    @settings(max_examples=FUZZ, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(edited=_edited(st.just(raw)))
+    def check(edited: bytes) -> None:
+        try:
+            metadata = load_dcp_metadata(edited)
+        except RegistryError as exc:
+            assert_refusal(exc, DcpMetadataError, UnsafePickleError, UnsafePathError)
+            seen["refused"] += 1
+            return
+        check_metadata(metadata, where="again")
+        seen["accepted"] += 1
+        (directory / ".metadata").write_bytes(edited)
+        try:
+            load_dcp_state_dict(directory)  # the data file is intact: the edit either still loads, or is refused
+            seen["loaded"] += 1
+        except RegistryError as exc:
+            assert_refusal(exc, CorruptCheckpointError, UnsafePickleError, UnsafePathError)
+
+    check()
+    print(f"\nDCP .metadata random edits: {seen}")
+    assert seen["refused"] >= FUZZ // 5, seen
+
+
+def test_dcp_reader_does_not_follow_a_symlinked_data_file(tmp_path: Path, opened: list[Path]) -> None:
+    from registry.format.dcp_metadata import load_dcp_state_dict
+    directory = dcp_dir(tmp_path)
+    outside = tmp_path / "outside.distcp"
+    (directory / "__0_0.distcp").rename(outside)  # the very bytes expected: following the link would "work"
+    (directory / "__0_0.distcp").symlink_to(outside)
+    opened.clear()
+    with pytest.raises(UnsafePathError, match="symlink") as info:
+        load_dcp_state_dict(directory)
+    assert_refusal(info.value, UnsafePathError)
+    assert_inside(opened, directory)

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from registry import (CheckpointNotFoundError, CorruptCheckpointError, InvalidStateError, Registry,
                       StepExistsError, UnsafePathError)
 from registry.cli import main
-from tests.helpers import assert_state_equal, make_state, write_hf_sharded
+from tests.helpers import assert_state_equal, dcp_state, make_state, write_dcp, write_hf_sharded
 
 
 def write_reference(reference: Any, path: Path, seed: int = 1) -> dict[str, torch.Tensor]:  # noqa: F811
@@ -164,3 +164,117 @@ def test_cli_import(tmp_path: Path) -> None:
     assert usage.exit_code == 2
     with Registry.open(url=url, root=root) as reg:
         assert_state_equal(reg.load("c@9").state_dict, state)
+
+
+def assert_nested_equal(got: Any, want: Any, where: str = "state") -> None:
+    """Nested dicts and lists of tensors and plain values, equal leaf by leaf (tensors by value and dtype)."""
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor) and got.dtype == want.dtype and torch.equal(got, want), where
+    elif isinstance(want, dict):
+        assert isinstance(got, dict) and set(got) == set(want), where
+        for key in want:
+            assert_nested_equal(got[key], want[key], f"{where}.{key}")
+    elif isinstance(want, (list, tuple)):
+        assert type(got) is type(want) and len(got) == len(want), where
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert_nested_equal(a, b, f"{where}[{i}]")
+    else:
+        assert got == want and type(got) is type(want), where
+
+
+def test_import_dcp_directory(reg: Registry, tmp_path: Path) -> None:
+    """A directory plain ``dcp.save`` wrote (torchtitan's ``step-N``) is adopted, hashed, and loads whole."""
+    from registry.format.dcp_metadata import load_dcp_state_dict
+    src = tmp_path / "step-3"
+    state = dcp_state(3)
+    write_dcp(src, state, threads=2)
+    before = snapshot(src)
+    info = reg.import_checkpoint(src, run="titan", step=3, tags=["seed"])
+    assert info.status == "verified" and info.tags == ("seed",)
+    assert snapshot(src) == before, "copy mode must leave the source untouched"
+    manifest = json.loads((info.path / "manifest.json").read_text())
+    assert set(manifest["files"]) == {".metadata", "__0_0.distcp", "__0_1.distcp"}
+    for name, entry in manifest["files"].items():
+        assert entry["size"] == len(before[name]) and entry["xxh3_128_pieces"]["digests"], name
+    assert manifest["layout"] == {"kind": "dcp", "world_size": 1,
+                                  "files_per_rank": {"0": ["__0_0.distcp", "__0_1.distcp"]}}
+    assert manifest["imported"]["layout"] == "dcp"
+    assert "model.embed.weight" in manifest["tensors"] and "train_state.step" not in manifest["tensors"]
+    assert_nested_equal(load_dcp_state_dict(info.path), state)
+    assert [r.ok for r in reg.verify("titan@3")] == [True]
+
+
+def test_import_dcp_directory_by_move_from_the_command_line(cli, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from registry.format.dcp_metadata import load_dcp_state_dict
+    src = tmp_path / "step-9"
+    state = dcp_state(9)
+    write_dcp(src, state)
+    result = cli("import", str(src), "--run", "titan", "--step", "9", "--move")
+    assert result.exit_code == 0, result.output
+    assert not src.exists(), "move removes the original directory once the import is committed"
+    path = Path(cli("resolve", "titan@9").output.strip())
+    assert_nested_equal(load_dcp_state_dict(path), state)
+    size = (path / ".metadata").stat().st_size
+    (path / ".metadata").write_bytes(b"\x80\x04" + b"g" * (size - 2))  # a damaged copy, its size kept, is refused
+    result = cli("import", str(path), "--run", "titan", "--step", "10")
+    assert result.exit_code == 1 and "truncated or damaged" in result.output
+    assert len(result.output.strip().splitlines()) == 1
+
+
+FSDP_SAVE = r"""
+import os, socket, sys, warnings
+import torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+
+def rank(r, port, out):
+    warnings.simplefilter("ignore")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=r, world_size=2)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Linear(6, 3))
+    fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd, "step": 1}, checkpoint_id=out + "/step-1")  # DTensor shards
+    full_m, full_o = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if r == 0:
+        torch.save({"model": full_m, "optim": full_o, "step": 1}, out + "/full.pt")
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(rank, args=(port, sys.argv[1]), nprocs=2)
+"""
+
+
+def test_import_dcp_directory_saved_by_two_fsdp_ranks(sqlite_reg: Registry, tmp_path: Path) -> None:
+    """DTensor shards of model and optimizer from two ranks: adopted as world size 2, and they load whole."""
+    import subprocess
+    import sys
+
+    from registry.format.dcp_metadata import load_dcp_state_dict
+    from tests.helpers import child_env
+    script = tmp_path / "save.py"
+    script.write_text(FSDP_SAVE)
+    out = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True,
+                         env=child_env(), timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    info = sqlite_reg.import_checkpoint(tmp_path / "step-1", run="fsdp", step=1)
+    manifest = json.loads((info.path / "manifest.json").read_text())
+    assert manifest["layout"] == {"kind": "dcp", "world_size": 2,
+                                  "files_per_rank": {"0": ["__0_0.distcp"], "1": ["__1_0.distcp"]}}
+    full = torch.load(tmp_path / "full.pt", weights_only=True)
+    loaded = load_dcp_state_dict(info.path)
+    assert_nested_equal(loaded["model"], full["model"])
+    assert loaded["step"] == 1
+    # DCP keys the optimizer state by parameter name; every moment tensor comes back whole
+    for name, moments in full["optim"]["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(loaded["optim"]["state"][name][key], moments[key]), (name, key)

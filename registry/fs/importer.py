@@ -1,9 +1,12 @@
 """Adopting a checkpoint directory written elsewhere: scan, check, stage.
 
-Three layouts are recognised: one with a ``manifest.json`` (the reference
+Four layouts are recognised: one with a ``manifest.json`` (the reference
 module's, or ours), a legacy one without a manifest (``meta.json`` plus
-weights), and a Hugging Face style one (``config.json`` plus
-``model.safetensors`` or ``model.safetensors.index.json`` and shards).
+weights), a Hugging Face style one (``config.json`` plus
+``model.safetensors`` or ``model.safetensors.index.json`` and shards), and a
+``torch.distributed.checkpoint`` one (``.metadata`` plus ``__<rank>_<n>.distcp``
+files, as ``dcp.save`` and torchtitan write them), whose ``.metadata`` is read
+with the restricted unpickler of :mod:`registry.format.dcp_metadata`.
 
 Everything is checked before anything is touched: only plain files directly
 inside the directory (no symlinks, no subdirectories, only safe names), a
@@ -22,17 +25,22 @@ import os
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from registry.progress import Counter, ProgressFn
 from registry.errors import (CheckpointNotFoundError, CorruptCheckpointError, ManifestError, PublishError,
                              UnsafePathError)
-from registry.fs.filemaps import assemble_shards, header_of, json_object, map_directory
+from registry.fs.filemaps import assemble_shards, header_of, json_object, map_directory, read_json
 from registry.format.manifest import (CONFIG, MANIFEST, META, WEIGHTS, WEIGHTS_INDEX, FileEntry, Manifest,
-                                      check_file_name, digest_bytes)
+                                      check_file_name, digest_bytes, read_manifest)
 from registry.format.refs import MAX_STEP
 from registry.fs.store import Written, fsync_dir, now_timestamp
 from registry.format.tensorio import CHUNK, HashingWriter, sha256_file
+
+if TYPE_CHECKING:
+    from registry.format.dcp_metadata import DcpFiles
+
+DCP_METADATA = ".metadata"  # registry.format.dcp_metadata.METADATA, without importing torch.distributed here
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,11 +48,12 @@ class Foreign:
     """A scanned directory that is safe to adopt."""
 
     directory: Path
-    layout: str                      # "manifest", "legacy" or "huggingface"
+    layout: str                      # "manifest", "legacy", "huggingface" or "dcp"
     sizes: dict[str, int]            # every file to adopt (the old manifest excluded)
     manifest: Manifest | None
     meta: dict[str, Any] = field(default_factory=dict)
     tensors: tuple[str, ...] = ()
+    dcp: DcpFiles | None = None      # a DCP directory: its data files by rank
 
 
 def _listing(directory: Path) -> dict[str, int]:
@@ -68,21 +77,13 @@ def scan(directory: Path) -> Foreign:
     if not directory.is_dir():
         raise CheckpointNotFoundError(f"no checkpoint directory at {directory}", path=directory)
     sizes = _listing(directory)
+    if DCP_METADATA in sizes:
+        return _scan_dcp(directory, sizes)
     # extras are only listed: adopting them does not unpickle them
     files = map_directory(directory, extras=False)
     manifest = files.manifest
     if manifest is not None:
-        for name, entry in manifest.files.items():
-            if name not in sizes:
-                raise CorruptCheckpointError(f"checkpoint file is missing: {directory / name}", path=directory / name)
-            if sizes[name] != entry.size:
-                raise CorruptCheckpointError(f"checkpoint file size mismatch: {directory / name} is "
-                                             f"{sizes[name]} bytes, manifest says {entry.size}",
-                                             path=directory / name)
-        for key, value in (("optimizer_step", manifest.optimizer_step), ("policy_version", manifest.policy_version)):
-            if value is not None and abs(value) > MAX_STEP:
-                raise ManifestError(f"manifest {directory / MANIFEST}: {key} {value} does not fit the catalog's "
-                                    "64-bit integers", path=directory / MANIFEST)
+        _check_listed(directory, manifest, sizes)
         del sizes[MANIFEST]
         layout = "manifest"
     elif META in sizes:
@@ -100,6 +101,40 @@ def scan(directory: Path) -> Foreign:
                                           for name in weights), files.owner)
     return Foreign(directory=directory, layout=layout, sizes=sizes, manifest=manifest, meta=meta,
                    tensors=tuple(sorted(tensors)))
+
+
+def _check_listed(directory: Path, manifest: Manifest, sizes: dict[str, int]) -> None:
+    """Every file an existing manifest lists is there with its size, and its integers fit the catalog."""
+    for name, entry in manifest.files.items():
+        if name not in sizes:
+            raise CorruptCheckpointError(f"checkpoint file is missing: {directory / name}", path=directory / name)
+        if sizes[name] != entry.size:
+            raise CorruptCheckpointError(f"checkpoint file size mismatch: {directory / name} is "
+                                         f"{sizes[name]} bytes, manifest says {entry.size}", path=directory / name)
+    for key, value in (("optimizer_step", manifest.optimizer_step), ("policy_version", manifest.policy_version)):
+        if value is not None and abs(value) > MAX_STEP:
+            raise ManifestError(f"manifest {directory / MANIFEST}: {key} {value} does not fit the catalog's "
+                                "64-bit integers", path=directory / MANIFEST)
+
+
+def _scan_dcp(directory: Path, sizes: dict[str, int]) -> Foreign:
+    """A DCP directory: ``.metadata`` read without running anything, and every file it references there.
+
+    A manifest of ours, when present, is checked as for any import; the
+    tensors recorded are the flattened names of the tensor entries.
+    """
+    from registry.format.dcp_metadata import check_data_files, load_dcp_metadata, tensor_names
+    manifest = read_manifest(directory)[0] if MANIFEST in sizes else None
+    if manifest is not None:
+        _check_listed(directory, manifest, sizes)
+        del sizes[MANIFEST]
+    metadata = load_dcp_metadata(directory / DCP_METADATA)
+    dcp = check_data_files(directory, metadata, sizes)
+    meta = read_json(directory, META) if META in sizes else {}
+    if CONFIG in sizes:
+        read_json(directory, CONFIG)
+    return Foreign(directory=directory, layout="dcp", sizes=sizes, manifest=manifest, meta=meta,
+                   tensors=tensor_names(metadata), dcp=dcp)
 
 
 def _copy(src: Path, dst: Path) -> FileEntry:
@@ -157,7 +192,8 @@ def stage(foreign: Foreign, staging: Path, *, move: bool, progress: ProgressFn |
         optimizer_step=int_field(meta, "optimizer_step") if old is None else old.optimizer_step,
         policy_version=int_field(meta, "policy_version") if old is None else old.policy_version,
         extra_fields={"imported": {"from": str(foreign.directory), "layout": foreign.layout,
-                                   "at": now_timestamp()}},
+                                   "at": now_timestamp()},
+                      **({"layout": foreign.dcp.manifest_field()} if foreign.dcp is not None else {})},
     )
     raw = manifest.encode()
     with HashingWriter(staging / MANIFEST) as out:

@@ -1,0 +1,421 @@
+"""Reading ``torch.distributed.checkpoint`` (DCP) directories without unpickling anything foreign.
+
+A DCP checkpoint is a directory holding ``.metadata`` (a pickled
+``Metadata``: which tensors exist, their shapes and chunks, and where each
+chunk's bytes lie) and ``__<rank>_<n>.distcp`` data files. DCP's own
+``FileSystemReader`` reads ``.metadata`` with ``pickle.load``, and its default
+planner reads every non-tensor entry with ``torch.load(weights_only=False)``:
+a directory someone else wrote would run whatever code it names. Here
+``.metadata`` goes through an unpickler that can only build DCP's metadata
+classes (the list is what torch's own ``dcp.save`` writes, for plain,
+FSDP2/DTensor and optimizer state), whose result is then checked field by
+field; and :class:`RestrictedFileSystemReader` reads non-tensor entries with
+``torch.load(weights_only=True)``. Anything else is refused with a one-line
+``UnsafePickleError`` (a forbidden global) or ``DcpMetadataError``
+(truncated, malformed, or naming files that are not there).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import pathlib
+import pickle
+import re
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeGuard, TypeVar, cast
+
+import torch
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, _StorageInfo
+from torch.distributed.checkpoint.metadata import (_MEM_FORMAT_ENCODING, BytesStorageMetadata, ChunkStorageMetadata,
+                                                   Metadata, MetadataIndex, StorageMeta, TensorProperties,
+                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+
+from registry.errors import CorruptCheckpointError, DcpMetadataError, RegistryError, UnsafePickleError
+from registry.format.manifest import check_file_name, open_regular
+
+METADATA = ".metadata"
+MAX_METADATA_BYTES = 1 << 30  # read whole before unpickling, so bounded; a 70B model's is tens of MiB
+DATA_FILE = re.compile(r"__([0-9]{1,6})_([0-9]{1,6})\.distcp")
+MAX_WORLD_SIZE = 1 << 16
+_T = TypeVar("_T")
+
+# The classes a ``.metadata`` may instantiate and fill in (BUILD), by exact type.
+_RECORDS: tuple[type, ...] = (Metadata, TensorStorageMetadata, BytesStorageMetadata, ChunkStorageMetadata,
+                              TensorProperties, MetadataIndex, StorageMeta, _StorageInfo)
+
+
+def _layout(name: str) -> torch.layout:
+    """``torch.serialization._get_layout``, but with the name checked first."""
+    layout = _LAYOUTS.get(name) if isinstance(name, str) else None
+    if layout is None:
+        raise UnsafePickleError(f"unknown tensor layout {name!r}")
+    return layout
+
+
+_LAYOUTS = {str(v): v for v in vars(torch).values() if isinstance(v, torch.layout)}
+_GLOBALS: dict[tuple[str, str], Any] = {
+    **{(cls.__module__, cls.__qualname__): cls for cls in (*_RECORDS, _MEM_FORMAT_ENCODING)},
+    ("torch", "Size"): torch.Size,
+    ("torch.serialization", "_get_layout"): _layout,
+    # StorageMeta.checkpoint_id: a path is only ever a name here, so a Windows one stays pure
+    ("pathlib", "PosixPath"): pathlib.PurePosixPath,
+    ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
+    ("pathlib", "WindowsPath"): pathlib.PureWindowsPath,
+    ("pathlib", "PureWindowsPath"): pathlib.PureWindowsPath,
+    **{("torch", name): value for name, value in vars(torch).items() if isinstance(value, torch.dtype)},
+}
+
+
+class _Unpickler(pickle._Unpickler):
+    """The pure-Python unpickler, so BUILD can be checked: only DCP's records may be filled in.
+
+    ``find_class`` alone is not enough: BUILD on an admitted class object
+    (not an instance) would set attributes on the class itself, for every
+    later user in the process.
+    """
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = _GLOBALS.get((module, name))
+        if found is None:
+            raise UnsafePickleError(f"refusing to unpickle {str(module)[:100]}.{str(name)[:100]}")
+        return found
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise UnsafePickleError("refusing a persistent id")
+
+    def load_build(self) -> None:
+        stack: list[Any] = self.stack  # type: ignore[attr-defined]
+        inst, state = stack[-2], stack[-1]
+        if type(inst) not in _RECORDS:
+            raise UnsafePickleError(f"refusing to set the state of a {type(inst).__name__}")
+        if type(inst) is not TensorProperties and not (
+                isinstance(state, dict) and all(isinstance(k, str) and not k.startswith("__") for k in state)):
+            raise UnsafePickleError(f"refusing a non-field state for a {type(inst).__name__}")
+        pickle._Unpickler.load_build(self)  # type: ignore[attr-defined]
+
+    dispatch = {**pickle._Unpickler.dispatch, pickle.BUILD[0]: load_build}  # type: ignore[dict-item]
+
+
+def _read(source: bytes | str | os.PathLike[str], named: Path | None) -> tuple[bytes, str]:
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        return bytes(source), str(named) if named is not None else "DCP .metadata"
+    path = Path(source)
+    if path.is_dir():
+        path = path / METADATA
+    fd = open_regular(path.parent, path.name, error=DcpMetadataError, what="DCP metadata")
+    with os.fdopen(fd, "rb") as f:
+        raw = f.read(MAX_METADATA_BYTES + 1)
+    if len(raw) > MAX_METADATA_BYTES:
+        raise DcpMetadataError(f"{path} is larger than {MAX_METADATA_BYTES} bytes", path=path)
+    return raw, str(path)
+
+
+def load_dcp_metadata(source: bytes | str | os.PathLike[str], *, path: Path | None = None) -> Metadata:
+    """The ``Metadata`` in ``source`` (its bytes, the file, or the checkpoint directory), checked.
+
+    Never runs code the file names: only DCP's metadata classes, torch sizes,
+    dtypes and layouts can be built. The result is checked as
+    :func:`check_metadata` says before it is returned. ``path`` names bytes
+    read elsewhere (e.g. already checked against a manifest) in errors.
+    """
+    raw, where = _read(source, path)
+    if not isinstance(source, (bytes, bytearray, memoryview)):
+        path = Path(where)
+    try:
+        metadata = _Unpickler(io.BytesIO(raw)).load()
+    except UnsafePickleError as exc:
+        raise UnsafePickleError(f"{where}: {exc}; a DCP .metadata may only hold DCP's metadata records",
+                                path=path) from None
+    except RegistryError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a damaged pickle fails in every way pickle can fail
+        raise DcpMetadataError(f"{where} does not unpickle ({_short(exc)}); it is truncated or damaged",
+                               path=path) from None
+    check_metadata(metadata, where=where, path=path)
+    return metadata
+
+
+def _bad(where: str, path: Path | None, why: str) -> DcpMetadataError:
+    return DcpMetadataError(f"{where}: {why}", path=path)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_size(value: object) -> bool:
+    return isinstance(value, torch.Size) and all(_is_int(v) and v >= 0 for v in value)
+
+
+def _record(obj: object, cls: type[_T]) -> TypeGuard[_T]:
+    """``obj`` is exactly a ``cls`` with every field set and no other attribute (pickle can leave any out)."""
+    if type(obj) is not cls:
+        return False
+    names = set(getattr(cls, "__dataclass_fields__", ()))
+    return set(vars(obj)) <= names and all(hasattr(obj, name) for name in names)
+
+
+def check_metadata(metadata: object, *, where: str, path: Path | None = None) -> None:
+    """Refuse a ``Metadata`` whose fields are not what DCP writes, before anything acts on them.
+
+    Every record must have all its fields and no others; every data file must
+    be a plain name inside the directory, with a non-negative offset and
+    length; every chunk must lie inside its tensor.
+    """
+    if not _record(metadata, Metadata):
+        raise _bad(where, path, f"holds a {type(metadata).__name__}, not a complete DCP Metadata")
+    entries = metadata.state_dict_metadata
+    if not isinstance(entries, dict):
+        raise _bad(where, path, "state_dict_metadata is not a dict")
+    for fqn, entry in entries.items():
+        if not isinstance(fqn, str):
+            raise _bad(where, path, f"a key is a {type(fqn).__name__}, not a string")
+        if type(entry) is BytesStorageMetadata:
+            continue
+        if not _record(entry, TensorStorageMetadata):
+            raise _bad(where, path, f"{fqn[:200]!r} is not a complete tensor entry")
+        props = entry.properties
+        if (not _record(props, TensorProperties) or not isinstance(props.dtype, torch.dtype)
+                or not isinstance(props.layout, torch.layout)
+                or not isinstance(props.memory_format, torch.memory_format)
+                or not isinstance(props.requires_grad, bool) or not isinstance(props.pin_memory, bool)):
+            raise _bad(where, path, f"{fqn[:200]!r} has no valid tensor properties")
+        if not _is_size(entry.size) or not isinstance(entry.chunks, list):
+            raise _bad(where, path, f"{fqn[:200]!r} has an invalid size or chunk list")
+        for chunk in entry.chunks:
+            if (not _record(chunk, ChunkStorageMetadata) or not _is_size(chunk.offsets)
+                    or not _is_size(chunk.sizes) or len(chunk.offsets) != len(entry.size)
+                    or len(chunk.sizes) != len(entry.size)
+                    or any(o + s > n for o, s, n in zip(chunk.offsets, chunk.sizes, entry.size))):
+                raise _bad(where, path, f"{fqn[:200]!r} has a chunk outside its tensor")
+    storage = metadata.storage_data
+    if not isinstance(storage, dict):
+        raise _bad(where, path, "storage_data is not a dict")
+    for index, info in storage.items():
+        if (not _record(index, MetadataIndex) or not isinstance(index.fqn, str) or index.fqn not in entries
+                or not (index.offset is None or _is_size(index.offset))):
+            raise _bad(where, path, "storage_data has an entry for no known state entry")
+        if (not _record(info, _StorageInfo) or not _is_int(info.offset) or not _is_int(info.length)
+                or info.offset < 0 or info.length < 0):
+            raise _bad(where, path, f"storage_data entry for {index.fqn[:200]!r} is malformed")
+        if not isinstance(info.relative_path, str):
+            raise _bad(where, path, f"storage_data entry for {index.fqn[:200]!r} names no file")
+        check_file_name(info.relative_path, where=path)
+        descriptors = info.transform_descriptors
+        if descriptors is not None and not (isinstance(descriptors, (list, tuple))
+                                            and all(isinstance(d, str) for d in descriptors)):
+            raise _bad(where, path, f"storage_data entry for {index.fqn[:200]!r} has malformed transforms")
+    _check_stored_bytes(metadata, where=where, path=path)
+    planner = metadata.planner_data
+    if planner is not None and not (isinstance(planner, dict) and all(
+            isinstance(k, str) and isinstance(v, (tuple, list)) and all(isinstance(p, (str, int)) for p in v)
+            for k, v in planner.items())):
+        raise _bad(where, path, "planner_data is not a map of names to key paths")
+    if metadata.storage_meta is not None and not _record(metadata.storage_meta, StorageMeta):
+        raise _bad(where, path, "storage_meta is malformed")
+    if metadata.version is not None and not isinstance(metadata.version, str):
+        raise _bad(where, path, "version is not a string")
+
+
+def _check_stored_bytes(metadata: Metadata, *, where: str, path: Path | None) -> None:
+    """Every chunk of every tensor has a stored entry holding at least its bytes.
+
+    A load allocates each tensor at the size ``.metadata`` claims before it
+    reads a byte; tying every claim to stored bytes (which the data files
+    must then have, :func:`check_data_files`) bounds what a hostile file can
+    make a load allocate. Compressed entries (DCP's optional transforms)
+    cannot be tied this way and are only checked for presence.
+    """
+    stored = {(index.fqn, None if index.offset is None else tuple(index.offset)): info
+              for index, info in metadata.storage_data.items()}
+    for fqn, entry in metadata.state_dict_metadata.items():
+        if type(entry) is not TensorStorageMetadata:
+            continue
+        for chunk in entry.chunks:
+            info = stored.get((fqn, tuple(chunk.offsets)))
+            if info is None:
+                raise _bad(where, path, f"{fqn[:200]!r} has a chunk with no stored entry")
+            need = math.prod(chunk.sizes) * entry.properties.dtype.itemsize
+            if not info.transform_descriptors and info.length < need:
+                raise _bad(where, path, f"{fqn[:200]!r} claims {need} bytes for a chunk stored in {info.length}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DcpFiles:
+    """What a ``.metadata`` says about the directory's data files."""
+
+    needed: dict[str, int]                 # data file -> the bytes it must have at least
+    world_size: int                        # ranks seen in the data file names (``__<rank>_<n>.distcp``)
+    files_per_rank: dict[int, tuple[str, ...]]
+
+    def manifest_field(self) -> dict[str, Any]:
+        """The manifest's ``layout`` field, which tells a load this step is a DCP checkpoint."""
+        return {"kind": "dcp", "world_size": self.world_size,
+                "files_per_rank": {str(rank): list(names) for rank, names in self.files_per_rank.items()}}
+
+
+def tensor_names(metadata: Metadata) -> tuple[str, ...]:
+    """The flattened names of the tensor entries (the manifest's ``tensors``)."""
+    return tuple(sorted(k for k, v in metadata.state_dict_metadata.items() if type(v) is TensorStorageMetadata))
+
+
+def data_files(metadata: Metadata, present: Mapping[str, int]) -> DcpFiles:
+    """The data files ``metadata`` needs and how they map to ranks; ``present`` is name -> size."""
+    needed: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    per_rank: dict[int, list[str]] = {}
+    for name in sorted({*needed, *present}):
+        match = DATA_FILE.fullmatch(name)
+        if match:
+            per_rank.setdefault(int(match[1]), []).append(name)
+    world = max(per_rank, default=-1) + 1
+    if world > MAX_WORLD_SIZE:
+        raise DcpMetadataError(f"DCP data files name rank {world - 1}, more than {MAX_WORLD_SIZE} ranks")
+    return DcpFiles(needed=needed, world_size=world,
+                    files_per_rank={rank: tuple(per_rank.get(rank, ())) for rank in range(world)})
+
+
+def check_data_files(directory: Path, metadata: Metadata, sizes: Mapping[str, int]) -> DcpFiles:
+    """Every file ``metadata`` references exists in ``sizes`` (name -> size) with enough bytes."""
+    files = data_files(metadata, sizes)
+    for name, need in sorted(files.needed.items()):
+        if name not in sizes:
+            raise DcpMetadataError(f"{directory / METADATA} references {name}, which is missing: {directory / name}",
+                                   path=directory / name)
+        if sizes[name] < need:
+            raise DcpMetadataError(f"{directory / name} is {sizes[name]} bytes; {METADATA} needs at least {need}",
+                                   path=directory / name)
+    return files
+
+
+class _SafeBytes:
+    """A load planner whose non-tensor entries were read with ``weights_only=True``.
+
+    DCP's default planner unpickles them with ``weights_only=False``; it is
+    handed a fresh pickle of what the restricted load produced instead.
+    """
+
+    def __init__(self, planner: LoadPlanner, where: Path) -> None:
+        self._planner, self._where = planner, where
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._planner, name)
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        try:
+            obj = torch.load(value, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError:
+            raise UnsafePickleError(f"{self._where}: entry {read_item.dest_index.fqn[:200]!r} needs full "
+                                    "unpickling, which can run arbitrary code; refused", path=self._where) from None
+        except Exception as exc:  # noqa: BLE001 - a damaged entry
+            raise DcpMetadataError(f"{self._where}: entry {read_item.dest_index.fqn[:200]!r} does not load "
+                                   f"({_short(exc)})", path=self._where) from None
+        clean = io.BytesIO()
+        torch.save(obj, clean)
+        clean.seek(0)
+        self._planner.load_bytes(read_item, clean)
+
+
+class _PlainFiles(FileSystem):
+    """DCP's filesystem, reading only regular files directly inside the directory (no symlinks, no FIFOs)."""
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
+        if mode != "rb":  # a reader never writes; kept as DCP has it
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        target = Path(path)
+        fd = open_regular(target.parent, target.name, error=DcpMetadataError, what="DCP data file")
+        with os.fdopen(fd, "rb") as stream:
+            yield cast(io.IOBase, stream)
+
+
+class RestrictedFileSystemReader(FileSystemReader):
+    """DCP's ``FileSystemReader`` with nothing unpickled beyond plain data and tensors.
+
+    ``.metadata`` goes through :func:`load_dcp_metadata`; non-tensor entries
+    through ``torch.load(weights_only=True)``; tensors DCP already reads with
+    ``weights_only=True``. Data files are opened only as regular files
+    directly inside the directory (a symlink is refused, not followed). Pass it as ``storage_reader=`` to ``dcp.load``,
+    which reports a refused ``.metadata`` inside its own exception; the
+    refusal itself is kept in ``refusal``.
+    """
+
+    refusal: RegistryError | None = None  # why ``.metadata`` was refused, once it was
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        super().__init__(path)
+        self.fs = _PlainFiles()
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        rank = kwargs.get("rank")
+        if rank is not None and self.refusal is not None:
+            # DCP retries with a rank's own metadata after any failure: a refused one is not a missing one
+            raise self.refusal
+        try:
+            metadata = load_dcp_metadata(Path(self._get_metadata_path(rank)))
+        except RegistryError as exc:
+            if rank is None:
+                self.refusal = exc
+            raise
+        if metadata.storage_meta is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
+        return super().read_data(plan, _SafeBytes(planner, Path(self.path)))  # type: ignore[arg-type]
+
+
+def load_dcp_state_dict(directory: str | os.PathLike[str]) -> dict[str, Any]:
+    """The whole state dict a DCP directory holds, as plain CPU tensors and values, in one process.
+
+    For evaluation and conversion: no process group, every shard assembled
+    into full tensors, nested as it was saved. DCP reports every failure as
+    a ``CheckpointException`` (a ``BaseException``); the registry error inside
+    it is raised instead, and any other failure as ``CorruptCheckpointError``.
+    """
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict[str, Any] = {}
+    reader = RestrictedFileSystemReader(os.fspath(directory))
+    try:
+        _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    except CheckpointException as exc:
+        cause = reader.refusal or dcp_cause(exc)
+        if isinstance(cause, RegistryError):
+            raise cause from None
+        raise CorruptCheckpointError(f"cannot load the DCP checkpoint {directory}: {_short(cause)}",
+                                     path=Path(directory)) from None
+    return state
+
+
+def dcp_cause(exc: BaseException) -> BaseException:
+    """The first original exception inside DCP's ``CheckpointException`` (which gathers them per rank)."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict):
+        for failure in failures.values():
+            inner = failure[0] if isinstance(failure, tuple) and failure else failure
+            if isinstance(inner, BaseException):
+                return dcp_cause(inner)
+    return exc
+
+
+def _short(exc: BaseException) -> str:
+    """An exception in at most one short line: its text may echo bytes from a hostile file."""
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text[:160]}{'...' if len(text) > 160 else ''}"
+
+
+__all__ = ["DATA_FILE", "METADATA", "DcpFiles", "RestrictedFileSystemReader", "check_data_files", "check_metadata",
+           "data_files", "dcp_cause", "load_dcp_metadata", "load_dcp_state_dict", "tensor_names"]
