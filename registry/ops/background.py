@@ -6,15 +6,16 @@ is also kept here, to be raised once more (as ``AsyncPublishError``) by the
 registry's next call: a trainer that never looks at its futures still hears
 that a checkpoint was not saved.
 
-The worker runs ``NICE`` levels below the trainer (Linux, where the
-scheduler's priority is per thread): when the cores are busy, the trainer's
-threads go first and the checkpoint commits later. Measured with
-``./scripts/bench async`` on a loaded 2-core machine, a Python-bound trainer
-kept a median 0.81 of its idle step rate during a background publish against
-0.59 at equal priority, and the commit took 1.0-2.2x as long. On a machine
-with a free core the priority changes nothing. Threads the worker starts
-would inherit its priority, so the process-wide pools reset theirs
-(``registry.pools``).
+Setting ``NICE`` above 0 runs the worker that many levels below the trainer
+(Linux, where the scheduler's priority is per thread): when the cores are
+busy, the trainer's threads go first and the checkpoint commits later.
+Measured with ``./scripts/bench async`` on a loaded 2-core machine, a
+Python-bound trainer kept a median 0.81 of its idle step rate during a
+background publish against 0.59 at equal priority, and the commit took
+1.0-2.2x as long. It is off by default: threads the worker starts inherit its
+priority, and the process-wide pools can raise theirs back (``registry.pools``)
+only with privilege (root or ``RLIMIT_NICE``); without it, a hashing pool first
+started by the worker would stay slow for every later blocking load.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import Any, TypeVar
 from registry.errors import AsyncPublishError
 
 T = TypeVar("T")
-NICE = 10  # how many nice levels the background publisher runs below the process
+NICE = 0  # how many nice levels the background publisher runs below the process (opt-in; see above)
 
 
 def lower_priority(nice: int) -> None:
@@ -45,8 +46,8 @@ def lower_priority(nice: int) -> None:
 
 
 class BackgroundPublisher:
-    def __init__(self, *, nice: int = NICE) -> None:
-        self._nice = nice
+    def __init__(self, *, nice: int | None = None) -> None:
+        self._nice = NICE if nice is None else nice
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._worker: ThreadPoolExecutor | None = None
