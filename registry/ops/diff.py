@@ -1,0 +1,344 @@
+"""What changed between two checkpoints: tensors, files, config and metrics.
+
+Structure comes from the safetensors headers (a few KiB per file): tensors
+added, removed, or changed in dtype or shape. Content comes from the
+manifests first: two tensors at the same offset of files with the same
+``xxh3_128_pieces`` layout are unchanged wherever every piece they cover has
+the same digest, so only the bytes of the differing pieces that a tensor
+covers are ever read, and a tensor is called changed only when those bytes
+really differ (a piece can differ because of its other tensors). A tensor at
+another offset (keys reordered by another writer, a tensor added before it),
+or in files without pieces, is compared by reading it, in bounded chunks.
+
+``values=True`` measures each content change of same-shape tensors: the
+largest absolute difference and the relative L2 change
+``||b - a|| / ||a||``, both in float64, streamed in chunks of
+:data:`CHUNK` bytes per side, so memory stays bounded whatever the tensor
+size (this reads the changed tensors whole).
+
+Both steps are read under reader leases, and each manifest must be the one
+the catalog recorded (so retention cannot delete either while it is read).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterator, Mapping
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from registry.errors import CorruptCheckpointError
+from registry.format.manifest import CONFIG, MANIFEST, FileEntry, Manifest, open_regular, read_manifest
+from registry.format.tensorio import read_safetensors_header
+from registry.fs.filemaps import read_json
+from registry.ops.reading import Access, acquire_lease, check_digest
+from registry.records import CheckpointInfo
+
+CHUNK = 8 << 20  # bytes read per side at a time while comparing or measuring
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorChange:
+    """One tensor that differs: ``change`` is ``added``, ``removed``, ``dtype``, ``shape`` or ``content``."""
+
+    name: str
+    change: str
+    dtype_a: str | None = None
+    dtype_b: str | None = None
+    shape_a: tuple[int, ...] | None = None
+    shape_b: tuple[int, ...] | None = None
+    max_abs_diff: float | None = None   # with values=True, for content changes
+    rel_l2: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {"name": self.name, "change": self.change}
+        for key in ("dtype_a", "dtype_b", "shape_a", "shape_b", "max_abs_diff", "rel_l2"):
+            value = getattr(self, key)
+            if value is not None:
+                doc[key] = list(value) if isinstance(value, tuple) else value
+        return doc
+
+
+@dataclass(frozen=True, kw_only=True)
+class Change:
+    """A file or config entry that differs (``added``, ``removed`` or ``changed``), with both values."""
+
+    key: str
+    change: str
+    a: Any = None
+    b: Any = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"key": self.key, "change": self.change, "a": self.a, "b": self.b}
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointDiff:
+    """What changed from ``a`` to ``b``. ``bytes_read`` counts every byte read (headers included)."""
+
+    a: CheckpointInfo
+    b: CheckpointInfo
+    tensors: tuple[TensorChange, ...]
+    unchanged_tensors: int
+    files: tuple[Change, ...]
+    config: tuple[Change, ...]
+    metrics: tuple[Change, ...]
+    bytes_read: int
+    bytes_total: int      # both payloads together
+    values: bool = False
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def of(self, change: str) -> tuple[TensorChange, ...]:
+        return tuple(t for t in self.tensors if t.change == change)
+
+    @property
+    def identical(self) -> bool:
+        """No tensor, config or metric differs (files such as ``meta.json`` always carry a timestamp)."""
+        return not (self.tensors or self.config or self.metrics)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"a": f"{self.a.run}@{self.a.step}", "b": f"{self.b.run}@{self.b.step}",
+                "identical": self.identical, "values": self.values,
+                "tensors": {kind: [t.to_json() for t in self.of(kind)]
+                            for kind in ("added", "removed", "dtype", "shape", "content")},
+                "unchanged_tensors": self.unchanged_tensors,
+                "files": [c.to_json() for c in self.files], "config": [c.to_json() for c in self.config],
+                "metrics": [c.to_json() for c in self.metrics],
+                "bytes_read": self.bytes_read, "bytes_total": self.bytes_total}
+
+
+@dataclass(frozen=True)
+class _Loc:
+    file: str
+    dtype: Any          # torch.dtype
+    shape: tuple[int, ...]
+    offset: int         # of its first byte in the file
+    nbytes: int
+
+
+class _Side:
+    """One checkpoint being compared: its manifest, tensor locations and open files, counting bytes read."""
+
+    def __init__(self, info: CheckpointInfo, stack: ExitStack) -> None:
+        self.info = info
+        self.directory = Path(info.path)
+        self.manifest, digest = read_manifest(self.directory)
+        check_digest(info, digest)
+        self.bytes_read = 0
+        self._fds: dict[str, int] = {}
+        self._stack = stack
+        self.tensors: dict[str, _Loc] = {}
+        for name in sorted(self.manifest.files):
+            if name.endswith(".safetensors"):
+                fd = self.fd(name)
+                with os.fdopen(os.dup(fd), "rb", buffering=0) as f:
+                    header = read_safetensors_header(f, self.manifest.files[name].size, self.directory / name)
+                self.bytes_read += header.data_start
+                for e in header.entries:
+                    self.tensors.setdefault(e.name, _Loc(name, e.dtype, e.shape, header.data_start + e.begin,
+                                                         e.end - e.begin))
+
+    def fd(self, name: str) -> int:
+        if name not in self._fds:
+            fd = open_regular(self.directory, name)
+            self._stack.callback(os.close, fd)
+            self._fds[name] = fd
+        return self._fds[name]
+
+    def read(self, loc: _Loc, start: int, size: int) -> bytearray:
+        """Bytes ``start..start+size`` of tensor ``loc``, in a fresh (writable, for torch) buffer."""
+        buf = bytearray(size)
+        got = os.preadv(self.fd(loc.file), [buf], loc.offset + start)
+        self.bytes_read += got
+        if got != size:
+            raise CorruptCheckpointError(f"{self.directory / loc.file} is shorter than its header says",
+                                         path=self.directory / loc.file)
+        return buf
+
+    def entry(self, loc: _Loc) -> FileEntry:
+        return self.manifest.files[loc.file]
+
+
+def _suspect(a: _Side, la: _Loc, b: _Side, lb: _Loc) -> list[tuple[int, int]]:
+    """Byte ranges of the tensor (relative to its start) that may differ; empty when none can."""
+    fa, fb = a.entry(la), b.entry(lb)
+    if la.offset == lb.offset and fa.sha256 == fb.sha256 and fa.size == fb.size:
+        return []  # the same file bytes: the same tensor bytes
+    n = la.nbytes
+    ps = fa.piece_size
+    if (la.offset != lb.offset or ps is None or ps != fb.piece_size or fa.xxh3_128_pieces is None
+            or fb.xxh3_128_pieces is None):
+        return [(0, n)] if n else []
+    ranges: list[tuple[int, int]] = []
+    for i in range(la.offset // ps, (la.offset + n - 1) // ps + 1) if n else ():
+        same = (i < len(fa.xxh3_128_pieces) and i < len(fb.xxh3_128_pieces)
+                and fa.xxh3_128_pieces[i] == fb.xxh3_128_pieces[i])
+        if same:
+            continue
+        lo, hi = max(i * ps, la.offset) - la.offset, min((i + 1) * ps, la.offset + n) - la.offset
+        if ranges and ranges[-1][1] == lo:
+            ranges[-1] = (ranges[-1][0], hi)
+        else:
+            ranges.append((lo, hi))
+    return ranges
+
+
+def _chunks(start: int, end: int, step: int) -> Iterator[tuple[int, int]]:
+    while start < end:
+        yield start, min(end, start + step)
+        start += step
+
+
+def _bytes_differ(a: _Side, la: _Loc, b: _Side, lb: _Loc, ranges: list[tuple[int, int]]) -> bool:
+    for lo, hi in ranges:
+        for s, e in _chunks(lo, hi, CHUNK):
+            if a.read(la, s, e - s) != b.read(lb, s, e - s):
+                return True
+    return False
+
+
+def _measure(a: _Side, la: _Loc, b: _Side, lb: _Loc) -> tuple[float, float]:
+    """Max |b - a| and ||b - a|| / ||a|| over the whole tensor, in float64, streamed."""
+    import torch
+    itemsize = la.dtype.itemsize
+    step = max(itemsize, CHUNK - CHUNK % itemsize)
+    max_abs, diff_sq, base_sq = 0.0, 0.0, 0.0
+    for s, e in _chunks(0, la.nbytes, step):
+        ta = torch.frombuffer(a.read(la, s, e - s), dtype=la.dtype)
+        tb = torch.frombuffer(b.read(lb, s, e - s), dtype=lb.dtype)
+        if ta.dtype.is_complex:
+            ta, tb = torch.view_as_real(ta), torch.view_as_real(tb)
+        xa, xb = ta.to(torch.float64), tb.to(torch.float64)
+        d = xb - xa
+        if d.numel():
+            max_abs = max(max_abs, float(d.abs().max()))
+            diff_sq += float((d * d).sum())
+            base_sq += float((xa * xa).sum())
+    rel = math.sqrt(diff_sq) / math.sqrt(base_sq) if base_sq > 0 else (0.0 if diff_sq == 0 else math.inf)
+    return max_abs, rel
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _tensor_changes(a: _Side, b: _Side, *, values: bool) -> tuple[list[TensorChange], int]:
+    changes: list[TensorChange] = []
+    unchanged = 0
+    for name in sorted(a.tensors.keys() | b.tensors.keys()):
+        la, lb = a.tensors.get(name), b.tensors.get(name)
+        if lb is None:
+            assert la is not None
+            changes.append(TensorChange(name=name, change="removed", dtype_a=_dtype_name(la.dtype), shape_a=la.shape))
+        elif la is None:
+            changes.append(TensorChange(name=name, change="added", dtype_b=_dtype_name(lb.dtype), shape_b=lb.shape))
+        elif la.dtype != lb.dtype or la.shape != lb.shape:
+            changes.append(TensorChange(name=name, change="dtype" if la.dtype != lb.dtype else "shape",
+                                        dtype_a=_dtype_name(la.dtype), dtype_b=_dtype_name(lb.dtype),
+                                        shape_a=la.shape, shape_b=lb.shape))
+        elif _bytes_differ(a, la, b, lb, _suspect(a, la, b, lb)):
+            measured = _measure(a, la, b, lb) if values else (None, None)
+            changes.append(TensorChange(name=name, change="content", dtype_a=_dtype_name(la.dtype),
+                                        dtype_b=_dtype_name(lb.dtype), shape_a=la.shape, shape_b=lb.shape,
+                                        max_abs_diff=measured[0], rel_l2=measured[1]))
+        else:
+            unchanged += 1
+    return changes, unchanged
+
+
+def _file_changes(a: Manifest, b: Manifest) -> list[Change]:
+    out = []
+    for name in sorted(a.files.keys() | b.files.keys()):
+        fa, fb = a.files.get(name), b.files.get(name)
+        if name == MANIFEST or (fa is not None and fb is not None and fa.sha256 == fb.sha256
+                                and fa.size == fb.size):
+            continue
+        change = "added" if fa is None else "removed" if fb is None else "changed"
+        out.append(Change(key=name, change=change, a=fa.size if fa is not None else None,
+                          b=fb.size if fb is not None else None))
+    return out
+
+
+def json_diff(a: Any, b: Any, path: str = "") -> list[Change]:
+    """Every difference between two JSON documents, keyed by a path like ``optim.betas[1]``."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        out: list[Change] = []
+        for key in sorted(a.keys() | b.keys(), key=str):
+            sub = f"{path}.{key}" if path else str(key)
+            if key not in b:
+                out.append(Change(key=sub, change="removed", a=a[key]))
+            elif key not in a:
+                out.append(Change(key=sub, change="added", b=b[key]))
+            else:
+                out.extend(json_diff(a[key], b[key], sub))
+        return out
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        return [c for i, (x, y) in enumerate(zip(a, b)) for c in json_diff(x, y, f"{path}[{i}]")]
+    if type(a) is not type(b) or a != b:
+        return [Change(key=path or "$", change="changed", a=a, b=b)]
+    return []
+
+
+def _config(side: _Side) -> dict[str, Any]:
+    if CONFIG not in side.manifest.files:
+        return {}
+    side.bytes_read += side.manifest.files[CONFIG].size
+    return read_json(side.directory, CONFIG)
+
+
+def _metric_changes(a: CheckpointInfo, b: CheckpointInfo) -> list[Change]:
+    out = []
+    for key in sorted(a.metrics.keys() | b.metrics.keys()):
+        va, vb = a.metrics.get(key), b.metrics.get(key)
+        if va != vb:
+            change = "added" if va is None else "removed" if vb is None else "changed"
+            out.append(Change(key=key, change=change, a=va, b=vb))
+    return out
+
+
+def diff_checkpoints(access: Access, a: CheckpointInfo, b: CheckpointInfo, *, values: bool = False) -> CheckpointDiff:
+    """Compare two resolved checkpoints (absolute paths) under reader leases; see the module docstring."""
+    with ExitStack() as stack:
+        for info in (a, b):
+            lease = acquire_lease(access, info)
+            stack.callback(access.catalog.release_lease, lease)
+        side_a, side_b = _Side(a, stack), _Side(b, stack)
+        tensors, unchanged = _tensor_changes(side_a, side_b, values=values)
+        config = json_diff(_config(side_a), _config(side_b))
+        return CheckpointDiff(
+            a=a, b=b, tensors=tuple(tensors), unchanged_tensors=unchanged,
+            files=tuple(_file_changes(side_a.manifest, side_b.manifest)), config=tuple(config),
+            metrics=tuple(_metric_changes(a, b)), bytes_read=side_a.bytes_read + side_b.bytes_read,
+            bytes_total=side_a.manifest.total_bytes + side_b.manifest.total_bytes, values=values)
+
+
+def render(diff: CheckpointDiff) -> Iterator[str]:
+    """The diff as the CLI prints it."""
+    yield f"{diff.a.run}@{diff.a.step} -> {diff.b.run}@{diff.b.step}"
+    for t in diff.tensors:
+        if t.change == "added":
+            yield f"  + {t.name}  {t.dtype_b} {list(t.shape_b or ())}"
+        elif t.change == "removed":
+            yield f"  - {t.name}  {t.dtype_a} {list(t.shape_a or ())}"
+        elif t.change in ("dtype", "shape"):
+            yield (f"  ~ {t.name}  {t.change}: {t.dtype_a} {list(t.shape_a or ())} -> "
+                   f"{t.dtype_b} {list(t.shape_b or ())}")
+        else:
+            size = "" if t.max_abs_diff is None else f"  max|d|={t.max_abs_diff:.6g} rel_l2={t.rel_l2:.6g}"
+            yield f"  * {t.name}  content{size}"
+    yield f"  {diff.unchanged_tensors} tensors unchanged"
+    for c in diff.files:
+        yield f"  file {c.change}: {c.key} ({c.a} -> {c.b} bytes)"
+    for c in diff.config:
+        yield f"  config {c.change}: {c.key}: {json.dumps(c.a)} -> {json.dumps(c.b)}"
+    for c in diff.metrics:
+        yield f"  metric {c.change}: {c.key}: {c.a} -> {c.b}"
+    pct = 100.0 * diff.bytes_read / diff.bytes_total if diff.bytes_total else 0.0
+    yield f"  read {diff.bytes_read} of {diff.bytes_total} bytes ({pct:.2f}%)"
+
+
+__all__ = ["CHUNK", "Change", "CheckpointDiff", "TensorChange", "diff_checkpoints", "json_diff", "render"]
