@@ -608,24 +608,25 @@ class Registry:
 
     def plan_retention(self, run: str, policy: Policy, *, now: datetime | None = None,
                        protect: Mapping[int, str] | None = None,
-                       allow_missing_metrics: bool = False) -> RetentionPlan:
+                       allow_missing_metrics: bool = False, keep_fork_parents: bool = True) -> RetentionPlan:
         """What ``policy`` would keep and delete in ``run`` (a ``RetentionPlan``); changes nothing.
 
         ``protect`` adds ``{step: reason}`` protections on top of the invariants;
         ``now`` (timezone-aware) pins the clock for age-based policies. A
         ``KeepBest`` over a metric none of the run's checkpoints has raises
         ``UnknownMetricError`` (a ``PolicyError``) unless ``allow_missing_metrics``.
+        A step that a live fork names as its parent is kept unless ``keep_fork_parents=False``.
         """
         from registry.retention import RetentionScope, make_plan
         scope = RetentionScope(catalog=self.catalog, root=self.store.root, actor=self.writer)
         return make_plan(scope, run, policy, now=now, protect=protect or {},
-                         allow_missing_metrics=allow_missing_metrics)
+                         allow_missing_metrics=allow_missing_metrics, keep_fork_parents=keep_fork_parents)
 
     def apply_retention(self, run: str, policy: Policy, *, protect: Mapping[int, str] | None = None,
-                        allow_missing_metrics: bool = False) -> RetentionResult:
+                        allow_missing_metrics: bool = False, keep_fork_parents: bool = True) -> RetentionResult:
         """Plan and execute at once; returns the ``RetentionResult``."""
-        return self.plan_retention(run, policy, protect=protect,
-                                   allow_missing_metrics=allow_missing_metrics).execute()
+        return self.plan_retention(run, policy, protect=protect, allow_missing_metrics=allow_missing_metrics,
+                                   keep_fork_parents=keep_fork_parents).execute()
 
     @staticmethod
     def _check_retention(retention: object) -> None:

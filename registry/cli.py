@@ -262,6 +262,8 @@ def show(state: State, ref: str, as_json: bool) -> None:
     events = reg.events(info.run, step=info.step)
     ended = ending_event(info.status, events)
     manifest = manifest_summary(info.path)
+    from registry.fs.dedup import shared_bytes
+    shared = shared_bytes(info.path) if info.status not in NO_PAYLOAD else 0
     if as_json:
         doc = info.to_json()
         doc["ref"] = ref
@@ -269,6 +271,7 @@ def show(state: State, ref: str, as_json: bool) -> None:
         doc["manifest"] = manifest
         doc["events"] = [e.to_json() for e in events]
         doc["ended_by"] = ended.to_json() if ended is not None else None
+        doc["shared_bytes"] = shared
         emit_json(doc)
         return
     marked = info.status.upper() if info.status in NO_PAYLOAD else info.status
@@ -287,6 +290,8 @@ def show(state: State, ref: str, as_json: bool) -> None:
     click.echo(f"tags:     {', '.join(info.tags) or '-'}")
     click.echo(f"metrics:  {', '.join(f'{k}={v:.6g}' for k, v in sorted(info.metrics.items())) or '-'}")
     click.echo(f"manifest: {info.manifest_sha256}")
+    if shared:
+        click.echo(f"shared:   {human_bytes(shared)} stored once with other steps (hard links, dedup)")
     for f in files:
         click.echo(f"  {f.name:<40} {human_bytes(f.size):>10}  {f.sha256[:16]}")
     for e in events:
@@ -416,13 +421,15 @@ def verify(state: State, targets: tuple[str, ...], as_json: bool) -> None:
 @click.option("--allow-missing-metric", is_flag=True,
               help="Let a --keep-best metric that no checkpoint of RUN has keep nothing (default: refuse, "
                    "exit 2: a typo there would delete the real best).")
+@click.option("--release-fork-parents", is_flag=True,
+              help="Let the policy delete steps that live forks name as their parent (default: keep them).")
 @click.option("--dry-run", is_flag=True, help="Print the plan; delete nothing.")
 @json_option
 @click.pass_obj
 @command
 def gc(state: State, run: str, keep_last: int | None, keep_best: tuple[str, ...], keep_every: int | None,
-       max_bytes: str | None, policy_file: str | None, allow_missing_metric: bool, dry_run: bool,
-       as_json: bool) -> None:
+       max_bytes: str | None, policy_file: str | None, allow_missing_metric: bool, release_fork_parents: bool,
+       dry_run: bool, as_json: bool) -> None:
     """Delete the checkpoints of RUN that no policy keeps.
 
     Options combine: a step is kept if any of them keeps it. Whatever they
@@ -436,11 +443,15 @@ def gc(state: State, run: str, keep_last: int | None, keep_best: tuple[str, ...]
     if policy is None:
         raise click.UsageError("say what to keep: --keep-last, --keep-best, --keep-every, --max-bytes "
                                "or --policy (gc never guesses)")
-    plan = state.registry().plan_retention(run, policy, allow_missing_metrics=allow_missing_metric)
+    from registry.fs.dedup import shared_bytes
+    plan = state.registry().plan_retention(run, policy, allow_missing_metrics=allow_missing_metric,
+                                           keep_fork_parents=not release_fork_parents)
+    shared = sum(shared_bytes(d.path) for d in plan.decisions if d.action == "delete")
     result = None if dry_run else plan.execute()
     if as_json:
         doc = plan.to_json()
         doc["dry_run"] = dry_run
+        doc["shared_bytes"] = shared
         doc["result"] = result.to_json() if result is not None else None
         emit_json(doc)
     else:
@@ -451,6 +462,9 @@ def gc(state: State, run: str, keep_last: int | None, keep_best: tuple[str, ...]
         verb = "would delete" if dry_run else "planned to delete"
         click.echo(f"{verb} {len(plan.delete)} of {len(plan.decisions)} checkpoints, "
                    f"{human_bytes(plan.bytes_freed)}; keeping {human_bytes(plan.bytes_kept)}")
+        if shared:
+            click.echo(f"{human_bytes(shared)} of that is shared by hard links with other steps (dedup) "
+                       "and stays on disk while they do")
         if result is not None:
             click.echo(f"deleted {len(result.deleted)} ({human_bytes(result.bytes_freed)} freed)"
                        + (f"; finished {len(result.healed)} interrupted deletion(s)" if result.healed else ""))
@@ -511,6 +525,10 @@ def fsck(state: State, repair: bool, checksums: bool, as_json: bool) -> None:
     if report.unrepaired or report.failures:
         sys.exit(1)
 
+
+from registry.cli_lineage import register as _register_lineage  # noqa: E402 - needs the helpers above
+
+_register_lineage(main)
 
 if __name__ == "__main__":  # pragma: no cover
     main()

@@ -116,8 +116,13 @@ def record_lineage(conn: Connection, *, checkpoint_id: int, run_id: int, attempt
                       else LineageRecord(how="resumed", parent_run=run, parent_step=start))
     digest = None
     if record.parent_run is not None and record.parent_step is not None:
-        digest = conn.scalar(select(CheckpointRow.manifest_sha256).join(Run, Run.id == CheckpointRow.run_id)
-                             .where(Run.name == record.parent_run, CheckpointRow.step == record.parent_step))
+        query = (select(CheckpointRow.manifest_sha256).join(Run, Run.id == CheckpointRow.run_id)
+                 .where(Run.name == record.parent_run, CheckpointRow.step == record.parent_step))
+        if conn.dialect.name == "postgresql" and record.how == "forked":
+            # FOR SHARE, as a tag does: a gc marking the parent deleted either commits first (the fork
+            # then names a deleted parent) or waits for this commit and sees the fork that keeps it
+            query = query.with_for_update(read=True, of=CheckpointRow)
+        digest = conn.scalar(query)
     conn.execute(delete(Lineage).where(Lineage.checkpoint_id == checkpoint_id))
     conn.execute(insert(Lineage).values(
         checkpoint_id=checkpoint_id, how=record.how, parent_run=record.parent_run, parent_step=record.parent_step,
