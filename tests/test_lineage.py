@@ -7,9 +7,6 @@ crashpoint; the survivor resumes, and the chain must say from where.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -17,20 +14,17 @@ import pytest
 from registry import Checkpoint, Registry
 from registry.catalog.lineage import LineageCatalog
 from registry.retention import KeepLast
-from tests.helpers import child_env, make_state
+from registry.crashpoints import arm
+from tests.helpers import make_state
+from tests.killharness import context, settle, worker_url
 
-KILLED_PUBLISHER = textwrap.dedent("""
-    import os, sys
-    from registry import Registry
-    from registry.crashpoints import arm
-    from tests.helpers import make_state
-    url, root = sys.argv[1], sys.argv[2]
-    reg = Registry.open(url=url, root=root)
-    for step in (1, 2, 3):
-        reg.publish("run", step, make_state(step))
-    arm("after-rename")
-    reg.publish("run", 4, make_state(4))
-""")
+def _killed_publisher(url: str, root: str) -> None:
+    """In a forkserver child: publish steps 1-3, then die with step 4 renamed into place but not committed."""
+    with Registry.open(url=url, root=root) as reg:
+        for step in (1, 2, 3):
+            reg.publish("run", step, make_state(step))
+        arm("after-rename")
+        reg.publish("run", 4, make_state(4))
 
 
 def hops(reg: Registry, ref: str) -> list[tuple[str, str, str]]:
@@ -38,10 +32,12 @@ def hops(reg: Registry, ref: str) -> list[tuple[str, str, str]]:
 
 
 def test_resume_chain_after_kills(catalog_url: str, root: Path) -> None:
-    done = subprocess.run([sys.executable, "-c", KILLED_PUBLISHER, catalog_url, str(root)], env=child_env(),
-                          capture_output=True, text=True)
-    assert done.returncode == -9, done.stderr
+    child = context().Process(target=_killed_publisher, args=(worker_url(catalog_url), str(root)))
+    child.start()
+    child.join()
+    assert child.exitcode == -9
     with Registry.open(url=catalog_url, root=root) as reg:
+        settle(reg)
         reg.fsck(repair=True)  # the killed step 4 rolls forward, written by nobody we know of
         assert [h[:2] for h in hops(reg, "run@4")] == [("run@4", "unknown")]
         ckpt = reg.load("run@3", resume=True)  # the survivor resumes from 3 and publishes over 4
