@@ -396,7 +396,7 @@ def protections(snap: RunSnapshot, extra: Mapping[int, str] = MappingProxyType({
                 keep_fork_parents: bool = True) -> dict[int, str]:
     """The invariants: steps no policy may delete, with why.
 
-    A step that a fork with a payload names as its parent (``begin_attempt(run,
+    A step that a fork with a payload in another run names as its parent (``begin_attempt(run,
     fork_from=...)``, ``publish(..., parent=...)``) counts as referenced and
     is kept too, unless the caller says otherwise explicitly
     (``keep_fork_parents=False``; ``registry gc --release-fork-parents``):

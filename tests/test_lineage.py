@@ -92,6 +92,10 @@ def test_dead_fork_keeps_nothing_and_parent_ref_of_publish(reg: Registry) -> Non
     assert 1 in reg.plan_retention("base", KeepLast(1)).keep
     reg.apply_retention("ft", KeepLast(1))  # the fork itself is deleted: it no longer holds its parent
     assert reg.plan_retention("base", KeepLast(1)).delete.keys() == {1}
+    reg.begin_attempt("base", fork_from="base@1")  # within the run: a resume by another name
+    reg.publish("base", 3, make_state(3))
+    assert hops(reg, "base@3")[0][1] == "forked"
+    assert reg.plan_retention("base", KeepLast(1)).delete.keys() == {1, 2}
 
 
 def test_import_lineage_and_fork_of_an_import(reg: Registry, tmp_path: Path) -> None:

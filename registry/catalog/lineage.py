@@ -224,9 +224,11 @@ class LineageCatalog:
 
 
 def fork_children(conn: Connection, run: str) -> dict[int, tuple[str, ...]]:
-    """Steps of ``run`` that a committed fork with a payload names as its parent: step -> the forks.
+    """Steps of ``run`` that a fork with a payload in *another* run names as its parent: step -> the forks.
 
     What retention counts as referenced (see ``registry.retention.protections``).
+    A fork within the run is a resume by another name: the run's own policy
+    decides about its history.
     """
     c, lin = CheckpointRow, Lineage
     rows = conn.execute(select(lin.parent_step, Run.name, c.step).join(c, c.id == lin.checkpoint_id)
@@ -235,7 +237,7 @@ def fork_children(conn: Connection, run: str) -> dict[int, tuple[str, ...]]:
                         .order_by(Run.name, c.step)).all()
     out: dict[int, list[str]] = {}
     for parent_step, child_run, child_step in rows:
-        if parent_step is not None and (child_run, child_step) != (run, parent_step):
+        if parent_step is not None and child_run != run:
             out.setdefault(int(parent_step), []).append(f"{child_run}@{child_step}")
     return {step: tuple(children) for step, children in out.items()}
 
