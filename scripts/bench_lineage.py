@@ -107,7 +107,8 @@ def build_chain(reg: Registry, depth: int) -> None:
                                 .where(CheckpointRow.run_id == run_id)).all())
         conn.execute(insert(Lineage), [
             {"checkpoint_id": ids[s], "how": "resumed" if s else "started", "parent_run": "deep" if s else None,
-             "parent_step": s - 1 if s else None, "parent_manifest_sha256": f"{s - 1:064x}" if s else None}
+             "parent_step": s - 1 if s else None, "parent_manifest_sha256": f"{s - 1:064x}" if s else None,
+             "parent_checkpoint_id": ids[s - 1] if s else None}
             for s in range(depth + 1)])
     reg.catalog.write(fn)
 
@@ -127,6 +128,7 @@ def bench_lineage(reg: Registry, depth: int, runs: int) -> list[str]:
     for engine in engines:
         event.remove(engine, "before_cursor_execute", count)
     assert len(hops) == depth + 1, len(hops)
+    statements = [s for s in statements if not s.lstrip().upper().startswith(("BEGIN", "PRAGMA"))]
     times = [timed(lambda: reg.lineage(f"deep@{depth}")) for _ in range(max(runs, 20) + 1)][1:]
     return ["", f"### lineage: a chain {depth} hops deep ({reg.catalog.dialect})", "",
             f"`reg.lineage('deep@{depth}')`: median {statistics.median(times) * 1e3:.1f} ms, "

@@ -114,19 +114,20 @@ def record_lineage(conn: Connection, *, checkpoint_id: int, run_id: int, attempt
             run = conn.scalar(select(Run.name).where(Run.id == run_id)) if start is not None else None
             record = (LineageRecord(how="started") if start is None
                       else LineageRecord(how="resumed", parent_run=run, parent_step=start))
-    digest = None
+    parent: Any = None
     if record.parent_run is not None and record.parent_step is not None:
-        query = (select(CheckpointRow.manifest_sha256).join(Run, Run.id == CheckpointRow.run_id)
+        query = (select(CheckpointRow.id, CheckpointRow.manifest_sha256).join(Run, Run.id == CheckpointRow.run_id)
                  .where(Run.name == record.parent_run, CheckpointRow.step == record.parent_step))
         if conn.dialect.name == "postgresql" and record.how == "forked":
             # FOR SHARE, as a tag does: a gc marking the parent deleted either commits first (the fork
             # then names a deleted parent) or waits for this commit and sees the fork that keeps it
             query = query.with_for_update(read=True, of=CheckpointRow)
-        digest = conn.scalar(query)
+        parent = conn.execute(query).first()
     conn.execute(delete(Lineage).where(Lineage.checkpoint_id == checkpoint_id))
     conn.execute(insert(Lineage).values(
         checkpoint_id=checkpoint_id, how=record.how, parent_run=record.parent_run, parent_step=record.parent_step,
-        parent_manifest_sha256=digest,
+        parent_manifest_sha256=parent.manifest_sha256 if parent is not None else None,
+        parent_checkpoint_id=parent.id if parent is not None else None,
         source=json.dumps(record.source, sort_keys=True) if record.source is not None else None))
 
 
@@ -135,11 +136,9 @@ WITH RECURSIVE chain(depth, cid) AS (
     SELECT 0, c.id FROM checkpoints c JOIN runs r ON r.id = c.run_id
     WHERE r.name = :run AND c.step = :step
     UNION ALL
-    SELECT chain.depth + 1, p.id FROM chain
-    JOIN checkpoint_lineage l ON l.checkpoint_id = chain.cid
-    JOIN runs pr ON pr.name = l.parent_run
-    JOIN checkpoints p ON p.run_id = pr.id AND p.step = l.parent_step
-    WHERE chain.depth < :limit
+    SELECT chain.depth + 1,
+           (SELECT l.parent_checkpoint_id FROM checkpoint_lineage l WHERE l.checkpoint_id = chain.cid)
+    FROM chain WHERE chain.cid IS NOT NULL AND chain.depth < :limit
 )
 SELECT chain.depth, r.name AS run, c.step, c.status, c.attempt_id, c.writer, c.manifest_sha256,
        c.created_at, c.published_at, l.how, l.parent_run, l.parent_step, l.parent_manifest_sha256, l.source

@@ -103,6 +103,9 @@ class Lineage(Base):
     parent_run: Mapped[str | None] = mapped_column(String(128))
     parent_step: Mapped[int | None] = mapped_column(BigInteger)
     parent_manifest_sha256: Mapped[str | None] = mapped_column(String(64))
+    # the parent's row, found when this row was written; a plain id (a step keeps its row through deletion
+    # and overwrites) so that a chain is walked by primary key, whatever the planner knows of the tables
+    parent_checkpoint_id: Mapped[int | None] = mapped_column(Integer)
     source: Mapped[str | None] = mapped_column(Text)
 
 
