@@ -101,3 +101,20 @@ def test_json_diff() -> None:
     assert json_diff({"a": [1, 2]}, {"a": [1, 2]}) == []
     changes = json_diff({"a": [1, 2], "b": {"c": 1}}, {"a": [1], "b": {"c": True}})
     assert [(c.key, c.change) for c in changes] == [("a", "changed"), ("b.c", "changed")]
+
+
+def test_a_step_deleted_or_replaced_after_resolving(reg: Registry) -> None:
+    """diff takes no lease: a gc or an overwrite between resolving and opening is seen, never mixed in."""
+    from registry import CheckpointDeletedError
+    from registry.ops.diff import diff_checkpoints
+    from registry.retention import KeepLast
+    a, b = make_state(1), make_state(2)
+    reg.publish("run", 1, a)
+    reg.publish("run", 2, a)
+    one, two = reg.resolve("run@1"), reg.resolve("run@2")
+    reg.publish("run", 2, b, overwrite=True)
+    d = diff_checkpoints(reg._reader(), one, two)
+    assert d.b.manifest_sha256 != two.manifest_sha256 and {t.change for t in d.tensors} == {"content"}
+    reg.apply_retention("run", KeepLast(1))
+    with pytest.raises(CheckpointDeletedError, match="run@1 was deleted while being compared"):
+        diff_checkpoints(reg._reader(), one, reg.resolve("run@2"))

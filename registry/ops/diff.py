@@ -16,30 +16,35 @@ largest absolute difference and the relative L2 change
 :data:`CHUNK` bytes per side, so memory stays bounded whatever the tensor
 size (this reads the changed tensors whole).
 
-Both steps are read under reader leases, and each manifest must be the one
-the catalog recorded (so retention cannot delete either while it is read).
+Each manifest must be the one the catalog recorded, and every file is opened
+right after it is checked, so a gc or publish racing the diff can neither
+take bytes away nor mix payloads (see :class:`_Side`); no reader lease, and
+no catalog write, is needed.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import mmap
 import os
+import stat
 from collections.abc import Iterator, Mapping
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import xxhash
 
-from registry.errors import CorruptCheckpointError
-from registry.format.manifest import CONFIG, MANIFEST, FileEntry, Manifest, open_regular, read_manifest
+from registry.errors import (CheckpointDeletedError, CheckpointReadError, CorruptCheckpointError, ManifestError,
+                             UnsafePathError)
+from registry.format.manifest import (CONFIG, MANIFEST, MAX_JSON_BYTES, MAX_MANIFEST_BYTES, FileEntry, Manifest,
+                                      check_file_name, digest_bytes, parse_manifest)
 from registry.format.tensorio import read_safetensors_header
-from registry.fs.filemaps import read_json
-from registry.ops.reading import Access, acquire_lease, check_digest
-from registry.records import CheckpointInfo
+from registry.ops.reading import Access
+from registry.records import HAS_PAYLOAD, CheckpointInfo
 
 CHUNK = 8 << 20  # bytes read per side at a time while comparing or measuring
 
@@ -123,20 +128,50 @@ class _Loc:
     nbytes: int
 
 
+class _Moved(Exception):
+    """The step's directory or manifest is not the one its catalog row described a moment ago."""
+
+
+_OPEN_FLAGS = (os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+               | getattr(os, "O_CLOEXEC", 0))
+
+
 class _Side:
-    """One checkpoint being compared: its manifest, tensor locations and open files, counting bytes read."""
+    """One checkpoint being compared: its manifest, tensor locations and open files, counting bytes read.
+
+    Every file it will read is opened here, relative to one descriptor of the
+    directory, right after the manifest read through it matched the catalog:
+    from then on the bytes cannot go away (a deleted file stays readable
+    through an open descriptor), so no reader lease is taken. A directory
+    that vanished or holds another manifest by then raises :class:`_Moved`.
+    """
 
     def __init__(self, info: CheckpointInfo, stack: ExitStack) -> None:
         self.info = info
         self.directory = Path(info.path)
-        self.manifest, digest = read_manifest(self.directory)
-        check_digest(info, digest)
-        self.bytes_read = 0
+        self._stack = stack
         self._fds: dict[str, int] = {}
         self._maps: dict[str, memoryview] = {}
-        self._stack = stack
+        self.bytes_read = 0
+        try:
+            self._dir = os.open(self.directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0)
+                                | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError:
+            raise _Moved() from None
+        except OSError as exc:
+            raise CheckpointReadError(f"cannot open {self.directory}: {exc.strerror}", errno=exc.errno,
+                                      path=self.directory) from None
+        stack.callback(os.close, self._dir)
+        with os.fdopen(self.fd(MANIFEST), "rb", closefd=False) as f:
+            raw = f.read(MAX_MANIFEST_BYTES + 1)
+        if info.manifest_sha256 and digest_bytes(raw) != info.manifest_sha256:
+            raise _Moved()
+        self.manifest = parse_manifest(raw, path=self.directory / MANIFEST)
+        wanted = [n for n in sorted(self.manifest.files) if n.endswith(".safetensors") or n == CONFIG]
+        for name in wanted:
+            self.fd(name)
         self.tensors: dict[str, _Loc] = {}
-        for name in sorted(self.manifest.files):
+        for name in wanted:
             if name.endswith(".safetensors"):
                 fd = self.fd(name)
                 with os.fdopen(os.dup(fd), "rb", buffering=0) as f:
@@ -147,11 +182,43 @@ class _Side:
                                                          e.end - e.begin))
 
     def fd(self, name: str) -> int:
+        """``name`` opened in the step's directory: a regular file, never through a symlink."""
         if name not in self._fds:
-            fd = open_regular(self.directory, name)
+            path = self.directory / check_file_name(name, where=self.directory)
+            try:
+                fd = os.open(name, _OPEN_FLAGS, dir_fd=self._dir)
+            except FileNotFoundError:
+                if name == MANIFEST:
+                    raise _Moved() from None  # gc emptying the directory we hold
+                raise CorruptCheckpointError(f"checkpoint file is missing: {path}", path=path) from None
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:
+                    raise UnsafePathError(f"checkpoint file is a symlink: {path}", path=path) from None
+                raise CheckpointReadError(f"cannot open {path}: {exc.strerror}", errno=exc.errno,
+                                          path=path) from None
             self._stack.callback(os.close, fd)
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise CorruptCheckpointError(f"checkpoint file is not a regular file: {path}", path=path)
             self._fds[name] = fd
         return self._fds[name]
+
+    def config(self) -> dict[str, Any]:
+        """``config.json`` (``{}`` without one), read through its open descriptor."""
+        if CONFIG not in self.manifest.files:
+            return {}
+        path = self.directory / CONFIG
+        with os.fdopen(self.fd(CONFIG), "rb", closefd=False) as f:
+            raw = f.read(MAX_JSON_BYTES + 1)
+        self.bytes_read += len(raw)
+        if len(raw) > MAX_JSON_BYTES:
+            raise CorruptCheckpointError(f"{path} is larger than {MAX_JSON_BYTES} bytes", path=path)
+        try:
+            doc = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            raise ManifestError(f"{path} is not valid JSON", path=path) from None
+        if not isinstance(doc, dict):
+            raise ManifestError(f"{path} is not a JSON object", path=path)
+        return doc
 
     def read(self, loc: _Loc, start: int, size: int) -> bytearray:
         """Bytes ``start..start+size`` of tensor ``loc``, in a fresh (writable, for torch) buffer."""
@@ -315,13 +382,6 @@ def json_diff(a: Any, b: Any, path: str = "") -> list[Change]:
     return []
 
 
-def _config(side: _Side) -> dict[str, Any]:
-    if CONFIG not in side.manifest.files:
-        return {}
-    side.bytes_read += side.manifest.files[CONFIG].size
-    return read_json(side.directory, CONFIG)
-
-
 def _metric_changes(a: CheckpointInfo, b: CheckpointInfo) -> list[Change]:
     out = []
     for key in sorted(a.metrics.keys() | b.metrics.keys()):
@@ -332,20 +392,53 @@ def _metric_changes(a: CheckpointInfo, b: CheckpointInfo) -> list[Change]:
     return out
 
 
+MAX_RACES = 8  # re-reads of a row that a publish or gc changed while it was being opened
+
+
+def _refreshed(access: Access, info: CheckpointInfo) -> CheckpointInfo:
+    """``info`` as the catalog has it now, after its directory did not match it.
+
+    The same payload still listed: its directory really is missing or holds
+    another manifest (a read or corruption problem, said as a load says it);
+    a deleted step: ``CheckpointDeletedError``; a replaced one: the new row.
+    """
+    now = access.catalog.get(info.run, info.step)
+    where = f"{info.run}@{info.step}"
+    if now is None or now.status not in HAS_PAYLOAD:
+        raise CheckpointDeletedError(f"{where} was deleted while being compared", run=info.run, step=info.step)
+    if now.manifest_sha256 == info.manifest_sha256:
+        if not Path(info.path).is_dir():
+            raise CheckpointReadError(f"cannot read {where}: its directory {info.path} is missing although the "
+                                      f"catalog lists it as {now.status}; run 'registry fsck'", path=info.path,
+                                      run=info.run, step=info.step)
+        raise CorruptCheckpointError(f"manifest of {info.path} does not match the catalog's record",
+                                     path=info.path, run=info.run, step=info.step)
+    return replace(now, path=access.root / now.path)
+
+
 def diff_checkpoints(access: Access, a: CheckpointInfo, b: CheckpointInfo, *, values: bool = False) -> CheckpointDiff:
-    """Compare two resolved checkpoints (absolute paths) under reader leases; see the module docstring."""
-    with ExitStack() as stack:
-        for info in (a, b):
-            lease = acquire_lease(access, info)
-            stack.callback(access.catalog.release_lease, lease)
-        side_a, side_b = _Side(a, stack), _Side(b, stack)
-        tensors, unchanged = _tensor_changes(side_a, side_b, values=values)
-        config = json_diff(_config(side_a), _config(side_b))
-        return CheckpointDiff(
-            a=a, b=b, tensors=tuple(tensors), unchanged_tensors=unchanged,
-            files=tuple(_file_changes(side_a.manifest, side_b.manifest)), config=tuple(config),
-            metrics=tuple(_metric_changes(a, b)), bytes_read=side_a.bytes_read + side_b.bytes_read,
-            bytes_total=side_a.manifest.total_bytes + side_b.manifest.total_bytes, values=values)
+    """Compare two resolved checkpoints (absolute paths); see the module docstring and :class:`_Side`."""
+    for _ in range(MAX_RACES):
+        with ExitStack() as stack:
+            try:
+                side_a = _Side(a, stack)
+            except _Moved:
+                a = _refreshed(access, a)
+                continue
+            try:
+                side_b = _Side(b, stack)
+            except _Moved:
+                b = _refreshed(access, b)
+                continue
+            tensors, unchanged = _tensor_changes(side_a, side_b, values=values)
+            config = json_diff(side_a.config(), side_b.config())
+            return CheckpointDiff(
+                a=a, b=b, tensors=tuple(tensors), unchanged_tensors=unchanged,
+                files=tuple(_file_changes(side_a.manifest, side_b.manifest)), config=tuple(config),
+                metrics=tuple(_metric_changes(a, b)), bytes_read=side_a.bytes_read + side_b.bytes_read,
+                bytes_total=side_a.manifest.total_bytes + side_b.manifest.total_bytes, values=values)
+    raise CheckpointDeletedError(f"{a.run}@{a.step} or {b.run}@{b.step} kept changing while being compared",
+                                 run=a.run, step=a.step)
 
 
 def render(diff: CheckpointDiff) -> Iterator[str]:
