@@ -60,16 +60,21 @@ def _same_bytes(ours: Path, theirs: Path, expect: os.stat_result) -> bool:
         st = os.fstat(fd)
         if (st.st_dev, st.st_ino, st.st_size) != (expect.st_dev, expect.st_ino, expect.st_size):
             return False
+        mine_buf, theirs_buf = bytearray(CHUNK), bytearray(CHUNK)  # reused: no fresh pages per chunk
         with open(ours, "rb", buffering=0) as mine:
             offset = 0
             while True:
-                a = mine.read(CHUNK)
-                b = os.pread(fd, CHUNK, offset)
-                if a != b:
+                n = mine.readinto(mine_buf)
+                m = os.preadv(fd, [theirs_buf], offset)
+                if n != m:
                     return False
-                if not a:
+                if n == 0:
                     return True
-                offset += len(a)
+                same = (mine_buf == theirs_buf if n == CHUNK
+                        else bytes(memoryview(mine_buf)[:n]) == bytes(memoryview(theirs_buf)[:n]))
+                if not same:
+                    return False
+                offset += n
     except OSError:
         return False
     finally:
