@@ -47,7 +47,9 @@ def test_structure_content_config_and_metrics(reg: Registry, cli) -> None:  # ty
     assert content.max_abs_diff == pytest.approx(0.5)
     expected = 0.5 * 8 / float(a["layer2.weight"].double().norm())
     assert content.rel_l2 == pytest.approx(expected, rel=1e-6)
-    assert d.of("dtype")[0].dtype_a == "float32" and d.of("dtype")[0].dtype_b == "float64"
+    (cast,) = d.of("dtype")
+    assert cast.dtype_a == "float32" and cast.dtype_b == "float64" and cast.max_abs_diff == 0.0  # exact widening
+    assert d.of("shape")[0].max_abs_diff is None
     assert d.unchanged_tensors == len(a) - 4
     assert {(c.key, c.change) for c in d.config} == {("lr", "changed"), ("opt.betas[1]", "changed"),
                                                      ("new", "added")}

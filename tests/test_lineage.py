@@ -86,7 +86,7 @@ def test_fork_across_runs_retention_and_deleted_parent(reg: Registry) -> None:
 def test_dead_fork_keeps_nothing_and_parent_ref_of_publish(reg: Registry) -> None:
     reg.publish("base", 1, make_state(1))
     reg.publish("base", 2, make_state(2))
-    reg.publish("ft", 5, make_state(5), parent="base@1")
+    reg.publish("ft", 5, make_state(5), parent="base@1", blocking=False).result()  # resolved at the call
     reg.publish("ft", 6, make_state(6))
     assert hops(reg, "ft@5")[0][1] == "forked" and hops(reg, "ft@6")[0][1] == "started"
     assert 1 in reg.plan_retention("base", KeepLast(1)).keep

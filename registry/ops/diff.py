@@ -10,7 +10,8 @@ really differ (a piece can differ because of its other tensors). A tensor at
 another offset (keys reordered by another writer, a tensor added before it),
 or in files without pieces, is compared by reading it, in bounded chunks.
 
-``values=True`` measures each content change of same-shape tensors: the
+``values=True`` measures each change of same-shape tensors (content, or a
+cast to another dtype): the
 largest absolute difference and the relative L2 change
 ``||b - a|| / ||a||``, both in float64, streamed in chunks of
 :data:`CHUNK` bytes per side, so memory stays bounded whatever the tensor
@@ -300,15 +301,21 @@ def _bytes_differ(a: _Side, la: _Loc, b: _Side, lb: _Loc, ranges: list[tuple[int
     return False
 
 
-def _measure(a: _Side, la: _Loc, b: _Side, lb: _Loc) -> tuple[float, float]:
-    """Max |b - a| and ||b - a|| / ||a|| over the whole tensor, in float64, streamed."""
+def _measure(a: _Side, la: _Loc, b: _Side, lb: _Loc) -> tuple[float | None, float | None]:
+    """Max |b - a| and ||b - a|| / ||a|| over the whole tensor, in float64, streamed.
+
+    The two dtypes may differ (a cast): elements are compared as numbers.
+    None when one side is complex and the other is not.
+    """
     import torch
-    itemsize = la.dtype.itemsize
-    step = max(itemsize, CHUNK - CHUNK % itemsize)
+    if la.dtype.is_complex != lb.dtype.is_complex:
+        return None, None
+    ia, ib = la.dtype.itemsize, lb.dtype.itemsize
+    count = la.nbytes // ia
     max_abs, diff_sq, base_sq = 0.0, 0.0, 0.0
-    for s, e in _chunks(0, la.nbytes, step):
-        ta = torch.frombuffer(a.read(la, s, e - s), dtype=la.dtype)
-        tb = torch.frombuffer(b.read(lb, s, e - s), dtype=lb.dtype)
+    for s, e in _chunks(0, count, max(1, CHUNK // max(ia, ib))):
+        ta = torch.frombuffer(a.read(la, s * ia, (e - s) * ia), dtype=la.dtype)
+        tb = torch.frombuffer(b.read(lb, s * ib, (e - s) * ib), dtype=lb.dtype)
         if ta.dtype.is_complex:
             ta, tb = torch.view_as_real(ta), torch.view_as_real(tb)
         xa, xb = ta.to(torch.float64), tb.to(torch.float64)
@@ -336,9 +343,12 @@ def _tensor_changes(a: _Side, b: _Side, *, values: bool) -> tuple[list[TensorCha
         elif la is None:
             changes.append(TensorChange(name=name, change="added", dtype_b=_dtype_name(lb.dtype), shape_b=lb.shape))
         elif la.dtype != lb.dtype or la.shape != lb.shape:
+            measured = (_measure(a, la, b, lb) if values and la.shape == lb.shape and la.nbytes
+                        else (None, None))  # a cast keeps the shape: how far did it move the values?
             changes.append(TensorChange(name=name, change="dtype" if la.dtype != lb.dtype else "shape",
                                         dtype_a=_dtype_name(la.dtype), dtype_b=_dtype_name(lb.dtype),
-                                        shape_a=la.shape, shape_b=lb.shape))
+                                        shape_a=la.shape, shape_b=lb.shape,
+                                        max_abs_diff=measured[0], rel_l2=measured[1]))
         elif _bytes_differ(a, la, b, lb, _suspect(a, la, b, lb)):
             measured = _measure(a, la, b, lb) if values else (None, None)
             changes.append(TensorChange(name=name, change="content", dtype_a=_dtype_name(la.dtype),
@@ -445,15 +455,15 @@ def render(diff: CheckpointDiff) -> Iterator[str]:
     """The diff as the CLI prints it."""
     yield f"{diff.a.run}@{diff.a.step} -> {diff.b.run}@{diff.b.step}"
     for t in diff.tensors:
+        size = "" if t.max_abs_diff is None else f"  max|d|={t.max_abs_diff:.6g} rel_l2={t.rel_l2:.6g}"
         if t.change == "added":
             yield f"  + {t.name}  {t.dtype_b} {list(t.shape_b or ())}"
         elif t.change == "removed":
             yield f"  - {t.name}  {t.dtype_a} {list(t.shape_a or ())}"
         elif t.change in ("dtype", "shape"):
             yield (f"  ~ {t.name}  {t.change}: {t.dtype_a} {list(t.shape_a or ())} -> "
-                   f"{t.dtype_b} {list(t.shape_b or ())}")
+                   f"{t.dtype_b} {list(t.shape_b or ())}{size}")
         else:
-            size = "" if t.max_abs_diff is None else f"  max|d|={t.max_abs_diff:.6g} rel_l2={t.rel_l2:.6g}"
             yield f"  * {t.name}  content{size}"
     yield f"  {diff.unchanged_tensors} tensors unchanged"
     for c in diff.files:
