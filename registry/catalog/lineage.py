@@ -216,11 +216,6 @@ class LineageCatalog:
         result: list[LineageHop] = self.catalog.read(fn)
         return result
 
-    def fork_source(self, conn: Connection, run: str, step: int) -> str | None:
-        """The manifest digest of ``run@step`` if it is live now (a fork may start there), else None."""
-        return conn.scalar(select(CheckpointRow.manifest_sha256).join(Run, Run.id == CheckpointRow.run_id)
-                           .where(Run.name == run, CheckpointRow.step == step, CheckpointRow.status.in_(LIVE)))
-
 
 def fork_children(conn: Connection, run: str) -> dict[int, tuple[str, ...]]:
     """Steps of ``run`` that a fork with a payload in *another* run names as its parent: step -> the forks.

@@ -31,9 +31,9 @@ import math
 import mmap
 import os
 import stat
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import ExitStack
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -99,7 +99,6 @@ class CheckpointDiff:
     bytes_read: int
     bytes_total: int      # both payloads together
     values: bool = False
-    extra: Mapping[str, Any] = field(default_factory=dict)
 
     def of(self, change: str) -> tuple[TensorChange, ...]:
         return tuple(t for t in self.tensors if t.change == change)
