@@ -38,8 +38,10 @@ def test_resume_chain_after_kills(catalog_url: str, root: Path) -> None:
     assert child.exitcode == -9
     with Registry.open(url=catalog_url, root=root) as reg:
         settle(reg)
-        reg.fsck(repair=True)  # the killed step 4 rolls forward, written by nobody we know of
-        assert [h[:2] for h in hops(reg, "run@4")] == [("run@4", "unknown")]
+        reg.fsck(repair=True)  # the killed step 4 rolls forward; its dead writer's attempt says where from
+        killed = reg.lineage("run@4")
+        assert [(h.ref, h.how) for h in killed] == [("run@4", "started")]
+        assert killed[0].attempt is not None and killed[0].attempt == reg.lineage("run@3")[0].attempt
         ckpt = reg.load("run@3", resume=True)  # the survivor resumes from 3 and publishes over 4
         assert ckpt.step == 3
         reg.publish("run", 4, make_state(40), overwrite=True)

@@ -11,7 +11,10 @@ be and which step it came from:
   published with an explicit ``parent=REF``;
 - ``imported``: adopted from a directory (``source`` says which, in what
   layout, and the digest of what was read);
-- ``unknown``: adopted by fsck, or committed before lineage was recorded.
+- ``unknown``: a directory fsck adopted (written outside the catalog), or a
+  step committed before lineage was recorded. A step fsck rolls forward
+  after its writer died between rename and commit gets what its commit would
+  have recorded, from that writer's latest attempt at the run.
 
 The parent is named by run and step plus its manifest digest at the time, so
 it stays named after retention deletes it (its row stays, ``deleted``) or a
