@@ -7,8 +7,6 @@ Each command is one library call of the same name (``Registry.lineage`` or
 
 from __future__ import annotations
 
-import json
-
 import click
 
 
@@ -47,13 +45,12 @@ def register(group: click.Group) -> None:
                          h.how, origin, h.attempt, f"{h.when:%Y-%m-%d %H:%M:%S}" if h.when else "-"])
         table(["STEP", "STATUS", "HOW", "FROM", "ATTEMPT", "WHEN"], rows)
 
-
     @click.command()
     @click.argument("ref_a")
     @click.argument("ref_b")
     @click.option("--values", is_flag=True,
-                  help="For tensors whose content changed, also the max absolute and relative L2 difference "
-                       "(reads those tensors whole).")
+                  help="For changed tensors of the same shape (content or dtype), also the max absolute and "
+                       "relative L2 difference (reads those tensors whole).")
     @json_option
     @click.pass_obj
     @command
@@ -62,7 +59,7 @@ def register(group: click.Group) -> None:
         from registry.ops.diff import render
         result = state.registry().diff(ref_a, ref_b, values=values)
         if as_json:
-            click.echo(json.dumps(result.to_json(), indent=2, default=str))
+            emit_json(result.to_json())
             return
         for line in render(result):
             click.echo(line)

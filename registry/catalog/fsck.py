@@ -102,6 +102,7 @@ def record_payload(catalog: Catalog, seen: RowState | None, *, run: str, step: i
             run_id, cid = row.run_id, row.id
             conn.execute(update(CheckpointRow).where(CheckpointRow.id == cid).values(**values))
         replace_files(conn, cid, payload.files)
+        assert run_id is not None, "lookup_run(create=True) returns an id"
         _record_lineage(conn, run_id, cid, row.writer if row is not None else None)
         Catalog.record_event(conn, run_id, step, "repair", actor=actor, problem=kind, status=payload.status, **detail)
         return True
