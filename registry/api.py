@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 from registry.ops import reading
 from registry.ops.background import BackgroundPublisher
 from registry.catalog import Catalog, CommitRecord, PayloadRecord
+from registry.catalog.lineage import LineageCatalog, LineageHop, LineageRecord
 from registry.checkpoint import Checkpoint
 from registry.errors import InvalidStateError, RegistryError, StepExistsError
 from registry.format.layout import step_dirname
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
     import torch
 
     from registry.ops.export import Checkout, Exported
+    from registry.ops.diff import CheckpointDiff
     from registry.ops.fsck import FsckReport
     from registry.progress import ProgressFn
     from registry.retention import Policy, RetentionPlan, RetentionResult
@@ -92,6 +94,7 @@ class _PublishJob:
     new_metrics: tuple[tuple[int, str, float], ...]
     tags: tuple[str, ...]
     retention: Policy | None = None
+    lineage: LineageRecord | None = None  # an explicit ``parent=``
 
 
 class Registry:
@@ -107,6 +110,7 @@ class Registry:
         self._pending_metrics: dict[str, list[tuple[int, str, float]]] = {}
         self._attempts: dict[str, int] = {}
         self._resumed_from: dict[str, int] = {}
+        self._forks: dict[str, tuple[str, int, str | None]] = {}  # run -> the checkpoint its attempt forked from
         self._published: set[str] = set()  # runs this Registry's current attempt has published to
         self._queued: set[tuple[str, int]] = set()  # (run, step) of background publishes not yet finished
         self._closed = False
@@ -203,7 +207,7 @@ class Registry:
         with self._lock:  # also called from the background publisher
             if run not in self._attempts:
                 self._attempts[run] = self.catalog.start_attempt(
-                    run, writer=self.writer, resumed_from=self._resumed_from.get(run))
+                    run, writer=self.writer, resumed_from=self._resumed_from.get(run), fork=self._forks.get(run))
             return self._attempts[run]
 
     # ------------------------------------------------------------------ publish
@@ -216,7 +220,7 @@ class Registry:
                 optimizer_step: int | None = None, tags: Iterable[str] = (), overwrite: bool = False,
                 verify: bool = True, max_shard_size: int | None = None,
                 retention: Policy | None = None, blocking: Literal[True] = True,
-                trust_pickle: bool = False) -> CheckpointInfo: ...
+                trust_pickle: bool = False, parent: str | Ref | None = None) -> CheckpointInfo: ...
 
     @overload
     def publish(self, run: str, step: int, state_dict: Mapping[str, torch.Tensor], *,
@@ -226,7 +230,7 @@ class Registry:
                 optimizer_step: int | None = None, tags: Iterable[str] = (), overwrite: bool = False,
                 verify: bool = True, max_shard_size: int | None = None,
                 retention: Policy | None = None, blocking: Literal[False],
-                trust_pickle: bool = False) -> Future[CheckpointInfo]: ...
+                trust_pickle: bool = False, parent: str | Ref | None = None) -> Future[CheckpointInfo]: ...
 
     @overload
     def publish(self, run: str, step: int, state_dict: Mapping[str, torch.Tensor], *,
@@ -236,7 +240,8 @@ class Registry:
                 optimizer_step: int | None = None, tags: Iterable[str] = (), overwrite: bool = False,
                 verify: bool = True, max_shard_size: int | None = None,
                 retention: Policy | None = None, blocking: bool,
-                trust_pickle: bool = False) -> CheckpointInfo | Future[CheckpointInfo]: ...
+                trust_pickle: bool = False,
+                parent: str | Ref | None = None) -> CheckpointInfo | Future[CheckpointInfo]: ...
 
     def publish(self, run: str, step: int, state_dict: Mapping[str, torch.Tensor], *,
                 extra: Mapping[str, Any] | None = None, config: Mapping[str, Any] | None = None,
@@ -245,7 +250,8 @@ class Registry:
                 optimizer_step: int | None = None, tags: Iterable[str] = (), overwrite: bool = False,
                 verify: bool = True, max_shard_size: int | None = None,
                 retention: Policy | None = None, blocking: bool = True,
-                trust_pickle: bool = False) -> CheckpointInfo | Future[CheckpointInfo]:
+                trust_pickle: bool = False,
+                parent: str | Ref | None = None) -> CheckpointInfo | Future[CheckpointInfo]:
         """Atomically publish ``state_dict`` and friends as ``run@step``.
 
         Returns the ``CheckpointInfo``; with ``blocking=False`` a
@@ -264,6 +270,10 @@ class Registry:
         is always the time of the publish. An ``extra`` that ``torch.load(weights_only=True)``
         would refuse raises ``UnsafePickleError`` unless ``trust_pickle=True``,
         after which every load of the step needs ``trust_pickle=True`` too.
+        ``parent``: a ref to the checkpoint this step was derived from (a
+        fine-tune's base, possibly of another run), resolved now and recorded
+        as the step's lineage (``forked``); without it the attempt's fork or
+        resume point is recorded (see :meth:`begin_attempt`, :meth:`lineage`).
         """
         self._background.raise_error()
         check_run_name(run)
@@ -273,6 +283,10 @@ class Registry:
         state = check_state_dict(state_dict)
         tags = check_tags(tags)
         new_metrics = _check_metrics(run, step, metrics)
+        lineage = None
+        if parent is not None:
+            origin = self.resolve(parent)
+            lineage = LineageRecord(how="forked", parent_run=origin.run, parent_step=origin.step)
         payload = checked_payload(step=step, state_dict=state, extra=extra, config=config, meta=meta, epoch=epoch,
                                   consumed_samples=consumed_samples, optimizer_step=optimizer_step,
                                   policy_version=policy_version, max_shard_size=max_shard_size,
@@ -280,7 +294,7 @@ class Registry:
 
         job = _PublishJob(run=run, step=step, overwrite=overwrite, final=self.store.step_dir(run, step),
                           payload=payload, verify=verify, new_metrics=tuple(new_metrics), tags=tags,
-                          retention=retention)
+                          retention=retention, lineage=lineage)
         if not blocking:
             return self._submit_publish(job)
         self._background.wait()  # publishes commit in call order, background ones first
@@ -303,7 +317,7 @@ class Registry:
                 self._pending_metrics[run] = [m for m in pending if m[0] > step]
                 resumed_from = self._resumed_from.get(run) if run not in self._published else None
             return CommitRecord(payload=payload, metrics=due + list(job.new_metrics), attempt_id=self._attempt(run),
-                                tags=job.tags, resumed_from=resumed_from)
+                                tags=job.tags, resumed_from=resumed_from, lineage=job.lineage)
 
         def uncommitted() -> None:
             with self._lock:
@@ -526,7 +540,8 @@ class Registry:
 
     # ------------------------------------------------------------------ followers
 
-    def begin_attempt(self, run: str, *, resumed_from: int | None) -> int:
+    def begin_attempt(self, run: str, *, resumed_from: int | None = None,
+                      fork_from: str | Ref | None = None) -> int:
         """Start a new attempt at ``run`` from this process; returns its id.
 
         An attempt is one process's stint of training (or evaluating) a run;
@@ -548,13 +563,31 @@ class Registry:
         fresh start that supersedes nothing. Points still buffered are flushed under the
         previous attempt first. An evaluator that never publishes never
         supersedes anything.
+
+        ``fork_from``: a ref to the checkpoint this attempt starts from, of
+        another run (fine-tuning a base model) or of this one; it is resolved
+        now and every step the attempt publishes records it as its parent
+        (``forked``; see :meth:`lineage`), which retention then keeps. A fork
+        from this run's own step also resumes from it.
         """
         check_run_name(run)
         if resumed_from is not None:
             check_step(resumed_from)
+        fork: tuple[str, int, str | None] | None = None
+        if fork_from is not None:
+            if resumed_from is not None:
+                raise InvalidStateError(f"begin_attempt({run!r}): pass resumed_from or fork_from, not both")
+            origin = self.resolve(fork_from)
+            fork = (origin.run, origin.step, origin.manifest_sha256)
+            if origin.run == run:
+                resumed_from = origin.step
         self.flush(run)
         self._published.discard(run)
         self._attempts.pop(run, None)
+        if fork is None:
+            self._forks.pop(run, None)
+        else:
+            self._forks[run] = fork
         if resumed_from is None:
             self._resumed_from.pop(run, None)
         else:
@@ -607,24 +640,25 @@ class Registry:
 
     def plan_retention(self, run: str, policy: Policy, *, now: datetime | None = None,
                        protect: Mapping[int, str] | None = None,
-                       allow_missing_metrics: bool = False) -> RetentionPlan:
+                       allow_missing_metrics: bool = False, keep_fork_parents: bool = True) -> RetentionPlan:
         """What ``policy`` would keep and delete in ``run`` (a ``RetentionPlan``); changes nothing.
 
         ``protect`` adds ``{step: reason}`` protections on top of the invariants;
         ``now`` (timezone-aware) pins the clock for age-based policies. A
         ``KeepBest`` over a metric none of the run's checkpoints has raises
         ``UnknownMetricError`` (a ``PolicyError``) unless ``allow_missing_metrics``.
+        A step that a live fork names as its parent is kept unless ``keep_fork_parents=False``.
         """
         from registry.retention import RetentionScope, make_plan
         scope = RetentionScope(catalog=self.catalog, root=self.store.root, actor=self.writer)
         return make_plan(scope, run, policy, now=now, protect=protect or {},
-                         allow_missing_metrics=allow_missing_metrics)
+                         allow_missing_metrics=allow_missing_metrics, keep_fork_parents=keep_fork_parents)
 
     def apply_retention(self, run: str, policy: Policy, *, protect: Mapping[int, str] | None = None,
-                        allow_missing_metrics: bool = False) -> RetentionResult:
+                        allow_missing_metrics: bool = False, keep_fork_parents: bool = True) -> RetentionResult:
         """Plan and execute at once; returns the ``RetentionResult``."""
-        return self.plan_retention(run, policy, protect=protect,
-                                   allow_missing_metrics=allow_missing_metrics).execute()
+        return self.plan_retention(run, policy, protect=protect, allow_missing_metrics=allow_missing_metrics,
+                                   keep_fork_parents=keep_fork_parents).execute()
 
     @staticmethod
     def _check_retention(retention: object) -> None:
@@ -666,7 +700,7 @@ class Registry:
         the originals removed once the catalog has committed, so a crash at
         any moment leaves the source intact.
         """
-        from registry.fs.importer import int_field, remove_originals, scan, stage
+        from registry.fs.importer import int_field, provenance, remove_originals, scan, stage
         check_run_name(run)
         check_step(step)
         check_flags(move=move, overwrite=overwrite)
@@ -685,10 +719,39 @@ class Registry:
             overwrite=overwrite, verify=True,
             write=lambda staging: stage(foreign, staging, move=move, progress=progress),
             epoch=int_field(meta, "epoch", 0) or 0, consumed_samples=int_field(meta, "consumed_samples", 0) or 0,
-            record=lambda payload: CommitRecord(payload=payload, tags=tags))
+            record=lambda payload: CommitRecord(payload=payload, tags=tags,
+                                                lineage=LineageRecord(how="imported", source=provenance(
+                                                    foreign, {f.name: f.sha256 for f in payload.files}))))
         if move:
             remove_originals(foreign)
         return self._absolute(info)
+
+    # ------------------------------------------------------------------ lineage and diff
+
+    def lineage(self, ref: str | Ref) -> list[LineageHop]:
+        """The step ``ref`` names and its ancestors up to the root, nearest first (see
+        :mod:`registry.catalog.lineage`): one record per hop, with how it came from the next one
+        (``resumed``, ``forked``, ``imported``...), when, and its status now. A numbered ref also
+        names a deleted step, whose history stays."""
+        parsed = parse_ref(ref)
+        step = parsed.step if parsed.kind == "step" and parsed.step is not None else self.resolve(parsed).step
+        hops = LineageCatalog(self.catalog).chain(parsed.run, step)
+        if not hops:
+            self.resolve(parsed)  # raises the not-found error that names what is missing
+        return hops
+
+    def descendants(self, ref: str | Ref, *, forks_only: bool = True) -> list[LineageHop]:
+        """The steps forked from the step ``ref`` names (any run); ``forks_only=False`` adds resumes."""
+        parsed = parse_ref(ref)
+        step = parsed.step if parsed.kind == "step" and parsed.step is not None else self.resolve(parsed).step
+        return LineageCatalog(self.catalog).descendants(parsed.run, step, forks_only=forks_only)
+
+    def diff(self, ref_a: str | Ref, ref_b: str | Ref, *, values: bool = False) -> CheckpointDiff:
+        """What changed from ``ref_a`` to ``ref_b``: tensors, files, config and metrics (see
+        :mod:`registry.ops.diff`). Unchanged tensors are found from the manifests' piece digests
+        without reading them; ``values`` adds the size of each content change."""
+        from registry.ops.diff import diff_checkpoints
+        return diff_checkpoints(self._reader(), self.resolve(ref_a), self.resolve(ref_b), values=values)
 
     # ------------------------------------------------------------------ fsck
 

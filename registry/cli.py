@@ -326,6 +326,7 @@ def show(state: State, ref: str, as_json: bool) -> None:
         emit_json(view.to_json())
         return
     info, files, events, ended, manifest = view.info, view.files, view.events, view.ended, view.manifest
+    shared = view.shared_bytes
     marked = info.status.upper() if info.status in NO_PAYLOAD else info.status
     click.echo(f"{info.run}@{info.step}  {marked}  {human_bytes(info.total_bytes)}")
     if ended is not None:
@@ -344,6 +345,8 @@ def show(state: State, ref: str, as_json: bool) -> None:
     click.echo(f"metrics:  {', '.join(f'{k}={v:.6g}' for k, v in sorted(info.metrics.items())) or '-'}")
     click.echo(f"created:  {format_time(info.created_at)}  verified: {format_time(info.verified_at)}")
     click.echo(f"manifest: {info.manifest_sha256}")
+    if shared:
+        click.echo(f"shared:   {human_bytes(shared)} stored once with other steps (hard links, dedup)")
     for f in files:
         click.echo(f"  {f.name:<40} {human_bytes(f.size):>10}  {f.sha256[:16]}")
     for e in events:
@@ -474,13 +477,15 @@ def verify(state: State, targets: tuple[str, ...], as_json: bool) -> None:
 @click.option("--allow-missing-metric", is_flag=True,
               help="Let a --keep-best metric that no checkpoint of RUN has keep nothing (default: refuse, "
                    "exit 2: a typo there would delete the real best).")
+@click.option("--release-fork-parents", is_flag=True,
+              help="Let the policy delete steps that live forks name as their parent (default: keep them).")
 @click.option("--dry-run", is_flag=True, help="Print the plan; delete nothing.")
 @json_option
 @click.pass_obj
 @command
 def gc(state: State, run: str, keep_last: int | None, keep_best: tuple[str, ...], keep_every: int | None,
-       max_bytes: str | None, policy_file: str | None, allow_missing_metric: bool, dry_run: bool,
-       as_json: bool) -> None:
+       max_bytes: str | None, policy_file: str | None, allow_missing_metric: bool, release_fork_parents: bool,
+       dry_run: bool, as_json: bool) -> None:
     """Delete the checkpoints of RUN that no policy keeps.
 
     Options combine: a step is kept if any of them keeps it. Whatever they
@@ -494,7 +499,8 @@ def gc(state: State, run: str, keep_last: int | None, keep_best: tuple[str, ...]
     if policy is None:
         raise click.UsageError("say what to keep: --keep-last, --keep-best, --keep-every, --max-bytes "
                                "or --policy (gc never guesses)")
-    plan = state.registry().plan_retention(run, policy, allow_missing_metrics=allow_missing_metric)
+    plan = state.registry().plan_retention(run, policy, allow_missing_metrics=allow_missing_metric,
+                                           keep_fork_parents=not release_fork_parents)
     with state.progress(as_json) as bar:
         result = None if dry_run else plan.execute(progress=bar)
     if as_json:
@@ -508,6 +514,11 @@ def gc(state: State, run: str, keep_last: int | None, keep_best: tuple[str, ...]
         verb = "would delete" if dry_run else "planned to delete"
         click.echo(f"{verb} {len(plan.delete)} of {len(plan.decisions)} checkpoints, "
                    f"{human_bytes(plan.bytes_freed)}; keeping {human_bytes(plan.bytes_kept)}")
+        from registry.views import plan_shared_bytes
+        shared = plan_shared_bytes(plan)
+        if shared:
+            click.echo(f"{human_bytes(shared)} of that is shared by hard links with other steps (dedup) "
+                       "and stays on disk while they do")
         if result is not None:
             click.echo(f"deleted {len(result.deleted)} ({human_bytes(result.bytes_freed)} freed)"
                        + (f"; finished {len(result.healed)} interrupted deletion(s)" if result.healed else ""))
@@ -578,6 +589,10 @@ def _register_optional_commands() -> None:
 
 _register_optional_commands()
 import registry.cli_export  # noqa: E402, F401 - registers export and checkout on main (it imports this module)
+
+from registry.cli_lineage import register as _register_lineage  # noqa: E402 - needs the helpers above
+
+_register_lineage(main)
 
 if __name__ == "__main__":  # pragma: no cover
     main()

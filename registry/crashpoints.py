@@ -15,6 +15,8 @@ _TARGET = os.environ.get("REGISTRY_CRASH_AT") or None
 POINTS = (
     "after-claim",           # catalog row is staging, nothing on disk
     "after-write",           # staging dir written and fsynced
+    "dedup-after-link",      # dedup: a link to an identical live file made under a temporary name
+    "dedup-after-fsync",     # dedup: staged copies replaced by links, staging dir fsynced
     "after-retire",          # old payload renamed to .retired-, new not yet in place
     "after-rename",          # new payload in place, catalog still says staging
     "after-commit",          # catalog says published/verified

@@ -396,8 +396,16 @@ class Decision:
                 "protected": self.protected, "total_bytes": self.total_bytes, "path": str(self.path)}
 
 
-def protections(snap: RunSnapshot, extra: Mapping[int, str] = MappingProxyType({})) -> dict[int, str]:
-    """The invariants: steps no policy may delete, with why."""
+def protections(snap: RunSnapshot, extra: Mapping[int, str] = MappingProxyType({}), *,
+                keep_fork_parents: bool = True) -> dict[int, str]:
+    """The invariants: steps no policy may delete, with why.
+
+    A step that a fork with a payload in another run names as its parent (``begin_attempt(run,
+    fork_from=...)``, ``publish(..., parent=...)``) counts as referenced and
+    is kept too, unless the caller says otherwise explicitly
+    (``keep_fork_parents=False``; ``registry gc --release-fork-parents``):
+    the fork's lineage then names a deleted parent, which it survives.
+    """
     why: dict[int, list[str]] = {}
     for c in snap.checkpoints:
         if c.status == Status.STAGING:
@@ -410,6 +418,12 @@ def protections(snap: RunSnapshot, extra: Mapping[int, str] = MappingProxyType({
             why.setdefault(c.step, []).append("tagged " + ",".join(c.tags))
         if c.step in snap.leases:
             why.setdefault(c.step, []).append(f"leased by a reader until {snap.leases[c.step]:%Y-%m-%d %H:%M:%S}Z")
+    if keep_fork_parents:
+        present = {c.step for c in snap.checkpoints}
+        for step, children in snap.forks.items():
+            if step in present:
+                more = f" and {len(children) - 3} more" if len(children) > 3 else ""
+                why.setdefault(step, []).append(f"parent of fork {', '.join(children[:3])}{more}")
     for step, reason in extra.items():
         why.setdefault(step, []).append(reason)
     return {step: "; ".join(reasons) for step, reasons in why.items()}
@@ -442,6 +456,7 @@ class RetentionPlan:
     now: datetime
     protect: Mapping[int, str] = field(default_factory=dict)  # extra protections (the step just published)
     allow_missing_metrics: bool = False  # see KeepBest: keep nothing by a metric no checkpoint has
+    keep_fork_parents: bool = True       # see protections
     scope: RetentionScope | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -485,7 +500,7 @@ def _candidates(scope: RetentionScope, snap: RunSnapshot) -> list[CheckpointInfo
 
 def make_plan(scope: RetentionScope, run: str, policy: Policy, *, now: datetime | None = None,
               protect: Mapping[int, str] = MappingProxyType({}),
-              allow_missing_metrics: bool = False) -> RetentionPlan:
+              allow_missing_metrics: bool = False, keep_fork_parents: bool = True) -> RetentionPlan:
     """Decide, without changing anything, what ``policy`` keeps and deletes in ``run``.
 
     A policy that ranks by a metric no candidate has is refused
@@ -499,7 +514,7 @@ def make_plan(scope: RetentionScope, run: str, policy: Policy, *, now: datetime 
     elif now.tzinfo is None:
         raise PolicyError("now= must be a timezone-aware datetime")
     snap = RetentionCatalog(scope.catalog).snapshot(run)
-    protected = protections(snap, protect)
+    protected = protections(snap, protect, keep_fork_parents=keep_fork_parents)
     candidates = _candidates(scope, snap)
     kept = evaluate(policy, candidates, RetentionContext(run=run, now=now, protected=protected,
                                                          allow_missing_metrics=allow_missing_metrics))
@@ -515,7 +530,7 @@ def make_plan(scope: RetentionScope, run: str, policy: Policy, *, now: datetime 
                                   path=scope.root / c.path))
     return RetentionPlan(run=run, policy=policy, decisions=tuple(decisions), now=now,
                          protect=MappingProxyType(dict(protect)), allow_missing_metrics=allow_missing_metrics,
-                         scope=scope)
+                         keep_fork_parents=keep_fork_parents, scope=scope)
 
 
 # ---------------------------------------------------------------------------- execute
@@ -620,7 +635,7 @@ def _execute(scope: RetentionScope, plan: RetentionPlan, progress: ProgressFn | 
 
     def decide(snap: RunSnapshot) -> dict[int, str]:
         skipped.clear()  # the transaction may be retried: start over each time
-        protected = protections(snap, plan.protect)
+        protected = protections(snap, plan.protect, keep_fork_parents=plan.keep_fork_parents)
         by_step = {c.step: c for c in snap.checkpoints}
         kept = evaluate(plan.policy, _candidates(scope, snap),
                         RetentionContext(run=plan.run, now=plan.now, protected=protected,

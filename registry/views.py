@@ -19,6 +19,7 @@ from registry.format.refs import check_metric_key, check_run_name, parse_ref
 from registry.records import ENDED, NO_PAYLOAD, CheckpointInfo, EventInfo, MetricPoint, Status
 
 if TYPE_CHECKING:
+    from registry.catalog.lineage import LineageHop
     from registry.api import Registry
     from registry.catalog import FileRecord
     from registry.ops.scrub import VerifyResult
@@ -122,8 +123,15 @@ def gc_doc(plan: RetentionPlan, *, dry_run: bool, result: RetentionResult | None
     """``gc --json``: the plan with its reasons, and what executing it did (None for a dry run)."""
     doc = plan.to_json()
     doc["dry_run"] = dry_run
+    doc["shared_bytes"] = plan_shared_bytes(plan)
     doc["result"] = result.to_json() if result is not None else None
     return doc
+
+
+def plan_shared_bytes(plan: RetentionPlan) -> int:
+    """Of the bytes a plan deletes, those other steps share by hard links (dedup): they stay on disk."""
+    from registry.fs.dedup import shared_bytes
+    return sum(shared_bytes(d.path) for d in plan.decisions if d.action == "delete")
 
 
 def retention_preview(reg: Registry, run: str, policy_text: str, *,
@@ -133,6 +141,24 @@ def retention_preview(reg: Registry, run: str, policy_text: str, *,
     policy = parse_policy_text(policy_text)
     plan = reg.plan_retention(run, policy, allow_missing_metrics=allow_missing_metric)
     return gc_doc(plan, dry_run=True, result=None)
+
+
+LINEAGE_HEADERS = ("STEP", "STATUS", "HOW", "FROM", "ATTEMPT", "WHEN")
+
+
+def lineage_rows(hops: Iterable[LineageHop]) -> list[list[Any]]:
+    """``lineage REF`` as a table (the CLI's and the step page's): one row per hop, nearest first."""
+    rows: list[list[Any]] = []
+    for h in hops:
+        if h.how == "imported" and h.source:
+            origin = f"{h.source.get('path')} ({h.source.get('layout')})"
+        elif h.parent_run is not None:
+            origin = f"{h.parent_run}@{h.parent_step}" + (" (since replaced)" if h.parent_replaced else "")
+        else:
+            origin = "-"
+        rows.append([h.ref, h.status.upper() if h.status in ("deleted", "missing", "corrupt") else h.status,
+                     h.how, origin, h.attempt if h.attempt is not None else "-", format_time(h.when)])
+    return rows
 
 
 # ---------------------------------------------------------------------- one step
@@ -148,6 +174,7 @@ class StepView:
     events: tuple[EventInfo, ...]
     ended: EventInfo | None
     manifest: dict[str, Any]
+    shared_bytes: int = 0  # stored once with other steps (hard links made by dedup)
 
     def to_json(self) -> dict[str, Any]:
         doc = self.info.to_json()
@@ -156,6 +183,7 @@ class StepView:
         doc["manifest"] = self.manifest
         doc["events"] = events_doc(self.events)
         doc["ended_by"] = self.ended.to_json() if self.ended is not None else None
+        doc["shared_bytes"] = self.shared_bytes
         return doc
 
 
@@ -169,9 +197,11 @@ def step_view(reg: Registry, ref: str) -> StepView:
         if row is None or row.status not in NO_PAYLOAD:
             raise
         info = reg._absolute(row)
+    from registry.fs.dedup import shared_bytes
     events = reg.events(info.run, step=info.step)
     return StepView(ref=ref, info=info, files=tuple(reg.catalog.files(info.run, info.step)), events=tuple(events),
-                    ended=ending_event(info.status, events), manifest=manifest_summary(info.path))
+                    ended=ending_event(info.status, events), manifest=manifest_summary(info.path),
+                    shared_bytes=shared_bytes(info.path) if info.status not in NO_PAYLOAD else 0)
 
 
 def ending_event(status: str, events: Sequence[EventInfo]) -> EventInfo | None:

@@ -7,7 +7,7 @@ process, which then exits, so its writer is really gone), and every on-disk
 state a crash could leave is built and handed to ``fsck --repair``.
 
 Recording. ``os.open``/``os.write``/``os.fsync``/``os.close``/``os.mkdir``/
-``os.replace``/``os.rename``/``os.unlink``/``os.rmdir`` and ``shutil.rmtree``
+``os.replace``/``os.rename``/``os.unlink``/``os.rmdir``/``os.link`` and ``shutil.rmtree``
 are wrapped while the operation runs; every call on a path under the root
 becomes an event on an inode model of the root (a file descriptor is mapped
 to the inode ``os.open`` gave it, so ``HashingWriter``'s ``os.write`` on a
@@ -90,7 +90,7 @@ class Recording:
 class Recorder:
     """Wraps the ``os`` calls named in the module docstring while it is entered."""
 
-    NAMES = ("open", "write", "fsync", "close", "mkdir", "replace", "rename", "unlink", "rmdir")
+    NAMES = ("open", "write", "fsync", "close", "mkdir", "replace", "rename", "unlink", "rmdir", "link")
 
     def __init__(self, root: Path, catalog: Path) -> None:
         self.root = root.resolve()
@@ -256,6 +256,24 @@ class Recorder:
             ino = self.nodes[a[0]].entries.pop(a[1])
             self.nodes[b[0]].entries[b[1]] = ino
             self._event(("rename", a[0], a[1], b[0], b[1]))
+
+    def _link(self, src: Any, dst: Any, *, src_dir_fd: int | None = None, dst_dir_fd: int | None = None,
+              follow_symlinks: bool = True) -> None:
+        """A hard link (dedup, ``import --move``): a new entry for an existing inode, a ``link`` event
+        like any create; a source outside the root becomes a file with its bytes, durable as they are."""
+        with self.lock:
+            self.originals["link"](src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd,
+                                   follow_symlinks=follow_symlinks)
+            b = None if self.quiet else self._where(dst, dst_dir_fd)
+            if b is None:
+                return
+            ino = self._ino(src) if src_dir_fd is None else None
+            if ino is None:
+                ino = self._new(FILE)
+                self.data[ino] = Path(os.fsdecode(dst)).read_bytes()
+                self.initial_data[ino] = self.data[ino]
+            self.nodes[b[0]].entries[b[1]] = ino
+            self._event(("link", b[0], b[1], ino))
 
     def _rename(self, src: Any, dst: Any, *, src_dir_fd: int | None = None, dst_dir_fd: int | None = None) -> None:
         self._replace(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd, _fn="rename")

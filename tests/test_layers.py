@@ -33,8 +33,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("registry.ops", "registry.dist", "registry.retention", "registry.checkpoint"),
     ("registry.api", "registry.views"),
     # the web view sits beside the command line: it may import the api; nothing but ``registry ui`` imports it
-    ("registry.cli", "registry.cli_export", "registry.cli_ui", "registry.terminal", "registry.web",
-     "registry.__main__", "registry"),
+    ("registry.cli", "registry.cli_export", "registry.cli_lineage", "registry.cli_ui", "registry.terminal",
+     "registry.web", "registry.__main__", "registry"),
     # the trainers' integrations: they call the public API; nothing in the package imports them
     ("registry.integrations",),
 )
@@ -47,7 +47,7 @@ TORCH_FREE = ("registry", "registry.catalog", "registry.catalog.queries", "regis
               "registry.errors", "registry.cli", "registry.api", "registry.ops.reading", "registry.checkpoint",
               "registry.fs.snapshot", "registry.fs.validation", "registry.fs.store", "registry.fs.filemaps",
               "registry.format.tensorio", "registry.cli_export", "registry.views", "registry.cli_ui",
-              "registry.web")
+              "registry.web", "registry.catalog.lineage", "registry.fs.dedup", "registry.cli_lineage")
 # Every module of the format and filesystem folders.
 SQL_FREE = tuple(f"registry.{folder}.{path.stem}" for folder in ("format", "fs")
                  for path in sorted((PACKAGE / folder).glob("*.py")) if path.stem != "__init__")

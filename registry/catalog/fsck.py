@@ -17,7 +17,8 @@ from typing import Any
 from sqlalchemy import Connection, insert, select, update
 from sqlalchemy.exc import IntegrityError
 
-from registry.catalog.models import CheckpointFile, CheckpointRow, Run
+from registry.catalog.lineage import record_lineage
+from registry.catalog.models import Attempt, CheckpointFile, CheckpointRow, Run
 from registry.catalog.queries import Catalog, PayloadRecord, aware, replace_files, utcnow
 from registry.records import Status
 
@@ -101,9 +102,24 @@ def record_payload(catalog: Catalog, seen: RowState | None, *, run: str, step: i
             run_id, cid = row.run_id, row.id
             conn.execute(update(CheckpointRow).where(CheckpointRow.id == cid).values(**values))
         replace_files(conn, cid, payload.files)
+        assert run_id is not None, "lookup_run(create=True) returns an id"
+        _record_lineage(conn, run_id, cid, row.writer if row is not None else None)
         Catalog.record_event(conn, run_id, step, "repair", actor=actor, problem=kind, status=payload.status, **detail)
         return True
     return bool(catalog.write(fn))
+
+
+def _record_lineage(conn: Connection, run_id: int, checkpoint_id: int, writer: str | None) -> None:
+    """The lineage of a rolled-forward step: its dead writer's latest attempt at the run says where it
+    came from, as its commit would have; an adopted directory's origin is ``unknown``."""
+    attempt = None
+    if writer is not None:
+        attempt = conn.scalar(select(Attempt.id).where(Attempt.run_id == run_id, Attempt.writer == writer)
+                              .order_by(Attempt.id.desc()).limit(1))
+        if attempt is not None:
+            conn.execute(update(CheckpointRow).where(CheckpointRow.id == checkpoint_id).values(attempt_id=attempt))
+    record_lineage(conn, checkpoint_id=checkpoint_id, run_id=run_id, attempt_id=attempt, resumed_from=None,
+                   explicit=None)
 
 
 def set_status_if(catalog: Catalog, seen: RowState, status: str, *, kind: str, actor: str,

@@ -44,6 +44,10 @@ class Attempt(Base):
     writer: Mapped[str] = mapped_column(String(255))
     resumed_from: Mapped[int | None] = mapped_column(BigInteger)
     started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    # the checkpoint this attempt was forked from (``begin_attempt(run, fork_from=REF)``), by name
+    fork_run: Mapped[str | None] = mapped_column(String(128))
+    fork_step: Mapped[int | None] = mapped_column(BigInteger)
+    fork_manifest_sha256: Mapped[str | None] = mapped_column(String(64))
 
 
 class CheckpointRow(Base):
@@ -76,11 +80,33 @@ class CheckpointRow(Base):
 
 class CheckpointFile(Base):
     __tablename__ = "checkpoint_files"
+    __table_args__ = (Index("ix_checkpoint_files_sha256", "sha256"),)  # dedup: a live file with these bytes
     checkpoint_id: Mapped[int] = mapped_column(ForeignKey("checkpoints.id", ondelete="CASCADE"),
                                                primary_key=True)
     name: Mapped[str] = mapped_column(String(255), primary_key=True)
     size: Mapped[int] = mapped_column(BigInteger)
     sha256: Mapped[str] = mapped_column(String(64))
+
+
+class Lineage(Base):
+    """How a committed step came to be, and the step it came from (see ``registry.catalog.lineage``).
+
+    The parent is named by run and step, not by a foreign key, so that it is
+    still named after retention deleted it or a publish replaced it; its
+    manifest digest at the time tells which payload it was.
+    """
+    __tablename__ = "checkpoint_lineage"
+    __table_args__ = (Index("ix_checkpoint_lineage_parent_run_parent_step", "parent_run", "parent_step"),)
+    checkpoint_id: Mapped[int] = mapped_column(ForeignKey("checkpoints.id", ondelete="CASCADE"),
+                                               primary_key=True)
+    how: Mapped[str] = mapped_column(String(16))
+    parent_run: Mapped[str | None] = mapped_column(String(128))
+    parent_step: Mapped[int | None] = mapped_column(BigInteger)
+    parent_manifest_sha256: Mapped[str | None] = mapped_column(String(64))
+    # the parent's row, found when this row was written; a plain id (a step keeps its row through deletion
+    # and overwrites) so that a chain is walked by primary key, whatever the planner knows of the tables
+    parent_checkpoint_id: Mapped[int | None] = mapped_column(Integer)
+    source: Mapped[str | None] = mapped_column(Text)
 
 
 class Metric(Base):

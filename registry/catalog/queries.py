@@ -22,6 +22,7 @@ from sqlalchemy import (Connection, Engine, and_, create_engine, delete, event, 
 from sqlalchemy.exc import DBAPIError, DisconnectionError, IntegrityError
 from sqlalchemy.pool import QueuePool
 
+from registry.catalog.lineage import LineageRecord, record_lineage
 from registry.catalog.models import (Attempt, CheckpointFile, CheckpointRow, Event, Lease, Metric,
                                      Run, Tag)
 from registry.catalog.session import (_sqlite_begin, _sqlite_pragmas, catalog_name, failure_reason, head_revision,
@@ -70,6 +71,8 @@ class PayloadRecord:
     consumed_samples: int = 0
     optimizer_step: int | None = None
     policy_version: int | None = None
+    linked: Sequence[str] = ()  # files stored as hard links to identical live files (see registry.fs.dedup)
+    linked_bytes: int = 0
 
     def columns(self, now: datetime) -> dict[str, Any]:
         """The checkpoint row's values once this payload is in place, as of ``now``."""
@@ -93,6 +96,7 @@ class CommitRecord:
     attempt_id: int | None = None
     tags: Sequence[str] = ()
     resumed_from: int | None = None
+    lineage: LineageRecord | None = None  # an explicit parent or an import; else the attempt says
 
 
 def replace_files(conn: Connection, checkpoint_id: int, files: Iterable[FileRecord]) -> None:
@@ -407,11 +411,16 @@ class Catalog:
             self.record_event(conn, claim.run_id, step, "publish-failed", reason=reason, restored=restore)
         self.write(fn)
 
-    def start_attempt(self, run: str, *, writer: str, resumed_from: int | None) -> int:
+    def start_attempt(self, run: str, *, writer: str, resumed_from: int | None,
+                      fork: tuple[str, int, str | None] | None = None) -> int:
+        """A new attempt; ``fork`` is the (run, step, manifest digest) of the checkpoint it was forked from."""
         def fn(conn: Connection) -> int:
             run_id = self.lookup_run(conn, run, create=True)
+            forked = {} if fork is None else {"fork_run": fork[0], "fork_step": fork[1],
+                                              "fork_manifest_sha256": fork[2]}
             return conn.execute(insert(Attempt).values(run_id=run_id, writer=writer, resumed_from=resumed_from,
-                                                       started_at=utcnow()).returning(Attempt.id)).scalar_one()
+                                                       started_at=utcnow(), **forked)
+                                .returning(Attempt.id)).scalar_one()
         return self.write(fn)
 
     def commit_publish(self, claim: Claim, record: CommitRecord, *, writer: str) -> None:
@@ -457,8 +466,12 @@ class Catalog:
                     Metric.run_id == claim.run_id, Metric.superseded.is_(False), Metric.step == step, stale)
                     .values(superseded=True)).rowcount
             replace_files(conn, cid, payload.files)
+            record_lineage(conn, checkpoint_id=cid, run_id=claim.run_id, attempt_id=attempt_id,
+                           resumed_from=resumed_from, explicit=record.lineage)
             self._insert_metrics(conn, claim.run_id, record.metrics, attempt_id, now=now)
-            again = {} if superseded is None else {"superseded_points": superseded}
+            again: dict[str, Any] = {} if superseded is None else {"superseded_points": superseded}
+            if payload.linked:
+                again.update(linked=list(payload.linked), linked_bytes=payload.linked_bytes)
             self.record_event(conn, claim.run_id, step, "publish", actor=writer, status=payload.status,
                               manifest_sha256=payload.manifest_sha256, overwrite=claim.previous_status is not None,
                               **again)

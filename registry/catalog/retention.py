@@ -6,7 +6,9 @@ the decision is taken against the catalog as it is at the moment of marking:
 :meth:`RetentionCatalog.mark_deleted` re-reads everything that can protect a
 step (statuses, ``@latest``, ``@latest-published``, tags, unexpired reader
 leases, metrics) *inside* the write transaction that marks, and asks the
-caller's ``decide`` function again there.
+caller's ``decide`` function again there. That re-read includes the forks
+that name a step as their parent (``RunSnapshot.forks``), so a fork committed
+before the marking is seen by it.
 
 Why that is enough against a reader in another process: on SQLite every
 write transaction (``acquire_lease`` included) starts with ``BEGIN
@@ -20,12 +22,13 @@ live (``acquire_lease`` returns ``None`` and the reader resolves again).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Connection, func, select, update
 
+from registry.catalog.lineage import fork_children
 from registry.catalog.models import CheckpointRow, Lease
 from registry.catalog.queries import Catalog, aware, utcnow
 from registry.records import HAS_PAYLOAD, LIVE, CheckpointInfo, Status
@@ -46,6 +49,7 @@ class RunSnapshot:
     latest_published: int | None              # newest published-or-verified step
     leases: Mapping[int, datetime]            # step -> furthest expiry of its unexpired leases
     taken_at: datetime
+    forks: Mapping[int, tuple[str, ...]] = field(default_factory=dict)  # step -> forks with a payload naming it
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,7 +80,8 @@ class RetentionCatalog:
             .where(c.run_id == run_id, Lease.expires_at > now).group_by(c.step))
             if (when := aware(expires)) is not None}
         return RunSnapshot(run=run, checkpoints=infos, latest=max(verified, default=None),
-                           latest_published=max(live, default=None), leases=leases, taken_at=now)
+                           latest_published=max(live, default=None), leases=leases, taken_at=now,
+                           forks=fork_children(conn, run))
 
     def snapshot(self, run: str) -> RunSnapshot:
         """The run now, for planning; raises ``CheckpointNotFoundError`` for an unknown run."""

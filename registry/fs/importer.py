@@ -23,6 +23,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -202,6 +203,14 @@ def stage(foreign: Foreign, staging: Path, *, move: bool, progress: ProgressFn |
     return Written(manifest=manifest, manifest_sha256=digest_bytes(raw), total_bytes=manifest.total_bytes + len(raw))
 
 
+def provenance(foreign: Foreign, digests: Mapping[str, str]) -> dict[str, Any]:
+    """Where an import came from, for its lineage: the directory, the layout detected, and the digest
+    of what was read (sha256 over ``"NAME SHA256\n"`` of every adopted file, sorted by name)."""
+    listing = "".join(f"{name} {digests[name]}\n" for name in sorted(digests) if name != MANIFEST)
+    return {"path": str(foreign.directory), "layout": foreign.layout,
+            "files_sha256": digest_bytes(listing.encode())}
+
+
 def int_field(meta: dict[str, Any], key: str, default: int | None = None) -> int | None:
     value = meta.get(key)
     return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_STEP else default
@@ -220,4 +229,4 @@ def remove_originals(foreign: Foreign) -> None:
         pass  # something new appeared in it; leave it to the user
 
 
-__all__ = ["Foreign", "int_field", "remove_originals", "scan", "stage"]
+__all__ = ["Foreign", "int_field", "provenance", "remove_originals", "scan", "stage"]

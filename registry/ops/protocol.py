@@ -21,16 +21,18 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 
 from registry.catalog import Catalog, Claim, CommitRecord, FileRecord, PayloadRecord
+from registry.catalog.lineage import identical_files
 from registry.crashpoints import crashpoint
 from registry.errors import CatalogError, CorruptCheckpointError, PublishError, RegistryError
 from registry.format.layout import hidden_sibling
 from registry.records import CheckpointInfo, Status
+from registry.fs.dedup import Linked, link_identical
 from registry.fs.store import (Written, check_written, discard, install, new_staging, remove_stale_staging, uninstall,
                                writer_alive)
 
@@ -57,10 +59,18 @@ def publish_sequence(catalog: Catalog, *, run: str, step: int, final: Path, relp
     started = time.perf_counter()
     claim = catalog.claim(run, step, path=relpath, writer=writer, overwrite=overwrite, writer_alive=writer_alive)
     crashpoint("after-claim")
-    written, status, retired = write_and_install(catalog, claim, final, write, verify=verify)
+    linked: list[Linked] = []
+    root = final.parents[len(Path(relpath).parts) - 1]
+
+    def write_then_link(staging: Path) -> Written:
+        written = write(staging)
+        linked.extend(link_duplicates(catalog, staging, root, written))
+        return written
+    written, status, retired = write_and_install(catalog, claim, final, write_then_link, verify=verify)
     try:  # from here on, anything (even a KeyboardInterrupt) must reach commit_failed's undo
         catalog.commit_publish(claim, record(payload_record(written, status, epoch=epoch,
-                                                            consumed_samples=consumed_samples)), writer=writer)
+                                                            consumed_samples=consumed_samples, linked=linked)),
+                               writer=writer)
     except BaseException as exc:
         try:
             uncommitted()
@@ -79,14 +89,39 @@ def publish_sequence(catalog: Catalog, *, run: str, step: int, final: Path, relp
     return info
 
 
-def payload_record(written: Written, status: str, *, epoch: int, consumed_samples: int) -> PayloadRecord:
+def payload_record(written: Written, status: str, *, epoch: int, consumed_samples: int,
+                   linked: Sequence[Linked] = ()) -> PayloadRecord:
     """What the catalog records about the payload just written."""
     return PayloadRecord(status=status, manifest_sha256=written.manifest_sha256,
                          files=tuple(FileRecord(name=f.name, size=f.size, sha256=f.sha256)
                                      for f in written.manifest.files.values()),
                          total_bytes=written.total_bytes, epoch=epoch, consumed_samples=consumed_samples,
                          optimizer_step=written.manifest.optimizer_step,
-                         policy_version=written.manifest.policy_version)
+                         policy_version=written.manifest.policy_version,
+                         linked=tuple(sorted(f.name for f in linked)), linked_bytes=sum(f.size for f in linked))
+
+
+def link_duplicates(catalog: Catalog, staging: Path, root: Path, written: Written) -> list[Linked]:
+    """Dedup: store each staged file that a live step of this root already holds as a hard link to it.
+
+    Candidates are the catalog's file rows of ``published``/``verified``
+    steps with the same size and sha256 (at most a few per file, newest
+    first); :func:`registry.fs.dedup.link_identical` confirms the bytes
+    before linking. An optimisation only: a catalog that cannot be asked
+    means nothing is linked, never a failed publish.
+    """
+    wanted = {(e.size, e.sha256): e.name for e in written.manifest.files.values() if e.size > 0}
+    try:
+        same = identical_files(catalog, list(wanted))
+    except CatalogError:
+        return []
+    candidates: dict[str, list[Path]] = {}
+    for hit in same:
+        name = wanted.get((hit.size, hit.sha256))
+        paths = candidates.setdefault(name, []) if name is not None else None
+        if paths is not None and len(paths) < 4:
+            paths.append(root / hit.path / hit.name)
+    return link_identical(staging, candidates)
 
 
 def write_and_install(catalog: Catalog, claim: Claim, final: Path, write: Callable[[Path], Written], *,

@@ -105,16 +105,10 @@ def create_app(reg: Registry, *, token: str | None = None) -> Starlette:
 
 
 def lineage_of(reg: Registry, request: Request) -> Any:
-    """LINEAGE HOOK: what ``reg.lineage(ref)`` records for the step, where this build of the registry has it.
-
-    The step page shows it when present (see ``pages.step_page``); None otherwise.
-    """
-    lineage = getattr(reg, "lineage", None)
-    if lineage is None:
-        return None
+    """What ``reg.lineage(ref)`` records for the step (None when it has none: a catalog without it)."""
     ref = f"{request.path_params['run']}@{request.path_params['step']}"
     try:
-        return lineage(ref)
+        return reg.lineage(ref)
     except RegistryError:
         return None
 

@@ -123,9 +123,11 @@ def step_page(view: StepView, *, lineage: Any = None) -> str:
 
 
 def _lineage_text(lineage: Any) -> str:
-    """LINEAGE HOOK: how a recorded lineage reads on the step page (its JSON, or its text)."""
-    to_json = getattr(lineage, "to_json", None)
-    return json.dumps(to_json() if callable(to_json) else lineage, indent=2, default=str)
+    """The recorded lineage as ``registry lineage`` prints it."""
+    from registry.views import LINEAGE_HEADERS, lineage_rows
+    rows = [list(LINEAGE_HEADERS)] + [[str(c) for c in row] for row in lineage_rows(lineage)]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(LINEAGE_HEADERS))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
 
 __all__ = ["error_page", "run_page", "runs_page", "step_page"]

@@ -1,0 +1,278 @@
+"""Lineage in the catalog: how each step came to be, walked up to its root in one query.
+
+Every commit of a step records one ``checkpoint_lineage`` row (in the
+publish transaction, see :func:`record_lineage`) saying how the step came to
+be and which step it came from:
+
+- ``started``: written by an attempt that started from nothing;
+- ``resumed``: written by an attempt that resumed the same run from a step;
+- ``forked``: written by an attempt forked from a checkpoint
+  (``begin_attempt(run, fork_from=REF)``, possibly of another run), or
+  published with an explicit ``parent=REF``;
+- ``imported``: adopted from a directory (``source`` says which, in what
+  layout, and the digest of what was read);
+- ``unknown``: a directory fsck adopted (written outside the catalog), or a
+  step committed before lineage was recorded. A step fsck rolls forward
+  after its writer died between rename and commit gets what its commit would
+  have recorded, from that writer's latest attempt at the run.
+
+The parent is named by run and step plus its manifest digest at the time, so
+it stays named after retention deletes it (its row stays, ``deleted``) or a
+publish replaces it (the digest then differs: ``parent_replaced``). Steps an
+attempt wrote one after another are not hops of each other: a hop is where a
+history changed hands (a resume after a crash, a fork, an import), which is
+what ``lineage`` is asked for, and keeps a 1,000-hop chain 1,000 rows.
+
+Knows SQL and nothing of torch or files.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import Connection, DateTime, and_, delete, insert, select, text
+
+from registry.catalog.models import Attempt, CheckpointFile, CheckpointRow, Lineage, Run
+from registry.records import HAS_PAYLOAD, LIVE
+
+if TYPE_CHECKING:
+    from registry.catalog.queries import Catalog
+
+HOWS = ("started", "resumed", "forked", "imported", "unknown")
+MAX_DEPTH = 100_000  # a cycle (a parent overwritten by its own descendant) stops here, then at its first repeat
+
+
+@dataclass(frozen=True, kw_only=True)
+class LineageRecord:
+    """What a commit records about where its payload came from (``how`` one of :data:`HOWS`)."""
+
+    how: str
+    parent_run: str | None = None
+    parent_step: int | None = None
+    source: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class LineageHop:
+    """One step of a chain: the step itself, and how it came from the next hop (its parent).
+
+    ``status`` is the step's status now (``deleted`` after retention), or
+    ``missing`` for a parent that was named but never committed (a resume
+    from files outside the registry). ``parent_replaced``: the parent step
+    was published again since, so its payload is no longer the one this
+    step came from.
+    """
+
+    run: str
+    step: int
+    status: str
+    how: str
+    attempt: int | None = None
+    writer: str | None = None
+    when: datetime | None = None
+    manifest_sha256: str | None = None
+    parent_run: str | None = None
+    parent_step: int | None = None
+    parent_manifest_sha256: str | None = None
+    parent_replaced: bool = False
+    source: dict[str, Any] | None = None
+
+    @property
+    def ref(self) -> str:
+        return f"{self.run}@{self.step}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"run": self.run, "step": self.step, "status": str(self.status), "how": self.how,
+                "attempt": self.attempt, "writer": self.writer,
+                "when": self.when.isoformat() if self.when else None, "manifest_sha256": self.manifest_sha256,
+                "parent": (None if self.parent_run is None else
+                           {"run": self.parent_run, "step": self.parent_step,
+                            "manifest_sha256": self.parent_manifest_sha256, "replaced": self.parent_replaced}),
+                "source": self.source}
+
+
+def record_lineage(conn: Connection, *, checkpoint_id: int, run_id: int, attempt_id: int | None,
+                   resumed_from: int | None, explicit: LineageRecord | None) -> None:
+    """Record how the step ``checkpoint_id`` came to be, inside its commit transaction.
+
+    ``explicit`` (a ``parent=`` or an import) wins; otherwise the attempt
+    says: its fork, else the step it resumed from, else it started fresh. An
+    overwrite replaces the row of the payload it replaces. The parent's
+    manifest digest is read here, in the same transaction.
+    """
+    record = explicit
+    if record is None:
+        attempt = (conn.execute(select(Attempt.resumed_from, Attempt.fork_run, Attempt.fork_step)
+                                .where(Attempt.id == attempt_id)).first() if attempt_id is not None else None)
+        if attempt is None:
+            record = LineageRecord(how="unknown")
+        elif attempt.fork_run is not None:
+            record = LineageRecord(how="forked", parent_run=attempt.fork_run, parent_step=attempt.fork_step)
+        else:
+            start = resumed_from if resumed_from is not None else attempt.resumed_from
+            run = conn.scalar(select(Run.name).where(Run.id == run_id)) if start is not None else None
+            record = (LineageRecord(how="started") if start is None
+                      else LineageRecord(how="resumed", parent_run=run, parent_step=start))
+    parent: Any = None
+    if record.parent_run is not None and record.parent_step is not None:
+        query = (select(CheckpointRow.id, CheckpointRow.manifest_sha256).join(Run, Run.id == CheckpointRow.run_id)
+                 .where(Run.name == record.parent_run, CheckpointRow.step == record.parent_step))
+        if conn.dialect.name == "postgresql" and record.how == "forked":
+            # FOR SHARE, as a tag does: a gc marking the parent deleted either commits first (the fork
+            # then names a deleted parent) or waits for this commit and sees the fork that keeps it
+            query = query.with_for_update(read=True, of=CheckpointRow)
+        parent = conn.execute(query).first()
+    conn.execute(delete(Lineage).where(Lineage.checkpoint_id == checkpoint_id))
+    conn.execute(insert(Lineage).values(
+        checkpoint_id=checkpoint_id, how=record.how, parent_run=record.parent_run, parent_step=record.parent_step,
+        parent_manifest_sha256=parent.manifest_sha256 if parent is not None else None,
+        parent_checkpoint_id=parent.id if parent is not None else None,
+        source=json.dumps(record.source, sort_keys=True) if record.source is not None else None))
+
+
+_CHAIN = text("""
+WITH RECURSIVE chain(depth, cid) AS (
+    SELECT 0, c.id FROM checkpoints c JOIN runs r ON r.id = c.run_id
+    WHERE r.name = :run AND c.step = :step
+    UNION ALL
+    SELECT chain.depth + 1,
+           (SELECT l.parent_checkpoint_id FROM checkpoint_lineage l WHERE l.checkpoint_id = chain.cid)
+    FROM chain WHERE chain.cid IS NOT NULL AND chain.depth < :limit
+)
+SELECT chain.depth, r.name AS run, c.step, c.status, c.attempt_id, c.writer, c.manifest_sha256,
+       c.created_at, c.published_at, l.how, l.parent_run, l.parent_step, l.parent_manifest_sha256, l.source
+FROM chain JOIN checkpoints c ON c.id = chain.cid JOIN runs r ON r.id = c.run_id
+LEFT JOIN checkpoint_lineage l ON l.checkpoint_id = c.id
+ORDER BY chain.depth
+""").columns(created_at=DateTime(timezone=True), published_at=DateTime(timezone=True))
+
+
+def _hops(rows: Sequence[Any]) -> list[LineageHop]:
+    from registry.catalog.queries import aware
+    hops: list[LineageHop] = []
+    seen: set[tuple[str, int]] = set()
+    for i, r in enumerate(rows):
+        if (r.run, r.step) in seen:
+            break  # a cycle: a parent was overwritten by one of its own descendants
+        seen.add((r.run, r.step))
+        parent = rows[i + 1] if i + 1 < len(rows) else None
+        replaced = (parent is not None and r.parent_manifest_sha256 is not None
+                    and parent.manifest_sha256 != r.parent_manifest_sha256)
+        hops.append(LineageHop(
+            run=r.run, step=int(r.step), status=str(r.status), how=r.how or "unknown", attempt=r.attempt_id,
+            writer=r.writer, when=aware(r.published_at) or aware(r.created_at), manifest_sha256=r.manifest_sha256,
+            parent_run=r.parent_run, parent_step=r.parent_step, parent_manifest_sha256=r.parent_manifest_sha256,
+            parent_replaced=replaced, source=json.loads(r.source) if r.source else None))
+    last = hops[-1] if hops else None
+    if last is not None and last.parent_run is not None and last.parent_step is not None \
+            and len(hops) == len(rows) and (last.parent_run, last.parent_step) not in seen:
+        hops.append(LineageHop(run=last.parent_run, step=last.parent_step, status="missing", how="unknown"))
+    return hops
+
+
+class LineageCatalog:
+    """Lineage's queries, on top of a :class:`Catalog` (its engine and transaction helpers)."""
+
+    def __init__(self, catalog: Catalog) -> None:
+        self.catalog = catalog
+
+    def chain(self, run: str, step: int, *, max_depth: int = MAX_DEPTH) -> list[LineageHop]:
+        """``run@step`` and its ancestors, nearest first, in one recursive query.
+
+        Empty when the step has no row; ends at a root (``started``,
+        ``imported``, ``unknown``) or at a named parent that has no row
+        (returned as a ``missing`` hop).
+        """
+        def fn(conn: Connection) -> list[LineageHop]:
+            rows = conn.execute(_CHAIN, {"run": run, "step": step, "limit": max_depth}).all()
+            return _hops(rows)
+        result: list[LineageHop] = self.catalog.read(fn)
+        return result
+
+    def descendants(self, run: str, step: int, *, forks_only: bool = True) -> list[LineageHop]:
+        """The steps whose lineage names ``run@step`` as parent (only forks unless ``forks_only=False``),
+        by run and step, each as its own hop."""
+        from registry.catalog.queries import aware
+
+        def fn(conn: Connection) -> list[LineageHop]:
+            c, lin = CheckpointRow, Lineage
+            query = (select(Run.name.label("run"), c.step, c.status, c.attempt_id, c.writer, c.manifest_sha256,
+                            c.created_at, c.published_at, lin.how, lin.parent_manifest_sha256, lin.source)
+                     .join(c, c.id == lin.checkpoint_id).join(Run, Run.id == c.run_id)
+                     .where(lin.parent_run == run, lin.parent_step == step))
+            if forks_only:
+                query = query.where(lin.how == "forked")
+            current = conn.scalar(select(c.manifest_sha256).join(Run, Run.id == c.run_id)
+                                  .where(Run.name == run, c.step == step))
+            rows = conn.execute(query.order_by(Run.name, c.step)).all()
+            return [LineageHop(run=r.run, step=int(r.step), status=str(r.status), how=r.how, attempt=r.attempt_id,
+                               writer=r.writer, when=aware(r.published_at) or aware(r.created_at),
+                               manifest_sha256=r.manifest_sha256, parent_run=run, parent_step=step,
+                               parent_manifest_sha256=r.parent_manifest_sha256,
+                               parent_replaced=(r.parent_manifest_sha256 is not None
+                                                and r.parent_manifest_sha256 != current),
+                               source=json.loads(r.source) if r.source else None) for r in rows]
+        result: list[LineageHop] = self.catalog.read(fn)
+        return result
+
+
+def fork_children(conn: Connection, run: str) -> dict[int, tuple[str, ...]]:
+    """Steps of ``run`` that a fork with a payload in *another* run names as its parent: step -> the forks.
+
+    What retention counts as referenced (see ``registry.retention.protections``).
+    A fork within the run is a resume by another name: the run's own policy
+    decides about its history.
+    """
+    c, lin = CheckpointRow, Lineage
+    rows = conn.execute(select(lin.parent_step, Run.name, c.step).join(c, c.id == lin.checkpoint_id)
+                        .join(Run, Run.id == c.run_id)
+                        .where(lin.parent_run == run, lin.how == "forked", c.status.in_(HAS_PAYLOAD))
+                        .order_by(Run.name, c.step)).all()
+    out: dict[int, list[str]] = {}
+    for parent_step, child_run, child_step in rows:
+        if parent_step is not None and child_run != run:
+            out.setdefault(int(parent_step), []).append(f"{child_run}@{child_step}")
+    return {step: tuple(children) for step, children in out.items()}
+
+
+@dataclass(frozen=True, kw_only=True)
+class SameBytes:
+    """A file of a live step with a given size and sha256: where a publish may link instead of copying."""
+
+    size: int
+    sha256: str
+    path: str   # the step's directory, relative to the root
+    name: str
+    run: str
+    step: int
+
+
+def identical_files(catalog: Catalog, wanted: Sequence[tuple[int, str]]) -> list[SameBytes]:
+    """Files of ``published``/``verified`` steps with one of the ``(size, sha256)`` pairs in ``wanted``.
+
+    One indexed query (``ix_checkpoint_files_sha256``); newest steps first, so
+    a link goes to the copy least likely to be deleted soon.
+    """
+    if not wanted:
+        return []
+    sizes = {sha: size for size, sha in wanted}
+
+    def fn(conn: Connection) -> list[SameBytes]:
+        f, c = CheckpointFile, CheckpointRow
+        rows = conn.execute(select(f.size, f.sha256, f.name, c.path, c.step, Run.name.label("run"))
+                            .join(c, and_(c.id == f.checkpoint_id, c.status.in_(LIVE)))
+                            .join(Run, Run.id == c.run_id)
+                            .where(f.sha256.in_(sorted(sizes)))
+                            .order_by(c.published_at.desc(), c.id.desc())).all()
+        return [SameBytes(size=r.size, sha256=r.sha256, path=r.path, name=r.name, run=r.run, step=int(r.step))
+                for r in rows if sizes.get(r.sha256) == r.size]
+    result: list[SameBytes] = catalog.read(fn)
+    return result
+
+
+__all__ = ["HOWS", "LineageCatalog", "LineageHop", "LineageRecord", "SameBytes", "fork_children",
+           "identical_files", "record_lineage"]

@@ -1,0 +1,62 @@
+"""``registry lineage`` and ``registry diff``: where a checkpoint came from, and what changed.
+
+Each command is one library call of the same name (``Registry.lineage`` or
+``Registry.descendants``, ``Registry.diff``); registered on the main group by
+:func:`register`.
+"""
+
+from __future__ import annotations
+
+import click
+
+
+def register(group: click.Group) -> None:
+    """Add ``lineage`` and ``diff`` to ``group`` (the main CLI group, which calls this once it is built:
+    the commands use its helpers, so they are defined here rather than at import)."""
+    from registry.cli import State, command, emit_json, json_option, table
+
+    @click.command()
+    @click.argument("ref")
+    @click.option("--descendants", is_flag=True, help="List the steps forked from REF instead of its ancestors.")
+    @click.option("--all", "include_resumes", is_flag=True,
+                  help="With --descendants: also the steps that resumed from REF.")
+    @json_option
+    @click.pass_obj
+    @command
+    def lineage(state: State, ref: str, descendants: bool, include_resumes: bool, as_json: bool) -> None:
+        """Show where REF came from, hop by hop up to its root (resumes, forks, imports).
+
+        A numbered ref names deleted steps too: their history stays.
+        """
+        reg = state.registry()
+        hops = (reg.descendants(ref, forks_only=not include_resumes) if descendants else reg.lineage(ref))
+        if as_json:
+            emit_json([h.to_json() for h in hops])
+            return
+        from registry.views import LINEAGE_HEADERS, lineage_rows
+        table(LINEAGE_HEADERS, lineage_rows(hops))
+
+    @click.command()
+    @click.argument("ref_a")
+    @click.argument("ref_b")
+    @click.option("--values", is_flag=True,
+                  help="For changed tensors of the same shape (content or dtype), also the max absolute and "
+                       "relative L2 difference (reads those tensors whole).")
+    @json_option
+    @click.pass_obj
+    @command
+    def diff(state: State, ref_a: str, ref_b: str, values: bool, as_json: bool) -> None:
+        """List what changed from REF_A to REF_B: tensors, files, config and metrics."""
+        from registry.ops.diff import render
+        result = state.registry().diff(ref_a, ref_b, values=values)
+        if as_json:
+            emit_json(result.to_json())
+            return
+        for line in render(result):
+            click.echo(line)
+
+    group.add_command(lineage)
+    group.add_command(diff)
+
+
+__all__ = ["register"]

@@ -1,0 +1,191 @@
+"""Lineage, diff and dedup: what they cost.
+
+- ``diff`` of two steps of ``--mib`` MiB (fp32 tensors of ``--tensor-mib``
+  MiB each) that differ in one element of one tensor, against a full verified
+  ``load`` of one of them: each round times one load, then five diffs; shown
+  are the median load, the median first diff after a load (and its ratio to
+  the median load), the median over rounds of (median of the round's five
+  diffs / the round's load), and the bytes diff read (of both steps).
+- ``lineage`` of a chain ``--depth`` hops deep (rows inserted directly, as
+  a long resume history leaves them), timed on the catalog: median ms and
+  the number of SQL statements one call runs.
+- ``dedup``: publishing a step whose weights equal the previous step's
+  (linked after a byte compare) against one whose weights differ (copied).
+
+Reads come from the page cache for every variant alike (the files were just
+written); medians of ``--runs`` rounds after one warm-up round.
+
+    ./scripts/bench lineage [--mib 1024] [--depth 1000] [--runs 5] [--url URL] [--dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from registry import Registry  # noqa: E402
+from registry.catalog.lineage import LineageCatalog  # noqa: E402
+
+warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+
+
+def state_of(mib: int, tensor_mib: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    n = max(1, mib // tensor_mib)
+    return {f"layers.{i:04d}.weight": torch.randn(tensor_mib << 18, generator=g) for i in range(n)}
+
+
+def timed(fn: object) -> float:
+    start = time.perf_counter()
+    fn()  # type: ignore[operator]
+    return time.perf_counter() - start
+
+
+def bench_diff(reg: Registry, mib: int, tensor_mib: int, runs: int) -> list[str]:
+    a = state_of(mib, tensor_mib)
+    b = dict(a)
+    name = sorted(a)[len(a) // 2]
+    b[name] = a[name].clone()
+    b[name][12345] += 1.0
+    reg.publish("diff", 1, a)
+    reg.publish("diff", 2, b)
+    del a, b
+    diffs, loads, ratios, read = [], [], [], []
+    for r in range(runs + 1):
+        load = timed(lambda: reg.load("diff@2", verify=True))
+        once = [timed(lambda: reg.diff("diff@1", "diff@2")) for _ in range(5)]
+        d = reg.diff("diff@1", "diff@2")
+        assert [t.name for t in d.tensors] == [name], d.tensors
+        if r == 0:
+            continue  # warm-up
+        diffs.append(once[0])
+        loads.append(load)
+        ratios.append(statistics.median(once) / load)
+        read.append(d.bytes_read / d.bytes_total)
+    values = timed(lambda: reg.diff("diff@1", "diff@2", values=True))
+    total = reg.resolve("diff@1").total_bytes
+    return ["", f"### diff: two {total / 2**20:.0f} MiB steps, one tensor of {tensor_mib} MiB differs in one element",
+            "", "| variant | median s | x verified load |", "|---|---:|---:|",
+            f"| load(verify=True) of one step | {statistics.median(loads):.3f} | 1 |",
+            f"| diff, first call after the load | {statistics.median(diffs):.4f} | "
+            f"{statistics.median(diffs) / statistics.median(loads):.4f} |",
+            f"| diff, median of 5 calls | | {statistics.median(ratios):.4f} |",
+            f"| diff --values (one run) | {values:.3f} | |",
+            "", f"diff read {statistics.median(read) * 100:.2f}% of the bytes of both steps "
+            f"({max(read) * 100:.2f}% at most over the rounds)."]
+
+
+def build_chain(reg: Registry, depth: int) -> None:
+    """``depth`` steps of run ``deep``, each resumed from the one before: the rows a long history leaves."""
+    from sqlalchemy import insert, select
+
+    from registry.catalog.models import Attempt, CheckpointRow, Lineage, Run
+    now = datetime.now(timezone.utc)
+
+    def fn(conn):  # type: ignore[no-untyped-def]
+        run_id = conn.execute(insert(Run).values(name="deep", created_at=now).returning(Run.id)).scalar_one()
+        conn.execute(insert(Attempt), [{"id": 10_000 + s, "run_id": run_id, "writer": "bench",
+                                        "resumed_from": s - 1 if s else None, "started_at": now}
+                                       for s in range(depth + 1)])
+        conn.execute(insert(CheckpointRow), [
+            {"run_id": run_id, "step": s, "status": "verified", "path": f"deep/step-{s:08d}", "writer": "bench",
+             "attempt_id": 10_000 + s, "epoch": 0, "consumed_samples": 0, "manifest_sha256": f"{s:064x}",
+             "total_bytes": 0, "created_at": now, "updated_at": now, "published_at": now}
+            for s in range(depth + 1)])
+        ids = dict(conn.execute(select(CheckpointRow.step, CheckpointRow.id)
+                                .where(CheckpointRow.run_id == run_id)).all())
+        conn.execute(insert(Lineage), [
+            {"checkpoint_id": ids[s], "how": "resumed" if s else "started", "parent_run": "deep" if s else None,
+             "parent_step": s - 1 if s else None, "parent_manifest_sha256": f"{s - 1:064x}" if s else None,
+             "parent_checkpoint_id": ids[s - 1] if s else None}
+            for s in range(depth + 1)])
+    reg.catalog.write(fn)
+
+
+def bench_lineage(reg: Registry, depth: int, runs: int) -> list[str]:
+    from sqlalchemy import event
+    build_chain(reg, depth)
+    chain = LineageCatalog(reg.catalog)
+    statements: list[str] = []
+
+    def count(*args: object) -> None:
+        statements.append(str(args[2]))
+    engines = {reg.catalog.engine, reg.catalog._read_engine}
+    for engine in engines:
+        event.listen(engine, "before_cursor_execute", count)
+    hops = chain.chain("deep", depth)
+    for engine in engines:
+        event.remove(engine, "before_cursor_execute", count)
+    assert len(hops) == depth + 1, len(hops)
+    statements = [s for s in statements if not s.lstrip().upper().startswith(("BEGIN", "PRAGMA"))]
+    times = [timed(lambda: reg.lineage(f"deep@{depth}")) for _ in range(max(runs, 20) + 1)][1:]
+    return ["", f"### lineage: a chain {depth} hops deep ({reg.catalog.dialect})", "",
+            f"`reg.lineage('deep@{depth}')`: median {statistics.median(times) * 1e3:.1f} ms, "
+            f"max {max(times) * 1e3:.1f} ms over {len(times)} calls; the chain itself is "
+            f"{len(statements)} SQL statement(s)."]
+
+
+def bench_dedup(reg: Registry, mib: int, tensor_mib: int, runs: int) -> list[str]:
+    same = state_of(mib, tensor_mib)
+    reg.publish("dd", 0, same)
+    linked, copied = [], []
+    for r in range(runs + 1):
+        fresh = {k: v + (r + 1) for k, v in same.items()}  # never published before: nothing to link to
+        step = 2 * r + 1
+        t_link = timed(lambda: reg.publish("dd", step, same))  # noqa: B023 - called at once
+        t_copy = timed(lambda: reg.publish("dd", step + 1, fresh))  # noqa: B023 - called at once
+        if r:
+            linked.append(t_link)
+            copied.append(t_copy)
+    info = reg.resolve("dd@1")
+    nlink = os.stat(info.path / "model.safetensors").st_nlink
+    return ["", f"### dedup: publishing {mib} MiB of weights", "", "| variant | median s |", "|---|---:|",
+            f"| weights equal to a live step's (byte-compared, then linked) | {statistics.median(linked):.3f} |",
+            f"| weights differ (written as usual) | {statistics.median(copied):.3f} |", "",
+            f"the identical weights file has {nlink} links: stored once. Dedup saves space, not time: the "
+            "publish still writes and hashes its copy (that is how it knows the digest), then reads the "
+            "candidate once to confirm the bytes before linking."]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mib", type=int, default=int(os.environ.get("REGISTRY_BENCH_MIB", "1024")))
+    parser.add_argument("--tensor-mib", type=int, default=16)
+    parser.add_argument("--depth", type=int, default=1000)
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--url", default=None, help="catalog URL for the lineage part (default: SQLite)")
+    parser.add_argument("--dir", default=None)
+    parser.add_argument("--only", choices=("diff", "lineage", "dedup"), default=None)
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="bench-lineage-", dir=args.dir))
+    lines = [f"machine: {os.cpu_count()} cores, torch {torch.__version__}; medians of {args.runs} rounds after "
+             "a warm-up"]
+    try:
+        with Registry.open(url=f"sqlite:///{work / 'catalog.db'}", root=work / "root") as reg:
+            if args.only in (None, "diff"):
+                lines += bench_diff(reg, args.mib, args.tensor_mib, args.runs)
+            if args.only in (None, "dedup"):
+                lines += bench_dedup(reg, min(args.mib, 256), args.tensor_mib, args.runs)
+        if args.only in (None, "lineage"):
+            url = args.url or f"sqlite:///{work / 'lineage.db'}"
+            with Registry.open(url=url, root=work / "lineage-root") as reg:
+                lines += bench_lineage(reg, args.depth, args.runs)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print("\n".join(lines))
+    print(f"\n(./scripts/bench lineage --mib {args.mib} --depth {args.depth} --runs {args.runs})")
+
+
+if __name__ == "__main__":
+    main()
