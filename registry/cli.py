@@ -501,11 +501,12 @@ def gc(state: State, run: str, keep_last: int | None, keep_best: tuple[str, ...]
                                "or --policy (gc never guesses)")
     plan = state.registry().plan_retention(run, policy, allow_missing_metrics=allow_missing_metric,
                                            keep_fork_parents=not release_fork_parents)
+    from registry.views import gc_doc, plan_shared_bytes
+    shared = plan_shared_bytes(plan)
     with state.progress(as_json) as bar:
         result = None if dry_run else plan.execute(progress=bar)
     if as_json:
-        from registry.views import gc_doc
-        emit_json(gc_doc(plan, dry_run=dry_run, result=result))
+        emit_json(gc_doc(plan, dry_run=dry_run, result=result, shared_bytes=shared))
     else:
         click.echo(f"{run}: {policy!r}")
         table(["STEP", "STATUS", "ACTION", "SIZE", "REASON"],
@@ -514,8 +515,6 @@ def gc(state: State, run: str, keep_last: int | None, keep_best: tuple[str, ...]
         verb = "would delete" if dry_run else "planned to delete"
         click.echo(f"{verb} {len(plan.delete)} of {len(plan.decisions)} checkpoints, "
                    f"{human_bytes(plan.bytes_freed)}; keeping {human_bytes(plan.bytes_kept)}")
-        from registry.views import plan_shared_bytes
-        shared = plan_shared_bytes(plan)
         if shared:
             click.echo(f"{human_bytes(shared)} of that is shared by hard links with other steps (dedup) "
                        "and stays on disk while they do")

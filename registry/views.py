@@ -119,11 +119,15 @@ def verify_doc(results: Iterable[VerifyResult]) -> list[dict[str, Any]]:
             for r in results]
 
 
-def gc_doc(plan: RetentionPlan, *, dry_run: bool, result: RetentionResult | None) -> dict[str, Any]:
-    """``gc --json``: the plan with its reasons, and what executing it did (None for a dry run)."""
+def gc_doc(plan: RetentionPlan, *, dry_run: bool, result: RetentionResult | None,
+           shared_bytes: int | None = None) -> dict[str, Any]:
+    """``gc --json``: the plan with its reasons, and what executing it did (None for a dry run).
+
+    ``shared_bytes``: :func:`plan_shared_bytes`, measured before the plan ran (after, the links are gone).
+    """
     doc = plan.to_json()
     doc["dry_run"] = dry_run
-    doc["shared_bytes"] = plan_shared_bytes(plan)
+    doc["shared_bytes"] = plan_shared_bytes(plan) if shared_bytes is None else shared_bytes
     doc["result"] = result.to_json() if result is not None else None
     return doc
 
