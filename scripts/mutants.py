@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         wanted = {int(i.split("#")[1]) for i in args.ids.split(",") if i.startswith(f"{name}#")}
         if args.ids:
             mutants = [m for m in mutants if m.index in wanted]
-        if args.max_mutants and args.max_mutants < total:
+        elif args.max_mutants and args.max_mutants < total:
             mutants = sorted(random.Random(f"{args.seed}:{name}").sample(mutants, args.max_mutants),
                              key=lambda m: m.index)
         print(f"{name}: {path}: {total} mutants, running {len(mutants)}", flush=True)
