@@ -255,7 +255,7 @@ def test_a_bug_on_rank_0_reaches_every_rank_naming_rank_0(session: dict[str, Any
 
 
 def test_a_one_rank_group_loads_and_falls_back(tmp_path: Path) -> None:
-    """``torchrun --nproc-per-node 1`` is a group too: the protocol must not assume a second rank."""
+    """``torchrun --nproc-per-node 1`` is a group too: it loads as a single process does, fallback included."""
     data = build(tmp_path)
     plan = [{"name": "auto-latest", "ref": "main", "strategy": "auto"},
             {"name": "fallback-broadcast", "ref": "fb@latest", "strategy": "broadcast"},
