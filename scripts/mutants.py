@@ -46,7 +46,7 @@ MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
     "fsck": ("registry/ops/fsck.py", ("tests/test_fsck.py", "tests/test_fsck_races.py", KILLS)),
     "queries": ("registry/catalog/queries.py",
                 ("tests/test_queries.py", "tests/test_catalog_session.py", "tests/test_catalog_faults.py",
-                 "tests/test_metrics.py", KILLS)),
+                 "tests/test_metrics.py", "tests/test_migrations.py", KILLS)),
     "loader": ("registry/dist/loader.py",
                ("tests/test_load_faults.py", "tests/test_io_verify.py", "tests/test_distributed.py", KILLS)),
 }

@@ -317,3 +317,33 @@ def test_a_root_unmounted_while_fsck_runs_condemns_nothing(catalog_url: str, roo
         assert [i.status for i in reg.checkpoints("run", include_deleted=True)] == ["verified"] * 3
         assert {e.kind for e in reg.events("run")} == {"publish"}
         assert not reg.fsck(checksums=True).problems
+
+
+def test_a_deleted_step_republished_before_fsck_finishes_its_deletion(catalog_url: str, root: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between fsck's verdict on an unfinished deletion and its repair, a trainer publishes the step again:
+    the repair is skipped and reported as such, never counted as done, and the new payload is kept."""
+    with Registry.open(url=catalog_url, root=root) as reg:
+        for step in (1, 2):
+            reg.publish("run", step, make_state(step))
+        reg.catalog.set_status("run", 1, "deleted", kind="delete")  # gc died after its mark
+
+        def republish() -> None:
+            with Registry.open(url=catalog_url, root=root) as trainer:
+                trainer.publish("run", 1, make_state(11))
+
+        real_found = fsck_module.Fsck._found
+
+        def found(self: Any, kind: str, *args: Any, **kwargs: Any) -> Any:
+            problem = real_found(self, kind, *args, **kwargs)
+            if kind == "unfinished-deletion" and problem is not None:
+                republish()
+            return problem
+        monkeypatch.setattr(fsck_module.Fsck, "_found", found)
+        report = reg.fsck(repair=True)
+        monkeypatch.undo()
+        assert kinds(report) == [("run", 1, "unfinished-deletion")] and not report.repaired, report.to_json()
+        assert len(report.failures) == 1 and "skipped" in report.failures[0], report.failures
+        assert reg.catalog.get("run", 1).status == "verified"  # type: ignore[union-attr]
+        assert_state_equal(reg.load("run@1").state_dict, make_state(11))
+        assert reg.fsck(checksums=True).clean
