@@ -46,7 +46,7 @@ MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
     "fsck": ("registry/ops/fsck.py", ("tests/test_fsck.py", "tests/test_fsck_races.py", KILLS)),
     "queries": ("registry/catalog/queries.py",
                 ("tests/test_queries.py", "tests/test_catalog_session.py", "tests/test_catalog_faults.py",
-                 "tests/test_metrics.py", KILLS)),
+                 "tests/test_metrics.py", "tests/test_migrations.py", KILLS)),
     "loader": ("registry/dist/loader.py",
                ("tests/test_load_faults.py", "tests/test_io_verify.py", "tests/test_distributed.py", KILLS)),
 }
@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         wanted = {int(i.split("#")[1]) for i in args.ids.split(",") if i.startswith(f"{name}#")}
         if args.ids:
             mutants = [m for m in mutants if m.index in wanted]
-        if args.max_mutants and args.max_mutants < total:
+        elif args.max_mutants and args.max_mutants < total:
             mutants = sorted(random.Random(f"{args.seed}:{name}").sample(mutants, args.max_mutants),
                              key=lambda m: m.index)
         print(f"{name}: {path}: {total} mutants, running {len(mutants)}", flush=True)

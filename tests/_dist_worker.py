@@ -115,16 +115,24 @@ def main() -> None:
             timeout = sc.get("timeouts", {}).get(str(rank), sc.get("timeout"))
             chosen.clear()
             swap.clear()
+            injected = sc.get("inject") if rank == 0 else None
+            if injected:  # a bug (not a RegistryError) on rank 0 at one named place in the protocol
+                real = getattr(loader, injected)
+
+                def bug(*args: Any, **kwargs: Any) -> Any:
+                    raise RuntimeError(f"injected fault in {injected}")
+                setattr(loader, injected, bug)
             if str(rank) in sc.get("swap", {}):
                 swap["from"] = sc["swap"][str(rank)]
             try:
                 with warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always")
                     if "dir" in sc:
-                        ckpt = Checkpoint.load(sc["dir"], broadcast=True, verify_checksums=True,
+                        ckpt = Checkpoint.load(sc["dir"], broadcast=True, verify_checksums=sc.get("verify", True),
                                                strategy=sc["strategy"], timeout=timeout)
                     else:
-                        ckpt = reg.load(ref, broadcast=True, map_location=where, strategy=sc["strategy"],
+                        ckpt = reg.load(ref, broadcast=True, verify=sc.get("verify", True), map_location=where,
+                                        strategy=sc["strategy"],
                                         timeout=timeout, trust_pickle=sc.get("trust_pickle", False))
                 results[sc["name"]] = {"ok": True, "fp": checkpoint_fingerprint(ckpt), "step": ckpt.step,
                                        "devices": sorted({t.device.type for t in ckpt.state_dict.values()}),
@@ -136,6 +144,9 @@ def main() -> None:
                 results[sc["name"]] = {"ok": False, "type": type(exc).__name__, "msg": str(exc),
                                        "run": getattr(exc, "run", None), "step": getattr(exc, "step", None),
                                        "path": str(path) if path is not None else None}
+            finally:
+                if injected:
+                    setattr(loader, injected, real)
             out.write_text(json.dumps(results))
             if sc.get("crash_rank") is not None:
                 break

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import socket
 import subprocess
 import sys
@@ -78,11 +79,20 @@ def build(base: Path) -> dict[str, Any]:
             reg.publish("fb2", step, state(20 + step))
         reg.publish("bad", 1, state(30))
         reg.publish("shard", 1, state(40), extra={"optimizer": opt}, max_shard_size=1500)
+        # bytes that match their checksums and still do not parse (the writer hashed what it wrote, garbage
+        # included): only parsing finds it, after every rank has the files
+        for step in (1, 2):
+            reg.publish("pf", step, state(60 + step), extra={"optimizer": opt})
+        garbage = base / "garbage"
+        shutil.copytree(reg.resolve("pf@2").path, garbage)
+        (garbage / "manifest.json").unlink()
+        (garbage / "optimizer.pt").write_bytes(b"PK\x03\x04 not a zip archive" * 8)
+        reg.import_checkpoint(garbage, run="pf", step=3)
         damage(reg.resolve("fb@3").path / "model.safetensors")                 # seen after the transfer
         damage(reg.resolve("fb@4").path / "optimizer.pt", grow=True)           # seen before any byte moves
         damage(reg.resolve("fb2@2").path / "model.safetensors")
         damage(reg.resolve("bad@1").path / "model.safetensors")
-        for ref in ("main@1", "main@2", "main@3", "fb@2", "fb2@1", "shard@1"):
+        for ref in ("main@1", "main@2", "main@3", "fb@2", "fb2@1", "shard@1", "pf@2"):
             expected[ref] = checkpoint_fingerprint(reg.load(ref))
         assert len(list((root / "shard" / "step-00000001").glob("model-*.safetensors"))) > 3
     dirs = base / "dirs"
@@ -152,6 +162,11 @@ def scenarios(world: int, dirs: str) -> list[dict[str, Any]]:
         {"name": "bad-timeout", "ref": "main@2", "timeouts": {last: -1}, "strategy": "broadcast"},
         {"name": "sharded-broadcast", "ref": "shard@1", "strategy": "broadcast"},
         {"name": "sharded-shared-fs", "ref": "shard@1", "strategy": "shared-fs"},
+        {"name": "fallback-parse", "ref": "pf@latest", "strategy": "broadcast"},
+        {"name": "unverified-broadcast", "ref": "main@2", "strategy": "broadcast", "verify": False},
+        {"name": "unverified-shared-fs", "ref": "main@2", "strategy": "shared-fs", "verify": False},
+        {"name": "bug-while-planning", "ref": "main@2", "strategy": "broadcast", "inject": "map_checkpoint"},
+        {"name": "bug-while-checking", "ref": "main@2", "strategy": "shared-fs", "inject": "check_mapped"},
         {"name": "after-errors", "ref": "main@1", "strategy": "broadcast", "timeout": 20},
     ]
     if world == 2:
@@ -170,8 +185,9 @@ def session(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     assert codes == [0] * world, f"ranks exited with {codes}"
     with Registry.open(url=data["url"], root=data["root"]) as reg:
         statuses = {f"{run}@{step}": reg.catalog.get(run, step).status  # type: ignore[union-attr]
-                    for run, step in (("fb", 2), ("fb", 3), ("fb", 4), ("fb2", 1), ("fb2", 2), ("bad", 1))}
-        leases = {run: reg.catalog.leased_steps(run) for run in ("main", "fb", "fb2", "bad", "shard")}
+                    for run, step in (("fb", 2), ("fb", 3), ("fb", 4), ("fb2", 1), ("fb2", 2), ("bad", 1),
+                                      ("pf", 2), ("pf", 3))}
+        leases = {run: reg.catalog.leased_steps(run) for run in ("main", "fb", "fb2", "bad", "shard", "pf")}
     assert leases == {run: set() for run in leases}, f"reader leases left behind: {leases}"
     return {"world": world, "results": results, "expected": data["expected"], "statuses": statuses}
 
@@ -215,6 +231,43 @@ def test_corrupt_latest_falls_back_on_every_rank(session: dict[str, Any]) -> Non
     assert session["statuses"]["fb@3"] == session["statuses"]["fb@4"] == "corrupt"
     assert session["statuses"]["fb2@2"] == "corrupt"
     assert session["statuses"]["fb@2"] == session["statuses"]["fb2@1"] == "verified"
+
+
+def test_bytes_that_pass_their_checksums_but_do_not_parse_fall_back_on_every_rank(session: dict[str, Any]) -> None:
+    assert_loaded(session, "fallback-parse", "pf@2", 2)
+    for g in outcomes(session, "fallback-parse"):
+        assert [w.split(" is corrupt")[0] for w in g["warnings"]] == ["pf@3"], g["warnings"]
+    assert (session["statuses"]["pf@3"], session["statuses"]["pf@2"]) == ("corrupt", "verified")
+
+
+@pytest.mark.parametrize("name", ["unverified-broadcast", "unverified-shared-fs"])
+def test_an_unverified_load_is_the_same_checkpoint(session: dict[str, Any], name: str) -> None:
+    assert_loaded(session, name, "main@2", 2)
+
+
+@pytest.mark.parametrize("name, where", [("bug-while-planning", "map_checkpoint"),
+                                         ("bug-while-checking", "check_mapped")])
+def test_a_bug_on_rank_0_reaches_every_rank_naming_rank_0(session: dict[str, Any], name: str, where: str) -> None:
+    """Not a RegistryError: every rank raises DistributedError, and the message says whose it was."""
+    got = outcomes(session, name)
+    assert {(g["ok"], g["type"], g["msg"]) for g in got} == {
+        (False, "DistributedError", f"rank 0 failed: RuntimeError: injected fault in {where}")}, got
+
+
+def test_a_one_rank_group_loads_and_falls_back(tmp_path: Path) -> None:
+    """``torchrun --nproc-per-node 1`` is a group too: it loads as a single process does, fallback included."""
+    data = build(tmp_path)
+    plan = [{"name": "auto-latest", "ref": "main", "strategy": "auto"},
+            {"name": "fallback-broadcast", "ref": "fb@latest", "strategy": "broadcast"},
+            {"name": "fallback-parse", "ref": "pf@latest", "strategy": "shared-fs"},
+            {"name": "mismatched-nothing", "ref": "main@2", "strategy": "broadcast"}]
+    results, codes = launch(tmp_path, 1, plan, data)
+    assert codes == [0]
+    session = {"world": 1, "results": results, "expected": data["expected"]}
+    assert_loaded(session, "auto-latest", "main@3", 3)
+    assert_loaded(session, "fallback-broadcast", "fb@2", 2)
+    assert_loaded(session, "fallback-parse", "pf@2", 2)
+    assert_loaded(session, "mismatched-nothing", "main@2", 2)
 
 
 @pytest.mark.parametrize("name, error", [

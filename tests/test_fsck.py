@@ -184,6 +184,22 @@ def test_unregistered_checkpoint_is_adopted(reg: Registry, root: Path) -> None:
     assert [p.step for p in reg.fsck().problems] == [50]
 
 
+def test_an_unregistered_checkpoint_says_whether_a_failed_row_stands_for_it(
+        reg: Registry, root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from registry.errors import CatalogError
+    from tests.helpers import fail_commits
+    fail_commits(monkeypatch)
+    with pytest.raises(CatalogError):
+        reg.publish("run", 60, make_state(6))
+    monkeypatch.undo()
+    assert reg.catalog.get("run", 60).status == "failed"  # type: ignore[union-attr]
+    Checkpoint(state_dict=make_state(6)).save(root / "run" / "step-00000060")
+    Checkpoint(state_dict=make_state(7)).save(root / "run" / "step-00000070")
+    details = {p.step: p.detail for p in reg.fsck().problems}
+    assert details == {60: "valid checkpoint with a failed catalog row",
+                       70: "valid checkpoint with no catalog row"}, details
+
+
 def test_missing_and_damaged_payloads_become_corrupt(reg: Registry) -> None:
     one = reg.publish("run", 1, make_state(1))
     two = reg.publish("run", 2, make_state(2))

@@ -259,3 +259,91 @@ def test_fsck_refuses_a_root_that_vanished_and_marks_nothing(reg: Registry) -> N
             reg.fsck(repair=repair)
     assert {i.step: i.status for i in reg.checkpoints("run", include_deleted=True)} == {1: "verified", 2: "verified"}
     assert not any(e.kind not in ("publish",) for e in reg.events("run"))
+
+
+def test_gc_removing_a_step_between_its_hash_and_its_manifest_stat(catalog_url: str, root: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The last look at a payload finds its manifest gone: the step moved, it is not damaged."""
+    with Registry.open(url=catalog_url, root=root) as reg:
+        infos = [reg.publish("run", step, make_state(step)) for step in (1, 2, 3, 4)]
+
+        def gc() -> None:
+            with Registry.open(url=catalog_url, root=root) as other:
+                assert other.plan_retention("run", KeepLast(3)).execute().deleted == (1,)
+
+        original = fsck_module.verify_directory
+
+        def verify_directory(directory: Path, manifest: Any) -> Any:
+            return (gate if directory == infos[0].path else original)(directory, manifest)
+        gate = after(original, gc)
+        monkeypatch.setattr(fsck_module, "verify_directory", verify_directory)
+        report = reg.fsck(repair=True, checksums=True)
+        monkeypatch.undo()
+        assert gate.fired and not infos[0].path.exists()  # type: ignore[attr-defined]
+        assert not report.problems and not report.failures, report.to_json()
+        assert [(p.step, p.kind) for p in report.in_progress] == [(1, "in-progress")]
+        assert [i.status for i in reg.checkpoints("run", include_deleted=True)] == [
+            "deleted", "verified", "verified", "verified"]
+
+
+@pytest.mark.parametrize("when", ["before-scan", "after-snapshot"])
+def test_a_root_unmounted_while_fsck_runs_condemns_nothing(catalog_url: str, root: Path, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch, when: str) -> None:
+    """The share goes away mid-run: every step would look missing, so fsck stops and says so."""
+    with Registry.open(url=catalog_url, root=root) as reg:
+        for step in (1, 2, 3):
+            reg.publish("run", step, make_state(step))
+        elsewhere = tmp_path / "unmounted"
+
+        def unmount() -> None:
+            root.rename(elsewhere)
+
+        if when == "before-scan":  # between fsck's check of the root and its listing of it
+            real_scandir = fsck_module.os.scandir
+
+            def scandir(path: Any) -> Any:
+                if Path(path) == root and not elsewhere.exists():
+                    unmount()
+                return real_scandir(path)
+            monkeypatch.setattr(fsck_module.os, "scandir", scandir)
+        else:
+            monkeypatch.setattr(fsck_module, "snapshot", after(fsck_module.snapshot, unmount))
+        report = reg.fsck(repair=True)
+        monkeypatch.undo()
+        assert elsewhere.is_dir() and not root.exists()
+        assert not report.problems and not report.repaired, report.to_json()
+        assert len(report.failures) == 1 and "vanished while fsck ran" in report.failures[0], report.failures
+        elsewhere.rename(root)
+        assert [i.status for i in reg.checkpoints("run", include_deleted=True)] == ["verified"] * 3
+        assert {e.kind for e in reg.events("run")} == {"publish"}
+        assert not reg.fsck(checksums=True).problems
+
+
+def test_a_deleted_step_republished_before_fsck_finishes_its_deletion(catalog_url: str, root: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between fsck's verdict on an unfinished deletion and its repair, a trainer publishes the step again:
+    the repair is skipped and reported as such, never counted as done, and the new payload is kept."""
+    with Registry.open(url=catalog_url, root=root) as reg:
+        for step in (1, 2):
+            reg.publish("run", step, make_state(step))
+        reg.catalog.set_status("run", 1, "deleted", kind="delete")  # gc died after its mark
+
+        def republish() -> None:
+            with Registry.open(url=catalog_url, root=root) as trainer:
+                trainer.publish("run", 1, make_state(11))
+
+        real_found = fsck_module.Fsck._found
+
+        def found(self: Any, kind: str, *args: Any, **kwargs: Any) -> Any:
+            problem = real_found(self, kind, *args, **kwargs)
+            if kind == "unfinished-deletion" and problem is not None:
+                republish()
+            return problem
+        monkeypatch.setattr(fsck_module.Fsck, "_found", found)
+        report = reg.fsck(repair=True)
+        monkeypatch.undo()
+        assert kinds(report) == [("run", 1, "unfinished-deletion")] and not report.repaired, report.to_json()
+        assert len(report.failures) == 1 and "skipped" in report.failures[0], report.failures
+        assert reg.catalog.get("run", 1).status == "verified"  # type: ignore[union-attr]
+        assert_state_equal(reg.load("run@1").state_dict, make_state(11))
+        assert reg.fsck(checksums=True).clean

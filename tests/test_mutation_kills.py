@@ -271,6 +271,32 @@ def test_a_failed_commit_whose_undo_fails_too_says_so_and_leaves_the_step_failed
 
 
 
+@pytest.mark.parametrize("raised", ["bug", "registry"])
+def test_a_commit_that_raises_something_else_is_undone_and_reported_as_what_it_was(
+        reg: Registry, monkeypatch: pytest.MonkeyPatch, raised: str) -> None:
+    """A bug in the commit (not a database error) is a CatalogError naming the step; a RegistryError stays itself."""
+    from registry.catalog import Catalog
+    from registry.errors import InvalidStateError
+    reg.publish("run", 1, make_state(1))
+
+    def commit_publish(self: Catalog, *args: object, **kwargs: object) -> None:
+        if raised == "bug":
+            raise RuntimeError("driver bug")
+        raise InvalidStateError("refused by the catalog", run="run", step=1)
+    monkeypatch.setattr(Catalog, "commit_publish", commit_publish)
+    if raised == "bug":
+        with pytest.raises(CatalogError, match=r"could not record run@1 in the catalog, nothing was published: "
+                                               r"driver bug"):
+            reg.publish("run", 1, make_state(2), overwrite=True)
+    else:
+        with pytest.raises(InvalidStateError, match="refused by the catalog") as caught:
+            reg.publish("run", 1, make_state(2), overwrite=True)
+        assert not isinstance(caught.value, CatalogError)
+    monkeypatch.undo()
+    assert reg.catalog.get("run", 1).status == "verified"  # type: ignore[union-attr]
+    assert_state_equal(reg.load("run@1").state_dict, make_state(1))
+
+
 # --- registry/ops/fsck.py ------------------------------------------------------------------------------------
 
 def test_fsck_names_the_step_it_could_not_read_and_condemns_nothing(reg: Registry,

@@ -521,3 +521,32 @@ def test_retention_and_fsck_do_not_import_the_facade() -> None:
         imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
         imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         assert "registry.api" not in imported, module
+
+
+def test_gc_finishes_a_deletion_interrupted_after_the_retire_and_says_so(catalog_url: str, root: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A gc stopped between hiding a payload and removing it leaves a ``.retired-`` copy; the next gc
+    removes it and lists the step as healed (as it does for a final directory left behind)."""
+    import registry.retention as retention_mod
+
+    class Stop(Exception):
+        pass
+
+    with Registry.open(url=catalog_url, root=root) as reg:
+        publish(reg, "run", [10, 20, 30])
+        real = retention_mod.crashpoint
+
+        def stop_after_retire(name: str) -> None:
+            if name == "gc-after-retire":
+                raise Stop(name)
+            real(name)
+        monkeypatch.setattr(retention_mod, "crashpoint", stop_after_retire)
+        with pytest.raises(Stop):
+            reg.plan_retention("run", KeepLast(2)).execute()
+        monkeypatch.undo()
+        assert status(reg, "run", 10) == "deleted"
+        assert [n.split("-")[1].split(".")[0] for n in reg_hidden(reg, "run")] == ["00000010"]
+        again = reg.plan_retention("run", KeepLast(2)).execute()
+        assert again.healed == (10,) and again.deleted == () and not again.errors
+        assert reg_hidden(reg, "run") == []
+        assert [s for s in (10, 20, 30) if status(reg, "run", s) != "deleted"] == [20, 30]

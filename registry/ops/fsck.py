@@ -18,7 +18,9 @@ publish, overwrite or gc that moves while fsck looks is never taken for damage
 repair is compare-and-set on that same state, so a writer that takes a step
 over in the meantime wins and fsck leaves it alone. Each step is checked, and
 each repair made, in isolation: one that fails is listed in ``failures`` (its
-problem stays unrepaired) and the rest still run.
+problem stays unrepaired) and the rest still run. A root that goes away while
+fsck runs (an unmounted share) stops it before its next verdict: past that
+point every step would look missing.
 
 | kind | found | repair |
 |---|---|---|
@@ -277,6 +279,10 @@ def _newest(paths: list[Path]) -> Path:
 Repair = Callable[[], "bool | str | None"]
 
 
+class _RootVanished(Exception):
+    """The root went away while fsck ran: every later "missing" would be the mount's, not the step's."""
+
+
 class Fsck:
     """One pass of fsck over a catalog and a root. Use :func:`run_fsck`."""
 
@@ -301,6 +307,8 @@ class Fsck:
         place while the catalog was read (gc checking what it may remove) is
         not the missing or damaged payload it looked like.
         """
+        if not os.path.isdir(self.root):  # follows a symlinked root, as the check at the start does
+            raise _RootVanished()
         if row is not None and (not unchanged(self.catalog, row) or (still is not None and not still())):
             self.in_progress.append(Problem(kind="in-progress", run=run, step=step, path=path, repair=None,
                                             detail=f"changed while fsck checked it ({kind}); run fsck again"))
@@ -346,6 +354,10 @@ class Fsck:
                 self._step(key[0], key[1], rows.get(key), disk.get(key, _Step()))
             except OSError as exc:  # a local failure to read: neither corruption nor a reason to stop
                 self.failures.append(f"{key[0]}@{key[1]}: cannot check: {_one_line(exc)}")
+            except _RootVanished:
+                self.failures.append(f"checkpoint root {self.root} vanished while fsck ran (unmounted?); "
+                                     f"stopped at {key[0]}@{key[1]} and judged nothing after it")
+                break
         return FsckReport(problems=tuple(self.problems), repaired=tuple(self.repaired),
                           in_progress=tuple(self.in_progress), failures=tuple(self.failures),
                           rows_checked=len(rows), checksums=self.checksums)
