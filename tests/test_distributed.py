@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -46,13 +47,19 @@ def state(seed: int) -> dict[str, torch.Tensor]:
 
 
 def damage(path: Path, *, grow: bool = False) -> None:
-    """Flip one byte in the middle of a file (checksum failure), or grow it (size mismatch)."""
+    """Flip one byte in the middle of a file (checksum failure), or grow it (size mismatch).
+
+    This step's copy only: the file is replaced, not written in place, since dedup may have linked
+    identical files of other steps (an optimizer state the runs share) to the same inode.
+    """
     raw = bytearray(path.read_bytes())
     if grow:
         raw += b"\0"
     else:
         raw[len(raw) // 2] ^= 0xFF
-    path.write_bytes(bytes(raw))
+    fresh = path.with_name(path.name + ".damaged")
+    fresh.write_bytes(bytes(raw))
+    os.replace(fresh, path)
 
 
 def reference_module() -> Any:

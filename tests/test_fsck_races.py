@@ -273,8 +273,8 @@ def test_gc_removing_a_step_between_its_hash_and_its_manifest_stat(catalog_url: 
 
         original = fsck_module.verify_directory
 
-        def verify_directory(directory: Path, manifest: Any) -> Any:
-            return (gate if directory == infos[0].path else original)(directory, manifest)
+        def verify_directory(directory: Path, manifest: Any, **kwargs: Any) -> Any:
+            return (gate if directory == infos[0].path else original)(directory, manifest, **kwargs)
         gate = after(original, gc)
         monkeypatch.setattr(fsck_module, "verify_directory", verify_directory)
         report = reg.fsck(repair=True, checksums=True)

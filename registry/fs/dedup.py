@@ -37,7 +37,7 @@ from pathlib import Path
 from registry.crashpoints import crashpoint
 from registry.fs.store import fsync_dir
 
-CHUNK = 8 << 20
+CHUNK = 2 << 20  # two of these are all a confirmation holds: a publish stays a streaming writer
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,7 +60,8 @@ def _same_bytes(ours: Path, theirs: Path, expect: os.stat_result) -> bool:
         st = os.fstat(fd)
         if (st.st_dev, st.st_ino, st.st_size) != (expect.st_dev, expect.st_ino, expect.st_size):
             return False
-        mine_buf, theirs_buf = bytearray(CHUNK), bytearray(CHUNK)  # reused: no fresh pages per chunk
+        chunk = max(1, min(CHUNK, st.st_size))  # a small config.json gets a small buffer
+        mine_buf, theirs_buf = bytearray(chunk), bytearray(chunk)  # reused: no fresh pages per chunk
         with open(ours, "rb", buffering=0) as mine:
             offset = 0
             while True:
@@ -70,7 +71,7 @@ def _same_bytes(ours: Path, theirs: Path, expect: os.stat_result) -> bool:
                     return False
                 if n == 0:
                     return True
-                same = (mine_buf == theirs_buf if n == CHUNK
+                same = (mine_buf == theirs_buf if n == chunk
                         else bytes(memoryview(mine_buf)[:n]) == bytes(memoryview(theirs_buf)[:n]))
                 if not same:
                     return False
