@@ -14,7 +14,7 @@ import numbers
 import os
 import threading
 import warnings
-from collections.abc import Collection, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
@@ -33,12 +33,14 @@ from registry.format.refs import Ref, check_metric_key, check_run_name, check_st
 from registry.ops.scrub import VerifyResult, scrub
 from registry.fs.snapshot import Snapshotter
 from registry.fs.filemaps import check_extras
-from registry.fs.store import Payload, Store, now_timestamp, write_payload, writer_alive, writer_id
+from registry.fs.store import Payload, Store, Written, now_timestamp, write_payload, writer_alive, writer_id
 from registry.format.tensorio import check_state_dict
 from registry.fs.validation import check_flags, check_tags, checked_payload
 
 if TYPE_CHECKING:
     import torch
+
+    from registry.dist.sharded import ShardedLoad
 
     from registry.ops.fsck import FsckReport
     from registry.retention import Policy, RetentionPlan, RetentionResult
@@ -214,7 +216,8 @@ class Registry:
                 optimizer_step: int | None = None, tags: Iterable[str] = (), overwrite: bool = False,
                 verify: bool = True, max_shard_size: int | None = None,
                 retention: Policy | None = None, blocking: Literal[True] = True,
-                trust_pickle: bool = False) -> CheckpointInfo: ...
+                trust_pickle: bool = False, sharded: bool = False, group: Any = None,
+                timeout: float | None = None) -> CheckpointInfo: ...
 
     @overload
     def publish(self, run: str, step: int, state_dict: Mapping[str, torch.Tensor], *,
@@ -224,7 +227,8 @@ class Registry:
                 optimizer_step: int | None = None, tags: Iterable[str] = (), overwrite: bool = False,
                 verify: bool = True, max_shard_size: int | None = None,
                 retention: Policy | None = None, blocking: Literal[False],
-                trust_pickle: bool = False) -> Future[CheckpointInfo]: ...
+                trust_pickle: bool = False, sharded: bool = False, group: Any = None,
+                timeout: float | None = None) -> Future[CheckpointInfo]: ...
 
     @overload
     def publish(self, run: str, step: int, state_dict: Mapping[str, torch.Tensor], *,
@@ -234,7 +238,8 @@ class Registry:
                 optimizer_step: int | None = None, tags: Iterable[str] = (), overwrite: bool = False,
                 verify: bool = True, max_shard_size: int | None = None,
                 retention: Policy | None = None, blocking: bool,
-                trust_pickle: bool = False) -> CheckpointInfo | Future[CheckpointInfo]: ...
+                trust_pickle: bool = False, sharded: bool = False, group: Any = None,
+                timeout: float | None = None) -> CheckpointInfo | Future[CheckpointInfo]: ...
 
     def publish(self, run: str, step: int, state_dict: Mapping[str, torch.Tensor], *,
                 extra: Mapping[str, Any] | None = None, config: Mapping[str, Any] | None = None,
@@ -243,7 +248,8 @@ class Registry:
                 optimizer_step: int | None = None, tags: Iterable[str] = (), overwrite: bool = False,
                 verify: bool = True, max_shard_size: int | None = None,
                 retention: Policy | None = None, blocking: bool = True,
-                trust_pickle: bool = False) -> CheckpointInfo | Future[CheckpointInfo]:
+                trust_pickle: bool = False, sharded: bool = False, group: Any = None,
+                timeout: float | None = None) -> CheckpointInfo | Future[CheckpointInfo]:
         """Atomically publish ``state_dict`` and friends as ``run@step``.
 
         Returns the ``CheckpointInfo``; with ``blocking=False`` a
@@ -262,7 +268,23 @@ class Registry:
         is always the time of the publish. An ``extra`` that ``torch.load(weights_only=True)``
         would refuse raises ``UnsafePickleError`` unless ``trust_pickle=True``,
         after which every load of the step needs ``trust_pickle=True`` too.
+
+        ``sharded=True``: a collective publish by every rank of ``group`` (the
+        default process group if None; works without one too) of a nested
+        ``state_dict`` as ``get_state_dict(model, optimizer)`` gives it
+        (DTensors, sharded optimizer state, plain tensors and values), written
+        with ``torch.distributed.checkpoint``; see :mod:`registry.dist.sharded`.
+        ``extra`` and ``max_shard_size`` do not apply; metrics, tags, meta,
+        config and the numbers are rank 0's. ``timeout`` bounds each of the
+        registry's own collectives. Returns the same ``CheckpointInfo`` on every rank.
         """
+        if sharded is not False:
+            return self._publish_sharded(run, step, state_dict, group=group, timeout=timeout, extra=extra,
+                                         config=config, meta=meta, metrics=metrics, epoch=epoch,
+                                         consumed_samples=consumed_samples, policy_version=policy_version,
+                                         optimizer_step=optimizer_step, tags=tags, overwrite=overwrite,
+                                         verify=verify, max_shard_size=max_shard_size, retention=retention,
+                                         blocking=blocking, trust_pickle=trust_pickle, sharded=sharded)
         self._background.raise_error()
         check_run_name(run)
         self._check_retention(retention)
@@ -285,7 +307,32 @@ class Registry:
         self._background.raise_error()
         return self._run_publish(job)
 
-    def _run_publish(self, job: _PublishJob) -> CheckpointInfo:
+    def _publish_sharded(self, run: str, step: int, state_dict: Any, *, group: Any, timeout: float | None,
+                         **options: Any) -> CheckpointInfo:
+        """``publish(..., sharded=True)``: checks on every rank, then the collective publish."""
+        from registry.dist.sharded import comm_for, publish_sharded, sharded_job
+        comm = comm_for(group, timeout)
+        job: _PublishJob | None = None
+        error: RegistryError | None = None
+        try:
+            payload, tags = sharded_job(run, step, state_dict, rank=comm.rank, **options)
+            self._check_retention(options["retention"])
+            if payload is not None:
+                self._background.wait()
+                self._background.raise_error()
+                job = _PublishJob(run=run, step=step, overwrite=options["overwrite"],
+                                  final=self.store.step_dir(run, step), payload=payload, verify=options["verify"],
+                                  new_metrics=tuple(_check_metrics(run, step, options["metrics"])),
+                                  tags=tags, retention=options["retention"])
+        except RegistryError as exc:
+            error = exc
+        return publish_sharded(
+            comm, run=run, step=step, state=state_dict if isinstance(state_dict, Mapping) else {},
+            request=("publish", repr(run), repr(step), repr(options["overwrite"]), repr(options["verify"])),
+            local_error=error, run_publish=(lambda write: self._run_publish(job, write=write)) if job else None,
+            payload=job.payload if job else None)
+
+    def _run_publish(self, job: _PublishJob, *, write: Callable[[Path], Written] | None = None) -> CheckpointInfo:
         """The publish sequence (on the caller's thread, or the background publisher's).
 
         The commit carries the buffered metric points up to ``job.step``; they
@@ -314,7 +361,7 @@ class Registry:
         info = publish_sequence(
             self.catalog, run=run, step=step, final=job.final, relpath=self.store.relpath(job.final),
             writer=self.writer, overwrite=job.overwrite, verify=job.verify,
-            write=lambda staging: write_payload(staging, job.payload), epoch=job.payload.meta["epoch"],
+            write=write or (lambda staging: write_payload(staging, job.payload)), epoch=job.payload.meta["epoch"],
             consumed_samples=job.payload.meta["consumed_samples"], record=record, uncommitted=uncommitted,
             committed=committed)
         if job.retention is not None:
@@ -448,6 +495,40 @@ class Registry:
         if ckpt.info is not None:
             self._note_resume(parsed, ckpt.info.step, resume)
         return ckpt
+
+    def load_into(self, ref: str | Ref, state: Any, *, group: Any = None, keys: Collection[str] | None = None,
+                  strict: bool = True, verify: bool = True, trust_pickle: bool = False,
+                  timeout: float | None = None, fallback: bool = True) -> ShardedLoad:
+        """Load a sharded step into ``state`` in place, collectively on every rank of ``group``.
+
+        Each rank passes its own template (as ``get_state_dict`` gives it, sharded
+        any way, or plain full tensors); the step reshards from whatever world
+        size it was saved with. Rank 0 resolves ``ref`` (falling back past a
+        corrupt ``@latest`` for everyone) and holds the reader lease. ``keys``
+        loads only those flat keys (``model`` covers ``model.*``); ``strict``
+        refuses a template whose keys differ from the step's, otherwise the
+        difference is reported (``missing_keys``, ``unexpected_keys``). Without
+        a process group it runs in this process. See :mod:`registry.dist.sharded`.
+        """
+        from registry.dist.sharded import comm_for, load_sharded
+        comm = comm_for(group, timeout)
+        parsed: Ref | None = None
+        error: RegistryError | None = None
+        try:
+            parsed = parse_ref(ref)
+            check_flags(strict=strict, verify=verify, trust_pickle=trust_pickle, fallback=fallback)
+            if keys is not None and (isinstance(keys, str) or not all(isinstance(k, str) for k in keys)):
+                raise InvalidStateError(f"keys must be a list of flat key names, got {keys!r}")
+            if not isinstance(state, Mapping):
+                raise InvalidStateError(f"state must be a mapping to load into, got {type(state).__name__}")
+        except RegistryError as exc:
+            error = exc
+        result = load_sharded(comm, self._reader() if comm.rank == 0 else None, parsed, str(ref), state,
+                              keys=keys, strict=strict, verify=verify, trust_pickle=trust_pickle, fallback=fallback,
+                              local_error=error)
+        if comm.rank == 0 and parsed is not None and result.step is not None:
+            self._note_resume(parsed, result.step, None)
+        return result
 
     def _reader(self) -> reading.ReadAccess:
         return reading.ReadAccess(catalog=self.catalog, root=self.store.root, holder=self.writer,
