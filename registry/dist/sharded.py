@@ -50,7 +50,8 @@ from registry.errors import (CorruptCheckpointError, DistributedError, InvalidSt
                              RegistryError)
 from registry.format.manifest import Manifest, digest_bytes, parse_manifest
 from registry.format.sharding import DCP_METADATA, layout_of
-from registry.fs.dcpfiles import (check_share, checked_metadata, checked_reader, hashing_writer, load_planner,
+from registry.fs.dcpfiles import (check_share, checked_metadata, checked_reader, dcp_failures, hashing_writer,
+                                  load_planner,
                                   piece_share, unwrap, wanted, write_sharded_tail)
 from registry.fs.filemaps import read_json
 from registry.fs.store import Payload, Written, now_timestamp
@@ -114,11 +115,12 @@ def _save_rank(comm: Comm | _Solo, staging: Path, state: Mapping[str, Any], *, w
     try:
         md = dcp.save(dict(state), storage_writer=writer, process_group=comm.group,
                       no_dist=isinstance(comm, _Solo))
-    except Exception as exc:  # noqa: BLE001 - every rank hears of it
-        cause = unwrap(exc)
+    except dcp_failures() as exc:  # every rank hears of it
+        failed, cause = unwrap(exc)
         text = str(cause).splitlines()[0] if str(cause) else type(cause).__name__
         return _Wrote(files=None, failure=Failure.of(PublishError(
-            f"sharded write of {where} failed on rank {comm.rank}: {type(cause).__name__}: {text}",
+            f"sharded write of {where} failed on rank {comm.rank if failed is None else failed}: "
+            f"{type(cause).__name__}: {text}",
             path=staging), comm.rank))
     tensors = tuple(k for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata))
     return _Wrote(files=writer.written, tensors=tensors)
@@ -364,8 +366,8 @@ def _dcp_load(comm: Comm | _Solo, directory: Path, md: Any, flat: dict[str, Any]
     try:
         dcp.load(flat, storage_reader=checked_reader(directory, md), planner=load_planner(trust_pickle=trust_pickle),
                  process_group=comm.group, no_dist=isinstance(comm, _Solo))
-    except Exception as exc:
-        cause = unwrap(exc)
+    except dcp_failures() as exc:
+        _, cause = unwrap(exc)
         if isinstance(cause, RegistryError):
             raise cause from None
         text = str(cause).splitlines()[0] if str(cause) else type(cause).__name__

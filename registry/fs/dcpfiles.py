@@ -276,8 +276,8 @@ def full_state(directory: Path, manifest: Manifest, files: Mapping[str, torch.Te
                  planner=load_planner(trust_pickle=trust_pickle), no_dist=True)
     except (UnsafePickleError, CorruptCheckpointError):
         raise
-    except Exception as exc:  # DCP wraps everything; files that passed their checksums but do not parse
-        cause = unwrap(exc)
+    except dcp_failures() as exc:  # DCP wraps everything; files that passed their checksums but do not parse
+        _, cause = unwrap(exc)
         if isinstance(cause, (UnsafePickleError, CorruptCheckpointError)):
             raise cause from None
         raise CorruptCheckpointError(f"cannot load the sharded checkpoint {directory}: {cause}".splitlines()[0],
@@ -286,15 +286,26 @@ def full_state(directory: Path, manifest: Manifest, files: Mapping[str, torch.Te
     return tensors, {k: v for k, v in flat.items() if k not in tensors}
 
 
-def unwrap(exc: BaseException) -> BaseException:
-    """The first original exception inside DCP's ``CheckpointException`` (which gathers them per rank)."""
+def unwrap(exc: BaseException) -> tuple[int | None, BaseException]:
+    """The first original exception inside DCP's ``CheckpointException``, and the rank it happened on.
+
+    DCP gathers each rank's failure and raises them all on every rank; the
+    exception itself derives from ``BaseException``, see :func:`dcp_failures`.
+    """
     failures = getattr(exc, "failures", None)
     if isinstance(failures, dict):
-        for failure in failures.values():
-            inner = getattr(failure, "exc", None) or failure
+        for rank in sorted(failures):
+            failure = failures[rank]
+            inner = failure[0] if isinstance(failure, tuple) and failure else failure
             if isinstance(inner, BaseException):
-                return unwrap(inner)
-    return exc
+                return rank if isinstance(rank, int) else None, unwrap(inner)[1]
+    return None, exc
+
+
+def dcp_failures() -> tuple[type[BaseException], ...]:
+    """What a DCP call raises when it fails: any ``Exception``, or its ``CheckpointException`` (a ``BaseException``)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    return (Exception, CheckpointException)
 
 
 def wanted(key: str, keys: Collection[str]) -> bool:
@@ -336,4 +347,4 @@ def check_share(directory: Path, manifest: Manifest, share: list[tuple[str, int]
 
 
 __all__ = ["check_share", "checked_metadata", "checked_reader", "full_state", "hashing_writer", "load_planner",
-           "piece_share", "unpickle_metadata", "unwrap", "wanted", "write_sharded_tail"]
+           "piece_share", "unpickle_metadata", "unwrap", "dcp_failures", "wanted", "write_sharded_tail"]
