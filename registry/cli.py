@@ -281,6 +281,11 @@ def show(state: State, ref: str, as_json: bool) -> None:
     else:
         click.echo(f"manifest: format {manifest['format_version']}, {manifest['tensors']} tensors, "
                    f"{manifest['files']} files, created {manifest['created_at']}")
+        if manifest.get("layout"):
+            layout = manifest["layout"]
+            per_rank = sorted(set(layout["files_per_rank"]))
+            click.echo(f"layout:   {layout['kind']}, world size {layout['world_size']}, "
+                       f"{'/'.join(map(str, per_rank))} file(s) per rank, {human_bytes(layout['bytes'])} of shards")
     click.echo(f"path:     {info.path}")
     click.echo(f"epoch:    {info.epoch}  consumed_samples: {info.consumed_samples}  "
                f"policy_version: {info.policy_version}")
@@ -303,12 +308,17 @@ def ending_event(status: str, events: Sequence[Any]) -> Any:
 
 def manifest_summary(directory: Any) -> dict[str, Any]:
     """What the manifest on disk says, or why it cannot be read (``show`` must work on a corrupt step)."""
-    from registry.format.manifest import FORMAT_VERSION, read_manifest
+    from registry.format.manifest import read_manifest
     try:
         manifest, digest = read_manifest(directory)
     except (RegistryError, OSError) as exc:
         return {"error": str(exc)}
-    return {"format_version": FORMAT_VERSION, "sha256": digest,
+    layout = manifest.layout
+    return {"format_version": manifest.format_version, "sha256": digest,
+            "layout": None if layout is None else {
+                "kind": layout.kind, "world_size": layout.world_size,
+                "files_per_rank": [len(names) for names in layout.files_per_rank],
+                "bytes": sum(manifest.files[n].size for n in layout.data_files)},
             "files": len(manifest.files), "tensors": len(manifest.tensors),
             "created_at": manifest.created_at, "optimizer_step": manifest.optimizer_step,
             "policy_version": manifest.policy_version}

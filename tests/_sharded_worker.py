@@ -100,6 +100,10 @@ def main() -> None:
                 model, opt = build(sc.get("seed", 0), fsdp=sc.get("fsdp", True), world=world)
                 msd, osd = get_state_dict(model, opt)
                 state: dict[str, Any] = {"model": msd, "optim": osd, "counter": torch.tensor([sc.get("seed", 0)])}
+                if sc.get("add_key"):
+                    state["new"] = torch.zeros(3)
+                if sc.get("drop_counter"):
+                    del state["counter"]
                 if sc["op"] == "publish":
                     if sc.get("bad_rank") == rank:
                         state["bad"] = lambda: None  # cannot be pickled: this rank's write fails
@@ -117,7 +121,7 @@ def main() -> None:
                                         keys=sc.get("keys"))
                     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
                     fp, _ = full_fingerprint(model, opt)
-                    results[name] = {"ok": True, "step": got.step, "fp": fp, "counter": int(state["counter"][0]),
+                    results[name] = {"ok": True, "step": got.step, "fp": fp, "counter": int(state["counter"][0]) if "counter" in state else None,
                                      "missing": list(got.missing_keys), "unexpected": list(got.unexpected_keys),
                                      "config": got.config, "fallback": got.fallback is not None}
             except Exception as exc:  # recorded for the parent to compare across ranks

@@ -51,7 +51,7 @@ from registry.errors import (CorruptCheckpointError, DistributedError, InvalidSt
 from registry.format.manifest import Manifest, digest_bytes, parse_manifest
 from registry.format.sharding import DCP_METADATA, layout_of
 from registry.fs.dcpfiles import (check_share, checked_metadata, checked_reader, dcp_failures, hashing_writer,
-                                  load_planner,
+                                  load_planner, quiet,
                                   piece_share, unwrap, wanted, write_sharded_tail)
 from registry.fs.filemaps import read_json
 from registry.fs.store import Payload, Written, now_timestamp
@@ -113,8 +113,9 @@ def _save_rank(comm: Comm | _Solo, staging: Path, state: Mapping[str, Any], *, w
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     writer = hashing_writer(staging)
     try:
-        md = dcp.save(dict(state), storage_writer=writer, process_group=comm.group,
-                      no_dist=isinstance(comm, _Solo))
+        with quiet():
+            md = dcp.save(dict(state), storage_writer=writer, process_group=comm.group,
+                          no_dist=isinstance(comm, _Solo))
     except dcp_failures() as exc:  # every rank hears of it
         failed, cause = unwrap(exc)
         text = str(cause).splitlines()[0] if str(cause) else type(cause).__name__
@@ -364,8 +365,10 @@ def load_sharded(comm: Comm | _Solo, access: Access | None, ref: Ref | None, ask
 def _dcp_load(comm: Comm | _Solo, directory: Path, md: Any, flat: dict[str, Any], *, trust_pickle: bool) -> None:
     import torch.distributed.checkpoint as dcp
     try:
-        dcp.load(flat, storage_reader=checked_reader(directory, md), planner=load_planner(trust_pickle=trust_pickle),
-                 process_group=comm.group, no_dist=isinstance(comm, _Solo))
+        with quiet():
+            dcp.load(flat, storage_reader=checked_reader(directory, md),
+                     planner=load_planner(trust_pickle=trust_pickle), process_group=comm.group,
+                     no_dist=isinstance(comm, _Solo))
     except dcp_failures() as exc:
         _, cause = unwrap(exc)
         if isinstance(cause, RegistryError):

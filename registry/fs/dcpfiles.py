@@ -28,6 +28,7 @@ import io
 import os
 import pickle
 import threading
+import warnings
 from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import replace
@@ -272,8 +273,9 @@ def full_state(directory: Path, manifest: Manifest, files: Mapping[str, torch.Te
         else:
             flat[key] = item  # a placeholder DCP replaces with the unpickled value
     try:
-        dcp.load(flat, storage_reader=checked_reader(directory, md, buffers=views),
-                 planner=load_planner(trust_pickle=trust_pickle), no_dist=True)
+        with quiet():
+            dcp.load(flat, storage_reader=checked_reader(directory, md, buffers=views),
+                     planner=load_planner(trust_pickle=trust_pickle), no_dist=True)
     except (UnsafePickleError, CorruptCheckpointError):
         raise
     except dcp_failures() as exc:  # DCP wraps everything; files that passed their checksums but do not parse
@@ -284,6 +286,14 @@ def full_state(directory: Path, manifest: Manifest, files: Mapping[str, torch.Te
                                      path=directory) from None
     tensors = {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
     return tensors, {k: v for k, v in flat.items() if k not in tensors}
+
+
+@contextmanager
+def quiet() -> Iterator[None]:
+    """DCP warns on every call without a process group that it assumes one process: that is the intent here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def unwrap(exc: BaseException) -> tuple[int | None, BaseException]:
@@ -347,4 +357,4 @@ def check_share(directory: Path, manifest: Manifest, share: list[tuple[str, int]
 
 
 __all__ = ["check_share", "checked_metadata", "checked_reader", "full_state", "hashing_writer", "load_planner",
-           "piece_share", "unpickle_metadata", "unwrap", "dcp_failures", "wanted", "write_sharded_tail"]
+           "piece_share", "quiet", "unpickle_metadata", "unwrap", "dcp_failures", "wanted", "write_sharded_tail"]
