@@ -145,10 +145,10 @@ def publish_sharded(comm: Comm | _Solo, *, run: str, step: int, state: Mapping[s
         if wrote.failure is None:
             crashpoint("sharded-rank-after-write")
         comm.all_gather_object(wrote, "gathering the files' digests")
-        outcome = comm.broadcast_object(None, "receiving the outcome of the publish")
-        if isinstance(outcome, Failure):
-            raise outcome.error()
-        return outcome  # type: ignore[no-any-return]
+        done = comm.broadcast_object(None, "receiving the outcome of the publish")
+        if isinstance(done, Failure):
+            raise done.error()
+        return done
 
     assert run_publish is not None and payload is not None
     assert payload.meta_json is not None and payload.config_json is not None

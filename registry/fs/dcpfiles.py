@@ -125,7 +125,7 @@ def _filesystem_writer() -> type:
 
         @property
         def written(self) -> dict[str, FileEntry]:
-            return dict(self.fs.written)
+            return dict(cast(_HashingFileSystem, self.fs).written)
 
     return _Writer
 
@@ -326,7 +326,7 @@ def wanted(key: str, keys: Collection[str]) -> bool:
 def piece_share(manifest: Manifest, rank: int, world: int) -> list[tuple[str, int]]:
     """The (file, piece) pairs of the DCP data files that ``rank`` of ``world`` checks."""
     assert manifest.layout is not None
-    pairs = []
+    pairs: list[tuple[str, int]] = []
     for name in sorted(manifest.layout.data_files):
         entry = manifest.files[name]
         count = piece_count(entry.size, entry.piece_size) if entry.piece_size else 1
