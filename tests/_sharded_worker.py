@@ -115,6 +115,9 @@ def main() -> None:
                         torch.save(full, out / f"full-{sc['run']}-{sc['step']}.pt")
                     results[name] = {"ok": True, "step": info.step, "status": str(info.status),
                                      "path": str(info.path), "metrics": info.metrics, "fp": fp}
+                elif sc["op"] == "full-broadcast":  # the whole state on every rank, through the full-load path
+                    ckpt = reg.load(sc["ref"], broadcast=True, strategy=sc.get("strategy", "auto"), timeout=20)
+                    results[name] = {"ok": True, "step": ckpt.step, "fp": fingerprint(ckpt.state_dict)}
                 elif sc["op"] == "load":
                     ref = sc.get("refs", {}).get(str(rank), sc.get("ref"))
                     got = reg.load_into(ref, state, timeout=sc.get("timeout", 20), strict=sc.get("strict", True),

@@ -30,7 +30,8 @@ pytestmark = pytest.mark.distributed
 
 REPO = Path(__file__).resolve().parents[1]
 DEADLINE_S = 240  # a hang detector for a whole group, far above the per-collective timeouts
-KILLS = (("sharded-rank-after-write", 1, "k1"), ("sharded-after-gather", 0, "k2"), ("after-rename", 0, "k3"))
+KILLS = (("sharded-rank-after-write", 1, "k1"), ("sharded-after-gather", 0, "k2"), ("after-rename", 0, "k3"),
+         ("after-claim", 0, "k4"))
 
 
 def _free_port() -> int:
@@ -81,6 +82,7 @@ def groups(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
          "strict": False, "add_key": True, "drop_counter": True},
         {"name": "strict-mismatch", "op": "load", "ref": "f@1", "seed": 2, "add_key": True},
         {"name": "after-errors", "op": "publish", "run": "h", "step": 3, "seed": 4},
+        {"name": "full-broadcast", "op": "full-broadcast", "ref": "f@1", "strategy": "broadcast"},
     ])
     four, _, out4 = launch(base, 4, [
         {"name": "reshard-2-4", "op": "load", "ref": "f@1", "seed": 5},
@@ -152,6 +154,15 @@ def test_load_without_a_process_group_gives_the_full_state(groups: dict[str, Any
         assert ckpt.state_dict[key].dtype == tensor.dtype
     assert ckpt.extra["optim.param_groups.0.lr"] == 1e-2  # non-tensor values, under their flat keys
     assert ckpt.step == 1 and ckpt.meta["epoch"] == 0
+
+
+def test_a_full_load_in_a_group_gives_every_rank_the_full_state(groups: dict[str, Any]) -> None:
+    from tests._dist_worker import fingerprint
+    got = [r["full-broadcast"] for r in groups["two"]]
+    assert all(g["ok"] for g in got), got
+    with _open(groups["base"]) as reg:
+        local = fingerprint(reg.load("f@1").state_dict)
+    assert [g["fp"] for g in got] == [local, local]
 
 
 @pytest.mark.parametrize("name,bad", [("raise-rank1", 1), ("raise-rank0", 0)])
