@@ -34,9 +34,10 @@ import statistics
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist

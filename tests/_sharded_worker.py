@@ -124,7 +124,8 @@ def main() -> None:
                                         keys=sc.get("keys"))
                     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
                     fp, _ = full_fingerprint(model, opt)
-                    results[name] = {"ok": True, "step": got.step, "fp": fp, "counter": int(state["counter"][0]) if "counter" in state else None,
+                    counter = int(state["counter"][0]) if "counter" in state else None
+                    results[name] = {"ok": True, "step": got.step, "fp": fp, "counter": counter,
                                      "missing": list(got.missing_keys), "unexpected": list(got.unexpected_keys),
                                      "config": got.config, "fallback": got.fallback is not None}
             except Exception as exc:  # recorded for the parent to compare across ranks

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from registry import Registry
+from registry.errors import CheckpointNotFoundError
 from registry.records import Status
 from tests.helpers import child_env
 
@@ -210,7 +211,7 @@ def test_a_rank_killed_at_a_phase_leaves_nothing_half_visible(groups: dict[str, 
         row = reg.catalog.get(run, 1)
         final = groups["base"] / "ckpt" / run / "step-00000001"
         if row is not None and row.status == Status.STAGING:
-            with pytest.raises(Exception):
+            with pytest.raises(CheckpointNotFoundError):  # a staging row is never loadable
                 reg.load(f"{run}@1")
         report = reg.fsck(repair=True)
         assert not report.unrepaired, report

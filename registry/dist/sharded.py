@@ -35,6 +35,7 @@ process group the same runs in one process.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -51,7 +52,7 @@ from registry.errors import (CorruptCheckpointError, DistributedError, InvalidSt
 from registry.format.manifest import Manifest, digest_bytes, parse_manifest
 from registry.format.sharding import DCP_METADATA, layout_of
 from registry.fs.dcpfiles import (check_share, checked_metadata, checked_reader, dcp_failures, hashing_writer,
-                                  load_planner, quiet,
+                                  load_planner, quiet, write_threads,
                                   piece_share, unwrap, wanted, write_sharded_tail)
 from registry.fs.filemaps import read_json
 from registry.fs.store import Payload, Written, now_timestamp
@@ -111,7 +112,9 @@ class _Wrote:
 def _save_rank(comm: Comm | _Solo, staging: Path, state: Mapping[str, Any], *, where: str) -> _Wrote:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-    writer = hashing_writer(staging)
+    # ranks on this host: torchrun says so; otherwise assume the whole group shares it (never oversubscribe)
+    here = os.environ.get("LOCAL_WORLD_SIZE", "")
+    writer = hashing_writer(staging, threads=write_threads(int(here) if here.isdigit() else comm.world))
     try:
         with quiet():
             md = dcp.save(dict(state), storage_writer=writer, process_group=comm.group,

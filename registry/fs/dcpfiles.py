@@ -118,9 +118,9 @@ def _filesystem_writer() -> type:
                     self.written[Path(new_path).name] = replace(entry, name=Path(new_path).name)
 
     class _Writer(FileSystemWriter):
-        def __init__(self, path: Path) -> None:
+        def __init__(self, path: Path, threads: int) -> None:
             # sync_files=False: our streams fsync as they close (DCP would fall back to a global sync())
-            super().__init__(path, single_file_per_rank=True, sync_files=False, overwrite=True)
+            super().__init__(path, single_file_per_rank=True, sync_files=False, overwrite=True, thread_count=threads)
             self.fs = _HashingFileSystem()
 
         @property
@@ -130,9 +130,23 @@ def _filesystem_writer() -> type:
     return _Writer
 
 
-def hashing_writer(path: Path) -> Any:
-    """A DCP ``FileSystemWriter`` into ``path`` whose ``.written`` gives name -> ``FileEntry`` of its files."""
-    return _filesystem_writer()(path)
+def hashing_writer(path: Path, *, threads: int = 1) -> Any:
+    """A DCP ``FileSystemWriter`` into ``path`` whose ``.written`` gives name -> ``FileEntry`` of its files.
+
+    ``threads`` > 1 splits a rank's shard into that many files written (and
+    hashed) at once: one file's sha256 is one sequential stream, the
+    slowest part of a publish, so more files use more cores.
+    """
+    return _filesystem_writer()(path, threads)
+
+
+def write_threads(ranks_here: int) -> int:
+    """Files per rank: this host's cores shared among the ``ranks_here`` ranks that run on it, at most 8."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(8, cores // max(1, ranks_here)))
 
 
 def write_sharded_tail(staging: Path, *, entries: Mapping[str, FileEntry], layout: ShardedLayout,
@@ -356,5 +370,6 @@ def check_share(directory: Path, manifest: Manifest, share: list[tuple[str, int]
                                              path=directory / name)
 
 
-__all__ = ["check_share", "checked_metadata", "checked_reader", "full_state", "hashing_writer", "load_planner",
-           "piece_share", "quiet", "unpickle_metadata", "unwrap", "dcp_failures", "wanted", "write_sharded_tail"]
+__all__ = ["check_share", "checked_metadata", "checked_reader", "dcp_failures", "full_state", "hashing_writer",
+           "load_planner", "piece_share", "quiet", "unpickle_metadata", "unwrap", "wanted", "write_sharded_tail",
+           "write_threads"]
