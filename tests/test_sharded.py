@@ -84,6 +84,8 @@ def groups(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         {"name": "strict-mismatch", "op": "load", "ref": "f@1", "seed": 2, "add_key": True},
         {"name": "after-errors", "op": "publish", "run": "h", "step": 3, "seed": 4},
         {"name": "full-broadcast", "op": "full-broadcast", "ref": "f@1", "strategy": "broadcast"},
+        {"name": "group-publish", "op": "publish", "run": "grp", "step": 1, "seed": 8, "group": True},
+        {"name": "group-load", "op": "load", "ref": "grp@1", "seed": 9, "group": True},
     ])
     four, _, out4 = launch(base, 4, [
         {"name": "reshard-2-4", "op": "load", "ref": "f@1", "seed": 5},
@@ -119,6 +121,13 @@ def test_publish_from_every_rank_returns_the_same_info(groups: dict[str, Any]) -
         assert set(doc["files"]) == set(names) - {"manifest.json"}
         assert all("xxh3_128_pieces" in e for e in doc["files"].values())
         assert json.loads((info.path / "config.json").read_text()) == {"rank": 0}
+
+
+def test_an_explicit_group_works_like_the_default_one(groups: dict[str, Any]) -> None:
+    published = [r["group-publish"] for r in groups["two"]]
+    loaded = [r["group-load"] for r in groups["two"]]
+    assert all(g["ok"] for g in published + loaded), (published, loaded)
+    assert loaded[0]["fp"] == published[0]["fp"]
 
 
 def test_round_trip_is_bit_exact_for_model_and_optimizer(groups: dict[str, Any]) -> None:
