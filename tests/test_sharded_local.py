@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from registry import Checkpoint, Registry
-from registry.errors import CorruptCheckpointError, InvalidStateError, ManifestError, UnsafePickleError
+from registry.errors import (CorruptCheckpointError, InvalidStateError, ManifestError, StepExistsError,
+                             UnsafePickleError)
 from registry.records import Status
 from registry.retention import KeepLast
 
@@ -182,3 +183,19 @@ def test_manifest_layout_marker(tmp_path: Path, reference: Any) -> None:
         parse_manifest(json.dumps(lying).encode(), path=info.path)
     v1 = {**doc, "format_version": 1}  # a version-1 manifest keeps a field named layout as an unknown field
     assert parse_manifest(json.dumps(v1).encode(), path=info.path).layout is None
+
+
+def test_overwrite_and_catalog_free_load(reg: Registry) -> None:
+    reg.publish("o", 1, dict(state_of(1)["model"]))  # a full step, then replaced by a sharded one
+    with pytest.raises(StepExistsError):
+        reg.publish("o", 1, state_of(2), sharded=True)
+    info = reg.publish("o", 1, state_of(2), sharded=True, overwrite=True, verify=False)
+    assert info.status == Status.PUBLISHED
+    assert not (info.path / "model.safetensors").exists()
+    hidden = [p.name for p in info.path.parent.iterdir() if p.name.startswith(".")]
+    assert hidden == []
+    ckpt = Checkpoint.load(info.path, verify_checksums=True)  # no catalog: the directory alone
+    assert torch.equal(ckpt.state_dict["rng"], torch.arange(4) + 2)
+    into = state_of(3)
+    assert reg.load_into("o@1", into, verify=False).step == 1
+    assert torch.equal(into["rng"], torch.arange(4) + 2)
