@@ -166,6 +166,23 @@ def test_load_without_a_process_group_gives_the_full_state(groups: dict[str, Any
     assert ckpt.step == 1 and ckpt.meta["epoch"] == 0
 
 
+def test_load_into_a_plain_model_in_one_process(groups: dict[str, Any]) -> None:
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from tests._sharded_worker import build
+    model, opt = build(11, fsdp=False, world=1)  # no process group: full tensors, another initialisation
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd, "counter": torch.zeros(1, dtype=torch.int64)}
+    with _open(groups["base"]) as reg:
+        got = reg.load_into("f@1", state)
+    assert (got.step, got.missing_keys, got.unexpected_keys) == (1, (), ())
+    full = torch.load(groups["outs"][0] / "full-f-1.pt")
+    flat, _ = flatten_state_dict(state)
+    for key, tensor in full.items():
+        assert torch.equal(flat[key], tensor), key
+
+
 def test_a_full_load_in_a_group_gives_every_rank_the_full_state(groups: dict[str, Any]) -> None:
     from tests._dist_worker import fingerprint
     got = [r["full-broadcast"] for r in groups["two"]]
