@@ -36,6 +36,7 @@ process group the same runs in one process.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -47,14 +48,13 @@ import torch.distributed as dist
 
 from registry.crashpoints import crashpoint
 from registry.dist.collectives import Comm, Failure, first_failure
-from registry.errors import (CorruptCheckpointError, DistributedError, InvalidStateError, PublishError,
-                             RegistryError)
-from registry.format.manifest import Manifest, digest_bytes, parse_manifest
+from registry.errors import (CorruptCheckpointError, DistributedError, InvalidStateError, ManifestError,
+                             PublishError, RegistryError)
+from registry.format.manifest import CONFIG, MANIFEST, META, Manifest, digest_bytes, parse_manifest
 from registry.format.sharding import DCP_METADATA, layout_of
 from registry.fs.dcpfiles import (check_share, checked_metadata, checked_reader, dcp_failures, hashing_writer,
-                                  load_planner, quiet, write_threads,
-                                  piece_share, unwrap, wanted, write_sharded_tail)
-from registry.fs.filemaps import read_json
+                                  load_planner, piece_share, quiet, unwrap, wanted, write_sharded_tail, write_threads)
+from registry.fs.filemaps import host_view, map_file, read_json
 from registry.fs.store import Payload, Written, now_timestamp
 from registry.fs.validation import check_flags, check_tags, checked_payload
 from registry.format.refs import check_run_name, check_step
@@ -238,8 +238,8 @@ def _read_plan(read: CatalogRead) -> _Plan:
     while True:
         info = read.candidate()
         try:
-            manifest_raw = _read_small(info.path, "manifest.json")
-            manifest = parse_manifest(manifest_raw, path=info.path / "manifest.json")
+            manifest_raw = _read_small(info.path, MANIFEST)
+            manifest = parse_manifest(manifest_raw, path=info.path / MANIFEST)
             if info.manifest_sha256 and digest_bytes(manifest_raw) != info.manifest_sha256:
                 raise CorruptCheckpointError(f"manifest of {info.path} does not match the catalog's record",
                                              path=info.path, run=info.run, step=info.step)
@@ -248,8 +248,8 @@ def _read_plan(read: CatalogRead) -> _Plan:
                                         "Registry.load", run=info.run, step=info.step, path=info.path)
             metadata_raw = _read_small(info.path, DCP_METADATA)
             checked_metadata(info.path, manifest, metadata_raw)  # the sha256 check, before anyone unpickles
-            meta = read_json(info.path, "meta.json") if "meta.json" in manifest.files else {}
-            config = read_json(info.path, "config.json") if "config.json" in manifest.files else {}
+            meta = read_json(info.path, META) if META in manifest.files else {}
+            config = read_json(info.path, CONFIG) if CONFIG in manifest.files else {}
         except RegistryError as exc:
             read.judge(exc)
             continue
@@ -260,9 +260,7 @@ def _read_plan(read: CatalogRead) -> _Plan:
 
 
 def _read_small(directory: Path, name: str) -> bytes:
-    from registry.fs.filemaps import host_view, map_file
-    from registry.errors import ManifestError
-    error = ManifestError if name == "manifest.json" else CorruptCheckpointError
+    error = ManifestError if name == MANIFEST else CorruptCheckpointError
     return bytes(host_view(map_file(directory, name, error=error)))
 
 
@@ -295,7 +293,6 @@ def _settle(comm: Comm | _Solo, read: CatalogRead | None, mine: Failure | None, 
     if isinstance(decision, Failure):
         raise decision.error()
     if decision is not None:
-        import warnings
         for note in decision[1]:
             warnings.warn(note, RuntimeWarning, stacklevel=4)
         return True
@@ -324,10 +321,9 @@ def load_sharded(comm: Comm | _Solo, access: Access | None, ref: Ref | None, ask
             if isinstance(plan, Failure):
                 raise plan.error()
             for note in plan.notes:
-                import warnings
                 warnings.warn(note, RuntimeWarning, stacklevel=3)
             directory = plan.info.path
-            manifest: Manifest = parse_manifest(plan.manifest_raw, path=directory / "manifest.json")
+            manifest: Manifest = parse_manifest(plan.manifest_raw, path=directory / MANIFEST)
 
             def check() -> Any:
                 md = checked_metadata(directory, manifest, plan.metadata_raw)
