@@ -310,11 +310,12 @@ class Registry:
     def _publish_sharded(self, run: str, step: int, state_dict: Any, *, group: Any, timeout: float | None,
                          **options: Any) -> CheckpointInfo:
         """``publish(..., sharded=True)``: checks on every rank, then the collective publish."""
-        from registry.dist.sharded import comm_for, publish_sharded, sharded_job
-        comm = comm_for(group, timeout)
+        from registry.dist.sharded import comm_for, publish_sharded, set_timeout, sharded_job
+        comm = comm_for(group)
         job: _PublishJob | None = None
         error: RegistryError | None = None
         try:
+            set_timeout(comm, timeout)
             payload, tags = sharded_job(run, step, state_dict, rank=comm.rank, **options)
             self._check_retention(options["retention"])
             if payload is not None:
@@ -510,11 +511,12 @@ class Registry:
         difference is reported (``missing_keys``, ``unexpected_keys``). Without
         a process group it runs in this process. See :mod:`registry.dist.sharded`.
         """
-        from registry.dist.sharded import comm_for, load_sharded
-        comm = comm_for(group, timeout)
+        from registry.dist.sharded import comm_for, load_sharded, set_timeout
+        comm = comm_for(group)
         parsed: Ref | None = None
         error: RegistryError | None = None
         try:
+            set_timeout(comm, timeout)
             parsed = parse_ref(ref)
             check_flags(strict=strict, verify=verify, trust_pickle=trust_pickle, fallback=fallback)
             if keys is not None and (isinstance(keys, str) or not all(isinstance(k, str) for k in keys)):

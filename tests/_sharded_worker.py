@@ -98,6 +98,7 @@ def main() -> None:
                 if sc.get("crash", {}).get("rank") == rank:
                     arm(sc["crash"]["at"])
                 group = dist.new_group(list(range(world))) if sc.get("group") else None
+                timeout = sc.get("timeouts", {}).get(str(rank), sc.get("timeout", 20))
                 model, opt = build(sc.get("seed", 0), fsdp=sc.get("fsdp", True), world=world)
                 msd, osd = get_state_dict(model, opt)
                 state: dict[str, Any] = {"model": msd, "optim": osd, "counter": torch.tensor([sc.get("seed", 0)])}
@@ -108,7 +109,7 @@ def main() -> None:
                 if sc["op"] == "publish":
                     if sc.get("bad_rank") == rank:
                         state["bad"] = lambda: None  # cannot be pickled: this rank's write fails
-                    info = reg.publish(sc["run"], sc["step"], state, sharded=True, timeout=sc.get("timeout", 20),
+                    info = reg.publish(sc["run"], sc["step"], state, sharded=True, timeout=timeout,
                                        group=group, metrics={"loss": 1.0 + rank}, tags=sc.get("tags", ()),
                                        config={"rank": rank}, epoch=rank, policy_version=sc.get("policy"))
                     fp, full = full_fingerprint(model, opt)
@@ -121,7 +122,7 @@ def main() -> None:
                     results[name] = {"ok": True, "step": ckpt.step, "fp": fingerprint(ckpt.state_dict)}
                 elif sc["op"] == "load":
                     ref = sc.get("refs", {}).get(str(rank), sc.get("ref"))
-                    got = reg.load_into(ref, state, timeout=sc.get("timeout", 20), strict=sc.get("strict", True),
+                    got = reg.load_into(ref, state, timeout=timeout, strict=sc.get("strict", True),
                                         keys=sc.get("keys"), group=group)
                     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
                     fp, _ = full_fingerprint(model, opt)

@@ -79,6 +79,7 @@ def groups(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         {"name": "raise-rank0", "op": "publish", "run": "h", "step": 2, "bad_rank": 0},
         {"name": "mismatched-refs", "op": "load", "ref": "f@1", "refs": {"1": "f@release"}},
         {"name": "exists", "op": "publish", "run": "f", "step": 1},
+        {"name": "bad-timeout", "op": "publish", "run": "t", "step": 1, "timeouts": {"1": -1}},
         {"name": "partial", "op": "load", "ref": "f@1", "seed": 2, "keys": ["model", "counter", "new"],
          "strict": False, "add_key": True, "drop_counter": True},
         {"name": "strict-mismatch", "op": "load", "ref": "f@1", "seed": 2, "add_key": True},
@@ -210,7 +211,8 @@ def test_a_rank_raising_mid_write_fails_every_rank_alike(groups: dict[str, Any],
 
 
 @pytest.mark.parametrize("name,error", [("mismatched-refs", "DistributedError"), ("exists", "StepExistsError"),
-                                        ("strict-mismatch", "InvalidStateError")])
+                                        ("strict-mismatch", "InvalidStateError"),
+                                        ("bad-timeout", "InvalidStateError")])
 def test_refused_calls_raise_on_every_rank_alike(groups: dict[str, Any], name: str, error: str) -> None:
     got = [r[name] for r in groups["two"]]
     assert [g["ok"] for g in got] == [False, False], got

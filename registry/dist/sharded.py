@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from registry.crashpoints import crashpoint
-from registry.dist.collectives import Comm, Failure, first_failure
+from registry.dist.collectives import Comm, Failure, as_timedelta, first_failure
 from registry.errors import (CorruptCheckpointError, DistributedError, InvalidStateError, ManifestError,
                              PublishError, RegistryError)
 from registry.format.manifest import CONFIG, MANIFEST, META, Manifest, digest_bytes, parse_manifest
@@ -77,11 +77,18 @@ class _Solo:
         return [obj]
 
 
-def comm_for(group: Any, timeout: float | timedelta | None) -> Comm | _Solo:
-    """The group's collectives, or a group of one when there is no process group."""
+def comm_for(group: Any) -> Comm | _Solo:
+    """The group's collectives (no deadline yet, see :func:`set_timeout`), or a group of one without a process group."""
     if group is None and not (dist.is_available() and dist.is_initialized()):
         return _Solo()
-    return Comm(timeout=timeout, group=group)
+    return Comm(timeout=None, group=group)
+
+
+def set_timeout(comm: Comm | _Solo, timeout: float | timedelta | None) -> None:
+    """Give ``comm`` its per-collective deadline; a bad value raises here, inside the agreement's try."""
+    deadline = as_timedelta(timeout)
+    if isinstance(comm, Comm):
+        comm.timeout = deadline
 
 
 def agree(comm: Comm | _Solo, request: tuple[Any, ...], local: BaseException | None) -> None:
@@ -415,4 +422,4 @@ def sharded_job(run: str, step: int, state: object, *, rank: int, extra: object,
     return payload, check_tags(tags)
 
 
-__all__ = ["ShardedLoad", "agree", "comm_for", "load_sharded", "publish_sharded", "sharded_job"]
+__all__ = ["ShardedLoad", "agree", "comm_for", "load_sharded", "publish_sharded", "set_timeout", "sharded_job"]
