@@ -15,6 +15,7 @@ round-robin, median of ``--repeats`` after one warm-up:
   ``reg.publish`` of the flat tensors (non-tensor values as an extra);
 * load/ours: ``reg.load_into(ref, template)`` (rank 0 resolves and leases,
   every rank checks half the pieces, DCP reshards into the template);
+* load/ours-unverified: the same with ``verify=False`` (``.metadata`` is still checked);
 * load/dcp: ``dcp.load(template, checkpoint_id=...)`` of the same files.
 
 The page cache is warm (the files were just written). Peak RSS growth of
@@ -136,11 +137,14 @@ def rank_main(rank: int, port: int, args: dict[str, Any]) -> None:
         def load_ours() -> Callable[[], None]:
             return lambda: reg.load_into("load@1", state, timeout=600)
 
+        def load_unverified() -> Callable[[], None]:
+            return lambda: reg.load_into("load@1", state, timeout=600, verify=False)
+
         def load_dcp() -> Callable[[], None]:
             return lambda: dcp.load(state, checkpoint_id=load_path)
 
         variants = {"publish/ours": publish_ours, "publish/dcp": publish_dcp, "publish/gather": publish_gather,
-                    "load/ours": load_ours, "load/dcp": load_dcp}
+                    "load/ours": load_ours, "load/ours-unverified": load_unverified, "load/dcp": load_dcp}
         for i in range(args["repeats"] + 1):
             for name, make in variants.items():
                 fn = make()
@@ -196,6 +200,8 @@ def main() -> None:
     print(f"| publish/gather (full state on rank 0 + full publish) | {t['publish/gather']:.3f} | ours "
           f"{t['publish/gather'] / t['publish/ours']:.2f}x faster (goal >= 1.5x) |")
     print(f"| load/ours (load_into) | {t['load/ours']:.3f} | |")
+    print(f"| load/ours-unverified (load_into, verify=False) | {t['load/ours-unverified']:.3f} | "
+          f"{t['load/ours-unverified'] / t['load/dcp']:.2f}x dcp |")
     print(f"| load/dcp (dcp.load) | {t['load/dcp']:.3f} | ours = {t['load/ours'] / t['load/dcp']:.2f}x dcp "
           "(goal <= 1.10x) |")
     for r, got in enumerate(ranks):
