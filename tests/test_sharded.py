@@ -25,7 +25,7 @@ import torch
 from registry import Registry
 from registry.errors import CheckpointNotFoundError
 from registry.records import Status
-from tests.helpers import child_env
+from tests.helpers import child_env, pg_schema_url
 
 pytestmark = pytest.mark.distributed
 
@@ -41,11 +41,12 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def launch(base: Path, world: int, scenarios: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[int], Path]:
+def launch(base: Path, world: int, scenarios: list[dict[str, Any]], *,
+           where: tuple[str, Path] | None = None) -> tuple[list[dict[str, Any]], list[int], Path]:
     out = base / f"out-{world}-{time.monotonic_ns()}"
     out.mkdir()
-    spec = {"url": f"sqlite:///{base / 'catalog.db'}", "root": str(base / "ckpt"), "out": str(out),
-            "scenarios": scenarios}
+    url, root = where or (f"sqlite:///{base / 'catalog.db'}", base / "ckpt")
+    spec = {"url": url, "root": str(root), "out": str(out), "scenarios": scenarios}
     (out / "spec.json").write_text(json.dumps(spec))
     port = _free_port()
     env = {**child_env(), "OMP_NUM_THREADS": "1"}
@@ -70,8 +71,12 @@ def launch(base: Path, world: int, scenarios: list[dict[str, Any]]) -> tuple[lis
 
 
 @pytest.fixture(scope="module")
-def groups(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def groups(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> dict[str, Any]:
     base = tmp_path_factory.mktemp("sharded")
+    try:  # the last kill's group publishes and loads on PostgreSQL first, when there is one
+        pg: tuple[str, Path] | None = (pg_schema_url(request.getfixturevalue("pg_database")), base / "ckpt-pg")
+    except pytest.skip.Exception:
+        pg = None
     two, _, out2 = launch(base, 2, [
         {"name": "publish", "op": "publish", "run": "f", "step": 1, "seed": 1, "tags": ["release"], "policy": 3},
         {"name": "round-trip", "op": "load", "ref": "f@latest", "seed": 2},
@@ -95,14 +100,19 @@ def groups(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     kills = {}
     for i, (at, rank, run) in enumerate(KILLS):
         first = [{"name": "reshard-4-2", "op": "load", "ref": "g@1", "seed": 6}] if i == 0 else []
+        where = pg if i == len(KILLS) - 1 else None
+        if where is not None:
+            first = [{"name": "publish", "op": "publish", "run": "f", "step": 1, "seed": 1},
+                     {"name": "round-trip", "op": "load", "ref": "f@latest", "seed": 2}]
         got, codes, _ = launch(base, 2, [*first, {"name": "kill", "op": "publish", "run": run, "step": 1,
-                                                  "seed": 7, "crash": {"rank": rank, "at": at}}])
-        kills[at] = {"results": got, "codes": codes, "rank": rank, "run": run}
-    return {"base": base, "two": two, "four": four, "kills": kills, "outs": (out2, out4)}
+                                                  "seed": 7, "crash": {"rank": rank, "at": at}}], where=where)
+        kills[at] = {"results": got, "codes": codes, "rank": rank, "run": run, "where": where}
+    return {"base": base, "two": two, "four": four, "kills": kills, "outs": (out2, out4), "pg": pg}
 
 
-def _open(base: Path) -> Registry:
-    return Registry.open(url=f"sqlite:///{base / 'catalog.db'}", root=base / "ckpt")
+def _open(base: Path, where: tuple[str, Path] | None = None) -> Registry:
+    url, root = where or (f"sqlite:///{base / 'catalog.db'}", base / "ckpt")
+    return Registry.open(url=url, root=root)
 
 
 def test_publish_from_every_rank_returns_the_same_info(groups: dict[str, Any]) -> None:
@@ -122,6 +132,17 @@ def test_publish_from_every_rank_returns_the_same_info(groups: dict[str, Any]) -
         assert set(doc["files"]) == set(names) - {"manifest.json"}
         assert all("xxh3_128_pieces" in e for e in doc["files"].values())
         assert json.loads((info.path / "config.json").read_text()) == {"rank": 0}
+
+
+def test_publish_and_load_in_a_group_on_postgresql(groups: dict[str, Any]) -> None:
+    if groups["pg"] is None:
+        pytest.skip("PostgreSQL unreachable; its group ran on SQLite")
+    got = groups["kills"][KILLS[-1][0]]["results"]
+    assert [r["publish"]["ok"] for r in got] == [True, True], got
+    assert got[0]["round-trip"]["fp"] == got[0]["publish"]["fp"]
+    assert got[0]["publish"]["fp"] == groups["two"][0]["publish"]["fp"]  # same seed as the SQLite group's f@1
+    with _open(groups["base"], groups["pg"]) as reg:
+        assert reg.url.startswith("postgresql") and reg.resolve("f@latest").status == Status.VERIFIED
 
 
 def test_an_explicit_group_works_like_the_default_one(groups: dict[str, Any]) -> None:
@@ -235,9 +256,9 @@ def test_a_rank_killed_at_a_phase_leaves_nothing_half_visible(groups: dict[str, 
     survivor = results[1 - dead]["kill"]
     if at != "after-rename":  # the rename happened: the others were only waiting for the outcome
         assert survivor["ok"] is False and survivor["type"] == "DistributedError", survivor
-    with _open(groups["base"]) as reg:
+    with _open(groups["base"], kill["where"]) as reg:
         row = reg.catalog.get(run, 1)
-        final = groups["base"] / "ckpt" / run / "step-00000001"
+        final = reg.store.step_dir(run, 1)
         if row is not None and row.status == Status.STAGING:
             with pytest.raises(CheckpointNotFoundError):  # a staging row is never loadable
                 reg.load(f"{run}@1")
@@ -253,7 +274,7 @@ def test_a_rank_killed_at_a_phase_leaves_nothing_half_visible(groups: dict[str, 
         else:
             assert row is None or row.status == Status.FAILED
             assert not final.exists()
-        assert reg.load("f@latest").step == 1
+        assert reg.load("f@latest").step == 1  # the PostgreSQL group published its own f@1 first
 
 
 def test_reference_module_refuses_a_sharded_step(groups: dict[str, Any], reference: Any) -> None:
