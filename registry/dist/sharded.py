@@ -25,12 +25,16 @@ group's timeout. ``fsck --repair`` cleans up after a crash of any rank.
 
 Load (``Registry.load_into``), called by every rank with its own template:
 rank 0 resolves the ref, holds the reader lease and sends the manifest and
-``.metadata`` bytes (checked against the catalog's digest); every rank
-checks its share of the data files' pieces (so the whole step is checked
-once, spread over the ranks), then ``dcp.load`` reshards into the templates
-from whatever world size and layout the step was saved with. A corrupt
-``@latest`` falls back to an older step on every rank alike. Without a
-process group the same runs in one process.
+``.metadata`` bytes (checked against the catalog's digest); ``dcp.load``
+reshards into the templates from whatever world size and layout the step
+was saved with, while every rank checks its share of the data files' xxh3
+pieces on a thread beside it (the whole step is checked once, spread over the
+ranks; with ``trust_pickle=True`` the check finishes before any byte is
+read, since a full unpickler must never see bytes not yet checked). The load
+succeeds only when every share checked out; otherwise the templates hold
+whatever was read and the load fails, or a corrupt ``@latest`` falls back to
+an older step on every rank alike. Without a process group the same runs in
+one process.
 """
 
 from __future__ import annotations
@@ -59,8 +63,12 @@ from registry.fs.store import Payload, Written, now_timestamp
 from registry.fs.validation import check_flags, check_tags, checked_payload
 from registry.format.refs import check_run_name, check_step
 from registry.ops.reading import Access, CatalogRead, Fallback, report
+from registry.pools import Pool
 from registry.records import CheckpointInfo
 from registry.format.refs import Ref
+
+
+_CHECKS = Pool(1, "registry-sharded-check")
 
 
 class _Solo:
@@ -332,10 +340,14 @@ def load_sharded(comm: Comm | _Solo, access: Access | None, ref: Ref | None, ask
             directory = plan.info.path
             manifest: Manifest = parse_manifest(plan.manifest_raw, path=directory / MANIFEST)
 
+            share = piece_share(manifest, comm.rank, comm.world) if verify else []
+            # the check runs while DCP reads, unless a full unpickler would meet bytes not yet checked
+            overlap = bool(share) and not trust_pickle
+
             def check() -> Any:
                 md = checked_metadata(directory, manifest, plan.metadata_raw)
-                if verify:
-                    check_share(directory, manifest, piece_share(manifest, comm.rank, comm.world))
+                if share and not overlap:
+                    check_share(directory, manifest, share)
                 return md
             md, mine = _status(check, comm.rank)
             if _settle(comm, read, mine, "agreeing on the checksums"):
@@ -351,7 +363,15 @@ def load_sharded(comm: Comm | _Solo, access: Access | None, ref: Ref | None, ask
                         f"{plan.info.run}@{plan.info.step} does not match the state to load into ({first}; "
                         f"{len(missing)} missing, {len(unexpected)} unexpected keys); pass strict=False "
                         "to load the keys both have", run=plan.info.run, step=plan.info.step)
-                _dcp_load(comm, directory, md, {k: flat[k] for k in asked & saved}, trust_pickle=trust_pickle)
+                pending = _CHECKS.submit(check_share, directory, manifest, share) if overlap else None
+                try:
+                    _dcp_load(comm, directory, md, {k: flat[k] for k in asked & saved}, trust_pickle=trust_pickle)
+                except BaseException:
+                    if pending is not None:
+                        pending.result()  # damaged bytes are the verdict, not what DCP made of them
+                    raise
+                if pending is not None:
+                    pending.result()
             _, mine = _status(load, comm.rank)
             if _settle(comm, read, mine, "agreeing on the loaded state"):
                 continue
