@@ -199,3 +199,14 @@ def test_overwrite_and_catalog_free_load(reg: Registry) -> None:
     into = state_of(3)
     assert reg.load_into("o@1", into, verify=False).step == 1
     assert torch.equal(into["rng"], torch.arange(4) + 2)
+
+
+def test_with_trust_pickle_damage_is_found_before_anything_is_read(reg: Registry) -> None:
+    reg.publish("tp", 1, state_of(1), sharded=True)
+    damage(reg.resolve("tp@1").path / "__0_0.distcp")
+    into = state_of(2)
+    before = into["model"]["0.weight"].clone()
+    with pytest.raises(CorruptCheckpointError, match="__0_0.distcp"):
+        reg.load_into("tp@1", into, trust_pickle=True)
+    assert torch.equal(into["model"]["0.weight"], before)  # untouched: the check ran first
+    assert reg.catalog.get("tp", 1).status == Status.CORRUPT  # type: ignore[union-attr]
