@@ -4,7 +4,8 @@ The state is a stack of ``Linear(d, d)`` layers sharded with ``fully_shard``
 over both ranks, plus AdamW's two moments after one step: about
 ``--size-mib`` of model and optimizer in total, half per rank. Variants,
 each timed from a barrier to a barrier (the slowest rank counts), run
-round-robin, median of ``--repeats`` after one warm-up:
+round-robin in an order rotated every round, median of ``--repeats`` after
+one warm-up:
 
 * publish/ours: ``reg.publish(run, step, state, sharded=True)`` (claim, hashed
   and fsync'd DCP files, manifest, rename, commit);
@@ -145,8 +146,11 @@ def rank_main(rank: int, port: int, args: dict[str, Any]) -> None:
 
         variants = {"publish/ours": publish_ours, "publish/dcp": publish_dcp, "publish/gather": publish_gather,
                     "load/ours": load_ours, "load/ours-unverified": load_unverified, "load/dcp": load_dcp}
+        names = list(variants)
         for i in range(args["repeats"] + 1):
-            for name, make in variants.items():
+            # rotate the order each round: no variant always runs right after the biggest allocation or deletion
+            for name in names[i % len(names):] + names[:i % len(names)]:
+                make = variants[name]
                 fn = make()
                 dist.barrier()
                 t0 = time.perf_counter()
