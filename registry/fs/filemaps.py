@@ -481,7 +481,9 @@ def read_directory(directory: Path, *, verify: bool = True, trust_pickle: bool =
     hashed, the very mapping the tensors then view). ``extras``: read every
     ``.pt`` extra (True), none (False), or only those named; the others are
     never opened. ``expected_digest``: the manifest's sha256 as the catalog
-    records it, checked before anything is parsed.
+    records it; a sharded step's manifest is checked against it before its
+    ``.metadata`` pickle is touched (for a full step the caller compares
+    ``Loaded.manifest_sha256``, as before).
 
     A sharded (DCP) step loads whole: ``state_dict`` holds every tensor in
     full under DCP's flattened keys, ``extra`` the non-tensor values under
