@@ -14,7 +14,7 @@ import numbers
 import os
 import threading
 import warnings
-from collections.abc import Collection, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
@@ -34,15 +34,16 @@ from registry.format.refs import Ref, check_metric_key, check_run_name, check_st
 from registry.ops.scrub import VerifyResult, scrub
 from registry.fs.snapshot import Snapshotter
 from registry.fs.filemaps import check_extras
-from registry.fs.store import Payload, Store, now_timestamp, write_payload, writer_alive, writer_id
+from registry.fs.store import Payload, Store, Written, now_timestamp, write_payload, writer_alive, writer_id
 from registry.format.tensorio import check_state_dict
 from registry.fs.validation import check_flags, check_tags, checked_payload
 
 if TYPE_CHECKING:
     import torch
 
-    from registry.ops.export import Checkout, Exported
+    from registry.dist.sharded import ShardedLoad
     from registry.ops.diff import CheckpointDiff
+    from registry.ops.export import Checkout, Exported
     from registry.ops.fsck import FsckReport
     from registry.progress import ProgressFn
     from registry.retention import Policy, RetentionPlan, RetentionResult
@@ -220,7 +221,8 @@ class Registry:
                 optimizer_step: int | None = None, tags: Iterable[str] = (), overwrite: bool = False,
                 verify: bool = True, max_shard_size: int | None = None,
                 retention: Policy | None = None, blocking: Literal[True] = True,
-                trust_pickle: bool = False, parent: str | Ref | None = None) -> CheckpointInfo: ...
+                trust_pickle: bool = False, parent: str | Ref | None = None, sharded: bool = False,
+                group: Any = None, timeout: float | None = None) -> CheckpointInfo: ...
 
     @overload
     def publish(self, run: str, step: int, state_dict: Mapping[str, torch.Tensor], *,
@@ -230,7 +232,8 @@ class Registry:
                 optimizer_step: int | None = None, tags: Iterable[str] = (), overwrite: bool = False,
                 verify: bool = True, max_shard_size: int | None = None,
                 retention: Policy | None = None, blocking: Literal[False],
-                trust_pickle: bool = False, parent: str | Ref | None = None) -> Future[CheckpointInfo]: ...
+                trust_pickle: bool = False, parent: str | Ref | None = None, sharded: bool = False,
+                group: Any = None, timeout: float | None = None) -> Future[CheckpointInfo]: ...
 
     @overload
     def publish(self, run: str, step: int, state_dict: Mapping[str, torch.Tensor], *,
@@ -240,8 +243,8 @@ class Registry:
                 optimizer_step: int | None = None, tags: Iterable[str] = (), overwrite: bool = False,
                 verify: bool = True, max_shard_size: int | None = None,
                 retention: Policy | None = None, blocking: bool,
-                trust_pickle: bool = False,
-                parent: str | Ref | None = None) -> CheckpointInfo | Future[CheckpointInfo]: ...
+                trust_pickle: bool = False, parent: str | Ref | None = None, sharded: bool = False,
+                group: Any = None, timeout: float | None = None) -> CheckpointInfo | Future[CheckpointInfo]: ...
 
     def publish(self, run: str, step: int, state_dict: Mapping[str, torch.Tensor], *,
                 extra: Mapping[str, Any] | None = None, config: Mapping[str, Any] | None = None,
@@ -250,8 +253,8 @@ class Registry:
                 optimizer_step: int | None = None, tags: Iterable[str] = (), overwrite: bool = False,
                 verify: bool = True, max_shard_size: int | None = None,
                 retention: Policy | None = None, blocking: bool = True,
-                trust_pickle: bool = False,
-                parent: str | Ref | None = None) -> CheckpointInfo | Future[CheckpointInfo]:
+                trust_pickle: bool = False, parent: str | Ref | None = None, sharded: bool = False,
+                group: Any = None, timeout: float | None = None) -> CheckpointInfo | Future[CheckpointInfo]:
         """Atomically publish ``state_dict`` and friends as ``run@step``.
 
         Returns the ``CheckpointInfo``; with ``blocking=False`` a
@@ -274,7 +277,24 @@ class Registry:
         fine-tune's base, possibly of another run), resolved now and recorded
         as the step's lineage (``forked``); without it the attempt's fork or
         resume point is recorded (see :meth:`begin_attempt`, :meth:`lineage`).
+
+        ``sharded=True``: a collective publish by every rank of ``group`` (the
+        default process group if None; works without one too) of a nested
+        ``state_dict`` as ``get_state_dict(model, optimizer)`` gives it
+        (DTensors, sharded optimizer state, plain tensors and values), written
+        with ``torch.distributed.checkpoint``; see :mod:`registry.dist.sharded`.
+        ``extra`` and ``max_shard_size`` do not apply; metrics, tags, meta,
+        config and the numbers are rank 0's. ``timeout`` bounds each of the
+        registry's own collectives. Returns the same ``CheckpointInfo`` on every rank.
         """
+        if sharded is not False:
+            return self._publish_sharded(run, step, state_dict, group=group, timeout=timeout, parent=parent,
+                                         extra=extra,
+                                         config=config, meta=meta, metrics=metrics, epoch=epoch,
+                                         consumed_samples=consumed_samples, policy_version=policy_version,
+                                         optimizer_step=optimizer_step, tags=tags, overwrite=overwrite,
+                                         verify=verify, max_shard_size=max_shard_size, retention=retention,
+                                         blocking=blocking, trust_pickle=trust_pickle, sharded=sharded)
         self._background.raise_error()
         check_run_name(run)
         self._check_retention(retention)
@@ -283,10 +303,7 @@ class Registry:
         state = check_state_dict(state_dict)
         tags = check_tags(tags)
         new_metrics = _check_metrics(run, step, metrics)
-        lineage = None
-        if parent is not None:
-            origin = self.resolve(parent)
-            lineage = LineageRecord(how="forked", parent_run=origin.run, parent_step=origin.step)
+        lineage = self._parent_lineage(parent)
         payload = checked_payload(step=step, state_dict=state, extra=extra, config=config, meta=meta, epoch=epoch,
                                   consumed_samples=consumed_samples, optimizer_step=optimizer_step,
                                   policy_version=policy_version, max_shard_size=max_shard_size,
@@ -301,7 +318,40 @@ class Registry:
         self._background.raise_error()
         return self._run_publish(job)
 
-    def _run_publish(self, job: _PublishJob) -> CheckpointInfo:
+    def _parent_lineage(self, parent: str | Ref | None) -> LineageRecord | None:
+        """``publish(..., parent=REF)``: the fork this step records, resolved before anything is claimed."""
+        if parent is None:
+            return None
+        origin = self.resolve(parent)
+        return LineageRecord(how="forked", parent_run=origin.run, parent_step=origin.step)
+
+    def _publish_sharded(self, run: str, step: int, state_dict: Any, *, group: Any, timeout: float | None,
+                         parent: str | Ref | None, **options: Any) -> CheckpointInfo:
+        """``publish(..., sharded=True)``: checks on every rank, then the collective publish."""
+        from registry.dist.sharded import comm_for, publish_sharded, set_timeout, sharded_job
+        comm = comm_for(group)
+        job: _PublishJob | None = None
+        error: RegistryError | None = None
+        try:
+            set_timeout(comm, timeout)
+            payload, tags = sharded_job(run, step, state_dict, rank=comm.rank, **options)
+            self._check_retention(options["retention"])
+            if payload is not None:
+                self._background.wait()
+                self._background.raise_error()
+                job = _PublishJob(run=run, step=step, overwrite=options["overwrite"],
+                                  final=self.store.step_dir(run, step), payload=payload, verify=options["verify"],
+                                  new_metrics=tuple(_check_metrics(run, step, options["metrics"])),
+                                  tags=tags, retention=options["retention"], lineage=self._parent_lineage(parent))
+        except RegistryError as exc:
+            error = exc
+        return publish_sharded(
+            comm, run=run, step=step, state=state_dict if isinstance(state_dict, Mapping) else {},
+            request=("publish", repr(run), repr(step), repr(options["overwrite"]), repr(options["verify"])),
+            local_error=error, run_publish=(lambda write: self._run_publish(job, write=write)) if job else None,
+            payload=job.payload if job else None)
+
+    def _run_publish(self, job: _PublishJob, *, write: Callable[[Path], Written] | None = None) -> CheckpointInfo:
         """The publish sequence (on the caller's thread, or the background publisher's).
 
         The commit carries the buffered metric points up to ``job.step``; they
@@ -330,7 +380,7 @@ class Registry:
         info = publish_sequence(
             self.catalog, run=run, step=step, final=job.final, relpath=self.store.relpath(job.final),
             writer=self.writer, overwrite=job.overwrite, verify=job.verify,
-            write=lambda staging: write_payload(staging, job.payload), epoch=job.payload.meta["epoch"],
+            write=write or (lambda staging: write_payload(staging, job.payload)), epoch=job.payload.meta["epoch"],
             consumed_samples=job.payload.meta["consumed_samples"], record=record, uncommitted=uncommitted,
             committed=committed)
         if job.retention is not None:
@@ -493,6 +543,41 @@ class Registry:
         ckpt = self.load(ref, extras=False, resume=False)  # no extra is read, so none needs trusting
         return export(ckpt, Path(dest).absolute(), format=format,  # type: ignore[arg-type]
                       max_shard_size=max_shard_size, overwrite=overwrite)
+
+    def load_into(self, ref: str | Ref, state: Any, *, group: Any = None, keys: Collection[str] | None = None,
+                  strict: bool = True, verify: bool = True, trust_pickle: bool = False,
+                  timeout: float | None = None, fallback: bool = True) -> ShardedLoad:
+        """Load a sharded step into ``state`` in place, collectively on every rank of ``group``.
+
+        Each rank passes its own template (as ``get_state_dict`` gives it, sharded
+        any way, or plain full tensors); the step reshards from whatever world
+        size it was saved with. Rank 0 resolves ``ref`` (falling back past a
+        corrupt ``@latest`` for everyone) and holds the reader lease. ``keys``
+        loads only those flat keys (``model`` covers ``model.*``); ``strict``
+        refuses a template whose keys differ from the step's, otherwise the
+        difference is reported (``missing_keys``, ``unexpected_keys``). Without
+        a process group it runs in this process. See :mod:`registry.dist.sharded`.
+        """
+        from registry.dist.sharded import comm_for, load_sharded, set_timeout
+        comm = comm_for(group)
+        parsed: Ref | None = None
+        error: RegistryError | None = None
+        try:
+            set_timeout(comm, timeout)
+            parsed = parse_ref(ref)
+            check_flags(strict=strict, verify=verify, trust_pickle=trust_pickle, fallback=fallback)
+            if keys is not None and (isinstance(keys, str) or not all(isinstance(k, str) for k in keys)):
+                raise InvalidStateError(f"keys must be a list of flat key names, got {keys!r}")
+            if not isinstance(state, Mapping):
+                raise InvalidStateError(f"state must be a mapping to load into, got {type(state).__name__}")
+        except RegistryError as exc:
+            error = exc
+        result = load_sharded(comm, self._reader() if comm.rank == 0 else None, parsed, str(ref), state,
+                              keys=keys, strict=strict, verify=verify, trust_pickle=trust_pickle, fallback=fallback,
+                              local_error=error)
+        if comm.rank == 0 and parsed is not None and result.step is not None:
+            self._note_resume(parsed, result.step, None)
+        return result
 
     def _reader(self) -> reading.ReadAccess:
         return reading.ReadAccess(catalog=self.catalog, root=self.store.root, holder=self.writer,

@@ -338,6 +338,11 @@ def show(state: State, ref: str, as_json: bool) -> None:
         click.echo(f"manifest: format {manifest['format_version']}, {manifest['tensors']} tensors, "
                    f"{manifest['files']} files, created {manifest['created_at']} (writer's local time; "
                    "the manifest records no zone)")
+        if manifest.get("layout"):
+            layout = manifest["layout"]
+            per_rank = sorted(set(layout["files_per_rank"]))
+            click.echo(f"layout:   {layout['kind']}, world size {layout['world_size']}, "
+                       f"{'/'.join(map(str, per_rank))} file(s) per rank, {human_bytes(layout['bytes'])} of shards")
     click.echo(f"path:     {info.path}")
     click.echo(f"epoch:    {info.epoch}  consumed_samples: {info.consumed_samples}  "
                f"policy_version: {info.policy_version}")

@@ -23,6 +23,9 @@ POINTS = (
     "gc-after-mark",         # retention: row marked, payload still in place
     "gc-after-retire",       # retention: payload renamed to .retired-
     "fsck-after-restore",    # fsck: retired payload renamed back, catalog row not yet repaired
+    "sharded-rank-after-write",   # sharded publish, a rank other than 0: its DCP files written and fsync'd,
+                                  # digests not yet sent
+    "sharded-after-gather",  # sharded publish, rank 0: every rank's digests in hand, manifest not yet written
     "migrate-before-commit",  # schema migration: every revision applied, its transaction not yet committed
 )
 

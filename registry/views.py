@@ -218,15 +218,20 @@ def ending_event(status: str, events: Sequence[EventInfo]) -> EventInfo | None:
 
 def manifest_summary(directory: Any) -> dict[str, Any]:
     """What the manifest on disk says, or why it cannot be read (``show`` must work on a corrupt step)."""
-    from registry.format.manifest import FORMAT_VERSION, read_manifest
+    from registry.format.manifest import read_manifest
     try:
         manifest, digest = read_manifest(directory)
     except (RegistryError, OSError) as exc:
         return {"error": str(exc)}
-    return {"format_version": FORMAT_VERSION, "sha256": digest,
+    layout = manifest.layout
+    return {"format_version": manifest.format_version, "sha256": digest,
             "files": len(manifest.files), "tensors": len(manifest.tensors),
             "created_at": manifest.created_at, "optimizer_step": manifest.optimizer_step,
-            "policy_version": manifest.policy_version}
+            "policy_version": manifest.policy_version,
+            "layout": None if layout is None else {
+                "kind": layout.kind, "world_size": layout.world_size,
+                "files_per_rank": [len(names) for names in layout.files_per_rank],
+                "bytes": sum(manifest.files[n].size for n in layout.data_files)}}
 
 
 def load_snippets(info: CheckpointInfo) -> dict[str, str]:

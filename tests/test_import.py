@@ -200,7 +200,18 @@ def test_import_dcp_directory(reg: Registry, tmp_path: Path) -> None:
                                   "files_per_rank": {"0": ["__0_0.distcp", "__0_1.distcp"]}}
     assert manifest["imported"]["layout"] == "dcp"
     assert "model.embed.weight" in manifest["tensors"] and "train_state.step" not in manifest["tensors"]
+    assert manifest["format_version"] == 2  # a sharded step: the reference module refuses it, and so it must
     assert_nested_equal(load_dcp_state_dict(info.path), state)
+    full = reg.load("titan@3")  # the one read path, as for a step published sharded: flat keys, full tensors
+    flat: dict[str, Any] = {}
+
+    def flatten(node: Any, prefix: str) -> None:
+        for k, v in node.items():
+            (flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else flat.__setitem__(f"{prefix}{k}", v))
+    flatten(state, "")
+    assert set(full.state_dict) == set(manifest["tensors"])
+    for key, tensor in full.state_dict.items():
+        assert torch.equal(tensor, flat[key]), key
     assert [r.ok for r in reg.verify("titan@3")] == [True]
 
 
@@ -270,6 +281,7 @@ def test_import_dcp_directory_saved_by_two_fsdp_ranks(sqlite_reg: Registry, tmp_
     manifest = json.loads((info.path / "manifest.json").read_text())
     assert manifest["layout"] == {"kind": "dcp", "world_size": 2,
                                   "files_per_rank": {"0": ["__0_0.distcp"], "1": ["__1_0.distcp"]}}
+    assert manifest["format_version"] == 2
     full = torch.load(tmp_path / "full.pt", weights_only=True)
     loaded = load_dcp_state_dict(info.path)
     assert_nested_equal(loaded["model"], full["model"])

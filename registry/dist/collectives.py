@@ -92,12 +92,14 @@ def first_failure(statuses: list[Failure | None]) -> Failure | None:
 
 
 class Comm:
-    """The default process group, its device, and a per-collective deadline."""
+    """A process group (the default one unless ``group`` is given), its device, and a per-collective deadline."""
 
-    def __init__(self, *, timeout: float | timedelta | None) -> None:
-        self.rank = dist.get_rank()
-        self.world = dist.get_world_size()
-        self.backend = str(dist.get_backend())
+    def __init__(self, *, timeout: float | timedelta | None, group: Any = None) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.src = dist.get_global_rank(group, 0) if group is not None else 0  # the group's rank 0
+        self.backend = str(dist.get_backend(group))
         self.device = (torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl"
                        else torch.device("cpu"))
         self.timeout = as_timedelta(timeout)
@@ -118,7 +120,7 @@ class Comm:
             raise self._fail(what, exc) from None
 
     def broadcast(self, tensor: torch.Tensor, what: str) -> None:
-        self._wait(lambda: dist.broadcast(tensor, src=0, async_op=True), what)
+        self._wait(lambda: dist.broadcast(tensor, src=self.src, group=self.group, async_op=True), what)
 
     def broadcast_object(self, obj: Any, what: str) -> Any:
         """Rank 0's ``obj`` on every rank (pickled: the peers are the same job, same trust)."""
@@ -140,13 +142,13 @@ class Comm:
         raw = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
         size = torch.tensor([len(raw)], dtype=torch.int64, device=self.device)
         sizes = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(self.world)]
-        self._wait(lambda: dist.all_gather(sizes, size, async_op=True), what)
+        self._wait(lambda: dist.all_gather(sizes, size, group=self.group, async_op=True), what)
         longest = max(int(s.item()) for s in sizes)
         mine = torch.zeros(longest, dtype=torch.uint8)
         mine[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else mine[:0]
         mine = mine.to(self.device)
         bufs = [torch.empty(longest, dtype=torch.uint8, device=self.device) for _ in range(self.world)]
-        self._wait(lambda: dist.all_gather(bufs, mine, async_op=True), what)
+        self._wait(lambda: dist.all_gather(bufs, mine, group=self.group, async_op=True), what)
         return [pickle.loads(b[:int(s.item())].cpu().numpy().tobytes()) for b, s in zip(bufs, sizes)]
 
 

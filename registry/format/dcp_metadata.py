@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.metadata import (_MEM_FORMAT_ENCODING, BytesSt
                                                    TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 
+from registry.format.sharding import ShardedLayout
 from registry.errors import CorruptCheckpointError, DcpMetadataError, RegistryError, UnsafePickleError
 from registry.format.manifest import check_file_name, open_regular
 
@@ -254,10 +255,11 @@ class DcpFiles:
     world_size: int                        # ranks seen in the data file names (``__<rank>_<n>.distcp``)
     files_per_rank: dict[int, tuple[str, ...]]
 
-    def manifest_field(self) -> dict[str, Any]:
-        """The manifest's ``layout`` field, which tells a load this step is a DCP checkpoint."""
-        return {"kind": "dcp", "world_size": self.world_size,
-                "files_per_rank": {str(rank): list(names) for rank, names in self.files_per_rank.items()}}
+    def layout(self) -> ShardedLayout:
+        """The manifest's sharded layout for these files: what tells a load this step is a DCP checkpoint."""
+        ranks = range(self.world_size)
+        return ShardedLayout(world_size=self.world_size,
+                             files_per_rank=tuple(tuple(self.files_per_rank.get(r, ())) for r in ranks))
 
 
 def tensor_names(metadata: Metadata) -> tuple[str, ...]:

@@ -21,6 +21,7 @@ from typing import Any
 
 from registry.errors import CheckpointReadError, CorruptCheckpointError, ManifestError, UnsafePathError
 from registry.format.pieces import MIN_PIECE_SIZE, piece_count
+from registry.format.sharding import SHARDED_FORMAT_VERSION, ShardedLayout, parse_layout
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -56,6 +57,12 @@ class Manifest:
     optimizer_step: int | None = None
     policy_version: int | None = None
     extra_fields: dict[str, Any] = field(default_factory=dict)
+    # set for a sharded (DCP) step, which is then format version 2 (see ``registry.format.sharding``)
+    layout: ShardedLayout | None = None
+
+    @property
+    def format_version(self) -> int:
+        return SHARDED_FORMAT_VERSION if self.layout is not None else FORMAT_VERSION
 
     @property
     def total_bytes(self) -> int:
@@ -63,13 +70,15 @@ class Manifest:
 
     def to_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {
-            "format_version": FORMAT_VERSION,
+            "format_version": self.format_version,
             "created_at": self.created_at,
             "optimizer_step": self.optimizer_step,
             "policy_version": self.policy_version,
             "tensors": sorted(self.tensors),
             "files": {name: _entry_json(f) for name, f in sorted(self.files.items())},
         }
+        if self.layout is not None:
+            doc["layout"] = self.layout.to_json()
         for key, value in self.extra_fields.items():
             doc.setdefault(key, value)
         return doc
@@ -139,7 +148,7 @@ def parse_manifest(raw: bytes, *, path: Path) -> Manifest:
     if not isinstance(doc, dict):
         raise ManifestError(f"manifest {path} is not a JSON object", path=path)
     version = doc.get("format_version")
-    if version != FORMAT_VERSION or isinstance(version, bool):
+    if version not in (FORMAT_VERSION, SHARDED_FORMAT_VERSION) or isinstance(version, bool):
         raise ManifestError(f"manifest {path} has unsupported format_version {version!r}", path=path)
     files_doc = doc.get("files")
     if not isinstance(files_doc, dict) or not files_doc:
@@ -168,8 +177,13 @@ def parse_manifest(raw: bytes, *, path: Path) -> Manifest:
     created_at = doc.get("created_at")
     if created_at is not None and not isinstance(created_at, str):
         raise ManifestError(f"manifest {path}: created_at must be a string", path=path)
+    layout = None
+    if version == SHARDED_FORMAT_VERSION:
+        layout = parse_layout(doc.get("layout"), files, path=path)
     known = {"format_version", "files", "tensors", "created_at", "optimizer_step", "policy_version"}
-    return Manifest(
+    if layout is not None:
+        known.add("layout")
+    return Manifest(layout=layout,
         files=files, tensors=tuple(tensors), created_at=created_at,
         optimizer_step=_int_or_none(doc, "optimizer_step", path),
         policy_version=_int_or_none(doc, "policy_version", path),

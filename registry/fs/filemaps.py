@@ -225,7 +225,10 @@ def _map_directory(directory: Path, *, extras: Extras, verify: bool, expected_di
         if name in present:
             add(name)
     owner: dict[str, str] | None = None
-    if WEIGHTS in present:
+    if manifest is not None and manifest.layout is not None:  # a sharded step: DCP's files, all of them
+        for name in sorted(present - buffers.keys()):
+            add(name)
+    elif WEIGHTS in present:
         add(WEIGHTS)
     elif WEIGHTS_INDEX in present:
         owner = weight_map(json_object(add(WEIGHTS_INDEX), directory / WEIGHTS_INDEX), directory / WEIGHTS_INDEX)
@@ -411,7 +414,8 @@ def _on_cpu(map_location: Any) -> bool:
 
 
 def parse_files(directory: Path, files: Mapping[str, torch.Tensor | Sequence[torch.Tensor]], *,
-                trust_pickle: bool, map_location: Any, mapped: MappedFiles | None = None) -> Loaded:
+                trust_pickle: bool, map_location: Any, mapped: MappedFiles | None = None,
+                expected_digest: str | None = None) -> Loaded:
     """The checkpoint held in ``files`` (name -> bytes): what :func:`map_directory` mapped, or its bytes received.
 
     A safetensors file may be given as the pieces of its :func:`layout`;
@@ -434,6 +438,16 @@ def parse_files(directory: Path, files: Mapping[str, torch.Tensor | Sequence[tor
         manifest, manifest_sha = _parse_manifest(whole(MANIFEST), directory)
     meta = json_object(whole(META), directory / META) if META in files else {}
     config = json_object(whole(CONFIG), directory / CONFIG) if CONFIG in files else {}
+    if manifest is not None and manifest.layout is not None:
+        from registry.fs.dcpfiles import full_state
+        if expected_digest and manifest_sha != expected_digest:  # before anything is unpickled
+            raise CorruptCheckpointError(f"manifest of {directory} does not match the catalog's record",
+                                         path=directory)
+        state, objects = full_state(directory, manifest, {n: whole(n) for n in files}, trust_pickle=trust_pickle)
+        if not _on_cpu(map_location):
+            state = {k: v.to(map_location) for k, v in state.items()}
+        return Loaded(state_dict=state, extra=objects, meta=meta, config=config, manifest=manifest,
+                      manifest_sha256=manifest_sha)
     owner: dict[str, str] | None = None
     if WEIGHTS in files:
         weight_files = [WEIGHTS]
@@ -460,17 +474,24 @@ def parse_files(directory: Path, files: Mapping[str, torch.Tensor | Sequence[tor
 
 
 def read_directory(directory: Path, *, verify: bool = True, trust_pickle: bool = False,
-                   map_location: Any = "cpu", extras: Extras = True) -> Loaded:
+                   map_location: Any = "cpu", extras: Extras = True, expected_digest: str | None = None) -> Loaded:
     """Load a checkpoint directory written by us, the reference module, or a legacy trainer.
 
     Reads what :func:`map_directory` plans (with ``verify`` every byte is
     hashed, the very mapping the tensors then view). ``extras``: read every
     ``.pt`` extra (True), none (False), or only those named; the others are
-    never opened.
+    never opened. ``expected_digest``: the manifest's sha256 as the catalog
+    records it; a sharded step's manifest is checked against it before its
+    ``.metadata`` pickle is touched (for a full step the caller compares
+    ``Loaded.manifest_sha256``, as before).
+
+    A sharded (DCP) step loads whole: ``state_dict`` holds every tensor in
+    full under DCP's flattened keys, ``extra`` the non-tensor values under
+    theirs (see :mod:`registry.fs.dcpfiles`).
     """
     mapped = map_directory(directory, extras=extras, verify=verify)
     return parse_files(directory, mapped.buffers, trust_pickle=trust_pickle, map_location=map_location,
-                       mapped=mapped)
+                       mapped=mapped, expected_digest=expected_digest)
 
 
 __all__ = ["Extras", "Loaded", "MappedFiles", "assemble_shards", "check_extras", "check_file_digest",

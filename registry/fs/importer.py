@@ -35,13 +35,13 @@ from registry.fs.filemaps import assemble_shards, header_of, json_object, map_di
 from registry.format.manifest import (CONFIG, MANIFEST, META, WEIGHTS, WEIGHTS_INDEX, FileEntry, Manifest,
                                       check_file_name, digest_bytes, read_manifest)
 from registry.format.refs import MAX_STEP
+from registry.format.sharding import DCP_METADATA
 from registry.fs.store import Written, fsync_dir, now_timestamp
 from registry.format.tensorio import CHUNK, HashingWriter, sha256_file
 
 if TYPE_CHECKING:
     from registry.format.dcp_metadata import DcpFiles
 
-DCP_METADATA = ".metadata"  # registry.format.dcp_metadata.METADATA, without importing torch.distributed here
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -193,8 +193,8 @@ def stage(foreign: Foreign, staging: Path, *, move: bool, progress: ProgressFn |
         optimizer_step=int_field(meta, "optimizer_step") if old is None else old.optimizer_step,
         policy_version=int_field(meta, "policy_version") if old is None else old.policy_version,
         extra_fields={"imported": {"from": str(foreign.directory), "layout": foreign.layout,
-                                   "at": now_timestamp()},
-                      **({"layout": foreign.dcp.manifest_field()} if foreign.dcp is not None else {})},
+                                   "at": now_timestamp()}},
+        layout=foreign.dcp.layout() if foreign.dcp is not None else None,  # format version 2: a sharded step
     )
     raw = manifest.encode()
     with HashingWriter(staging / MANIFEST) as out:

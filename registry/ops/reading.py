@@ -250,7 +250,7 @@ def read_checked(access: Access, info: CheckpointInfo, *, verify: bool, map_loca
     lease = acquire_lease(access, info)
     try:
         loaded = read_directory(info.path, verify=verify, trust_pickle=trust_pickle, map_location=map_location,
-                                extras=extras)
+                                extras=extras, expected_digest=info.manifest_sha256)
     finally:
         access.catalog.release_lease(lease)
     check_digest(info, loaded.manifest_sha256)
@@ -267,7 +267,8 @@ def load(access: Access, ref: Ref, *, verify: bool, map_location: Any, trust_pic
             info = read.candidate()
             try:
                 loaded = read_directory(info.path, verify=verify, trust_pickle=trust_pickle,
-                                        map_location=map_location, extras=extras)
+                                        map_location=map_location, extras=extras,
+                                        expected_digest=info.manifest_sha256)
                 check_digest(info, loaded.manifest_sha256)
             except RegistryError as exc:
                 read.judge(exc)

@@ -1,0 +1,445 @@
+"""Sharded checkpoints: publish from every rank, load at any world size, on ``torch.distributed.checkpoint``.
+
+Publish (``Registry.publish(..., sharded=True)``), called by every rank of the group:
+
+0. *agree*: every rank's request (run, step, overwrite, verify) and any
+   argument error are gathered; an error anywhere is raised everywhere.
+   Metrics, tags, config, meta, epoch, consumed_samples and policy_version
+   are rank 0's; the other ranks' values are ignored.
+1. rank 0 claims the ``staging`` row and makes the staging directory inside
+   :func:`registry.ops.protocol.publish_sequence`, the one publish sequence,
+   and broadcasts the directory (or why it could not, which every rank raises).
+2. every rank writes its shards with ``dcp.save`` through a hashing writer
+   (:mod:`registry.fs.dcpfiles`): each file is hashed while written and
+   fsync'd; the digests are gathered on rank 0.
+3. rank 0 writes ``meta.json``, ``config.json`` and the manifest last, and
+   ``publish_sequence`` renames and commits as for any publish; the outcome
+   (the ``CheckpointInfo``, or the failure) is broadcast.
+
+A failure on any rank is raised on every rank as the same ``RegistryError``
+subclass (a failed write as ``PublishError``), after rank 0 removed the
+staging directory and released the row: nothing becomes visible. A rank
+that dies makes the others raise ``DistributedError`` within ``timeout`` for
+the registry's own collectives; DCP's collectives wait as long as the process
+group's timeout. ``fsck --repair`` cleans up after a crash of any rank.
+
+Load (``Registry.load_into``), called by every rank with its own template:
+rank 0 resolves the ref, holds the reader lease and sends the manifest and
+``.metadata`` bytes (checked against the catalog's digest); ``dcp.load``
+reshards into the templates from whatever world size and layout the step
+was saved with, while every rank checks its share of the data files' xxh3
+pieces on a thread beside it (the whole step is checked once, spread over the
+ranks; with ``trust_pickle=True`` the check finishes before any byte is
+read, since a full unpickler must never see bytes not yet checked). The load
+succeeds only when every share checked out; otherwise the templates hold
+whatever was read and the load fails, or a corrupt ``@latest`` falls back to
+an older step on every rank alike. Without a process group the same runs in
+one process.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from registry.crashpoints import crashpoint
+from registry.dist.collectives import Comm, Failure, as_timedelta, first_failure
+from registry.errors import (CorruptCheckpointError, DistributedError, InvalidStateError, ManifestError,
+                             PublishError, RegistryError)
+from registry.format.manifest import CONFIG, MANIFEST, META, Manifest, digest_bytes, parse_manifest
+from registry.format.sharding import DCP_METADATA, layout_of
+from registry.fs.dcpfiles import (check_share, checked_metadata, checked_reader, dcp_failures, hashing_writer,
+                                  load_planner, piece_share, quiet, unwrap, wanted, write_sharded_tail, write_threads)
+from registry.fs.filemaps import host_view, map_file, read_json
+from registry.fs.store import Payload, Written, now_timestamp
+from registry.fs.validation import check_flags, check_tags, checked_payload
+from registry.format.refs import check_run_name, check_step
+from registry.ops.reading import Access, CatalogRead, Fallback, report
+from registry.pools import Pool
+from registry.records import CheckpointInfo
+from registry.format.refs import Ref
+
+
+_CHECKS = Pool(1, "registry-sharded-check")
+
+
+class _Solo:
+    """The collectives of a group of one: a load without a process group runs the same code."""
+
+    rank = 0
+    world = 1
+    group = None
+
+    def broadcast_object(self, obj: Any, what: str) -> Any:
+        return obj
+
+    def all_gather_object(self, obj: Any, what: str) -> list[Any]:
+        return [obj]
+
+
+def comm_for(group: Any) -> Comm | _Solo:
+    """The group's collectives (no deadline yet, see :func:`set_timeout`), or a group of one without a process group."""
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        return _Solo()
+    return Comm(timeout=None, group=group)
+
+
+def set_timeout(comm: Comm | _Solo, timeout: float | timedelta | None) -> None:
+    """Give ``comm`` its per-collective deadline; a bad value raises here, inside the agreement's try."""
+    deadline = as_timedelta(timeout)
+    if isinstance(comm, Comm):
+        comm.timeout = deadline
+
+
+def agree(comm: Comm | _Solo, request: tuple[Any, ...], local: BaseException | None) -> None:
+    """Every rank's request and argument error; raise on every rank if any rank erred or asked differently."""
+    mine = Failure.of(local, comm.rank) if local is not None else None
+    gathered = comm.all_gather_object((request, mine), "agreeing on the request")
+    failure = first_failure([f for _, f in gathered])
+    if failure is not None:
+        raise failure.error()
+    if any(req != gathered[0][0] for req, _ in gathered):
+        described = "; ".join(f"rank {r}: {req}" for r, (req, _) in enumerate(gathered))
+        raise DistributedError(f"ranks made different sharded calls ({described}); every rank must pass the same "
+                               "ref or run and step, and the same options")
+
+
+# --------------------------------------------------------------------------- publish
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Wrote:
+    """What one rank's ``dcp.save`` produced, or how it failed."""
+
+    files: dict[str, Any] | None
+    tensors: tuple[str, ...] = ()
+    failure: Failure | None = None
+
+
+def _save_rank(comm: Comm | _Solo, staging: Path, state: Mapping[str, Any], *, where: str) -> _Wrote:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    # ranks on this host: torchrun says so; otherwise assume the whole group shares it (never oversubscribe)
+    here = os.environ.get("LOCAL_WORLD_SIZE", "")
+    writer = hashing_writer(staging, threads=write_threads(int(here) if here.isdigit() else comm.world))
+    try:
+        with quiet():
+            md = dcp.save(dict(state), storage_writer=writer, process_group=comm.group,
+                          no_dist=isinstance(comm, _Solo))
+    except dcp_failures() as exc:  # every rank hears of it
+        failed, cause = unwrap(exc)
+        text = str(cause).splitlines()[0] if str(cause) else type(cause).__name__
+        return _Wrote(files=None, failure=Failure.of(PublishError(
+            f"sharded write of {where} failed on rank {comm.rank if failed is None else failed}: "
+            f"{type(cause).__name__}: {text}",
+            path=staging), comm.rank))
+    tensors = tuple(k for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata))
+    return _Wrote(files=writer.written, tensors=tensors)
+
+
+def publish_sharded(comm: Comm | _Solo, *, run: str, step: int, state: Mapping[str, Any],
+                    request: tuple[Any, ...], local_error: BaseException | None,
+                    run_publish: Callable[[Callable[[Path], Written]], CheckpointInfo] | None,
+                    payload: Payload | None) -> CheckpointInfo:
+    """One sharded publish, on every rank (see the module docstring); ``run_publish`` etc. matter on rank 0 only.
+
+    ``run_publish(write)`` runs the publish sequence with ``write`` filling the staging directory.
+    """
+    agree(comm, request, local_error)
+    where = f"{run}@{step}"
+    if comm.rank != 0:
+        start = comm.broadcast_object(None, "waiting for the staging directory")
+        if isinstance(start, Failure):
+            raise start.error()
+        wrote = _save_rank(comm, Path(start), state, where=where)
+        if wrote.failure is None:
+            crashpoint("sharded-rank-after-write")
+        comm.all_gather_object(wrote, "gathering the files' digests")
+        done = comm.broadcast_object(None, "receiving the outcome of the publish")
+        if isinstance(done, Failure):
+            raise done.error()
+        return done
+
+    assert run_publish is not None and payload is not None
+    assert payload.meta_json is not None and payload.config_json is not None
+    meta_raw, config_raw = payload.meta_json, payload.config_json
+    started = False
+
+    def write(staging: Path) -> Written:
+        nonlocal started
+        comm.broadcast_object(str(staging), "sending the staging directory")
+        started = True
+        wrote = _save_rank(comm, staging, state, where=where)
+        gathered: list[_Wrote] = comm.all_gather_object(wrote, "gathering the files' digests")
+        failure = first_failure([w.failure for w in gathered])
+        if failure is not None:
+            raise failure.error()
+        crashpoint("sharded-after-gather")
+        entries: dict[str, Any] = {}
+        for w in gathered:
+            assert w.files is not None
+            for name, entry in w.files.items():
+                if name in entries:
+                    raise PublishError(f"two ranks wrote {name} for {where}", path=staging)
+                entries[name] = entry
+        if DCP_METADATA not in entries:
+            raise PublishError(f"the sharded write of {where} left no {DCP_METADATA}", path=staging)
+        return write_sharded_tail(staging, entries=entries, layout=layout_of(entries, comm.world),
+                                  tensors=wrote.tensors, meta=payload.meta, meta_raw=meta_raw, config_raw=config_raw)
+
+    outcome: CheckpointInfo | Failure
+    error: BaseException | None = None
+    try:
+        outcome = run_publish(write)
+    except DistributedError:
+        raise  # a peer is gone: nobody is listening for the outcome
+    except Exception as exc:  # noqa: BLE001 - every rank raises the same
+        outcome, error = Failure.of(exc, 0), exc
+    comm.broadcast_object(outcome, "sending the outcome of the publish" if started
+                          else "sending the staging directory")
+    if isinstance(outcome, Failure):
+        if isinstance(error, RegistryError):
+            raise error
+        raise outcome.error() from error
+    return outcome
+
+
+# --------------------------------------------------------------------------- load
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardedLoad:
+    """A sharded step loaded into the callers' templates (``state_dict`` is the template, now filled).
+
+    ``missing_keys``: flat keys of the template (within ``keys``) that the step
+    does not have; ``unexpected_keys``: flat keys of the step (within ``keys``)
+    that the template does not have. ``meta``, ``config`` and ``info`` are rank 0's.
+    """
+
+    state_dict: Any
+    step: int | None
+    info: CheckpointInfo | None
+    meta: dict[str, Any]
+    config: dict[str, Any]
+    epoch: int
+    consumed_samples: int
+    policy_version: int | None
+    missing_keys: tuple[str, ...]
+    unexpected_keys: tuple[str, ...]
+    fallback: Fallback | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Plan:
+    info: CheckpointInfo
+    manifest_raw: bytes
+    metadata_raw: bytes
+    meta: dict[str, Any]
+    config: dict[str, Any]
+    notes: tuple[str, ...]
+    fallback: Fallback | None
+
+
+def _read_plan(read: CatalogRead) -> _Plan:
+    """Rank 0: resolve and lease the next candidate, and read its manifest and ``.metadata``, both checked."""
+    while True:
+        info = read.candidate()
+        try:
+            manifest_raw = _read_small(info.path, MANIFEST)
+            manifest = parse_manifest(manifest_raw, path=info.path / MANIFEST)
+            if info.manifest_sha256 and digest_bytes(manifest_raw) != info.manifest_sha256:
+                raise CorruptCheckpointError(f"manifest of {info.path} does not match the catalog's record",
+                                             path=info.path, run=info.run, step=info.step)
+            if manifest.layout is None:
+                raise InvalidStateError(f"{info.run}@{info.step} is not a sharded checkpoint; load it with "
+                                        "Registry.load", run=info.run, step=info.step, path=info.path)
+            metadata_raw = _read_small(info.path, DCP_METADATA)
+            checked_metadata(info.path, manifest, metadata_raw)  # the sha256 check, before anyone unpickles
+            meta = read_json(info.path, META) if META in manifest.files else {}
+            config = read_json(info.path, CONFIG) if CONFIG in manifest.files else {}
+        except RegistryError as exc:
+            read.judge(exc)
+            continue
+        notes = tuple(read.notes)
+        read.notes.clear()
+        return _Plan(info=info, manifest_raw=manifest_raw, metadata_raw=metadata_raw, meta=meta, config=config,
+                     notes=notes, fallback=read.record(info))
+
+
+def _read_small(directory: Path, name: str) -> bytes:
+    error = ManifestError if name == MANIFEST else CorruptCheckpointError
+    return bytes(host_view(map_file(directory, name, error=error)))
+
+
+def _status(fn: Callable[[], Any], rank: int) -> tuple[Any, Failure | None]:
+    try:
+        return fn(), None
+    except DistributedError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - gathered, then raised on every rank alike
+        return None, Failure.of(exc, rank)
+
+
+def _settle(comm: Comm | _Solo, read: CatalogRead | None, mine: Failure | None, what: str) -> bool:
+    """Gather statuses; True to go round again with an older step, False when all are fine; else raise."""
+    statuses: list[Failure | None] = comm.all_gather_object(mine, what)
+    decision: Any = None
+    if comm.rank == 0:
+        failure = first_failure(statuses)
+        corrupt = next((s for s in statuses if s is not None and s.corrupt), None)
+        if corrupt is not None and read is not None:
+            try:
+                read.judge(corrupt.error())
+                decision = ("retry", tuple(read.notes))
+                read.notes.clear()
+            except Exception as exc:  # noqa: BLE001 - the load is over
+                decision = Failure.of(exc, 0)
+        elif failure is not None:
+            decision = failure
+    decision = comm.broadcast_object(decision, what)
+    if isinstance(decision, Failure):
+        raise decision.error()
+    if decision is not None:
+        for note in decision[1]:
+            warnings.warn(note, RuntimeWarning, stacklevel=4)
+        return True
+    return False
+
+
+def load_sharded(comm: Comm | _Solo, access: Access | None, ref: Ref | None, asked_for: str, state: Any, *,
+                 keys: Collection[str] | None,
+                 strict: bool, verify: bool, trust_pickle: bool, fallback: bool,
+                 local_error: BaseException | None = None) -> ShardedLoad:
+    """Load ``ref`` into every rank's ``state`` in place (see the module docstring); ``access`` is rank 0's."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    agree(comm, ("load", asked_for, tuple(sorted(keys)) if keys is not None else None, strict, verify,
+                 trust_pickle, fallback), local_error)
+    read = CatalogRead(access, ref, fallback=fallback) if comm.rank == 0 and access is not None and ref else None
+    flat, mappings = flatten_state_dict(state)
+    try:
+        while True:
+            plan: Any = None
+            if read is not None:
+                try:
+                    plan = _read_plan(read)
+                except Exception as exc:  # noqa: BLE001 - every rank must hear of it
+                    plan = Failure.of(exc, 0)
+            plan = comm.broadcast_object(plan, "sending the plan")
+            if isinstance(plan, Failure):
+                raise plan.error()
+            for note in plan.notes:
+                warnings.warn(note, RuntimeWarning, stacklevel=3)
+            directory = plan.info.path
+            manifest: Manifest = parse_manifest(plan.manifest_raw, path=directory / MANIFEST)
+
+            share = piece_share(manifest, comm.rank, comm.world) if verify else []
+            # the check runs while DCP reads, unless a full unpickler would meet bytes not yet checked
+            overlap = bool(share) and not trust_pickle
+
+            def check() -> Any:
+                md = checked_metadata(directory, manifest, plan.metadata_raw)
+                if share and not overlap:
+                    check_share(directory, manifest, share)
+                return md
+            md, mine = _status(check, comm.rank)
+            if _settle(comm, read, mine, "agreeing on the checksums"):
+                continue
+            saved = {k for k in md.state_dict_metadata if keys is None or wanted(k, keys)}
+            asked = {k for k in flat if keys is None or wanted(k, keys)}
+            missing, unexpected = tuple(sorted(asked - saved)), tuple(sorted(saved - asked))
+
+            def load() -> None:
+                if strict and (missing or unexpected):
+                    first = f"missing {missing[0]!r}" if missing else f"unexpected {unexpected[0]!r}"
+                    raise InvalidStateError(
+                        f"{plan.info.run}@{plan.info.step} does not match the state to load into ({first}; "
+                        f"{len(missing)} missing, {len(unexpected)} unexpected keys); pass strict=False "
+                        "to load the keys both have", run=plan.info.run, step=plan.info.step)
+                pending = _CHECKS.submit(check_share, directory, manifest, share) if overlap else None
+                try:
+                    _dcp_load(comm, directory, md, {k: flat[k] for k in asked & saved}, trust_pickle=trust_pickle)
+                except BaseException:
+                    if pending is not None:
+                        pending.result()  # damaged bytes are the verdict, not what DCP made of them
+                    raise
+                if pending is not None:
+                    pending.result()
+            _, mine = _status(load, comm.rank)
+            if _settle(comm, read, mine, "agreeing on the loaded state"):
+                continue
+            _write_back(state, flat, mappings, asked & saved)
+            if comm.rank == 0:
+                report(plan.fallback)
+            info = plan.info
+            return ShardedLoad(state_dict=state, step=info.step, info=info, meta=plan.meta, config=plan.config,
+                               epoch=info.epoch, consumed_samples=info.consumed_samples,
+                               policy_version=info.policy_version, missing_keys=missing,
+                               unexpected_keys=unexpected, fallback=plan.fallback)
+    finally:
+        if read is not None:
+            read.release()
+
+
+def _dcp_load(comm: Comm | _Solo, directory: Path, md: Any, flat: dict[str, Any], *, trust_pickle: bool) -> None:
+    import torch.distributed.checkpoint as dcp
+    try:
+        with quiet():
+            dcp.load(flat, storage_reader=checked_reader(directory, md),
+                     planner=load_planner(trust_pickle=trust_pickle), process_group=comm.group,
+                     no_dist=isinstance(comm, _Solo))
+    except dcp_failures() as exc:
+        _, cause = unwrap(exc)
+        if isinstance(cause, RegistryError):
+            raise cause from None
+        text = str(cause).splitlines()[0] if str(cause) else type(cause).__name__
+        if isinstance(cause, (ValueError, AssertionError)) and "ize" in text:  # a shape the template disagrees with
+            raise InvalidStateError(f"cannot load {directory} into this state: {text}", path=directory) from None
+        raise CorruptCheckpointError(f"cannot load the sharded checkpoint {directory}: {type(cause).__name__}: "
+                                     f"{text}", path=directory) from None
+
+
+def _write_back(state: Any, flat: dict[str, Any], mappings: Mapping[str, Any], loaded: set[str]) -> None:
+    """Non-tensor values are replaced, not copied into: put them back into the caller's nested state."""
+    from torch.distributed.checkpoint._traverse import get_element, set_element
+    for key in loaded:
+        value = flat[key]
+        if not isinstance(value, torch.Tensor) and get_element(state, mappings[key]) is not value:
+            set_element(state, mappings[key], value)
+
+
+def sharded_job(run: str, step: int, state: object, *, rank: int, extra: object, config: object, meta: object,
+                epoch: object, consumed_samples: object, policy_version: object, optimizer_step: object,
+                tags: Any, overwrite: object, verify: object, max_shard_size: object, blocking: object,
+                trust_pickle: object, sharded: object, **_: object) -> tuple[Payload | None, tuple[str, ...]]:
+    """Check a sharded publish's arguments; on rank 0 also build what ``meta.json`` and ``config.json`` hold."""
+    check_run_name(run)
+    check_step(step)
+    check_flags(overwrite=overwrite, verify=verify, blocking=blocking, trust_pickle=trust_pickle, sharded=sharded)
+    where = f"{run}@{step}"
+    if blocking is not True:
+        raise InvalidStateError(f"a sharded publish of {where} is collective and cannot be blocking=False")
+    if extra:
+        raise InvalidStateError(f"a sharded publish of {where} takes no extra: put those values into the state")
+    if max_shard_size is not None:
+        raise InvalidStateError(f"a sharded publish of {where} takes no max_shard_size: every rank writes its shards")
+    if not isinstance(state, Mapping) or not state or not all(isinstance(k, str) for k in state):
+        raise InvalidStateError(f"the state of a sharded publish of {where} must be a non-empty mapping with "
+                                "string keys, as get_state_dict gives it")
+    if rank != 0:
+        return None, ()
+    payload = checked_payload(step=step, state_dict={}, extra=None, config=config, meta=meta, epoch=epoch,
+                              consumed_samples=consumed_samples, optimizer_step=optimizer_step,
+                              policy_version=policy_version, max_shard_size=None, trust_pickle=False,
+                              timestamp=now_timestamp())
+    return payload, check_tags(tags)
+
+
+__all__ = ["ShardedLoad", "agree", "comm_for", "load_sharded", "publish_sharded", "set_timeout", "sharded_job"]
