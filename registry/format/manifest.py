@@ -137,16 +137,26 @@ def _int_or_none(doc: dict[str, Any], key: str, path: Path) -> int | None:
     return value
 
 
+def decode_json_object(raw: bytes, *, path: Path, what: str | None = None) -> dict[str, Any]:
+    """A checkpoint's JSON file (manifest, meta, config, index) as the object it must be, or one line why not.
+
+    ``what`` names it in the error (default: its path).
+    """
+    what = what or str(path)
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise ManifestError(f"{what} is not valid JSON", path=path) from None
+    if not isinstance(doc, dict):
+        raise ManifestError(f"{what} is not a JSON object", path=path)
+    return doc
+
+
 def parse_manifest(raw: bytes, *, path: Path) -> Manifest:
     """Validate a manifest's bytes. ``path`` is only used in error messages."""
     if len(raw) > MAX_MANIFEST_BYTES:
         raise ManifestError(f"manifest {path} is larger than {MAX_MANIFEST_BYTES} bytes", path=path)
-    try:
-        doc = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        raise ManifestError(f"manifest {path} is not valid JSON", path=path) from None
-    if not isinstance(doc, dict):
-        raise ManifestError(f"manifest {path} is not a JSON object", path=path)
+    doc = decode_json_object(raw, path=path, what=f"manifest {path}")
     version = doc.get("format_version")
     if version not in (FORMAT_VERSION, SHARDED_FORMAT_VERSION) or isinstance(version, bool):
         raise ManifestError(f"manifest {path} has unsupported format_version {version!r}", path=path)

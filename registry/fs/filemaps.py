@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import errno
 import io
-import json
 import mmap
 import os
 import pickle
@@ -43,7 +42,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from registry.errors import (CheckpointReadError, CorruptCheckpointError, ExtraNotFoundError, InvalidStateError,
                              ManifestError, RegistryError, SafetensorsFormatError, UnsafePickleError)
 from registry.format.manifest import (CONFIG, MANIFEST, MAX_JSON_BYTES, META, WEIGHTS, WEIGHTS_INDEX, FileEntry,
-                                      Manifest, check_file_name, digest_bytes, open_regular, parse_manifest)
+                                      Manifest, check_file_name, decode_json_object, digest_bytes, open_regular,
+                                      parse_manifest)
 from registry.format.pieces import first_mismatch
 from registry.format.tensorio import MAX_HEADER, SafetensorsHeader, hash_bytes, read_safetensors_header, tensors_in
 
@@ -265,13 +265,7 @@ def _check_listed_exists(directory: Path, name: str) -> None:
 def json_object(buf: torch.Tensor, path: Path) -> dict[str, Any]:
     if buf.numel() > MAX_JSON_BYTES:
         raise CorruptCheckpointError(f"{path} is larger than {MAX_JSON_BYTES} bytes", path=path)
-    try:
-        doc = json.loads(_host_bytes(buf).decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        raise ManifestError(f"{path} is not valid JSON", path=path) from None
-    if not isinstance(doc, dict):
-        raise ManifestError(f"{path} is not a JSON object", path=path)
-    return doc
+    return decode_json_object(_host_bytes(buf), path=path)
 
 
 def read_json(directory: Path, name: str) -> dict[str, Any]:

@@ -39,10 +39,9 @@ from typing import Any
 
 import xxhash
 
-from registry.errors import (CheckpointDeletedError, CheckpointReadError, CorruptCheckpointError, ManifestError,
-                             UnsafePathError)
+from registry.errors import (CheckpointDeletedError, CheckpointReadError, CorruptCheckpointError, UnsafePathError)
 from registry.format.manifest import (CONFIG, MANIFEST, MAX_JSON_BYTES, MAX_MANIFEST_BYTES, FileEntry, Manifest,
-                                      check_file_name, digest_bytes, parse_manifest)
+                                      check_file_name, decode_json_object, digest_bytes, parse_manifest)
 from registry.format.tensorio import read_safetensors_header
 from registry.ops.reading import Access
 from registry.records import HAS_PAYLOAD, CheckpointInfo
@@ -212,13 +211,7 @@ class _Side:
         self.bytes_read += len(raw)
         if len(raw) > MAX_JSON_BYTES:
             raise CorruptCheckpointError(f"{path} is larger than {MAX_JSON_BYTES} bytes", path=path)
-        try:
-            doc = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError, RecursionError):
-            raise ManifestError(f"{path} is not valid JSON", path=path) from None
-        if not isinstance(doc, dict):
-            raise ManifestError(f"{path} is not a JSON object", path=path)
-        return doc
+        return decode_json_object(raw, path=path)
 
     def read(self, loc: _Loc, start: int, size: int) -> bytearray:
         """Bytes ``start..start+size`` of tensor ``loc``, in a fresh (writable, for torch) buffer."""
