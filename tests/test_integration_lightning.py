@@ -200,6 +200,34 @@ def test_strategies_that_write_their_own_files_are_refused(tmp_path: Path) -> No
             ckpt.setup(trainer, Model(), "fit")
 
 
+class OneRank:
+    """What a sharded publish needs of Lightning's strategy, for a group of one: rank 0, broadcast as is."""
+
+    is_global_zero = True
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return obj
+
+
+def test_sharded_publish_refuses_parts_that_need_full_unpickling(tmp_path: Path) -> None:
+    from fractions import Fraction
+
+    from registry.integrations.lightning import META_KEY, split_plain
+    from registry.integrations.lightning_sharded import publish_checkpoint
+    checkpoint = {"epoch": 0, "global_step": 3, "state_dict": {"w": torch.ones(2)}, "loops": {"fit_loop": {"x": 1}},
+                  "callbacks": {"Mine": {"obj": Fraction(1, 3)}}, "optimizer_states": []}
+    with Registry.open(root=tmp_path / "root") as reg:
+        with pytest.raises(UnsafePickleError, match=r"Mine.*obj.*trust_pickle=True"):
+            publish_checkpoint(reg, OneRank(), run="p", step=3, checkpoint=checkpoint, split=split_plain,
+                               meta_key=META_KEY, trust_pickle=False, options={})
+        assert reg.runs() == []  # refused before anything was written
+        publish_checkpoint(reg, OneRank(), run="p", step=3, checkpoint=checkpoint, split=split_plain,
+                           meta_key=META_KEY, trust_pickle=True, options={})
+        got = reg.load("p@3", trust_pickle=True)
+        assert got.meta[META_KEY]["loops"] == {"fit_loop": {"x": 1}} and torch.equal(got.state_dict["model.w"],
+                                                                                     torch.ones(2))
+
+
 def test_non_plain_state_needs_trust_pickle(tmp_path: Path) -> None:
     from fractions import Fraction
 
