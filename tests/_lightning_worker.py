@@ -5,8 +5,10 @@ epochs, then run ``crash``, which SIGKILLs itself right after epoch 2's
 publish committed. ``... ROOT resume``: resumes ``crash`` from
 ``registry:crash@latest`` and ``full`` (whose newest step the test corrupted).
 ``... ROOT ddp``: one rank of a two-rank gloo job (the test sets the
-environment) that trains, then resumes from the registry. Each prints JSON
-lines of results.
+environment) that trains, then resumes from the registry. ``... ROOT
+fsdp-first`` / ``fsdp-resume``: one rank of a two-rank FSDP2 job
+(``ModelParallelStrategy``) that does the same as ``first`` / ``resume`` for
+runs ``shard-full`` and ``shard-crash``. Each prints JSON lines of results.
 """
 
 from __future__ import annotations
