@@ -5,8 +5,10 @@ epochs, then run ``crash``, which SIGKILLs itself right after epoch 2's
 publish committed. ``... ROOT resume``: resumes ``crash`` from
 ``registry:crash@latest`` and ``full`` (whose newest step the test corrupted).
 ``... ROOT ddp``: one rank of a two-rank gloo job (the test sets the
-environment) that trains, then resumes from the registry. Each prints JSON
-lines of results.
+environment) that trains, then resumes from the registry. ``... ROOT
+fsdp-first`` / ``fsdp-resume``: one rank of a two-rank FSDP2 job
+(``ModelParallelStrategy``) that does the same as ``first`` / ``resume`` for
+runs ``shard-full`` and ``shard-crash``. Each prints JSON lines of results.
 """
 
 from __future__ import annotations
@@ -89,7 +91,48 @@ def fit(reg: Registry, run: str, *, epochs: int = 4, kill: int | None = None, **
             "epoch": trainer.current_epoch}
 
 
+class ShardedModel(Model):
+    """``Model`` with FSDP2: every Linear and the whole net sharded over the data-parallel ranks."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.net:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(self.net, mesh=mesh)
+
+
+def fit_sharded(reg: Registry, run: str, *, kill: int | None = None) -> dict[str, Any]:
+    """Three epochs of two steps a rank under ModelParallelStrategy (FSDP2), publishing every epoch."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    torch.manual_seed(1)
+    ckpt = RegistryCheckpoint(reg, run, every_n_epochs=1, keep=KeepLast(2))
+    callbacks: list[pl.Callback] = [ckpt] + ([KillAfterEpoch(kill)] if kill is not None else [])
+    trainer = pl.Trainer(max_epochs=3, accelerator="cpu", devices=2, logger=False, enable_checkpointing=False,
+                         strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                         limit_val_batches=0, callbacks=callbacks, deterministic=True)
+    model = ShardedModel()
+    train, _ = data()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, train, ckpt_path=ckpt.resume_path())
+    return {"losses": model.losses, "resumed_at": ckpt.io.loaded_step, "rank": trainer.global_rank,
+            "fell_back": [str(w.message) for w in caught if "falling back" in str(w.message)]}
+
+
 def main(root: Path, mode: str) -> None:
+    if mode == "fsdp-first":
+        with Registry.open(root=root) as reg:
+            print(json.dumps({"full": fit_sharded(reg, "shard-full")}), flush=True)
+            fit_sharded(reg, "shard-crash", kill=1)
+        return
+    if mode == "fsdp-resume":
+        with Registry.open(root=root) as reg:
+            crash = fit_sharded(reg, "shard-crash")
+            print(json.dumps({"crash": crash, "full": fit_sharded(reg, "shard-full")}), flush=True)
+        return
     if mode == "ddp":
         with Registry.open(root=root) as reg:
             first = fit(reg, "ddp", epochs=2, devices=2, strategy="ddp")

@@ -210,3 +210,14 @@ def test_with_trust_pickle_damage_is_found_before_anything_is_read(reg: Registry
         reg.load_into("tp@1", into, trust_pickle=True)
     assert torch.equal(into["model"]["0.weight"], before)  # untouched: the check ran first
     assert reg.catalog.get("tp", 1).status == Status.CORRUPT  # type: ignore[union-attr]
+
+
+def test_load_into_replaces_non_tensor_values(reg: Registry) -> None:
+    """Non-tensor values (an optimizer's lr, counters, bytes) come back into the caller's state, not only tensors."""
+    state = state_of(1)
+    state["optim"]["param_groups"][0]["lr"] = 0.25
+    reg.publish("nt", 1, {**state, "count": 7, "blob": b"saved", "nested": {"name": "saved"}}, sharded=True)
+    into = {**state_of(2), "count": 0, "blob": b"", "nested": {"name": ""}}
+    reg.load_into("nt@1", into)
+    assert into["optim"]["param_groups"][0]["lr"] == 0.25
+    assert (into["count"], into["blob"], into["nested"]) == (7, b"saved", {"name": "saved"})

@@ -365,7 +365,9 @@ def load_sharded(comm: Comm | _Solo, access: Access | None, ref: Ref | None, ask
                         "to load the keys both have", run=plan.info.run, step=plan.info.step)
                 pending = _CHECKS.submit(check_share, directory, manifest, share) if overlap else None
                 try:
-                    _dcp_load(comm, directory, md, {k: flat[k] for k in asked & saved}, trust_pickle=trust_pickle)
+                    subset = {k: flat[k] for k in asked & saved}
+                    _dcp_load(comm, directory, md, subset, trust_pickle=trust_pickle)
+                    flat.update(subset)  # DCP puts non-tensor values into the dict it was given
                 except BaseException:
                     if pending is not None:
                         pending.result()  # damaged bytes are the verdict, not what DCP made of them

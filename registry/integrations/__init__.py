@@ -2,7 +2,9 @@
 
 - :mod:`registry.integrations.lightning`: a PyTorch Lightning callback that
   publishes, and a ``CheckpointIO`` plugin that resumes from
-  ``ckpt_path="registry:RUN@latest"`` (extra ``checkpoint-registry[lightning]``).
+  ``ckpt_path="registry:RUN@latest"`` (extra ``checkpoint-registry[lightning]``);
+  under ``ModelParallelStrategy`` (FSDP2) every rank publishes and resumes its
+  own shard (:mod:`registry.integrations.lightning_sharded`).
 - :mod:`registry.integrations.transformers`: a Hugging Face ``TrainerCallback``
   that publishes every save, and ``resume_from()`` for
   ``trainer.train(resume_from_checkpoint=...)`` (extra ``checkpoint-registry[transformers]``).

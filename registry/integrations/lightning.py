@@ -33,8 +33,13 @@ full unpickling is refused with ``UnsafePickleError`` unless
 Distributed (DDP): global rank 0 publishes (Lightning's strategy calls the
 ``CheckpointIO`` there only) and every rank waits at the barrier after it;
 a resume loads with ``broadcast=True``, so rank 0 resolves and verifies one
-step and every rank restores that very step. Sharded strategies (FSDP,
-DeepSpeed) are not handled here.
+step and every rank restores that very step.
+
+Sharded (``ModelParallelStrategy``: FSDP2, tensor parallel): every rank
+publishes its shard collectively with ``publish(..., sharded=True)`` and a
+resume loads every rank's shard with ``load_into``, resharding from any world
+size; see :mod:`registry.integrations.lightning_sharded`. ``FSDPStrategy``
+and ``DeepSpeedStrategy`` are refused at ``setup``.
 """
 
 from __future__ import annotations
@@ -83,24 +88,40 @@ def _is_plain(value: Any) -> bool:
     return False
 
 
-def split_checkpoint(checkpoint: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any],
-                                                              dict[str, Any]]:
-    """Lightning's checkpoint as (weights, the JSON parts, the extras)."""
+def split_plain(parts: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Parts of Lightning's checkpoint as (the JSON parts, the rest)."""
     plain: dict[str, Any] = {}
     rest: dict[str, Any] = {}
-    extra: dict[str, Any] = {}
-    for key, value in checkpoint.items():
-        if key == "state_dict":
-            continue
-        if key == "optimizer_states":
-            extra[EXTRA_OPTIMIZERS] = value
-        elif _is_plain(value):
+    for key, value in parts.items():
+        if _is_plain(value):
             plain[key] = dict(value) if isinstance(value, dict) else value
         else:
             rest[key] = value
+    return plain, rest
+
+
+def split_checkpoint(checkpoint: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any],
+                                                              dict[str, Any]]:
+    """Lightning's checkpoint as (weights, the JSON parts, the extras)."""
+    plain, rest = split_plain({k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")})
+    extra: dict[str, Any] = {}
+    if "optimizer_states" in checkpoint:
+        extra[EXTRA_OPTIMIZERS] = checkpoint["optimizer_states"]
     if rest:
         extra[EXTRA_REST] = rest
     return dict(checkpoint.get("state_dict", {})), plain, extra
+
+
+def _step_target(path: str) -> tuple[str, int]:
+    ref = parse_ref(path[len(PREFIX):])
+    if ref.kind != "step" or ref.step is None:
+        raise InvalidStateError(f"save to {path!r}: name one step, as registry:RUN@STEP")
+    return ref.run, ref.step
+
+
+def _trust_hint(exc: UnsafePickleError) -> UnsafePickleError:
+    return UnsafePickleError(f"{exc}; for Lightning pass RegistryCheckpoint(..., trust_pickle=True) "
+                             "(or RegistryCheckpointIO(..., trust_pickle=True))")
 
 
 class RegistryCheckpointIO(CheckpointIO):
@@ -117,20 +138,17 @@ class RegistryCheckpointIO(CheckpointIO):
         if not is_registry_path(path):
             self.wrapped.save_checkpoint(checkpoint, path, storage_options=storage_options)
             return
-        ref = parse_ref(path[len(PREFIX):])
-        if ref.kind != "step" or ref.step is None:
-            raise InvalidStateError(f"save to {path!r}: name one step, as registry:RUN@STEP")
+        run, step = _step_target(path)
         options = dict(storage_options or {})
         state, plain, extra = split_checkpoint(checkpoint)
         try:
             self.registry.publish(
-                ref.run, ref.step, state, extra=extra, meta={META_KEY: plain},
+                run, step, state, extra=extra, meta={META_KEY: plain},
                 config=plain.get("hyper_parameters") or {}, epoch=int(checkpoint.get("epoch", 0)),
-                optimizer_step=int(checkpoint.get("global_step", ref.step)), trust_pickle=self.trust_pickle,
+                optimizer_step=int(checkpoint.get("global_step", step)), trust_pickle=self.trust_pickle,
                 **options)
         except UnsafePickleError as exc:
-            raise UnsafePickleError(f"{exc}; for Lightning pass RegistryCheckpoint(..., trust_pickle=True) "
-                                    "(or RegistryCheckpointIO(..., trust_pickle=True))") from None
+            raise _trust_hint(exc) from None
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
@@ -141,8 +159,7 @@ class RegistryCheckpointIO(CheckpointIO):
             ckpt = self.registry.load(path[len(PREFIX):], broadcast=broadcast, trust_pickle=self.trust_pickle,
                                       map_location="cpu" if map_location is None else map_location)
         except UnsafePickleError as exc:
-            raise UnsafePickleError(f"{exc}; for Lightning pass RegistryCheckpoint(..., trust_pickle=True) "
-                                    "(or RegistryCheckpointIO(..., trust_pickle=True))") from None
+            raise _trust_hint(exc) from None
         out: dict[str, Any] = dict(ckpt.meta.get(META_KEY) or {})
         out.update(ckpt.extra.get(EXTRA_REST) or {})
         out["state_dict"] = ckpt.state_dict
@@ -150,6 +167,31 @@ class RegistryCheckpointIO(CheckpointIO):
             out["optimizer_states"] = ckpt.extra[EXTRA_OPTIMIZERS]
         self.loaded_step = ckpt.step
         return out
+
+    def attach_sharded(self, trainer: pl.Trainer) -> None:
+        """Take ``registry:`` paths under a sharded strategy, which calls no ``CheckpointIO`` (see
+        :mod:`registry.integrations.lightning_sharded`): every rank publishes and loads its own shard."""
+        from registry.integrations import lightning_sharded as sharded
+        strategy = trainer.strategy
+
+        def save(checkpoint: dict[str, Any], path: str, storage_options: Any) -> None:
+            run, step = _step_target(path)
+            try:
+                sharded.publish_checkpoint(self.registry, strategy, run=run, step=step,
+                                           checkpoint=checkpoint, split=split_plain, meta_key=META_KEY,
+                                           trust_pickle=self.trust_pickle, options=dict(storage_options or {}))
+            except UnsafePickleError as exc:
+                raise _trust_hint(exc) from None
+
+        def load(path: str) -> dict[str, Any]:
+            try:
+                out, self.loaded_step = sharded.load_checkpoint(self.registry, trainer, path[len(PREFIX):],
+                                                                meta_key=META_KEY, trust_pickle=self.trust_pickle)
+            except UnsafePickleError as exc:
+                raise _trust_hint(exc) from None
+            return out
+
+        sharded.route_registry_paths(strategy, save=save, load=load, is_registry_path=is_registry_path)
 
     def remove_checkpoint(self, path: Any) -> None:
         if not is_registry_path(path):  # the registry's retention removes steps, never Lightning
@@ -220,12 +262,19 @@ class RegistryCheckpoint(pl.Callback):
     # ------------------------------------------------------------------ hooks
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        from registry.integrations.lightning_sharded import sharded_strategy
+        sharded = sharded_strategy(trainer.strategy)
+        if sharded and not self.blocking:
+            raise InvalidStateError(f"RegistryCheckpoint({self.run!r}) under {type(trainer.strategy).__name__} "
+                                    "publishes collectively, so blocking=False does not apply")
         current = trainer.strategy.checkpoint_io
         if isinstance(current, RegistryCheckpointIO):
             self.io = current  # the user's own, passed as a plugin
         else:
             self.io.wrapped = current
             trainer.strategy.checkpoint_io = self.io
+        if sharded:
+            self.io.attach_sharded(trainer)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """After a resume from the registry: steps above the resumed one belong to the abandoned timeline.
