@@ -13,13 +13,18 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from registry.api import Registry, VerifyResult
+    from registry.catalog.lineage import LineageHop
     from registry.checkpoint import Checkpoint
+    from registry.dist.sharded import ShardedLoad
     from registry.errors import (AsyncPublishError, CatalogError, CheckpointDeletedError, CheckpointNotFoundError,
-                                 CheckpointReadError, CorruptCheckpointError, DistributedError, ExtraNotFoundError,
+                                 CheckpointReadError, CorruptCheckpointError, DcpMetadataError, DistributedError,
+                                 ExtraNotFoundError,
                                  InvalidNameError, InvalidRefError, InvalidStateError, ManifestError, PolicyError,
                                  PublishError, ReadOnlyError, RegistryError, RootError, RootMismatchError,
                                  SafetensorsFormatError, SchemaTooNewError, StepExistsError, UnknownMetricError,
                                  UnsafePathError, UnsafePickleError)
+    from registry.ops.diff import CheckpointDiff
+    from registry.ops.export import Checkout, Exported
     from registry.records import CheckpointInfo, EventInfo, MetricPoint, RunInfo
     from registry.format.refs import Ref, parse_ref
 
@@ -27,9 +32,9 @@ __version__ = "0.1.0"
 
 _ERRORS = (
     "AsyncPublishError", "CatalogError", "CheckpointDeletedError", "CheckpointNotFoundError", "CheckpointReadError",
-    "CorruptCheckpointError", "DistributedError", "ExtraNotFoundError", "InvalidNameError", "InvalidRefError",
-    "InvalidStateError", "ManifestError", "PolicyError", "PublishError", "ReadOnlyError", "RegistryError",
-    "RootError", "RootMismatchError", "SafetensorsFormatError", "SchemaTooNewError", "StepExistsError",
+    "CorruptCheckpointError", "DcpMetadataError", "DistributedError", "ExtraNotFoundError", "InvalidNameError",
+    "InvalidRefError", "InvalidStateError", "ManifestError", "PolicyError", "PublishError", "ReadOnlyError",
+    "RegistryError", "RootError", "RootMismatchError", "SafetensorsFormatError", "SchemaTooNewError", "StepExistsError",
     "UnknownMetricError", "UnsafePathError", "UnsafePickleError",
 )
 
@@ -40,17 +45,20 @@ _HOMES: dict[str, str] = {
     "CheckpointInfo": "registry.records", "EventInfo": "registry.records", "MetricPoint": "registry.records",
     "RunInfo": "registry.records",
     "Ref": "registry.format.refs", "parse_ref": "registry.format.refs",
+    "LineageHop": "registry.catalog.lineage", "CheckpointDiff": "registry.ops.diff",
+    "Checkout": "registry.ops.export", "Exported": "registry.ops.export", "ShardedLoad": "registry.dist.sharded",
     **{name: "registry.errors" for name in _ERRORS},
 }
 
 # spelled out (not computed) so that type checkers see what the package exports
 __all__ = [
-    "AsyncPublishError", "CatalogError", "Checkpoint", "CheckpointDeletedError", "CheckpointInfo",
-    "CheckpointNotFoundError", "CheckpointReadError", "CorruptCheckpointError", "DistributedError", "EventInfo",
-    "ExtraNotFoundError", "InvalidNameError", "InvalidRefError", "InvalidStateError", "ManifestError", "MetricPoint",
-    "PolicyError", "PublishError", "ReadOnlyError", "Ref", "Registry", "RegistryError", "RootError",
-    "RootMismatchError", "RunInfo", "SafetensorsFormatError", "SchemaTooNewError", "StepExistsError",
-    "UnknownMetricError", "UnsafePathError", "UnsafePickleError", "VerifyResult", "parse_ref",
+    "AsyncPublishError", "CatalogError", "Checkpoint", "CheckpointDeletedError", "CheckpointDiff", "CheckpointInfo",
+    "CheckpointNotFoundError", "CheckpointReadError", "Checkout", "CorruptCheckpointError", "DcpMetadataError",
+    "DistributedError", "EventInfo", "Exported", "ExtraNotFoundError", "InvalidNameError", "InvalidRefError",
+    "InvalidStateError", "LineageHop", "ManifestError", "MetricPoint", "PolicyError", "PublishError",
+    "ReadOnlyError", "Ref", "Registry", "RegistryError", "RootError", "RootMismatchError", "RunInfo",
+    "SafetensorsFormatError", "SchemaTooNewError", "ShardedLoad", "StepExistsError", "UnknownMetricError",
+    "UnsafePathError", "UnsafePickleError", "VerifyResult", "parse_ref",
 ]
 
 
