@@ -425,8 +425,6 @@ def sharded_job(run: str, step: int, state: object, *, rank: int, extra: object,
     check_step(step)
     check_flags(overwrite=overwrite, verify=verify, blocking=blocking, trust_pickle=trust_pickle, sharded=sharded)
     where = f"{run}@{step}"
-    if blocking is not True:
-        raise InvalidStateError(f"a sharded publish of {where} is collective and cannot be blocking=False")
     if extra:
         raise InvalidStateError(f"a sharded publish of {where} takes no extra: put those values into the state")
     if max_shard_size is not None:
