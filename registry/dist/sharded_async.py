@@ -122,23 +122,39 @@ class PublishGroups:
 
     :meth:`comm` is collective over the trainer's group the first time (all
     its ranks create the new group together, in the caller's thread); later
-    calls only look it up. The groups live as long as the process group.
+    calls only look it up. A new group has the trainer group's timeout, which
+    bounds DCP's collectives as in a blocking publish; the registry's own keep
+    the call's ``timeout``. The groups live as long as the process group.
     """
 
     def __init__(self) -> None:
         self._groups: dict[tuple[int, ...], Any] = {}
 
-    def comm(self, comm: Comm | _Solo, timeout: timedelta | None) -> Comm | _Solo:
+    def comm(self, comm: Comm | _Solo) -> Comm | _Solo:
         if isinstance(comm, _Solo):
             return comm
         ranks = tuple(dist.get_process_group_ranks(comm.group) if comm.group is not None
                       else range(dist.get_world_size()))
         group = self._groups.get(ranks)
         if group is None:
+            timeout = _group_timeout(comm.group)
             options: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
             group = dist.new_group(ranks=list(ranks), backend="gloo", use_local_synchronization=True, **options)
             self._groups[ranks] = group
         return Comm(timeout=comm.timeout, group=group)
+
+
+def _group_timeout(group: Any) -> timedelta | None:
+    """The trainer group's own timeout, which DCP's collectives then keep (None: torch's default)."""
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    for device in ("cpu", "cuda"):
+        try:
+            timeout = pg._get_backend(torch.device(device)).options._timeout
+        except (RuntimeError, AttributeError, ValueError):
+            continue
+        if isinstance(timeout, timedelta):
+            return timeout
+    return None
 
 
 def publish_in_background(comm: Comm | _Solo, groups: PublishGroups, *, run: str, step: int,
@@ -157,7 +173,7 @@ def publish_in_background(comm: Comm | _Solo, groups: PublishGroups, *, run: str
     try:
         agree(comm, request, local_error)
         assert snap is not None  # a rank without a snapshot raised its error in the agreement
-        background = groups.comm(comm, comm.timeout if isinstance(comm, Comm) else None)
+        background = groups.comm(comm)
     except BaseException:
         if snap is not None:
             snap.release()
