@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     import torch
 
     from registry.dist.sharded import ShardedLoad
+    from registry.dist.sharded_async import PublishGroups
     from registry.ops.diff import CheckpointDiff
     from registry.ops.export import Checkout, Exported
     from registry.ops.fsck import FsckReport
@@ -118,6 +119,7 @@ class Registry:
         self._lock = threading.RLock()  # buffered metrics and attempts, shared with the background publisher
         self._background = BackgroundPublisher()
         self._snapshots = Snapshotter()
+        self._publish_groups: PublishGroups | None = None  # background sharded publishes' groups, made on first use
 
     @classmethod
     def open(cls, url: str | None = None, root: str | os.PathLike[str] | None = None, *,
@@ -286,6 +288,10 @@ class Registry:
         ``extra`` and ``max_shard_size`` do not apply; metrics, tags, meta,
         config and the numbers are rank 0's. ``timeout`` bounds each of the
         registry's own collectives. Returns the same ``CheckpointInfo`` on every rank.
+        With ``blocking=False`` every rank copies its shards and returns a
+        future; the publish runs in the background on a gloo group of its own
+        (see :mod:`registry.dist.sharded_async`), and every rank's future
+        holds the same ``CheckpointInfo`` or raises the same error.
         """
         if sharded is not False:
             return self._publish_sharded(run, step, state_dict, group=group, timeout=timeout, parent=parent,
@@ -326,30 +332,64 @@ class Registry:
         return LineageRecord(how="forked", parent_run=origin.run, parent_step=origin.step)
 
     def _publish_sharded(self, run: str, step: int, state_dict: Any, *, group: Any, timeout: float | None,
-                         parent: str | Ref | None, **options: Any) -> CheckpointInfo:
-        """``publish(..., sharded=True)``: checks on every rank, then the collective publish."""
+                         parent: str | Ref | None, **options: Any) -> CheckpointInfo | Future[CheckpointInfo]:
+        """``publish(..., sharded=True)``: checks on every rank, then the collective publish, here or queued.
+
+        Every rank waits for (blocking) or checks (``blocking=False``) its own
+        background queue first, and its failure goes through the agreement,
+        so every rank raises it alike.
+        """
         from registry.dist.sharded import comm_for, publish_sharded, set_timeout, sharded_job
+        from registry.dist.sharded_async import PublishGroups, publish_in_background, snapshot_sharded
         comm = comm_for(group)
+        if self._publish_groups is None:
+            self._publish_groups = PublishGroups()
+        background = options["blocking"] is False
         job: _PublishJob | None = None
-        error: RegistryError | None = None
+        error: BaseException | None = None
+        snap = None
+        key = (run, step)
+        queued = False
         try:
             set_timeout(comm, timeout)
             payload, tags = sharded_job(run, step, state_dict, rank=comm.rank, **options)
             self._check_retention(options["retention"])
-            if payload is not None:
+            if not background:
                 self._background.wait()
-                self._background.raise_error()
+            self._background.raise_error()
+            if payload is not None:
                 job = _PublishJob(run=run, step=step, overwrite=options["overwrite"],
                                   final=self.store.step_dir(run, step), payload=payload, verify=options["verify"],
                                   new_metrics=tuple(_check_metrics(run, step, options["metrics"])),
                                   tags=tags, retention=options["retention"], lineage=self._parent_lineage(parent))
+                if background:
+                    with self._lock:
+                        if key in self._queued:
+                            raise StepExistsError(f"{run}@{step} is already queued for publishing", run=run, step=step)
+                        self._queued.add(key)
+                        queued = True
+                    self.catalog.check_claimable(run, step, overwrite=job.overwrite, writer_alive=writer_alive)
+            if background:
+                snap = snapshot_sharded(self._snapshots, state_dict)
         except RegistryError as exc:
             error = exc
+        except Exception as exc:  # noqa: BLE001 - a failed copy (out of memory): every rank hears of it
+            error = exc
+        request = ("publish", repr(run), repr(step), repr(options["overwrite"]), repr(options["verify"]),
+                   repr(options["blocking"]))
+        run_publish = (lambda write: self._run_publish(job, write=write)) if job else None
+        if background:
+            def finished() -> None:
+                if queued:
+                    with self._lock:
+                        self._queued.discard(key)
+            return publish_in_background(comm, self._publish_groups, run=run, step=step, request=request,
+                                         local_error=error, snap=snap, run_publish=run_publish,
+                                         payload=job.payload if job else None, submit=self._background.submit,
+                                         finished=finished)
         return publish_sharded(
             comm, run=run, step=step, state=state_dict if isinstance(state_dict, Mapping) else {},
-            request=("publish", repr(run), repr(step), repr(options["overwrite"]), repr(options["verify"])),
-            local_error=error, run_publish=(lambda write: self._run_publish(job, write=write)) if job else None,
-            payload=job.payload if job else None)
+            request=request, local_error=error, run_publish=run_publish, payload=job.payload if job else None)
 
     def _run_publish(self, job: _PublishJob, *, write: Callable[[Path], Written] | None = None) -> CheckpointInfo:
         """The publish sequence (on the caller's thread, or the background publisher's).

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import sqlite3
 import sys
 import warnings
 from datetime import timedelta
@@ -56,12 +57,17 @@ def build(seed: int, *, fsdp: bool, world: int) -> tuple[nn.Module, torch.optim.
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train(model, opt, seed)
+    return model, opt
+
+
+def train(model: nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
+    """One training step: changes every parameter and the optimizer's moments in place."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randint(0, 24, (4, 6), generator=g)
     model(x).sum().backward()
     opt.step()
     opt.zero_grad()
-    return model, opt
 
 
 def full_fingerprint(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[str | None, dict[str, Any] | None]:
@@ -106,12 +112,50 @@ def main() -> None:
                     state["new"] = torch.zeros(3)
                 if sc.get("drop_counter"):
                     del state["counter"]
-                if sc["op"] == "publish":
-                    if sc.get("bad_rank") == rank:
-                        state["bad"] = lambda: None  # cannot be pickled: this rank's write fails
+                if sc.get("bad_rank") == rank:
+                    state["bad"] = lambda: None  # cannot be pickled: this rank's write fails
+                if sc["op"] == "publish-async":  # publishes in a row, each followed by a training step
+                    futures, fps = [], []
+                    for i, step in enumerate(sc["steps"]):
+                        # rank 0 holds the catalog's write lock until every rank has trained: the background
+                        # claim waits for it, so no rank writes a byte before its state changed
+                        lock = sqlite3.connect(url.removeprefix("sqlite:///"), isolation_level=None)
+                        if rank == 0:
+                            lock.execute("BEGIN IMMEDIATE")
+                        futures.append(reg.publish(sc["run"], step, state, sharded=True, blocking=False,
+                                                   timeout=timeout, group=group, metrics={"loss": 1.0 + rank}))
+                        fp, full = full_fingerprint(model, opt)  # FSDP's collectives while the publish runs
+                        if full is not None:
+                            torch.save(full, out / f"full-{sc['run']}-{step}.pt")
+                        fps.append(fp)
+                        train(model, opt, 100 + i)
+                        dist.barrier()
+                        lock.close()  # rolls back: the claim goes ahead
+                    outcomes: list[dict[str, Any]] = []
+                    for future in futures:
+                        try:
+                            outcomes.append({"ok": True, "step": future.result(timeout=120).step})
+                        except Exception as exc:
+                            outcomes.append({"ok": False, "type": type(exc).__name__, "msg": str(exc)})
+                    try:
+                        reg.wait()
+                        waited = "ok"
+                    except Exception as exc:
+                        waited = type(exc).__name__
+                    results[name] = {"ok": True, "futures": outcomes, "fps": fps, "wait": waited}
+                elif sc["op"] == "publish":
                     info = reg.publish(sc["run"], sc["step"], state, sharded=True, timeout=timeout,
                                        group=group, metrics={"loss": 1.0 + rank}, tags=sc.get("tags", ()),
-                                       config={"rank": rank}, epoch=rank, policy_version=sc.get("policy"))
+                                       config={"rank": rank}, epoch=rank, policy_version=sc.get("policy"),
+                                       blocking=not sc.get("async"))
+                    if sc.get("async"):
+                        try:
+                            info = info.result(timeout=120)
+                        finally:
+                            try:
+                                reg.wait()
+                            except Exception:  # the future's error, once more
+                                pass
                     fp, full = full_fingerprint(model, opt)
                     if full is not None:
                         torch.save(full, out / f"full-{sc['run']}-{sc['step']}.pt")

@@ -33,6 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 DEADLINE_S = 240  # a hang detector for a whole group, far above the per-collective timeouts
 KILLS = (("sharded-rank-after-write", 1, "k1"), ("sharded-after-gather", 0, "k2"), ("after-rename", 0, "k3"),
          ("after-claim", 0, "k4"))
+ASYNC_KILL = ("sharded-rank-after-write", 1, "k5")
 
 
 def _free_port() -> int:
@@ -88,6 +89,10 @@ def groups(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequ
         {"name": "partial", "op": "load", "ref": "f@1", "seed": 2, "keys": ["model", "counter", "new"],
          "strict": False, "add_key": True, "drop_counter": True},
         {"name": "strict-mismatch", "op": "load", "ref": "f@1", "seed": 2, "add_key": True},
+        {"name": "async", "op": "publish-async", "run": "a", "steps": [1, 2], "seed": 11},
+        {"name": "async-load-1", "op": "load", "ref": "a@1", "seed": 2},
+        {"name": "async-load-2", "op": "load", "ref": "a@2", "seed": 2},
+        {"name": "async-raise-rank1", "op": "publish-async", "run": "ha", "steps": [1], "bad_rank": 1},
         {"name": "after-errors", "op": "publish", "run": "h", "step": 3, "seed": 4},
         {"name": "full-broadcast", "op": "full-broadcast", "ref": "f@1", "strategy": "broadcast"},
         {"name": "group-publish", "op": "publish", "run": "grp", "step": 1, "seed": 8, "group": True},
@@ -106,7 +111,11 @@ def groups(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequ
                      {"name": "round-trip", "op": "load", "ref": "f@latest", "seed": 2}]
         got, codes, _ = launch(base, 2, [*first, {"name": "kill", "op": "publish", "run": run, "step": 1,
                                                   "seed": 7, "crash": {"rank": rank, "at": at}}], where=where)
-        kills[at] = {"results": got, "codes": codes, "rank": rank, "run": run, "where": where}
+        kills[at] = {"results": got, "codes": codes, "rank": rank, "run": run, "where": where, "at": at}
+    at, rank, run = ASYNC_KILL  # the same kill inside a background publish
+    got, codes, _ = launch(base, 2, [{"name": "kill", "op": "publish", "run": run, "step": 1, "seed": 7,
+                                      "async": True, "crash": {"rank": rank, "at": at}}])
+    kills["async"] = {"results": got, "codes": codes, "rank": rank, "run": run, "where": None, "at": at}
     return {"base": base, "two": two, "four": four, "kills": kills, "outs": (out2, out4), "pg": pg}
 
 
@@ -231,6 +240,36 @@ def test_a_rank_raising_mid_write_fails_every_rank_alike(groups: dict[str, Any],
         assert [r["after-errors"]["ok"] for r in groups["two"]] == [True, True]
 
 
+def test_async_publishes_commit_the_state_of_each_call(groups: dict[str, Any]) -> None:
+    """The trainer takes a step right after each publish returns: the steps hold the states of the calls."""
+    got = [r["async"] for r in groups["two"]]
+    assert all(g["ok"] for g in got), got
+    assert [g["futures"] for g in got] == [[{"ok": True, "step": 1}, {"ok": True, "step": 2}]] * 2
+    assert [g["wait"] for g in got] == ["ok", "ok"]
+    fps = got[0]["fps"]
+    assert fps[0] != fps[1]
+    loaded = [[r[f"async-load-{step}"] for r in groups["two"]] for step in (1, 2)]
+    assert all(g["ok"] for g in loaded[0] + loaded[1]), loaded
+    assert [loaded[0][0]["fp"], loaded[1][0]["fp"]] == fps
+    with _open(groups["base"]) as reg:
+        assert [i.step for i in reg.checkpoints("a")] == [1, 2]
+        first, second = reg.resolve("a@1"), reg.resolve("a@2")
+        assert first.status == second.status == Status.VERIFIED and first.created_at <= second.created_at
+
+
+def test_a_background_failure_on_one_rank_reaches_every_rank(groups: dict[str, Any]) -> None:
+    got = [r["async-raise-rank1"] for r in groups["two"]]
+    assert all(g["ok"] for g in got), got
+    futures = [g["futures"][0] for g in got]
+    assert [f["type"] for f in futures] == ["PublishError"] * 2, futures
+    assert futures[0]["msg"] == futures[1]["msg"] and "failed on rank 1" in futures[0]["msg"]
+    assert [g["wait"] for g in got] == ["AsyncPublishError"] * 2  # raised once more by the next call
+    with _open(groups["base"]) as reg:
+        row = reg.catalog.get("ha", 1)
+        assert row is not None and row.status == Status.FAILED
+        assert [p for p in (groups["base"] / "ckpt" / "ha").iterdir() if p.name.startswith(".")] == []
+
+
 @pytest.mark.parametrize("name,error", [("mismatched-refs", "DistributedError"), ("exists", "StepExistsError"),
                                         ("strict-mismatch", "InvalidStateError"),
                                         ("bad-timeout", "InvalidStateError")])
@@ -248,9 +287,10 @@ def test_partial_load_reports_missing_and_unexpected_keys(groups: dict[str, Any]
     assert "missing 'new'" in groups["two"][0]["strict-mismatch"]["msg"]
 
 
-@pytest.mark.parametrize("at", [k[0] for k in KILLS])
-def test_a_rank_killed_at_a_phase_leaves_nothing_half_visible(groups: dict[str, Any], at: str) -> None:
-    kill = groups["kills"][at]
+@pytest.mark.parametrize("key", [*(k[0] for k in KILLS), "async"])
+def test_a_rank_killed_at_a_phase_leaves_nothing_half_visible(groups: dict[str, Any], key: str) -> None:
+    kill = groups["kills"][key]
+    at = kill["at"]
     results, codes, dead, run = kill["results"], kill["codes"], kill["rank"], kill["run"]
     assert codes[dead] == -9, codes
     survivor = results[1 - dead]["kill"]

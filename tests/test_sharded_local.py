@@ -142,7 +142,7 @@ def test_partial_and_strict_loads(reg: Registry) -> None:
 
 
 def test_refused_arguments_touch_nothing(reg: Registry) -> None:
-    for bad in ({"state": {}}, {"extra": {"x": 1}}, {"max_shard_size": 10}, {"blocking": False}):
+    for bad in ({"state": {}}, {"extra": {"x": 1}}, {"max_shard_size": 10}, {"blocking": "no"}):
         kwargs = {"state": state_of(1), **bad}
         with pytest.raises(InvalidStateError):
             reg.publish("x", 1, kwargs.pop("state"), sharded=True, **kwargs)
@@ -150,6 +150,19 @@ def test_refused_arguments_touch_nothing(reg: Registry) -> None:
     reg.publish("y", 1, dict(state_of(1)["model"]))  # a full step
     with pytest.raises(InvalidStateError, match="not a sharded checkpoint"):
         reg.load_into("y@1", state_of(1))
+
+
+def test_a_background_sharded_publish_without_a_process_group(reg: Registry) -> None:
+    first = reg.publish("b", 1, state_of(1), sharded=True, blocking=False)
+    with pytest.raises(StepExistsError):  # queued or already committed: refused before anything is copied
+        reg.publish("b", 1, state_of(2), sharded=True, blocking=False)
+    second = reg.publish("b", 2, state_of(2), sharded=True, blocking=False)
+    reg.wait()
+    assert [first.result().step, second.result().step] == [1, 2]
+    assert reg.resolve("b@latest").step == 2 and reg.fsck(checksums=True).clean
+    expected = state_of(1)
+    got = reg.load("b@1").state_dict
+    assert torch.equal(got["model.0.weight"], expected["model"]["0.weight"])
 
 
 def test_retention_verify_fsck_and_follow_on_sharded_steps(reg: Registry) -> None:

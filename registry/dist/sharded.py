@@ -56,8 +56,9 @@ from registry.errors import (CorruptCheckpointError, DistributedError, InvalidSt
                              PublishError, RegistryError)
 from registry.format.manifest import CONFIG, MANIFEST, META, Manifest, digest_bytes, parse_manifest
 from registry.format.sharding import DCP_METADATA, layout_of
-from registry.fs.dcpfiles import (check_share, checked_metadata, checked_reader, dcp_failures, hashing_writer,
-                                  load_planner, piece_share, quiet, unwrap, wanted, write_sharded_tail, write_threads)
+from registry.format.dcp_metadata import RestrictedFileSystemReader, dcp_failure
+from registry.fs.dcpfiles import (check_share, checked_metadata, dcp_failures, hashing_writer, piece_share, quiet,
+                                  wanted, write_sharded_tail, write_threads)
 from registry.fs.filemaps import host_view, map_file, read_json
 from registry.fs.store import Payload, Written, now_timestamp
 from registry.fs.validation import check_flags, check_tags, checked_payload
@@ -135,7 +136,7 @@ def _save_rank(comm: Comm | _Solo, staging: Path, state: Mapping[str, Any], *, w
             md = dcp.save(dict(state), storage_writer=writer, process_group=comm.group,
                           no_dist=isinstance(comm, _Solo))
     except dcp_failures() as exc:  # every rank hears of it
-        failed, cause = unwrap(exc)
+        failed, cause = dcp_failure(exc)
         text = str(cause).splitlines()[0] if str(cause) else type(cause).__name__
         return _Wrote(files=None, failure=Failure.of(PublishError(
             f"sharded write of {where} failed on rank {comm.rank if failed is None else failed}: "
@@ -394,11 +395,11 @@ def _dcp_load(comm: Comm | _Solo, directory: Path, md: Any, flat: dict[str, Any]
     import torch.distributed.checkpoint as dcp
     try:
         with quiet():
-            dcp.load(flat, storage_reader=checked_reader(directory, md),
-                     planner=load_planner(trust_pickle=trust_pickle), process_group=comm.group,
+            dcp.load(flat, storage_reader=RestrictedFileSystemReader(directory, metadata=md, trust_pickle=trust_pickle),
+                     process_group=comm.group,
                      no_dist=isinstance(comm, _Solo))
     except dcp_failures() as exc:
-        _, cause = unwrap(exc)
+        _, cause = dcp_failure(exc)
         if isinstance(cause, RegistryError):
             raise cause from None
         text = str(cause).splitlines()[0] if str(cause) else type(cause).__name__
@@ -426,8 +427,6 @@ def sharded_job(run: str, step: int, state: object, *, rank: int, extra: object,
     check_step(step)
     check_flags(overwrite=overwrite, verify=verify, blocking=blocking, trust_pickle=trust_pickle, sharded=sharded)
     where = f"{run}@{step}"
-    if blocking is not True:
-        raise InvalidStateError(f"a sharded publish of {where} is collective and cannot be blocking=False")
     if extra:
         raise InvalidStateError(f"a sharded publish of {where} takes no extra: put those values into the state")
     if max_shard_size is not None:

@@ -315,7 +315,8 @@ class _SafeBytes:
             obj = torch.load(value, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError:
             raise UnsafePickleError(f"{self._where}: entry {read_item.dest_index.fqn[:200]!r} needs full "
-                                    "unpickling, which can run arbitrary code; refused", path=self._where) from None
+                                    "unpickling, which can run arbitrary code; pass trust_pickle=True only if you "
+                                    "trust its author", path=self._where) from None
         except Exception as exc:  # noqa: BLE001 - a damaged entry
             raise DcpMetadataError(f"{self._where}: entry {read_item.dest_index.fqn[:200]!r} does not load "
                                    f"({_short(exc)})", path=self._where) from None
@@ -340,40 +341,94 @@ class _PlainFiles(FileSystem):
             yield cast(io.IOBase, stream)
 
 
+class _View(io.RawIOBase):
+    """A seekable read-only file over a buffer (a mapped or received file), without a copy."""
+
+    def __init__(self, data: memoryview) -> None:
+        self._data = data
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._data)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        out = memoryview(buffer).cast("B")
+        n = max(0, min(len(out), len(self._data) - self._pos))
+        out[:n] = self._data[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+
+class _Buffers(FileSystem):
+    """DCP's filesystem over buffers already in memory (name -> bytes): a load reads the very bytes checked."""
+
+    def __init__(self, buffers: Mapping[str, memoryview]) -> None:
+        super().__init__()
+        self._buffers = buffers
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
+        name = Path(path).name
+        if mode != "rb" or name not in self._buffers:
+            raise DcpMetadataError(f"{path} is not among the checked files", path=Path(path))
+        yield cast(io.IOBase, _View(self._buffers[name]))
+
+
 class RestrictedFileSystemReader(FileSystemReader):
     """DCP's ``FileSystemReader`` with nothing unpickled beyond plain data and tensors.
 
-    ``.metadata`` goes through :func:`load_dcp_metadata`; non-tensor entries
-    through ``torch.load(weights_only=True)``; tensors DCP already reads with
-    ``weights_only=True``. Data files are opened only as regular files
-    directly inside the directory (a symlink is refused, not followed). Pass it as ``storage_reader=`` to ``dcp.load``,
-    which reports a refused ``.metadata`` inside its own exception; the
-    refusal itself is kept in ``refusal``.
+    ``.metadata`` goes through :func:`load_dcp_metadata`, or is the
+    ``metadata`` the caller already read that way (after checking its bytes
+    against a manifest); non-tensor entries through
+    ``torch.load(weights_only=True)`` unless ``trust_pickle``; tensors DCP
+    already reads with ``weights_only=True``. Data files are opened only as
+    regular files directly inside the directory (a symlink is refused, not
+    followed), or read from ``buffers`` (name -> bytes) when given, so a load
+    reads the very bytes that were verified. Pass it as ``storage_reader=``
+    to ``dcp.load``, which reports a refused ``.metadata`` inside its own
+    exception; the refusal itself is kept in ``refusal``.
     """
 
     refusal: RegistryError | None = None  # why ``.metadata`` was refused, once it was
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, metadata: Metadata | None = None,
+                 buffers: Mapping[str, memoryview] | None = None, trust_pickle: bool = False) -> None:
         super().__init__(path)
-        self.fs = _PlainFiles()
+        self.fs = _PlainFiles() if buffers is None else _Buffers(buffers)
+        self._metadata, self._trust_pickle = metadata, trust_pickle
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
         if rank is not None and self.refusal is not None:
             # DCP retries with a rank's own metadata after any failure: a refused one is not a missing one
             raise self.refusal
-        try:
-            metadata = load_dcp_metadata(Path(self._get_metadata_path(rank)))
-        except RegistryError as exc:
-            if rank is None:
-                self.refusal = exc
-            raise
+        metadata = self._metadata
+        if metadata is None:
+            try:
+                metadata = load_dcp_metadata(Path(self._get_metadata_path(rank)))
+            except RegistryError as exc:
+                if rank is None:
+                    self.refusal = exc
+                raise
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
+        if self._trust_pickle:
+            return super().read_data(plan, planner)
         return super().read_data(plan, _SafeBytes(planner, Path(self.path)))  # type: ignore[arg-type]
 
 
@@ -402,15 +457,25 @@ def load_dcp_state_dict(directory: str | os.PathLike[str]) -> dict[str, Any]:
     return state
 
 
-def dcp_cause(exc: BaseException) -> BaseException:
-    """The first original exception inside DCP's ``CheckpointException`` (which gathers them per rank)."""
+def dcp_failure(exc: BaseException) -> tuple[int | None, BaseException]:
+    """The first original exception inside DCP's ``CheckpointException``, and the rank it happened on.
+
+    DCP gathers each rank's failure and raises them all on every rank; the
+    exception itself derives from ``BaseException``.
+    """
     failures = getattr(exc, "failures", None)
     if isinstance(failures, dict):
-        for failure in failures.values():
+        for rank in sorted(failures):
+            failure = failures[rank]
             inner = failure[0] if isinstance(failure, tuple) and failure else failure
             if isinstance(inner, BaseException):
-                return dcp_cause(inner)
-    return exc
+                return rank if isinstance(rank, int) else None, dcp_failure(inner)[1]
+    return None, exc
+
+
+def dcp_cause(exc: BaseException) -> BaseException:
+    """The first original exception inside DCP's ``CheckpointException`` (which gathers them per rank)."""
+    return dcp_failure(exc)[1]
 
 
 def _short(exc: BaseException) -> str:
@@ -420,4 +485,4 @@ def _short(exc: BaseException) -> str:
 
 
 __all__ = ["DATA_FILE", "METADATA", "DcpFiles", "RestrictedFileSystemReader", "check_data_files", "check_metadata",
-           "data_files", "dcp_cause", "load_dcp_metadata", "load_dcp_state_dict", "tensor_names"]
+           "data_files", "dcp_cause", "dcp_failure", "load_dcp_metadata", "load_dcp_state_dict", "tensor_names"]

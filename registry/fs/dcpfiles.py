@@ -13,8 +13,9 @@ own digest the caller checked against the catalog). Non-tensor values of the
 state (``param_groups``, counters) are ``torch.load``-ed with
 ``weights_only=True`` unless the caller trusts the author. :func:`full_state`
 turns the files into one flat state dict of full tensors, in this process,
-without a process group; :class:`CheckedReader` is the reader a collective
-load hands to ``dcp.load``.
+without a process group, through the one restricted reader,
+:class:`~registry.format.dcp_metadata.RestrictedFileSystemReader`, which a
+collective load hands to ``dcp.load`` too.
 
 Key naming: the flat state dict uses DCP's flattened keys, the nested keys of
 the saved state joined with ``.`` (``model.layers.0.weight``,
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import io
 import os
-import pickle
 import threading
 import warnings
 from collections.abc import Collection, Iterator, Mapping
@@ -173,89 +173,6 @@ def _write_small(path: Path, raw: bytes) -> FileEntry:
 # --------------------------------------------------------------------------- reading
 
 
-class _View(io.RawIOBase):
-    """A seekable read-only file over a buffer (a mapped or received file), without a copy."""
-
-    def __init__(self, data: memoryview) -> None:
-        self._data = data
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._data)}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def readinto(self, buffer: Any) -> int:
-        out = memoryview(buffer).cast("B")
-        n = max(0, min(len(out), len(self._data) - self._pos))
-        out[:n] = self._data[self._pos:self._pos + n]
-        self._pos += n
-        return n
-
-
-def checked_reader(directory: Path, metadata: Metadata, *, buffers: Mapping[str, memoryview] | None = None) -> Any:
-    """A DCP ``FileSystemReader`` of ``directory`` that never unpickles ``.metadata`` itself.
-
-    It hands DCP the ``metadata`` already checked; with ``buffers`` (name ->
-    bytes) it reads those instead of the files, so a load reads the very bytes
-    that were verified.
-    """
-    from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader
-    from torch.distributed.checkpoint.metadata import StorageMeta
-
-    class _Buffers(FileSystem):
-        @contextmanager
-        def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
-            assert buffers is not None
-            yield cast(io.IOBase, _View(buffers[Path(path).name]))
-
-    class _Reader(FileSystemReader):
-        def __init__(self) -> None:
-            super().__init__(directory)
-            if buffers is not None:
-                self.fs = _Buffers()
-
-        def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            assert metadata.storage_meta is not None
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
-
-    return _Reader()
-
-
-def load_planner(*, trust_pickle: bool, allow_partial_load: bool = False) -> Any:
-    """DCP's default load planner, but non-tensor values unpickled ``weights_only`` unless trusted."""
-    import torch
-    from torch.distributed.checkpoint._traverse import set_element
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-
-    class _Planner(DefaultLoadPlanner):
-        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-            fqn = read_item.dest_index.fqn
-            try:
-                obj = torch.load(value, weights_only=not trust_pickle)
-            except pickle.UnpicklingError:
-                raise UnsafePickleError(f"value {fqn!r} of the checkpoint needs full unpickling, which can run "
-                                        "arbitrary code; pass trust_pickle=True only if you trust its author") from None
-            if self.flatten_state_dict:
-                set_element(self.original_state_dict, self.mappings[fqn], obj)
-            else:
-                self.state_dict[fqn] = obj
-
-    return _Planner(allow_partial_load=allow_partial_load)
-
-
 def full_state(directory: Path, manifest: Manifest, files: Mapping[str, torch.Tensor], *, trust_pickle: bool,
                keys: Collection[str] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The whole saved state from the step's file buffers, as (flat tensors, flat non-tensor values).
@@ -268,6 +185,7 @@ def full_state(directory: Path, manifest: Manifest, files: Mapping[str, torch.Te
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    from registry.format.dcp_metadata import RestrictedFileSystemReader, dcp_failure
     from registry.fs.filemaps import host_view
     views = {name: host_view(buf) for name, buf in files.items()}
     md = checked_metadata(directory, manifest, views[DCP_METADATA])
@@ -281,12 +199,12 @@ def full_state(directory: Path, manifest: Manifest, files: Mapping[str, torch.Te
             flat[key] = item  # a placeholder DCP replaces with the unpickled value
     try:
         with quiet():
-            dcp.load(flat, storage_reader=checked_reader(directory, md, buffers=views),
-                     planner=load_planner(trust_pickle=trust_pickle), no_dist=True)
+            dcp.load(flat, storage_reader=RestrictedFileSystemReader(directory, metadata=md, buffers=views,
+                                                                     trust_pickle=trust_pickle), no_dist=True)
     except (UnsafePickleError, CorruptCheckpointError):
         raise
     except dcp_failures() as exc:  # DCP wraps everything; files that passed their checksums but do not parse
-        _, cause = unwrap(exc)
+        _, cause = dcp_failure(exc)
         if isinstance(cause, (UnsafePickleError, CorruptCheckpointError)):
             raise cause from None
         raise CorruptCheckpointError(f"cannot load the sharded checkpoint {directory}: {cause}".splitlines()[0],
@@ -301,22 +219,6 @@ def quiet() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
-
-
-def unwrap(exc: BaseException) -> tuple[int | None, BaseException]:
-    """The first original exception inside DCP's ``CheckpointException``, and the rank it happened on.
-
-    DCP gathers each rank's failure and raises them all on every rank; the
-    exception itself derives from ``BaseException``, see :func:`dcp_failures`.
-    """
-    failures = getattr(exc, "failures", None)
-    if isinstance(failures, dict):
-        for rank in sorted(failures):
-            failure = failures[rank]
-            inner = failure[0] if isinstance(failure, tuple) and failure else failure
-            if isinstance(inner, BaseException):
-                return rank if isinstance(rank, int) else None, unwrap(inner)[1]
-    return None, exc
 
 
 def dcp_failures() -> tuple[type[BaseException], ...]:
@@ -397,6 +299,6 @@ def _read_failure(path: Path, exc: OSError) -> CheckpointReadError:
     return CheckpointReadError(f"cannot read {path}: {exc.strerror or exc}", errno=exc.errno, path=path)
 
 
-__all__ = ["check_share", "checked_metadata", "checked_reader", "dcp_failures", "full_state", "hashing_writer",
-           "load_planner", "piece_share", "quiet", "unpickle_metadata", "unwrap", "wanted", "write_sharded_tail",
+__all__ = ["check_share", "checked_metadata", "dcp_failures", "full_state", "hashing_writer",
+           "piece_share", "quiet", "unpickle_metadata", "wanted", "write_sharded_tail",
            "write_threads"]
