@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import itertools
 import os
+import socket
+import subprocess
+import sys
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +24,43 @@ IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 REPO = Path(__file__).resolve().parents[1]
 # the format's reference module, in shared/ beside the checkout (as CI lays it out)
 REFERENCE_MODULE = REPO.parent / "shared" / "seed" / "checkpoint_reference.py"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 free now, for a process group's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_ranks(module: str, world: int, spec_path: Path, *, deadline_s: float,
+              wrap: dict[int, list[str]] | None = None, quiet: bool = False) -> list[int]:
+    """Start ``python -m module RANK WORLD PORT SPEC`` for every rank of a gloo group; their exit codes.
+
+    ``deadline_s`` is a hang detector for the whole group: past it the test fails
+    and every rank still running is killed. ``wrap`` prefixes one rank's command
+    line; ``quiet`` drops the ranks' stderr.
+    """
+    import pytest
+    port = free_port()
+    env = {**child_env(), "OMP_NUM_THREADS": "1"}
+    env.pop("REGISTRY_CRASH_AT", None)
+    procs = [subprocess.Popen([*(wrap or {}).get(r, []), sys.executable, "-m", module, str(r), str(world), str(port),
+                               str(spec_path)], cwd=REPO, env=env,
+                              stderr=subprocess.DEVNULL if quiet else None) for r in range(world)]
+    end = time.monotonic() + deadline_s
+    codes: list[int] = []
+    try:
+        for p in procs:
+            codes.append(p.wait(timeout=max(1.0, end - time.monotonic())))
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"a {world}-rank group was still running after {deadline_s}s: a rank hung")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return codes
 
 
 def child_env() -> dict[str, str]:

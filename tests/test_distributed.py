@@ -12,7 +12,6 @@ import importlib.util
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -25,7 +24,7 @@ import torch
 from registry import Checkpoint, Registry
 from registry.dist.collectives import buckets
 from tests._dist_worker import checkpoint_fingerprint
-from tests.helpers import REFERENCE_MODULE, child_env, write_hf_sharded
+from tests.helpers import REFERENCE_MODULE, run_ranks, write_hf_sharded
 
 pytestmark = pytest.mark.distributed
 
@@ -116,12 +115,6 @@ def build(base: Path) -> dict[str, Any]:
     return {"root": str(root), "url": url, "dirs": str(dirs), "expected": expected}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def launch(base: Path, world: int, scenarios: list[dict[str, Any]], data: dict[str, Any],
            *, pg_timeout: int = 30, wrap: dict[int, list[str]] | None = None) -> tuple[list[dict[str, Any]], list[int]]:
     out = base / f"out-{world}-{time.monotonic_ns()}"
@@ -129,23 +122,7 @@ def launch(base: Path, world: int, scenarios: list[dict[str, Any]], data: dict[s
     spec = {**data, "out": str(out), "scenarios": scenarios, "pg_timeout": pg_timeout}
     spec_path = out / "spec.json"
     spec_path.write_text(json.dumps(spec))
-    port = free_port()
-    env = {**child_env(), "OMP_NUM_THREADS": "1"}
-    env.pop("REGISTRY_CRASH_AT", None)
-    procs = [subprocess.Popen([*(wrap or {}).get(r, []), sys.executable, "-m", "tests._dist_worker", str(r),
-                               str(world), str(port), str(spec_path)], cwd=REPO, env=env) for r in range(world)]
-    end = time.monotonic() + DEADLINE_S
-    codes: list[int] = []
-    try:
-        for p in procs:
-            codes.append(p.wait(timeout=max(1.0, end - time.monotonic())))
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"a {world}-rank group was still running after {DEADLINE_S}s: a rank hung")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    codes = run_ranks("tests._dist_worker", world, spec_path, deadline_s=DEADLINE_S, wrap=wrap)
     results = []
     for r in range(world):
         path = out / f"rank{r}.json"

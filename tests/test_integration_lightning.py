@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +24,7 @@ import torch
 
 from registry import Registry
 from registry.errors import UnsafePickleError
-from tests.helpers import REPO, child_env
+from tests.helpers import REPO, child_env, free_port
 
 pytest.importorskip("lightning")
 
@@ -85,12 +84,6 @@ def test_kill_resume_retention_and_corrupt_fallback(tmp_path: Path) -> None:
         assert reg.catalog.get("full", 16).status == "verified"  # type: ignore[union-attr] - retrained, replaced
         assert "corrupt" in [e.kind for e in reg.events("full", step=16)]
         assert set(steps(reg, "full")) == set(full_live)  # the other run's retention never touched it
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_ddp_rank_zero_publishes_and_every_rank_resumes_the_same_step(tmp_path: Path) -> None:

@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import textwrap
@@ -27,7 +26,7 @@ import pytest
 from registry import Checkpoint, CorruptCheckpointError, InvalidStateError, Registry
 from registry.errors import CheckpointReadError, ExtraNotFoundError
 from tests._dist_worker import fingerprint
-from tests.helpers import assert_state_equal, child_env, make_state, optimizer_state
+from tests.helpers import assert_state_equal, child_env, free_port, make_state, optimizer_state
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -331,12 +330,6 @@ WORKER = textwrap.dedent("""
     Path(spec["out"], f"rank{rank}.json").write_text(json.dumps(results))
     os._exit(0)
 """)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run_group(world: int, spec: dict[str, Any]) -> list[dict[str, Any]]:

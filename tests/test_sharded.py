@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -25,7 +22,7 @@ import torch
 from registry import Registry
 from registry.errors import CheckpointNotFoundError
 from registry.records import Status
-from tests.helpers import child_env, pg_schema_url
+from tests.helpers import pg_schema_url, run_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -36,12 +33,6 @@ KILLS = (("sharded-rank-after-write", 1, "k1"), ("sharded-after-gather", 0, "k2"
 ASYNC_KILL = ("sharded-rank-after-write", 1, "k5")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def launch(base: Path, world: int, scenarios: list[dict[str, Any]], *,
            where: tuple[str, Path] | None = None) -> tuple[list[dict[str, Any]], list[int], Path]:
     out = base / f"out-{world}-{time.monotonic_ns()}"
@@ -49,24 +40,7 @@ def launch(base: Path, world: int, scenarios: list[dict[str, Any]], *,
     url, root = where or (f"sqlite:///{base / 'catalog.db'}", base / "ckpt")
     spec = {"url": url, "root": str(root), "out": str(out), "scenarios": scenarios}
     (out / "spec.json").write_text(json.dumps(spec))
-    port = _free_port()
-    env = {**child_env(), "OMP_NUM_THREADS": "1"}
-    env.pop("REGISTRY_CRASH_AT", None)
-    procs = [subprocess.Popen([sys.executable, "-m", "tests._sharded_worker", str(r), str(world), str(port),
-                               str(out / "spec.json")], cwd=REPO, env=env, stderr=subprocess.DEVNULL)
-             for r in range(world)]
-    end = time.monotonic() + DEADLINE_S
-    codes: list[int] = []
-    try:
-        for p in procs:
-            codes.append(p.wait(timeout=max(1.0, end - time.monotonic())))
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"a {world}-rank group was still running after {DEADLINE_S}s: a rank hung")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    codes = run_ranks("tests._sharded_worker", world, out / "spec.json", deadline_s=DEADLINE_S, quiet=True)
     results = [json.loads(p.read_text()) if (p := out / f"rank{r}.json").exists() else {} for r in range(world)]
     return results, codes, out
 

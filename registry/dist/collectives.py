@@ -91,6 +91,24 @@ def first_failure(statuses: list[Failure | None]) -> Failure | None:
     return next((s for s in statuses if s is not None), None)
 
 
+def agree(comm: Any, request: tuple[Any, ...], local: BaseException | None, *, differ: str, advice: str) -> None:
+    """The first collective of every call: each rank's request and argument error, raised on every rank alike.
+
+    Any rank's error is every rank's (rank 0's first); otherwise ranks that
+    asked for different things all raise ``DistributedError`` ("ranks
+    ``differ`` (rank 0: ...; rank 1: ...); ``advice``"). ``comm`` is a
+    :class:`Comm` or anything with its ``rank`` and ``all_gather_object``.
+    """
+    mine = Failure.of(local, comm.rank) if local is not None else None
+    gathered = comm.all_gather_object((request, mine), "agreeing on the request")
+    failure = first_failure([f for _, f in gathered])
+    if failure is not None:
+        raise failure.error()
+    if any(req != gathered[0][0] for req, _ in gathered):
+        described = "; ".join(f"rank {r}: {req}" for r, (req, _) in enumerate(gathered))
+        raise errors.DistributedError(f"ranks {differ} ({described}); {advice}")
+
+
 class Comm:
     """A process group (the default one unless ``group`` is given), its device, and a per-collective deadline."""
 

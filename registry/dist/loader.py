@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from registry.dist.collectives import Comm, Failure, active, as_timedelta, first_failure, transfer
+from registry.dist.collectives import Comm, Failure, active, agree, as_timedelta, first_failure, transfer
 from registry.errors import CorruptCheckpointError, DistributedError, InvalidStateError, RegistryError
 from registry.fs.filemaps import (Extras, Loaded, MappedFiles, check_file_digest, host_view, layout, map_directory,
                                   map_file, parse_files, read_directory)
@@ -229,7 +229,7 @@ def collective_load(*, request: tuple[Any, ...], source: Callable[[], _Source], 
                     timeout: float | timedelta | None, bucket_bytes: int | None,
                     extras: Extras = True) -> tuple[Loaded, Plan]:
     comm = Comm(timeout=None)
-    local: Failure | None = None
+    local: RegistryError | None = None
     device: torch.device | None = None
     try:
         comm.timeout = as_timedelta(timeout)
@@ -240,15 +240,9 @@ def collective_load(*, request: tuple[Any, ...], source: Callable[[], _Source], 
             raise InvalidStateError(f"bucket_bytes must be a positive integer, got {bucket_bytes!r}")
         device = target_device(map_location)
     except RegistryError as exc:
-        local = Failure.of(exc, comm.rank)
-    gathered = comm.all_gather_object((request, local), "agreeing on the request")
-    for _, failure in gathered:
-        if failure is not None:
-            raise failure.error()
-    if any(req != gathered[0][0] for req, _ in gathered):
-        described = "; ".join(f"rank {r}: {req[1]!s} {req[2:]}" for r, (req, _) in enumerate(gathered))
-        raise DistributedError(f"ranks called load with different arguments ({described}); "
-                               "every rank must load the same ref with the same options")
+        local = exc
+    agree(comm, request, local, differ="called load with different arguments",
+          advice="every rank must load the same ref with the same options")
     limit = bucket_bytes or BUCKET_BYTES  # rank 0's value travels in the plan
     src = source() if comm.rank == 0 else None
     try:

@@ -52,6 +52,7 @@ import torch.distributed as dist
 
 from registry.crashpoints import crashpoint
 from registry.dist.collectives import Comm, Failure, as_timedelta, first_failure
+from registry.dist.collectives import agree as agree_on
 from registry.errors import (CorruptCheckpointError, DistributedError, InvalidStateError, ManifestError,
                              PublishError, RegistryError)
 from registry.format.manifest import CONFIG, MANIFEST, META, Manifest, digest_bytes, parse_manifest
@@ -102,15 +103,8 @@ def set_timeout(comm: Comm | _Solo, timeout: float | timedelta | None) -> None:
 
 def agree(comm: Comm | _Solo, request: tuple[Any, ...], local: BaseException | None) -> None:
     """Every rank's request and argument error; raise on every rank if any rank erred or asked differently."""
-    mine = Failure.of(local, comm.rank) if local is not None else None
-    gathered = comm.all_gather_object((request, mine), "agreeing on the request")
-    failure = first_failure([f for _, f in gathered])
-    if failure is not None:
-        raise failure.error()
-    if any(req != gathered[0][0] for req, _ in gathered):
-        described = "; ".join(f"rank {r}: {req}" for r, (req, _) in enumerate(gathered))
-        raise DistributedError(f"ranks made different sharded calls ({described}); every rank must pass the same "
-                               "ref or run and step, and the same options")
+    agree_on(comm, request, local, differ="made different sharded calls",
+             advice="every rank must pass the same ref or run and step, and the same options")
 
 
 # --------------------------------------------------------------------------- publish
