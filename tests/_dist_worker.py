@@ -85,6 +85,15 @@ def main() -> None:
     loader.log.addHandler(Chosen())
     loader.log.setLevel(logging.DEBUG)
 
+    fell_back: list[str] = []  # what the library logged about fallbacks, on this rank
+
+    class FellBack(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.WARNING and " fell back " in record.getMessage():
+                fell_back.append(record.getMessage())
+
+    logging.getLogger("registry").addHandler(FellBack())
+
     # A scenario's "swap" gives this rank a different checkpoint at rank 0's path, at the exact
     # moment between rank 0 mapping its files (it sent the plan) and this rank looking at them.
     from registry.dist.collectives import Comm
@@ -115,6 +124,7 @@ def main() -> None:
             timeout = sc.get("timeouts", {}).get(str(rank), sc.get("timeout"))
             chosen.clear()
             swap.clear()
+            fell_back.clear()
             injected = sc.get("inject") if rank == 0 else None
             if injected:  # a bug (not a RegistryError) on rank 0 at one named place in the protocol
                 real = getattr(loader, injected)
@@ -137,6 +147,7 @@ def main() -> None:
                 results[sc["name"]] = {"ok": True, "fp": checkpoint_fingerprint(ckpt), "step": ckpt.step,
                                        "devices": sorted({t.device.type for t in ckpt.state_dict.values()}),
                                        "strategy": chosen[-1] if chosen else None,
+                                       "fell_back": list(fell_back),
                                        "warnings": [str(w.message) for w in caught
                                                     if issubclass(w.category, RuntimeWarning)]}
             except Exception as exc:  # recorded for the parent to compare across ranks

@@ -213,6 +213,11 @@ def test_corrupt_latest_falls_back_on_every_rank(session: dict[str, Any]) -> Non
     for g in outcomes(session, "fallback-broadcast"):
         assert sorted(w.split(" is corrupt")[0] for w in g["warnings"]) == ["fb@3", "fb@4"], g["warnings"]
     assert session["statuses"]["fb@3"] == session["statuses"]["fb@4"] == "corrupt"
+    # logged once per load, by rank 0, which resolved it
+    logged = [g["fell_back"] for g in outcomes(session, "fallback-broadcast")]
+    assert len(logged[0]) == 1 and logged[0][0].startswith("fb@latest fell back 2 steps") and \
+        "step 4 -> 2" in logged[0][0], logged
+    assert all(lines == [] for lines in logged[1:]), logged
     assert session["statuses"]["fb2@2"] == "corrupt"
     assert session["statuses"]["fb@2"] == session["statuses"]["fb2@1"] == "verified"
 
