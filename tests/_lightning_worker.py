@@ -44,7 +44,7 @@ class Model(pl.LightningModule):
     def training_step(self, batch: Any, idx: int) -> torch.Tensor:
         x, y = batch
         loss = ((self.net(x) - y) ** 2).mean()
-        self.losses[self.trainer.global_step] = float(loss)
+        self.losses[self.trainer.global_step] = float(loss.detach())
         self.log("train_loss", loss)
         return loss
 
