@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -67,6 +68,11 @@ def command(fn: F) -> F:
         except RegistryError as exc:
             from registry.errors import UnknownMetricError
             fail(cli_hints(str(exc)), status=2 if isinstance(exc, UnknownMetricError) else 1)
+        except BrokenPipeError:
+            # the reader went away (``registry diff A B | head``): nothing to say to it; the shell's usual status
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's final flush does not fail again
+            sys.exit(141)
         except OSError as exc:
             fail(os_error_line(exc))
         except Exception as exc:

@@ -278,3 +278,22 @@ def test_cli_hints_name_flags(cli, populated, root: Path) -> None:  # type: igno
     line = one_error_line(cli("import", str(source), "--run", "alpha", "--step", "200"))
     assert "--overwrite" in line and "overwrite=True" not in line
     assert cli("import", str(source), "--run", "alpha", "--step", "200", "--overwrite").exit_code == 0
+
+
+def test_a_reader_that_goes_away_gets_silence_not_an_error(tmp_path: Path) -> None:
+    """``registry metrics RUN | head -1``: a closed pipe ends the command quietly, with the shell's 141."""
+    import subprocess
+    import sys
+
+    from tests.helpers import child_env
+    root = tmp_path / "root"
+    with Registry.open(root=root) as reg:
+        reg.publish("run", 1, make_state(1), metrics={"train/loss": 0.5})
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the first line: every write fails with EPIPE
+    try:
+        done = subprocess.run([sys.executable, "-m", "registry", "--root", str(root), "metrics", "run"],
+                              stdout=write_end, stderr=subprocess.PIPE, env=child_env(), timeout=120)
+    finally:
+        os.close(write_end)
+    assert done.returncode == 141 and done.stderr == b"", done.stderr.decode()
