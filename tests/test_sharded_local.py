@@ -234,3 +234,41 @@ def test_load_into_replaces_non_tensor_values(reg: Registry) -> None:
     reg.load_into("nt@1", into)
     assert into["optim"]["param_groups"][0]["lr"] == 0.25
     assert (into["count"], into["blob"], into["nested"]) == (7, b"saved", {"name": "saved"})
+
+
+def test_a_read_error_is_this_readers_trouble_not_a_corrupt_step(reg: Registry,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """EIO while DCP reads a shard: CheckpointReadError, no fallback, and the shared catalog keeps the step."""
+    import errno
+    import io
+
+    from registry.errors import CheckpointReadError
+    for step in (1, 2):
+        reg.publish("e", step, state_of(step), sharded=True)
+    real_fdopen = os.fdopen
+
+    class Failing(io.RawIOBase):
+        def readable(self) -> bool:
+            return True
+
+        def seekable(self) -> bool:
+            return True
+
+        def seek(self, offset: int, whence: int = 0) -> int:
+            return offset
+
+        def readinto(self, buf: Any) -> int:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    def fdopen(fd: int, *args: Any, **kwargs: Any) -> Any:
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(".distcp"):
+            os.close(fd)
+            return io.BufferedReader(Failing())
+        return real_fdopen(fd, *args, **kwargs)
+    monkeypatch.setattr(os, "fdopen", fdopen)
+    with pytest.raises(CheckpointReadError, match="Input/output error"):
+        reg.load_into("e@latest", state_of(9), verify=False)
+    monkeypatch.undo()
+    assert [i.status for i in reg.checkpoints("e")] == [Status.VERIFIED, Status.VERIFIED]
+    into = state_of(9)
+    assert reg.load_into("e@latest", into).step == 2

@@ -60,7 +60,7 @@ from registry.format.sharding import DCP_METADATA, layout_of
 from registry.format.dcp_metadata import RestrictedFileSystemReader, dcp_failure
 from registry.fs.dcpfiles import (check_share, checked_metadata, dcp_failures, hashing_writer, piece_share, quiet,
                                   wanted, write_sharded_tail, write_threads)
-from registry.fs.filemaps import host_view, map_file, read_json
+from registry.fs.filemaps import host_view, map_file, read_error, read_json
 from registry.fs.store import Payload, Written, now_timestamp
 from registry.fs.validation import check_flags, check_tags, checked_payload
 from registry.format.refs import check_run_name, check_step
@@ -396,6 +396,8 @@ def _dcp_load(comm: Comm | _Solo, directory: Path, md: Any, flat: dict[str, Any]
         _, cause = dcp_failure(exc)
         if isinstance(cause, RegistryError):
             raise cause from None
+        if isinstance(cause, OSError):  # this rank could not read (EACCES, EIO, EMFILE): never evidence against it
+            raise read_error(directory, cause) from None
         text = str(cause).splitlines()[0] if str(cause) else type(cause).__name__
         if isinstance(cause, (ValueError, AssertionError)) and "ize" in text:  # a shape the template disagrees with
             raise InvalidStateError(f"cannot load {directory} into this state: {text}", path=directory) from None

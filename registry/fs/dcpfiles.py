@@ -35,7 +35,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from registry.errors import CheckpointReadError, CorruptCheckpointError, ManifestError, UnsafePickleError
+from registry.errors import CorruptCheckpointError, ManifestError, UnsafePickleError
 from registry.format.manifest import CONFIG, MANIFEST, META, FileEntry, Manifest
 from registry.format.pieces import piece_count
 from registry.format.sharding import DCP_METADATA, ShardedLayout
@@ -207,6 +207,9 @@ def full_state(directory: Path, manifest: Manifest, files: Mapping[str, torch.Te
         _, cause = dcp_failure(exc)
         if isinstance(cause, (UnsafePickleError, CorruptCheckpointError)):
             raise cause from None
+        if isinstance(cause, OSError):  # this process could not read: never evidence against the step
+            from registry.fs.filemaps import read_error
+            raise read_error(directory, cause) from None
         raise CorruptCheckpointError(f"cannot load the sharded checkpoint {directory}: {cause}".splitlines()[0],
                                      path=directory) from None
     tensors = {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
@@ -289,14 +292,10 @@ def check_share(directory: Path, manifest: Manifest, share: list[tuple[str, int]
                 finally:
                     view.release()
         except OSError as exc:
-            raise _read_failure(path, exc) from None
+            from registry.fs.filemaps import read_error
+            raise read_error(path, exc) from None
         finally:
             os.close(fd)
-
-
-def _read_failure(path: Path, exc: OSError) -> CheckpointReadError:
-    """This process could not read the file: its trouble, never evidence against the checkpoint."""
-    return CheckpointReadError(f"cannot read {path}: {exc.strerror or exc}", errno=exc.errno, path=path)
 
 
 __all__ = ["check_share", "checked_metadata", "dcp_failures", "full_state", "hashing_writer",

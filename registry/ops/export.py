@@ -202,7 +202,10 @@ def checkout(access: ReadAccess, ref: Ref, dest: Path | None = None, *, ttl: tim
                 target, made = _target(access, info, dest)
                 try:
                     links = _link_all(info.path, manifest_files, target)
-                except FileNotFoundError as exc:  # a file the manifest lists is gone: the step is damaged
+                except FileNotFoundError as exc:
+                    if not info.path.is_dir():  # the directory went (an unmounted root): this reader's trouble
+                        raise read_error(info.path, exc) from exc
+                    # a file the manifest lists is gone from a directory still there: the step is damaged
                     raise CorruptCheckpointError(f"checkpoint file is missing: {exc.filename}",
                                                  path=info.path) from exc
                 except OSError as exc:
