@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from registry.api import Registry, VerifyResult
     from registry.catalog.lineage import LineageHop
     from registry.checkpoint import Checkpoint
-    from registry.dist.sharded import ShardedLoad
+    from registry.distributed.sharded import ShardedLoad
     from registry.errors import (AsyncPublishError, CatalogError, CheckpointDeletedError, CheckpointNotFoundError,
                                  CheckpointReadError, CorruptCheckpointError, DcpMetadataError, DistributedError,
                                  ExtraNotFoundError,
@@ -46,7 +46,7 @@ _HOMES: dict[str, str] = {
     "RunInfo": "registry.records",
     "Ref": "registry.format.refs", "parse_ref": "registry.format.refs",
     "LineageHop": "registry.catalog.lineage", "CheckpointDiff": "registry.ops.diff",
-    "Checkout": "registry.ops.export", "Exported": "registry.ops.export", "ShardedLoad": "registry.dist.sharded",
+    "Checkout": "registry.ops.export", "Exported": "registry.ops.export", "ShardedLoad": "registry.distributed.sharded",
     **{name: "registry.errors" for name in _ERRORS},
 }
 

@@ -41,8 +41,8 @@ from registry.fs.validation import check_flags, check_tags, checked_payload
 if TYPE_CHECKING:
     import torch
 
-    from registry.dist.sharded import ShardedLoad
-    from registry.dist.sharded_async import PublishGroups
+    from registry.distributed.sharded import ShardedLoad
+    from registry.distributed.sharded_async import PublishGroups
     from registry.ops.diff import CheckpointDiff
     from registry.ops.export import Checkout, Exported
     from registry.ops.fsck import FsckReport
@@ -284,13 +284,13 @@ class Registry:
         default process group if None; works without one too) of a nested
         ``state_dict`` as ``get_state_dict(model, optimizer)`` gives it
         (DTensors, sharded optimizer state, plain tensors and values), written
-        with ``torch.distributed.checkpoint``; see :mod:`registry.dist.sharded`.
+        with ``torch.distributed.checkpoint``; see :mod:`registry.distributed.sharded`.
         ``extra`` and ``max_shard_size`` do not apply; metrics, tags, meta,
         config and the numbers are rank 0's. ``timeout`` bounds each of the
         registry's own collectives. Returns the same ``CheckpointInfo`` on every rank.
         With ``blocking=False`` every rank copies its shards and returns a
         future; the publish runs in the background on a gloo group of its own
-        (see :mod:`registry.dist.sharded_async`), and every rank's future
+        (see :mod:`registry.distributed.sharded_async`), and every rank's future
         holds the same ``CheckpointInfo`` or raises the same error.
         """
         if sharded is not False:
@@ -339,8 +339,8 @@ class Registry:
         background queue first, and its failure goes through the agreement,
         so every rank raises it alike.
         """
-        from registry.dist.sharded import comm_for, publish_sharded, set_timeout, sharded_job
-        from registry.dist.sharded_async import PublishGroups, publish_in_background, snapshot_sharded
+        from registry.distributed.sharded import comm_for, publish_sharded, set_timeout, sharded_job
+        from registry.distributed.sharded_async import PublishGroups, publish_in_background, snapshot_sharded
         comm = comm_for(group)
         if self._publish_groups is None:
             self._publish_groups = PublishGroups()
@@ -534,7 +534,7 @@ class Registry:
 
         With ``broadcast`` inside a process group, ``strategy`` ("auto",
         "broadcast", "shared-fs") and ``timeout`` (seconds per collective) are
-        described in :mod:`registry.dist.loader`; every rank must pass the same
+        described in :mod:`registry.distributed.loader`; every rank must pass the same
         options.
         """
         parsed = parse_ref(ref)
@@ -544,7 +544,7 @@ class Registry:
         if resume is not None and not isinstance(resume, bool):
             raise InvalidStateError(f"resume must be True, False or None, got {resume!r}")
         if broadcast:
-            from registry.dist.loader import distributed_load
+            from registry.distributed.loader import distributed_load
             ckpt = distributed_load(self._reader(), parsed, verify=verify, map_location=map_location,
                                     trust_pickle=trust_pickle, strategy=strategy, timeout=timeout,
                                     extras=extras, fallback=fallback)
@@ -596,9 +596,9 @@ class Registry:
         loads only those flat keys (``model`` covers ``model.*``); ``strict``
         refuses a template whose keys differ from the step's, otherwise the
         difference is reported (``missing_keys``, ``unexpected_keys``). Without
-        a process group it runs in this process. See :mod:`registry.dist.sharded`.
+        a process group it runs in this process. See :mod:`registry.distributed.sharded`.
         """
-        from registry.dist.sharded import comm_for, load_sharded, set_timeout
+        from registry.distributed.sharded import comm_for, load_sharded, set_timeout
         comm = comm_for(group)
         parsed: Ref | None = None
         error: RegistryError | None = None

@@ -70,13 +70,13 @@ class Checkpoint:
              timeout: float | None = None, extras: bool | Collection[str] = True) -> Checkpoint:
         """Load a directory; with ``broadcast`` rank 0 checks it and every rank gets the same contents.
 
-        ``strategy`` and ``timeout`` are those of :mod:`registry.dist.loader`;
+        ``strategy`` and ``timeout`` are those of :mod:`registry.distributed.loader`;
         ``extras`` is that of :meth:`registry.Registry.load`.
         """
         path = Path(save_dir)
         extras = check_extras(extras)
         if broadcast:
-            from registry.dist.loader import broadcast_directory
+            from registry.distributed.loader import broadcast_directory
             loaded = broadcast_directory(path, verify=verify_checksums, trust_pickle=trust_pickle,
                                          map_location=map_location, strategy=strategy, timeout=timeout,
                                          extras=extras)
@@ -93,7 +93,7 @@ class Checkpoint:
         found = any((path / n).is_file() for n in ("meta.json", "model.safetensors",
                                                    "model.safetensors.index.json"))
         if broadcast:
-            from registry.dist.collectives import Comm, active
+            from registry.distributed.collectives import Comm, active
             if active():  # rank 0 decides, or ranks without the files would skip the collective load
                 found = bool(Comm(timeout=None).broadcast_object(found, "checking for weights"))
         if not found:

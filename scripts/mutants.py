@@ -50,7 +50,7 @@ MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
     "queries": ("registry/catalog/queries.py",
                 ("tests/test_queries.py", "tests/test_catalog_session.py", "tests/test_catalog_faults.py",
                  "tests/test_metrics.py", "tests/test_migrations.py", KILLS)),
-    "loader": ("registry/dist/loader.py",
+    "loader": ("registry/distributed/loader.py",
                ("tests/test_load_faults.py", "tests/test_io_verify.py", "tests/test_distributed.py", KILLS)),
 }
 

@@ -73,7 +73,7 @@ def main() -> None:
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=spec.get("pg_timeout", 30)))
     from registry import Checkpoint, Registry
-    from registry.dist import loader
+    from registry.distributed import loader
     from registry.crashpoints import arm
 
     chosen: list[str] = []
@@ -96,7 +96,7 @@ def main() -> None:
 
     # A scenario's "swap" gives this rank a different checkpoint at rank 0's path, at the exact
     # moment between rank 0 mapping its files (it sent the plan) and this rank looking at them.
-    from registry.dist.collectives import Comm
+    from registry.distributed.collectives import Comm
     swap: dict[str, str] = {}
     real_broadcast_object = Comm.broadcast_object
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from registry import Checkpoint, Registry
-from registry.dist.collectives import buckets
+from registry.distributed.collectives import buckets
 from tests._dist_worker import checkpoint_fingerprint
 from tests.helpers import REFERENCE_MODULE, run_ranks, write_hf_sharded
 

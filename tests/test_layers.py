@@ -30,7 +30,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("registry.fs",),
     ("registry.catalog", "registry.migrations"),
     # one layer: ``Checkpoint`` loads through the dist loader, which reads through ops
-    ("registry.ops", "registry.dist", "registry.retention", "registry.checkpoint"),
+    ("registry.ops", "registry.distributed", "registry.retention", "registry.checkpoint"),
     ("registry.api", "registry.views"),
     # the web view sits beside the command line: it may import the api; nothing but ``registry ui`` imports it
     ("registry.cli", "registry.cli_export", "registry.cli_lineage", "registry.cli_ui", "registry.terminal",
@@ -156,6 +156,6 @@ def test_only_the_ui_command_imports_the_web_view() -> None:
 def test_the_static_check_sees_every_kind_of_import() -> None:
     found = imported_modules(PACKAGE / "api.py")
     assert {"registry.ops.reading", "registry.catalog", "registry.fs.store"} <= found  # module level, from-package
-    assert {"registry.dist.loader", "registry.ops.fsck"} <= found  # inside functions and under TYPE_CHECKING
+    assert {"registry.distributed.loader", "registry.ops.fsck"} <= found  # inside functions and under TYPE_CHECKING
     assert "registry" not in found
     assert layer_of("registry.catalog.queries") == layer_of("registry.catalog")

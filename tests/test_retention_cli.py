@@ -122,12 +122,12 @@ def test_parsers() -> None:
 
 def run_script(name: str, *args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("REGISTRY_")}
-    return subprocess.run([sys.executable, str(REPO / "scripts" / name), *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, str(REPO / "examples" / name), *args], capture_output=True, text=True,
                           env=env, timeout=300, cwd=REPO)
 
 
 def load_script(name: str):  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location(name.removesuffix(".py"), REPO / "scripts" / name)
+    spec = importlib.util.spec_from_file_location(name.removesuffix(".py"), REPO / "examples" / name)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -1,7 +1,7 @@
 """Sharded (DCP) steps in one process, on both catalog backends: publish, load, fall-back, retention, follow.
 
 Without a process group a sharded publish and ``load_into`` run the same code
-as in a group of one (``registry.dist.sharded``); the multi-rank behaviour is
+as in a group of one (``registry.distributed.sharded``); the multi-rank behaviour is
 in ``tests/test_sharded.py``.
 """
 

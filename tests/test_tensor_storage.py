@@ -185,7 +185,7 @@ spec = json.loads(Path(spec_path).read_text())
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                         timeout=timedelta(seconds=60))
 from registry import Registry
-from registry.dist import loader
+from registry.distributed import loader
 from tests._dist_worker import fingerprint
 
 

@@ -1,6 +1,6 @@
 """The catalog schema as typed SQLAlchemy 2 models.
 
-The live schema is created only by the migrations in ``registry/migrations``;
+The live schema is created only by the migrations in ``migrations/`` (``registry.migrations`` once installed);
 these models describe it for queries, and a test checks that the two agree.
 """
 

@@ -15,6 +15,7 @@ code does not know: it was migrated by a newer registry.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import random
 import sqlite3
@@ -37,7 +38,15 @@ from sqlalchemy.pool import NullPool
 from registry.crashpoints import crashpoint
 from registry.errors import CatalogError, ReadOnlyError, SchemaTooNewError
 
-MIGRATIONS = Path(__file__).resolve().parent.parent / "migrations"
+
+
+def migrations_dir() -> Path:
+    """Where the Alembic environment is: ``registry.migrations``, the top-level ``migrations/`` of a checkout
+    (mapped by the editable install) or the package's own folder in an installed wheel."""
+    spec = importlib.util.find_spec("registry.migrations")
+    if spec is None or not spec.submodule_search_locations:
+        raise CatalogError("the catalog migrations (registry.migrations) are not installed; reinstall the registry")
+    return Path(next(iter(spec.submodule_search_locations)))
 BUSY_TIMEOUT_MS = 60_000
 _ADVISORY_KEY = 0x5E61_57E7  # "registry" migrations lock on PostgreSQL
 T = TypeVar("T")
@@ -45,7 +54,7 @@ T = TypeVar("T")
 
 def alembic_config() -> Config:
     cfg = Config()
-    cfg.set_main_option("script_location", str(MIGRATIONS))
+    cfg.set_main_option("script_location", str(migrations_dir()))
     return cfg
 
 

@@ -2,7 +2,7 @@
 
 Every load that starts from a ref goes through :class:`CatalogRead`: the
 local :meth:`Registry.load <registry.api.Registry.load>` and rank 0 of a
-distributed one (:mod:`registry.dist.loader`), which differ only in how they read
+distributed one (:mod:`registry.distributed.loader`), which differ only in how they read
 the bytes. The judging is the same for both:
 
 - The step is read under a reader lease. No lease for a step that resolved

@@ -41,6 +41,7 @@ import torch
 import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _common import small_state, transformer_state  # noqa: E402
 from registry import Registry  # noqa: E402
 from registry.fs.filemaps import read_directory  # noqa: E402
 
@@ -49,31 +50,6 @@ CHUNK = 16 << 20
 
 
 # --------------------------------------------------------------------------- workloads
-
-
-def transformer_state(mib: int) -> dict[str, torch.Tensor]:
-    """A decoder-only transformer's weights (fp32), scaled in depth to about ``mib`` MiB."""
-    hidden, vocab = 1024, 32000
-    per_layer = 12 * hidden * hidden + 2 * hidden
-    layers = max(1, round((mib * 2**20 / 4 - 2 * vocab * hidden) / per_layer))
-    g = torch.Generator().manual_seed(0)
-    state = {"embed.weight": torch.randn(vocab, hidden, generator=g)}
-    for i in range(layers):
-        p = f"layers.{i}."
-        state[p + "attn.qkv.weight"] = torch.randn(3 * hidden, hidden, generator=g)
-        state[p + "attn.out.weight"] = torch.randn(hidden, hidden, generator=g)
-        state[p + "mlp.up.weight"] = torch.randn(4 * hidden, hidden, generator=g)
-        state[p + "mlp.down.weight"] = torch.randn(hidden, 4 * hidden, generator=g)
-        state[p + "norm1.weight"] = torch.ones(hidden)
-        state[p + "norm2.weight"] = torch.ones(hidden)
-    state["lm_head.weight"] = torch.randn(vocab, hidden, generator=g)
-    return state
-
-
-def small_state(count: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    sizes = torch.randint(16, 8192, (count,), generator=g).tolist()
-    return {f"t{i:05d}": torch.randn(n, generator=g) for i, n in enumerate(sizes)}
 
 
 def nbytes(state: dict[str, torch.Tensor]) -> int:

@@ -10,7 +10,7 @@ finishes any interrupted deletion.
 
 Example crontab line (hourly)::
 
-    17 * * * *  cd /srv/train && .venv/bin/python scripts/retention_cron.py \\
+    17 * * * *  cd /srv/train && .venv/bin/python examples/retention_cron.py \\
                  --keep-last 3 --keep-best eval/loss=2 --keep-every 10000 --max-bytes-per-run 500G
 """
 

@@ -7,7 +7,7 @@ and a sparse long-term history. The step just published is never deleted,
 and a retention failure only warns: the checkpoint is already safe.
 Run it twice: the second run resumes from ``RUN@latest``.
 
-    python scripts/retention_trainer.py --root /tmp/ckpt --steps 200 --every 20
+    python examples/retention_trainer.py --root /tmp/ckpt --steps 200 --every 20
 """
 
 from __future__ import annotations

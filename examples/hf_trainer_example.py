@@ -5,7 +5,7 @@ is replaced by a retention policy; running it again resumes from the newest
 verified step; at the end the best step is checked out as a directory and
 loaded with ``from_pretrained``, and exported as a standalone copy.
 
-    python scripts/hf_trainer_example.py --root /tmp/ckpt --out /tmp/hf-out --steps 40
+    python examples/hf_trainer_example.py --root /tmp/ckpt --out /tmp/hf-out --steps 40
 """
 
 from __future__ import annotations

@@ -55,11 +55,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from registry.dist.collectives import Comm, Failure, active, agree, as_timedelta, first_failure, transfer
+from registry.distributed.collectives import Comm, Failure, active, agree, as_timedelta, first_failure, transfer
 from registry.errors import CorruptCheckpointError, DistributedError, InvalidStateError, RegistryError
 from registry.fs.filemaps import (Extras, Loaded, MappedFiles, check_file_digest, host_view, layout, map_directory,
                                   map_file, parse_files, read_directory)
-from registry.format.manifest import MANIFEST, Manifest, digest_bytes
+from registry.format.manifest import MANIFEST, digest_bytes
 from registry.ops.reading import Access, CatalogRead, Fallback, report
 from registry.ops.reading import load as load_local
 from registry.records import CheckpointInfo

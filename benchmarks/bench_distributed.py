@@ -32,7 +32,6 @@ import json
 import mmap
 import os
 import shutil
-import socket
 import statistics
 import sys
 import time
@@ -45,37 +44,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _common import free_port, rss_kib, small_state, transformer_state  # noqa: E402
 
 from registry import Registry  # noqa: E402
 
 WORK = Path(__file__).resolve().parents[1] / ".bench" / "distributed"
-
-
-def transformer_state(target_bytes: int) -> dict[str, torch.Tensor]:
-    d, vocab = 1024, 32000
-    g = torch.Generator().manual_seed(0)
-    state = {"embed.weight": torch.randn(vocab, d, generator=g)}
-    per_layer = (12 * d * d + 9 * d + 4 * d) * 4
-    layers = max(1, (target_bytes - vocab * d * 4) // per_layer)
-    for i in range(layers):
-        p = f"layers.{i}."
-        for name in ("q", "k", "v", "o"):
-            state[p + f"attn.{name}.weight"] = torch.randn(d, d, generator=g)
-            state[p + f"attn.{name}.bias"] = torch.randn(d, generator=g)
-        state[p + "mlp.up.weight"] = torch.randn(4 * d, d, generator=g)
-        state[p + "mlp.up.bias"] = torch.randn(4 * d, generator=g)
-        state[p + "mlp.down.weight"] = torch.randn(d, 4 * d, generator=g)
-        state[p + "mlp.down.bias"] = torch.randn(d, generator=g)
-        for norm in ("ln1", "ln2"):
-            state[p + f"{norm}.weight"] = torch.ones(d)
-            state[p + f"{norm}.bias"] = torch.zeros(d)
-    state["norm.weight"] = torch.ones(d)
-    return state
-
-
-def small_state(n: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    return {f"p.{i}": torch.randn(int(torch.randint(16, 1024, (1,), generator=g)), generator=g) for i in range(n)}
 
 
 # --------------------------------------------------------------------------- baselines
@@ -135,13 +108,6 @@ def peak_rss_reset() -> bool:
         return True
     except OSError:
         return False
-
-
-def rss_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    return 0
 
 
 def rank_main(rank: int, port: int, args: dict[str, Any]) -> None:
@@ -206,12 +172,6 @@ def rank_main(rank: int, port: int, args: dict[str, Any]) -> None:
     dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-mib", type=int, default=int(os.environ.get("BENCH_DIST_MIB", "1024")))
@@ -224,7 +184,7 @@ def main() -> None:
     sizes = {}
     with Registry.open(url=url, root=root) as reg:
         paths = {}
-        for case, state in (("small", small_state(opts.small)), ("big", transformer_state(opts.size_mib << 20))):
+        for case, state in (("small", small_state(opts.small)), ("big", transformer_state(opts.size_mib))):
             info = reg.publish(case, 1, state, config={"case": case})
             paths[case] = str(info.path)
             sizes[case] = (len(state), sum(t.numel() * t.element_size() for t in state.values()))

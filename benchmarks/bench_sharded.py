@@ -39,7 +39,6 @@ import argparse
 import hashlib
 import json
 import shutil
-import socket
 import statistics
 import sys
 import time
@@ -54,6 +53,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _common import free_port, rss_kib  # noqa: E402
 
 from registry import Registry  # noqa: E402
 
@@ -89,13 +89,6 @@ def local_bytes(state: Any) -> int:
         if isinstance(v, torch.Tensor):
             total += v.numel() * v.element_size()
     return total
-
-
-def rss_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    return 0
 
 
 def rank_main(rank: int, port: int, args: dict[str, Any]) -> None:
@@ -202,12 +195,6 @@ def rank_main(rank: int, port: int, args: dict[str, Any]) -> None:
         "shard_bytes": local_bytes(state)}))
     dist.barrier()
     dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def main() -> None:

@@ -5,7 +5,7 @@ the state (:func:`snapshot_sharded`) and agrees with the others on the
 request, as a blocking sharded publish does; then it queues the rest on the
 registry's background publisher (:mod:`registry.ops.background`: one thread,
 publishes in call order, so in step order) and returns a future. The rest is
-:func:`registry.dist.sharded.publish_sharded` unchanged: claim, staging
+:func:`registry.distributed.sharded.publish_sharded` unchanged: claim, staging
 broadcast, ``dcp.save``, digests, manifest, rename, commit, outcome.
 
 Why a group of its own: the background protocol runs collectives while the
@@ -41,8 +41,8 @@ import torch.distributed as dist
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
 
-from registry.dist.collectives import Comm
-from registry.dist.sharded import _Solo, agree, publish_sharded
+from registry.distributed.collectives import Comm
+from registry.distributed.sharded import _Solo, agree, publish_sharded
 from registry.fs.snapshot import Snapshotter
 from registry.records import CheckpointInfo
 

@@ -41,8 +41,9 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -51,8 +52,8 @@ import torch
 import torch.distributed as dist
 
 from registry.crashpoints import crashpoint
-from registry.dist.collectives import Comm, Failure, as_timedelta, first_failure
-from registry.dist.collectives import agree as agree_on
+from registry.distributed.collectives import Comm, Failure, as_timedelta, first_failure
+from registry.distributed.collectives import agree as agree_on
 from registry.errors import (CorruptCheckpointError, DistributedError, InvalidStateError, ManifestError,
                              PublishError, RegistryError)
 from registry.format.manifest import CONFIG, MANIFEST, META, Manifest, digest_bytes, parse_manifest
@@ -339,37 +340,18 @@ def load_sharded(comm: Comm | _Solo, access: Access | None, ref: Ref | None, ask
             # the check runs while DCP reads, unless a full unpickler would meet bytes not yet checked
             overlap = bool(share) and not trust_pickle
 
-            def check() -> Any:
-                md = checked_metadata(directory, manifest, plan.metadata_raw)
-                if share and not overlap:
-                    check_share(directory, manifest, share)
-                return md
-            md, mine = _status(check, comm.rank)
+            md, mine = _status(partial(_check_plan, directory, manifest, plan.metadata_raw,
+                                       share if not overlap else []), comm.rank)
             if _settle(comm, read, mine, "agreeing on the checksums"):
                 continue
             saved = {k for k in md.state_dict_metadata if keys is None or wanted(k, keys)}
             asked = {k for k in flat if keys is None or wanted(k, keys)}
             missing, unexpected = tuple(sorted(asked - saved)), tuple(sorted(saved - asked))
 
-            def load() -> None:
-                if strict and (missing or unexpected):
-                    first = f"missing {missing[0]!r}" if missing else f"unexpected {unexpected[0]!r}"
-                    raise InvalidStateError(
-                        f"{plan.info.run}@{plan.info.step} does not match the state to load into ({first}; "
-                        f"{len(missing)} missing, {len(unexpected)} unexpected keys); pass strict=False "
-                        "to load the keys both have", run=plan.info.run, step=plan.info.step)
-                pending = _CHECKS.submit(check_share, directory, manifest, share) if overlap else None
-                try:
-                    subset = {k: flat[k] for k in asked & saved}
-                    _dcp_load(comm, directory, md, subset, trust_pickle=trust_pickle)
-                    flat.update(subset)  # DCP puts non-tensor values into the dict it was given
-                except BaseException:
-                    if pending is not None:
-                        pending.result()  # damaged bytes are the verdict, not what DCP made of them
-                    raise
-                if pending is not None:
-                    pending.result()
-            _, mine = _status(load, comm.rank)
+            mismatch = (missing, unexpected) if strict and (missing or unexpected) else None
+            _, mine = _status(partial(_load_checked, comm, plan.info, md, flat, asked & saved, mismatch=mismatch,
+                                      trust_pickle=trust_pickle, pending_check=(manifest, share) if overlap else None),
+                              comm.rank)
             if _settle(comm, read, mine, "agreeing on the loaded state"):
                 continue
             _write_back(state, flat, mappings, asked & saved)
@@ -383,6 +365,41 @@ def load_sharded(comm: Comm | _Solo, access: Access | None, ref: Ref | None, ask
     finally:
         if read is not None:
             read.release()
+
+
+
+def _check_plan(directory: Path, manifest: Manifest, metadata_raw: bytes, share: list[tuple[str, int]]) -> Any:
+    """The step's checked ``.metadata``, and this rank's share of the pieces when they are checked up front."""
+    md = checked_metadata(directory, manifest, metadata_raw)
+    if share:
+        check_share(directory, manifest, share)
+    return md
+
+
+def _load_checked(comm: Comm | _Solo, info: CheckpointInfo, md: Any, flat: dict[str, Any], keys: set[str], *,
+                  mismatch: tuple[Sequence[str], Sequence[str]] | None, trust_pickle: bool,
+                  pending_check: tuple[Manifest, list[tuple[str, int]]] | None) -> None:
+    """DCP reads ``keys`` of ``flat`` from ``info``'s step while this rank's share of the pieces is checked beside it
+    (``pending_check``); ``mismatch`` (missing, unexpected keys) refuses a strict load first."""
+    if mismatch is not None:
+        missing, unexpected = mismatch
+        first = f"missing {missing[0]!r}" if missing else f"unexpected {unexpected[0]!r}"
+        raise InvalidStateError(
+            f"{info.run}@{info.step} does not match the state to load into ({first}; "
+            f"{len(missing)} missing, {len(unexpected)} unexpected keys); pass strict=False "
+            "to load the keys both have", run=info.run, step=info.step)
+    directory = info.path
+    pending = _CHECKS.submit(check_share, directory, *pending_check) if pending_check is not None else None
+    try:
+        subset = {k: flat[k] for k in keys}
+        _dcp_load(comm, directory, md, subset, trust_pickle=trust_pickle)
+        flat.update(subset)  # DCP puts non-tensor values into the dict it was given
+    except BaseException:
+        if pending is not None:
+            pending.result()  # damaged bytes are the verdict, not what DCP made of them
+        raise
+    if pending is not None:
+        pending.result()
 
 
 def _dcp_load(comm: Comm | _Solo, directory: Path, md: Any, flat: dict[str, Any], *, trust_pickle: bool) -> None:

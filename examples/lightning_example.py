@@ -4,7 +4,7 @@ Publishes every epoch with the logged metrics, keeps the last 3 steps and
 the 2 best by ``val_loss``, and resumes from ``registry:RUN@latest`` when the
 run already has a step (kill it mid-fit and run it again to see).
 
-    python scripts/lightning_example.py --root /tmp/ckpt --epochs 5
+    python examples/lightning_example.py --root /tmp/ckpt --epochs 5
 """
 
 from __future__ import annotations

@@ -1,0 +1,52 @@
+"""What the benches share: the state dicts they time, a free port for a gloo group, the process's memory.
+
+Each bench runs as a script (``./scripts/bench NAME`` runs ``benchmarks/bench_NAME.py``), so this folder is
+first on ``sys.path`` and ``from _common import ...`` finds this module.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import torch
+
+
+def transformer_state(mib: int) -> dict[str, torch.Tensor]:
+    """A decoder-only transformer's weights (fp32), scaled in depth to about ``mib`` MiB."""
+    hidden, vocab = 1024, 32000
+    per_layer = 12 * hidden * hidden + 2 * hidden
+    layers = max(1, round((mib * 2**20 / 4 - 2 * vocab * hidden) / per_layer))
+    g = torch.Generator().manual_seed(0)
+    state = {"embed.weight": torch.randn(vocab, hidden, generator=g)}
+    for i in range(layers):
+        p = f"layers.{i}."
+        state[p + "attn.qkv.weight"] = torch.randn(3 * hidden, hidden, generator=g)
+        state[p + "attn.out.weight"] = torch.randn(hidden, hidden, generator=g)
+        state[p + "mlp.up.weight"] = torch.randn(4 * hidden, hidden, generator=g)
+        state[p + "mlp.down.weight"] = torch.randn(hidden, 4 * hidden, generator=g)
+        state[p + "norm1.weight"] = torch.ones(hidden)
+        state[p + "norm2.weight"] = torch.ones(hidden)
+    state["lm_head.weight"] = torch.randn(vocab, hidden, generator=g)
+    return state
+
+
+def small_state(count: int) -> dict[str, torch.Tensor]:
+    """``count`` small tensors (16 to 8,192 floats): the many-files, metadata-bound case."""
+    g = torch.Generator().manual_seed(1)
+    sizes = torch.randint(16, 8192, (count,), generator=g).tolist()
+    return {f"t{i:05d}": torch.randn(n, generator=g) for i, n in enumerate(sizes)}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def rss_kib(field: str) -> int:
+    """A ``/proc/self/status`` memory figure (``VmRSS``, ``VmHWM``, ``RssAnon``) in KiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return 0
