@@ -51,3 +51,13 @@ def test_installed_wheel_migrates_a_fresh_catalog(tmp_path: Path) -> None:
     current, head = done.stdout.split()
     assert current == head
     assert (work / "catalog.db").is_file()
+
+
+def test_lint_reads_every_module() -> None:
+    """No folder of the package is one a tool skips by name (ruff, black and pytest skip any ``dist/``)."""
+    shown = subprocess.run([sys.executable, "-m", "ruff", "check", "registry", "--show-files"], capture_output=True,
+                           text=True, cwd=REPO)
+    assert shown.returncode == 0, shown.stderr
+    linted = {Path(line.strip()).resolve() for line in shown.stdout.splitlines() if line.strip().endswith(".py")}
+    modules = {p.resolve() for p in (REPO / "registry").rglob("*.py") if "__pycache__" not in p.parts}
+    assert modules and modules <= linted, sorted(str(p) for p in modules - linted)
