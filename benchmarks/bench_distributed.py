@@ -90,7 +90,7 @@ def floor_load(path: Path) -> torch.Tensor:
 
 def plain_mmap_load(path: Path) -> dict[str, torch.Tensor]:
     """What any single process can do: map the file, view each tensor in it."""
-    from registry.format.tensorio import read_safetensors_header
+    from registry.format.safetensors import read_safetensors_header
     file = path / "model.safetensors"
     with open(file, "rb") as f:
         header = read_safetensors_header(f, os.fstat(f.fileno()).st_size, file)

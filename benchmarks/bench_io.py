@@ -319,7 +319,7 @@ def _sha256_read(path: Path) -> object:
     """Our reader forced to sha256: what a load would cost without the xxh3 digests."""
     import dataclasses
 
-    import registry.fs.filemaps as filemaps
+    import registry.fs.filemaps as filemaps  # the reader calls check_file_digest by this name
     real = filemaps.check_file_digest
     filemaps.check_file_digest = lambda directory, entry, data: real(  # type: ignore[assignment]
         directory, dataclasses.replace(entry, xxh3_128=None, piece_size=None, xxh3_128_pieces=None), data)

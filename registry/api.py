@@ -35,7 +35,7 @@ from registry.ops.scrub import VerifyResult, scrub
 from registry.fs.snapshot import Snapshotter
 from registry.fs.filemaps import check_extras
 from registry.fs.store import Payload, Store, Written, now_timestamp, write_payload, writer_alive, writer_id
-from registry.format.tensorio import check_state_dict
+from registry.format.safetensors import check_state_dict
 from registry.fs.validation import check_flags, check_tags, checked_payload
 
 if TYPE_CHECKING:

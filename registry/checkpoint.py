@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from registry.fs.filemaps import Loaded, check_extras, read_directory
 from registry.fs.store import Payload, now_timestamp, save_directory
-from registry.format.tensorio import check_state_dict
+from registry.format.safetensors import check_state_dict
 from registry.fs.validation import check_manifest_fields
 
 if TYPE_CHECKING:

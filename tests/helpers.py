@@ -133,7 +133,7 @@ def write_raw_safetensors(path: Path, parts: list[tuple[str, torch.Tensor]]) -> 
     import json
     import struct
 
-    from registry.format.tensorio import dtype_names
+    from registry.format.safetensors import dtype_names
     header: dict[str, object] = {}
     data = b""
     for name, tensor in parts:

@@ -25,14 +25,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import registry.format.tensorio as tensorio
+import registry.format.safetensors as safetensors_mod
 from registry import (Checkpoint, CorruptCheckpointError, ManifestError, Registry, RegistryError,
                       SafetensorsFormatError, UnsafePathError, UnsafePickleError)
 from registry.format.manifest import check_file_name, parse_manifest, read_manifest
 from registry.format.pieces import MIN_PIECE_SIZE, piece_count
 from registry.fs.filemaps import read_directory
 from registry.fs.store import verify_directory
-from registry.format.tensorio import read_safetensors_header
+from registry.format.safetensors import read_safetensors_header
 from tests.helpers import assert_state_equal, make_state
 
 FUZZ = int(os.environ.get("REGISTRY_FUZZ_EXAMPLES", "300"))
@@ -325,7 +325,7 @@ def test_bad_safetensors(raw: bytes, why: str, tmp_path: Path, monkeypatch: pyte
     assert [a for a in allocations if a != (0,)] == []  # (0,): the buffer of an empty file, not a tensor
 
 
-_dtypes = st.sampled_from(sorted(tensorio.dtypes()))
+_dtypes = st.sampled_from(sorted(safetensors_mod.dtypes()))
 _spec = st.fixed_dictionaries({"dtype": st.one_of(_dtypes, _json), "shape": st.one_of(
     st.lists(st.integers(-2, 6), max_size=3), _json), "data_offsets": st.one_of(
     st.lists(st.integers(-4, 300), min_size=2, max_size=2), _json)})
@@ -338,7 +338,7 @@ def _valid_safetensors(draw: st.DrawFn) -> tuple[bytes, list[tuple[str, str, lis
     entries, cursor = [], 0
     for name in names:
         dtype, shape = draw(_dtypes), draw(st.lists(st.integers(0, 5), max_size=3))
-        n = math.prod(shape) * tensorio.dtypes()[dtype].itemsize
+        n = math.prod(shape) * safetensors_mod.dtypes()[dtype].itemsize
         entries.append((name, dtype, shape, cursor, cursor + n))
         cursor += n
     header: dict[str, Any] = {name: {"dtype": dtype, "shape": shape, "data_offsets": [begin, end]}
@@ -406,7 +406,7 @@ def test_safetensors_header_fuzz() -> None:
             seen["other accepted"] += 1
             return
         seen["valid"] += 1
-        names = {v: k for k, v in tensorio.dtypes().items()}
+        names = {v: k for k, v in safetensors_mod.dtypes().items()}
         got = [(e.name, names[e.dtype], list(e.shape), e.begin, e.end) for e in parsed.entries]
         assert sorted(got, key=by_offset) == sorted(expected, key=by_offset)  # empty tensors share an offset
 

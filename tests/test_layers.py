@@ -46,7 +46,7 @@ KNOWN_VIOLATIONS: set[tuple[str, str]] = set()
 TORCH_FREE = ("registry", "registry.catalog", "registry.catalog.queries", "registry.records", "registry.format.refs",
               "registry.errors", "registry.cli", "registry.api", "registry.ops.reading", "registry.checkpoint",
               "registry.fs.snapshot", "registry.fs.validation", "registry.fs.store", "registry.fs.filemaps",
-              "registry.format.tensorio", "registry.cli_export", "registry.views", "registry.cli_ui",
+              "registry.format.safetensors", "registry.fs.hashing", "registry.fs.mapping", "registry.cli_export", "registry.views", "registry.cli_ui",
               "registry.web", "registry.catalog.lineage", "registry.fs.dedup", "registry.cli_lineage")
 # Every module of the format and filesystem folders.
 SQL_FREE = tuple(f"registry.{folder}.{path.stem}" for folder in ("format", "fs")

@@ -25,7 +25,8 @@ import pytest
 import torch
 
 from registry import Checkpoint, Registry
-from registry.fs.filemaps import layout, map_file, tensors_of
+from registry.fs.filemaps import layout, tensors_of
+from registry.fs.mapping import map_file
 from tests._dist_worker import fingerprint
 from tests.helpers import child_env, write_raw_safetensors
 

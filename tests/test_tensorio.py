@@ -15,17 +15,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as hs
 
 import registry.format.pieces as pieces_mod
-import registry.format.tensorio as tio
+import registry.format.safetensors as safetensors_mod
+import registry.fs.hashing as tio
 from registry.errors import SafetensorsFormatError
-from registry.fs.filemaps import map_file, tensors_of
-from registry.format.tensorio import HashingWriter, hash_file, write_safetensors
+from registry.fs.filemaps import tensors_of
+from registry.fs.mapping import map_file
+from registry.format.safetensors import write_safetensors
+from registry.fs.hashing import HashingWriter, hash_file
 from tests.helpers import write_raw_safetensors
 
 
 def every_dtype_state() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     state: dict[str, torch.Tensor] = {}
-    for name, dtype in tio.dtypes().items():
+    for name, dtype in safetensors_mod.dtypes().items():
         raw = torch.randint(0, 256, (3, 5), dtype=torch.uint8, generator=g)
         if dtype == torch.bool:
             state[f"t.{name}"] = raw > 127
@@ -93,7 +96,7 @@ def test_file_layout_is_exactly_the_format(tmp_path: Path) -> None:
         assert begin == cursor
         tensor = state[name].contiguous()
         assert header[name]["shape"] == list(tensor.shape)
-        assert tio.dtypes()[header[name]["dtype"]] == tensor.dtype
+        assert safetensors_mod.dtypes()[header[name]["dtype"]] == tensor.dtype
         assert data[begin:end] == tensor.view(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else True
         assert begin % tensor.element_size() == 0  # every tensor aligned to its element size
         cursor = end

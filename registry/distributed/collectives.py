@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from registry import errors
 from registry.crashpoints import crashpoint
-from registry.fs.filemaps import host_view
+from registry.fs.mapping import host_view
 from registry.pools import Pool
 
 _POOL = Pool(1, "registry-load-hash")

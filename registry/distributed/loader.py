@@ -57,8 +57,8 @@ import torch.distributed as dist
 
 from registry.distributed.collectives import Comm, Failure, active, agree, as_timedelta, first_failure, transfer
 from registry.errors import CorruptCheckpointError, DistributedError, InvalidStateError, RegistryError
-from registry.fs.filemaps import (Extras, Loaded, MappedFiles, check_file_digest, host_view, layout, map_directory,
-                                  map_file, parse_files, read_directory)
+from registry.fs.filemaps import Extras, Loaded, MappedFiles, layout, map_directory, parse_files, read_directory
+from registry.fs.mapping import check_file_digest, host_view, map_file
 from registry.format.manifest import MANIFEST, digest_bytes
 from registry.ops.reading import Access, CatalogRead, Fallback, report
 from registry.ops.reading import load as load_local

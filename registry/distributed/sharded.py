@@ -61,7 +61,8 @@ from registry.format.sharding import DCP_METADATA, layout_of
 from registry.format.dcp_metadata import RestrictedFileSystemReader, dcp_failure
 from registry.fs.dcpfiles import (check_share, checked_metadata, dcp_failures, hashing_writer, piece_share, quiet,
                                   wanted, write_sharded_tail, write_threads)
-from registry.fs.filemaps import host_view, map_file, read_error, read_json
+from registry.fs.filemaps import read_json
+from registry.fs.mapping import host_view, map_file, read_error
 from registry.fs.store import Payload, Written, now_timestamp
 from registry.fs.validation import check_flags, check_tags, checked_payload
 from registry.format.refs import check_run_name, check_step

@@ -39,7 +39,7 @@ from registry.errors import CorruptCheckpointError, ManifestError, UnsafePickleE
 from registry.format.manifest import CONFIG, MANIFEST, META, FileEntry, Manifest
 from registry.format.pieces import piece_count
 from registry.format.sharding import DCP_METADATA, ShardedLayout
-from registry.format.tensorio import HashingWriter, hash_bytes
+from registry.fs.hashing import HashingWriter, hash_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -186,7 +186,7 @@ def full_state(directory: Path, manifest: Manifest, files: Mapping[str, torch.Te
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from registry.format.dcp_metadata import RestrictedFileSystemReader, dcp_failure
-    from registry.fs.filemaps import host_view
+    from registry.fs.mapping import host_view
     views = {name: host_view(buf) for name, buf in files.items()}
     md = checked_metadata(directory, manifest, views[DCP_METADATA])
     flat: dict[str, Any] = {}
@@ -208,7 +208,7 @@ def full_state(directory: Path, manifest: Manifest, files: Mapping[str, torch.Te
         if isinstance(cause, (UnsafePickleError, CorruptCheckpointError)):
             raise cause from None
         if isinstance(cause, OSError):  # this process could not read: never evidence against the step
-            from registry.fs.filemaps import read_error
+            from registry.fs.mapping import read_error
             raise read_error(directory, cause) from None
         raise CorruptCheckpointError(f"cannot load the sharded checkpoint {directory}: {cause}".splitlines()[0],
                                      path=directory) from None
@@ -292,7 +292,7 @@ def check_share(directory: Path, manifest: Manifest, share: list[tuple[str, int]
                 finally:
                     view.release()
         except OSError as exc:
-            from registry.fs.filemaps import read_error
+            from registry.fs.mapping import read_error
             raise read_error(path, exc) from None
         finally:
             os.close(fd)

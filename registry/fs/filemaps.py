@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import errno
 import io
-import mmap
 import os
 import pickle
 import re
@@ -41,11 +40,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from registry.errors import (CheckpointReadError, CorruptCheckpointError, ExtraNotFoundError, InvalidStateError,
                              ManifestError, RegistryError, SafetensorsFormatError, UnsafePickleError)
-from registry.format.manifest import (CONFIG, MANIFEST, MAX_JSON_BYTES, META, WEIGHTS, WEIGHTS_INDEX, FileEntry,
-                                      Manifest, check_file_name, decode_json_object, digest_bytes, open_regular,
-                                      parse_manifest)
-from registry.format.pieces import first_mismatch
-from registry.format.tensorio import MAX_HEADER, SafetensorsHeader, hash_bytes, read_safetensors_header, tensors_in
+from registry.format.manifest import (CONFIG, MANIFEST, MAX_JSON_BYTES, META, WEIGHTS, WEIGHTS_INDEX, Manifest,
+                                      check_file_name, decode_json_object, digest_bytes, parse_manifest)
+from registry.format.safetensors import MAX_HEADER, SafetensorsHeader, read_safetensors_header, tensors_in
+from registry.fs.mapping import check_file_digest, host_bytes, host_view, map_file, read_error
 
 if TYPE_CHECKING:
     import torch
@@ -64,74 +62,7 @@ class Loaded:
     manifest_sha256: str | None
 
 
-# --------------------------------------------------------------------------- bytes
-
-
-def map_file(directory: Path, name: str, *, expected_size: int | None = None,
-             error: type[CorruptCheckpointError] = CorruptCheckpointError,
-             what: str = "checkpoint file") -> torch.Tensor:
-    """``directory/name`` as a uint8 tensor over a private (copy-on-write) memory map.
-
-    Symlinks are refused; the size is checked against the manifest before any
-    byte is touched. The mapping lives as long as the tensor or any view of it.
-    """
-    import torch
-    path = directory / name
-    fd = open_regular(directory, name, error=error, what=what)
-    try:
-        size = os.fstat(fd).st_size
-        if expected_size is not None and size != expected_size:
-            raise CorruptCheckpointError(
-                f"checkpoint file size mismatch: {path} is {size} bytes, manifest says {expected_size}", path=path)
-        if size == 0:
-            return torch.empty(0, dtype=torch.uint8)
-        mapped = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
-    finally:
-        os.close(fd)
-    if hasattr(mapped, "madvise") and hasattr(mmap, "MADV_SEQUENTIAL"):
-        mapped.madvise(mmap.MADV_SEQUENTIAL)
-    return torch.frombuffer(mapped, dtype=torch.uint8)
-
-
-def host_view(buf: torch.Tensor) -> memoryview:
-    """The bytes of a CPU uint8 tensor, without a copy."""
-    return buf.reshape(-1).numpy().data.cast("B") if buf.numel() else memoryview(b"")
-
-
-def _host_bytes(buf: torch.Tensor, limit: int | None = None) -> bytes:
-    part = buf if limit is None else buf[:limit]
-    return bytes(host_view(part.cpu()))
-
-
-def check_file_digest(directory: Path, entry: FileEntry, data: bytes | memoryview) -> None:
-    """Check a whole file's bytes against the fastest digest its manifest entry has.
-
-    xxh3-128 of 16 MiB pieces (hashed on all cores), else of the whole file
-    (manifests written before pieces), else sha256 (the reference module's).
-    The manifest itself is matched against the sha256 the catalog keeps, so a
-    recorded xxh3 is as trustworthy as the manifest; xxh3 catches any
-    accidental damage (bit rot, torn or truncated writes) but, unlike sha256,
-    not a deliberate forgery, which is what ``registry verify`` re-checks.
-    """
-    where = ""
-    if entry.xxh3_128_pieces is not None and entry.piece_size is not None:
-        piece = first_mismatch(data, entry.piece_size, entry.xxh3_128_pieces)
-        ok = piece is None
-        if piece is not None and piece >= 0:  # tells an operator where the damage starts
-            where = f" (bytes {piece * entry.piece_size}-{min(len(data), (piece + 1) * entry.piece_size) - 1})"
-    elif entry.xxh3_128 is not None:
-        ok = hash_bytes(data, "xxh3_128") == entry.xxh3_128
-    else:
-        ok = hash_bytes(data, "sha256") == entry.sha256
-    if not ok:
-        path = directory / entry.name
-        raise CorruptCheckpointError(f"checkpoint file checksum mismatch: {path}{where}", path=path)
-
-
-def read_error(directory: Path, exc: OSError) -> CheckpointReadError:
-    """A failure of this process to read ``directory``: never evidence against the checkpoint."""
-    where = exc.filename or directory
-    return CheckpointReadError(f"cannot read {where}: {exc.strerror or exc}", errno=exc.errno, path=where)
+# --------------------------------------------------------------------------- directories
 
 
 def _checked_directory(directory: Path) -> None:
@@ -265,7 +196,7 @@ def _check_listed_exists(directory: Path, name: str) -> None:
 def json_object(buf: torch.Tensor, path: Path) -> dict[str, Any]:
     if buf.numel() > MAX_JSON_BYTES:
         raise CorruptCheckpointError(f"{path} is larger than {MAX_JSON_BYTES} bytes", path=path)
-    return decode_json_object(_host_bytes(buf), path=path)
+    return decode_json_object(host_bytes(buf), path=path)
 
 
 def read_json(directory: Path, name: str) -> dict[str, Any]:
@@ -285,7 +216,7 @@ def weight_map(index: dict[str, Any], path: Path) -> dict[str, str]:
 
 
 def _parse_manifest(buf: torch.Tensor, directory: Path) -> tuple[Manifest, str]:
-    raw = _host_bytes(buf)
+    raw = host_bytes(buf)
     return parse_manifest(raw, path=directory / MANIFEST), digest_bytes(raw)
 
 
@@ -306,10 +237,10 @@ class _ViewReader:
 def header_of(buf: torch.Tensor, path: Path, *, size: int | None = None) -> SafetensorsHeader:
     """The validated header at the start of ``buf``, for a file of ``size`` bytes (default: all of ``buf``)."""
     have = buf.numel()
-    prefix = _host_bytes(buf, min(have, 8))
+    prefix = host_bytes(buf, min(have, 8))
     declared = int.from_bytes(prefix, "little") if len(prefix) == 8 else 0
     # only the header is copied out; its parser checks the declared length against the limits
-    head = _host_bytes(buf, min(have, 8 + min(declared, MAX_HEADER + 1)))
+    head = host_bytes(buf, min(have, 8 + min(declared, MAX_HEADER + 1)))
     return read_safetensors_header(_ViewReader(head), have if size is None else size, path)  # type: ignore[arg-type]
 
 
@@ -331,10 +262,10 @@ def layout(name: str, buf: torch.Tensor) -> list[int]:
     size = buf.numel()
     if not name.endswith(".safetensors") or size < 8:
         return [size]
-    declared = int.from_bytes(_host_bytes(buf, 8), "little")
+    declared = int.from_bytes(host_bytes(buf, 8), "little")
     if declared > min(MAX_HEADER, size - 8):
         return [size]
-    spans = sorted((int(a), int(b)) for a, b in _OFFSETS.findall(_host_bytes(buf, 8 + declared), 8))
+    spans = sorted((int(a), int(b)) for a, b in _OFFSETS.findall(host_bytes(buf, 8 + declared), 8))
     lengths, cursor = [8 + declared], 0
     for begin, end in spans:
         if begin != cursor or end < begin:
@@ -390,7 +321,7 @@ def unpickle(buf: torch.Tensor, path: Path, *, trust_pickle: bool, map_location:
     """A ``.pt`` extra: ``weights_only`` unless the caller trusts its author."""
     import torch
     try:
-        return torch.load(io.BytesIO(_host_bytes(buf)), map_location=map_location, weights_only=not trust_pickle)
+        return torch.load(io.BytesIO(host_bytes(buf)), map_location=map_location, weights_only=not trust_pickle)
     except pickle.UnpicklingError as exc:
         if trust_pickle:
             raise CorruptCheckpointError(f"cannot unpickle {path}: {exc}".splitlines()[0], path=path) from None
@@ -488,6 +419,5 @@ def read_directory(directory: Path, *, verify: bool = True, trust_pickle: bool =
                        mapped=mapped, expected_digest=expected_digest)
 
 
-__all__ = ["Extras", "Loaded", "MappedFiles", "assemble_shards", "check_extras", "check_file_digest",
-           "header_of", "json_object", "layout", "map_directory", "map_file", "parse_files", "read_directory",
-           "read_error", "read_json", "select_extras", "tensors_of", "weight_map"]
+__all__ = ["Extras", "Loaded", "MappedFiles", "assemble_shards", "check_extras", "header_of", "json_object", "layout",
+           "map_directory", "parse_files", "read_directory", "read_json", "select_extras", "tensors_of", "weight_map"]

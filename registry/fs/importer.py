@@ -37,7 +37,7 @@ from registry.format.manifest import (CONFIG, MANIFEST, META, WEIGHTS, WEIGHTS_I
 from registry.format.refs import MAX_STEP
 from registry.format.sharding import DCP_METADATA
 from registry.fs.store import Written, fsync_dir, now_timestamp
-from registry.format.tensorio import CHUNK, HashingWriter, sha256_file
+from registry.fs.hashing import CHUNK, HashingWriter, sha256_file
 
 if TYPE_CHECKING:
     from registry.format.dcp_metadata import DcpFiles

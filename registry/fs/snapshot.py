@@ -116,7 +116,7 @@ class _Arena:
         For the tensors of ``extra``: ``torch.save`` writes a tensor's whole
         storage, so a view of the arena would put the whole snapshot into
         every ``.pt`` file (and ``torch.save`` refuses two dtypes over one
-        storage). Built as :func:`registry.format.tensorio.tensors_in` builds
+        storage). Built as :func:`registry.format.safetensors.tensors_in` builds
         a loaded file's tensors.
         """
         import torch

@@ -33,7 +33,8 @@ from registry.format.manifest import (CONFIG, MANIFEST, MAX_JSON_BYTES, META, WE
                                       Manifest, check_file_name, digest_bytes, read_manifest)
 from registry.pools import Pool
 from registry.format.refs import CATALOG_FILE
-from registry.format.tensorio import HashingWriter, hash_file, read_safetensors_header, write_safetensors
+from registry.format.safetensors import read_safetensors_header, write_safetensors
+from registry.fs.hashing import HashingWriter, hash_file
 
 if TYPE_CHECKING:
     import torch
@@ -244,7 +245,7 @@ def write_payload(staging: Path, payload: Payload) -> Written:
 
     The manifest is written last and everything, the directory included, is
     fsync'd before return. Nothing is ever read back to hash it, and tensors
-    are written from their own memory (see ``tensorio``), so the extra memory
+    are written from their own memory (see ``registry.fs.hashing``), so the extra memory
     is a few MiB plus the largest non-contiguous tensor, whatever the size of
     the state dict. Each file entry records sha256 and xxh3-128 piece
     digests. Each file is fsync'd on a helper thread while the next one is

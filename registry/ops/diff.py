@@ -42,7 +42,7 @@ import xxhash
 from registry.errors import (CheckpointDeletedError, CheckpointReadError, CorruptCheckpointError, UnsafePathError)
 from registry.format.manifest import (CONFIG, MANIFEST, MAX_JSON_BYTES, MAX_MANIFEST_BYTES, FileEntry, Manifest,
                                       check_file_name, decode_json_object, digest_bytes, parse_manifest)
-from registry.format.tensorio import read_safetensors_header
+from registry.format.safetensors import read_safetensors_header
 from registry.ops.reading import Access
 from registry.records import HAS_PAYLOAD, CheckpointInfo
 

@@ -38,7 +38,8 @@ from typing import TYPE_CHECKING, Literal
 from registry.errors import (CheckpointDeletedError, CheckpointReadError, CorruptCheckpointError, InvalidStateError,
                              RegistryError, RootError)
 from registry.format.manifest import MANIFEST, read_manifest
-from registry.fs.filemaps import map_directory, read_error
+from registry.fs.filemaps import map_directory
+from registry.fs.mapping import read_error
 from registry.fs.store import REGISTRY_DIR
 from registry.ops.reading import CatalogRead, ReadAccess, report
 
