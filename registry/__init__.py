@@ -12,7 +12,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from registry.api import Registry, VerifyResult
+    from registry.api import Registry
     from registry.catalog.lineage import LineageHop
     from registry.checkpoint import Checkpoint
     from registry.distributed.sharded import ShardedLoad
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
                                  UnsafePathError, UnsafePickleError)
     from registry.ops.diff import CheckpointDiff
     from registry.ops.export import Checkout, Exported
+    from registry.ops.scrub import VerifyResult
     from registry.records import CheckpointInfo, EventInfo, MetricPoint, RunInfo
     from registry.format.refs import Ref, parse_ref
 
@@ -40,7 +41,7 @@ _ERRORS = (
 
 # public name -> the module that defines it
 _HOMES: dict[str, str] = {
-    "Registry": "registry.api", "VerifyResult": "registry.api",
+    "Registry": "registry.api", "VerifyResult": "registry.ops.scrub",
     "Checkpoint": "registry.checkpoint",
     "CheckpointInfo": "registry.records", "EventInfo": "registry.records", "MetricPoint": "registry.records",
     "RunInfo": "registry.records",
