@@ -34,7 +34,8 @@ from registry.format.refs import Ref, check_metric_key, check_run_name, check_st
 from registry.ops.scrub import VerifyResult, scrub
 from registry.fs.snapshot import Snapshotter
 from registry.fs.filemaps import check_extras
-from registry.fs.store import Payload, Store, Written, now_timestamp, write_payload, writer_alive, writer_id
+from registry.fs.store import Payload, Store, Written, now_timestamp, write_payload
+from registry.ops.writers import writer_alive, writer_id
 from registry.format.safetensors import check_state_dict
 from registry.fs.validation import check_flags, check_tags, checked_payload
 

@@ -28,7 +28,8 @@ from registry.errors import InvalidNameError, InvalidRefError, InvalidStateError
 from registry.format.layout import hidden_sibling
 from registry.format.manifest import MANIFEST, WEIGHTS, WEIGHTS_INDEX
 from registry.format.refs import MAX_STEP, Ref, check_run_name, check_step, parse_ref
-from registry.fs.store import Store, Written, json_bytes, writer_alive
+from registry.fs.store import Store, Written, json_bytes
+from registry.ops.writers import writer_alive
 from tests.helpers import assert_state_equal, fail_commits, make_state
 
 

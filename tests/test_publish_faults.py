@@ -32,7 +32,8 @@ from registry.catalog.models import CheckpointRow
 from registry.errors import AsyncPublishError
 from registry.records import CheckpointInfo
 from registry.retention import KeepLast, Policy, RetentionContext, remove_checkpoint_dir
-from registry.fs.store import STALE_AFTER, new_staging, writer_alive, writer_id
+from registry.fs.store import new_staging
+from registry.ops.writers import STALE_AFTER, writer_alive, writer_id
 from tests.helpers import assert_state_equal, fail_commits, make_state, write_hf_sharded
 
 

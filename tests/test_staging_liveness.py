@@ -18,7 +18,8 @@ import registry.fs.store as store_mod
 from registry import Registry, StepExistsError
 from registry.catalog import Claim
 from registry.catalog.models import CheckpointRow
-from registry.fs.store import STALE_AFTER, new_staging, writer_alive
+from registry.fs.store import new_staging
+from registry.ops.writers import STALE_AFTER, writer_alive
 from tests.helpers import make_state
 
 ELSEWHERE = "another-node:4242"  # a host name that is not this machine's

@@ -17,6 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+REGISTRY_DIR = ".registry"  # the registry's own files under a root; no run name can start with "."
+ROOT_MARKER = "root.json"  # in REGISTRY_DIR: {"catalog_id": ...}, the catalog this root is bound to
+# The default SQLite catalog's file name, in REGISTRY_DIR. Roots made before the catalog moved there keep it
+# (and SQLite's ``-wal``/``-shm``/``-journal`` siblings) at the top, beside the runs.
+CATALOG_FILE = "catalog.db"
+
 HiddenKind = Literal["tmp", "retired"]
 StepDirKind = Literal["final", "tmp", "retired"]
 

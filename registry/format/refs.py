@@ -12,15 +12,13 @@ from dataclasses import dataclass
 from typing import Literal
 
 from registry.errors import InvalidNameError, InvalidRefError
+from registry.format.layout import CATALOG_FILE
 
 RUN_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 TAG_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,127}")
 METRIC_KEY_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_./\-]{0,254}")
 RESERVED_TAGS = frozenset({"latest", "latest-published"})
 MAX_STEP = 2**63 - 1  # the catalog stores steps as 64-bit integers
-# The default SQLite catalog's file name. Roots made before the catalog moved under ``<root>/.registry/``
-# keep it (and SQLite's ``-wal``/``-shm``/``-journal`` siblings) at the top, beside the runs.
-CATALOG_FILE = "catalog.db"
 
 RefKind = Literal["latest", "latest-published", "best", "step", "tag"]
 

@@ -40,7 +40,7 @@ from registry.errors import (CheckpointDeletedError, CheckpointReadError, Corrup
 from registry.format.manifest import MANIFEST, read_manifest
 from registry.fs.filemaps import map_directory
 from registry.fs.mapping import read_error
-from registry.fs.store import REGISTRY_DIR
+from registry.format.layout import REGISTRY_DIR
 from registry.ops.reading import CatalogRead, ReadAccess, report
 
 if TYPE_CHECKING:

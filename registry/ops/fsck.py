@@ -37,7 +37,7 @@ point every step would look missing.
 | corrupt-step | corrupt row | none: says what to do (restore, ``registry verify``; or gc) |
 
 A staging row whose writer is alive is reported in ``in_progress`` and left alone
-(on another host: one it refreshed within ``registry.fs.store.STALE_AFTER``).
+(on another host: one it refreshed within ``registry.ops.writers.STALE_AFTER``).
 A repair skipped because the row changed after the snapshot (a writer took the
 step over, or a dead writer's last COMMIT was still completing on the server)
 is listed in ``failures``; running fsck again judges the new state. An
@@ -68,7 +68,8 @@ from registry.format.manifest import MANIFEST, META, Manifest, read_manifest
 from registry.records import LIVE, Status
 from registry.format.refs import MAX_STEP, RUN_NAME_RE
 from registry.retention import manifest_digest, remove_tree, retire_and_remove
-from registry.fs.store import fsync_dir, verify_directory, writer_alive
+from registry.fs.store import fsync_dir, verify_directory
+from registry.ops.writers import writer_alive
 
 
 REPAIRS = {

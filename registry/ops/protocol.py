@@ -33,12 +33,13 @@ from registry.errors import CatalogError, CorruptCheckpointError, PublishError, 
 from registry.format.layout import hidden_sibling
 from registry.records import CheckpointInfo, Status
 from registry.fs.dedup import Linked, link_identical
-from registry.fs.store import (Written, check_written, discard, install, new_staging, remove_stale_staging, uninstall,
-                               writer_alive)
+from registry.fs.store import (Written, check_written, discard, install, new_staging, remove_stale_staging,
+                               uninstall)
+from registry.ops.writers import writer_alive
 
 log = logging.getLogger(__name__)
 
-HEARTBEAT = timedelta(seconds=30)  # well inside store.STALE_AFTER, so a slow beat never looks like a dead writer
+HEARTBEAT = timedelta(seconds=30)  # well inside writers.STALE_AFTER, so a slow beat never looks like a dead writer
 
 
 def publish_sequence(catalog: Catalog, *, run: str, step: int, final: Path, relpath: str, writer: str,
@@ -180,7 +181,7 @@ def heartbeat(catalog: Catalog, claim: Claim) -> Iterator[None]:
 
     A writer on another host cannot be asked whether it is alive; a row it
     keeps refreshing says so, and one left unrefreshed for
-    ``registry.fs.store.STALE_AFTER`` is taken over by the next claim and
+    ``registry.ops.writers.STALE_AFTER`` is taken over by the next claim and
     repaired by fsck. A missed beat is harmless unless every beat for that
     long is missed.
     """
