@@ -546,15 +546,14 @@ class Registry:
             raise InvalidStateError(f"resume must be True, False or None, got {resume!r}")
         if broadcast:
             from registry.distributed.loader import distributed_load
-            ckpt = distributed_load(self._reader(), parsed, verify=verify, map_location=map_location,
+            read = distributed_load(self._reader(), parsed, verify=verify, map_location=map_location,
                                     trust_pickle=trust_pickle, strategy=strategy, timeout=timeout,
                                     extras=extras, fallback=fallback)
         else:
-            ckpt = reading.load(self._reader(), parsed, verify=verify, map_location=map_location,
+            read = reading.load(self._reader(), parsed, verify=verify, map_location=map_location,
                                 trust_pickle=trust_pickle, extras=extras, fallback=fallback)
-        if ckpt.info is not None:
-            self._note_resume(parsed, ckpt.info.step, resume)
-        return ckpt
+        self._note_resume(parsed, read.info.step, resume)
+        return Checkpoint.from_read(read)
 
     def checkout(self, ref: str | Ref, dest: str | os.PathLike[str] | None = None, *,
                  ttl: timedelta | None = None, verify: bool = True, fallback: bool = True) -> Checkout:

@@ -22,8 +22,8 @@ from registry.fs.validation import check_manifest_fields
 if TYPE_CHECKING:
     import torch
 
-    from registry.ops.reading import Fallback
-    from registry.records import CheckpointInfo
+    from registry.ops.reading import Read
+    from registry.records import CheckpointInfo, Fallback
 
 
 @dataclass
@@ -51,6 +51,11 @@ class Checkpoint:
     def save(self, save_dir: str | Path, *, max_shard_size: int | None = None) -> None:
         """Atomically write this checkpoint to ``save_dir`` (replacing it if present)."""
         save_directory(Path(save_dir), self.payload(max_shard_size=max_shard_size))
+
+    @classmethod
+    def from_read(cls, read: Read) -> Checkpoint:
+        """What ``Registry.load`` hands out for a step read through the catalog."""
+        return cls.from_loaded(read.loaded, step=read.info.step, info=read.info, fallback=read.fallback)
 
     @classmethod
     def from_loaded(cls, loaded: Loaded, *, step: int | None = None, info: CheckpointInfo | None = None,

@@ -6,7 +6,7 @@ Plain data with no torch and no SQL, so every layer can return them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -121,3 +121,44 @@ class EventInfo:
         return {"id": self.id, "run": self.run, "step": self.step, "kind": self.kind,
                 "detail": self.detail, "actor": self.actor,
                 "created_at": self.created_at.isoformat() if self.created_at else None}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Skipped:
+    """A step a load fell back past, and why."""
+
+    step: int
+    reason: str
+    created_at: datetime | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fallback:
+    """How far a load of ``ref`` fell back past corrupt steps (``Checkpoint.fallback``)."""
+
+    ref: str
+    skipped: tuple[Skipped, ...]  # newest first; each was marked corrupt
+    step: int  # the step loaded instead
+    created_at: datetime | None
+
+    @property
+    def from_step(self) -> int:
+        return self.skipped[0].step
+
+    @property
+    def steps(self) -> int:
+        """How many training steps older the loaded step is than the one asked for."""
+        return self.from_step - self.step
+
+    @property
+    def age(self) -> timedelta | None:
+        """How much older the loaded step was published than the newest skipped one."""
+        newest = self.skipped[0].created_at
+        if newest is None or self.created_at is None:
+            return None
+        return newest - self.created_at
+
+    def __str__(self) -> str:
+        age = f", {self.age} older" if self.age is not None else ""
+        return (f"{self.ref} fell back {self.steps} steps{age}: step {self.from_step} -> {self.step}, "
+                f"past {len(self.skipped)} corrupt step(s)")

@@ -50,7 +50,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -60,13 +60,10 @@ from registry.errors import CorruptCheckpointError, DistributedError, InvalidSta
 from registry.fs.filemaps import Extras, Loaded, MappedFiles, layout, map_directory, parse_files, read_directory
 from registry.fs.mapping import check_file_digest, host_view, map_file
 from registry.format.manifest import MANIFEST, digest_bytes
-from registry.ops.reading import Access, CatalogRead, Fallback, report
+from registry.ops.reading import Access, CatalogRead, Read, report
 from registry.ops.reading import load as load_local
-from registry.records import CheckpointInfo
+from registry.records import CheckpointInfo, Fallback
 from registry.format.refs import Ref
-
-if TYPE_CHECKING:
-    from registry.checkpoint import Checkpoint
 
 log = logging.getLogger(__name__)
 STRATEGIES = ("auto", "broadcast", "shared-fs")
@@ -362,12 +359,11 @@ def _one_round(comm: Comm, src: _Source | None, *, verify: bool, device: torch.d
 def distributed_load(access: Access, ref: Ref, *, verify: bool, map_location: Any, trust_pickle: bool,
                      strategy: str = "auto", timeout: float | timedelta | None = None,
                      bucket_bytes: int | None = None, extras: Extras = True,
-                     fallback: bool = True) -> Checkpoint:
+                     fallback: bool = True) -> Read:
     """``Registry.load(ref, broadcast=True)``: the same step and bit-identical contents on every rank.
 
-    ``access`` is used on rank 0 only; a rank's ``Checkpoint.fallback`` is rank 0's record.
+    ``access`` is used on rank 0 only; a rank's ``fallback`` is rank 0's record.
     """
-    from registry.checkpoint import Checkpoint
     if not active():
         return load_local(access, ref, verify=verify, map_location=map_location, trust_pickle=trust_pickle,
                           extras=extras, fallback=fallback)
@@ -378,7 +374,8 @@ def distributed_load(access: Access, ref: Ref, *, verify: bool, map_location: An
         bucket_bytes=bucket_bytes, extras=extras)
     if dist.get_rank() == 0:
         report(plan.fallback)
-    return Checkpoint.from_loaded(loaded, step=plan.step, info=plan.info, fallback=plan.fallback)
+    assert plan.info is not None, "a plan for a ref names the step's row"
+    return Read(loaded=loaded, info=plan.info, fallback=plan.fallback)
 
 
 def broadcast_directory(path: Path, *, verify: bool, trust_pickle: bool, map_location: Any,

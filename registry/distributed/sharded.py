@@ -66,9 +66,9 @@ from registry.fs.mapping import host_view, map_file, read_error
 from registry.fs.store import Payload, Written, now_timestamp
 from registry.fs.validation import check_flags, check_tags, checked_payload
 from registry.format.refs import check_run_name, check_step
-from registry.ops.reading import Access, CatalogRead, Fallback, report
+from registry.ops.reading import Access, CatalogRead, report
 from registry.pools import Pool
-from registry.records import CheckpointInfo
+from registry.records import CheckpointInfo, Fallback
 from registry.format.refs import Ref
 
 

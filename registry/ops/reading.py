@@ -25,19 +25,18 @@ from __future__ import annotations
 import logging
 import warnings
 from dataclasses import dataclass, replace
-from datetime import datetime, timedelta
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from registry.errors import (CheckpointDeletedError, CheckpointReadError, CorruptCheckpointError,
                              RegistryError)
-from registry.records import LIVE, CheckpointInfo, Status
+from registry.records import LIVE, CheckpointInfo, Fallback, Skipped, Status
 from registry.format.refs import Ref
 from registry.fs.filemaps import Extras, Loaded, read_directory
 
 if TYPE_CHECKING:
     from registry.catalog import Catalog
-    from registry.checkpoint import Checkpoint
 
 log = logging.getLogger(__name__)
 MAX_RACES = 8  # resolves in a row that lost a race to a writer or gc before giving up
@@ -67,47 +66,6 @@ class ReadAccess:
     root: Path
     holder: str
     lease_ttl: timedelta
-
-
-@dataclass(frozen=True, kw_only=True)
-class Skipped:
-    """A step a load fell back past, and why."""
-
-    step: int
-    reason: str
-    created_at: datetime | None
-
-
-@dataclass(frozen=True, kw_only=True)
-class Fallback:
-    """How far a load of ``ref`` fell back past corrupt steps (``Checkpoint.fallback``)."""
-
-    ref: str
-    skipped: tuple[Skipped, ...]  # newest first; each was marked corrupt
-    step: int  # the step loaded instead
-    created_at: datetime | None
-
-    @property
-    def from_step(self) -> int:
-        return self.skipped[0].step
-
-    @property
-    def steps(self) -> int:
-        """How many training steps older the loaded step is than the one asked for."""
-        return self.from_step - self.step
-
-    @property
-    def age(self) -> timedelta | None:
-        """How much older the loaded step was published than the newest skipped one."""
-        newest = self.skipped[0].created_at
-        if newest is None or self.created_at is None:
-            return None
-        return newest - self.created_at
-
-    def __str__(self) -> str:
-        age = f", {self.age} older" if self.age is not None else ""
-        return (f"{self.ref} fell back {self.steps} steps{age}: step {self.from_step} -> {self.step}, "
-                f"past {len(self.skipped)} corrupt step(s)")
 
 
 def acquire_lease(access: Access, info: CheckpointInfo) -> int:
@@ -257,10 +215,21 @@ def read_checked(access: Access, info: CheckpointInfo, *, verify: bool, map_loca
     return loaded
 
 
+@dataclass(frozen=True, kw_only=True)
+class Read:
+    """A step read through the catalog: its contents, its row, and how far the read fell back to reach it.
+
+    The facades turn it into what they hand out (``Registry.load``'s ``Checkpoint``).
+    """
+
+    loaded: Loaded
+    info: CheckpointInfo
+    fallback: Fallback | None
+
+
 def load(access: Access, ref: Ref, *, verify: bool, map_location: Any, trust_pickle: bool,
-         extras: Extras = True, fallback: bool = True) -> Checkpoint:
+         extras: Extras = True, fallback: bool = True) -> Read:
     """Resolve ``ref`` and read it in this process, falling back past corrupt steps."""
-    from registry.checkpoint import Checkpoint
     read = CatalogRead(access, ref, fallback=fallback)
     try:
         while True:
@@ -279,10 +248,10 @@ def load(access: Access, ref: Ref, *, verify: bool, map_location: Any, trust_pic
             read.release()
             went = read.record(info)
             report(went)
-            return Checkpoint.from_loaded(loaded, step=info.step, info=info, fallback=went)
+            return Read(loaded=loaded, info=info, fallback=went)
     finally:
         read.release()
 
 
-__all__ = ["Access", "CatalogRead", "Fallback", "ReadAccess", "Skipped", "acquire_lease", "check_digest",
-           "load", "read_checked", "report"]
+__all__ = ["Access", "CatalogRead", "Read", "ReadAccess", "acquire_lease", "check_digest", "load", "read_checked",
+           "report"]
