@@ -102,6 +102,17 @@ def test_only_differing_pieces_are_read(sqlite_reg: Registry) -> None:
     assert v.max_abs_diff == 6.0 and v.rel_l2 == pytest.approx(6.0 / (5.0 * 1024))
 
 
+def test_a_tensor_covering_a_differing_piece_is_changed_unread(sqlite_reg: Registry) -> None:
+    """A whole piece inside a tensor with another digest: its bytes differ, and none is read to say so."""
+    sqlite_reg.publish("big", 1, {"w": torch.zeros(9 << 20)}, config={})  # 36 MiB: piece 1 lies inside it
+    sqlite_reg.publish("big", 2, {"w": torch.ones(9 << 20)}, config={})
+    d = sqlite_reg.diff("big@1", "big@2")
+    assert [(t.name, t.change) for t in d.tensors] == [("w", "content")]
+    path = sqlite_reg.resolve("big@1").path
+    head = 8 + struct.unpack("<Q", (path / "model.safetensors").read_bytes()[:8])[0]
+    assert d.bytes_read == 2 * (head + (path / "config.json").stat().st_size)
+
+
 def test_json_diff() -> None:
     assert json_diff({"a": [1, 2]}, {"a": [1, 2]}) == []
     changes = json_diff({"a": [1, 2], "b": {"c": 1}}, {"a": [1], "b": {"c": True}})

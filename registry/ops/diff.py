@@ -175,6 +175,15 @@ def _suspect(fa: FileEntry, oa: int, fb: FileEntry, ob: int, n: int) -> list[tup
     return ranges
 
 
+def _whole_piece_differs(fa: FileEntry, oa: int, fb: FileEntry, ob: int, n: int) -> bool:
+    """Whether a piece lying wholly inside the ``n`` bytes has another digest: then those bytes differ, unread."""
+    ps = fa.piece_size
+    pa, pb = fa.xxh3_128_pieces, fb.xxh3_128_pieces
+    if oa != ob or ps is None or ps != fb.piece_size or pa is None or pb is None:
+        return False
+    return any(i < len(pa) and i < len(pb) and pa[i] != pb[i] for i in range(-(-oa // ps), (oa + n) // ps))
+
+
 def _chunks(start: int, end: int, step: int) -> Iterator[tuple[int, int]]:
     while start < end:
         yield start, min(end, start + step)
@@ -213,9 +222,11 @@ def _stored_view(side: Side, stored: Stored) -> View:
 
 def _same_stored(a: Side, sa: Stored, b: Side, sb: Stored) -> bool:
     """Whether two DCP records hold the same bytes: piece digests first, then the bytes of the rest."""
-    if sa.length != sb.length or sa.transforms != sb.transforms:
+    fa, fb = a.entry(sa.file), b.entry(sb.file)
+    if (sa.length != sb.length or sa.transforms != sb.transforms
+            or _whole_piece_differs(fa, sa.offset, fb, sb.offset, sa.length)):
         return False
-    ranges = _suspect(a.entry(sa.file), sa.offset, b.entry(sb.file), sb.offset, sa.length)
+    ranges = _suspect(fa, sa.offset, fb, sb.offset, sa.length)
     return not _differ(_stored_view(a, sa), _stored_view(b, sb), ranges)
 
 
@@ -284,8 +295,10 @@ def _tensor_changes(a: Side, b: Side, *, values: bool) -> tuple[list[TensorChang
             else:
                 found[name] = _changed(la, lb, kind, (None, None))
         elif la.file is not None and lb.file is not None:
-            ranges = _suspect(a.entry(la.file), la.offset, b.entry(lb.file), lb.offset, la.nbytes)
-            if _differ(_tensor_view(a, la), _tensor_view(b, lb), ranges):
+            fa, fb = a.entry(la.file), b.entry(lb.file)
+            if (_whole_piece_differs(fa, la.offset, fb, lb.offset, la.nbytes)
+                    or _differ(_tensor_view(a, la), _tensor_view(b, lb),
+                               _suspect(fa, la.offset, fb, lb.offset, la.nbytes))):
                 found[name] = _changed(la, lb, "content", _measure(a, la, b, lb) if values else (None, None))
             else:
                 unchanged += 1
