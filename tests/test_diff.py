@@ -1,4 +1,4 @@
-"""``diff``: structure from headers, content from piece digests, values streamed."""
+"""``diff``: structure from headers or DCP .metadata, content from piece digests, values streamed or loaded."""
 
 from __future__ import annotations
 
