@@ -13,7 +13,7 @@ import click
 def register(group: click.Group) -> None:
     """Add ``lineage`` and ``diff`` to ``group`` (the main CLI group, which calls this once it is built:
     the commands use its helpers, so they are defined here rather than at import)."""
-    from registry.cli import State, command, emit_json, json_option, table
+    from registry.cli import State, command, emit_json, fail, json_option, table
 
     @click.command()
     @click.argument("ref")
@@ -46,14 +46,21 @@ def register(group: click.Group) -> None:
     @click.pass_obj
     @command
     def diff(state: State, ref_a: str, ref_b: str, values: bool, as_json: bool) -> None:
-        """List what changed from REF_A to REF_B: tensors, files, config and metrics."""
+        """List what changed from REF_A to REF_B: tensors, non-tensor values, files, config and metrics.
+
+        Exits 1 when some part could not be compared (listed as "not compared"):
+        the steps are then not known to be identical.
+        """
         from registry.ops.diff import render
         result = state.registry().diff(ref_a, ref_b, values=values)
         if as_json:
             emit_json(result.to_json())
-            return
-        for line in render(result):
-            click.echo(line)
+        else:
+            for line in render(result):
+                click.echo(line)
+        if result.not_compared:
+            fail(f"{len(result.not_compared)} part(s) of {ref_a} and {ref_b} could not be compared: "
+                 + "; ".join(n.what for n in result.not_compared))
 
     group.add_command(lineage)
     group.add_command(diff)

@@ -1,14 +1,28 @@
-"""What changed between two checkpoints: tensors, files, config and metrics.
+"""What changed between two checkpoints: tensors, non-tensor values, files, config and metrics.
 
-Structure comes from the safetensors headers (a few KiB per file): tensors
-added, removed, or changed in dtype or shape. Content comes from the
-manifests first: two tensors at the same offset of files with the same
-``xxh3_128_pieces`` layout are unchanged wherever every piece they cover has
-the same digest, so only the bytes of the differing pieces that a tensor
-covers are ever read, and a tensor is called changed only when those bytes
-really differ (a piece can differ because of its other tensors). A tensor at
-another offset (keys reordered by another writer, a tensor added before it),
-or in files without pieces, is compared by reading it, in bounded chunks.
+Structure comes from the safetensors headers (a few KiB per file) or, for a
+sharded (DCP) step, from its ``.metadata``, sha-checked against the manifest
+and read by the restricted unpickler: tensors added, removed, or changed in
+dtype or shape, by flat key (a sharded step's keys are DCP's flattened ones,
+``model.layers.0.weight``, as a load of it returns them), so a sharded step
+and a full one compare key by key. Content comes from the manifests first:
+two tensors at the same offset of files with the same ``xxh3_128_pieces``
+layout are unchanged wherever every piece they cover has the same digest, so
+only the bytes of the differing pieces that a tensor covers are ever read, and
+a tensor is called changed only when those bytes really differ (a piece can
+differ because of its other tensors). A tensor at another offset (keys
+reordered by another writer, a tensor added before it), or in files without
+pieces, is compared by reading it, in bounded chunks.
+
+Two sharded steps compare their stored chunks the same way (pieces, then the
+chunks' bytes). Where chunks are laid out differently, their bytes differ, or
+one side is a full step, the sharded tensors are loaded through the
+restricted DCP reader (whole, :data:`LOAD_BATCH` bytes per side at a time)
+and their values' bytes compared. A sharded step's non-tensor values
+(``optim.param_groups.0.lr``) are compared by their stored bytes; against a
+full step's pickled extras they cannot be matched by key, and the diff says
+they were not compared (``not_compared``) rather than calling the steps
+identical. Nothing is called identical that was not compared.
 
 ``values=True`` measures each change of same-shape tensors (content, or a
 cast to another dtype): the
@@ -19,19 +33,15 @@ size (this reads the changed tensors whole).
 
 Each manifest must be the one the catalog recorded, and every file is opened
 right after it is checked, so a gc or publish racing the diff can neither
-take bytes away nor mix payloads (see :class:`_Side`); no reader lease, and
-no catalog write, is needed.
+take bytes away nor mix payloads (see :class:`~registry.ops.diffread.Side`);
+no reader lease, and no catalog write, is needed.
 """
 
 from __future__ import annotations
 
-import errno
 import json
 import math
-import mmap
-import os
-import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -39,14 +49,14 @@ from typing import Any
 
 import xxhash
 
-from registry.errors import (CheckpointDeletedError, CheckpointReadError, CorruptCheckpointError, UnsafePathError)
-from registry.format.manifest import (CONFIG, MANIFEST, MAX_JSON_BYTES, MAX_MANIFEST_BYTES, FileEntry, Manifest,
-                                      check_file_name, decode_json_object, digest_bytes, parse_manifest)
-from registry.format.safetensors import read_safetensors_header
+from registry.errors import CheckpointDeletedError, CheckpointReadError, CorruptCheckpointError
+from registry.format.manifest import MANIFEST, FileEntry, Manifest
+from registry.ops.diffread import Loc, Moved, Side, Stored
 from registry.ops.reading import Access
 from registry.records import HAS_PAYLOAD, CheckpointInfo
 
 CHUNK = 8 << 20  # bytes read per side at a time while comparing or measuring
+LOAD_BATCH = 1 << 30  # bytes of sharded tensors loaded per side at a time (a larger tensor is loaded alone)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,8 +95,24 @@ class Change:
 
 
 @dataclass(frozen=True, kw_only=True)
+class NotCompared:
+    """A part of the two steps that the diff could not compare, and why: the steps are not known identical."""
+
+    what: str
+    why: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"what": self.what, "why": self.why}
+
+
+@dataclass(frozen=True, kw_only=True)
 class CheckpointDiff:
-    """What changed from ``a`` to ``b``. ``bytes_read`` counts every byte read (headers included)."""
+    """What changed from ``a`` to ``b``. ``bytes_read`` counts every byte read (headers included).
+
+    ``objects`` are a sharded step's non-tensor values (``added``, ``removed``
+    or ``changed``, by flat key, compared as stored); ``not_compared`` what
+    could not be compared at all.
+    """
 
     a: CheckpointInfo
     b: CheckpointInfo
@@ -98,14 +124,20 @@ class CheckpointDiff:
     bytes_read: int
     bytes_total: int      # both payloads together
     values: bool = False
+    objects: tuple[Change, ...] = ()
+    unchanged_objects: int = 0
+    not_compared: tuple[NotCompared, ...] = ()
 
     def of(self, change: str) -> tuple[TensorChange, ...]:
         return tuple(t for t in self.tensors if t.change == change)
 
     @property
     def identical(self) -> bool:
-        """No tensor, config or metric differs (files such as ``meta.json`` always carry a timestamp)."""
-        return not (self.tensors or self.config or self.metrics)
+        """Everything was compared and no tensor, non-tensor value, config or metric differs.
+
+        Files are not counted: ``meta.json`` always carries a timestamp.
+        """
+        return not (self.tensors or self.objects or self.config or self.metrics or self.not_compared)
 
     def to_json(self) -> dict[str, Any]:
         return {"a": f"{self.a.run}@{self.a.step}", "b": f"{self.b.run}@{self.b.step}",
@@ -113,159 +145,43 @@ class CheckpointDiff:
                 "tensors": {kind: [t.to_json() for t in self.of(kind)]
                             for kind in ("added", "removed", "dtype", "shape", "content")},
                 "unchanged_tensors": self.unchanged_tensors,
+                "objects": [c.to_json() for c in self.objects], "unchanged_objects": self.unchanged_objects,
+                "not_compared": [n.to_json() for n in self.not_compared],
                 "files": [c.to_json() for c in self.files], "config": [c.to_json() for c in self.config],
                 "metrics": [c.to_json() for c in self.metrics],
                 "bytes_read": self.bytes_read, "bytes_total": self.bytes_total}
 
 
-@dataclass(frozen=True)
-class _Loc:
-    file: str
-    dtype: Any          # torch.dtype
-    shape: tuple[int, ...]
-    offset: int         # of its first byte in the file
-    nbytes: int
-
-
-class _Moved(Exception):
-    """The step's directory or manifest is not the one its catalog row described a moment ago."""
-
-
-_OPEN_FLAGS = (os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
-               | getattr(os, "O_CLOEXEC", 0))
-
-
-class _Side:
-    """One checkpoint being compared: its manifest, tensor locations and open files, counting bytes read.
-
-    Every file it will read is opened here, relative to one descriptor of the
-    directory, right after the manifest read through it matched the catalog:
-    from then on the bytes cannot go away (a deleted file stays readable
-    through an open descriptor), so no reader lease is taken. A directory
-    that vanished or holds another manifest by then raises :class:`_Moved`.
-    """
-
-    def __init__(self, info: CheckpointInfo, stack: ExitStack) -> None:
-        self.info = info
-        self.directory = Path(info.path)
-        self._stack = stack
-        self._fds: dict[str, int] = {}
-        self._maps: dict[str, memoryview] = {}
-        self.bytes_read = 0
-        try:
-            self._dir = os.open(self.directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0)
-                                | getattr(os, "O_CLOEXEC", 0))
-        except FileNotFoundError:
-            raise _Moved() from None
-        except OSError as exc:
-            raise CheckpointReadError(f"cannot open {self.directory}: {exc.strerror}", errno=exc.errno,
-                                      path=self.directory) from None
-        stack.callback(os.close, self._dir)
-        with os.fdopen(self.fd(MANIFEST), "rb", closefd=False) as f:
-            raw = f.read(MAX_MANIFEST_BYTES + 1)
-        if info.manifest_sha256 and digest_bytes(raw) != info.manifest_sha256:
-            raise _Moved()
-        self.manifest = parse_manifest(raw, path=self.directory / MANIFEST)
-        wanted = [n for n in sorted(self.manifest.files) if n.endswith(".safetensors") or n == CONFIG]
-        for name in wanted:
-            self.fd(name)
-        self.tensors: dict[str, _Loc] = {}
-        for name in wanted:
-            if name.endswith(".safetensors"):
-                fd = self.fd(name)
-                with os.fdopen(os.dup(fd), "rb", buffering=0) as f:
-                    header = read_safetensors_header(f, self.manifest.files[name].size, self.directory / name)
-                self.bytes_read += header.data_start
-                for e in header.entries:
-                    self.tensors.setdefault(e.name, _Loc(name, e.dtype, e.shape, header.data_start + e.begin,
-                                                         e.end - e.begin))
-
-    def fd(self, name: str) -> int:
-        """``name`` opened in the step's directory: a regular file, never through a symlink."""
-        if name not in self._fds:
-            path = self.directory / check_file_name(name, where=self.directory)
-            try:
-                fd = os.open(name, _OPEN_FLAGS, dir_fd=self._dir)
-            except FileNotFoundError:
-                if name == MANIFEST:
-                    raise _Moved() from None  # gc emptying the directory we hold
-                raise CorruptCheckpointError(f"checkpoint file is missing: {path}", path=path) from None
-            except OSError as exc:
-                if exc.errno == errno.ELOOP:
-                    raise UnsafePathError(f"checkpoint file is a symlink: {path}", path=path) from None
-                raise CheckpointReadError(f"cannot open {path}: {exc.strerror}", errno=exc.errno,
-                                          path=path) from None
-            self._stack.callback(os.close, fd)
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise CorruptCheckpointError(f"checkpoint file is not a regular file: {path}", path=path)
-            self._fds[name] = fd
-        return self._fds[name]
-
-    def config(self) -> dict[str, Any]:
-        """``config.json`` (``{}`` without one), read through its open descriptor."""
-        if CONFIG not in self.manifest.files:
-            return {}
-        path = self.directory / CONFIG
-        with os.fdopen(self.fd(CONFIG), "rb", closefd=False) as f:
-            raw = f.read(MAX_JSON_BYTES + 1)
-        self.bytes_read += len(raw)
-        if len(raw) > MAX_JSON_BYTES:
-            raise CorruptCheckpointError(f"{path} is larger than {MAX_JSON_BYTES} bytes", path=path)
-        return decode_json_object(raw, path=path)
-
-    def read(self, loc: _Loc, start: int, size: int) -> bytearray:
-        """Bytes ``start..start+size`` of tensor ``loc``, in a fresh (writable, for torch) buffer."""
-        buf = bytearray(size)
-        got = os.preadv(self.fd(loc.file), [buf], loc.offset + start)
-        self.bytes_read += got
-        if got != size:
-            raise CorruptCheckpointError(f"{self.directory / loc.file} is shorter than its header says",
-                                         path=self.directory / loc.file)
-        return buf
-
-    def view(self, loc: _Loc, start: int, end: int) -> memoryview:
-        """Bytes ``start..end`` of tensor ``loc``, mapped (no copy); counted as read."""
-        if loc.file not in self._maps:
-            fd = self.fd(loc.file)
-            size = os.fstat(fd).st_size
-            if size < self.manifest.files[loc.file].size:  # never map past the end: SIGBUS
-                raise CorruptCheckpointError(f"{self.directory / loc.file} is shorter than its manifest says",
-                                             path=self.directory / loc.file)
-            mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if size else None
-            view = memoryview(mapped) if mapped is not None else memoryview(b"")
-            if mapped is not None:
-                self._stack.callback(mapped.close)
-            self._stack.callback(view.release)  # callbacks run last-in first-out: the view goes first
-            self._maps[loc.file] = view
-        self.bytes_read += end - start
-        return self._maps[loc.file][loc.offset + start:loc.offset + end]
-
-    def entry(self, loc: _Loc) -> FileEntry:
-        return self.manifest.files[loc.file]
-
-
-def _suspect(a: _Side, la: _Loc, b: _Side, lb: _Loc) -> list[tuple[int, int]]:
-    """Byte ranges of the tensor (relative to its start) that may differ; empty when none can."""
-    fa, fb = a.entry(la), b.entry(lb)
-    if la.offset == lb.offset and fa.sha256 == fb.sha256 and fa.size == fb.size:
-        return []  # the same file bytes: the same tensor bytes
-    n = la.nbytes
+def _suspect(fa: FileEntry, oa: int, fb: FileEntry, ob: int, n: int) -> list[tuple[int, int]]:
+    """Byte ranges of ``n`` bytes at ``oa`` of file ``fa`` and ``ob`` of ``fb`` (relative to them) that may
+    differ; empty when none can."""
+    if oa == ob and fa.sha256 == fb.sha256 and fa.size == fb.size:
+        return []  # the same file bytes: the same bytes at the same offset
     ps = fa.piece_size
-    if (la.offset != lb.offset or ps is None or ps != fb.piece_size or fa.xxh3_128_pieces is None
+    if (oa != ob or ps is None or ps != fb.piece_size or fa.xxh3_128_pieces is None
             or fb.xxh3_128_pieces is None):
         return [(0, n)] if n else []
     ranges: list[tuple[int, int]] = []
-    for i in range(la.offset // ps, (la.offset + n - 1) // ps + 1) if n else ():
+    for i in range(oa // ps, (oa + n - 1) // ps + 1) if n else ():
         same = (i < len(fa.xxh3_128_pieces) and i < len(fb.xxh3_128_pieces)
                 and fa.xxh3_128_pieces[i] == fb.xxh3_128_pieces[i])
         if same:
             continue
-        lo, hi = max(i * ps, la.offset) - la.offset, min((i + 1) * ps, la.offset + n) - la.offset
+        lo, hi = max(i * ps, oa) - oa, min((i + 1) * ps, oa + n) - oa
         if ranges and ranges[-1][1] == lo:
             ranges[-1] = (ranges[-1][0], hi)
         else:
             ranges.append((lo, hi))
     return ranges
+
+
+def _whole_piece_differs(fa: FileEntry, oa: int, fb: FileEntry, ob: int, n: int) -> bool:
+    """Whether a piece lying wholly inside the ``n`` bytes has another digest: then those bytes differ, unread."""
+    ps = fa.piece_size
+    pa, pb = fa.xxh3_128_pieces, fb.xxh3_128_pieces
+    if oa != ob or ps is None or ps != fb.piece_size or pa is None or pb is None:
+        return False
+    return any(i < len(pa) and i < len(pb) and pa[i] != pb[i] for i in range(-(-oa // ps), (oa + n) // ps))
 
 
 def _chunks(start: int, end: int, step: int) -> Iterator[tuple[int, int]]:
@@ -274,8 +190,11 @@ def _chunks(start: int, end: int, step: int) -> Iterator[tuple[int, int]]:
         start += step
 
 
-def _bytes_differ(a: _Side, la: _Loc, b: _Side, lb: _Loc, ranges: list[tuple[int, int]]) -> bool:
-    """Whether the tensor's bytes in ``ranges`` differ: their xxh3-128 digests, over the mapped files.
+View = Callable[[int, int], memoryview]
+
+
+def _differ(view_a: View, view_b: View, ranges: list[tuple[int, int]]) -> bool:
+    """Whether the bytes in ``ranges`` differ: their xxh3-128 digests, over the mapped files or loaded values.
 
     The same digest the manifest's pieces use (an equal piece digest already
     counts as equal bytes); hashing mapped pages runs at memory speed, where
@@ -283,7 +202,7 @@ def _bytes_differ(a: _Side, la: _Loc, b: _Side, lb: _Loc, ranges: list[tuple[int
     """
     for lo, hi in ranges:
         for s, e in _chunks(lo, hi, CHUNK):
-            va, vb = a.view(la, s, e), b.view(lb, s, e)
+            va, vb = view_a(s, e), view_b(s, e)
             try:
                 if xxhash.xxh3_128_digest(va) != xxhash.xxh3_128_digest(vb):
                     return True
@@ -293,7 +212,32 @@ def _bytes_differ(a: _Side, la: _Loc, b: _Side, lb: _Loc, ranges: list[tuple[int
     return False
 
 
-def _measure(a: _Side, la: _Loc, b: _Side, lb: _Loc) -> tuple[float | None, float | None]:
+def _tensor_view(side: Side, loc: Loc) -> View:
+    return lambda s, e: side.view(loc, s, e)
+
+
+def _stored_view(side: Side, stored: Stored) -> View:
+    return lambda s, e: side.span(stored.file, stored.offset + s, stored.offset + e)
+
+
+def _same_stored(a: Side, sa: Stored, b: Side, sb: Stored) -> bool:
+    """Whether two DCP records hold the same bytes: piece digests first, then the bytes of the rest."""
+    fa, fb = a.entry(sa.file), b.entry(sb.file)
+    if (sa.length != sb.length or sa.transforms != sb.transforms
+            or _whole_piece_differs(fa, sa.offset, fb, sb.offset, sa.length)):
+        return False
+    ranges = _suspect(fa, sa.offset, fb, sb.offset, sa.length)
+    return not _differ(_stored_view(a, sa), _stored_view(b, sb), ranges)
+
+
+def _same_chunks(a: Side, la: Loc, b: Side, lb: Loc) -> bool:
+    """Whether two sharded tensors are stored as the same chunks with the same bytes (then their values are)."""
+    if [c[:2] for c in la.chunks] != [c[:2] for c in lb.chunks]:
+        return False
+    return all(_same_stored(a, x[2], b, y[2]) for x, y in zip(la.chunks, lb.chunks))
+
+
+def _measure(a: Side, la: Loc, b: Side, lb: Loc) -> tuple[float | None, float | None]:
     """Max |b - a| and ||b - a|| / ||a|| over the whole tensor, in float64, streamed.
 
     The two dtypes may differ (a cast): elements are compared as numbers.
@@ -324,31 +268,97 @@ def _dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _tensor_changes(a: _Side, b: _Side, *, values: bool) -> tuple[list[TensorChange], int]:
-    changes: list[TensorChange] = []
+def _changed(la: Loc, lb: Loc, change: str, measured: tuple[float | None, float | None]) -> TensorChange:
+    return TensorChange(name=la.name, change=change, dtype_a=_dtype_name(la.dtype), dtype_b=_dtype_name(lb.dtype),
+                        shape_a=la.shape, shape_b=lb.shape, max_abs_diff=measured[0], rel_l2=measured[1])
+
+
+def _recast(la: Loc, lb: Loc) -> str | None:
+    """``dtype`` or ``shape`` when the structure changed, else None."""
+    return "dtype" if la.dtype != lb.dtype else "shape" if la.shape != lb.shape else None
+
+
+def _tensor_changes(a: Side, b: Side, *, values: bool) -> tuple[list[TensorChange], int]:
+    found: dict[str, TensorChange] = {}
     unchanged = 0
+    pending: list[str] = []  # decided (or measured) only from values that have to be read or loaded first
     for name in sorted(a.tensors.keys() | b.tensors.keys()):
         la, lb = a.tensors.get(name), b.tensors.get(name)
         if lb is None:
             assert la is not None
-            changes.append(TensorChange(name=name, change="removed", dtype_a=_dtype_name(la.dtype), shape_a=la.shape))
+            found[name] = TensorChange(name=name, change="removed", dtype_a=_dtype_name(la.dtype), shape_a=la.shape)
         elif la is None:
-            changes.append(TensorChange(name=name, change="added", dtype_b=_dtype_name(lb.dtype), shape_b=lb.shape))
-        elif la.dtype != lb.dtype or la.shape != lb.shape:
-            measured = (_measure(a, la, b, lb) if values and la.shape == lb.shape and la.nbytes
-                        else (None, None))  # a cast keeps the shape: how far did it move the values?
-            changes.append(TensorChange(name=name, change="dtype" if la.dtype != lb.dtype else "shape",
-                                        dtype_a=_dtype_name(la.dtype), dtype_b=_dtype_name(lb.dtype),
-                                        shape_a=la.shape, shape_b=lb.shape,
-                                        max_abs_diff=measured[0], rel_l2=measured[1]))
-        elif _bytes_differ(a, la, b, lb, _suspect(a, la, b, lb)):
-            measured = _measure(a, la, b, lb) if values else (None, None)
-            changes.append(TensorChange(name=name, change="content", dtype_a=_dtype_name(la.dtype),
-                                        dtype_b=_dtype_name(lb.dtype), shape_a=la.shape, shape_b=lb.shape,
-                                        max_abs_diff=measured[0], rel_l2=measured[1]))
-        else:
+            found[name] = TensorChange(name=name, change="added", dtype_b=_dtype_name(lb.dtype), shape_b=lb.shape)
+        elif (kind := _recast(la, lb)) is not None:
+            if values and la.shape == lb.shape and la.nbytes:  # a cast keeps the shape: how far did it move?
+                pending.append(name)
+            else:
+                found[name] = _changed(la, lb, kind, (None, None))
+        elif la.file is not None and lb.file is not None:
+            fa, fb = a.entry(la.file), b.entry(lb.file)
+            if (_whole_piece_differs(fa, la.offset, fb, lb.offset, la.nbytes)
+                    or _differ(_tensor_view(a, la), _tensor_view(b, lb),
+                               _suspect(fa, la.offset, fb, lb.offset, la.nbytes))):
+                found[name] = _changed(la, lb, "content", _measure(a, la, b, lb) if values else (None, None))
+            else:
+                unchanged += 1
+        elif la.file is None and lb.file is None and _same_chunks(a, la, b, lb):
             unchanged += 1
-    return changes, unchanged
+        else:
+            pending.append(name)
+    for batch in _batches(pending, a, b):
+        for side in (a, b):
+            side.load([n for n in batch if side.tensors[n].file is None])
+        for name in batch:
+            la, lb = a.tensors[name], b.tensors[name]
+            kind = _recast(la, lb)
+            if kind is not None:
+                found[name] = _changed(la, lb, kind, _measure(a, la, b, lb))
+            elif _differ(_tensor_view(a, la), _tensor_view(b, lb), [(0, la.nbytes)] if la.nbytes else []):
+                found[name] = _changed(la, lb, "content", _measure(a, la, b, lb) if values else (None, None))
+            else:
+                unchanged += 1
+        for side in (a, b):
+            side.unload()
+    return [found[n] for n in sorted(found)], unchanged
+
+
+def _batches(names: list[str], a: Side, b: Side) -> Iterator[list[str]]:
+    """``names`` in groups whose sharded tensors hold at most :data:`LOAD_BATCH` bytes on each side."""
+    batch: list[str] = []
+    size = 0
+    for name in names:
+        cost = max(loc.nbytes if loc.file is None else 0 for loc in (a.tensors[name], b.tensors[name]))
+        if batch and size + cost > LOAD_BATCH:
+            yield batch
+            batch, size = [], 0
+        batch.append(name)
+        size += cost
+    if batch:
+        yield batch
+
+
+def _object_changes(a: Side, b: Side) -> tuple[list[Change], int, list[NotCompared]]:
+    """Non-tensor values by flat key, compared as stored; against pickled extras, not compared."""
+    for side, other in ((a, b), (b, a)):
+        if side.objects and not other.sharded and other.extras:
+            keys = sorted(side.objects)
+            shown = ", ".join(keys[:5]) + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
+            return [], 0, [NotCompared(
+                what="non-tensor values",
+                why=f"{side.label} keeps them by key ({shown}), {other.label} in pickled extras "
+                    f"({', '.join(other.extras)}), which diff does not unpickle")]
+    changes: list[Change] = []
+    same = 0
+    for key in sorted(a.objects.keys() | b.objects.keys()):
+        sa, sb = a.objects.get(key), b.objects.get(key)
+        if sa is None or sb is None:
+            changes.append(Change(key=key, change="added" if sa is None else "removed"))
+        elif _same_stored(a, sa, b, sb):
+            same += 1
+        else:
+            changes.append(Change(key=key, change="changed"))
+    return changes, same, []
 
 
 def _file_changes(a: Manifest, b: Manifest) -> list[Change]:
@@ -419,23 +429,25 @@ def _refreshed(access: Access, info: CheckpointInfo) -> CheckpointInfo:
 
 
 def diff_checkpoints(access: Access, a: CheckpointInfo, b: CheckpointInfo, *, values: bool = False) -> CheckpointDiff:
-    """Compare two resolved checkpoints (absolute paths); see the module docstring and :class:`_Side`."""
+    """Compare two resolved checkpoints (absolute paths); see the module docstring and :class:`Side`."""
     for _ in range(MAX_RACES):
         with ExitStack() as stack:
             try:
-                side_a = _Side(a, stack)
-            except _Moved:
+                side_a = Side(a, stack)
+            except Moved:
                 a = _refreshed(access, a)
                 continue
             try:
-                side_b = _Side(b, stack)
-            except _Moved:
+                side_b = Side(b, stack)
+            except Moved:
                 b = _refreshed(access, b)
                 continue
             tensors, unchanged = _tensor_changes(side_a, side_b, values=values)
+            objects, same_objects, not_compared = _object_changes(side_a, side_b)
             config = json_diff(side_a.config(), side_b.config())
             return CheckpointDiff(
-                a=a, b=b, tensors=tuple(tensors), unchanged_tensors=unchanged,
+                a=a, b=b, tensors=tuple(tensors), unchanged_tensors=unchanged, objects=tuple(objects),
+                unchanged_objects=same_objects, not_compared=tuple(not_compared),
                 files=tuple(_file_changes(side_a.manifest, side_b.manifest)), config=tuple(config),
                 metrics=tuple(_metric_changes(a, b)), bytes_read=side_a.bytes_read + side_b.bytes_read,
                 bytes_total=side_a.manifest.total_bytes + side_b.manifest.total_bytes, values=values)
@@ -458,6 +470,12 @@ def render(diff: CheckpointDiff) -> Iterator[str]:
         else:
             yield f"  * {t.name}  content{size}"
     yield f"  {diff.unchanged_tensors} tensors unchanged"
+    for c in diff.objects:
+        yield f"  value {c.change}: {c.key}"
+    if diff.objects or diff.unchanged_objects:
+        yield f"  {diff.unchanged_objects} non-tensor values unchanged"
+    for n in diff.not_compared:
+        yield f"  not compared: {n.what}: {n.why}"
     for c in diff.files:
         yield f"  file {c.change}: {c.key} ({c.a} -> {c.b} bytes)"
     for c in diff.config:
@@ -468,4 +486,5 @@ def render(diff: CheckpointDiff) -> Iterator[str]:
     yield f"  read {diff.bytes_read} of {diff.bytes_total} bytes ({pct:.2f}%)"
 
 
-__all__ = ["CHUNK", "Change", "CheckpointDiff", "TensorChange", "diff_checkpoints", "json_diff", "render"]
+__all__ = ["CHUNK", "LOAD_BATCH", "Change", "CheckpointDiff", "NotCompared", "TensorChange", "diff_checkpoints",
+           "json_diff", "render"]
