@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from registry.cli_types import Count
+
 if TYPE_CHECKING:
     from registry.cli import State
 
@@ -15,7 +17,7 @@ if TYPE_CHECKING:
 @click.command("ui")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to bind. Anything but loopback needs --token.")
-@click.option("--port", type=click.IntRange(0, 65535), default=8765, show_default=True, help="Port to bind.")
+@click.option("--port", type=Count(minimum=0, maximum=65535), default=8765, show_default=True, help="Port to bind.")
 @click.option("--token", envvar="REGISTRY_UI_TOKEN", show_envvar=True, default=None,
               help="Access token every request must carry (open http://HOST:PORT/?token=TOKEN once).")
 @click.pass_obj
