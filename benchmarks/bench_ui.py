@@ -64,7 +64,7 @@ def main() -> None:
             Registry.open(url=url, root=root, rebind_root=True).close()  # a bulk-loaded catalog binds no root
             run = f"run{args.runs // 2:03d}"
             with Registry.open(url=url, root=root, read_only=True, create=False) as reg:
-                client = TestClient(create_app(reg))
+                client = TestClient(create_app(reg), base_url="http://127.0.0.1")
                 requests = [("run view (eval/loss)", f"/api/runs/{run}/view"),
                             ("run view (train/loss)", f"/api/runs/{run}/view?key=train/loss"),
                             ("runs page (sort_by eval/loss)", "/api/runs?sort_by=eval/loss"),

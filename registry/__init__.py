@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from registry.errors import (AsyncPublishError, CatalogError, CheckpointDeletedError, CheckpointNotFoundError,
                                  CheckpointReadError, CorruptCheckpointError, DcpMetadataError, DistributedError,
                                  ExtraNotFoundError,
-                                 InvalidNameError, InvalidRefError, InvalidStateError, ManifestError, PolicyError,
+                                 InvalidNameError, InvalidNumberError, InvalidRefError, InvalidStateError, ManifestError, PolicyError,
                                  PublishError, ReadOnlyError, RegistryError, RootError, RootMismatchError,
                                  SafetensorsFormatError, SchemaTooNewError, StepExistsError, UnknownMetricError,
                                  UnsafePathError, UnsafePickleError)
@@ -34,6 +34,7 @@ __version__ = "0.1.0"
 _ERRORS = (
     "AsyncPublishError", "CatalogError", "CheckpointDeletedError", "CheckpointNotFoundError", "CheckpointReadError",
     "CorruptCheckpointError", "DcpMetadataError", "DistributedError", "ExtraNotFoundError", "InvalidNameError",
+    "InvalidNumberError",
     "InvalidRefError", "InvalidStateError", "ManifestError", "PolicyError", "PublishError", "ReadOnlyError",
     "RegistryError", "RootError", "RootMismatchError", "SafetensorsFormatError", "SchemaTooNewError", "StepExistsError",
     "UnknownMetricError", "UnsafePathError", "UnsafePickleError",
@@ -55,7 +56,8 @@ _HOMES: dict[str, str] = {
 __all__ = [
     "AsyncPublishError", "CatalogError", "Checkpoint", "CheckpointDeletedError", "CheckpointDiff", "CheckpointInfo",
     "CheckpointNotFoundError", "CheckpointReadError", "Checkout", "CorruptCheckpointError", "DcpMetadataError",
-    "DistributedError", "EventInfo", "Exported", "ExtraNotFoundError", "InvalidNameError", "InvalidRefError",
+    "DistributedError", "EventInfo", "Exported", "ExtraNotFoundError", "InvalidNameError", "InvalidNumberError",
+    "InvalidRefError",
     "InvalidStateError", "LineageHop", "ManifestError", "MetricPoint", "PolicyError", "PublishError",
     "ReadOnlyError", "Ref", "Registry", "RegistryError", "RootError", "RootMismatchError", "RunInfo",
     "SafetensorsFormatError", "SchemaTooNewError", "ShardedLoad", "StepExistsError", "UnknownMetricError",

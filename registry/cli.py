@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 import click
 
+from registry.cli_types import Count, Size
 from registry.errors import RegistryError
 from registry.ops.policies import PolicyOptionError, build_policy
 from registry.records import NO_PAYLOAD, human_bytes
@@ -297,7 +298,7 @@ def _time(iso: str | None) -> Any:
 @main.command("ls")
 @click.argument("run")
 @click.option("--all", "include_deleted", is_flag=True, help="Include deleted and failed steps.")
-@click.option("--policy-version", type=click.IntRange(min=0), default=None,
+@click.option("--policy-version", type=Count(minimum=0), default=None,
               help="Only steps with this policy version.")
 @json_option
 @click.pass_obj
@@ -474,13 +475,13 @@ def verify(state: State, targets: tuple[str, ...], as_json: bool) -> None:
 
 @main.command()
 @click.argument("run")
-@click.option("--keep-last", type=click.IntRange(min=1), default=None, metavar="N",
+@click.option("--keep-last", type=Count(minimum=1), default=None, metavar="N",
               help="Keep the N newest loadable steps.")
 @click.option("--keep-best", multiple=True, metavar="METRIC[:max]=K",
               help="Keep the K best steps by METRIC (lowest; ':max' for highest). Repeatable.")
-@click.option("--keep-every", type=click.IntRange(min=1), default=None, metavar="N",
+@click.option("--keep-every", type=Count(minimum=1), default=None, metavar="N",
               help="Keep steps that are a multiple of N.")
-@click.option("--max-bytes", default=None, metavar="SIZE",
+@click.option("--max-bytes", type=Size(), default=None, metavar="SIZE",
               help="Byte budget (e.g. 50G): of what the other options keep (or of every step), "
                    "drop the oldest until the run fits.")
 @click.option("--policy", "policy_file", type=click.Path(exists=True, dir_okay=False), default=None,
@@ -495,7 +496,7 @@ def verify(state: State, targets: tuple[str, ...], as_json: bool) -> None:
 @click.pass_obj
 @command
 def gc(state: State, run: str, keep_last: int | None, keep_best: tuple[str, ...], keep_every: int | None,
-       max_bytes: str | None, policy_file: str | None, allow_missing_metric: bool, release_fork_parents: bool,
+       max_bytes: int | None, policy_file: str | None, allow_missing_metric: bool, release_fork_parents: bool,
        dry_run: bool, as_json: bool) -> None:
     """Delete the checkpoints of RUN that no policy keeps.
 
@@ -547,7 +548,7 @@ def gc(state: State, run: str, keep_last: int | None, keep_best: tuple[str, ...]
 @main.command("import")
 @click.argument("path", type=click.Path(path_type=str))
 @click.option("--run", required=True, help="Run to import into.")
-@click.option("--step", required=True, type=int, help="Step to publish it as.")
+@click.option("--step", required=True, type=Count(minimum=0), help="Step to publish it as.")
 @click.option("--move", is_flag=True, help="Move the files (same filesystem) instead of copying them.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing step.")
 @click.option("--tag", "tags", multiple=True, help="Tag the imported step (repeatable).")

@@ -12,16 +12,9 @@ from datetime import timedelta
 import click
 
 from registry.cli import State, command, main
-from registry.ops.policies import parse_size
+from registry.cli_types import Count, Size
 
-
-def _size(_ctx: click.Context, _param: click.Parameter, value: str | None) -> int | None:
-    if value is None:
-        return None
-    try:
-        return parse_size(value)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc)) from None
+MAX_TTL = 100 * 365 * 86400  # a lease's end must stay a date the catalog can store
 
 
 @main.command("export")
@@ -29,7 +22,7 @@ def _size(_ctx: click.Context, _param: click.Parameter, value: str | None) -> in
 @click.argument("dest", type=click.Path(path_type=str))
 @click.option("--format", "fmt", type=click.Choice(["safetensors", "hf"]), default="safetensors", show_default=True,
               help="One model.safetensors, or Hugging Face shards with model.safetensors.index.json.")
-@click.option("--max-shard-size", callback=_size, default=None,
+@click.option("--max-shard-size", type=Size(minimum=1), default=None,
               help="Largest shard with --format hf, like 500MB or 2GiB (default 5GB).")
 @click.option("--overwrite", is_flag=True, help="Replace DEST if it is not empty.")
 @click.pass_obj
@@ -43,7 +36,7 @@ def export(state: State, ref: str, dest: str, fmt: str, max_shard_size: int | No
 @main.command("checkout")
 @click.argument("ref")
 @click.argument("dest", required=False, type=click.Path(path_type=str))
-@click.option("--ttl", type=click.IntRange(min=1), default=24 * 3600, show_default=True,
+@click.option("--ttl", type=Count(minimum=1, maximum=MAX_TTL), default=24 * 3600, show_default=True,
               help="Seconds the reader lease protects the step from retention; it then expires by itself.")
 @click.option("--no-verify", is_flag=True, help="Link without checking the files against the manifest.")
 @click.pass_obj

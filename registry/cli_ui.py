@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from registry.cli_types import Count
+
 if TYPE_CHECKING:
     from registry.cli import State
 
@@ -15,7 +17,7 @@ if TYPE_CHECKING:
 @click.command("ui")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to bind. Anything but loopback needs --token.")
-@click.option("--port", type=click.IntRange(0, 65535), default=8765, show_default=True, help="Port to bind.")
+@click.option("--port", type=Count(minimum=0, maximum=65535), default=8765, show_default=True, help="Port to bind.")
 @click.option("--token", envvar="REGISTRY_UI_TOKEN", show_envvar=True, default=None,
               help="Access token every request must carry (open http://HOST:PORT/?token=TOKEN once).")
 @click.pass_obj
@@ -33,14 +35,15 @@ def serve_ui(state: State, *, host: str, port: int, token: str | None) -> None:
     from registry.terminal import require
     require("starlette", "registry ui")
     require("uvicorn", "registry ui")
-    from registry.web import check_bind, create_app, serve
+    from registry.web import check_bind, create_app, listen, serve
     check_bind(host, token)
     state.read_only = True
     reg = state.registry()
+    sock = listen(host, port)  # before the banner: a taken port is one error line, not a banner then a traceback
     shown = f"[{host}]" if ":" in host else host
-    click.echo(f"registry ui: http://{shown}:{port}/{'?token=...' if token else ''} (read-only; Ctrl-C stops)",
-               err=True)
-    serve(create_app(reg, token=token), host=host, port=port, token=token)
+    click.echo(f"registry ui: http://{shown}:{sock.getsockname()[1]}/{'?token=...' if token else ''} "
+               "(read-only; Ctrl-C stops)", err=True)
+    serve(create_app(reg, token=token), sock=sock)
 
 
 def plot_metrics(reg: Any, run: str, key: str | None) -> None:

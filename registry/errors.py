@@ -31,6 +31,10 @@ class InvalidRefError(RegistryError, ValueError):
     """A checkpoint reference that does not parse."""
 
 
+class InvalidNumberError(RegistryError, ValueError):
+    """A count or size typed as text (an option, a query, a policy clause) that does not parse or is out of range."""
+
+
 class InvalidStateError(RegistryError, TypeError):
     """A state dict, metric or option that cannot be published."""
 

@@ -33,8 +33,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("registry.ops", "registry.distributed", "registry.retention", "registry.checkpoint"),
     ("registry.api", "registry.views"),
     # the web view sits beside the command line: it may import the api; nothing but ``registry ui`` imports it
-    ("registry.cli", "registry.cli_export", "registry.cli_lineage", "registry.cli_ui", "registry.terminal",
-     "registry.web", "registry.__main__", "registry"),
+    ("registry.cli", "registry.cli_export", "registry.cli_lineage", "registry.cli_types", "registry.cli_ui",
+     "registry.terminal", "registry.web", "registry.__main__", "registry"),
     # the trainers' integrations: they call the public API; nothing in the package imports them
     ("registry.integrations",),
 )

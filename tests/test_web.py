@@ -49,7 +49,7 @@ def ro(site: tuple[str, Path, Site]) -> Iterator[Registry]:
 
 @pytest.fixture(scope="module")
 def client(ro: Registry) -> TestClient:
-    return TestClient(create_app(ro))
+    return TestClient(create_app(ro), base_url="http://127.0.0.1:8765")  # without a token, a loopback Host only
 
 
 def cli_json(site: tuple[str, Path, Site], *args: str) -> Any:
@@ -195,7 +195,6 @@ def test_registry_ui_serves_read_only_on_loopback(sqlite_reg: Registry) -> None:
     import socket
     import subprocess
     import sys
-    import time
 
     import httpx
 
@@ -209,15 +208,10 @@ def test_registry_ui_serves_read_only_on_loopback(sqlite_reg: Registry) -> None:
                              env=child_env(), stderr=subprocess.PIPE, text=True)
     try:
         assert child.stderr is not None
-        banner = child.stderr.readline()  # printed before serving starts
+        banner = child.stderr.readline()  # printed once the socket listens
         assert f"http://127.0.0.1:{port}/" in banner and "read-only" in banner, banner
-        runs = None
-        while runs is None and child.poll() is None:  # uvicorn binds right after the banner
-            try:
-                runs = httpx.get(f"http://127.0.0.1:{port}/api/runs", timeout=5).json()
-            except httpx.ConnectError:
-                time.sleep(0.05)  # polling for the listening socket, not waiting out a race
-        assert runs is not None and [r["name"] for r in runs] == ["alpha"], child.poll()
+        runs = httpx.get(f"http://127.0.0.1:{port}/api/runs", timeout=30).json()
+        assert [r["name"] for r in runs] == ["alpha"], child.poll()
     finally:
         child.terminate()
         child.wait(10)

@@ -13,6 +13,7 @@ from typing import Literal
 
 from registry.errors import InvalidNameError, InvalidRefError
 from registry.format.layout import CATALOG_FILE
+from registry.format.numbers import shown
 
 RUN_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 TAG_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,127}")
@@ -147,8 +148,8 @@ def parse_ref(text: object) -> Ref:
     if selector in ("latest", "latest-published"):
         return Ref(run=run, kind=selector)  # type: ignore[arg-type]
     if selector.isdigit() and selector.isascii():
-        if int(selector) > MAX_STEP:
-            raise _bad_ref(text, f"step {selector} does not fit in 64 bits")
+        if len(selector.lstrip("0")) > len(str(MAX_STEP)) or int(selector) > MAX_STEP:
+            raise InvalidRefError(f"invalid ref {shown(text)}: the step does not fit in 64 bits; {REF_GRAMMAR}")
         return Ref(run=run, kind="step", step=int(selector))
     if selector.startswith("-") and selector[1:].isdigit():
         raise _bad_ref(text, "steps are non-negative")

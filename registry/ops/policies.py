@@ -12,33 +12,27 @@ import runpy
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from registry.errors import PolicyError
+from registry.errors import InvalidNumberError, PolicyError
+from registry.format.numbers import parse_int, parse_size, shown
 
 if TYPE_CHECKING:
     from registry.retention import Policy
 
-_SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
-               "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
-
-
-def parse_size(text: str) -> int:
-    """``10G``, ``500MiB``, ``123`` -> bytes (decimal units, ``*iB`` binary); ValueError otherwise."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
-    if match is None or match.group(2).lower() not in _SIZE_UNITS:
-        raise ValueError(f"{text!r} is not a size like 500M, 10G or 2TiB")
-    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
-
 
 def parse_keep_best(text: str) -> tuple[str, str, int]:
-    """``METRIC[:max|:min]=K`` -> (metric, mode, k); ValueError otherwise."""
+    """``METRIC[:max|:min]=K`` -> (metric, mode, k); ValueError (a PolicyError) otherwise."""
     metric, sep, count = text.rpartition("=")
     mode = "min"
     for suffix in (":max", ":min"):
         if metric.endswith(suffix):
             metric, mode = metric[:-len(suffix)], suffix[1:]
-    if not sep or not metric or not count.isdigit() or int(count) < 1:
-        raise ValueError(f"{text!r} is not METRIC[:max]=K with K >= 1")
-    return metric, mode, int(count)
+    try:
+        k = parse_int(count, minimum=1) if sep and metric else None
+    except InvalidNumberError:
+        k = None
+    if k is None:
+        raise PolicyError(f"{shown(text)} is not METRIC[:max]=K with K >= 1")
+    return metric, mode, k
 
 
 def load_policy_file(path: str) -> Policy:
@@ -65,10 +59,11 @@ class PolicyOptionError(ValueError):
 
 
 def build_policy(*, keep_last: int | None = None, keep_best: Sequence[str] = (), keep_every: int | None = None,
-                 max_bytes: str | None = None, policy_file: str | None = None) -> Policy | None:
+                 max_bytes: int | str | None = None, policy_file: str | None = None) -> Policy | None:
     """The union of every policy given, under a ``MaxBytes`` budget if one is; None when none is given.
 
-    A ``keep_best`` spec or ``max_bytes`` size that does not parse raises
+    ``max_bytes`` is bytes or a size as text (``50G``). A ``keep_best`` spec
+    or ``max_bytes`` text that does not parse raises
     :class:`PolicyOptionError` naming the option; a policy file that cannot
     be loaded raises :class:`~registry.errors.PolicyError`.
     """
@@ -87,7 +82,9 @@ def build_policy(*, keep_last: int | None = None, keep_best: Sequence[str] = (),
     if policy_file is not None:
         parts.append(load_policy_file(policy_file))
     budget = None
-    if max_bytes is not None:
+    if isinstance(max_bytes, int):
+        budget = max_bytes
+    elif max_bytes is not None:
         try:
             budget = parse_size(max_bytes)
         except ValueError as exc:
@@ -116,22 +113,26 @@ def parse_policy_text(text: str) -> Policy:
     for clause in filter(None, (c.strip() for c in re.split(r"[,\n;]", text))):
         name, _, value = clause.replace("=", " ", 1).partition(" ")
         name, value = name.strip().lower().removeprefix("--"), value.strip()
-        if name in ("keep-last", "keep-every") and value.isdigit() and int(value) >= 1:
+        if name in ("keep-last", "keep-every") and value:
+            try:
+                count = parse_int(value, what=name, minimum=1)
+            except InvalidNumberError as exc:
+                raise PolicyError(f"cannot read policy clause: {exc}") from None
             if name == "keep-last":
-                keep_last = int(value)
+                keep_last = count
             else:
-                keep_every = int(value)
+                keep_every = count
         elif name == "keep-best" and len(value.split()) == 2:
             metric, count = value.split()
             keep_best.append(f"{metric}={count}")
         elif name == "max-bytes" and value:
             max_bytes = value
         else:
-            raise PolicyError(f"cannot read policy clause {clause!r}: expected {POLICY_TEXT_GRAMMAR}")
+            raise PolicyError(f"cannot read policy clause {shown(clause)}: expected {POLICY_TEXT_GRAMMAR}")
     try:
         policy = build_policy(keep_last=keep_last, keep_best=keep_best, keep_every=keep_every, max_bytes=max_bytes)
     except PolicyOptionError as exc:
-        raise PolicyError(f"cannot read policy {text.strip()!r}: {exc}") from None
+        raise PolicyError(f"cannot read policy {shown(text.strip())}: {exc}") from None
     if policy is None:
         raise PolicyError(f"empty policy: say what to keep ({POLICY_TEXT_GRAMMAR})")
     return policy

@@ -9,6 +9,6 @@ imports this; training never needs it.
 from __future__ import annotations
 
 from registry.web.app import create_app
-from registry.web.server import LOOPBACK_HOSTS, check_bind, is_loopback, serve
+from registry.web.server import LOOPBACK_HOSTS, check_bind, is_loopback, listen, serve
 
-__all__ = ["LOOPBACK_HOSTS", "check_bind", "create_app", "is_loopback", "serve"]
+__all__ = ["LOOPBACK_HOSTS", "check_bind", "create_app", "is_loopback", "listen", "serve"]

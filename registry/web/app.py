@@ -15,10 +15,14 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from registry import views
 from registry.errors import CheckpointNotFoundError, RegistryError
+from registry.format.numbers import parse_int, shown
+from registry.format.refs import MAX_STEP
 from registry.web import pages
+from registry.web.server import is_loopback
 
 if TYPE_CHECKING:
     from registry.api import Registry
@@ -51,8 +55,51 @@ class TokenGate(BaseHTTPMiddleware):
         return response
 
 
+def host_name(header: str) -> str | None:
+    """The name in a ``Host`` header without its port (``[::1]:8765`` -> ``::1``); None when malformed."""
+    name, port = header, ""
+    if header.startswith("["):
+        name, bracket, port = header[1:].partition("]")
+        if not bracket or (port and not port.startswith(":")):
+            return None
+        port = port[1:]
+    elif ":" in header:
+        name, _, port = header.partition(":")
+    if port and not (port.isascii() and port.isdigit()):
+        return None
+    return name.lower() or None
+
+
+class LoopbackHostGate:
+    """Serve only requests addressed to a loopback name: a page whose name rebinds to 127.0.0.1 reads nothing.
+
+    A browser sends the name it looked up as ``Host``; a DNS-rebinding page
+    sends its own. Without a token, only ``localhost``, 127.0.0.0/8 and
+    ``[::1]`` are answered; with one, the token is the guard and any name is.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] in ("http", "websocket"):
+            header = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"host"), "")
+            name = host_name(header)
+            if name is None or not is_loopback(name):
+                response = PlainTextResponse(
+                    f"400: this registry view answers only to localhost, 127.0.0.1 or [::1], not Host "
+                    f"{shown(header)}; serve it with --token to reach it by another name", status_code=400)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def create_app(reg: Registry, *, token: str | None = None) -> Starlette:
-    """The web view of ``reg`` (open it read-only: nothing here writes); ``token`` gates every request."""
+    """The web view of ``reg`` (open it read-only: nothing here writes).
+
+    ``token`` gates every request; without one, only requests addressed to
+    a loopback name are served (:class:`LoopbackHostGate`).
+    """
 
     def api(build: Callable[[Request], Any]) -> Callable[[Request], Response]:
         def endpoint(request: Request) -> Response:
@@ -76,16 +123,24 @@ def create_app(reg: Registry, *, token: str | None = None) -> Starlette:
     def flag(request: Request, name: str) -> bool:
         return request.query_params.get(name, "").lower() in ("1", "true", "yes", "on")
 
+    def number(request: Request, name: str, *, default: int, minimum: int = 0, maximum: int = MAX_STEP) -> int:
+        """A whole-number query parameter (``default`` when absent); a malformed one is a 400."""
+        text = request.query_params.get(name, "")
+        return parse_int(text, what=name, minimum=minimum, maximum=maximum) if text else default
+
     def points(request: Request) -> int:
-        text = request.query_params.get("points", "")
-        return min(MAX_CURVE_POINTS, max(10, int(text))) if text.isdigit() else views.DEFAULT_CURVE_POINTS
+        asked = number(request, "points", default=views.DEFAULT_CURVE_POINTS, minimum=1)
+        return min(MAX_CURVE_POINTS, max(10, asked))
+
+    def step_of(request: Request) -> int:
+        return parse_int(str(request.path_params["step"]), what="step", maximum=MAX_STEP)
 
     routes = [
         Route("/", page(lambda r: pages.runs_page(views.runs_doc(reg, sort_by=r.query_params.get("metric") or None),
                                                    metric=r.query_params.get("metric", "")))),
         Route("/runs/{run}", page(lambda r: pages.run_page(run_of(r), reg.catalog.metric_keys(run_of(r))))),
-        Route("/runs/{run}/steps/{step:int}", page(lambda r: pages.step_page(
-            views.step_view(reg, f"{run_of(r)}@{r.path_params['step']}"), lineage=lineage_of(reg, r)))),
+        Route("/runs/{run}/steps/{step}", page(lambda r: pages.step_page(
+            views.step_view(reg, f"{run_of(r)}@{step_of(r)}"), lineage=lineage_of(reg, r)))),
         Route("/api/runs", api(lambda r: views.runs_doc(reg, sort_by=r.query_params.get("sort_by") or None))),
         Route("/api/runs/{run}/checkpoints", api(lambda r: views.checkpoints_doc(
             reg.checkpoints(run_of(r), include_deleted=flag(r, "all"))))),
@@ -100,7 +155,7 @@ def create_app(reg: Registry, *, token: str | None = None) -> Starlette:
         Route("/api/show", api(lambda r: views.step_view(reg, r.query_params.get("ref", "")).to_json())),
         Mount("/static", app=StaticFiles(directory=STATIC), name="static"),
     ]
-    middleware = [Middleware(TokenGate, token=token)] if token else []
+    middleware = [Middleware(TokenGate, token=token)] if token else [Middleware(LoopbackHostGate)]
     return Starlette(routes=routes, middleware=middleware)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import logging
 import socket
@@ -21,6 +22,10 @@ class UnsafeBindError(RegistryError, PermissionError):
     """An address other machines can reach, asked for without an access token."""
 
 
+class BindError(RegistryError, OSError):
+    """The address cannot be listened on: the port is taken, the address is not this machine's, no permission."""
+
+
 def is_loopback(host: str) -> bool:
     """True for ``localhost``, 127.0.0.0/8 and ``::1``: addresses only this machine can reach."""
     if host in LOOPBACK_HOSTS:
@@ -38,11 +43,31 @@ def check_bind(host: str, token: str | None) -> None:
                               "pass --token (or set REGISTRY_UI_TOKEN) to require one, or bind 127.0.0.1")
 
 
-def serve(app: Any, *, host: str, port: int, token: str | None) -> None:
-    """Run ``app`` under uvicorn until interrupted."""
+def listen(host: str, port: int) -> socket.socket:
+    """A socket listening on ``host:port`` (0: any free port), so a taken port fails before anything is printed."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart is not refused for TIME_WAIT
+        sock.bind((host, port))
+        sock.listen(2048)  # connections wait in the backlog until the server accepts them
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise BindError(f"port {port} on {host} is in use (another registry ui?); "
+                            "pick another with --port") from None
+        raise BindError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
+
+
+def serve(app: Any, *, sock: socket.socket) -> None:
+    """Run ``app`` under uvicorn on the listening ``sock`` (see :func:`listen`) until interrupted."""
     import uvicorn
-    check_bind(host, token)
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    with sock:
+        try:
+            server.run(sockets=[sock])
+        except KeyboardInterrupt:  # uvicorn shut down cleanly, then re-raised the Ctrl-C it caught
+            pass
 
 
 @contextmanager
@@ -50,9 +75,7 @@ def background_server(app: Any, *, host: str = "127.0.0.1", port: int = 0) -> It
     """Serve ``app`` from a thread (tests, screenshots, benchmarks); yields its base URL."""
     import uvicorn
     check_bind(host, None)
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    sock = listen(host, port)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="registry-ui")
     thread.start()
@@ -68,4 +91,5 @@ def background_server(app: Any, *, host: str = "127.0.0.1", port: int = 0) -> It
         sock.close()
 
 
-__all__ = ["LOOPBACK_HOSTS", "UnsafeBindError", "background_server", "check_bind", "is_loopback", "serve"]
+__all__ = ["LOOPBACK_HOSTS", "BindError", "UnsafeBindError", "background_server", "check_bind", "is_loopback",
+           "listen", "serve"]
