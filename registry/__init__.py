@@ -18,8 +18,8 @@ if TYPE_CHECKING:
     from registry.distributed.sharded import ShardedLoad
     from registry.errors import (AsyncPublishError, CatalogError, CheckpointDeletedError, CheckpointNotFoundError,
                                  CheckpointReadError, CorruptCheckpointError, DcpMetadataError, DistributedError,
-                                 ExtraNotFoundError,
-                                 InvalidNameError, InvalidNumberError, InvalidRefError, InvalidStateError, ManifestError, PolicyError,
+                                 ExtraNotFoundError, InvalidNameError, InvalidNumberError, InvalidRefError,
+                                 InvalidStateError, ManifestError, PolicyError,
                                  PublishError, ReadOnlyError, RegistryError, RootError, RootMismatchError,
                                  SafetensorsFormatError, SchemaTooNewError, StepExistsError, UnknownMetricError,
                                  UnsafePathError, UnsafePickleError)
