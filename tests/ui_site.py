@@ -86,3 +86,14 @@ def screenshot_run_page(driver, base_url: str, out: Path, *, run: str = "alpha",
     out.parent.mkdir(parents=True, exist_ok=True)
     driver.save_screenshot(str(out))
     return out
+
+
+def screenshot_compare_page(driver, base_url: str, out: Path, *,  # type: ignore[no-untyped-def]
+                            runs: tuple[str, ...] = ("alpha", "beta", "gamma"), key: str = "eval/loss") -> Path:
+    """The README's second picture: several runs overlaid, with their comparison table."""
+    query = "&".join(f"run={r}" for r in runs)
+    driver.get(f"{base_url}/compare?{query}&key={key}")
+    wait_for(driver, "document.body.dataset.ready === '1'")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    driver.save_screenshot(str(out))
+    return out

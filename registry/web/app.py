@@ -18,7 +18,7 @@ from starlette.staticfiles import StaticFiles
 
 from registry import views
 from registry.errors import CheckpointNotFoundError, RegistryError
-from registry.web import pages
+from registry.web import data, pages
 
 if TYPE_CHECKING:
     from registry.api import Registry
@@ -81,11 +81,14 @@ def create_app(reg: Registry, *, token: str | None = None) -> Starlette:
         return min(MAX_CURVE_POINTS, max(10, int(text))) if text.isdigit() else views.DEFAULT_CURVE_POINTS
 
     routes = [
-        Route("/", page(lambda r: pages.runs_page(views.runs_doc(reg, sort_by=r.query_params.get("metric") or None),
+        Route("/", page(lambda r: pages.runs_page(data.health_doc(reg, sort_by=r.query_params.get("metric") or None),
                                                    metric=r.query_params.get("metric", "")))),
         Route("/runs/{run}", page(lambda r: pages.run_page(run_of(r), reg.catalog.metric_keys(run_of(r))))),
-        Route("/runs/{run}/steps/{step:int}", page(lambda r: pages.step_page(
-            views.step_view(reg, f"{run_of(r)}@{r.path_params['step']}"), lineage=lineage_of(reg, r)))),
+        Route("/runs/{run}/steps/{step:int}", page(lambda r: step_page(reg, r))),
+        Route("/compare", page(lambda r: pages.compare_page(r.query_params.getlist("run"),
+                                                            r.query_params.getlist("key")))),
+        Route("/diff", page(lambda r: pages.diff_page(reg.diff(r.query_params.get("a", ""),
+                                                               r.query_params.get("b", ""))))),
         Route("/api/runs", api(lambda r: views.runs_doc(reg, sort_by=r.query_params.get("sort_by") or None))),
         Route("/api/runs/{run}/checkpoints", api(lambda r: views.checkpoints_doc(
             reg.checkpoints(run_of(r), include_deleted=flag(r, "all"))))),
@@ -98,10 +101,27 @@ def create_app(reg: Registry, *, token: str | None = None) -> Starlette:
             reg, run_of(r), r.query_params.get("policy", ""),
             allow_missing_metric=flag(r, "allow_missing_metric")))),
         Route("/api/show", api(lambda r: views.step_view(reg, r.query_params.get("ref", "")).to_json())),
+        Route("/api/health", api(lambda r: data.health_doc(reg, sort_by=r.query_params.get("sort_by") or None))),
+        Route("/api/compare", api(lambda r: data.compare_doc(
+            reg, r.query_params.getlist("run"), r.query_params.getlist("key"),
+            mode=r.query_params.get("mode", "min"), max_points=points(r)))),
+        Route("/api/runs/{run}/stamp", api(lambda r: data.stamp_doc(reg, run_of(r)))),
+        Route("/api/runs/{run}/timeline", api(lambda r: data.events_in_words(reg.events(run_of(r))))),
+        Route("/api/runs/{run}/steps/{step:int}/contents", api(lambda r: data.step_contents(
+            views.step_view(reg, f"{run_of(r)}@{r.path_params['step']}").info))),
+        Route("/api/diff", api(lambda r: reg.diff(r.query_params.get("a", ""), r.query_params.get("b", "")).to_json())),
         Mount("/static", app=StaticFiles(directory=STATIC), name="static"),
     ]
     middleware = [Middleware(TokenGate, token=token)] if token else []
     return Starlette(routes=routes, middleware=middleware)
+
+
+def step_page(reg: Registry, request: Request) -> str:
+    """One step's page: what ``show`` says, its tensors and config, how to load it (or what to do instead)."""
+    view = views.step_view(reg, f"{request.path_params['run']}@{request.path_params['step']}")
+    live = [i.step for i in reg.checkpoints(view.info.run)]
+    return pages.step_page(view, lineage=lineage_of(reg, request), contents=data.step_contents(view.info),
+                           root=reg.store.root, url=reg.url, others=[s for s in live if s != view.info.step])
 
 
 def lineage_of(reg: Registry, request: Request) -> Any:
