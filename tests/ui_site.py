@@ -1,7 +1,7 @@
 """A small real catalog for the web view's tests and for ``scripts/screenshot``: every status, tags, curves.
 
 ``build_site(reg)`` publishes three runs through the public API: ``alpha``
-has a dense ``train/loss`` curve, an ``eval/loss`` at each checkpoint and one
+has a dense ``train/loss`` curve, an ``eval/loss`` at each checkpoint, a config and one
 checkpoint of each status (verified, published, corrupt, deleted, failed),
 two tags and a retention pass; ``beta`` and ``gamma`` are there to be sorted.
 """
@@ -18,6 +18,7 @@ from tests.helpers import make_state
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
+CONFIG = {"model": "toy-mlp", "hidden": 8, "optimizer": {"name": "adamw", "lr": 0.0003}}  # alpha's config.json
 BROWSER_MISSING = "chromium not installed (/usr/bin/chromium, /usr/bin/chromedriver); browser tests skipped"
 
 
@@ -34,7 +35,7 @@ def build_site(reg: Registry) -> Site:
     for i, step in enumerate(range(200, 1601, 200)):
         reg.publish("alpha", step, make_state(i), metrics={"eval/loss": 1.5 * math.exp(-step / 700) + 0.1,
                                                             "eval/acc": 1 - math.exp(-step / 500)},
-                    verify=step % 400 == 0)
+                    config=CONFIG, verify=step % 400 == 0)
     reg.tag("alpha", 800, "release")
     reg.tag("alpha", 1200, "best-eval")
     reg.apply_retention("alpha", KeepEvery(400) | KeepLast(3))  # deletes 200, 600 and 1000

@@ -189,7 +189,8 @@ def describe_event(e: EventInfo) -> str:
     at = f"step {e.step}" if e.step is not None else "the run"
     kind = e.kind
     if kind == "publish":
-        linked = f", {len(d['linked'])} files shared with earlier steps" if d.get("linked") else ""
+        n = len(d.get("linked") or ())
+        linked = f", {n} file{'s' if n != 1 else ''} shared with an earlier step" if n else ""
         replaced = ", replacing the old one" if d.get("overwrite") else ""
         text = f"published {at} ({d.get('status', 'published')}{replaced}{linked})"
     elif kind == "publish-failed":
