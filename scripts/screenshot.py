@@ -27,7 +27,7 @@ def main() -> None:
                 background_server(create_app(ro)) as base:
             driver = browser(Path(tmp))
             try:
-                screenshot_run_page(driver, base, outs[0])
+                screenshot_run_page(driver, base, outs[0], also=("train/loss",))
                 screenshot_compare_page(driver, base, outs[1])
             finally:
                 driver.quit()

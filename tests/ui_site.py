@@ -77,10 +77,13 @@ def wait_for(driver, script: str, *, timeout: float = 20.0):  # type: ignore[no-
 
 
 def screenshot_run_page(driver, base_url: str, out: Path, *, run: str = "alpha",  # type: ignore[no-untyped-def]
-                        policy: str = "keep-last 2, keep-best eval/loss 1") -> Path:
-    """The README's picture: the run page with a retention preview filled in."""
+                        policy: str = "keep-last 2, keep-best eval/loss 1", also: tuple[str, ...] = ()) -> Path:
+    """The README's picture: the run page (``also``: more metrics drawn) with a retention preview filled in."""
     driver.get(f"{base_url}/runs/{run}")
     wait_for(driver, "document.body.dataset.ready === '1'")
+    for key in also:
+        driver.find_element("css selector", f'#keys input[value="{key}"]').click()
+        wait_for(driver, f"document.querySelector('#chart polyline.curve[data-series=\"{key}\"]') !== null")
     driver.find_element("id", "policy").send_keys(policy)
     driver.find_element("css selector", "#retention button").click()
     wait_for(driver, "document.getElementById('plan').dataset.ready === '1'")

@@ -167,12 +167,12 @@ def remedy(info: CheckpointInfo, *, cli: str) -> list[str]:
     UI's ``--url``/``--root``); empty for a loadable step."""
     ref = f"{info.run}@{info.step}"
     if info.status == Status.CORRUPT:
-        return [f"{cli} verify {ref}          # re-hash it: a read error is not corruption",
-                f"{cli} resolve {info.run}@latest  # what a load of {info.run} falls back to",
-                f"{cli} fsck                      # reconcile the catalog with the files; --repair fixes"]
+        return ["# re-hash its files against its manifest", f"{cli} verify {ref}",
+                f"# the step a load of {info.run} (@latest) uses instead", f"{cli} resolve {info.run}@latest",
+                "# reconcile the catalog with the files on disk (add --repair to fix what it finds)", f"{cli} fsck"]
     if info.status in (Status.DELETED, Status.FAILED):
-        return [f"{cli} resolve {info.run}@latest  # the step a load of {info.run} uses instead",
-                f"{cli} ls {info.run} --all"]
+        return [f"# the step a load of {info.run} (@latest) uses instead", f"{cli} resolve {info.run}@latest",
+                "# every step of the run, deleted and failed ones too", f"{cli} ls {info.run} --all"]
     return []
 
 

@@ -175,7 +175,8 @@ def step_page(view: StepView, *, lineage: Any = None, contents: dict[str, Any] |
                    f'<h2>Config</h2><pre id="config">{escape(json.dumps(config, indent=2, sort_keys=True))}</pre>')
     diff = ""
     if others:
-        options = "".join(f'<option value="{escape(info.run)}@{s}"{" selected" if s < info.step else ""}>{s}</option>'
+        before = max((s for s in others if s < info.step), default=None)
+        options = "".join(f'<option value="{escape(info.run)}@{s}"{" selected" if s == before else ""}>{s}</option>'
                           for s in sorted(others, reverse=True))
         diff = ('<form id="diff-form" class="bar" method="get" action="/diff">'
                 f'<input type="hidden" name="b" value="{escape(info.run)}@{info.step}">'
@@ -217,7 +218,9 @@ def diff_page(diff: Any) -> str:
             now = f'{t.get("dtype_b") or "-"} {shape(t.get("shape_b"))}'
             rows.append([f"<code>{escape(t['name'])}</code>", escape(kind), escape(was), escape(now)])
     def entries(items: Sequence[dict[str, Any]]) -> list[list[str]]:
-        return [[escape(c["key"]), escape(c["change"]), escape(str(c["a"])), escape(str(c["b"]))] for c in items]
+        def show(v: Any) -> str:
+            return "-" if v is None else (f"{v:.6g}" if isinstance(v, float) else str(v))
+        return [[escape(c["key"]), escape(c["change"]), escape(show(c["a"])), escape(show(c["b"]))] for c in items]
     verdict = ("identical tensors, config and metrics" if doc["identical"] else
                f"{len(rows)} tensors differ, {doc['unchanged_tensors']} unchanged")
     body = (f'<h1 id="diff" data-identical="{str(doc["identical"]).lower()}">{link(a)} → {link(b)}</h1>'

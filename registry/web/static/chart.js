@@ -48,7 +48,8 @@ function drawChart(container, spec) {
   const m = {left: 72, right: 20, top: 18 + 12 * rows, bottom: 60};
   const ok = v => v !== null && (!spec.log || v > 0);
   const Tv = v => spec.log ? Math.log10(v) : v;
-  const series = spec.series.map(s => ({...s, points: smooth(s.points, spec.smooth).filter(p => ok(p[1]))}));
+  const series = spec.series.map(s => ({...s, raw: s.points.filter(p => ok(p[1])),
+                                        points: smooth(s.points, spec.smooth).filter(p => ok(p[1]))}));
   const checkpoints = spec.checkpoints || [], refs = (spec.refs || []).filter(r => r.step !== null);
   const steps = series.flatMap(s => s.points.map(p => p[0])).concat(checkpoints.map(c => c.step));
   const values = series.flatMap(s => s.points.map(p => Tv(p[1])));
@@ -79,10 +80,15 @@ function drawChart(container, spec) {
   svg("text", {x: 14, y: (m.top + axisY) / 2, "text-anchor": "middle", class: "label y-label",
                transform: `rotate(-90 14 ${(m.top + axisY) / 2})`}, root).textContent =
     (spec.yLabel || "value") + (spec.log ? " (log scale)" : "") + (spec.smooth > 0 ? `, smoothed ${spec.smooth}` : "");
+  const line = pts => pts.map(p => `${X(p[0]).toFixed(1)},${Y(p[1]).toFixed(1)}`).join(" ");
   series.forEach((s, i) => {
     if (!s.points.length) return;
-    svg("polyline", {points: s.points.map(p => `${X(p[0]).toFixed(1)},${Y(p[1]).toFixed(1)}`).join(" "),
-                     class: "curve", fill: "none", stroke: s.colour || SERIES_COLOURS[i % SERIES_COLOURS.length],
+    const colour = s.colour || SERIES_COLOURS[i % SERIES_COLOURS.length];
+    if (spec.smooth > 0) {  // the raw curve stays visible under the smoothed one, as the markers sit on it
+      svg("polyline", {points: line(s.raw), class: "curve-raw", fill: "none", stroke: colour,
+                       "stroke-dasharray": s.dash || ""}, root);
+    }
+    svg("polyline", {points: line(s.points), class: "curve", fill: "none", stroke: colour,
                      "stroke-dasharray": s.dash || "", "data-series": s.label}, root);
   });
   const markers = svg("g", {class: "markers"}, root);
