@@ -206,5 +206,28 @@ def test_the_stamp_moves_when_a_step_is_published(reg: Registry) -> None:
         assert get(client, "/api/runs/live/stamp") == before  # nothing happened, nothing moved
         reg.publish("live", 2, make_state(2), metrics={"eval/loss": 0.5})
         after = get(client, "/api/runs/live/stamp")
+        reg.log_metrics("live", 3, {"train/loss": 0.4})  # a curve growing between checkpoints moves it too
+        reg.flush()
+        logged = get(client, "/api/runs/live/stamp")
     assert (before["latest_step"], after["latest_step"]) == (1, 2) and after != before
     assert after["last_updated"] >= before["last_updated"]
+    assert logged["last_updated"] > after["last_updated"] and logged["latest_step"] == 2
+
+
+def test_a_sharded_steps_tensors_come_from_its_dcp_metadata(reg: Registry) -> None:
+    import torch
+    state = {"model": {"w": torch.randn(4, 3), "b": torch.zeros(3, dtype=torch.float16)}, "rng": torch.arange(5)}
+    reg.publish("s", 10, state, sharded=True, config={"lr": 1})
+    with Registry.open(url=reg.url, root=reg.store.root, read_only=True, create=False) as ro:
+        doc = get(TestClient(create_app(ro)), "/api/runs/s/steps/10/contents")
+        full = ro.load("s@10", broadcast=False).state_dict
+    assert doc["error"] is None and doc["config"] == {"lr": 1}
+    assert [(t["name"], t["shape"], t["dtype"], t["bytes"]) for t in doc["tensors"]] == \
+        [(n, list(t.shape), str(t.dtype).removeprefix("torch."), t.numel() * t.element_size())
+         for n, t in sorted(full.items())]
+
+
+def test_pages_show_a_loading_state_until_their_data_arrives(client: TestClient) -> None:
+    run = client.get("/runs/alpha").text
+    assert run.count("loading…") == 3  # the chart, the checkpoint table, the events: never an empty table
+    assert "loading…" in client.get("/compare?run=alpha").text

@@ -96,7 +96,7 @@ def stamp_doc(reg: Registry, run: str) -> dict[str, Any]:
     check_run_name(run)
     marks = reg.catalog.checkpoint_marks(run)
     events = reg.catalog.events(run, limit=1)
-    counts, last = reg.catalog.run_health().get(run, ({}, None))
+    counts, last = reg.catalog.run_health(run).get(run, ({}, None))
     return {"run": run, "checkpoints": len(marks), "latest_step": marks[-1][0] if marks else None,
             "last_event": events[-1].id if events else None, "statuses": counts,
             "last_updated": last.isoformat() if last is not None else None}
