@@ -146,8 +146,15 @@ def test_retention_preview_matches_gc_dry_run(page: dict[str, Any]) -> None:
     driver.find_element(By.CSS_SELECTOR, "#retention button").click()
     wait_for(driver, "document.getElementById('plan').dataset.ready === '1'")
     assert "keep-last N" in driver.find_element(By.CSS_SELECTOR, "#plan .error").text
-    hint = driver.find_element(By.CSS_SELECTOR, "#plan .hint").text
+    hint = driver.find_element(By.CSS_SELECTOR, "#plan .hint:not(.did-you-mean)").text
     assert hint.startswith("Type in this field") and "keep-best eval/acc 2" in hint and "eval/loss" in hint
+    assert not driver.find_elements(By.CSS_SELECTOR, "#plan .did-you-mean")  # keep-sometimes is no typo
+
+    driver.find_element(By.ID, "policy").clear()
+    driver.find_element(By.ID, "policy").send_keys("keep-lst 2")
+    driver.find_element(By.CSS_SELECTOR, "#retention button").click()
+    wait_for(driver, "document.getElementById('plan').dataset.ready === '1'")
+    assert driver.find_element(By.CSS_SELECTOR, "#plan .did-you-mean").text == "Did you mean keep-last?"
 
 
 def test_step_page_shows_a_checkpoint_and_how_to_load_it(page: dict[str, Any]) -> None:

@@ -195,6 +195,7 @@ def test_diff_is_the_librarys(client: TestClient, ro: Registry) -> None:
     same = get(client, "/api/diff?a=alpha@800&b=alpha@release")
     assert same["identical"] and 'data-identical="true"' in client.get("/diff?a=alpha@800&b=alpha@release").text
     assert client.get("/diff?a=alpha@800&b=alpha@99").status_code == 404
+    assert "?a=RUN@STEP&amp;b=RUN@STEP" in client.get("/diff?a=alpha@800").text
     assert 'action="/diff"' in client.get("/runs/alpha/steps/1600").text
 
 

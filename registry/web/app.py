@@ -87,8 +87,8 @@ def create_app(reg: Registry, *, token: str | None = None) -> Starlette:
         Route("/runs/{run}/steps/{step:int}", page(lambda r: step_page(reg, r))),
         Route("/compare", page(lambda r: pages.compare_page(r.query_params.getlist("run"),
                                                             r.query_params.getlist("key")))),
-        Route("/diff", page(lambda r: pages.diff_page(reg.diff(r.query_params.get("a", ""),
-                                                               r.query_params.get("b", ""))))),
+        Route("/diff", page(lambda r: pages.diff_page(data.diff_of(reg, r.query_params.get("a", ""),
+                                                                   r.query_params.get("b", ""))))),
         Route("/api/runs", api(lambda r: views.runs_doc(reg, sort_by=r.query_params.get("sort_by") or None))),
         Route("/api/runs/{run}/checkpoints", api(lambda r: views.checkpoints_doc(
             reg.checkpoints(run_of(r), include_deleted=flag(r, "all"))))),
@@ -109,7 +109,8 @@ def create_app(reg: Registry, *, token: str | None = None) -> Starlette:
         Route("/api/runs/{run}/timeline", api(lambda r: data.events_in_words(reg.events(run_of(r))))),
         Route("/api/runs/{run}/steps/{step:int}/contents", api(lambda r: data.step_contents(
             views.step_view(reg, f"{run_of(r)}@{r.path_params['step']}").info))),
-        Route("/api/diff", api(lambda r: reg.diff(r.query_params.get("a", ""), r.query_params.get("b", "")).to_json())),
+        Route("/api/diff", api(lambda r: data.diff_of(reg, r.query_params.get("a", ""),
+                                                      r.query_params.get("b", "")).to_json())),
         Mount("/static", app=StaticFiles(directory=STATIC), name="static"),
     ]
     middleware = [Middleware(TokenGate, token=token)] if token else []

@@ -91,6 +91,13 @@ def compare_doc(reg: Registry, runs: Sequence[str], keys: Sequence[str], *, mode
             "table": table}
 
 
+def diff_of(reg: Registry, a: str, b: str) -> Any:
+    """:meth:`Registry.diff` of the two refs a diff page or ``/api/diff`` names."""
+    if not a or not b:
+        raise InvalidNameError("name the two steps to diff: ?a=RUN@STEP&b=RUN@STEP (any refs: tags, @latest, ...)")
+    return reg.diff(a, b)
+
+
 def stamp_doc(reg: Registry, run: str) -> dict[str, Any]:
     """What changes when a run moves on (a new checkpoint, event or metric point): the run page polls it."""
     check_run_name(run)
@@ -224,5 +231,5 @@ def events_in_words(events: Sequence[EventInfo]) -> list[dict[str, Any]]:
             for e in reversed(events)]
 
 
-__all__ = ["compare_doc", "describe_event", "events_in_words", "health_doc", "remedy", "stamp_doc",
+__all__ = ["compare_doc", "describe_event", "diff_of", "events_in_words", "health_doc", "remedy", "stamp_doc",
            "step_contents"]

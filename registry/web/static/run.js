@@ -88,6 +88,25 @@ async function poll() {
   setTimeout(poll, pollEvery);
 }
 
+const POLICY_WORDS = ["keep-last", "keep-best", "keep-every", "max-bytes"];
+
+// The word of `words` within two edits of `word` (a typo), or null.
+function closest(word, words) {
+  if (!word) return null;
+  const edits = (a, b) => {
+    let row = Array.from({length: b.length + 1}, (_, j) => j);
+    for (let i = 1; i <= a.length; i++) {
+      const next = [i];
+      for (let j = 1; j <= b.length; j++)
+        next[j] = Math.min(row[j] + 1, next[j - 1] + 1, row[j - 1] + (a[i - 1] === b[j - 1] ? 0 : 1));
+      row = next;
+    }
+    return row[b.length];
+  };
+  const best = words.map(w => [edits(word, w), w]).sort((x, y) => x[0] - y[0])[0];
+  return best && best[0] <= 2 && best[0] > 0 ? best[1] : null;
+}
+
 async function preview(policy) {
   const plan = document.getElementById("plan");
   plan.dataset.ready = "";
@@ -117,6 +136,9 @@ async function preview(policy) {
     plan.textContent = "";
     plan.appendChild(el("p", err.message, {class: "error"}));
     const key = metricKeys[0] || "eval/loss";
+    const guess = closest(policy.split(",").map(c => c.trim().split(/\s+/)[0]).find(w => !POLICY_WORDS.includes(w)),
+                          POLICY_WORDS.concat(metricKeys));
+    if (guess) plan.appendChild(el("p", `Did you mean ${guess}?`, {class: "hint did-you-mean"}));
     plan.appendChild(el("p", `Type in this field one or more clauses separated by commas, for example: ` +
                              `keep-last 3, keep-best ${key} 2, keep-every 1000, max-bytes 10G` +
                              (metricKeys.length ? ` (this run's metrics: ${metricKeys.join(", ")}; add :max ` +
