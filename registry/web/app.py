@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 STATIC = Path(__file__).resolve().parent / "static"
 MAX_CURVE_POINTS = 20_000
 TOKEN_COOKIE = "registry_ui_token"
+DIFF_CHOICES = 200  # steps offered to diff a step against: the nearest ones
 
 
 def _status_of(exc: RegistryError) -> int:
@@ -120,9 +121,12 @@ def create_app(reg: Registry, *, token: str | None = None) -> Starlette:
 def step_page(reg: Registry, request: Request) -> str:
     """One step's page: what ``show`` says, its tensors and config, how to load it (or what to do instead)."""
     view = views.step_view(reg, f"{request.path_params['run']}@{request.path_params['step']}")
-    live = [i.step for i in reg.checkpoints(view.info.run)]
+    from registry.records import HAS_PAYLOAD
+    step = view.info.step
+    others = [m[0] for m in reg.catalog.checkpoint_marks(view.info.run) if m[1] in HAS_PAYLOAD and m[0] != step]
+    nearest = sorted(sorted(others, key=lambda s: abs(s - step))[:DIFF_CHOICES])  # what a diff is usually against
     return pages.step_page(view, lineage=lineage_of(reg, request), contents=data.step_contents(view.info),
-                           root=reg.store.root, url=reg.url, others=[s for s in live if s != view.info.step])
+                           root=reg.store.root, url=reg.url, others=nearest)
 
 
 def lineage_of(reg: Registry, request: Request) -> Any:
