@@ -9,6 +9,7 @@ nothing, which is what lets the web view run on a read-only catalog.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -234,12 +235,29 @@ def manifest_summary(directory: Any) -> dict[str, Any]:
                 "bytes": sum(manifest.files[n].size for n in layout.data_files)}}
 
 
-def load_snippets(info: CheckpointInfo) -> dict[str, str]:
-    """The exact lines that load this step, from a shell and from Python."""
+def load_snippets(info: CheckpointInfo, *, root: Any = None, url: str | None = None) -> dict[str, str]:
+    """The exact lines that load this step, from a shell and from Python.
+
+    ``root`` and ``url`` (the registry's, e.g. the ones ``registry ui`` was started with) are spelled
+    out, so the lines work from any directory; ``url`` only where it is not the root's default
+    catalog, its password hidden.
+    """
     ref = f"{info.run}@{info.step}"
-    return {"shell": f"registry show {ref}\nregistry resolve {ref}",
+    options, args = "", ""
+    if root is not None:
+        import shlex
+
+        from registry.fs.store import Store
+        if url is not None and url == f"sqlite:///{Store.default_catalog(Path(root))}":
+            url = None
+        if url is not None:
+            from sqlalchemy.engine import make_url
+            url = make_url(url).render_as_string(hide_password=True)
+        options = f" --root {shlex.quote(str(root))}" + (f" --url {shlex.quote(url)}" if url else "")
+        args = f"root={str(root)!r}" + (f", url={url!r}" if url else "")
+    return {"shell": f"registry{options} show {ref}\nregistry{options} resolve {ref}",
             "python": ("from registry import Registry\n\n"
-                       "with Registry.open() as reg:\n"
+                       f"with Registry.open({args}) as reg:\n"
                        f"    ckpt = reg.load({ref!r})\n"
                        "    model.load_state_dict(ckpt.state_dict)")}
 

@@ -1,4 +1,5 @@
-"""Write docs/run-page.png (or the path given): the run page of the test site, retention preview filled in."""
+"""Write docs/run-page.png and docs/compare-page.png (or into the folder given): the test site's run page,
+retention preview filled in, and its three runs compared."""
 
 from __future__ import annotations
 
@@ -12,11 +13,12 @@ sys.path.insert(0, str(REPO))
 from registry import Registry  # noqa: E402
 from registry.web import create_app  # noqa: E402
 from registry.web.server import background_server  # noqa: E402
-from tests.ui_site import browser, build_site, screenshot_run_page  # noqa: E402
+from tests.ui_site import browser, build_site, screenshot_compare_page, screenshot_run_page  # noqa: E402
 
 
 def main() -> None:
-    out = Path(sys.argv[1]) if len(sys.argv) > 1 else REPO / "docs" / "run-page.png"
+    folder = Path(sys.argv[1]) if len(sys.argv) > 1 else REPO / "docs"
+    outs = [folder / "run-page.png", folder / "compare-page.png"]
     with tempfile.TemporaryDirectory() as tmp:
         url, root = f"sqlite:///{tmp}/catalog.db", Path(tmp) / "ckpt"
         with Registry.open(url=url, root=root) as reg:
@@ -25,10 +27,12 @@ def main() -> None:
                 background_server(create_app(ro)) as base:
             driver = browser(Path(tmp))
             try:
-                screenshot_run_page(driver, base, out)
+                screenshot_run_page(driver, base, outs[0], also=("train/loss",))
+                screenshot_compare_page(driver, base, outs[1])
             finally:
                 driver.quit()
-    print(f"wrote {out} ({out.stat().st_size // 1024} KiB)")
+    for out in outs:
+        print(f"wrote {out} ({out.stat().st_size // 1024} KiB)")
 
 
 if __name__ == "__main__":

@@ -133,7 +133,7 @@ def test_pages_render(client: TestClient) -> None:
     run = client.get("/runs/alpha").text
     assert 'data-run="alpha"' in run and '<option value="train/loss">' in run and "/static/chart.js" in run
     corrupt = client.get("/runs/alpha/steps/1200").text
-    assert 'data-status="corrupt"' in corrupt and "reg.load(&#x27;alpha@1200&#x27;)" in corrupt
+    assert 'data-status="corrupt"' in corrupt and "verify alpha@1200" in corrupt and "reg.load(" not in corrupt
     assert "model.safetensors" in corrupt and "best-eval" in corrupt
     deleted = client.get("/runs/alpha/steps/200").text
     assert 'data-status="deleted"' in deleted and "ended by" in deleted

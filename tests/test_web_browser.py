@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -28,7 +27,7 @@ from registry import Registry  # noqa: E402
 from registry.cli import main  # noqa: E402
 from registry.web import create_app  # noqa: E402
 from registry.web.server import background_server  # noqa: E402
-from tests.helpers import IN_CI, pg_schema_url  # noqa: E402
+from tests.helpers import IN_CI, make_state, pg_schema_url  # noqa: E402
 from tests.ui_site import (BROWSER_MISSING, CHROMEDRIVER, CHROMIUM, Site, browser, build_site,  # noqa: E402
                            screenshot_run_page, wait_for)
 
@@ -71,12 +70,28 @@ def test_runs_page_filters_and_sorts(page: dict[str, Any]) -> None:
                if r.is_displayed()]
     assert visible == ["gamma"]
     driver.find_element(By.ID, "filter").clear()
-    best = driver.find_element(By.CSS_SELECTOR, '#runs th[data-col="4"]')
+    best = driver.find_element(By.CSS_SELECTOR, '#runs th[data-col="6"]')
     best.click()
     best.click()  # descending: the worst best value first
     order = [r.get_attribute("data-run") for r in driver.find_elements(By.CSS_SELECTOR, "#runs tbody tr")]
     assert order == ["gamma", "beta", "alpha"]
     driver.save_screenshot(str(page["shots"] / "runs.png"))
+
+
+def test_runs_page_shows_each_runs_health_and_last_update(page: dict[str, Any]) -> None:
+    driver = page["driver"]
+    driver.get(page["base"] + "/")
+    health = {r.get_attribute("data-run"): r.find_element(By.CSS_SELECTOR, "td.health").text
+              for r in driver.find_elements(By.CSS_SELECTOR, "#runs tbody tr")}
+    statuses = [c["status"] for c in cli_json(page, "ls", "alpha", "--all")]
+    assert health["alpha"] == f"{statuses.count('corrupt')} corrupt, {statuses.count('failed')} failed" == \
+        "1 corrupt, 1 failed"
+    assert health["beta"] == health["gamma"] == "healthy"
+    heads = [th.text for th in driver.find_elements(By.CSS_SELECTOR, "#runs thead th")]
+    assert "health" in heads and "last updated" in heads
+    alpha = driver.find_element(By.CSS_SELECTOR, '#runs tr[data-run="alpha"]')
+    newest = max(c["created_at"] for c in cli_json(page, "ls", "alpha", "--all"))
+    assert alpha.find_elements(By.TAG_NAME, "td")[8].text[:16] == newest.replace("T", " ")[:16]
 
 
 def test_run_page_marks_every_checkpoint_by_status(page: dict[str, Any]) -> None:
@@ -93,6 +108,12 @@ def test_run_page_marks_every_checkpoint_by_status(page: dict[str, Any]) -> None
               for t in driver.find_elements(By.CSS_SELECTOR, "#chart svg .tag-label")}
     assert labels == {(c["step"], tag) for c in listed for tag in c["tags"]}
     assert driver.find_element(By.CSS_SELECTOR, "#chart svg polyline.curve").get_attribute("points").count(",") == 8
+    refs = {m.get_attribute("data-ref"): int(m.get_attribute("data-step"))
+            for m in driver.find_elements(By.CSS_SELECTOR, "#chart svg .ref-marker")}
+    latest, best = (cli_json(page, "show", ref)["step"] for ref in ("alpha@latest", "alpha@best:eval/loss"))
+    assert refs == ({"latest best": latest} if latest == best else {"latest": latest, "best": best})
+    assert driver.find_element(By.CSS_SELECTOR, "#chart svg .y-label").text == "eval/loss"
+    assert driver.find_element(By.CSS_SELECTOR, "#chart svg .x-label").text == "step"
     kinds = {li.get_attribute("data-kind") for li in driver.find_elements(By.CSS_SELECTOR, "#events li")}
     assert {"publish", "tag", "corrupt", "delete"} <= kinds
 
@@ -125,6 +146,15 @@ def test_retention_preview_matches_gc_dry_run(page: dict[str, Any]) -> None:
     driver.find_element(By.CSS_SELECTOR, "#retention button").click()
     wait_for(driver, "document.getElementById('plan').dataset.ready === '1'")
     assert "keep-last N" in driver.find_element(By.CSS_SELECTOR, "#plan .error").text
+    hint = driver.find_element(By.CSS_SELECTOR, "#plan .hint:not(.did-you-mean)").text
+    assert hint.startswith("Type in this field") and "keep-best eval/acc 2" in hint and "eval/loss" in hint
+    assert not driver.find_elements(By.CSS_SELECTOR, "#plan .did-you-mean")  # keep-sometimes is no typo
+
+    driver.find_element(By.ID, "policy").clear()
+    driver.find_element(By.ID, "policy").send_keys("keep-lst 2")
+    driver.find_element(By.CSS_SELECTOR, "#retention button").click()
+    wait_for(driver, "document.getElementById('plan').dataset.ready === '1'")
+    assert driver.find_element(By.CSS_SELECTOR, "#plan .did-you-mean").text == "Did you mean keep-last?"
 
 
 def test_step_page_shows_a_checkpoint_and_how_to_load_it(page: dict[str, Any]) -> None:
@@ -134,7 +164,113 @@ def test_step_page_shows_a_checkpoint_and_how_to_load_it(page: dict[str, Any]) -
     driver.find_element(By.CSS_SELECTOR, '#checkpoints tr[data-step="800"] a').click()
     wait_for(driver, "document.getElementById('step') !== null")
     assert driver.find_element(By.ID, "step").get_attribute("data-status") == "verified"
-    assert "reg.load('alpha@800')" in driver.find_element(By.CSS_SELECTOR, "pre.python").text
+    python = driver.find_element(By.CSS_SELECTOR, "pre.python").text
+    assert "reg.load('alpha@800')" in python and f"Registry.open(root={str(page['root'])!r}" in python
+    assert f"registry --root {page['root']} " in driver.find_element(By.CSS_SELECTOR, "pre.shell").text
     names = [td.text for td in driver.find_elements(By.CSS_SELECTOR, "#files tbody td:first-child")]
     assert names == [f["name"] for f in cli_json(page, "show", "alpha@800")["files"]]
     driver.save_screenshot(str(page["shots"] / "step.png"))
+
+
+def test_step_page_lists_its_tensors_and_config(page: dict[str, Any]) -> None:
+    driver = page["driver"]
+    driver.get(page["base"] + "/runs/alpha/steps/800")
+    rows = [[td.text for td in tr.find_elements(By.TAG_NAME, "td")]
+            for tr in driver.find_elements(By.CSS_SELECTOR, "#tensors tbody tr")]
+    with Registry.open(url=page["url"], root=page["root"], read_only=True, create=False) as reg:
+        state = reg.load("alpha@800", broadcast=False).state_dict
+    assert [r[0] for r in rows] == sorted(state)
+    for name, shape, dtype, _size, file in rows:
+        tensor = state[name]
+        assert shape == ("×".join(map(str, tensor.shape)) or "scalar")
+        assert dtype == str(tensor.dtype).removeprefix("torch.") and file == "model.safetensors"
+    assert '"optimizer"' in driver.find_element(By.ID, "config").text
+    driver.save_screenshot(str(page["shots"] / "step-tensors.png"))
+
+    driver.get(page["base"] + "/runs/alpha/steps/1200")  # corrupt: what to do, not how to load
+    assert not driver.find_elements(By.CSS_SELECTOR, "pre.python")
+    remedy = driver.find_element(By.ID, "remedy").text
+    assert f"registry --root {page['root']}" in remedy and "verify alpha@1200" in remedy and "fsck" in remedy
+
+
+def test_two_runs_overlaid_and_compared(page: dict[str, Any]) -> None:
+    driver = page["driver"]
+    driver.get(page["base"] + "/")
+    for run in ("alpha", "beta"):
+        driver.find_element(By.CSS_SELECTOR, f'#runs tr[data-run="{run}"] input[type=checkbox]').click()
+    driver.find_element(By.ID, "compare").click()
+    wait_for(driver, "document.body.dataset.ready === '1'")
+    curves = {c.get_attribute("data-series"): c.get_attribute("points").split()
+              for c in driver.find_elements(By.CSS_SELECTOR, "#chart svg polyline.curve")}
+    assert set(curves) == {"alpha", "beta"}
+    for run in ("alpha", "beta"):
+        assert len(curves[run]) == len(cli_json(page, "metrics", run, "--key", "eval/loss"))
+    rows = {tr.get_attribute("data-run"): tr for tr in driver.find_elements(By.CSS_SELECTOR, "#compare-table tbody tr")}
+    assert set(rows) == {"alpha", "beta"}
+    best = {r["name"]: r["best"] for r in cli_json(page, "runs", "--sort-by", "eval/loss")}
+    for run, tr in rows.items():
+        value, at = tr.find_element(By.CSS_SELECTOR, "td.best").text.split(" @")
+        assert float(value) == pytest.approx(best[run]["value"], rel=1e-3) and int(at) == best[run]["step"]
+    refs = {m.get_attribute("data-step") for m in driver.find_elements(By.CSS_SELECTOR, "#chart svg .ref-marker")}
+    assert {str(best["alpha"]["step"]), str(best["beta"]["step"])} <= refs
+    driver.save_screenshot(str(page["shots"] / "compare.png"))
+
+    # a second metric on the same chart: one curve per run and metric
+    driver.find_element(By.CSS_SELECTOR, '#keys input[value="eval/acc"]').click()
+    wait_for(driver, "document.querySelectorAll('#chart svg polyline.curve').length === 4")
+    assert "eval/acc" in driver.find_element(By.CSS_SELECTOR, "#chart svg .y-label").text
+
+
+def test_log_scale_and_smoothing_redraw_the_curve(page: dict[str, Any]) -> None:
+    import math
+    driver = page["driver"]
+    driver.get(page["base"] + "/runs/alpha?key=train/loss")
+    wait_for(driver, "document.body.dataset.ready === '1' && document.getElementById('key').value === 'train/loss'")
+    values = [p["value"] for p in cli_json(page, "metrics", "alpha", "--key", "train/loss")]
+
+    def ys() -> list[float]:
+        points = driver.find_element(By.CSS_SELECTOR, "#chart svg polyline.curve").get_attribute("points").split()
+        return [float(p.split(",")[1]) for p in points]
+
+    def spread(transform: Any, y: list[float], of: list[float] | None = None) -> float:
+        """How far the drawn y are from a straight map of transform(value), in pixels."""
+        t = [transform(v) for v in (values if of is None else of)]
+        (ta, tb), (ya, yb) = (t[0], t[-1]), (y[0], y[-1])
+        return max(abs(ya + (tv - ta) / (tb - ta) * (yb - ya) - yv) for tv, yv in zip(t, y))
+
+    linear = ys()
+    assert spread(lambda v: v, linear) < 1 < spread(math.log10, linear)  # pixels (points are rounded to 0.1)
+    driver.find_element(By.ID, "log").click()
+    wait_for(driver, "document.querySelector('#chart svg').dataset.scale === 'log'")
+    logged = ys()
+    assert spread(math.log10, logged) < 1 < spread(lambda v: v, logged)
+    assert "(log scale)" in driver.find_element(By.CSS_SELECTOR, "#chart svg .y-label").text
+    driver.find_element(By.ID, "log").click()
+    wait_for(driver, "document.querySelector('#chart svg').dataset.scale === 'linear'")
+    driver.execute_script("const s = document.getElementById('smooth'); s.value = '0.9';"
+                          "s.dispatchEvent(new Event('input'));")
+    wait_for(driver, "document.querySelector('#chart svg .y-label').textContent.includes('smoothed 0.9')")
+    smoothed = ys()
+    ema, acc = [], 0.0
+    for n, v in enumerate(values, 1):  # TensorBoard's debiased exponential moving average
+        acc = 0.9 * acc + 0.1 * v
+        ema.append(acc / (1 - 0.9 ** n))
+    assert spread(lambda v: v, smoothed, ema) < 1 < spread(lambda v: v, smoothed)
+
+
+def test_auto_refresh_picks_up_a_step_published_while_the_page_is_open(page: dict[str, Any]) -> None:
+    """Runs last: it adds a run to the shared catalog."""
+    driver = page["driver"]
+    with Registry.open(url=page["url"], root=page["root"]) as writer:
+        writer.publish("live", 100, make_state(1), metrics={"eval/loss": 1.0})
+        driver.get(page["base"] + "/runs/live?refresh=1")
+        wait_for(driver, "document.body.dataset.ready === '1'")
+        assert driver.find_element(By.ID, "refresh").is_selected()  # just changed: taken to be training
+        assert "training" in driver.find_element(By.ID, "live-state").text
+        assert [m.get_attribute("data-step") for m in driver.find_elements(By.CSS_SELECTOR, ".ckpt-marker")] == \
+            ["100"]
+        writer.publish("live", 200, make_state(2), metrics={"eval/loss": 0.5})
+        wait_for(driver, "document.querySelector('#chart .ckpt-marker[data-step=\"200\"]') !== null"
+                         " && document.querySelector('#checkpoints tr[data-step=\"200\"]') !== null")
+    assert driver.find_element(By.CSS_SELECTOR, '#chart .ref-marker[data-step="200"]').get_attribute("data-ref") \
+        == "latest best"

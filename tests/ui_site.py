@@ -1,7 +1,7 @@
 """A small real catalog for the web view's tests and for ``scripts/screenshot``: every status, tags, curves.
 
 ``build_site(reg)`` publishes three runs through the public API: ``alpha``
-has a dense ``train/loss`` curve, an ``eval/loss`` at each checkpoint and one
+has a dense ``train/loss`` curve, an ``eval/loss`` at each checkpoint, a config and one
 checkpoint of each status (verified, published, corrupt, deleted, failed),
 two tags and a retention pass; ``beta`` and ``gamma`` are there to be sorted.
 """
@@ -18,6 +18,7 @@ from tests.helpers import make_state
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
+CONFIG = {"model": "toy-mlp", "hidden": 8, "optimizer": {"name": "adamw", "lr": 0.0003}}  # alpha's config.json
 BROWSER_MISSING = "chromium not installed (/usr/bin/chromium, /usr/bin/chromedriver); browser tests skipped"
 
 
@@ -34,7 +35,7 @@ def build_site(reg: Registry) -> Site:
     for i, step in enumerate(range(200, 1601, 200)):
         reg.publish("alpha", step, make_state(i), metrics={"eval/loss": 1.5 * math.exp(-step / 700) + 0.1,
                                                             "eval/acc": 1 - math.exp(-step / 500)},
-                    verify=step % 400 == 0)
+                    config=CONFIG, verify=step % 400 == 0)
     reg.tag("alpha", 800, "release")
     reg.tag("alpha", 1200, "best-eval")
     reg.apply_retention("alpha", KeepEvery(400) | KeepLast(3))  # deletes 200, 600 and 1000
@@ -76,13 +77,27 @@ def wait_for(driver, script: str, *, timeout: float = 20.0):  # type: ignore[no-
 
 
 def screenshot_run_page(driver, base_url: str, out: Path, *, run: str = "alpha",  # type: ignore[no-untyped-def]
-                        policy: str = "keep-last 2, keep-best eval/loss 1") -> Path:
-    """The README's picture: the run page with a retention preview filled in."""
+                        policy: str = "keep-last 2, keep-best eval/loss 1", also: tuple[str, ...] = ()) -> Path:
+    """The README's picture: the run page (``also``: more metrics drawn) with a retention preview filled in."""
     driver.get(f"{base_url}/runs/{run}")
     wait_for(driver, "document.body.dataset.ready === '1'")
+    for key in also:
+        driver.find_element("css selector", f'#keys input[value="{key}"]').click()
+        wait_for(driver, f"document.querySelector('#chart polyline.curve[data-series=\"{key}\"]') !== null")
     driver.find_element("id", "policy").send_keys(policy)
     driver.find_element("css selector", "#retention button").click()
     wait_for(driver, "document.getElementById('plan').dataset.ready === '1'")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    driver.save_screenshot(str(out))
+    return out
+
+
+def screenshot_compare_page(driver, base_url: str, out: Path, *,  # type: ignore[no-untyped-def]
+                            runs: tuple[str, ...] = ("alpha", "beta", "gamma"), key: str = "eval/loss") -> Path:
+    """The README's second picture: several runs overlaid, with their comparison table."""
+    query = "&".join(f"run={r}" for r in runs)
+    driver.get(f"{base_url}/compare?{query}&key={key}")
+    wait_for(driver, "document.body.dataset.ready === '1'")
     out.parent.mkdir(parents=True, exist_ok=True)
     driver.save_screenshot(str(out))
     return out

@@ -755,6 +755,36 @@ class Catalog:
                             latest_step=r.latest, total_bytes=int(r.bytes or 0)) for r in rows]
         return self.read(fn)
 
+    def run_health(self, run: str | None = None) -> dict[str, tuple[dict[str, int], datetime | None]]:
+        """Per run (or just ``run``): how many checkpoints are in each status, and when it last changed (its
+        newest event, or the newest metric point at its highest step, whichever is later). Runs with neither
+        are absent."""
+        def fn(conn: Connection) -> dict[str, tuple[dict[str, int], datetime | None]]:
+            def only(query: Any) -> Any:
+                return query if run is None else query.where(Run.name == run)
+            counts: dict[str, dict[str, int]] = {}
+            for name, status, n in conn.execute(only(
+                    select(Run.name, CheckpointRow.status, func.count(CheckpointRow.id))
+                    .join(CheckpointRow, CheckpointRow.run_id == Run.id)).group_by(Run.name, CheckpointRow.status)):
+                counts.setdefault(name, {})[str(status)] = int(n)
+            last: dict[str, datetime | None] = {}
+            top = only(select(Metric.run_id, func.max(Metric.step).label("step")).join(Run, Run.id == Metric.run_id)) \
+                .group_by(Metric.run_id).subquery()
+            newest_metric = (select(Run.name, func.max(Metric.logged_at))
+                             .join(top, top.c.run_id == Run.id)
+                             .join(Metric, and_(Metric.run_id == top.c.run_id, Metric.step == top.c.step))
+                             .group_by(Run.name))
+            newest_event = only(select(Run.name, func.max(Event.created_at)).join(Event, Event.run_id == Run.id)) \
+                .group_by(Run.name)
+            for query in (newest_event, newest_metric):
+                for name, raw in conn.execute(query):
+                    when = aware(raw)
+                    seen = last.get(name)
+                    if when is not None and (seen is None or when > seen):
+                        last[name] = when
+            return {name: (counts.get(name, {}), last.get(name)) for name in {*counts, *last}}
+        return self.read(fn)
+
     def metrics(self, run: str, *, key: str | None = None, history: bool = False) -> list[MetricPoint]:
         def fn(conn: Connection) -> list[MetricPoint]:
             run_id = self.require_run(conn, run)

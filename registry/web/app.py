@@ -21,7 +21,8 @@ from registry import views
 from registry.errors import CheckpointNotFoundError, RegistryError
 from registry.format.numbers import parse_int, shown
 from registry.format.refs import MAX_STEP
-from registry.web import pages
+from registry.records import HAS_PAYLOAD
+from registry.web import data, pages
 from registry.web.server import is_loopback
 
 if TYPE_CHECKING:
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
 STATIC = Path(__file__).resolve().parent / "static"
 MAX_CURVE_POINTS = 20_000
 TOKEN_COOKIE = "registry_ui_token"
+DIFF_CHOICES = 200  # steps offered to diff a step against: the nearest ones
 
 
 def _status_of(exc: RegistryError) -> int:
@@ -136,11 +138,14 @@ def create_app(reg: Registry, *, token: str | None = None) -> Starlette:
         return parse_int(str(request.path_params["step"]), what="step", maximum=MAX_STEP)
 
     routes = [
-        Route("/", page(lambda r: pages.runs_page(views.runs_doc(reg, sort_by=r.query_params.get("metric") or None),
+        Route("/", page(lambda r: pages.runs_page(data.health_doc(reg, sort_by=r.query_params.get("metric") or None),
                                                    metric=r.query_params.get("metric", "")))),
         Route("/runs/{run}", page(lambda r: pages.run_page(run_of(r), reg.catalog.metric_keys(run_of(r))))),
-        Route("/runs/{run}/steps/{step}", page(lambda r: pages.step_page(
-            views.step_view(reg, f"{run_of(r)}@{step_of(r)}"), lineage=lineage_of(reg, r)))),
+        Route("/runs/{run}/steps/{step}", page(lambda r: step_page(reg, r, step_of(r)))),
+        Route("/compare", page(lambda r: pages.compare_page(r.query_params.getlist("run"),
+                                                            r.query_params.getlist("key")))),
+        Route("/diff", page(lambda r: pages.diff_page(data.diff_of(reg, r.query_params.get("a", ""),
+                                                                   r.query_params.get("b", ""))))),
         Route("/api/runs", api(lambda r: views.runs_doc(reg, sort_by=r.query_params.get("sort_by") or None))),
         Route("/api/runs/{run}/checkpoints", api(lambda r: views.checkpoints_doc(
             reg.checkpoints(run_of(r), include_deleted=flag(r, "all"))))),
@@ -153,10 +158,29 @@ def create_app(reg: Registry, *, token: str | None = None) -> Starlette:
             reg, run_of(r), r.query_params.get("policy", ""),
             allow_missing_metric=flag(r, "allow_missing_metric")))),
         Route("/api/show", api(lambda r: views.step_view(reg, r.query_params.get("ref", "")).to_json())),
+        Route("/api/health", api(lambda r: data.health_doc(reg, sort_by=r.query_params.get("sort_by") or None))),
+        Route("/api/compare", api(lambda r: data.compare_doc(
+            reg, r.query_params.getlist("run"), r.query_params.getlist("key"),
+            mode=r.query_params.get("mode", "min"), max_points=points(r)))),
+        Route("/api/runs/{run}/stamp", api(lambda r: data.stamp_doc(reg, run_of(r)))),
+        Route("/api/runs/{run}/timeline", api(lambda r: data.events_in_words(reg.events(run_of(r))))),
+        Route("/api/runs/{run}/steps/{step}/contents", api(lambda r: data.step_contents(
+            views.step_view(reg, f"{run_of(r)}@{step_of(r)}").info))),
+        Route("/api/diff", api(lambda r: data.diff_of(reg, r.query_params.get("a", ""),
+                                                      r.query_params.get("b", "")).to_json())),
         Mount("/static", app=StaticFiles(directory=STATIC), name="static"),
     ]
     middleware = [Middleware(TokenGate, token=token)] if token else [Middleware(LoopbackHostGate)]
     return Starlette(routes=routes, middleware=middleware)
+
+
+def step_page(reg: Registry, request: Request, step: int) -> str:
+    """One step's page: what ``show`` says, its tensors and config, how to load it (or what to do instead)."""
+    view = views.step_view(reg, f"{request.path_params['run']}@{step}")
+    others = [m[0] for m in reg.catalog.checkpoint_marks(view.info.run) if m[1] in HAS_PAYLOAD and m[0] != step]
+    nearest = sorted(sorted(others, key=lambda s: abs(s - step))[:DIFF_CHOICES])  # what a diff is usually against
+    return pages.step_page(view, lineage=lineage_of(reg, request), contents=data.step_contents(view.info),
+                           root=reg.store.root, url=reg.url, others=nearest)
 
 
 def lineage_of(reg: Registry, request: Request) -> Any:

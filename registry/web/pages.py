@@ -36,90 +36,204 @@ def _cell(value: Any, sort: Any = None) -> str:
     return f"<td{key}>{'-' if value is None else escape(str(value))}</td>"
 
 
+def _health(r: dict[str, Any]) -> str:
+    damaged = [f"{r[k]} {k}" for k in ("corrupt", "failed") if r.get(k)]
+    cls = "damaged" if r.get("corrupt") else ("warn" if damaged else "ok")
+    return (f'<td class="health {cls}" data-sort="{r.get("corrupt", 0) * 1000 + r.get("failed", 0)}">'
+            f'{escape(", ".join(damaged) if damaged else "healthy")}</td>')
+
+
 def runs_page(runs: Sequence[dict[str, Any]], *, metric: str) -> str:
-    """Every run: last step, latest verified step, best value of ``metric``, size, age; sortable and filterable."""
+    """Every run: health (corrupt and failed steps), live checkpoints, last and latest verified step, best value
+    of ``metric``, size, last update; sortable and filterable; tick runs to compare them."""
     from datetime import datetime
     rows = []
     for r in runs:
-        created = datetime.fromisoformat(r["created_at"]) if r["created_at"] else None
-        stamp = created.timestamp() if created else None
+        updated = datetime.fromisoformat(r["last_updated"]) if r.get("last_updated") else None
+        stamp = updated.timestamp() if updated else None
         best = r.get("best") or {}
         value = best.get("value")
+        name = escape(r["name"])
         rows.append(
-            f'<tr data-run="{escape(r["name"])}"><td><a href="/runs/{quote(r["name"])}">{escape(r["name"])}</a></td>'
-            + _cell(r["checkpoints"], r["checkpoints"]) + _cell(r["latest_step"], r["latest_step"])
+            f'<tr data-run="{name}"><td><input type="checkbox" name="run" value="{name}" form="compare-form" '
+            f'aria-label="compare {name}"></td><td><a href="/runs/{quote(r["name"])}">{name}</a></td>'
+            + _health(r) + _cell(r["checkpoints"], r["checkpoints"]) + _cell(r["latest_step"], r["latest_step"])
             + _cell(r["latest_verified_step"], r["latest_verified_step"])
             + _cell(None if value is None else f"{value:.6g}", value)
             + _cell(human_bytes(r["total_bytes"]), r["total_bytes"])
-            + _cell(format_time(created), stamp)
-            + _cell(format_age(created), -stamp if stamp is not None else None) + "</tr>")
-    heads = ["run", "checkpoints", "last step", "latest verified", f"best {metric}" if metric else "best",
-             "size", "created", "age"]
+            + _cell(format_time(updated), stamp)
+            + _cell(format_age(updated) + " ago" if updated else None, -stamp if stamp is not None else None)
+            + "</tr>")
+    heads = ["", "run", "health", "live checkpoints", "last step", "latest verified",
+             f"best {metric}" if metric else "best", "size", "last updated", "age"]
     header = "".join(f'<th data-col="{i}" tabindex="0">{escape(h)}</th>' for i, h in enumerate(heads))
     body = (f'<h1>Runs <small>{len(runs)}</small></h1>'
             '<form class="bar" method="get" action="/">'
             '<input id="filter" type="search" placeholder="filter by name" autocomplete="off">'
             f'<label>best of <input id="metric" name="metric" value="{escape(metric)}" '
             'placeholder="eval/loss or eval/acc:max"></label><button>show</button></form>'
+            '<form id="compare-form" class="bar" method="get" action="/compare">'
+            '<button id="compare">compare ticked runs</button>'
+            '<span class="note">live = published or verified; health counts corrupt and failed steps</span></form>'
             f'<table id="runs" class="sortable"><thead><tr>{header}</tr></thead><tbody>{"".join(rows)}</tbody></table>')
     return layout("runs", body, scripts=["runs.js"])
 
 
-def run_page(run: str, keys: Sequence[str]) -> str:
-    """The shell the run page's script fills from ``/api/runs/RUN/view``: curve, markers, events, retention."""
-    options = "".join(f'<option value="{escape(k)}">{escape(k)}</option>' for k in keys)
-    body = (f'<h1 id="run" data-run="{escape(run)}">{escape(run)}</h1>'
-            f'<div class="bar"><label>metric <select id="key">{options}</select></label>'
+def _chart_controls(label: str) -> str:
+    return (
+            '<div class="bar controls"><span id="keys" class="keys" data-label="{label}"></span>'
+            '<label><input type="checkbox" id="log"> log scale</label>'
+            '<label>smoothing <input type="range" id="smooth" min="0" max="0.99" step="0.01" value="0">'
+    '<output id="smooth-value">0</output></label>'
+            '<label><input type="checkbox" id="higher"> higher is better</label>'
             '<span id="curve-note" class="note"></span></div>'
-            '<div id="chart" class="chart"></div><div id="legend" class="legend"></div>'
+            '<div id="chart" class="chart"><p class="loading">loading…</p></div><div id="legend" class="legend"></div>'
+            ).replace("{label}", escape(label))
+
+
+def run_page(run: str, keys: Sequence[str]) -> str:
+    """The shell the run page's script fills: curves with checkpoints, ``@latest`` and ``@best``, events,
+    retention; it polls for new steps while the run is training."""
+    default = "eval/loss" if "eval/loss" in keys else (keys[0] if keys else "")
+    options = "".join(f'<option value="{escape(k)}"{" selected" if k == default else ""}>{escape(k)}</option>'
+                      for k in keys)
+    body = (f'<h1 id="run" data-run="{escape(run)}">{escape(run)} '
+            '<small id="live-state"></small></h1>'
+            f'<div class="bar"><label>metric <select id="key">{options}</select></label>'
+            '<label><input type="checkbox" id="refresh"> auto-refresh</label></div>'
+            + _chart_controls("also plot") +
             '<h2>Retention preview <small>read-only: nothing is deleted</small></h2>'
             '<form id="retention" class="bar"><input id="policy" size="48" '
             'placeholder="keep-last 3, keep-best eval/loss 2, keep-every 1000, max-bytes 10G">'
             '<button>preview</button></form><div id="plan"></div>'
             '<h2>Checkpoints</h2><table id="checkpoints"><thead><tr><th>step</th><th>status</th><th>tags</th>'
-            '<th>value</th><th>size</th><th>created</th></tr></thead><tbody></tbody></table>'
-            '<h2>Events</h2><ol id="events" class="timeline"></ol>')
+            '<th>value</th><th>size</th><th>created</th></tr></thead>'
+            '<tbody><tr class="loading"><td colspan="6">loading…</td></tr></tbody></table>'
+            '<h2>Events</h2><ol id="events" class="timeline"><li class="loading">loading…</li></ol>')
     return layout(run, body, scripts=["chart.js", "run.js"])
+
+
+def compare_page(runs: Sequence[str], keys: Sequence[str]) -> str:
+    """Several runs on one chart, and a table of their newest, latest verified, best and last values."""
+    data = escape(json.dumps({"runs": list(runs), "keys": list(keys)}))
+    links = ", ".join(f'<a href="/runs/{quote(r)}">{escape(r)}</a>' for r in runs)
+    body = (f'<h1 id="compare-page" data-query="{data}">Compare <small>{links}</small></h1>'
+            + _chart_controls("metrics") +
+            '<table id="compare-table"><thead></thead>'
+            '<tbody><tr class="loading"><td>loading…</td></tr></tbody></table>')
+    return layout("compare", body, scripts=["chart.js", "compare.js"])
 
 
 def _pre(text: str, cls: str) -> str:
     return f'<pre class="{cls}">{escape(text)}</pre>'
 
 
-def step_page(view: StepView, *, lineage: Any = None) -> str:
-    """One step: manifest summary, files, metrics, tags, events, lineage if recorded, the lines that load it."""
+def _table(table_id: str, heads: Sequence[str], rows: Sequence[Sequence[str]], *, empty: str) -> str:
+    head = "".join(f"<th>{escape(h)}</th>" for h in heads)
+    body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>" for row in rows)
+    return (f'<table id="{table_id}"><thead><tr>{head}</tr></thead>'
+            f'<tbody>{body or f"<tr><td colspan={len(heads)}>{escape(empty)}</td></tr>"}</tbody></table>')
+
+
+def step_page(view: StepView, *, lineage: Any = None, contents: dict[str, Any] | None = None,
+              root: Any = None, url: str | None = None, others: Sequence[int] = ()) -> str:
+    """One step: its facts, how to load it (or, for a step that cannot be loaded, what to do instead), its
+    tensors and config, a diff against another step, files, metrics, lineage if recorded, events in words."""
+    from registry.web.data import events_in_words, remedy
     info = view.info
     manifest = view.manifest
     summary = (f'<p class="error">manifest unreadable: {escape(manifest["error"])}</p>' if "error" in manifest else
                "<dl>" + "".join(f"<dt>{escape(k)}</dt><dd>{escape(str(v))}"
                                 + (f" <small>{LOCAL_TIME}</small>" if k == "created_at" else "")
-                                + "</dd>" for k, v in manifest.items())
+                                + "</dd>" for k, v in manifest.items() if k != "sha256")
                + "</dl>")
     facts = {"status": str(info.status), "path": str(info.path), "size": human_bytes(info.total_bytes),
              "epoch": info.epoch, "consumed samples": info.consumed_samples, "policy version": info.policy_version,
              "created": format_time(info.created_at), "verified": format_time(info.verified_at),
-             "manifest sha256": info.manifest_sha256, "tags": ", ".join(info.tags) or "-"}
+             "manifest sha256": (info.manifest_sha256 or "-")[:16], "tags": ", ".join(info.tags) or "-"}
     if view.ended is not None:
         facts["ended by"] = f"{view.ended.kind} at {format_time(view.ended.created_at)}"
-    files = "".join(f"<tr><td>{escape(f.name)}</td><td>{human_bytes(f.size)}</td><td><code>{f.sha256[:16]}</code></td>"
-                    "</tr>" for f in view.files)
-    metrics = "".join(f"<tr><td>{escape(k)}</td><td>{v:.6g}</td></tr>" for k, v in sorted(info.metrics.items()))
-    events = "".join(f'<li><time>{escape(format_time(e.created_at))}</time> <b>{escape(e.kind)}</b> '
-                     f'<code>{escape(json.dumps(e.detail, sort_keys=True))}</code></li>' for e in view.events)
-    snippets = load_snippets(info)
+    snippets = load_snippets(info, root=root, url=url)
+    cli = snippets["shell"].split(" show ", 1)[0]
+    fixes = remedy(info, cli=cli)
+    if fixes:
+        why = ("its bytes did not match the manifest: a load of this step fails, and a load of "
+               f"{info.run}@latest falls back to the newest good step" if info.status == "corrupt"
+               else f"a {info.status} step has no payload to load")
+        load = (f'<h2>Cannot be loaded</h2><p class="error" id="remedy-why">{escape(why)}</p>'
+                f'<pre id="remedy" class="shell">{escape(chr(10).join(fixes))}</pre>')
+    else:
+        load = f"<h2>Load it</h2>{_pre(snippets['shell'], 'shell')}{_pre(snippets['python'], 'python')}"
+    contents = contents or {"tensors": [], "config": None, "error": None}
+    tensors = [[f"<code>{escape(t['name'])}</code>", escape("×".join(map(str, t["shape"])) or "scalar"),
+                escape(t["dtype"]), escape(human_bytes(t["bytes"])), escape(t["file"])] for t in contents["tensors"]]
+    tensor_note = (f'<p class="error" id="tensors-error">{escape(contents["error"])}</p>' if contents["error"] else
+                   f'<p class="note">{len(tensors)} tensors, '
+                   f'{human_bytes(sum(t["bytes"] for t in contents["tensors"]))} (from the file headers)</p>')
+    config = contents["config"]
+    config_html = ("" if config is None else
+                   f'<h2>Config</h2><pre id="config">{escape(json.dumps(config, indent=2, sort_keys=True))}</pre>')
+    diff = ""
+    if others:
+        before = max((s for s in others if s < info.step), default=None)
+        options = "".join(f'<option value="{escape(info.run)}@{s}"{" selected" if s == before else ""}>{s}</option>'
+                          for s in sorted(others, reverse=True))
+        diff = ('<form id="diff-form" class="bar" method="get" action="/diff">'
+                f'<input type="hidden" name="b" value="{escape(info.run)}@{info.step}">'
+                f'<label>diff against step <select name="a">{options}</select></label><button>diff</button></form>')
+    files = [[escape(f.name), human_bytes(f.size)] for f in view.files]
+    metrics = [[escape(k), f"{v:.6g}"] for k, v in sorted(info.metrics.items())]
+    events = "".join(f'<li data-kind="{escape(e["kind"])}"><time>{escape(e["time"])}</time> {escape(e["text"])}</li>'
+                     for e in events_in_words(view.events))
     body = (f'<h1 id="step" data-status="{escape(str(info.status))}"><a href="/runs/{quote(info.run)}">'
             f'{escape(info.run)}</a>@{info.step} <span class="badge s-{escape(str(info.status))}">'
             f'{escape(str(info.status))}</span></h1>'
             "<dl>" + "".join(f"<dt>{escape(k)}</dt><dd>{escape(str(v))}</dd>" for k, v in facts.items()) + "</dl>"
-            f"<h2>Load it</h2>{_pre(snippets['shell'], 'shell')}{_pre(snippets['python'], 'python')}"
-            f"<h2>Manifest</h2>{summary}"
-            f'<h2>Files</h2><table id="files"><thead><tr><th>name</th><th>size</th><th>sha256</th></tr></thead>'
-            f"<tbody>{files}</tbody></table>"
-            f'<h2>Metrics</h2><table id="metrics"><tbody>{metrics or "<tr><td>none</td></tr>"}</tbody></table>'
+            + load + diff
+            + "<h2>Tensors</h2>" + tensor_note
+            + _table("tensors", ["name", "shape", "dtype", "bytes", "file"], tensors, empty="none listed")
+            + config_html
+            + f'<h2>Metrics</h2>{_table("metrics", ["metric", "value"], metrics, empty="none")}'
+            + f'<h2>Files</h2>{_table("files", ["name", "size"], files, empty="none")}'
+            + f"<h2>Manifest</h2>{summary}"
             + (f'<h2>Lineage</h2><pre id="lineage">{escape(_lineage_text(lineage))}</pre>' if lineage is not None
                else "")
-            + f'<h2>Events</h2><ol class="timeline">{events}</ol>')
+            + f'<h2>Events</h2><ol class="timeline" id="step-events">{events}</ol>')
     return layout(f"{info.run}@{info.step}", body)
+
+
+def diff_page(diff: Any) -> str:
+    """What changed between two steps, as :meth:`Registry.diff` reports it."""
+    doc = diff.to_json()
+    a, b = doc["a"], doc["b"]
+    def link(ref: str) -> str:
+        run, _, step = ref.rpartition("@")
+        return f'<a href="/runs/{quote(run)}/steps/{escape(step)}">{escape(ref)}</a>'
+    def shape(v: Any) -> str:
+        return "-" if v is None else ("×".join(map(str, v)) or "scalar")
+    rows = []
+    for kind, changes in doc["tensors"].items():
+        for t in changes:
+            was = f'{t.get("dtype_a") or "-"} {shape(t.get("shape_a"))}'
+            now = f'{t.get("dtype_b") or "-"} {shape(t.get("shape_b"))}'
+            rows.append([f"<code>{escape(t['name'])}</code>", escape(kind), escape(was), escape(now)])
+    def entries(items: Sequence[dict[str, Any]]) -> list[list[str]]:
+        def show(v: Any) -> str:
+            return "-" if v is None else (f"{v:.6g}" if isinstance(v, float) else str(v))
+        return [[escape(c["key"]), escape(c["change"]), escape(show(c["a"])), escape(show(c["b"]))] for c in items]
+    verdict = ("identical tensors, config and metrics" if doc["identical"] else
+               f"{len(rows)} tensors differ, {doc['unchanged_tensors']} unchanged")
+    body = (f'<h1 id="diff" data-identical="{str(doc["identical"]).lower()}">{link(a)} → {link(b)}</h1>'
+            f'<p class="summary">{escape(verdict)}; read {human_bytes(doc["bytes_read"])} of '
+            f'{human_bytes(doc["bytes_total"])}</p>'
+            + "<h2>Tensors</h2>" + _table("diff-tensors", ["tensor", "change", a, b], rows, empty="no change")
+            + "<h2>Metrics</h2>" + _table("diff-metrics", ["metric", "change", a, b], entries(doc["metrics"]),
+                                          empty="no change")
+            + "<h2>Config</h2>" + _table("diff-config", ["key", "change", a, b], entries(doc["config"]),
+                                         empty="no change")
+            + "<h2>Files</h2>" + _table("diff-files", ["file", "change", f"{a} bytes", f"{b} bytes"],
+                                        entries(doc["files"]), empty="no change"))
+    return layout(f"{a} → {b}", body)
 
 
 def _lineage_text(lineage: Any) -> str:
@@ -130,4 +244,4 @@ def _lineage_text(lineage: Any) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
 
-__all__ = ["error_page", "run_page", "runs_page", "step_page"]
+__all__ = ["compare_page", "diff_page", "error_page", "run_page", "runs_page", "step_page"]

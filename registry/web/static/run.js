@@ -1,44 +1,46 @@
-// The run page: the curve with its checkpoints, the checkpoint table, events and the retention preview.
+// The run page: curves with the checkpoints, @latest and @best, the checkpoint table, the events in words
+// and the retention preview; while the run is training it polls for changes and redraws.
 "use strict";
 const runName = document.getElementById("run").dataset.run;
 const base = "/api/runs/" + encodeURIComponent(runName);
 const stepUrl = step => "/runs/" + encodeURIComponent(runName) + "/steps/" + step;
+const params = new URLSearchParams(location.search);
+const pollEvery = Math.max(1, +(params.get("refresh") || 5)) * 1000;
+const TRAINING_WITHIN = 10 * 60 * 1000;  // a run changed this recently is taken to be training
+let metricKeys = [];
 
-function el(tag, text, attrs) {
-  const e = document.createElement(tag);
-  if (text !== undefined && text !== null) e.textContent = text;
-  for (const [k, v] of Object.entries(attrs || {})) e.setAttribute(k, v);
-  return e;
-}
-
-function bytes(n) {
-  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
-  let i = 0;
-  while (n >= 1024 && i < units.length - 1) { n /= 1024; i++; }
-  return i ? n.toFixed(1) + " " + units[i] : n + " B";
-}
-
-async function getJSON(url) {
-  const response = await fetch(url, {credentials: "same-origin"});
-  const doc = await response.json();
-  if (!response.ok) throw new Error(doc.error || response.statusText);
-  return doc;
-}
-
-async function load(key) {
+async function load() {
   document.body.dataset.ready = "";
+  const opts = chartOptions();
   const chart = document.getElementById("chart");
-  const wanted = Math.round(Math.max(480, chart.clientWidth || 900) * 1.5);
-  const data = await getJSON(`${base}/view?points=${wanted}` + (key ? "&key=" + encodeURIComponent(key) : ""));
-  document.getElementById("key").value = data.key || "";
-  drawChart(chart, data, stepUrl);
-  drawLegend(document.getElementById("legend"), data.checkpoints);
-  document.getElementById("curve-note").textContent = data.curve.downsampled
-    ? `${data.curve.points.length} of ${data.curve.total_points} points (min and max per bucket, every checkpoint)`
-    : `${data.curve.total_points} points`;
+  const points = Math.round(Math.max(480, chart.clientWidth || 900) * 1.5);
+  const key = document.getElementById("key").value || params.get("key");
+  const view = await getJSON(`${base}/view?points=${points}` + (key ? "&key=" + encodeURIComponent(key) : ""));
+  const keys = view.key ? [view.key, ...opts.keys.filter(k => k !== view.key)] : [];
+  const query = keys.map(k => "&key=" + encodeURIComponent(k)).join("");
+  const [compared, events] = await Promise.all([
+    keys.length ? getJSON(`/api/compare?run=${encodeURIComponent(runName)}${query}&mode=${opts.mode}&points=${points}`)
+                : Promise.resolve({series: []}),
+    getJSON(`${base}/timeline`)]);
+  metricKeys = view.keys;
+  document.getElementById("key").value = view.key || "";
+  fillKeyBoxes(view.keys.filter(k => k !== view.key), opts.keys, load);
+  const first = compared.series[0];
+  const best = view.key ? `@best:${view.key}` + (opts.mode === "max" ? ":max" : "") : "@best";
+  const spec = {
+    series: compared.series.map((s, i) => ({label: s.key, points: s.points, colour: SERIES_COLOURS[i % 8]})),
+    checkpoints: view.checkpoints.map(c => ({...c, href: stepUrl(c.step)})),
+    refs: first ? [{ref: "latest", label: "@latest", colour: "#24292f", ...first.latest},
+                   {ref: "best", label: best, colour: "#24292f", ...first.best}].filter(r => r.step !== undefined) : [],
+    log: opts.log, smooth: opts.smooth, yLabel: keys.join(", ") || "no metric", title: `${keys.join(", ")} of ${runName}`};
+  drawChart(chart, spec);
+  drawLegend(document.getElementById("legend"), spec.series, view.checkpoints);
+  document.getElementById("curve-note").textContent = !view.key ? "no metrics logged" : view.curve.downsampled
+    ? `${view.curve.points.length} of ${view.curve.total_points} points (min and max per bucket, every checkpoint)`
+    : `${view.curve.total_points} points`;
   const body = document.querySelector("#checkpoints tbody");
   body.textContent = "";
-  for (const c of data.checkpoints.slice().reverse()) {
+  for (const c of view.checkpoints.slice().reverse()) {
     const row = el("tr", null, {"data-step": c.step, "data-status": c.status});
     const cell = el("td"); cell.appendChild(el("a", c.step, {href: stepUrl(c.step)})); row.appendChild(cell);
     const status = el("td"); status.appendChild(el("span", c.status, {class: "badge s-" + c.status}));
@@ -46,29 +48,73 @@ async function load(key) {
     row.appendChild(el("td", c.tags.join(", ")));
     row.appendChild(el("td", c.value === null ? "-" : fmt(c.value)));
     row.appendChild(el("td", bytes(c.total_bytes)));
-    row.appendChild(el("td", c.created_at ? c.created_at.replace("T", " ").replace(/\.\d+/, "") : "-"));
+    row.appendChild(el("td", c.created_at ? new Date(c.created_at).toISOString().replace("T", " ").replace(/\.\d+Z/, " UTC") : "-"));
     body.appendChild(row);
   }
-  const events = document.getElementById("events");
-  events.textContent = "";
-  for (const e of data.events.slice().reverse()) {
+  if (!view.checkpoints.length) body.appendChild(el("tr")).appendChild(el("td", "no checkpoints yet", {colspan: 6}));
+  const list = document.getElementById("events");
+  list.textContent = "";
+  for (const e of events) {
     const item = el("li", null, {"data-kind": e.kind});
-    item.appendChild(el("time", (e.created_at || "").replace("T", " ").replace(/\.\d+/, "")));
-    item.appendChild(document.createTextNode(" "));
-    item.appendChild(el("b", e.kind));
-    item.appendChild(document.createTextNode(e.step === null ? " " : ` @${e.step} `));
-    item.appendChild(el("code", JSON.stringify(e.detail)));
-    events.appendChild(item);
+    item.appendChild(el("time", e.time));
+    item.appendChild(document.createTextNode(" " + e.text));
+    list.appendChild(item);
   }
+  if (!events.length) list.appendChild(el("li", "no events yet"));
   document.body.dataset.ready = "1";
+}
+
+function showLiveState(stamp) {
+  const age = stamp.last_updated ? Date.now() - new Date(stamp.last_updated).getTime() : Infinity;
+  const training = (stamp.statuses.staging || 0) > 0 || age < TRAINING_WITHIN;
+  const ago = isFinite(age) ? `${Math.max(0, Math.round(age / 1000))}s ago` : "never";
+  document.getElementById("live-state").textContent = (training ? "training · " : "idle · ") + "updated " + ago;
+  return training;
+}
+
+let lastStamp = null;
+async function poll() {
+  try {
+    const stamp = await getJSON(`${base}/stamp`);
+    const text = JSON.stringify({...stamp, last_updated: null}) + stamp.last_updated;
+    const training = showLiveState(stamp);
+    const on = document.getElementById("refresh");
+    if (lastStamp === null) on.checked = training;
+    else if (text !== lastStamp && on.checked) await load();
+    if (lastStamp === null || on.checked) lastStamp = text;  // switched off, changes wait for it to be back on
+  } catch (err) {
+    document.getElementById("live-state").textContent = "cannot refresh: " + err.message;
+  }
+  setTimeout(poll, pollEvery);
+}
+
+const POLICY_WORDS = ["keep-last", "keep-best", "keep-every", "max-bytes"];
+
+// The word of `words` within two edits of `word` (a typo), or null.
+function closest(word, words) {
+  if (!word) return null;
+  const edits = (a, b) => {
+    let row = Array.from({length: b.length + 1}, (_, j) => j);
+    for (let i = 1; i <= a.length; i++) {
+      const next = [i];
+      for (let j = 1; j <= b.length; j++)
+        next[j] = Math.min(row[j] + 1, next[j - 1] + 1, row[j - 1] + (a[i - 1] === b[j - 1] ? 0 : 1));
+      row = next;
+    }
+    return row[b.length];
+  };
+  const best = words.map(w => [edits(word, w), w]).sort((x, y) => x[0] - y[0])[0];
+  return best && best[0] <= 2 && best[0] > 0 ? best[1] : null;
 }
 
 async function preview(policy) {
   const plan = document.getElementById("plan");
   plan.dataset.ready = "";
   plan.textContent = "";
+  plan.appendChild(el("p", "planning…", {class: "loading"}));
   try {
     const doc = await getJSON(`${base}/gc?policy=` + encodeURIComponent(policy));
+    plan.textContent = "";
     plan.appendChild(el("p", `${doc.policy}: would delete ${doc.delete.length} of ${doc.decisions.length} ` +
                               `checkpoints, ${bytes(doc.bytes_freed)}; keeping ${bytes(doc.bytes_kept)}`,
                         {class: "summary"}));
@@ -87,18 +133,30 @@ async function preview(policy) {
     }
     plan.appendChild(table);
   } catch (err) {
+    plan.textContent = "";
     plan.appendChild(el("p", err.message, {class: "error"}));
+    const key = metricKeys[0] || "eval/loss";
+    const guess = closest(policy.split(",").map(c => c.trim().split(/\s+/)[0]).find(w => !POLICY_WORDS.includes(w)),
+                          POLICY_WORDS.concat(metricKeys));
+    if (guess) plan.appendChild(el("p", `Did you mean ${guess}?`, {class: "hint did-you-mean"}));
+    plan.appendChild(el("p", `Type in this field one or more clauses separated by commas, for example: ` +
+                             `keep-last 3, keep-best ${key} 2, keep-every 1000, max-bytes 10G` +
+                             (metricKeys.length ? ` (this run's metrics: ${metricKeys.join(", ")}; add :max ` +
+                                                  `after one where higher is better)` : ""), {class: "hint"}));
   }
   plan.dataset.ready = "1";
 }
 
-document.getElementById("key").addEventListener("change", e => load(e.target.value));
+document.getElementById("key").addEventListener("change", load);
+onChartControls(load);
 document.getElementById("retention").addEventListener("submit", e => {
   e.preventDefault();
   preview(document.getElementById("policy").value);
 });
-const initialKey = new URLSearchParams(location.search).get("key");
-load(initialKey).catch(err => {
-  document.getElementById("chart").appendChild(el("p", err.message, {class: "error"}));
+if (params.get("key")) document.getElementById("key").value = params.get("key");
+poll().then(load).catch(err => {
+  const chart = document.getElementById("chart");
+  chart.textContent = "";
+  chart.appendChild(el("p", err.message, {class: "error"}));
   document.body.dataset.ready = "error";
 });

@@ -1,0 +1,235 @@
+"""The web view's own documents: run health, several runs compared, a step's tensors, events in words.
+
+Each reads through the registry (the catalog, or the step's files with the
+readers a load uses) and writes nothing; :mod:`registry.views` keeps the
+documents the command line shares.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from registry.errors import InvalidNameError, RegistryError
+from registry.format.refs import check_metric_key, check_run_name, parse_ref
+from registry.records import CheckpointInfo, EventInfo, Status
+from registry.views import DEFAULT_CURVE_POINTS, downsample, format_time, runs_doc
+
+if TYPE_CHECKING:
+    from registry.api import Registry
+
+MAX_COMPARED = 12  # runs or keys on one chart: more is not readable
+
+
+def health_doc(reg: Registry, *, sort_by: str | None = None) -> list[dict[str, Any]]:
+    """``runs_doc`` with each run's checkpoints by status, its damage and when it last changed."""
+    health = reg.catalog.run_health()
+    docs = runs_doc(reg, sort_by=sort_by)
+    for doc in docs:
+        counts, last = health.get(doc["name"], ({}, None))
+        doc["statuses"] = {s.value: counts.get(s.value, 0) for s in Status if counts.get(s.value)}
+        doc["corrupt"] = counts.get(Status.CORRUPT, 0)
+        doc["failed"] = counts.get(Status.FAILED, 0)
+        doc["last_updated"] = last.isoformat() if last is not None else None
+    return docs
+
+
+def _names(values: Sequence[str], what: str) -> list[str]:
+    names = list(dict.fromkeys(v for v in values if v))
+    if len(names) > MAX_COMPARED:
+        raise InvalidNameError(f"at most {MAX_COMPARED} {what} on one chart (asked for {len(names)})")
+    return names
+
+
+def compare_doc(reg: Registry, runs: Sequence[str], keys: Sequence[str], *, mode: str = "min",
+                max_points: int = DEFAULT_CURVE_POINTS) -> dict[str, Any]:
+    """Curves of ``keys`` for each of ``runs`` (one series per pair), their ``@latest`` and ``@best:KEY``
+    steps, and a table: per run, the newest step, the latest verified step, and per key its best and last value.
+
+    ``keys`` default to the first run's ``eval/loss`` (or its first key); ``mode`` ``max`` ranks best by
+    the highest value. Each curve is downsampled as the run page's is, every checkpoint step kept.
+    """
+    if mode not in ("min", "max"):
+        raise InvalidNameError(f"best is by min or max, not {mode!r}")
+    runs = [check_run_name(r) for r in _names(runs, "runs")]
+    if not runs:
+        raise InvalidNameError("name at least one run to compare (?run=NAME&run=OTHER)")
+    keys = [check_metric_key(k) for k in _names(keys, "metrics")]
+    if not keys:
+        first = reg.catalog.metric_keys(runs[0])
+        keys = ["eval/loss"] if "eval/loss" in first else first[:1]
+    refs = [parse_ref(f"{run}@latest") for run in runs]
+    refs += [parse_ref(f"{run}@best:{key}:{mode}") for run in runs for key in keys]
+    found = reg.catalog.resolve_each(refs)
+    series, table = [], []
+    for i, run in enumerate(runs):
+        marks = reg.catalog.checkpoint_marks(run)
+        latest = found[i]
+        row: dict[str, Any] = {"run": run, "latest_step": marks[-1][0] if marks else None,
+                               "latest_verified_step": latest.step if latest else None, "metrics": {}}
+        for j, key in enumerate(keys):
+            raw = reg.catalog.curve(run, key)
+            best = found[len(runs) + i * len(keys) + j]
+            values = dict(raw)
+            curve = downsample(raw, buckets=max(1, max_points // 2), keep_steps=[m[0] for m in marks])
+            series.append({
+                "run": run, "key": key, "total_points": len(raw), "downsampled": len(curve) < len(raw),
+                "points": [[s, v if math.isfinite(v) else None] for s, v in curve],
+                "latest": None if latest is None else {"step": latest.step, "value": values.get(latest.step)},
+                "best": None if best is None else {"step": best.step, "value": best.metrics.get(key)},
+                "checkpoints": [{"step": step, "status": status, "value": values.get(step)}
+                                for step, status, _, _, _ in marks],
+            })
+            row["metrics"][key] = {"best": None if best is None else best.metrics.get(key),
+                                   "best_step": None if best is None else best.step,
+                                   "last": raw[-1][1] if raw else None, "last_step": raw[-1][0] if raw else None}
+        table.append(row)
+    available = sorted({k for run in runs for k in reg.catalog.metric_keys(run)})
+    return {"runs": runs, "keys": keys, "available_keys": available, "mode": mode, "series": series,
+            "table": table}
+
+
+def diff_of(reg: Registry, a: str, b: str) -> Any:
+    """:meth:`Registry.diff` of the two refs a diff page or ``/api/diff`` names."""
+    if not a or not b:
+        raise InvalidNameError("name the two steps to diff: ?a=RUN@STEP&b=RUN@STEP (any refs: tags, @latest, ...)")
+    return reg.diff(a, b)
+
+
+def stamp_doc(reg: Registry, run: str) -> dict[str, Any]:
+    """What changes when a run moves on (a new checkpoint, event or metric point): the run page polls it."""
+    check_run_name(run)
+    marks = reg.catalog.checkpoint_marks(run)
+    events = reg.catalog.events(run, limit=1)
+    counts, last = reg.catalog.run_health(run).get(run, ({}, None))
+    return {"run": run, "checkpoints": len(marks), "latest_step": marks[-1][0] if marks else None,
+            "last_event": events[-1].id if events else None, "statuses": counts,
+            "last_updated": last.isoformat() if last is not None else None}
+
+
+# ---------------------------------------------------------------------- one step
+
+
+def step_contents(info: CheckpointInfo) -> dict[str, Any]:
+    """The step's tensors (name, shape, dtype, bytes, file) and its ``config.json``, read as a load reads them:
+    the manifest, then each safetensors header (a few KiB) or a sharded step's DCP ``.metadata``; no tensor data.
+    ``error`` says why they cannot be listed (a deleted step, a damaged file); what was read before stays."""
+    from registry.format.manifest import CONFIG, read_manifest
+    directory = Path(info.path)
+    doc: dict[str, Any] = {"tensors": [], "config": None, "error": None}
+    if info.status in (Status.DELETED, Status.FAILED, Status.STAGING):
+        doc["error"] = f"a {info.status} step has no payload to list"
+        return doc
+    try:
+        manifest, digest = read_manifest(directory)
+        if info.manifest_sha256 and digest != info.manifest_sha256:
+            doc["error"] = "the manifest on disk is not the one the catalog recorded for this step"
+            return doc
+        if manifest.layout is not None:
+            doc["tensors"] = _dcp_tensors(directory)
+        else:
+            doc["tensors"] = _safetensors_tensors(directory, manifest.files)
+        if CONFIG in manifest.files:
+            from registry.fs.filemaps import read_json
+            doc["config"] = read_json(directory, CONFIG)
+    except (RegistryError, OSError) as exc:
+        doc["error"] = str(exc)
+    return doc
+
+
+def _safetensors_tensors(directory: Path, files: dict[str, Any]) -> list[dict[str, Any]]:
+    from registry.format.manifest import open_regular
+    from registry.format.safetensors import read_safetensors_header
+    out = []
+    for name in sorted(n for n in files if n.endswith(".safetensors")):
+        fd = open_regular(directory, name)
+        with open(fd, "rb", buffering=0) as f:
+            header = read_safetensors_header(f, files[name].size, directory / name)
+        for e in sorted(header.entries, key=lambda e: e.name):
+            out.append({"name": e.name, "shape": list(e.shape), "dtype": str(e.dtype).removeprefix("torch."),
+                        "bytes": e.end - e.begin, "file": name})
+    return out
+
+
+def _dcp_tensors(directory: Path) -> list[dict[str, Any]]:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from registry.format.dcp_metadata import load_dcp_metadata
+    out = []
+    for name, meta in sorted(load_dcp_metadata(directory).state_dict_metadata.items()):
+        if type(meta) is not TensorStorageMetadata:
+            continue  # bytes (a pickled object): not a tensor
+        shape = [int(d) for d in meta.size]
+        properties = meta.properties
+        dtype = properties.dtype
+        out.append({"name": name, "shape": shape, "dtype": str(dtype).removeprefix("torch."),
+                    "bytes": math.prod(shape) * dtype.itemsize, "file": f"sharded ({len(meta.chunks)} chunks)"})
+    return out
+
+
+def remedy(info: CheckpointInfo, *, cli: str) -> list[str]:
+    """What to do about a step that cannot be loaded, as lines to run (``cli`` is ``registry`` with the
+    UI's ``--url``/``--root``); empty for a loadable step."""
+    ref = f"{info.run}@{info.step}"
+    if info.status == Status.CORRUPT:
+        return ["# re-hash its files against its manifest", f"{cli} verify {ref}",
+                f"# the step a load of {info.run} (@latest) uses instead", f"{cli} resolve {info.run}@latest",
+                "# reconcile the catalog with the files on disk (add --repair to fix what it finds)", f"{cli} fsck"]
+    if info.status in (Status.DELETED, Status.FAILED):
+        return [f"# the step a load of {info.run} (@latest) uses instead", f"{cli} resolve {info.run}@latest",
+                "# every step of the run, deleted and failed ones too", f"{cli} ls {info.run} --all"]
+    return []
+
+
+# ---------------------------------------------------------------------- events
+
+
+def _actor(actor: str | None) -> str:
+    return "" if not actor else " (" + ":".join(actor.split(":")[:2]) + ")"  # host:pid; the rest is a unique token
+
+
+def describe_event(e: EventInfo) -> str:
+    """One event as a sentence: what happened to which step, without JSON or digests."""
+    d = e.detail
+    at = f"step {e.step}" if e.step is not None else "the run"
+    kind = e.kind
+    if kind == "publish":
+        n = len(d.get("linked") or ())
+        linked = f", {n} file{'s' if n != 1 else ''} shared with an earlier step" if n else ""
+        replaced = ", replacing the old one" if d.get("overwrite") else ""
+        text = f"published {at} ({d.get('status', 'published')}{replaced}{linked})"
+    elif kind == "publish-failed":
+        text = f"publishing {at} failed: {d.get('reason', 'no reason recorded')}"
+    elif kind == "tag":
+        moved = f" (moved from step {d['old_step']})" if d.get("old_step") is not None else ""
+        text = f"tagged {at} {d.get('tag')!r}{moved}"
+    elif kind == "untag":
+        text = f"removed tag {d.get('tag')!r} from {at}"
+    elif kind == "delete":
+        text = f"deleted {at}: {d.get('reason', 'no reason recorded')}"
+    elif kind == "verify":
+        text = f"verified {at}: every checksum matches"
+    elif kind == "corrupt":
+        text = f"marked {at} corrupt: {d.get('reason', 'checksums did not match')}"
+    elif kind == "resume":
+        text = f"training resumed from {at}"
+    elif kind == "takeover":
+        text = f"took over {at} from a writer that died"
+    elif kind == "repair":
+        text = f"fsck repaired {at} ({str(d.get('problem', 'a problem')).replace('-', ' ')}), now {d.get('status')}"
+    else:
+        problem = kind.replace("-", " ")
+        text = f"{problem} at {at}" + (f", now {d['status']}" if d.get("status") else "")
+    return text + _actor(e.actor)
+
+
+def events_in_words(events: Sequence[EventInfo]) -> list[dict[str, Any]]:
+    """The events, newest first, each with its sentence and one time format."""
+    return [{"id": e.id, "step": e.step, "kind": e.kind, "text": describe_event(e), "time": format_time(e.created_at)}
+            for e in reversed(events)]
+
+
+__all__ = ["compare_doc", "describe_event", "diff_of", "events_in_words", "health_doc", "remedy", "stamp_doc",
+           "step_contents"]
