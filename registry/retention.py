@@ -717,11 +717,11 @@ def _execute(scope: RetentionScope, plan: RetentionPlan, progress: ProgressFn | 
     marked = RetentionCatalog(scope.catalog).mark_deleted(plan.run, decide, actor=scope.actor)
     if marked:
         crashpoint("gc-after-mark")
-        try:  # whatever changed since the guard above (a step published or verified meanwhile)
-            keep_fallback_apart(scope.catalog, scope.root, plan.run)
-        except OSError as exc:
-            log.warning("retention of %s: could not give the newest verified step its own copy of a file it "
-                        "shares with the next: %s", plan.run, exc.strerror or exc)
+    try:  # whatever changed since the guard above (a step published, verified or repaired meanwhile)
+        keep_fallback_apart(scope.catalog, scope.root, plan.run)
+    except OSError as exc:
+        log.warning("retention of %s: could not give the newest verified step its own copy of a file it "
+                    "shares with the next: %s", plan.run, exc.strerror or exc)
     freed = dedup_files.freed_bytes(scope.root / r.path for r in marked)
     counter = Counter(progress, task="gc", total=len(marked), unit="checkpoints")
     for row in marked:

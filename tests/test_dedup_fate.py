@@ -3,6 +3,7 @@ verified steps, so ``RUN@latest`` still loads; dedup is opt-in; bytes are counte
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +14,7 @@ import torch
 from registry import Registry
 from registry.catalog.lineage import identical_files
 from registry.crashpoints import arm
+from registry.errors import PublishError
 from registry.fs import dedup
 from registry.retention import KeepTagged, MaxBytes, Policy, RetentionContext
 from registry.views import plan_shared_bytes, step_view
@@ -253,3 +255,24 @@ def test_shared_bytes_count_only_what_kept_steps_hold(catalog_url: str, root: Pa
         four = reg.resolve("run@4").path
         os.link(next(four.glob("model-00002-*")), outside / "head.safetensors")  # as a linking checkout does
         assert step_view(reg, "run@4").shared_bytes == next(four.glob("model-00001-*")).stat().st_size
+
+
+def test_a_failed_rename_of_a_link_fails_the_publish_and_leaves_nothing(catalog_url: str, root: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    with Registry.open(url=catalog_url, root=root, dedup=True) as reg:
+        for step in (1, 2):
+            publish(reg, "run", step)
+        real = os.replace
+
+        def failing(src: object, dst: object) -> None:
+            if ".link-" in str(src):
+                raise OSError(errno.EIO, "injected", str(src))
+            real(src, dst)  # type: ignore[arg-type]
+        monkeypatch.setattr(os, "replace", failing)
+        with pytest.raises(PublishError) as info:
+            publish(reg, "run", 3)
+        assert "\n" not in str(info.value) and info.value.errno == errno.EIO
+        monkeypatch.undo()
+        assert reg.resolve("run").step == 2 and not reg.store.step_dir("run", 3).exists()
+        assert [p.name for p in (root / "run").iterdir() if p.name.startswith(".")] == []
+        assert reg.fsck(checksums=True).clean

@@ -92,7 +92,11 @@ def publish_sequence(catalog: Catalog, *, run: str, step: int, final: Path, relp
         discard(retired)
     crashpoint("after-commit")
     if linked:
-        keep_fallback_apart(catalog, root, run)  # a step published or verified meanwhile beside this one
+        try:  # a step of the run published beside this one meanwhile; the publish itself has succeeded
+            keep_fallback_apart(catalog, root, run)
+        except OSError as exc:
+            log.warning("published %s@%d, but could not give it its own copy of a file the next verified step "
+                        "holds: %s; the next gc tries again", run, step, exc.strerror or exc)
     seconds = time.perf_counter() - started
     log.info("published %s@%d (%s): %d bytes in %.3f s, %.2f GB/s", run, step, status, written.total_bytes, seconds,
              written.total_bytes / seconds / 1e9 if seconds > 0 else 0.0)
