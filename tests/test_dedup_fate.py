@@ -276,3 +276,26 @@ def test_a_failed_rename_of_a_link_fails_the_publish_and_leaves_nothing(catalog_
         assert reg.resolve("run").step == 2 and not reg.store.step_dir("run", 3).exists()
         assert [p.name for p in (root / "run").iterdir() if p.name.startswith(".")] == []
         assert reg.fsck(checksums=True).clean
+
+
+def test_a_copy_that_cannot_be_made_keeps_the_step_instead(catalog_url: str, root: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full disk while gc would give step 3 its own copy: step 2, the fallback's independent copy, stays."""
+    with Registry.open(url=catalog_url, root=root, dedup=True) as reg:
+        states = {step: publish(reg, "run", step) for step in (1, 2, 3)}
+        reg.tag("run", 1, "keep")
+        real = os.open
+
+        def full(path: object, flags: int, mode: int = 0o777, **kw: object) -> int:
+            if ".unshare-" in str(path):
+                raise OSError(errno.ENOSPC, "No space left on device", str(path))
+            return real(path, flags, mode, **kw)  # type: ignore[arg-type]
+        monkeypatch.setattr(os, "open", full)
+        result = reg.apply_retention("run", KeepTagged("keep"))
+        monkeypatch.undo()
+        assert result.deleted == () and "fallback" in result.skipped[2]
+        assert [p.name for p in reg.resolve("run@3").path.iterdir() if p.name.startswith(".")] == []
+        assert reg.apply_retention("run", KeepTagged("keep")).deleted == (2,)
+        assert inodes_of(reg.resolve("run@1").path).isdisjoint(inodes_of(reg.resolve("run@3").path))
+        for step in (1, 3):
+            assert_state_equal(reg.load(f"run@{step}").state_dict, states[step])
