@@ -138,17 +138,17 @@ def bench_lineage(reg: Registry, depth: int, runs: int) -> list[str]:
 
 def bench_dedup(reg: Registry, mib: int, tensor_mib: int, runs: int) -> list[str]:
     same = state_of(mib, tensor_mib)
-    reg.publish("dd", 0, same)
+    reg.publish("dd", 0, same, dedup=True)
     linked, copied = [], []
     for r in range(runs + 1):
         fresh = {k: v + (r + 1) for k, v in same.items()}  # never published before: nothing to link to
         step = 2 * r + 1
-        t_link = timed(lambda: reg.publish("dd", step, same))  # noqa: B023 - called at once
-        t_copy = timed(lambda: reg.publish("dd", step + 1, fresh))  # noqa: B023 - called at once
+        t_link = timed(lambda: reg.publish("dd", step, same, dedup=True))  # noqa: B023 - called at once
+        t_copy = timed(lambda: reg.publish("dd", step + 1, fresh, dedup=True))  # noqa: B023 - called at once
         if r:
             linked.append(t_link)
             copied.append(t_copy)
-    info = reg.resolve("dd@1")
+    info = reg.resolve("dd@3")  # dd@1 keeps its own copy: dd@0 is its fallback neighbour
     nlink = os.stat(info.path / "model.safetensors").st_nlink
     return ["", f"### dedup: publishing {mib} MiB of weights", "", "| variant | median s |", "|---|---:|",
             f"| weights equal to a live step's (byte-compared, then linked) | {statistics.median(linked):.3f} |",

@@ -98,14 +98,16 @@ class _PublishJob:
     tags: tuple[str, ...]
     retention: Policy | None = None
     lineage: LineageRecord | None = None  # an explicit ``parent=``
+    dedup: bool = False
 
 
 class Registry:
     """A catalog plus a checkpoint root. Use :meth:`open`; close it (or use ``with``)."""
 
     def __init__(self, *, catalog: Catalog, store: Store, url: str,
-                 lease_ttl: timedelta = timedelta(minutes=30), read_only: bool = False) -> None:
+                 lease_ttl: timedelta = timedelta(minutes=30), read_only: bool = False, dedup: bool = False) -> None:
         self.catalog = catalog
+        self.dedup = dedup
         self.store = store
         self.url = url
         self.read_only = read_only
@@ -125,7 +127,7 @@ class Registry:
     @classmethod
     def open(cls, url: str | None = None, root: str | os.PathLike[str] | None = None, *,
              migrate: bool = True, lease_ttl: timedelta = timedelta(minutes=30), create: bool = True,
-             read_only: bool = False, rebind_root: bool = False) -> Registry:
+             read_only: bool = False, rebind_root: bool = False, dedup: bool = False) -> Registry:
         """Open the catalog and the root, and check that they belong together.
 
         ``root`` defaults to ``$REGISTRY_ROOT`` or ``./checkpoints``; ``url`` to
@@ -143,11 +145,15 @@ class Registry:
         bound to another catalog, or one without a marker where the catalog
         has a bound root, raises ``RootMismatchError`` (see
         ``registry.ops.binding``); ``rebind_root=True`` binds this root anyway.
+        ``dedup=True`` makes :meth:`publish` and :meth:`import_checkpoint` store
+        large files a verified step of the same run holds as hard links (see
+        :mod:`registry.fs.dedup` for what is never linked); off by default.
         """
         from registry.ops.binding import check_binding
         from registry.catalog.readonly import ReadOnlyCatalog
         from registry.catalog.session import cannot_write, open_engine
 
+        check_flags(dedup=dedup)
         root_path, url = locations(url, root)
         read_only = read_only or cannot_write(url)
         created = [p for p in (root_path, *root_path.parents) if not p.exists()]
@@ -167,7 +173,8 @@ class Registry:
                 except OSError:
                     break
             raise
-        return cls(catalog=catalog, store=store, url=url, lease_ttl=lease_ttl, read_only=read_only)
+        return cls(catalog=catalog, store=store, url=url, lease_ttl=lease_ttl, read_only=read_only,
+                   dedup=bool(dedup))
 
     def close(self) -> None:
         """Wait for background publishes, flush metrics, release everything.
@@ -225,7 +232,7 @@ class Registry:
                 verify: bool = True, max_shard_size: int | None = None,
                 retention: Policy | None = None, blocking: Literal[True] = True,
                 trust_pickle: bool = False, parent: str | Ref | None = None, sharded: bool = False,
-                group: Any = None, timeout: float | None = None) -> CheckpointInfo: ...
+                group: Any = None, timeout: float | None = None, dedup: bool | None = None) -> CheckpointInfo: ...
 
     @overload
     def publish(self, run: str, step: int, state_dict: Mapping[str, torch.Tensor], *,
@@ -236,7 +243,8 @@ class Registry:
                 verify: bool = True, max_shard_size: int | None = None,
                 retention: Policy | None = None, blocking: Literal[False],
                 trust_pickle: bool = False, parent: str | Ref | None = None, sharded: bool = False,
-                group: Any = None, timeout: float | None = None) -> Future[CheckpointInfo]: ...
+                group: Any = None, timeout: float | None = None,
+                dedup: bool | None = None) -> Future[CheckpointInfo]: ...
 
     @overload
     def publish(self, run: str, step: int, state_dict: Mapping[str, torch.Tensor], *,
@@ -247,7 +255,8 @@ class Registry:
                 verify: bool = True, max_shard_size: int | None = None,
                 retention: Policy | None = None, blocking: bool,
                 trust_pickle: bool = False, parent: str | Ref | None = None, sharded: bool = False,
-                group: Any = None, timeout: float | None = None) -> CheckpointInfo | Future[CheckpointInfo]: ...
+                group: Any = None, timeout: float | None = None,
+                dedup: bool | None = None) -> CheckpointInfo | Future[CheckpointInfo]: ...
 
     def publish(self, run: str, step: int, state_dict: Mapping[str, torch.Tensor], *,
                 extra: Mapping[str, Any] | None = None, config: Mapping[str, Any] | None = None,
@@ -257,7 +266,8 @@ class Registry:
                 verify: bool = True, max_shard_size: int | None = None,
                 retention: Policy | None = None, blocking: bool = True,
                 trust_pickle: bool = False, parent: str | Ref | None = None, sharded: bool = False,
-                group: Any = None, timeout: float | None = None) -> CheckpointInfo | Future[CheckpointInfo]:
+                group: Any = None, timeout: float | None = None,
+                dedup: bool | None = None) -> CheckpointInfo | Future[CheckpointInfo]:
         """Atomically publish ``state_dict`` and friends as ``run@step``.
 
         Returns the ``CheckpointInfo``; with ``blocking=False`` a
@@ -293,7 +303,13 @@ class Registry:
         future; the publish runs in the background on a gloo group of its own
         (see :mod:`registry.distributed.sharded_async`), and every rank's future
         holds the same ``CheckpointInfo`` or raises the same error.
+
+        ``dedup``: link large files a verified step of the run already holds
+        (see :mod:`registry.fs.dedup`); None takes the registry's ``dedup``.
         """
+        if dedup is not None:
+            check_flags(dedup=dedup)
+        dedup = self.dedup if dedup is None else bool(dedup)
         if sharded is not False:
             return self._publish_sharded(run, step, state_dict, group=group, timeout=timeout, parent=parent,
                                          extra=extra,
@@ -301,7 +317,8 @@ class Registry:
                                          consumed_samples=consumed_samples, policy_version=policy_version,
                                          optimizer_step=optimizer_step, tags=tags, overwrite=overwrite,
                                          verify=verify, max_shard_size=max_shard_size, retention=retention,
-                                         blocking=blocking, trust_pickle=trust_pickle, sharded=sharded)
+                                         blocking=blocking, trust_pickle=trust_pickle, sharded=sharded,
+                                         dedup=dedup)
         self._background.raise_error()
         check_run_name(run)
         self._check_retention(retention)
@@ -318,7 +335,7 @@ class Registry:
 
         job = _PublishJob(run=run, step=step, overwrite=overwrite, final=self.store.step_dir(run, step),
                           payload=payload, verify=verify, new_metrics=tuple(new_metrics), tags=tags,
-                          retention=retention, lineage=lineage)
+                          retention=retention, lineage=lineage, dedup=dedup)
         if not blocking:
             return self._submit_publish(job)
         self._background.wait()  # publishes commit in call order, background ones first
@@ -333,7 +350,8 @@ class Registry:
         return LineageRecord(how="forked", parent_run=origin.run, parent_step=origin.step)
 
     def _publish_sharded(self, run: str, step: int, state_dict: Any, *, group: Any, timeout: float | None,
-                         parent: str | Ref | None, **options: Any) -> CheckpointInfo | Future[CheckpointInfo]:
+                         parent: str | Ref | None, dedup: bool = False,
+                         **options: Any) -> CheckpointInfo | Future[CheckpointInfo]:
         """``publish(..., sharded=True)``: checks on every rank, then the collective publish, here or queued.
 
         Every rank waits for (blocking) or checks (``blocking=False``) its own
@@ -362,7 +380,8 @@ class Registry:
                 job = _PublishJob(run=run, step=step, overwrite=options["overwrite"],
                                   final=self.store.step_dir(run, step), payload=payload, verify=options["verify"],
                                   new_metrics=tuple(_check_metrics(run, step, options["metrics"])),
-                                  tags=tags, retention=options["retention"], lineage=self._parent_lineage(parent))
+                                  tags=tags, retention=options["retention"], lineage=self._parent_lineage(parent),
+                                  dedup=dedup)
                 if background:
                     with self._lock:
                         if key in self._queued:
@@ -423,7 +442,7 @@ class Registry:
             writer=self.writer, overwrite=job.overwrite, verify=job.verify,
             write=write or (lambda staging: write_payload(staging, job.payload)), epoch=job.payload.meta["epoch"],
             consumed_samples=job.payload.meta["consumed_samples"], record=record, uncommitted=uncommitted,
-            committed=committed)
+            committed=committed, dedup=job.dedup)
         if job.retention is not None:
             self._retention_after_publish(run, step, job.retention)
         return self._absolute(info)
@@ -846,7 +865,8 @@ class Registry:
             epoch=int_field(meta, "epoch", 0) or 0, consumed_samples=int_field(meta, "consumed_samples", 0) or 0,
             record=lambda payload: CommitRecord(payload=payload, tags=tags,
                                                 lineage=LineageRecord(how="imported", source=provenance(
-                                                    foreign, {f.name: f.sha256 for f in payload.files}))))
+                                                    foreign, {f.name: f.sha256 for f in payload.files}))),
+            dedup=self.dedup)
         if move:
             remove_originals(foreign)
         return self._absolute(info)

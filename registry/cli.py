@@ -528,8 +528,8 @@ def gc(state: State, run: str, keep_last: int | None, keep_best: tuple[str, ...]
         click.echo(f"{verb} {len(plan.delete)} of {len(plan.decisions)} checkpoints, "
                    f"{human_bytes(plan.bytes_freed)}; keeping {human_bytes(plan.bytes_kept)}")
         if shared:
-            click.echo(f"{human_bytes(shared)} of that is shared by hard links with other steps (dedup) "
-                       "and stays on disk while they do")
+            click.echo(f"{human_bytes(shared)} of what they hold is stored once with kept steps (dedup): "
+                       "it stays on disk and is not counted as freed")
         if result is not None:
             click.echo(f"deleted {len(result.deleted)} ({human_bytes(result.bytes_freed)} freed)"
                        + (f"; finished {len(result.healed)} interrupted deletion(s)" if result.healed else ""))

@@ -20,6 +20,7 @@ POINTS = (
     "after-retire",          # old payload renamed to .retired-, new not yet in place
     "after-rename",          # new payload in place, catalog still says staging
     "after-commit",          # catalog says published/verified
+    "unshare-after-copy",    # dedup: a step's own copy of a shared file written and checked, not yet renamed
     "gc-after-mark",         # retention: row marked, payload still in place
     "gc-after-retire",       # retention: payload renamed to .retired-
     "fsck-after-restore",    # fsck: retired payload renamed back, catalog row not yet repaired

@@ -47,7 +47,10 @@ from registry.format.layout import hidden_sibling, scan_run
 from registry.format.manifest import MANIFEST, MAX_MANIFEST_BYTES, digest_bytes, open_regular
 from registry.records import LIVE, RANKABLE, CheckpointInfo, Status, human_bytes
 from registry.format.refs import check_metric_key, check_run_name
+from registry.fs import dedup as dedup_files
 from registry.fs.store import fsync_dir
+from registry.ops.protocol import keep_fallback_apart
+from registry.catalog.fallback import newest_verified
 from registry.progress import Counter, ProgressFn
 
 log = logging.getLogger(__name__)
@@ -331,6 +334,12 @@ class MaxBytes(Policy):
     policy keeps, minus its oldest steps while the run is over budget; without
     ``keep`` every loadable step is eligible. Once one step does not fit, no older
     step is kept either, so what is deleted is always the oldest.
+
+    Bytes are physical: a step costs the bytes of the inodes it holds that no
+    newer kept (or protected) step already holds, so a file stored once for
+    many steps by dedup counts once. That is read from the step directories
+    (the one home of which names share an inode); a directory that cannot be
+    read costs its catalog size.
     """
 
     max_bytes: int
@@ -347,14 +356,24 @@ class MaxBytes(Policy):
     def keep(self, checkpoints: Sequence[CheckpointInfo], context: RetentionContext) -> Mapping[int, str]:
         eligible = (evaluate(self.keep_policy, checkpoints, context) if self.keep_policy is not None
                     else {c.step: "" for c in checkpoints if c.status in LIVE})
-        used = sum(c.total_bytes for c in checkpoints if c.step in context.protected)
+        counted: set[dedup_files.Inode] = set()
+
+        def cost(c: CheckpointInfo) -> int:
+            held = dedup_files.inodes(Path(c.path))
+            if not held:
+                return c.total_bytes
+            new = sum(size for key, size in held.items() if key not in counted)
+            counted.update(held)
+            return new
+        used = sum(cost(c) for c in checkpoints if c.step in context.protected)
         kept: dict[int, str] = {}
         for c in sorted(checkpoints, key=lambda c: -c.step):
             if c.step in context.protected or c.step not in eligible:
                 continue
-            if used + c.total_bytes > self.max_bytes:
+            more = cost(c)
+            if used + more > self.max_bytes:
                 break
-            used += c.total_bytes
+            used += more
             why = f"within {human_bytes(self.max_bytes)}"
             kept[c.step] = f"{eligible[c.step]}, {why}" if eligible[c.step] else why
         return kept
@@ -458,6 +477,8 @@ class RetentionPlan:
     allow_missing_metrics: bool = False  # see KeepBest: keep nothing by a metric no checkpoint has
     keep_fork_parents: bool = True       # see protections
     scope: RetentionScope | None = field(default=None, repr=False, compare=False)
+    physical_freed: int | None = None    # measured by make_plan: see bytes_freed
+    physical_kept: int | None = None
 
     @property
     def keep(self) -> Mapping[int, str]:
@@ -471,10 +492,17 @@ class RetentionPlan:
 
     @property
     def bytes_freed(self) -> int:
+        """The bytes deleting would free on disk when planned: inodes with no name outside the deleted steps
+        (a file dedup stored once for a kept step too stays, and is not counted)."""
+        if self.physical_freed is not None:
+            return self.physical_freed
         return sum(d.total_bytes for d in self.decisions if d.action == "delete")
 
     @property
     def bytes_kept(self) -> int:
+        """The bytes the kept steps hold on disk, each inode once."""
+        if self.physical_kept is not None:
+            return self.physical_kept
         return sum(d.total_bytes for d in self.decisions if d.action == "keep")
 
     def to_json(self) -> dict[str, Any]:
@@ -530,7 +558,21 @@ def make_plan(scope: RetentionScope, run: str, policy: Policy, *, now: datetime 
                                   path=scope.root / c.path))
     return RetentionPlan(run=run, policy=policy, decisions=tuple(decisions), now=now,
                          protect=MappingProxyType(dict(protect)), allow_missing_metrics=allow_missing_metrics,
-                         keep_fork_parents=keep_fork_parents, scope=scope)
+                         keep_fork_parents=keep_fork_parents, scope=scope,
+                         physical_freed=dedup_files.freed_bytes(d.path for d in decisions if d.action == "delete"),
+                         physical_kept=_held_bytes([d for d in decisions if d.action == "keep"]))
+
+
+def _held_bytes(decisions: Sequence[Decision]) -> int:
+    """Bytes on disk of ``decisions``' directories, each inode once (a catalog size where one cannot be read)."""
+    seen: dict[dedup_files.Inode, int] = {}
+    unread = 0
+    for d in decisions:
+        held = dedup_files.inodes(d.path)
+        if not held:
+            unread += d.total_bytes
+        seen.update(held)
+    return sum(seen.values()) + unread
 
 
 # ---------------------------------------------------------------------------- execute
@@ -628,14 +670,33 @@ def finish_interrupted(scope: RetentionScope, run: str) -> tuple[tuple[int, ...]
     return tuple(sorted(healed)), errors
 
 
+def guard_fallback(scope: RetentionScope, run: str, doomed: Sequence[int]) -> dict[int, str]:
+    """Before ``doomed`` go: the two newest verified steps left must share no inode (see ``registry.fs.dedup``).
+
+    The newer one gets its own copy of what they share. When that copy cannot
+    be made (a full disk), the doomed steps among today's two newest verified
+    are kept instead, with why: they are the independent copy the fallback needs.
+    """
+    if not doomed:
+        return {}
+    try:
+        keep_fallback_apart(scope.catalog, scope.root, run, excluding=doomed)
+        return {}
+    except OSError as exc:
+        why = f"kept as the fallback's own copy: could not copy a shared file ({exc.strerror or exc})"
+        log.warning("retention of %s: %s", run, why)
+        return {s.step: why for s in newest_verified(scope.catalog, run, n=2) if s.step in doomed}
+
+
 def _execute(scope: RetentionScope, plan: RetentionPlan, progress: ProgressFn | None = None) -> RetentionResult:
     healed, errors = finish_interrupted(scope, plan.run)
     planned = sorted(plan.delete)
     skipped: dict[int, str] = {}
+    fallback = guard_fallback(scope, plan.run, planned)
 
     def decide(snap: RunSnapshot) -> dict[int, str]:
         skipped.clear()  # the transaction may be retried: start over each time
-        protected = protections(snap, plan.protect, keep_fork_parents=plan.keep_fork_parents)
+        protected = protections(snap, {**plan.protect, **fallback}, keep_fork_parents=plan.keep_fork_parents)
         by_step = {c.step: c for c in snap.checkpoints}
         kept = evaluate(plan.policy, _candidates(scope, snap),
                         RetentionContext(run=plan.run, now=plan.now, protected=protected,
@@ -656,6 +717,12 @@ def _execute(scope: RetentionScope, plan: RetentionPlan, progress: ProgressFn | 
     marked = RetentionCatalog(scope.catalog).mark_deleted(plan.run, decide, actor=scope.actor)
     if marked:
         crashpoint("gc-after-mark")
+    try:  # whatever changed since the guard above (a step published, verified or repaired meanwhile)
+        keep_fallback_apart(scope.catalog, scope.root, plan.run)
+    except OSError as exc:
+        log.warning("retention of %s: could not give the newest verified step its own copy of a file it "
+                    "shares with the next: %s", plan.run, exc.strerror or exc)
+    freed = dedup_files.freed_bytes(scope.root / r.path for r in marked)
     counter = Counter(progress, task="gc", total=len(marked), unit="checkpoints")
     for row in marked:
         counter.advance(0, item=f"{plan.run}@{row.step}")
@@ -667,10 +734,10 @@ def _execute(scope: RetentionScope, plan: RetentionPlan, progress: ProgressFn | 
             errors[row.step] = f"cannot remove {scope.root / row.path}: {exc.strerror or exc}"
         counter.advance(1, item=f"{plan.run}@{row.step}")
     return RetentionResult(run=plan.run, deleted=tuple(r.step for r in marked), skipped=dict(skipped),
-                           bytes_freed=sum(r.total_bytes for r in marked), healed=healed, errors=errors)
+                           bytes_freed=freed, healed=healed, errors=errors)
 
 
 __all__ = ["AnyOf", "Decision", "KeepBest", "KeepEvery", "KeepLast", "KeepNewerThan", "KeepPolicyVersions",
            "KeepTagged", "MISSING_METRIC_HINT", "MaxBytes", "Policy", "RetentionContext", "RetentionPlan",
-           "RetentionResult", "RetentionScope", "RetentionWarning", "evaluate", "finish_interrupted", "make_plan",
-           "protections"]
+           "RetentionResult", "RetentionScope", "RetentionWarning", "evaluate", "finish_interrupted", "guard_fallback",
+           "make_plan", "protections"]

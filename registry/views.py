@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from registry.errors import CheckpointNotFoundError, InvalidNameError, RegistryError
 from registry.format.refs import check_metric_key, check_run_name, parse_ref
-from registry.records import ENDED, NO_PAYLOAD, CheckpointInfo, EventInfo, MetricPoint, Status
+from registry.records import ENDED, HAS_PAYLOAD, NO_PAYLOAD, CheckpointInfo, EventInfo, MetricPoint, Status
 
 if TYPE_CHECKING:
     from registry.catalog.lineage import LineageHop
@@ -134,9 +134,16 @@ def gc_doc(plan: RetentionPlan, *, dry_run: bool, result: RetentionResult | None
 
 
 def plan_shared_bytes(plan: RetentionPlan) -> int:
-    """Of the bytes a plan deletes, those other steps share by hard links (dedup): they stay on disk."""
-    from registry.fs.dedup import shared_bytes
-    return sum(shared_bytes(d.path) for d in plan.decisions if d.action == "delete")
+    """Of the files a plan deletes, the bytes that kept steps hold too (stored once by dedup): they stay on disk.
+
+    Counted per inode, and only what a *kept* step links: two deleted steps
+    sharing a file between them free it, and a name elsewhere (a checkout)
+    is not a step.
+    """
+    from registry.fs.dedup import held
+    doomed = held(d.path for d in plan.decisions if d.action == "delete")
+    kept = held(d.path for d in plan.decisions if d.action == "keep")
+    return sum(size for key, size in doomed.items() if key in kept)
 
 
 def retention_preview(reg: Registry, run: str, policy_text: str, *,
@@ -179,7 +186,7 @@ class StepView:
     events: tuple[EventInfo, ...]
     ended: EventInfo | None
     manifest: dict[str, Any]
-    shared_bytes: int = 0  # stored once with other steps (hard links made by dedup)
+    shared_bytes: int = 0  # stored once with other steps of the run (hard links made by dedup)
 
     def to_json(self) -> dict[str, Any]:
         doc = self.info.to_json()
@@ -204,9 +211,14 @@ def step_view(reg: Registry, ref: str) -> StepView:
         info = reg._absolute(row)
     from registry.fs.dedup import shared_bytes
     events = reg.events(info.run, step=info.step)
+    shared = 0
+    if info.status not in NO_PAYLOAD:
+        others = [i.path for i in reg.checkpoints(info.run, include_deleted=True)
+                  if i.status in HAS_PAYLOAD and i.step != info.step]
+        shared = shared_bytes(info.path, others)
     return StepView(ref=ref, info=info, files=tuple(reg.catalog.files(info.run, info.step)), events=tuple(events),
                     ended=ending_event(info.status, events), manifest=manifest_summary(info.path),
-                    shared_bytes=shared_bytes(info.path) if info.status not in NO_PAYLOAD else 0)
+                    shared_bytes=shared)
 
 
 def ending_event(status: str, events: Sequence[EventInfo]) -> EventInfo | None:

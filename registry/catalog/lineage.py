@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Connection, DateTime, and_, delete, insert, select, text
+from sqlalchemy import Connection, DateTime, and_, delete, func, insert, select, text
 
 from registry.catalog.models import Attempt, CheckpointFile, CheckpointRow, Lineage, Run
 from registry.records import HAS_PAYLOAD, LIVE
@@ -251,11 +251,16 @@ class SameBytes:
     step: int
 
 
-def identical_files(catalog: Catalog, wanted: Sequence[tuple[int, str]]) -> list[SameBytes]:
-    """Files of ``published``/``verified`` steps with one of the ``(size, sha256)`` pairs in ``wanted``.
+def identical_files(catalog: Catalog, wanted: Sequence[tuple[int, str]], *, run: str | None = None,
+                    statuses: Sequence[str] = LIVE, exclude_steps: Sequence[int] = (),
+                    limit: int = 8) -> list[SameBytes]:
+    """Files of steps in ``statuses`` with one of the ``(size, sha256)`` pairs in ``wanted``.
 
-    One indexed query (``ix_checkpoint_files_sha256``); newest steps first, so
-    a link goes to the copy least likely to be deleted soon.
+    ``run`` keeps the search within one run, ``exclude_steps`` leaves those
+    steps of it out. One indexed query (``ix_checkpoint_files_sha256``) with at
+    most ``limit`` rows per digest, newest steps first, so a link goes to the
+    copy least likely to be deleted soon and a publish costs the same whatever
+    the length of the run.
     """
     if not wanted:
         return []
@@ -263,11 +268,19 @@ def identical_files(catalog: Catalog, wanted: Sequence[tuple[int, str]]) -> list
 
     def fn(conn: Connection) -> list[SameBytes]:
         f, c = CheckpointFile, CheckpointRow
-        rows = conn.execute(select(f.size, f.sha256, f.name, c.path, c.step, Run.name.label("run"))
-                            .join(c, and_(c.id == f.checkpoint_id, c.status.in_(LIVE)))
-                            .join(Run, Run.id == c.run_id)
-                            .where(f.sha256.in_(sorted(sizes)))
-                            .order_by(c.published_at.desc(), c.id.desc())).all()
+        rank = func.row_number().over(partition_by=f.sha256,
+                                      order_by=(c.published_at.desc(), c.id.desc())).label("rank")
+        query = (select(f.size, f.sha256, f.name, c.path, c.step, Run.name.label("run"), rank)
+                 .join(c, and_(c.id == f.checkpoint_id, c.status.in_(list(statuses))))
+                 .join(Run, Run.id == c.run_id)
+                 .where(f.sha256.in_(sorted(sizes))))
+        if run is not None:
+            query = query.where(Run.name == run)
+        if exclude_steps:
+            query = query.where(c.step.notin_(sorted(set(exclude_steps))))
+        ranked = query.subquery()
+        rows = conn.execute(select(ranked).where(ranked.c.rank <= limit)
+                            .order_by(ranked.c.sha256, ranked.c.rank)).all()
         return [SameBytes(size=r.size, sha256=r.sha256, path=r.path, name=r.name, run=r.run, step=int(r.step))
                 for r in rows if sizes.get(r.sha256) == r.size]
     result: list[SameBytes] = catalog.read(fn)

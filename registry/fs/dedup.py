@@ -1,8 +1,15 @@
-"""Store a staged file as a hard link to a byte-identical file of a live step, instead of a second copy.
+"""Store a staged file as a hard link to a byte-identical file of a verified step, instead of a second copy.
 
-A frozen base model in a fine-tuning run, or an unchanged ``config.json``,
-is written by every publish; linking it to the copy an earlier step already
-holds keeps one set of blocks. Checkpoint files are never written in place
+Opt-in (``Registry.open(..., dedup=True)``, ``publish(..., dedup=True)``). A
+frozen base model in a fine-tuning run is written by every publish; linking
+it to the copy an earlier step already holds keeps one set of blocks. What
+may be linked is bounded so that one bad inode never takes a run's fallback
+(the caller, ``registry.ops.protocol.link_duplicates``, picks candidates):
+files below :data:`MIN_LINK_BYTES` and the small JSON files are never linked
+(no saving, all risk); links stay within a run; and a new step never links
+to an inode its fallback neighbours hold, so the two newest verified steps of
+a run share no inode. A deletion that would make them share one first gives
+the newer step an independent copy (:func:`unshare`). Checkpoint files are never written in place
 (a publish writes a new staging directory, gc removes whole directories), so
 a shared inode is as immutable as a private one, and removing one step's
 directory only unlinks that step's names: the bytes stay while any step
@@ -27,17 +34,33 @@ this root's catalog); any failure to link keeps the copy.
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import os
 import secrets
 import stat
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from registry.crashpoints import crashpoint
+from registry.format.manifest import MANIFEST, read_manifest
 from registry.fs.store import fsync_dir
 
+log = logging.getLogger(__name__)
+
 CHUNK = 2 << 20  # two of these are all a confirmation holds: a publish stays a streaming writer
+#: files smaller than this are never linked: the saving is nothing, a shared bad byte would cost steps
+MIN_LINK_BYTES = 1 << 20
+#: never linked whatever their size: small, per-step, and read by every load
+NEVER_LINKED = frozenset({MANIFEST, "meta.json", "config.json"})
+
+Inode = tuple[int, int]  # (st_dev, st_ino)
+
+
+def linkable(name: str, size: int) -> bool:
+    """Whether dedup may store ``name`` (of ``size`` bytes) as a link at all."""
+    return size >= MIN_LINK_BYTES and name.rsplit("/", 1)[-1] not in NEVER_LINKED
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,13 +105,15 @@ def _same_bytes(ours: Path, theirs: Path, expect: os.stat_result) -> bool:
         os.close(fd)
 
 
-def _link_one(staging: Path, name: str, candidate: Path, device: int) -> bool:
+def _link_one(staging: Path, name: str, candidate: Path, device: int, exclude: Collection[Inode]) -> bool:
     ours = staging / name
     try:
         mine = os.lstat(ours)
         theirs = os.lstat(candidate)
     except OSError:
         return False
+    if (theirs.st_dev, theirs.st_ino) in exclude:
+        return False  # a fallback neighbour holds it: linking would give the two one fate
     if (not stat.S_ISREG(theirs.st_mode) or theirs.st_size != mine.st_size or theirs.st_dev != device
             or mine.st_dev != device):
         return False
@@ -117,18 +142,20 @@ def _link_one(staging: Path, name: str, candidate: Path, device: int) -> bool:
     return True
 
 
-def link_identical(staging: Path, candidates: Mapping[str, Sequence[Path]]) -> list[Linked]:
+def link_identical(staging: Path, candidates: Mapping[str, Sequence[Path]], *,
+                   exclude: Collection[Inode] = ()) -> list[Linked]:
     """Replace each staged ``name`` by a link to the first of its ``candidates`` confirmed identical.
 
-    ``candidates`` come from the catalog (same size and sha256, live steps of
-    this root), best first. Returns what was linked; the staging directory is
-    fsync'd when anything was.
+    ``candidates`` come from the catalog (same size and sha256, verified steps
+    of the run), best first; a candidate whose inode is in ``exclude`` (held
+    by a fallback neighbour) is never taken. Returns what was linked; the
+    staging directory is fsync'd when anything was.
     """
     device = os.stat(staging).st_dev
     linked: list[Linked] = []
     for name, paths in candidates.items():
         for path in paths:
-            if _link_one(staging, name, path, device):
+            if _link_one(staging, name, path, device, exclude):
                 linked.append(Linked(name=name, source=path, size=os.lstat(staging / name).st_size))
                 break
     if linked:
@@ -137,24 +164,146 @@ def link_identical(staging: Path, candidates: Mapping[str, Sequence[Path]]) -> l
     return linked
 
 
-def shared_bytes(directory: Path) -> int:
-    """Bytes of ``directory``'s files that other names (another step's links) also hold.
+def _files(directories: Iterable[Path]) -> Iterator[os.stat_result]:
+    """The ``lstat`` of every regular file under ``directories`` (subdirectories too), one per name.
 
-    What deleting the directory would not free; what linking saved.
+    A directory that cannot be read has none: what it holds is unknown, never guessed.
     """
-    total = 0
-    try:
-        entries = list(os.scandir(directory))
-    except OSError:
-        return 0
-    for entry in entries:
+    pending = list(directories)
+    while pending:
         try:
-            st = entry.stat(follow_symlinks=False)
+            entries = list(os.scandir(pending.pop()))
         except OSError:
             continue
-        if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
-            total += st.st_size
-    return total
+        for entry in entries:
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if stat.S_ISDIR(st.st_mode):
+                pending.append(Path(entry.path))
+            elif stat.S_ISREG(st.st_mode):
+                yield st
 
 
-__all__ = ["Linked", "link_identical", "shared_bytes"]
+def inodes(directory: Path) -> dict[Inode, int]:
+    """The regular files under ``directory`` (subdirectories too), by inode, with their sizes."""
+    return held((directory,))
+
+
+def held(directories: Iterable[Path]) -> dict[Inode, int]:
+    """Every inode the ``directories`` hold between them, with its size."""
+    return {(st.st_dev, st.st_ino): st.st_size for st in _files(directories)}
+
+
+def names_per_inode(directories: Iterable[Path]) -> tuple[dict[Inode, int], dict[Inode, int]]:
+    """For the regular files under ``directories``: inode -> size, and inode -> how many of their names hold it.
+
+    An inode whose names here equal its ``st_nlink`` has no name anywhere else:
+    removing these directories frees its bytes.
+    """
+    sizes: dict[Inode, int] = {}
+    names: dict[Inode, int] = {}
+    nlink: dict[Inode, int] = {}
+    for st in _files(directories):
+        key = (st.st_dev, st.st_ino)
+        sizes[key] = st.st_size
+        names[key] = names.get(key, 0) + 1
+        nlink[key] = st.st_nlink
+    return sizes, {k: n for k, n in names.items() if n >= nlink[k]}
+
+
+def freed_bytes(doomed: Iterable[Path]) -> int:
+    """The bytes removing the ``doomed`` directories would actually free: inodes with no name elsewhere."""
+    sizes, only_here = names_per_inode(doomed)
+    return sum(sizes[k] for k in only_here)
+
+
+def shared_bytes(directory: Path, others: Iterable[Path]) -> int:
+    """Bytes of ``directory``'s files that one of the ``others`` (other steps' directories) also holds.
+
+    What linking saved; what deleting ``directory`` alone would not free
+    because those steps keep it. Links held by anything else (a checkout, a
+    copy elsewhere) are not "shared with other steps".
+    """
+    mine = inodes(directory)
+    theirs = held(o for o in others if o != directory)
+    return sum(size for key, size in mine.items() if key in theirs)
+
+
+def unshare(newer: Path, older: Path) -> list[str]:
+    """Give ``newer`` its own copy of each file whose inode ``older`` also holds; the names copied.
+
+    Each copy is written to a temporary name beside the file, fsync'd, its
+    sha256 checked against ``newer``'s manifest, and renamed over the link;
+    the directory is fsync'd after. A crash at any point leaves every name
+    holding the same bytes (the link or the checked copy). A copy whose
+    digest does not match (the shared inode is already bad) is not installed:
+    that step is corrupt either way, and ``verify`` says so.
+    """
+    theirs = inodes(older)
+    if not theirs:
+        return []
+    try:
+        manifest, _ = read_manifest(newer)
+    except Exception:  # noqa: BLE001 - an unreadable manifest: verify condemns the step, nothing to copy for
+        return []
+    copied: list[str] = []
+    touched: set[Path] = set()
+    for name, entry in sorted(manifest.files.items()):
+        path = newer / name
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) not in theirs:
+            continue
+        if _copy_over(path, st, entry.sha256):
+            copied.append(name)
+            touched.add(path.parent)
+    for directory in touched:
+        fsync_dir(directory)
+    if copied:
+        log.info("gave %s its own copy of %s (was shared with %s)", newer, ", ".join(copied), older)
+    return copied
+
+
+def _copy_over(path: Path, st: os.stat_result, sha256: str) -> bool:
+    tmp = path.parent / f".{path.name}.unshare-{secrets.token_hex(4)}"
+    src = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        if os.fstat(src).st_ino != st.st_ino:
+            return False
+        dst = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
+        try:
+            digest = hashlib.sha256()
+            buf = bytearray(8 << 20)
+            view = memoryview(buf)
+            while n := os.readv(src, [buf]):
+                digest.update(view[:n])
+                done = 0
+                while done < n:
+                    done += os.write(dst, view[done:n])
+            os.fchmod(dst, stat.S_IMODE(st.st_mode))
+            os.fsync(dst)
+        finally:
+            os.close(dst)
+        if digest.hexdigest() != sha256:
+            log.error("%s does not match its manifest: not copied (the step is corrupt)", path)
+            os.unlink(tmp)
+            return False
+        crashpoint("unshare-after-copy")
+        os.replace(tmp, path)
+        return True
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    finally:
+        os.close(src)
+
+
+__all__ = ["Inode", "Linked", "MIN_LINK_BYTES", "NEVER_LINKED", "freed_bytes", "held", "inodes", "link_identical",
+           "linkable", "names_per_inode", "shared_bytes", "unshare"]

@@ -27,12 +27,14 @@ from datetime import timedelta
 from pathlib import Path
 
 from registry.catalog import Catalog, Claim, CommitRecord, FileRecord, PayloadRecord
+from registry.catalog.fallback import neighbours, newest_verified
 from registry.catalog.lineage import identical_files
 from registry.crashpoints import crashpoint
 from registry.errors import CatalogError, CorruptCheckpointError, PublishError, RegistryError
 from registry.format.layout import hidden_sibling
 from registry.records import CheckpointInfo, Status
-from registry.fs.dedup import Linked, link_identical
+from registry.fs import dedup as dedup_files
+from registry.fs.dedup import Linked, link_identical, unshare
 from registry.fs.store import (Written, check_written, discard, install, new_staging, remove_stale_staging,
                                uninstall)
 from registry.ops.writers import writer_alive
@@ -46,7 +48,7 @@ def publish_sequence(catalog: Catalog, *, run: str, step: int, final: Path, relp
                      overwrite: bool, verify: bool, write: Callable[[Path], Written], epoch: int,
                      consumed_samples: int, record: Callable[[PayloadRecord], CommitRecord],
                      uncommitted: Callable[[], object] = lambda: None,
-                     committed: Callable[[], object] = lambda: None) -> CheckpointInfo:
+                     committed: Callable[[], object] = lambda: None, dedup: bool = False) -> CheckpointInfo:
     """Phases 1-4: publish what ``write`` puts into a directory as ``run@step`` at ``final``.
 
     ``relpath`` is ``final`` as the catalog records it. ``record`` turns the
@@ -56,16 +58,24 @@ def publish_sequence(catalog: Catalog, *, run: str, step: int, final: Path, relp
     can be both when a failed COMMIT turns out to have happened after all.
     Every failure after the claim is undone before it is raised. Returns the
     step as the catalog now has it (with ``relpath``).
+
+    ``dedup``: store files a verified step of the run already holds as links
+    (:func:`link_duplicates`); only a verified publish links.
     """
     started = time.perf_counter()
+    root = final.parents[len(Path(relpath).parts) - 1]
+    if overwrite and not verify:
+        # the step leaves the verified chain while it is replaced: the two verified steps that then are the
+        # newest must not share an inode, before the old payload goes
+        keep_fallback_apart(catalog, root, run, excluding=(step,))
     claim = catalog.claim(run, step, path=relpath, writer=writer, overwrite=overwrite, writer_alive=writer_alive)
     crashpoint("after-claim")
     linked: list[Linked] = []
-    root = final.parents[len(Path(relpath).parts) - 1]
 
     def write_then_link(staging: Path) -> Written:
         written = write(staging)
-        linked.extend(link_duplicates(catalog, staging, root, written))
+        if dedup and verify:
+            linked.extend(link_duplicates(catalog, staging, root, written, run=run, step=step))
         return written
     written, status, retired = write_and_install(catalog, claim, final, write_then_link, verify=verify)
     try:  # from here on, anything (even a KeyboardInterrupt) must reach commit_failed's undo
@@ -82,6 +92,12 @@ def publish_sequence(catalog: Catalog, *, run: str, step: int, final: Path, relp
     if retired is not None:
         discard(retired)
     crashpoint("after-commit")
+    if linked:
+        try:  # a step of the run published beside this one meanwhile; the publish itself has succeeded
+            keep_fallback_apart(catalog, root, run)
+        except OSError as exc:
+            log.warning("published %s@%d, but could not give it its own copy of a file the next verified step "
+                        "holds: %s; the next gc tries again", run, step, exc.strerror or exc)
     seconds = time.perf_counter() - started
     log.info("published %s@%d (%s): %d bytes in %.3f s, %.2f GB/s", run, step, status, written.total_bytes, seconds,
              written.total_bytes / seconds / 1e9 if seconds > 0 else 0.0)
@@ -102,18 +118,27 @@ def payload_record(written: Written, status: str, *, epoch: int, consumed_sample
                          linked=tuple(sorted(f.name for f in linked)), linked_bytes=sum(f.size for f in linked))
 
 
-def link_duplicates(catalog: Catalog, staging: Path, root: Path, written: Written) -> list[Linked]:
-    """Dedup: store each staged file that a live step of this root already holds as a hard link to it.
+def link_duplicates(catalog: Catalog, staging: Path, root: Path, written: Written, *, run: str,
+                    step: int) -> list[Linked]:
+    """Dedup: store each large staged file that a verified step of ``run`` holds as a hard link to it.
 
-    Candidates are the catalog's file rows of ``published``/``verified``
-    steps with the same size and sha256 (at most a few per file, newest
-    first); :func:`registry.fs.dedup.link_identical` confirms the bytes
-    before linking. An optimisation only: a catalog that cannot be asked
-    means nothing is linked, never a failed publish.
+    Only files :func:`registry.fs.dedup.linkable` allows; candidates are the
+    catalog's file rows of the run's other verified steps with the same size
+    and sha256 (a few per file, newest first), minus the inodes held by the
+    new step's fallback neighbours (:func:`registry.catalog.fallback.neighbours`),
+    so the two newest verified steps never share one.
+    :func:`registry.fs.dedup.link_identical` confirms the bytes before
+    linking. An optimisation only: a catalog that cannot be asked means
+    nothing is linked, never a failed publish.
     """
-    wanted = {(e.size, e.sha256): e.name for e in written.manifest.files.values() if e.size > 0}
+    wanted = {(e.size, e.sha256): e.name for e in written.manifest.files.values()
+              if dedup_files.linkable(e.name, e.size)}
+    if not wanted:
+        return []
     try:
-        same = identical_files(catalog, list(wanted))
+        near = neighbours(catalog, run, step)
+        same = identical_files(catalog, list(wanted), run=run, statuses=(Status.VERIFIED,),
+                               exclude_steps=[step] + [n.step for n in near])
     except CatalogError:
         return []
     candidates: dict[str, list[Path]] = {}
@@ -122,7 +147,29 @@ def link_duplicates(catalog: Catalog, staging: Path, root: Path, written: Writte
         paths = candidates.setdefault(name, []) if name is not None else None
         if paths is not None and len(paths) < 4:
             paths.append(root / hit.path / hit.name)
-    return link_identical(staging, candidates)
+    if not candidates:
+        return []
+    exclude = dedup_files.held(root / n.path for n in near)
+    return link_identical(staging, candidates, exclude=exclude)
+
+
+def keep_fallback_apart(catalog: Catalog, root: Path, run: str, *, excluding: Sequence[int] = ()) -> list[str]:
+    """Make sure the two newest verified steps of ``run`` (other than ``excluding``) share no inode.
+
+    The newer one gets its own copy of whatever the other holds too
+    (:func:`registry.fs.dedup.unshare`), so one bad inode can take at most
+    one of them and ``RUN@latest`` falls back to the other. Returns the names
+    copied. Called before anything that changes which steps those are: a
+    deletion, an overwrite that leaves the chain; a catalog that cannot be
+    asked leaves things as they are.
+    """
+    try:
+        newest = newest_verified(catalog, run, excluding=excluding, n=2)
+    except CatalogError:
+        return []
+    if len(newest) < 2:
+        return []
+    return unshare(root / newest[0].path, root / newest[1].path)
 
 
 def write_and_install(catalog: Catalog, claim: Claim, final: Path, write: Callable[[Path], Written], *,
