@@ -31,6 +31,10 @@ DEADLINE_S = 240  # a hang detector for a whole group, far above the per-collect
 KILLS = (("sharded-rank-after-write", 1, "k1"), ("sharded-after-gather", 0, "k2"), ("after-rename", 0, "k3"),
          ("after-claim", 0, "k4"))
 ASYNC_KILL = ("sharded-rank-after-write", 1, "k5")
+# rank 0's retention after the commit ends only once rank 1's publish has returned, then fails
+SLOW_GC = [{"name": "slow-gc", "op": "publish", "run": "gc", "step": 1, "seed": 12, "gate": True, "timeout": 8},
+           {"name": "slow-gc-async", "op": "publish", "run": "gc", "step": 2, "seed": 13, "gate": True,
+            "timeout": 8, "async": True}]
 
 
 def launch(base: Path, world: int, scenarios: list[dict[str, Any]], *,
@@ -71,6 +75,7 @@ def groups(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequ
         {"name": "full-broadcast", "op": "full-broadcast", "ref": "f@1", "strategy": "broadcast"},
         {"name": "group-publish", "op": "publish", "run": "grp", "step": 1, "seed": 8, "group": True},
         {"name": "group-load", "op": "load", "ref": "grp@1", "seed": 9, "group": True},
+        *SLOW_GC,
     ])
     four, _, out4 = launch(base, 4, [
         {"name": "reshard-2-4", "op": "load", "ref": "f@1", "seed": 5},
@@ -82,7 +87,7 @@ def groups(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequ
         where = pg if i == len(KILLS) - 1 else None
         if where is not None:
             first = [{"name": "publish", "op": "publish", "run": "f", "step": 1, "seed": 1},
-                     {"name": "round-trip", "op": "load", "ref": "f@latest", "seed": 2}]
+                     {"name": "round-trip", "op": "load", "ref": "f@latest", "seed": 2}, *SLOW_GC]
         got, codes, _ = launch(base, 2, [*first, {"name": "kill", "op": "publish", "run": run, "step": 1,
                                                   "seed": 7, "crash": {"rank": rank, "at": at}}], where=where)
         kills[at] = {"results": got, "codes": codes, "rank": rank, "run": run, "where": where, "at": at}
@@ -126,6 +131,25 @@ def test_publish_and_load_in_a_group_on_postgresql(groups: dict[str, Any]) -> No
     assert got[0]["publish"]["fp"] == groups["two"][0]["publish"]["fp"]  # same seed as the SQLite group's f@1
     with _open(groups["base"], groups["pg"]) as reg:
         assert reg.url.startswith("postgresql") and reg.resolve("f@latest").status == Status.VERIFIED
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+@pytest.mark.parametrize("name,step", [("slow-gc", 1), ("slow-gc-async", 2)])
+def test_retention_outlasting_the_timeout_never_fails_a_committed_publish(groups: dict[str, Any], backend: str,
+                                                                          name: str, step: int) -> None:
+    """Rank 0's retention waits for rank 1 to have its outcome (longer than ``timeout`` if rank 1 waited for
+    it), then fails: every rank has the committed step, and rank 0 a RetentionWarning."""
+    if backend == "postgresql" and groups["pg"] is None:
+        pytest.skip("PostgreSQL unreachable")
+    got = groups["two"] if backend == "sqlite" else groups["kills"][KILLS[-1][0]]["results"]
+    outcomes = [r[name] for r in got]
+    assert [(o["ok"], o.get("step"), o.get("status")) for o in outcomes] == [(True, step, "verified")] * 2, outcomes
+    assert outcomes[0]["path"] == outcomes[1]["path"]
+    warned = [r[f"{name}:warnings"] for r in got]
+    assert len(warned[0]) == 1 and "retention after publishing gc@" in warned[0][0], warned
+    assert "retention refused by the test" in warned[0][0] and warned[1] == []
+    with _open(groups["base"], None if backend == "sqlite" else groups["pg"]) as reg:
+        assert reg.resolve(f"gc@{step}").status == Status.VERIFIED
 
 
 def test_an_explicit_group_works_like_the_default_one(groups: dict[str, Any]) -> None:
