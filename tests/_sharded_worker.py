@@ -204,8 +204,8 @@ def main() -> None:
             except Exception as exc:  # recorded for the parent to compare across ranks
                 results[name] = {"ok": False, "type": type(exc).__name__, "msg": str(exc)}
             (out / f"rank{rank}.json").write_text(json.dumps(results))
-            if sc.get("crash") is not None:
-                break
+            if sc.get("crash") is not None or (sc.get("gate") and not results[name]["ok"]):
+                break  # a gated publish that failed here leaves the peers mid-collective: end the group
     sys.stdout.flush()
     os._exit(0)  # a group that lost a rank cannot be torn down cleanly
 

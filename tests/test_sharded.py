@@ -75,7 +75,6 @@ def groups(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequ
         {"name": "full-broadcast", "op": "full-broadcast", "ref": "f@1", "strategy": "broadcast"},
         {"name": "group-publish", "op": "publish", "run": "grp", "step": 1, "seed": 8, "group": True},
         {"name": "group-load", "op": "load", "ref": "grp@1", "seed": 9, "group": True},
-        *SLOW_GC,
     ])
     four, _, out4 = launch(base, 4, [
         {"name": "reshard-2-4", "op": "load", "ref": "f@1", "seed": 5},
@@ -87,7 +86,7 @@ def groups(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequ
         where = pg if i == len(KILLS) - 1 else None
         if where is not None:
             first = [{"name": "publish", "op": "publish", "run": "f", "step": 1, "seed": 1},
-                     {"name": "round-trip", "op": "load", "ref": "f@latest", "seed": 2}, *SLOW_GC]
+                     {"name": "round-trip", "op": "load", "ref": "f@latest", "seed": 2}]
         got, codes, _ = launch(base, 2, [*first, {"name": "kill", "op": "publish", "run": run, "step": 1,
                                                   "seed": 7, "crash": {"rank": rank, "at": at}}], where=where)
         kills[at] = {"results": got, "codes": codes, "rank": rank, "run": run, "where": where, "at": at}
@@ -134,22 +133,25 @@ def test_publish_and_load_in_a_group_on_postgresql(groups: dict[str, Any]) -> No
 
 
 @pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
-@pytest.mark.parametrize("name,step", [("slow-gc", 1), ("slow-gc-async", 2)])
-def test_retention_outlasting_the_timeout_never_fails_a_committed_publish(groups: dict[str, Any], backend: str,
-                                                                          name: str, step: int) -> None:
-    """Rank 0's retention waits for rank 1 to have its outcome (longer than ``timeout`` if rank 1 waited for
-    it), then fails: every rank has the committed step, and rank 0 a RetentionWarning."""
-    if backend == "postgresql" and groups["pg"] is None:
-        pytest.skip("PostgreSQL unreachable")
-    got = groups["two"] if backend == "sqlite" else groups["kills"][KILLS[-1][0]]["results"]
-    outcomes = [r[name] for r in got]
-    assert [(o["ok"], o.get("step"), o.get("status")) for o in outcomes] == [(True, step, "verified")] * 2, outcomes
-    assert outcomes[0]["path"] == outcomes[1]["path"]
-    warned = [r[f"{name}:warnings"] for r in got]
-    assert len(warned[0]) == 1 and "retention after publishing gc@" in warned[0][0], warned
-    assert "retention refused by the test" in warned[0][0] and warned[1] == []
-    with _open(groups["base"], None if backend == "sqlite" else groups["pg"]) as reg:
-        assert reg.resolve(f"gc@{step}").status == Status.VERIFIED
+def test_retention_outlasting_the_timeout_never_fails_a_committed_publish(
+        tmp_path: Path, request: pytest.FixtureRequest, backend: str) -> None:
+    """Rank 0's retention waits for rank 1 to have its outcome (beyond ``timeout``, had rank 1 waited for
+    it), then fails: every rank has the committed step, and rank 0 a RetentionWarning; blocking and not."""
+    where = None
+    if backend == "postgresql":
+        where = (pg_schema_url(request.getfixturevalue("pg_database")), tmp_path / "ckpt")
+    got, codes, _ = launch(tmp_path, 2, SLOW_GC, where=where)
+    assert codes == [0, 0], codes
+    for name, step in (("slow-gc", 1), ("slow-gc-async", 2)):
+        outcomes = [r.get(name) for r in got]
+        assert [(o["ok"], o.get("step"), o.get("status")) for o in outcomes] == [(True, step, "verified")] * 2, \
+            outcomes
+        assert outcomes[0]["path"] == outcomes[1]["path"]
+        warned = [r[f"{name}:warnings"] for r in got]
+        assert len(warned[0]) == 1 and f"retention after publishing gc@{step} failed" in warned[0][0], warned
+        assert "retention refused by the test" in warned[0][0] and warned[1] == []
+    with _open(tmp_path, where) as reg:
+        assert [(i.step, i.status) for i in reg.checkpoints("gc")] == [(1, Status.VERIFIED), (2, Status.VERIFIED)]
 
 
 def test_an_explicit_group_works_like_the_default_one(groups: dict[str, Any]) -> None:
