@@ -18,7 +18,8 @@ be and which step it came from:
 
 The parent is named by run and step plus its manifest digest at the time, so
 it stays named after retention deletes it (its row stays, ``deleted``) or a
-publish replaces it (the digest then differs: ``parent_replaced``). Steps an
+publish replaces it (the digest then differs: ``parent_replaced``, where the
+walk stops, for the parent's row now tells the replacement's history). Steps an
 attempt wrote one after another are not hops of each other: a hop is where a
 history changed hands (a resume after a crash, a fork, an import), which is
 what ``lineage`` is asked for, and keeps a 1,000-hop chain 1,000 rows.
