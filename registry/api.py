@@ -380,8 +380,7 @@ class Registry:
                 job = _PublishJob(run=run, step=step, overwrite=options["overwrite"],
                                   final=self.store.step_dir(run, step), payload=payload, verify=options["verify"],
                                   new_metrics=tuple(_check_metrics(run, step, options["metrics"])),
-                                  tags=tags, retention=options["retention"], lineage=self._parent_lineage(parent),
-                                  dedup=dedup)
+                                  tags=tags, lineage=self._parent_lineage(parent), dedup=dedup)
                 if background:
                     with self._lock:
                         if key in self._queued:
@@ -398,6 +397,9 @@ class Registry:
         request = ("publish", repr(run), repr(step), repr(options["overwrite"]), repr(options["verify"]),
                    repr(options["blocking"]))
         run_publish = (lambda write: self._run_publish(job, write=write)) if job else None
+        policy = options["retention"]
+        # retention once every rank has the outcome (rank 0 only): no rank waits for a gc
+        after = (lambda info: self._retention_after_publish(run, step, policy)) if job and policy is not None else None
         if background:
             def finished() -> None:
                 if queued:
@@ -405,11 +407,12 @@ class Registry:
                         self._queued.discard(key)
             return publish_in_background(comm, self._publish_groups, run=run, step=step, request=request,
                                          local_error=error, snap=snap, run_publish=run_publish,
-                                         payload=job.payload if job else None, submit=self._background.submit,
-                                         finished=finished)
+                                         payload=job.payload if job else None, after=after,
+                                         submit=self._background.submit, finished=finished)
         return publish_sharded(
             comm, run=run, step=step, state=state_dict if isinstance(state_dict, Mapping) else {},
-            request=request, local_error=error, run_publish=run_publish, payload=job.payload if job else None)
+            request=request, local_error=error, run_publish=run_publish, payload=job.payload if job else None,
+            after=after)
 
     def _run_publish(self, job: _PublishJob, *, write: Callable[[Path], Written] | None = None) -> CheckpointInfo:
         """The publish sequence (on the caller's thread, or the background publisher's).

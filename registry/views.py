@@ -165,7 +165,8 @@ def lineage_rows(hops: Iterable[LineageHop]) -> list[list[Any]]:
         if h.how == "imported" and h.source:
             origin = f"{h.source.get('path')} ({h.source.get('layout')})"
         elif h.parent_run is not None:
-            origin = f"{h.parent_run}@{h.parent_step}" + (" (since replaced)" if h.parent_replaced else "")
+            origin = f"{h.parent_run}@{h.parent_step}" + (" (since replaced)" if h.parent_replaced else
+                                                          " (cycle: already above)" if h.parent_repeated else "")
         else:
             origin = "-"
         rows.append([h.ref, h.status.upper() if h.status in ("deleted", "missing", "corrupt") else h.status,

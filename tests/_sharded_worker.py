@@ -16,6 +16,7 @@ import json
 import os
 import sqlite3
 import sys
+import time
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -82,6 +83,22 @@ def full_fingerprint(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[str 
     return fingerprint(flat), tensors
 
 
+def gate(release: Path, *, deadline_s: float) -> Any:
+    """A retention policy whose evaluation waits until ``release`` appears, then fails: a gc that outlasts
+    the collectives' timeout (the file comes from a rank once its publish returned), then errs."""
+    from registry.retention import Policy
+
+    class _Gate(Policy):
+        def keep(self, checkpoints: Any, context: Any) -> Any:
+            end = time.monotonic() + deadline_s  # a hang detector: the file comes from another rank
+            while not release.exists():
+                if time.monotonic() > end:
+                    raise TimeoutError(f"{release} never appeared")
+                time.sleep(0.01)
+            raise RuntimeError("retention refused by the test")
+    return _Gate()
+
+
 def main() -> None:
     rank, world, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     spec = json.loads(Path(sys.argv[4]).read_text())
@@ -144,18 +161,28 @@ def main() -> None:
                         waited = type(exc).__name__
                     results[name] = {"ok": True, "futures": outcomes, "fps": fps, "wait": waited}
                 elif sc["op"] == "publish":
-                    info = reg.publish(sc["run"], sc["step"], state, sharded=True, timeout=timeout,
-                                       group=group, metrics={"loss": 1.0 + rank}, tags=sc.get("tags", ()),
-                                       config={"rank": rank}, epoch=rank, policy_version=sc.get("policy"),
-                                       blocking=not sc.get("async"))
-                    if sc.get("async"):
+                    release = out / f"release-{name}"
+                    retention = gate(release, deadline_s=120) if sc.get("gate") else None
+                    with warnings.catch_warnings(record=True) as caught:
+                        warnings.simplefilter("always")
                         try:
-                            info = info.result(timeout=120)
+                            info = reg.publish(sc["run"], sc["step"], state, sharded=True, timeout=timeout,
+                                               group=group, metrics={"loss": 1.0 + rank}, tags=sc.get("tags", ()),
+                                               config={"rank": rank}, epoch=rank, policy_version=sc.get("policy"),
+                                               blocking=not sc.get("async"), retention=retention)
+                            if sc.get("async"):
+                                try:
+                                    info = info.result(timeout=120)
+                                finally:
+                                    try:
+                                        reg.wait()
+                                    except Exception:  # the future's error, once more
+                                        pass
                         finally:
-                            try:
-                                reg.wait()
-                            except Exception:  # the future's error, once more
-                                pass
+                            if retention is not None and rank != 0:
+                                release.touch()  # this rank's publish returned: rank 0's gc may end
+                    results[name + ":warnings"] = [f"{w.category.__name__}: {w.message}" for w in caught
+                                                   if w.category.__name__ == "RetentionWarning"]
                     fp, full = full_fingerprint(model, opt)
                     if full is not None:
                         torch.save(full, out / f"full-{sc['run']}-{sc['step']}.pt")
@@ -177,8 +204,8 @@ def main() -> None:
             except Exception as exc:  # recorded for the parent to compare across ranks
                 results[name] = {"ok": False, "type": type(exc).__name__, "msg": str(exc)}
             (out / f"rank{rank}.json").write_text(json.dumps(results))
-            if sc.get("crash") is not None:
-                break
+            if sc.get("crash") is not None or (sc.get("gate") and not results[name]["ok"]):
+                break  # a gated publish that failed here leaves the peers mid-collective: end the group
     sys.stdout.flush()
     os._exit(0)  # a group that lost a rank cannot be torn down cleanly
 

@@ -54,9 +54,10 @@ def test_resume_chain_after_kills(catalog_url: str, root: Path) -> None:
         reg.publish("run", 3, make_state(30), overwrite=True)
         chain = reg.lineage("run@3")
         assert [(h.ref, h.how) for h in chain] == [("run@3", "resumed"), ("run@2", "started")]
-        # run@5 came from the old payload of step 3, which is gone now: it says so
+        # run@5 came from the old payload of step 3, which is gone now: it says so, and goes no further
         old = reg.lineage("run@5")
-        assert old[1].ref == "run@3" and old[0].parent_replaced
+        assert [h.ref for h in old] == ["run@5"] and old[0].parent_replaced
+        assert (old[0].parent_run, old[0].parent_step) == ("run", 3)
         assert reg.descendants("run@2", forks_only=False)[0].ref == "run@3"
 
 
@@ -138,7 +139,7 @@ def test_lineage_cli(reg: Registry, cli) -> None:  # type: ignore[no-untyped-def
     doc = json.loads(cli("lineage", "ft@2", "--json").output)
     assert [(h["run"], h["step"], h["how"]) for h in doc] == [("ft", 2, "forked"), ("base", 1, "started")]
     assert doc[0]["parent"] == {"run": "base", "step": 1, "manifest_sha256": doc[1]["manifest_sha256"],
-                                "replaced": False}
+                                "replaced": False, "repeated": False}
     down = json.loads(cli("lineage", "base@1", "--descendants", "--json").output)
     assert [(h["run"], h["step"]) for h in down] == [("ft", 2)]
     missing = cli("lineage", "base@9")
@@ -167,3 +168,80 @@ def test_lineage_is_one_query(reg: Registry) -> None:
     assert len([s for s in statements if "WITH RECURSIVE" in s]) == 1
     assert len([s for s in statements if s.lstrip().upper().startswith(("SELECT", "WITH"))]) == 1
 
+
+
+def test_lineage_stops_at_a_replaced_parent(reg: Registry, cli) -> None:  # type: ignore[no-untyped-def]
+    """a@4 came from a@2's first payload; a fork of other@1 published over a@2 is not a@4's ancestor."""
+    for step in (1, 2, 3):
+        reg.publish("a", step, make_state(step))
+    reg.publish("other", 1, make_state(9))
+    reg.begin_attempt("a", resumed_from=2)
+    reg.publish("a", 4, make_state(4))
+    before = reg.lineage("a@4")
+    assert [h.ref for h in before] == ["a@4", "a@2"] and not before[0].parent_replaced
+    reg.begin_attempt("a", fork_from="other@1")
+    reg.publish("a", 2, make_state(22), overwrite=True)
+
+    chain = reg.lineage("a@4")
+    assert [h.ref for h in chain] == ["a@4"]
+    assert chain[0].parent_replaced and (chain[0].parent_run, chain[0].parent_step) == ("a", 2)
+    assert chain[0].parent_manifest_sha256 == before[1].manifest_sha256
+    assert [h.ref for h in reg.lineage("a@2")] == ["a@2", "other@1"]  # the replacement's own history
+    assert [(h.ref, h.parent_replaced) for h in reg.descendants("a@2", forks_only=False)] == [("a@4", True)]
+    assert [(h.ref, h.parent_replaced) for h in reg.descendants("other@1")] == [("a@2", False)]
+    out = cli("lineage", "a@4")
+    assert out.exit_code == 0 and "a@2 (since replaced)" in out.output and "other@1" not in out.output
+    doc = json.loads(cli("lineage", "a@4", "--json").output)
+    assert len(doc) == 1 and doc[0]["parent"]["replaced"] is True
+
+
+def test_a_step_resumed_from_itself_came_from_what_it_replaced(reg: Registry) -> None:
+    reg.publish("a", 1, make_state(1))
+    reg.begin_attempt("a", resumed_from=1)
+    reg.publish("a", 1, make_state(2), overwrite=True)  # resumed from step 1, then wrote step 1 again
+    (hop,) = reg.lineage("a@1")
+    assert hop.parent_replaced and not hop.parent_repeated and hop.parent_manifest_sha256 != hop.manifest_sha256
+
+
+def test_descendants_of_a_parent_published_after_the_child(reg: Registry) -> None:
+    """A resume from files outside the registry names a step that did not exist; one published there later
+    is not what the child came from."""
+    reg.begin_attempt("run", resumed_from=99)
+    reg.publish("run", 100, make_state(1))
+    reg.begin_attempt("run")
+    reg.publish("run", 99, make_state(2))
+    assert [(h.ref, h.parent_replaced) for h in reg.descendants("run@99", forks_only=False)] == [("run@100", True)]
+
+
+def _chain_rows(reg: Registry, run: str, step: int) -> int:
+    from registry.catalog import lineage
+    return len(reg.catalog.read(lambda conn: conn.execute(
+        lineage._CHAIN, {"run": run, "step": step, "limit": lineage.MAX_DEPTH}).all()))
+
+
+def test_lineage_cycle_stops_at_the_first_repeat(reg: Registry, cli) -> None:  # type: ignore[no-untyped-def]
+    """b@1 overwritten with parent a@1, a@1 forked from b@1: the walk visits each step once."""
+    reg.publish("b", 1, make_state(1))
+    reg.publish("a", 1, make_state(2), parent="b@1")
+    reg.publish("b", 1, make_state(3), parent="a@1", overwrite=True)
+    chain = reg.lineage("b@1")
+    assert [(h.ref, h.parent_replaced) for h in chain] == [("b@1", False), ("a@1", True)]
+    assert _chain_rows(reg, "b", 1) == 2
+
+    # a cycle whose digests all agree (rows written before a replaced parent was told apart, as the
+    # backfill of an overwritten resume writes them): the walk stops at the first repeat and says so
+    from sqlalchemy import select, update
+    from registry.catalog.models import CheckpointRow, Lineage, Run
+    b1 = reg.lineage("b@1")[0]
+    a1_id = reg.catalog.read(lambda conn: conn.execute(
+        select(CheckpointRow.id).join(Run, Run.id == CheckpointRow.run_id)
+        .where(Run.name == "a", CheckpointRow.step == 1)).scalar_one())
+    reg.catalog.write(lambda conn: conn.execute(update(Lineage).where(Lineage.checkpoint_id == a1_id)
+                                                .values(parent_manifest_sha256=b1.manifest_sha256)))
+    for start, order in (("b@1", ["b@1", "a@1"]), ("a@1", ["a@1", "b@1"])):
+        hops_ = reg.lineage(start)
+        assert [h.ref for h in hops_] == order
+        assert [(h.parent_repeated, h.parent_replaced) for h in hops_] == [(False, False), (True, False)]
+    assert _chain_rows(reg, "b", 1) == 2 and _chain_rows(reg, "a", 1) == 2
+    out = cli("lineage", "a@1")
+    assert out.exit_code == 0 and "cycle" in out.output

@@ -31,6 +31,10 @@ DEADLINE_S = 240  # a hang detector for a whole group, far above the per-collect
 KILLS = (("sharded-rank-after-write", 1, "k1"), ("sharded-after-gather", 0, "k2"), ("after-rename", 0, "k3"),
          ("after-claim", 0, "k4"))
 ASYNC_KILL = ("sharded-rank-after-write", 1, "k5")
+# rank 0's retention after the commit ends only once rank 1's publish has returned, then fails
+SLOW_GC = [{"name": "slow-gc", "op": "publish", "run": "gc", "step": 1, "seed": 12, "gate": True, "timeout": 8},
+           {"name": "slow-gc-async", "op": "publish", "run": "gc", "step": 2, "seed": 13, "gate": True,
+            "timeout": 8, "async": True}]
 
 
 def launch(base: Path, world: int, scenarios: list[dict[str, Any]], *,
@@ -126,6 +130,28 @@ def test_publish_and_load_in_a_group_on_postgresql(groups: dict[str, Any]) -> No
     assert got[0]["publish"]["fp"] == groups["two"][0]["publish"]["fp"]  # same seed as the SQLite group's f@1
     with _open(groups["base"], groups["pg"]) as reg:
         assert reg.url.startswith("postgresql") and reg.resolve("f@latest").status == Status.VERIFIED
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_retention_outlasting_the_timeout_never_fails_a_committed_publish(
+        tmp_path: Path, request: pytest.FixtureRequest, backend: str) -> None:
+    """Rank 0's retention waits for rank 1 to have its outcome (beyond ``timeout``, had rank 1 waited for
+    it), then fails: every rank has the committed step, and rank 0 a RetentionWarning; blocking and not."""
+    where = None
+    if backend == "postgresql":
+        where = (pg_schema_url(request.getfixturevalue("pg_database")), tmp_path / "ckpt")
+    got, codes, _ = launch(tmp_path, 2, SLOW_GC, where=where)
+    assert codes == [0, 0], codes
+    for name, step in (("slow-gc", 1), ("slow-gc-async", 2)):
+        outcomes = [r.get(name) for r in got]
+        assert [(o["ok"], o.get("step"), o.get("status")) for o in outcomes] == [(True, step, "verified")] * 2, \
+            outcomes
+        assert outcomes[0]["path"] == outcomes[1]["path"]
+        warned = [r[f"{name}:warnings"] for r in got]
+        assert len(warned[0]) == 1 and f"retention after publishing gc@{step} failed" in warned[0][0], warned
+        assert "retention refused by the test" in warned[0][0] and warned[1] == []
+    with _open(tmp_path, where) as reg:
+        assert [(i.step, i.status) for i in reg.checkpoints("gc")] == [(1, Status.VERIFIED), (2, Status.VERIFIED)]
 
 
 def test_an_explicit_group_works_like_the_default_one(groups: dict[str, Any]) -> None:

@@ -18,7 +18,8 @@ be and which step it came from:
 
 The parent is named by run and step plus its manifest digest at the time, so
 it stays named after retention deletes it (its row stays, ``deleted``) or a
-publish replaces it (the digest then differs: ``parent_replaced``). Steps an
+publish replaces it (the digest then differs: ``parent_replaced``, where the
+walk stops, for the parent's row now tells the replacement's history). Steps an
 attempt wrote one after another are not hops of each other: a hop is where a
 history changed hands (a resume after a crash, a fork, an import), which is
 what ``lineage`` is asked for, and keeps a 1,000-hop chain 1,000 rows.
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
     from registry.catalog.queries import Catalog
 
 HOWS = ("started", "resumed", "forked", "imported", "unknown")
-MAX_DEPTH = 100_000  # a cycle (a parent overwritten by its own descendant) stops here, then at its first repeat
+MAX_DEPTH = 100_000
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,7 +65,9 @@ class LineageHop:
     ``missing`` for a parent that was named but never committed (a resume
     from files outside the registry). ``parent_replaced``: the parent step
     was published again since, so its payload is no longer the one this
-    step came from.
+    step came from: the chain ends here (the parent's row now describes the
+    replacement). ``parent_repeated``: the parent is an earlier hop of this
+    chain (a cycle); the chain ends here too.
     """
 
     run: str
@@ -79,6 +82,7 @@ class LineageHop:
     parent_step: int | None = None
     parent_manifest_sha256: str | None = None
     parent_replaced: bool = False
+    parent_repeated: bool = False
     source: dict[str, Any] | None = None
 
     @property
@@ -91,18 +95,22 @@ class LineageHop:
                 "when": self.when.isoformat() if self.when else None, "manifest_sha256": self.manifest_sha256,
                 "parent": (None if self.parent_run is None else
                            {"run": self.parent_run, "step": self.parent_step,
-                            "manifest_sha256": self.parent_manifest_sha256, "replaced": self.parent_replaced}),
+                            "manifest_sha256": self.parent_manifest_sha256, "replaced": self.parent_replaced,
+                            "repeated": self.parent_repeated}),
                 "source": self.source}
 
 
 def record_lineage(conn: Connection, *, checkpoint_id: int, run_id: int, attempt_id: int | None,
-                   resumed_from: int | None, explicit: LineageRecord | None) -> None:
+                   resumed_from: int | None, explicit: LineageRecord | None,
+                   replacing: str | None = None) -> None:
     """Record how the step ``checkpoint_id`` came to be, inside its commit transaction.
 
     ``explicit`` (a ``parent=`` or an import) wins; otherwise the attempt
     says: its fork, else the step it resumed from, else it started fresh. An
     overwrite replaces the row of the payload it replaces. The parent's
-    manifest digest is read here, in the same transaction.
+    manifest digest is read here, in the same transaction; a step that names
+    itself as parent (resumed from the step it now overwrites) came from the
+    payload it replaces, whose digest is ``replacing``.
     """
     record = explicit
     if record is None:
@@ -126,51 +134,64 @@ def record_lineage(conn: Connection, *, checkpoint_id: int, run_id: int, attempt
             # then names a deleted parent) or waits for this commit and sees the fork that keeps it
             query = query.with_for_update(read=True, of=CheckpointRow)
         parent = conn.execute(query).first()
+    parent_sha = None if parent is None else replacing if parent.id == checkpoint_id else parent.manifest_sha256
     conn.execute(delete(Lineage).where(Lineage.checkpoint_id == checkpoint_id))
     conn.execute(insert(Lineage).values(
         checkpoint_id=checkpoint_id, how=record.how, parent_run=record.parent_run, parent_step=record.parent_step,
-        parent_manifest_sha256=parent.manifest_sha256 if parent is not None else None,
+        parent_manifest_sha256=parent_sha,
         parent_checkpoint_id=parent.id if parent is not None else None,
         source=json.dumps(record.source, sort_keys=True) if record.source is not None else None))
 
 
+# A hop is followed only while the parent still holds the payload the child recorded (a replaced parent
+# ends the chain: its row now describes the replacement) and only to a row not yet on the path, so a cycle
+# (a parent overwritten by its own descendant, in rows written before digests were compared) stops at once.
 _CHAIN = text("""
-WITH RECURSIVE chain(depth, cid) AS (
-    SELECT 0, c.id FROM checkpoints c JOIN runs r ON r.id = c.run_id
+WITH RECURSIVE chain(depth, cid, path) AS (
+    SELECT 0, c.id, ',' || CAST(c.id AS TEXT) || ',' FROM checkpoints c JOIN runs r ON r.id = c.run_id
     WHERE r.name = :run AND c.step = :step
     UNION ALL
-    SELECT chain.depth + 1,
-           (SELECT l.parent_checkpoint_id FROM checkpoint_lineage l WHERE l.checkpoint_id = chain.cid)
-    FROM chain WHERE chain.cid IS NOT NULL AND chain.depth < :limit
+    SELECT chain.depth + 1, l.parent_checkpoint_id, chain.path || CAST(l.parent_checkpoint_id AS TEXT) || ','
+    FROM chain JOIN checkpoint_lineage l ON l.checkpoint_id = chain.cid
+    JOIN checkpoints p ON p.id = l.parent_checkpoint_id
+    WHERE chain.depth < :limit
+      AND (p.manifest_sha256 = l.parent_manifest_sha256
+           OR (p.manifest_sha256 IS NULL AND l.parent_manifest_sha256 IS NULL))
+      AND chain.path NOT LIKE ('%,' || CAST(l.parent_checkpoint_id AS TEXT) || ',%')
 )
-SELECT chain.depth, r.name AS run, c.step, c.status, c.attempt_id, c.writer, c.manifest_sha256,
-       c.created_at, c.published_at, l.how, l.parent_run, l.parent_step, l.parent_manifest_sha256, l.source
+SELECT chain.depth, c.id, r.name AS run, c.step, c.status, c.attempt_id, c.writer, c.manifest_sha256,
+       c.created_at, c.published_at, l.how, l.parent_run, l.parent_step, l.parent_manifest_sha256,
+       l.parent_checkpoint_id, p.manifest_sha256 AS parent_now_sha256, l.source
 FROM chain JOIN checkpoints c ON c.id = chain.cid JOIN runs r ON r.id = c.run_id
 LEFT JOIN checkpoint_lineage l ON l.checkpoint_id = c.id
+LEFT JOIN checkpoints p ON p.id = l.parent_checkpoint_id
 ORDER BY chain.depth
 """).columns(created_at=DateTime(timezone=True), published_at=DateTime(timezone=True))
+
+
+def replaced(recorded: str | None, now: str | None) -> bool:
+    """Whether a parent holding the payload ``now`` is no longer the one a child recorded as ``recorded``
+    (a parent with no digest when the child was committed, a payload since, counts as replaced)."""
+    return recorded != now
 
 
 def _hops(rows: Sequence[Any]) -> list[LineageHop]:
     from registry.catalog.queries import aware
     hops: list[LineageHop] = []
-    seen: set[tuple[str, int]] = set()
+    ids = {r.id for r in rows}
     for i, r in enumerate(rows):
-        if (r.run, r.step) in seen:
-            break  # a cycle: a parent was overwritten by one of its own descendants
-        seen.add((r.run, r.step))
-        parent = rows[i + 1] if i + 1 < len(rows) else None
-        replaced = (parent is not None and r.parent_manifest_sha256 is not None
-                    and parent.manifest_sha256 != r.parent_manifest_sha256)
+        last = i == len(rows) - 1
+        gone = r.parent_checkpoint_id is not None and replaced(r.parent_manifest_sha256, r.parent_now_sha256)
         hops.append(LineageHop(
             run=r.run, step=int(r.step), status=str(r.status), how=r.how or "unknown", attempt=r.attempt_id,
             writer=r.writer, when=aware(r.published_at) or aware(r.created_at), manifest_sha256=r.manifest_sha256,
             parent_run=r.parent_run, parent_step=r.parent_step, parent_manifest_sha256=r.parent_manifest_sha256,
-            parent_replaced=replaced, source=json.loads(r.source) if r.source else None))
-    last = hops[-1] if hops else None
-    if last is not None and last.parent_run is not None and last.parent_step is not None \
-            and len(hops) == len(rows) and (last.parent_run, last.parent_step) not in seen:
-        hops.append(LineageHop(run=last.parent_run, step=last.parent_step, status="missing", how="unknown"))
+            parent_replaced=gone, parent_repeated=last and not gone and r.parent_checkpoint_id in ids,
+            source=json.loads(r.source) if r.source else None))
+    end = hops[-1] if hops else None
+    if end is not None and end.parent_run is not None and end.parent_step is not None \
+            and rows[-1].parent_checkpoint_id is None:
+        hops.append(LineageHop(run=end.parent_run, step=end.parent_step, status="missing", how="unknown"))
     return hops
 
 
@@ -184,8 +205,11 @@ class LineageCatalog:
         """``run@step`` and its ancestors, nearest first, in one recursive query.
 
         Empty when the step has no row; ends at a root (``started``,
-        ``imported``, ``unknown``) or at a named parent that has no row
-        (returned as a ``missing`` hop).
+        ``imported``, ``unknown``), at a named parent that has no row
+        (returned as a ``missing`` hop), at a hop whose parent was replaced
+        since (``parent_replaced``: what the parent's row says now is the
+        replacement's history, not this chain's) or at the first repeat
+        (``parent_repeated``).
         """
         def fn(conn: Connection) -> list[LineageHop]:
             rows = conn.execute(_CHAIN, {"run": run, "step": step, "limit": max_depth}).all()
@@ -195,7 +219,8 @@ class LineageCatalog:
 
     def descendants(self, run: str, step: int, *, forks_only: bool = True) -> list[LineageHop]:
         """The steps whose lineage names ``run@step`` as parent (only forks unless ``forks_only=False``),
-        by run and step, each as its own hop."""
+        by run and step, each as its own hop; one that came from a payload the step no longer holds (it was
+        replaced since, or had none yet) says ``parent_replaced``: it does not descend from what is there now."""
         from registry.catalog.queries import aware
 
         def fn(conn: Connection) -> list[LineageHop]:
@@ -213,8 +238,7 @@ class LineageCatalog:
                                writer=r.writer, when=aware(r.published_at) or aware(r.created_at),
                                manifest_sha256=r.manifest_sha256, parent_run=run, parent_step=step,
                                parent_manifest_sha256=r.parent_manifest_sha256,
-                               parent_replaced=(r.parent_manifest_sha256 is not None
-                                                and r.parent_manifest_sha256 != current),
+                               parent_replaced=replaced(r.parent_manifest_sha256, current),
                                source=json.loads(r.source) if r.source else None) for r in rows]
         result: list[LineageHop] = self.catalog.read(fn)
         return result

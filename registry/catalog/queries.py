@@ -442,8 +442,8 @@ class Catalog:
         def fn(conn: Connection) -> None:
             now = utcnow()
             cid = claim.checkpoint_id
-            earlier = conn.execute(select(CheckpointRow.step, CheckpointRow.published_at, CheckpointRow.deleted_at)
-                                   .where(CheckpointRow.id == cid)).one()
+            earlier = conn.execute(select(CheckpointRow.step, CheckpointRow.published_at, CheckpointRow.deleted_at,
+                                          CheckpointRow.manifest_sha256).where(CheckpointRow.id == cid)).one()
             step = earlier.step
             conn.execute(update(CheckpointRow).where(CheckpointRow.id == cid).values(
                 **payload.columns(now), attempt_id=attempt_id, writer=writer))
@@ -467,7 +467,7 @@ class Catalog:
                     .values(superseded=True)).rowcount
             replace_files(conn, cid, payload.files)
             record_lineage(conn, checkpoint_id=cid, run_id=claim.run_id, attempt_id=attempt_id,
-                           resumed_from=resumed_from, explicit=record.lineage)
+                           resumed_from=resumed_from, explicit=record.lineage, replacing=earlier.manifest_sha256)
             self._insert_metrics(conn, claim.run_id, record.metrics, attempt_id, now=now)
             again: dict[str, Any] = {} if superseded is None else {"superseded_points": superseded}
             if payload.linked:

@@ -14,7 +14,12 @@ Publish (``Registry.publish(..., sharded=True)``), called by every rank of the g
    fsync'd; the digests are gathered on rank 0.
 3. rank 0 writes ``meta.json``, ``config.json`` and the manifest last, and
    ``publish_sequence`` renames and commits as for any publish; the outcome
-   (the ``CheckpointInfo``, or the failure) is broadcast.
+   (the ``CheckpointInfo``, or the failure) is broadcast right after the
+   commit.
+4. then, on rank 0 only, whatever comes after a commit (``after``: the
+   publish's ``retention``), which no other rank waits for: a gc however
+   long cannot make a committed step look failed, and its failure is rank
+   0's ``RetentionWarning``.
 
 A failure on any rank is raised on every rank as the same ``RegistryError``
 subclass (a failed write as ``PublishError``), after rank 0 removed the
@@ -145,10 +150,12 @@ def _save_rank(comm: Comm | _Solo, staging: Path, state: Mapping[str, Any], *, w
 def publish_sharded(comm: Comm | _Solo, *, run: str, step: int, state: Mapping[str, Any],
                     request: tuple[Any, ...], local_error: BaseException | None,
                     run_publish: Callable[[Callable[[Path], Written]], CheckpointInfo] | None,
-                    payload: Payload | None) -> CheckpointInfo:
+                    payload: Payload | None,
+                    after: Callable[[CheckpointInfo], object] | None = None) -> CheckpointInfo:
     """One sharded publish, on every rank (see the module docstring); ``run_publish`` etc. matter on rank 0 only.
 
-    ``run_publish(write)`` runs the publish sequence with ``write`` filling the staging directory.
+    ``run_publish(write)`` runs the publish sequence with ``write`` filling the staging directory;
+    ``after(info)`` runs once every rank has been sent the committed outcome.
     """
     agree(comm, request, local_error)
     where = f"{run}@{step}"
@@ -206,6 +213,8 @@ def publish_sharded(comm: Comm | _Solo, *, run: str, step: int, state: Mapping[s
         if isinstance(error, RegistryError):
             raise error
         raise outcome.error() from error
+    if after is not None:
+        after(outcome)
     return outcome
 
 

@@ -6,7 +6,8 @@ request, as a blocking sharded publish does; then it queues the rest on the
 registry's background publisher (:mod:`registry.ops.background`: one thread,
 publishes in call order, so in step order) and returns a future. The rest is
 :func:`registry.distributed.sharded.publish_sharded` unchanged: claim, staging
-broadcast, ``dcp.save``, digests, manifest, rename, commit, outcome.
+broadcast, ``dcp.save``, digests, manifest, rename, commit, outcome, then
+rank 0's retention.
 
 Why a group of its own: the background protocol runs collectives while the
 trainer runs its own (FSDP's all-gathers and reduce-scatters) on the
@@ -162,6 +163,7 @@ def publish_in_background(comm: Comm | _Solo, groups: PublishGroups, *, run: str
                           snap: ShardedSnapshot | None,
                           run_publish: Callable[[Callable[[Path], Written]], CheckpointInfo] | None,
                           payload: Payload | None,
+                          after: Callable[[CheckpointInfo], object] | None = None,
                           submit: Callable[[str, Callable[[], CheckpointInfo]], Future[CheckpointInfo]],
                           finished: Callable[[], None]) -> Future[CheckpointInfo]:
     """Agree (in the caller's thread, on the trainer's group), then queue the publish on the publish group.
@@ -183,7 +185,7 @@ def publish_in_background(comm: Comm | _Solo, groups: PublishGroups, *, run: str
     def work() -> CheckpointInfo:
         try:
             return publish_sharded(background, run=run, step=step, state=snap.state, request=request,
-                                   local_error=None, run_publish=run_publish, payload=payload)
+                                   local_error=None, run_publish=run_publish, payload=payload, after=after)
         finally:
             snap.release()
             finished()
