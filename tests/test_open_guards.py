@@ -188,3 +188,17 @@ def test_transformers_resume_from_can_insist_on_a_step(reg: Registry) -> None:
     with pytest.raises(CheckpointNotFoundError) as caught:
         callback.resume_from(create=False)
     assert "\n" not in str(caught.value) and str(reg.store.root) in str(caught.value)
+
+
+def test_install_hints_give_the_checkout_form_and_the_index_form(monkeypatch: pytest.MonkeyPatch) -> None:
+    from registry.catalog.session import make_engine
+    from registry.terminal import MissingExtraError, require
+
+    with pytest.raises(MissingExtraError) as caught:
+        require("no_such_module_for_a_test", "registry ui")
+    assert "pip install -e '.[ui]'" in str(caught.value) and "'checkpoint-registry[ui]'" in str(caught.value)
+
+    monkeypatch.setitem(sys.modules, "psycopg", None)  # as where the [postgres] extra is not installed
+    with pytest.raises(CatalogError) as refused:
+        make_engine("postgresql://postgres@127.0.0.1:5432/test")
+    assert "pip install -e '.[postgres]'" in str(refused.value) and "\n" not in str(refused.value)

@@ -37,7 +37,7 @@ from sqlalchemy.exc import ArgumentError, DBAPIError
 from sqlalchemy.pool import NullPool
 
 from registry.crashpoints import crashpoint
-from registry.errors import CatalogError, ReadOnlyError, SchemaTooNewError
+from registry.errors import CatalogError, ReadOnlyError, SchemaTooNewError, install_hint
 
 if TYPE_CHECKING:  # Alembic is imported under _quiet_alembic: its first import logs a line per plugin
     from alembic.config import Config
@@ -216,8 +216,12 @@ def make_engine(url: str, *, create: bool = True, read_only: bool = False) -> En
     if backend == "postgresql":
         if parsed.drivername == "postgresql":
             parsed = parsed.set(drivername="postgresql+psycopg")
-        engine = create_engine(parsed, pool_pre_ping=True, pool_size=2, max_overflow=4,
-                               connect_args={"connect_timeout": 10}, execution_options=options)
+        try:
+            engine = create_engine(parsed, pool_pre_ping=True, pool_size=2, max_overflow=4,
+                                   connect_args={"connect_timeout": 10}, execution_options=options)
+        except ImportError as exc:
+            raise CatalogError(f"a PostgreSQL catalog needs its driver ({exc.name or 'psycopg'}): "
+                               f"{install_hint('postgres')}") from None
         if read_only:
             event.listen(engine, "connect", _postgresql_read_only)
         return engine
