@@ -202,3 +202,29 @@ def test_install_hints_give_the_checkout_form_and_the_index_form(monkeypatch: py
     with pytest.raises(CatalogError) as refused:
         make_engine("postgresql://postgres@127.0.0.1:5432/test")
     assert "pip install -e '.[postgres]'" in str(refused.value) and "\n" not in str(refused.value)
+
+
+@pytest.mark.slow
+def test_the_quickstarts_resume_idiom_tells_a_new_run_from_a_wrong_root(tmp_path: Path) -> None:
+    readme = (REPO / "README.md").read_text()
+    quickstart = readme[readme.index("## Quickstart"):]
+    code = quickstart[quickstart.index("```python\n") + len("```python\n"):]
+    code = code[:code.index("```\n")]
+    (tmp_path / "train.py").write_text(code)
+    env = {k: v for k, v in child_env().items() if k not in ("REGISTRY_ROOT", "REGISTRY_URL")}
+
+    def train(*args: str, root: str = "checkpoints") -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "train.py", *args], cwd=tmp_path, env={**env, "REGISTRY_ROOT": root},
+                              capture_output=True, text=True, timeout=120)
+
+    first = train()
+    assert first.returncode == 0, first.stderr
+    assert f"created a new checkpoint root {tmp_path / 'checkpoints'} " in first.stderr
+    mistyped = train("--resume", root="chekpoints")
+    assert mistyped.returncode != 0
+    assert "RootError" in mistyped.stderr and "chekpoints does not exist" in mistyped.stderr
+    assert not (tmp_path / "chekpoints").exists()
+    again = train("--resume")
+    assert again.returncode == 0 and again.stderr == "", again.stderr
+    with Registry.open(root=tmp_path / "checkpoints", create=False) as reg:
+        assert [info.step for info in reg.checkpoints("demo")][-1] == 1000
