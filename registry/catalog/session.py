@@ -107,8 +107,6 @@ def alembic_config() -> Config:
     return cfg
 
 
-
-
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
     dbapi_conn.isolation_level = None  # we issue BEGIN ourselves
     cur = dbapi_conn.cursor()
