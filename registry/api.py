@@ -9,6 +9,7 @@ state has been copied (``registry.fs.snapshot``).
 
 from __future__ import annotations
 
+import logging
 import math
 import numbers
 import os
@@ -51,6 +52,7 @@ if TYPE_CHECKING:
     from registry.retention import Policy, RetentionPlan, RetentionResult
 
 DEFAULT_ROOT = "checkpoints"
+log = logging.getLogger(__name__)
 
 
 def _check_metrics(run: str, step: int, metrics: Mapping[str, Any] | None) -> list[tuple[int, str, float]]:
@@ -135,9 +137,10 @@ class Registry:
         (``<root>/catalog.db`` where an older root has one).
 
         ``create=True`` (for trainers and other writers) creates the root and
-        the catalog if they do not exist and migrates the schema;
-        ``create=False`` (for readers) refuses a root or catalog that does not
-        exist. ``read_only=True``, implied for a SQLite catalog this process
+        the catalog if they do not exist, logging a WARNING that names each
+        one created, and migrates the schema; ``create=False`` (for readers,
+        and for a trainer's restart, which must find its root) refuses a root
+        or catalog that does not exist, creating nothing. ``read_only=True``, implied for a SQLite catalog this process
         cannot write, opens without creating, migrating or writing anything:
         queries and loads work, loads take no reader lease (so retention may
         delete a step while it is read), and writes raise ``ReadOnlyError``.
@@ -173,6 +176,9 @@ class Registry:
                 except OSError:
                     break
             raise
+        if root_path in created:
+            log.warning("created a new checkpoint root %s (where a root must already exist, "
+                        "Registry.open(create=False) refuses a missing one)", root_path)
         return cls(catalog=catalog, store=store, url=url, lease_ttl=lease_ttl, read_only=read_only,
                    dedup=bool(dedup))
 

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 def ui(state: State, host: str, port: int, token: str | None) -> None:
     """Serve a read-only web view of the runs, their curves, checkpoints and retention previews.
 
-    Needs the ``ui`` extra (pip install 'checkpoint-registry[ui]'). The
+    Needs the ``ui`` extra (pip install -e '.[ui]' in a checkout). The
     catalog is opened read-only; training never depends on this server.
     """
     from registry.cli import command  # imported here: registry.cli registers this command at its import

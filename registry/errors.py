@@ -23,6 +23,11 @@ class RegistryError(Exception):
         self.step = step
 
 
+def install_hint(extra: str) -> str:
+    """How to install an optional part: from a checkout, or from an index that carries the package."""
+    return f"pip install -e '.[{extra}]' in a checkout (or pip install 'checkpoint-registry[{extra}]' from an index)"
+
+
 class InvalidNameError(RegistryError, ValueError):
     """A run name, tag name or step that does not follow the rules."""
 

@@ -13,7 +13,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from registry.errors import RegistryError
+from registry.errors import RegistryError, install_hint
 from registry.progress import ProgressEvent, ProgressFn
 from registry.records import CheckpointInfo, MetricPoint
 
@@ -31,7 +31,7 @@ def require(module: str, what: str) -> Any:
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise MissingExtraError(f"{what} needs {module}: pip install 'checkpoint-registry[ui]'") from None
+        raise MissingExtraError(f"{what} needs {module}: {install_hint('ui')}") from None
 
 
 def wide_rows(points: Sequence[MetricPoint]) -> tuple[list[str], list[list[Any]]]:

@@ -24,6 +24,21 @@ import pytest
 from registry import Registry
 from tests.helpers import IN_CI, PG_ADMIN, REFERENCE_MODULE, pg_connect, pg_schema_url
 
+# The long tests, marked ``slow`` here in one place so that ``-m "not slow"`` is a quick first check: kill loops
+# and crash states (real subprocesses, SIGKILL), the stress run, process groups, real trainers resumed across
+# processes, the browser. A long test elsewhere carries ``@pytest.mark.slow`` itself.
+SLOW_MODULES = frozenset({
+    "test_kill", "test_stress", "test_crash_states", "test_retention_crash", "test_concurrency",
+    "test_distributed", "test_sharded", "test_integration_lightning", "test_integration_transformers",
+    "test_web_browser",
+})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.stem in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture(scope="session")
 def pg_database() -> Iterator[str]:

@@ -10,34 +10,45 @@ The schema belongs to Alembic. ``open_engine`` brings an empty or older
 database to head under a lock (``BEGIN IMMEDIATE`` on SQLite, an advisory
 lock on PostgreSQL), so eight processes opening a fresh catalog at once apply
 each migration exactly once, and it refuses a database whose revision this
-code does not know: it was migrated by a newer registry.
+code does not know: it was migrated by a newer registry. Creating a catalog's
+schema is logged as a WARNING naming it (a mistyped URL or path must not pass
+unnoticed); Alembic's own INFO lines are dropped while the registry migrates,
+unless an ``alembic`` logger was given a level of INFO or lower.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import random
+import re
 import sqlite3
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import quote
 
-from alembic import command
-from alembic.config import Config
-from alembic.runtime.migration import MigrationContext
-from alembic.script import ScriptDirectory
 from sqlalchemy import URL, Connection, Engine, create_engine, event, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError
 from sqlalchemy.pool import NullPool
 
 from registry.crashpoints import crashpoint
-from registry.errors import CatalogError, ReadOnlyError, SchemaTooNewError
+from registry.errors import CatalogError, ReadOnlyError, SchemaTooNewError, install_hint
 
+if TYPE_CHECKING:  # Alembic is imported under _quiet_alembic: its first import logs a line per plugin
+    from alembic.config import Config
+    from alembic.script import ScriptDirectory
+
+BUSY_TIMEOUT_MS = 60_000
+_ADVISORY_KEY = 0x5E61_57E7  # "registry" migrations lock on PostgreSQL
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+_hushed: ContextVar[bool] = ContextVar("registry_hush_alembic", default=False)
 
 
 def migrations_dir() -> Path:
@@ -47,21 +58,62 @@ def migrations_dir() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise CatalogError("the catalog migrations (registry.migrations) are not installed; reinstall the registry")
     return Path(next(iter(spec.submodule_search_locations)))
-BUSY_TIMEOUT_MS = 60_000
-_ADVISORY_KEY = 0x5E61_57E7  # "registry" migrations lock on PostgreSQL
-T = TypeVar("T")
 
 
-def alembic_config() -> Config:
-    cfg = Config()
-    cfg.set_main_option("script_location", str(migrations_dir()))
-    return cfg
+class _AlembicChatter(logging.Filter):
+    """Drops Alembic's INFO lines logged inside :func:`_quiet_alembic`, unless someone asked for them by
+    giving ``alembic`` (or one of its loggers) a level of INFO or lower; the root logger's level does not ask."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno > logging.INFO or not _hushed.get():
+            return True
+        name = record.name
+        while name:
+            level = logging.getLogger(name).level
+            if level != logging.NOTSET:
+                return level <= record.levelno
+            name = name.rpartition(".")[0]
+        return False
+
+
+_CHATTER = _AlembicChatter()
+
+
+@contextmanager
+def _quiet_alembic() -> Iterator[None]:
+    # A logger's filters see only the records logged on it, so each of Alembic's loggers gets one; the
+    # plugins' logger is made on the first upgrade's import of autogenerate, so it is named ahead of it.
+    names = {"alembic.runtime.migration", "alembic.runtime.plugins",
+             *(name for name in list(logging.Logger.manager.loggerDict) if name.startswith("alembic."))}
+    for name in names:
+        logger = logging.getLogger(name)
+        if _CHATTER not in logger.filters:
+            logger.addFilter(_CHATTER)
+    token = _hushed.set(True)
+    try:
+        yield
+    finally:
+        _hushed.reset(token)
+
+
+def _scripts() -> ScriptDirectory:
+    with _quiet_alembic():
+        from alembic.script import ScriptDirectory
+        return ScriptDirectory.from_config(alembic_config())
 
 
 def head_revision() -> str:
-    head = ScriptDirectory.from_config(alembic_config()).get_current_head()
+    head = _scripts().get_current_head()
     assert head is not None
     return head
+
+
+def alembic_config() -> Config:
+    with _quiet_alembic():
+        from alembic.config import Config
+    cfg = Config()
+    cfg.set_main_option("script_location", str(migrations_dir()))
+    return cfg
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
@@ -171,8 +223,12 @@ def make_engine(url: str, *, create: bool = True, read_only: bool = False) -> En
     if backend == "postgresql":
         if parsed.drivername == "postgresql":
             parsed = parsed.set(drivername="postgresql+psycopg")
-        engine = create_engine(parsed, pool_pre_ping=True, pool_size=2, max_overflow=4,
-                               connect_args={"connect_timeout": 10}, execution_options=options)
+        try:
+            engine = create_engine(parsed, pool_pre_ping=True, pool_size=2, max_overflow=4,
+                                   connect_args={"connect_timeout": 10}, execution_options=options)
+        except ImportError as exc:
+            raise CatalogError(f"a PostgreSQL catalog needs its driver ({exc.name or 'psycopg'}): "
+                               f"{install_hint('postgres')}") from None
         if read_only:
             event.listen(engine, "connect", _postgresql_read_only)
         return engine
@@ -180,10 +236,29 @@ def make_engine(url: str, *, create: bool = True, read_only: bool = False) -> En
 
 
 def catalog_name(url: URL) -> str:
-    """How messages name a catalog: the SQLite file, or the URL without its password."""
+    """How messages name a catalog: the SQLite file (absolute), or the URL without its password."""
     if url.get_backend_name() == "sqlite":
-        return str(url.database)
+        return str(Path(url.database or "").absolute())
     return url.render_as_string(hide_password=True)
+
+
+def missing_database(exc: BaseException, url: URL) -> CatalogError | None:
+    """The one-line error for a PostgreSQL URL naming a database the server does not have, or None.
+
+    The server says so only in words (a refused connection carries no SQLSTATE), so the words are
+    matched, with the database's own name.
+    """
+    if url.get_backend_name() != "postgresql" or not url.database:
+        return None
+    said = str(exc.orig) if isinstance(exc, DBAPIError) and exc.orig is not None else str(exc)
+    if not re.search(f'database "{re.escape(url.database)}" does not exist', said):
+        return None
+    flags = [f"-{flag} {value}" for flag, value in (("h", url.host), ("p", url.port), ("U", url.username))
+             if value is not None]
+    server = f"{url.host or 'localhost'}:{url.port or 5432}"
+    return CatalogError(f"catalog database {url.database!r} does not exist on the PostgreSQL server at {server}: "
+                        f"create it with 'createdb {' '.join([*flags, url.database])}' (the registry makes its "
+                        "tables, not the database)")
 
 
 def failure_reason(exc: BaseException) -> str:
@@ -229,7 +304,9 @@ def retrying(fn: Callable[[], T], *, attempts: int = 8) -> T:
 
 
 def current_revision(conn: Connection) -> str | None:
-    return MigrationContext.configure(conn).get_current_revision()
+    with _quiet_alembic():
+        from alembic.runtime.migration import MigrationContext
+        return MigrationContext.configure(conn).get_current_revision()
 
 
 @contextmanager
@@ -256,7 +333,7 @@ def write_connection(engine: Engine, *, durable: bool = True) -> Iterator[Connec
 def _check_known(revision: str | None, url: str) -> None:
     if revision is None:
         return
-    script = ScriptDirectory.from_config(alembic_config())
+    script = _scripts()
     try:
         script.get_revision(revision)
     except Exception:
@@ -278,12 +355,20 @@ def upgrade(engine: Engine, target: str = "head") -> tuple[str | None, str]:
             if before != head_revision() or target != "head":
                 cfg = alembic_config()
                 cfg.attributes["connection"] = conn
-                command.upgrade(cfg, target)
+                with _quiet_alembic():
+                    from alembic import command
+                    command.upgrade(cfg, target)
                 crashpoint("migrate-before-commit")
             after = current_revision(conn)
             return before, after or ""
 
-    return retrying(run)
+    try:
+        return retrying(run)
+    except DBAPIError as exc:
+        missing = missing_database(exc, engine.url)
+        if missing is not None:
+            raise missing from exc
+        raise
 
 
 def open_engine(url: str, *, migrate: bool = True, create: bool = True, read_only: bool = False) -> Engine:
@@ -294,7 +379,8 @@ def open_engine(url: str, *, migrate: bool = True, create: bool = True, read_onl
     the cause (the driver's error stays attached as ``__cause__``).
     ``create=False`` (and ``read_only=True``) refuse a catalog that does not
     exist or has no schema yet rather than making one; a read-only catalog
-    is never migrated.
+    is never migrated. Making a new catalog's schema logs a WARNING naming it;
+    opening an existing one logs nothing.
     """
     engine = make_engine(url, create=create, read_only=read_only)
     safe_url = engine.url.render_as_string(hide_password=True)
@@ -304,6 +390,9 @@ def open_engine(url: str, *, migrate: bool = True, create: bool = True, read_onl
             revision = current_revision(conn)
     except DBAPIError as exc:
         engine.dispose()
+        missing = missing_database(exc, engine.url)
+        if missing is not None:
+            raise missing from exc
         verb = "open" if engine.dialect.name == "sqlite" else "reach"
         raise CatalogError(f"cannot {verb} catalog {name}: {failure_reason(exc)}") from exc
     try:
@@ -315,7 +404,9 @@ def open_engine(url: str, *, migrate: bool = True, create: bool = True, read_onl
             if not migrate or read_only:
                 raise CatalogError(f"catalog {safe_url} is at revision {revision!r}, not "
                                    f"{head_revision()!r}; run 'registry db upgrade'")
-            upgrade(engine)
+            before, _ = upgrade(engine)
+            if before is None:
+                log.warning("created a new catalog %s", name)
     except DBAPIError as exc:
         engine.dispose()
         raise CatalogError(f"cannot bring catalog {name} up to date: {failure_reason(exc)}") from exc

@@ -24,6 +24,7 @@ from registry.format.refs import METRIC_KEY_RE
 
 if TYPE_CHECKING:
     from registry.api import Registry
+    from registry.errors import CheckpointNotFoundError
 
 
 def numeric_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float]:
@@ -61,4 +62,12 @@ def has_checkpoint(registry: Registry, run: str) -> bool:
         return False
 
 
-__all__ = ["has_checkpoint", "numeric_metrics"]
+def nothing_to_resume(registry: Registry, run: str) -> CheckpointNotFoundError:
+    """The refusal of a resume that must find a step (``create=False``): a wrong root or run, not a fresh start."""
+    from registry.errors import CheckpointNotFoundError
+    return CheckpointNotFoundError(
+        f"run {run!r} has no checkpoint to resume from in checkpoint root {registry.store.root}: a wrong root "
+        "or run name? (create=True starts a new run instead)")
+
+
+__all__ = ["has_checkpoint", "nothing_to_resume", "numeric_metrics"]

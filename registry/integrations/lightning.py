@@ -57,7 +57,7 @@ from lightning.pytorch.plugins.io.torch_plugin import TorchCheckpointIO
 
 from registry.errors import InvalidStateError, UnsafePickleError
 from registry.format.refs import parse_ref
-from registry.integrations import has_checkpoint, numeric_metrics
+from registry.integrations import has_checkpoint, nothing_to_resume, numeric_metrics
 
 if TYPE_CHECKING:
     from registry.api import Registry
@@ -253,10 +253,17 @@ class RegistryCheckpoint(pl.Callback):
     def state_key(self) -> str:
         return f"RegistryCheckpoint[{self.run}]"
 
-    def resume_path(self, ref: str | None = None) -> str | None:
-        """``registry:RUN@latest`` (or ``ref``) for ``ckpt_path``; None when the run has no step yet."""
+    def resume_path(self, ref: str | None = None, *, create: bool = True) -> str | None:
+        """``registry:RUN@latest`` (or ``ref``) for ``ckpt_path``; None when the run has no step yet.
+
+        ``create=False`` (a restart, which must resume) raises ``CheckpointNotFoundError`` instead of None.
+        """
         if ref is None:
-            return f"{PREFIX}{self.run}@latest" if has_checkpoint(self.registry, self.run) else None
+            if has_checkpoint(self.registry, self.run):
+                return f"{PREFIX}{self.run}@latest"
+            if not create:
+                raise nothing_to_resume(self.registry, self.run)
+            return None
         return ref if ref.startswith(PREFIX) else PREFIX + ref
 
     # ------------------------------------------------------------------ hooks

@@ -43,7 +43,7 @@ import torch
 from transformers import TrainerCallback
 
 from registry.errors import CheckpointNotFoundError, InvalidStateError
-from registry.integrations import has_checkpoint, numeric_metrics
+from registry.integrations import has_checkpoint, nothing_to_resume, numeric_metrics
 
 if TYPE_CHECKING:
     from transformers import TrainerControl, TrainerState, TrainingArguments
@@ -113,17 +113,21 @@ class RegistryCallback(TrainerCallback):
 
     # ------------------------------------------------------------------ resume
 
-    def resume_from(self, ref: str | None = None, *, dest: str | os.PathLike[str] | None = None) -> str | None:
+    def resume_from(self, ref: str | None = None, *, dest: str | os.PathLike[str] | None = None,
+                    create: bool = True) -> str | None:
         """A ``checkpoint-N`` style directory of ``ref`` (default ``RUN@latest``) for ``resume_from_checkpoint``.
 
         None when the run has no checkpoint yet, so the same line starts a
-        fresh training and resumes a killed one. The reader lease is held
-        until training ends.
+        fresh training and resumes a killed one; ``create=False`` (a restart,
+        which must resume) raises ``CheckpointNotFoundError`` instead. The
+        reader lease is held until training ends.
         """
         try:
             checkout = self.registry.checkout(ref or f"{self.run}@latest", dest)
         except CheckpointNotFoundError:
             if ref is None and not has_checkpoint(self.registry, self.run):
+                if not create:
+                    raise nothing_to_resume(self.registry, self.run) from None
                 return None
             raise
         try:
