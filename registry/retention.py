@@ -188,6 +188,14 @@ class KeepBest(Policy):
     missing_ok: bool = field(default=False, kw_only=True)
 
     def __post_init__(self) -> None:
+        if isinstance(self.k, str) and isinstance(self.metric, int) and not isinstance(self.metric, bool):
+            # KeepBest("eval/loss", 2), as --keep-best eval/loss=2 reads: the types say which is which
+            k, metric = self.metric, self.k
+            object.__setattr__(self, "k", k)
+            object.__setattr__(self, "metric", metric)
+        if not isinstance(self.metric, str) or isinstance(self.k, bool) or not isinstance(self.k, int):
+            raise PolicyError(f"KeepBest takes the count and the metric, as in KeepBest(2, 'eval/loss'); "
+                              f"got KeepBest({self.k!r}, {self.metric!r})")
         _positive_int(self.k, "KeepBest(k)")
         check_metric_key(self.metric)
         if self.mode not in ("min", "max"):

@@ -69,7 +69,7 @@ def plot(points: Sequence[MetricPoint], checkpoints: Sequence[CheckpointInfo], *
     fig.plot_size(width, height)
     if not colour:
         fig.theme("colorless")
-    fig.title(f"{run}  {key}  ({len(points)} points, {len(checkpoints)} checkpoints)")
+    fig.title(f"{run}  {key}  ({plural(len(points), 'point')}, {plural(len(checkpoints), 'checkpoint')})")
     fig.draw(fig.signal([s for s, _ in curve], [v for _, v in curve], marker="hd").lines())
     by_status: dict[str, list[tuple[int, float]]] = {}
     for info in checkpoints:
@@ -79,13 +79,44 @@ def plot(points: Sequence[MetricPoint], checkpoints: Sequence[CheckpointInfo], *
     for status, marks in sorted(by_status.items()):
         signal = fig.signal([s for s, _ in marks], [v for _, v in marks], marker=markers.get(status, "o"))
         fig.draw(signal.label(f"{markers.get(status, 'o')} {status}"))
+    first, last = curve[0][0], curve[-1][0]
+    pad = max(0.5, (last - first) * 0.03)  # a marker or tag at either end stays inside the frame
+    middle = (first + last) / 2
     for info in checkpoints:
         if info.tags and info.step in values:
-            fig.draw(fig.text(info.step, values[info.step], " " + ",".join(info.tags)))
+            # drawn over the point, with its marker in the text: a tag near the right edge ends at its point
+            marker, tags = markers.get(str(info.status), "o"), ",".join(info.tags)
+            right = info.step > middle
+            fig.draw(fig.text(info.step, values[info.step], f"{tags} {marker}" if right else f"{marker} {tags}",
+                              alignment="right" if right else "left"))
+    fig.ruler("x").lim(first - pad, last + pad)
+    fig.ruler("x").ticks(integer_ticks(first, last))
+    low, high = min(v for _, v in curve), max(v for _, v in curve)
+    descends = curve[-1][1] <= (low + high) / 2
+    # the legend goes in the corner the curve leaves empty: top right for a falling curve, bottom right for a rising one
+    fig.legend(x=last + pad, y=high if descends else low, ha="right", va="top" if descends else "bottom",
+               relative=True)
     fig.label("step", "x")
     out = fig.build()
     text = str(out)
     return text if colour else plt.uncolorize(text)
+
+
+def integer_ticks(first: int, last: int, *, most: int = 7) -> list[int]:
+    """At most ``most`` whole steps between ``first`` and ``last``, a round spacing apart (1, 2, 5, 10, 20, ...)."""
+    span, magnitude = max(0, last - first), 1
+    while True:
+        spacing = next((f * magnitude for f in (1, 2, 5) if span <= (most - 1) * f * magnitude), None)
+        if spacing is not None:
+            break
+        magnitude *= 10
+    start = -(-first // spacing) * spacing  # the first multiple of the spacing at or after ``first``
+    return list(range(start, last + 1, spacing)) or [first]
+
+
+def plural(count: int, word: str, words: str | None = None) -> str:
+    """``1 problem``, ``3 problems``: a count with its noun."""
+    return f"{count} {word if count == 1 else (words or word + 's')}"
 
 
 @contextmanager

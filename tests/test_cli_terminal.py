@@ -86,7 +86,7 @@ def test_metrics_plot_marks_the_checkpoints(runs: Registry, cli) -> None:  # typ
     assert "alpha  eval/loss  (3 points, 3 checkpoints)" in out
     assert "\x1b[" not in out  # not a terminal: no colour codes
     assert "● verified" in out and "· deleted" in out and "release" in out
-    assert "(1 points, 3 checkpoints)" in cli("metrics", "alpha", "--plot", "--key", "train/loss").output
+    assert "(1 point, 3 checkpoints)" in cli("metrics", "alpha", "--plot", "--key", "train/loss").output
     missing = cli("metrics", "alpha", "--plot", "--key", "eval/typo")
     assert missing.exit_code == 1 and "eval/typo" in missing.output
 
