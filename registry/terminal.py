@@ -15,7 +15,7 @@ from typing import Any
 
 from registry.errors import RegistryError
 from registry.progress import ProgressEvent, ProgressFn
-from registry.records import CheckpointInfo, MetricPoint
+from registry.records import CheckpointInfo, MetricPoint, human_bytes
 
 # one colour per status, the same as the web view's (registry/web/static/chart.js)
 STATUS_COLOURS = {"verified": (46, 160, 67), "published": (31, 111, 235), "corrupt": (207, 34, 46),
@@ -119,6 +119,15 @@ def plural(count: int, word: str, words: str | None = None) -> str:
     return f"{count} {word if count == 1 else (words or word + 's')}"
 
 
+def progress_done(event: ProgressEvent) -> str:
+    """``1.5/4.0 GiB`` for bytes, ``2/9 checkpoints`` for anything else counted."""
+    if event.unit != "bytes":
+        return f"{event.done}/{event.total if event.total is not None else '?'} {event.unit}"
+    if event.total is None:
+        return human_bytes(event.done)
+    return f"{human_bytes(event.done)}/{human_bytes(event.total)}"
+
+
 @contextmanager
 def progress_bar(*, enabled: bool) -> Iterator[ProgressFn | None]:
     """A :data:`~registry.progress.ProgressFn` that draws ``rich`` bars on stderr, or None when off.
@@ -134,16 +143,27 @@ def progress_bar(*, enabled: bool) -> Iterator[ProgressFn | None]:
     if not enabled or not sys.stderr.isatty():
         yield None
         return
+    from rich.text import Text
+
+    class Amount(rich_progress.ProgressColumn):
+        """Sizes and speeds as every table writes them (KiB, MiB: human_bytes), not rich's decimal kB and MB."""
+
+        def render(self, task: Any) -> Any:
+            total = None if task.total is None else int(task.total)
+            event = ProgressEvent(task="", done=int(task.completed), total=total, unit=task.fields["unit"])
+            speed = task.finished_speed or task.speed
+            per_second = f"  {human_bytes(int(speed))}/s" if speed and event.unit == "bytes" else ""
+            return Text(progress_done(event) + per_second)
+
     bars = rich_progress.Progress(
-        rich_progress.TextColumn("{task.description}"), rich_progress.BarColumn(),
-        rich_progress.DownloadColumn(), rich_progress.TransferSpeedColumn(), rich_progress.TimeRemainingColumn(),
-        console=Console(stderr=True), transient=True)
+        rich_progress.TextColumn("{task.description}"), rich_progress.BarColumn(), Amount(),
+        rich_progress.TimeRemainingColumn(), console=Console(stderr=True), transient=True)
     tasks: dict[str, Any] = {}
 
     def update(event: ProgressEvent) -> None:
         task = tasks.get(event.task)
         if task is None:
-            task = tasks[event.task] = bars.add_task(event.task, total=event.total)
+            task = tasks[event.task] = bars.add_task(event.task, total=event.total, unit=event.unit)
         bars.update(task, completed=event.done, total=event.total,
                     description=f"{event.task} {event.item}" if event.item else event.task)
     with bars:
