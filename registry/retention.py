@@ -46,7 +46,7 @@ from registry.errors import CorruptCheckpointError, PolicyError, RegistryError, 
 from registry.format.layout import hidden_sibling, scan_run
 from registry.format.manifest import MANIFEST, MAX_MANIFEST_BYTES, digest_bytes, open_regular
 from registry.records import LIVE, RANKABLE, CheckpointInfo, Status, human_bytes
-from registry.format.refs import check_metric_key, check_run_name
+from registry.format.refs import check_metric_key, check_run_name, close_match
 from registry.fs.store import fsync_dir
 from registry.progress import Counter, ProgressFn
 
@@ -222,7 +222,8 @@ class KeepBest(Policy):
             listed = "its checkpoints have no metrics"
         else:
             more = f" and {len(known) - 10} more" if len(known) > 10 else ""
-            guess = f"did you mean {known[0]!r}? " if likeness(known[0]) >= 0.6 else ""
+            close = close_match(self.metric, known)
+            guess = f"did you mean {close!r}? " if close is not None else ""
             listed = f"{guess}its checkpoints have {', '.join(known[:10])}{more}"
         return UnknownMetricError(f"{self!r}: no checkpoint of run {run!r} has metric {self.metric!r}; "
                                   f"{listed}; {MISSING_METRIC_HINT}", metric=self.metric, known=known, run=run)
