@@ -92,10 +92,12 @@ def plot(points: Sequence[MetricPoint], checkpoints: Sequence[CheckpointInfo], *
     fig.ruler("x").lim(first - pad, last + pad)
     fig.ruler("x").ticks(integer_ticks(first, last))
     low, high = min(v for _, v in curve), max(v for _, v in curve)
+    spread = (high - low) * 0.05 or abs(high) * 0.5 or 1.0
+    fig.ruler("y").lim(low - spread, high + spread)
     descends = curve[-1][1] <= (low + high) / 2
     # the legend goes in the corner the curve leaves empty: top right for a falling curve, bottom right for a rising one
-    fig.legend(x=last + pad, y=high if descends else low, ha="right", va="top" if descends else "bottom",
-               relative=True)
+    fig.legend(x=last + pad, y=high + spread if descends else low - spread, ha="right",
+               va="top" if descends else "bottom", relative=True)
     fig.label("step", "x")
     out = fig.build()
     text = str(out)
@@ -120,7 +122,7 @@ def plural(count: int, word: str, words: str | None = None) -> str:
 
 
 def progress_done(event: ProgressEvent) -> str:
-    """``1.5/4.0 GiB`` for bytes, ``2/9 checkpoints`` for anything else counted."""
+    """``1.5 GiB/4.0 GiB`` for bytes, ``2/9 checkpoints`` for anything else counted."""
     if event.unit != "bytes":
         return f"{event.done}/{event.total if event.total is not None else '?'} {event.unit}"
     if event.total is None:
@@ -170,4 +172,5 @@ def progress_bar(*, enabled: bool) -> Iterator[ProgressFn | None]:
         yield update
 
 
-__all__ = ["MissingExtraError", "STATUS_COLOURS", "plot", "progress_bar", "to_csv", "wide_rows"]
+__all__ = ["MissingExtraError", "STATUS_COLOURS", "integer_ticks", "plot", "plural", "progress_bar", "progress_done",
+           "to_csv", "wide_rows"]
