@@ -39,6 +39,22 @@ class Checkpoint:
     info: CheckpointInfo | None = None
     fallback: Fallback | None = None  # set when a load of @latest skipped corrupt steps to reach this one
 
+    @property
+    def metrics(self) -> dict[str, float]:
+        """The checkpoint's metrics (those of ``info``); empty for a directory loaded without the catalog."""
+        return dict(self.info.metrics) if self.info is not None else {}
+
+    def __repr__(self) -> str:
+        """``Checkpoint(toy@300, verified, 12 tensors, 4.5 MiB)``: what it is, never every tensor."""
+        from registry.records import human_bytes
+        size = sum(t.nelement() * t.element_size() for t in self.state_dict.values() if hasattr(t, "element_size"))
+        if self.info is not None:
+            what = f"{self.info.run}@{self.info.step}, {self.info.status}"
+        else:
+            what = "no step" if self.step is None else f"step {self.step}"
+        tensors = len(self.state_dict)
+        return f"Checkpoint({what}, {tensors} tensor{'' if tensors == 1 else 's'}, {human_bytes(size)})"
+
     def payload(self, *, max_shard_size: int | None = None) -> Payload:
         meta = {"epoch": self.epoch, "consumed_samples": self.consumed_samples,
                 "timestamp": now_timestamp(), **self.meta}

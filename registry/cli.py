@@ -19,6 +19,7 @@ from registry.cli_types import Count, Size
 from registry.errors import RegistryError
 from registry.ops.policies import PolicyOptionError, build_policy
 from registry.records import NO_PAYLOAD, human_bytes
+from registry.terminal import plural
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -125,6 +126,11 @@ def cli_hints(message: str) -> str:
     for python, flag in flags.items():
         message = message.replace(python, flag)
     return message
+
+
+def stdin_is_terminal() -> bool:
+    """Whether a person can answer a question (gc's confirmation): stdin is a terminal, not a pipe or a file."""
+    return sys.stdin.isatty()
 
 
 def emit_json(doc: Any) -> None:
@@ -310,8 +316,9 @@ def ls(state: State, run: str, include_deleted: bool, policy_version: int | None
     if as_json:
         emit_json(checkpoints_doc(infos))
         return
-    table(["STEP", "STATUS", "POLICY", "SIZE", "TAGS", "CREATED", "AGE", "METRICS"],
-          [[i.step, i.status, i.policy_version, human_bytes(i.total_bytes), ",".join(i.tags),
+    policy = any(i.policy_version is not None for i in infos)  # a column nobody's training sets is left out
+    table(["STEP", "STATUS", *(["POLICY"] if policy else []), "SIZE", "TAGS", "CREATED", "AGE", "METRICS"],
+          [[i.step, i.status, *([i.policy_version] if policy else []), human_bytes(i.total_bytes), ",".join(i.tags),
             format_time(i.created_at), format_age(i.created_at),
             " ".join(f"{k}={v:.4g}" for k, v in sorted(i.metrics.items()))] for i in infos])
 
@@ -381,7 +388,7 @@ def resolve(state: State, ref: str) -> None:
 @click.pass_obj
 @command
 def tag(state: State, target: str, step_or_name: str, name: str | None) -> None:
-    """Point tag NAME at the step REF names (``tag run@best:eval/loss release``), or at RUN STEP.
+    """Point tag NAME at the step REF names (tag run@best:eval/loss release), or at RUN STEP.
 
     The tag moves if it exists.
     """
@@ -434,6 +441,10 @@ def metrics(state: State, run: str, key: str | None, history: bool, plot: bool, 
         plot_metrics(reg, run, key)
         return
     points = reg.metrics(run, key, history=history)
+    if key is not None and not points:
+        keys = reg.catalog.metric_keys(run)
+        if key not in keys:
+            raise no_metric_error(run, key, keys)
     if as_json:
         emit_json(metrics_doc(points))
         return
@@ -450,6 +461,16 @@ def metrics(state: State, run: str, key: str | None, history: bool, plot: bool, 
     table(["STEP", "KEY", "VALUE"] + (["CURRENT", "ATTEMPT"] if history else []),
           [[p.step, p.key, f"{p.value:.6g}"] + (["yes" if p.current else "no", p.attempt] if history else [])
            for p in points])
+
+
+def no_metric_error(run: str, key: str, keys: Sequence[str]) -> RegistryError:
+    """``metrics --key`` (or ``--plot --key``) of a key the run never logged: one line naming those it has."""
+    from registry.errors import CheckpointNotFoundError
+    from registry.format.refs import did_you_mean
+    more = f" and {len(keys) - 10} more" if len(keys) > 10 else ""
+    has = f"it has {', '.join(keys[:10])}{more}" if keys else "it has no metrics"
+    return CheckpointNotFoundError(f"run {run!r} has no metric {key!r} ({has})"
+                                   f"{did_you_mean(key, keys, shown='{!r}')}", run=run)
 
 
 @main.command()
@@ -485,23 +506,26 @@ def verify(state: State, targets: tuple[str, ...], as_json: bool) -> None:
               help="Byte budget (e.g. 50G): of what the other options keep (or of every step), "
                    "drop the oldest until the run fits.")
 @click.option("--policy", "policy_file", type=click.Path(exists=True, dir_okay=False), default=None,
-              metavar="FILE.py", help="A Python file that defines `policy = ...`.")
+              metavar="FILE.py", help="A Python file that defines 'policy = ...'.")
 @click.option("--allow-missing-metric", is_flag=True,
               help="Let a --keep-best metric that no checkpoint of RUN has keep nothing (default: refuse, "
                    "exit 2: a typo there would delete the real best).")
 @click.option("--release-fork-parents", is_flag=True,
               help="Let the policy delete steps that live forks name as their parent (default: keep them).")
 @click.option("--dry-run", is_flag=True, help="Print the plan; delete nothing.")
+@click.option("--yes", "-y", is_flag=True, help="Delete without asking (on a terminal gc shows the plan and asks "
+                                                "first; scripts and --json are never asked).")
 @json_option
 @click.pass_obj
 @command
 def gc(state: State, run: str, keep_last: int | None, keep_best: tuple[str, ...], keep_every: int | None,
        max_bytes: int | None, policy_file: str | None, allow_missing_metric: bool, release_fork_parents: bool,
-       dry_run: bool, as_json: bool) -> None:
+       dry_run: bool, yes: bool, as_json: bool) -> None:
     """Delete the checkpoints of RUN that no policy keeps.
 
     Options combine: a step is kept if any of them keeps it. Whatever they
     say, @latest, @latest-published, tagged, staging and leased steps stay.
+    On a terminal the plan is shown and gc asks before deleting (--yes does not ask).
     """
     try:
         policy = build_policy(keep_last=keep_last, keep_best=keep_best, keep_every=keep_every,
@@ -515,28 +539,32 @@ def gc(state: State, run: str, keep_last: int | None, keep_best: tuple[str, ...]
                                            keep_fork_parents=not release_fork_parents)
     from registry.views import gc_doc, plan_shared_bytes
     shared = plan_shared_bytes(plan)
-    with state.progress(as_json) as bar:
-        result = None if dry_run else plan.execute(progress=bar)
-    if as_json:
-        emit_json(gc_doc(plan, dry_run=dry_run, result=result, shared_bytes=shared))
-    else:
+    if not as_json:
         click.echo(f"{run}: {policy!r}")
         table(["STEP", "STATUS", "ACTION", "SIZE", "REASON"],
               [[d.step, d.status, d.action.upper() if d.action == "delete" else d.action,
                 human_bytes(d.total_bytes), "; ".join(d.reasons)] for d in plan.decisions])
         verb = "would delete" if dry_run else "planned to delete"
-        click.echo(f"{verb} {len(plan.delete)} of {len(plan.decisions)} checkpoints, "
+        click.echo(f"{verb} {len(plan.delete)} of {plural(len(plan.decisions), 'checkpoint')}, "
                    f"{human_bytes(plan.bytes_freed)}; keeping {human_bytes(plan.bytes_kept)}")
         if shared:
             click.echo(f"{human_bytes(shared)} of what they hold is stored once with kept steps (dedup): "
                        "it stays on disk and is not counted as freed")
-        if result is not None:
-            click.echo(f"deleted {len(result.deleted)} ({human_bytes(result.bytes_freed)} freed)"
-                       + (f"; finished {len(result.healed)} interrupted deletion(s)" if result.healed else ""))
-            for step, why in sorted(result.skipped.items()):
-                click.echo(f"skipped {step}: {why}")
-            for step, why in sorted(result.errors.items()):
-                click.echo(f"error {step}: {why}", err=True)
+    asking = bool(plan.delete) and not (dry_run or yes or as_json) and stdin_is_terminal()
+    if asking and not click.confirm(f"delete {plural(len(plan.delete), 'checkpoint')} of {run} "
+                                    f"({human_bytes(plan.bytes_freed)})?", default=False):
+        fail("nothing deleted")
+    with state.progress(as_json) as bar:
+        result = None if dry_run else plan.execute(progress=bar)
+    if as_json:
+        emit_json(gc_doc(plan, dry_run=dry_run, result=result, shared_bytes=shared))
+    elif result is not None:
+        click.echo(f"deleted {len(result.deleted)} ({human_bytes(result.bytes_freed)} freed)"
+                   + (f"; finished {plural(len(result.healed), 'interrupted deletion')}" if result.healed else ""))
+        for step, why in sorted(result.skipped.items()):
+            click.echo(f"skipped {step}: {why}")
+        for step, why in sorted(result.errors.items()):
+            click.echo(f"error {step}: {why}", err=True)
     if result is not None and result.errors:
         sys.exit(1)
 
@@ -587,7 +615,7 @@ def fsck(state: State, repair: bool, checksums: bool, as_json: bool) -> None:
     else:
         for line in iter_lines(report):
             click.echo(line)
-        click.echo(f"{report.rows_checked} rows checked, {len(report.problems)} problems, "
+        click.echo(f"{plural(report.rows_checked, 'row')} checked, {plural(len(report.problems), 'problem')}, "
                    f"{len(report.repaired)} repaired, {len(report.in_progress)} in progress")
     if report.unrepaired or report.failures:
         sys.exit(1)

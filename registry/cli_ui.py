@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 def ui(state: State, host: str, port: int, token: str | None) -> None:
     """Serve a read-only web view of the runs, their curves, checkpoints and retention previews.
 
-    Needs the ``ui`` extra (pip install -e '.[ui]' in a checkout). The
+    Needs the ui extra (pip install -e '.[ui]' in a checkout). The
     catalog is opened read-only; training never depends on this server.
     """
     from registry.cli import command  # imported here: registry.cli registers this command at its import
@@ -57,7 +57,8 @@ def plot_metrics(reg: Any, run: str, key: str | None) -> None:
         key = "eval/loss" if "eval/loss" in keys else keys[0]
     points = reg.metrics(run, key)
     if not points:
-        raise CheckpointNotFoundError(f"run {run!r} has no points of {key!r} (it has: {', '.join(keys) or 'none'})")
+        from registry.cli import no_metric_error
+        raise no_metric_error(run, key, keys)
     size = shutil.get_terminal_size((100, 30))
     text = plot(points, reg.checkpoints(run, include_deleted=True), run=run, key=key,
                 width=max(40, size.columns), height=max(12, min(size.lines - 2, 30)), colour=sys.stdout.isatty())

@@ -46,7 +46,7 @@ from registry.errors import CorruptCheckpointError, PolicyError, RegistryError, 
 from registry.format.layout import hidden_sibling, scan_run
 from registry.format.manifest import MANIFEST, MAX_MANIFEST_BYTES, digest_bytes, open_regular
 from registry.records import LIVE, RANKABLE, CheckpointInfo, Status, human_bytes
-from registry.format.refs import check_metric_key, check_run_name
+from registry.format.refs import check_metric_key, check_run_name, close_match
 from registry.fs import dedup as dedup_files
 from registry.fs.store import fsync_dir
 from registry.ops.protocol import keep_fallback_apart
@@ -191,6 +191,14 @@ class KeepBest(Policy):
     missing_ok: bool = field(default=False, kw_only=True)
 
     def __post_init__(self) -> None:
+        if isinstance(self.k, str) and isinstance(self.metric, int) and not isinstance(self.metric, bool):
+            # KeepBest("eval/loss", 2), as --keep-best eval/loss=2 reads: the types say which is which
+            k, metric = self.metric, self.k
+            object.__setattr__(self, "k", k)
+            object.__setattr__(self, "metric", metric)
+        if not isinstance(self.metric, str) or isinstance(self.k, bool) or not isinstance(self.k, int):
+            raise PolicyError(f"KeepBest takes the count and the metric, as in KeepBest(2, 'eval/loss'); "
+                              f"got KeepBest({self.k!r}, {self.metric!r})")
         _positive_int(self.k, "KeepBest(k)")
         check_metric_key(self.metric)
         if self.mode not in ("min", "max"):
@@ -217,7 +225,8 @@ class KeepBest(Policy):
             listed = "its checkpoints have no metrics"
         else:
             more = f" and {len(known) - 10} more" if len(known) > 10 else ""
-            guess = f"did you mean {known[0]!r}? " if likeness(known[0]) >= 0.6 else ""
+            close = close_match(self.metric, known)
+            guess = f"did you mean {close!r}? " if close is not None else ""
             listed = f"{guess}its checkpoints have {', '.join(known[:10])}{more}"
         return UnknownMetricError(f"{self!r}: no checkpoint of run {run!r} has metric {self.metric!r}; "
                                   f"{listed}; {MISSING_METRIC_HINT}", metric=self.metric, known=known, run=run)

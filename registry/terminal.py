@@ -15,7 +15,7 @@ from typing import Any
 
 from registry.errors import RegistryError, install_hint
 from registry.progress import ProgressEvent, ProgressFn
-from registry.records import CheckpointInfo, MetricPoint
+from registry.records import CheckpointInfo, MetricPoint, human_bytes
 
 # one colour per status, the same as the web view's (registry/web/static/chart.js)
 STATUS_COLOURS = {"verified": (46, 160, 67), "published": (31, 111, 235), "corrupt": (207, 34, 46),
@@ -69,7 +69,7 @@ def plot(points: Sequence[MetricPoint], checkpoints: Sequence[CheckpointInfo], *
     fig.plot_size(width, height)
     if not colour:
         fig.theme("colorless")
-    fig.title(f"{run}  {key}  ({len(points)} points, {len(checkpoints)} checkpoints)")
+    fig.title(f"{run}  {key}  ({plural(len(points), 'point')}, {plural(len(checkpoints), 'checkpoint')})")
     fig.draw(fig.signal([s for s, _ in curve], [v for _, v in curve], marker="hd").lines())
     by_status: dict[str, list[tuple[int, float]]] = {}
     for info in checkpoints:
@@ -79,13 +79,55 @@ def plot(points: Sequence[MetricPoint], checkpoints: Sequence[CheckpointInfo], *
     for status, marks in sorted(by_status.items()):
         signal = fig.signal([s for s, _ in marks], [v for _, v in marks], marker=markers.get(status, "o"))
         fig.draw(signal.label(f"{markers.get(status, 'o')} {status}"))
+    first, last = curve[0][0], curve[-1][0]
+    pad = max(0.5, (last - first) * 0.03)  # a marker or tag at either end stays inside the frame
+    middle = (first + last) / 2
     for info in checkpoints:
         if info.tags and info.step in values:
-            fig.draw(fig.text(info.step, values[info.step], " " + ",".join(info.tags)))
+            # drawn over the point, with its marker in the text: a tag near the right edge ends at its point
+            marker, tags = markers.get(str(info.status), "o"), ",".join(info.tags)
+            right = info.step > middle
+            fig.draw(fig.text(info.step, values[info.step], f"{tags} {marker}" if right else f"{marker} {tags}",
+                              alignment="right" if right else "left"))
+    fig.ruler("x").lim(first - pad, last + pad)
+    fig.ruler("x").ticks(integer_ticks(first, last))
+    low, high = min(v for _, v in curve), max(v for _, v in curve)
+    spread = (high - low) * 0.05 or abs(high) * 0.5 or 1.0
+    fig.ruler("y").lim(low - spread, high + spread)
+    descends = curve[-1][1] <= (low + high) / 2
+    # the legend goes in the corner the curve leaves empty: top right for a falling curve, bottom right for a rising one
+    fig.legend(x=last + pad, y=high + spread if descends else low - spread, ha="right",
+               va="top" if descends else "bottom", relative=True)
     fig.label("step", "x")
     out = fig.build()
     text = str(out)
     return text if colour else plt.uncolorize(text)
+
+
+def integer_ticks(first: int, last: int, *, most: int = 7) -> list[int]:
+    """At most ``most`` whole steps between ``first`` and ``last``, a round spacing apart (1, 2, 5, 10, 20, ...)."""
+    span, magnitude = max(0, last - first), 1
+    while True:
+        spacing = next((f * magnitude for f in (1, 2, 5) if span <= (most - 1) * f * magnitude), None)
+        if spacing is not None:
+            break
+        magnitude *= 10
+    start = -(-first // spacing) * spacing  # the first multiple of the spacing at or after ``first``
+    return list(range(start, last + 1, spacing)) or [first]
+
+
+def plural(count: int, word: str, words: str | None = None) -> str:
+    """``1 problem``, ``3 problems``: a count with its noun."""
+    return f"{count} {word if count == 1 else (words or word + 's')}"
+
+
+def progress_done(event: ProgressEvent) -> str:
+    """``1.5 GiB/4.0 GiB`` for bytes, ``2/9 checkpoints`` for anything else counted."""
+    if event.unit != "bytes":
+        return f"{event.done}/{event.total if event.total is not None else '?'} {event.unit}"
+    if event.total is None:
+        return human_bytes(event.done)
+    return f"{human_bytes(event.done)}/{human_bytes(event.total)}"
 
 
 @contextmanager
@@ -103,20 +145,32 @@ def progress_bar(*, enabled: bool) -> Iterator[ProgressFn | None]:
     if not enabled or not sys.stderr.isatty():
         yield None
         return
+    from rich.text import Text
+
+    class Amount(rich_progress.ProgressColumn):
+        """Sizes and speeds as every table writes them (KiB, MiB: human_bytes), not rich's decimal kB and MB."""
+
+        def render(self, task: Any) -> Any:
+            total = None if task.total is None else int(task.total)
+            event = ProgressEvent(task="", done=int(task.completed), total=total, unit=task.fields["unit"])
+            speed = task.finished_speed or task.speed
+            per_second = f"  {human_bytes(int(speed))}/s" if speed and event.unit == "bytes" else ""
+            return Text(progress_done(event) + per_second)
+
     bars = rich_progress.Progress(
-        rich_progress.TextColumn("{task.description}"), rich_progress.BarColumn(),
-        rich_progress.DownloadColumn(), rich_progress.TransferSpeedColumn(), rich_progress.TimeRemainingColumn(),
-        console=Console(stderr=True), transient=True)
+        rich_progress.TextColumn("{task.description}"), rich_progress.BarColumn(), Amount(),
+        rich_progress.TimeRemainingColumn(), console=Console(stderr=True), transient=True)
     tasks: dict[str, Any] = {}
 
     def update(event: ProgressEvent) -> None:
         task = tasks.get(event.task)
         if task is None:
-            task = tasks[event.task] = bars.add_task(event.task, total=event.total)
+            task = tasks[event.task] = bars.add_task(event.task, total=event.total, unit=event.unit)
         bars.update(task, completed=event.done, total=event.total,
                     description=f"{event.task} {event.item}" if event.item else event.task)
     with bars:
         yield update
 
 
-__all__ = ["MissingExtraError", "STATUS_COLOURS", "plot", "progress_bar", "to_csv", "wide_rows"]
+__all__ = ["MissingExtraError", "STATUS_COLOURS", "integer_ticks", "plot", "plural", "progress_bar", "progress_done",
+           "to_csv", "wide_rows"]

@@ -29,7 +29,7 @@ from registry.catalog.session import (_sqlite_begin, _sqlite_pragmas, catalog_na
                                       open_engine, retrying, write_connection)
 from registry.errors import CatalogError, CheckpointNotFoundError, StepExistsError
 from registry.records import ENDED, HAS_PAYLOAD, LIVE, RANKABLE, CheckpointInfo, EventInfo, MetricPoint, RunInfo, Status
-from registry.format.refs import Ref, selector_hint
+from registry.format.refs import Ref, did_you_mean, selector_hint
 
 NOTIFY_CHANNEL = "registry_checkpoints"
 
@@ -267,8 +267,30 @@ class Catalog:
         """The id of ``run``; ``CheckpointNotFoundError`` when there is no such run."""
         run_id = self.lookup_run(conn, run)
         if run_id is None:
-            raise CheckpointNotFoundError(f"no run named {run!r}", run=run)
+            hint = did_you_mean(run, conn.scalars(select(Run.name)), shown="{!r}")
+            raise CheckpointNotFoundError(f"no run named {run!r}{hint}", run=run)
         return run_id
+
+    @staticmethod
+    def tag_names(conn: Connection, run_id: int) -> list[str]:
+        return list(conn.scalars(select(Tag.name).where(Tag.run_id == run_id)))
+
+    @staticmethod
+    def _metric_key_query(run_id: int) -> Any:
+        return (select(Metric.key).where(Metric.run_id == run_id, Metric.superseded.is_(False))
+                .distinct().order_by(Metric.key))
+
+    def _not_found_hint(self, conn: Connection, ref: Ref) -> str:
+        """What a tag or ``best:`` ref that found nothing probably meant, from the run's own names."""
+        run_id = self.require_run(conn, ref.run)
+        if ref.kind == "tag" and ref.tag is not None and not selector_hint(ref.run, ref.tag):
+            return did_you_mean(ref.tag, self.tag_names(conn, run_id), shown=f"{ref.run}@{{}}")
+        if ref.kind == "best" and ref.metric is not None:
+            keys = list(conn.scalars(self._metric_key_query(run_id)))
+            if ref.metric not in keys:
+                mode = ":max" if ref.mode == "max" else ""
+                return did_you_mean(ref.metric, keys, shown=f"{ref.run}@best:{{}}{mode}")
+        return ""
 
     @staticmethod
     def record_event(conn: Connection, run_id: int | None, step: int | None, kind: str,
@@ -604,7 +626,8 @@ class Catalog:
             run_id = self.require_run(conn, run)
             old = self._tagged(conn, run_id, name)
             if old is None:
-                raise CheckpointNotFoundError(f"run {run!r} has no tag {name!r}", run=run)
+                hint = did_you_mean(name, self.tag_names(conn, run_id), shown="{!r}")
+                raise CheckpointNotFoundError(f"run {run!r} has no tag {name!r}{hint}", run=run)
             conn.execute(delete(Tag).where(Tag.run_id == run_id, Tag.name == name))
             self.record_event(conn, run_id, old.step, "untag", actor=actor, tag=name, old_step=old.step)
             return int(old.step)
@@ -674,8 +697,8 @@ class Catalog:
             query, what = self.resolve_query(ref, below=below, min_policy_version=min_policy_version)
             row = conn.execute(query).first()
             if row is None:
-                self.require_run(conn, ref.run)
-                raise CheckpointNotFoundError(f"{ref}: {what}", run=ref.run, step=ref.step)
+                hint = self._not_found_hint(conn, ref)
+                raise CheckpointNotFoundError(f"{ref}: {what}{hint}", run=ref.run, step=ref.step)
             if ref.kind in ("tag", "step") and row.status not in HAS_PAYLOAD:
                 raise CheckpointNotFoundError(f"{ref}: step {row.step} is {row.status}", run=ref.run, step=row.step)
             return self.checkpoint_infos(conn, ref.run, [row])[0]
@@ -830,10 +853,7 @@ class Catalog:
     def metric_keys(self, run: str) -> list[str]:
         """The keys ``run`` has current metric points for, sorted: what a curve may be drawn of."""
         def fn(conn: Connection) -> list[str]:
-            run_id = self.require_run(conn, run)
-            query = (select(Metric.key).where(Metric.run_id == run_id, Metric.superseded.is_(False))
-                     .distinct().order_by(Metric.key))
-            return list(conn.execute(query).scalars())
+            return list(conn.scalars(self._metric_key_query(self.require_run(conn, run))))
         return self.read(fn)
 
     def files(self, run: str, step: int) -> list[FileRecord]:

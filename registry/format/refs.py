@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -95,6 +96,24 @@ def _bad_ref(text: object, why: str, hint: str | None = None) -> InvalidRefError
     return InvalidRefError(f"invalid ref {text!r}: {why}; {hint + '; ' if hint else ''}{REF_GRAMMAR}")
 
 
+def close_match(name: str, candidates: Iterable[str], *, cutoff: float = 0.6) -> str | None:
+    """The one of ``candidates`` that ``name`` most likely misspells (case ignored), or None.
+
+    The one home of every "did you mean": refs, keywords, runs, tags and metric keys.
+    """
+    by_folded: dict[str, str] = {}
+    for candidate in candidates:
+        by_folded.setdefault(candidate.lower(), candidate)
+    close = difflib.get_close_matches(name.lower(), list(by_folded), n=1, cutoff=cutoff)
+    return by_folded[close[0]] if close and by_folded[close[0]] != name else None
+
+
+def did_you_mean(name: str, candidates: Iterable[str], *, shown: str = "{}") -> str:
+    """``"; did you mean 'wide-64'?"`` for the closest of ``candidates`` (``shown`` formats it), else ``""``."""
+    match = close_match(name, candidates)
+    return f"; did you mean {shown.format(match)}?" if match is not None else ""
+
+
 def selector_hint(run: str, selector: str) -> str | None:
     """``did you mean RUN@...?`` for a selector that looks like a misspelt keyword, else None.
 
@@ -105,9 +124,9 @@ def selector_hint(run: str, selector: str) -> str | None:
     if lowered.startswith("best") and (lowered == "best" or ":" in lowered):
         body = selector[len("best"):].lstrip("-_./:")
         return f"did you mean {run}@best:{body or 'METRIC'}?"
-    close = difflib.get_close_matches(lowered, _SELECTOR_WORDS, n=1, cutoff=0.75)
-    if close and close[0] != selector:
-        return f"did you mean {run}@{close[0] if close[0] != 'best' else 'best:METRIC'}?"
+    close = close_match(selector, _SELECTOR_WORDS, cutoff=0.75)
+    if close is not None:
+        return f"did you mean {run}@{close if close != 'best' else 'best:METRIC'}?"
     return None
 
 
@@ -117,10 +136,22 @@ def _best_hint(run: str, body: str) -> str | None:
     if metric and ":" not in metric and METRIC_KEY_RE.fullmatch(metric):
         if not mode:
             return f"did you mean {run}@best:{metric}?"
-        close = difflib.get_close_matches(mode.lower(), ("min", "max"), n=1, cutoff=0.5)
-        if close:
-            return f"did you mean {run}@best:{metric}:{close[0]}?"
+        close = close_match(mode, ("min", "max"), cutoff=0.5)
+        if close is not None:
+            return f"did you mean {run}@best:{metric}:{close}?"
     return None
+
+
+def _colon_hint(text: str) -> str | None:
+    """``toy:latest`` (Docker's and W&B's spelling) -> ``did you mean toy@latest?``."""
+    run, _, selector = text.partition(":")
+    if not selector:
+        return None
+    try:
+        parse_ref(f"{run}@{selector}")
+    except InvalidRefError:
+        return None
+    return f"did you mean {run}@{selector}?"
 
 
 def parse_ref(text: object) -> Ref:
@@ -138,7 +169,8 @@ def parse_ref(text: object) -> Ref:
     try:
         check_run_name(run)
     except InvalidNameError as exc:
-        raise _bad_ref(text, str(exc)) from None
+        colon = None if sep else _colon_hint(text)
+        raise _bad_ref(text, "a step or tag follows '@', not ':'" if colon else str(exc), colon) from None
     if not sep:
         return Ref(run=run, kind="latest")
     if not selector:
@@ -156,14 +188,15 @@ def parse_ref(text: object) -> Ref:
     if selector.startswith("best:"):
         body = selector[len("best:"):]
         metric, mode = body, "min"
-        if body.endswith((":min", ":max")):
+        moded = body.endswith((":min", ":max"))
+        if moded:
             metric, mode = body[:-4], body[-3:]
         if not metric:
             raise _bad_ref(text, "no METRIC after 'best:'", f"did you mean {run}@best:METRIC?")
         try:
             check_metric_key(metric)
         except InvalidNameError:
-            why = (f"{body.rpartition(':')[2]!r} is not min or max" if ":" in body
+            why = (f"{body.rpartition(':')[2]!r} is not min or max" if ":" in body and not moded
                    else f"{metric!r} is not a metric key (letters, digits, '_', '.', '/', '-')")
             raise _bad_ref(text, why, _best_hint(run, body)) from None
         return Ref(run=run, kind="best", metric=metric, mode=mode)  # type: ignore[arg-type]

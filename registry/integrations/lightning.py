@@ -367,7 +367,8 @@ class RegistryCheckpoint(pl.Callback):
             self._validated = None
         options = {"metrics": metrics, "retention": self.keep, "blocking": self.blocking,
                    "overwrite": self.resumed_at is not None and step > self.resumed_at}
-        trainer.save_checkpoint(f"{PREFIX}{self.run}@{step}", storage_options=options)
+        # weights_only=False said, not defaulted: Lightning logs its default on every save otherwise
+        trainer.save_checkpoint(f"{PREFIX}{self.run}@{step}", weights_only=False, storage_options=options)
         self.published.add(step)
 
 

@@ -31,6 +31,7 @@ optimizer or scheduler state that needs full unpickling is refused with
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import warnings
@@ -57,6 +58,16 @@ RNG_FILE = "rng_state.pth"
 RNG_EXTRA = "rng_state"  # published as rng_state.pt: extras are NAME.pt
 PUBLISHED_EXTRAS = ("optimizer", "scheduler", "scaler")  # the Trainer's NAME.pt files, kept under their names
 META_KEY = "hf_trainer_state"
+# what the Trainer's speed_metrics() adds to every evaluation: timings of this machine, not of the model
+SPEED_SUFFIXES = ("_runtime", "_samples_per_second", "_steps_per_second", "_tokens_per_second")
+
+log = logging.getLogger(__name__)
+
+
+def model_metrics(metrics: dict[str, Any] | None, *, speed: bool = False) -> dict[str, float]:
+    """The numbers of an evaluation worth ranking by: without ``epoch`` and, unless ``speed``, the timings."""
+    return numeric_metrics({k: v for k, v in (metrics or {}).items()
+                            if k != "epoch" and (speed or not k.endswith(SPEED_SUFFIXES))})
 
 
 def _plain_rng(state: dict[str, Any]) -> dict[str, Any]:
@@ -92,11 +103,14 @@ class RegistryCallback(TrainerCallback):
     ``blocking=False`` publishes in the background (``on_train_end`` waits
     for it; a ``checkpoint-N`` directory is removed once its publish
     committed). ``keep`` is a retention policy applied after each publish.
+    The Trainer's timings (``eval_runtime``, ``eval_samples_per_second``,
+    ``eval_steps_per_second``, ...) are not stored as metrics unless
+    ``speed_metrics=True``.
     """
 
     def __init__(self, registry: Registry, run: str, *, keep: Policy | None = None, blocking: bool = True,
                  remove_trainer_checkpoints: bool = True, trust_pickle: bool = False,
-                 tags: tuple[str, ...] = ()) -> None:
+                 tags: tuple[str, ...] = (), speed_metrics: bool = False) -> None:
         from registry.format.refs import check_run_name
         check_run_name(run)
         self.registry = registry
@@ -106,6 +120,7 @@ class RegistryCallback(TrainerCallback):
         self.remove_trainer_checkpoints = remove_trainer_checkpoints
         self.trust_pickle = trust_pickle
         self.tags = tags
+        self.speed_metrics = speed_metrics
         self.published: set[int] = set()
         self.checkout: Checkout | None = None
         self._pending: list[tuple[Any, Path]] = []  # (publish result or future, checkpoint-N directory)
@@ -139,6 +154,8 @@ class RegistryCallback(TrainerCallback):
             self.registry.begin_attempt(self.run, resumed_from=checkout.step)
             self.resumed_at = checkout.step
         self.checkout = checkout
+        log.info("resuming %s from %s@%d (%s; asked for %s)", self.run, checkout.info.run, checkout.step,
+                 checkout.info.status, ref or f"{self.run}@latest")
         return str(checkout.path)
 
     # ------------------------------------------------------------------ hooks
@@ -160,7 +177,7 @@ class RegistryCallback(TrainerCallback):
                     metrics: dict[str, Any] | None = None, **kwargs: Any) -> None:
         if not state.is_world_process_zero:
             return
-        points = numeric_metrics({k: v for k, v in (metrics or {}).items() if k != "epoch"})
+        points = model_metrics(metrics, speed=self.speed_metrics)
         if points:  # late when the step is already published: written now, so best: re-ranks at once
             self.registry.log_metrics(self.run, state.global_step, points,
                                       flush=state.global_step in self.published)

@@ -31,7 +31,9 @@ def parse_keep_best(text: str) -> tuple[str, str, int]:
     except InvalidNumberError:
         k = None
     if k is None:
-        raise PolicyError(f"{shown(text)} is not METRIC[:max]=K with K >= 1")
+        swapped = metric.isdigit() and not count.isdigit() and count
+        example = f"{count}={metric}" if swapped else "eval/loss=2"
+        raise PolicyError(f"{shown(text)} is not METRIC[:max]=K with K >= 1 (as in --keep-best {example})")
     return metric, mode, k
 
 
@@ -122,9 +124,14 @@ def parse_policy_text(text: str) -> Policy:
                 keep_last = count
             else:
                 keep_every = count
-        elif name == "keep-best" and len(value.split()) == 2:
+        elif name == "keep-best" and len(value.split()) == 2 and not value.split()[0].isdigit():
             metric, count = value.split()
             keep_best.append(f"{metric}={count}")
+        elif name == "keep-best":
+            words = value.replace("=", " ").split()
+            example = " ".join(reversed(words)) if len(words) == 2 and words[0].isdigit() else "eval/loss 2"
+            raise PolicyError(f"cannot read policy clause {clause!r}: keep-best takes METRIC[:max] then K, "
+                              f"as in keep-best {example}")
         elif name == "max-bytes" and value:
             max_bytes = value
         else:

@@ -32,7 +32,7 @@ from registry.catalog.lineage import identical_files
 from registry.crashpoints import crashpoint
 from registry.errors import CatalogError, CorruptCheckpointError, PublishError, RegistryError
 from registry.format.layout import hidden_sibling
-from registry.records import CheckpointInfo, Status
+from registry.records import CheckpointInfo, Status, human_bytes
 from registry.fs import dedup as dedup_files
 from registry.fs.dedup import Linked, link_identical, unshare
 from registry.fs.store import (Written, check_written, discard, install, new_staging, remove_stale_staging,
@@ -99,8 +99,8 @@ def publish_sequence(catalog: Catalog, *, run: str, step: int, final: Path, relp
             log.warning("published %s@%d, but could not give it its own copy of a file the next verified step "
                         "holds: %s; the next gc tries again", run, step, exc.strerror or exc)
     seconds = time.perf_counter() - started
-    log.info("published %s@%d (%s): %d bytes in %.3f s, %.2f GB/s", run, step, status, written.total_bytes, seconds,
-             written.total_bytes / seconds / 1e9 if seconds > 0 else 0.0)
+    log.info("published %s@%d (%s): %s in %.3f s, %s/s", run, step, status, human_bytes(written.total_bytes), seconds,
+             human_bytes(int(written.total_bytes / seconds) if seconds > 0 else 0))
     info = catalog.get(run, step)
     assert info is not None, "a committed step has a row"
     return info
