@@ -532,6 +532,9 @@ def gc(state: State, run: str, keep_last: int | None, keep_best: tuple[str, ...]
         if result is not None:
             click.echo(f"deleted {len(result.deleted)} ({human_bytes(result.bytes_freed)} freed)"
                        + (f"; finished {len(result.healed)} interrupted deletion(s)" if result.healed else ""))
+            if result.checkouts_removed:
+                click.echo(f"removed {len(result.checkouts_removed)} registry-owned checkout(s) whose lease "
+                           "had expired")
             for step, why in sorted(result.skipped.items()):
                 click.echo(f"skipped {step}: {why}")
             for step, why in sorted(result.errors.items()):

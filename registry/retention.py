@@ -48,6 +48,7 @@ from registry.format.manifest import MANIFEST, MAX_MANIFEST_BYTES, digest_bytes,
 from registry.records import LIVE, RANKABLE, CheckpointInfo, Status, human_bytes
 from registry.format.refs import check_metric_key, check_run_name
 from registry.fs.store import fsync_dir
+from registry.ops.checkouts import reclaim as reclaim_checkouts
 from registry.progress import Counter, ProgressFn
 
 log = logging.getLogger(__name__)
@@ -439,11 +440,13 @@ class RetentionResult:
     bytes_freed: int
     healed: tuple[int, ...]         # interrupted earlier deletions this run finished
     errors: Mapping[int, str]       # marked deleted but the directory could not be removed (retry gc)
+    checkouts_removed: tuple[Path, ...] = ()  # registry-owned checkouts of the run whose lease had expired
 
     def to_json(self) -> dict[str, Any]:
         return {"run": self.run, "deleted": list(self.deleted),
                 "skipped": {str(k): v for k, v in self.skipped.items()}, "bytes_freed": self.bytes_freed,
-                "healed": list(self.healed), "errors": {str(k): v for k, v in self.errors.items()}}
+                "healed": list(self.healed), "errors": {str(k): v for k, v in self.errors.items()},
+                "checkouts_removed": [str(p) for p in self.checkouts_removed]}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -630,6 +633,8 @@ def finish_interrupted(scope: RetentionScope, run: str) -> tuple[tuple[int, ...]
 
 def _execute(scope: RetentionScope, plan: RetentionPlan, progress: ProgressFn | None = None) -> RetentionResult:
     healed, errors = finish_interrupted(scope, plan.run)
+    # first: an expired checkout made of hard links would keep a deleted step's bytes on disk
+    reclaimed = reclaim_checkouts(scope.catalog, scope.root, run=plan.run)
     planned = sorted(plan.delete)
     skipped: dict[int, str] = {}
 
@@ -667,7 +672,8 @@ def _execute(scope: RetentionScope, plan: RetentionPlan, progress: ProgressFn | 
             errors[row.step] = f"cannot remove {scope.root / row.path}: {exc.strerror or exc}"
         counter.advance(1, item=f"{plan.run}@{row.step}")
     return RetentionResult(run=plan.run, deleted=tuple(r.step for r in marked), skipped=dict(skipped),
-                           bytes_freed=sum(r.total_bytes for r in marked), healed=healed, errors=errors)
+                           bytes_freed=sum(r.total_bytes for r in marked), healed=healed, errors=errors,
+                           checkouts_removed=reclaimed)
 
 
 __all__ = ["AnyOf", "Decision", "KeepBest", "KeepEvery", "KeepLast", "KeepNewerThan", "KeepPolicyVersions",
