@@ -45,7 +45,7 @@ from registry.format.manifest import MANIFEST, read_manifest
 from registry.fs.bounds import check_outside_root
 from registry.fs.filemaps import map_directory, read_error
 from registry.ops import checkouts
-from registry.ops.checkouts import CHECKOUTS, Kind, Link
+from registry.ops.checkouts import Kind, Link
 from registry.ops.reading import CatalogRead, ReadAccess, report
 
 if TYPE_CHECKING:
@@ -321,5 +321,5 @@ def export(ckpt: Checkpoint, dest: Path, *, root: Path, format: ExportFormat = "
                     files=files)
 
 
-__all__ = ["CHECKOUTS", "Checkout", "Exported", "FORMATS", "check_checkout_dest", "check_dest", "check_format",
+__all__ = ["Checkout", "Exported", "FORMATS", "check_checkout_dest", "check_dest", "check_format",
            "checkout", "export"]
