@@ -234,3 +234,18 @@ def test_checkout_and_import_refuse_the_root_but_not_the_owned_checkouts(reg: Re
     with pytest.raises(InvalidStateError, match="contains the checkpoint root"):
         reg.import_checkpoint(tmp_path, run="x", step=1, move=True)
     assert reg.fsck(checksums=True).clean
+
+
+def test_a_renewed_checkout_is_not_reclaimed_and_cli_fsck_says_what_it_removed(reg: Registry, cli) -> None:  # type: ignore[no-untyped-def]
+    publish_two(reg)
+    kept = reg.checkout("run@2", ttl=timedelta(0))
+    kept.renew(timedelta(hours=1))  # the record follows the new lease
+    gone = reg.checkout("run@1", ttl=timedelta(0))
+    out = cli("fsck", "--repair")
+    assert "expired-checkout" in out.output and "run@1" in out.output and "run@2" not in out.output
+    assert kept.path.is_dir() and not gone.path.exists()
+    again = reg.checkout("run@2", ttl=timedelta(0))
+    out = cli("gc", "run", "--keep-last", "1")
+    assert out.exit_code == 0 and "removed 1 registry-owned checkout(s)" in out.output
+    assert kept.path.is_dir() and not again.path.exists()
+    kept.close()
