@@ -602,10 +602,15 @@ class Registry:
         from registry.ops.export import check_dest, check_format, export
         check_format(format, max_shard_size)
         check_flags(overwrite=overwrite)
-        check_dest(Path(dest), root=self.store.root, overwrite=overwrite)
+        check_dest(Path(dest), root=self.store.root, catalog=self._catalog_file(), overwrite=overwrite)
         ckpt = self.load(ref, extras=False, resume=False)  # no extra is read, so none needs trusting
-        return export(ckpt, Path(dest).absolute(), root=self.store.root, format=format,  # type: ignore[arg-type]
-                      max_shard_size=max_shard_size, overwrite=overwrite)
+        return export(ckpt, Path(dest).absolute(), root=self.store.root, catalog=self._catalog_file(),
+                      format=format, max_shard_size=max_shard_size, overwrite=overwrite)  # type: ignore[arg-type]
+
+    def _catalog_file(self) -> Path | None:
+        """The SQLite catalog's file (None for a server): no export or import --move may take it."""
+        url = self.catalog.engine.url
+        return Path(url.database) if url.get_backend_name() == "sqlite" and url.database else None
 
     def load_into(self, ref: str | Ref, state: Any, *, group: Any = None, keys: Collection[str] | None = None,
                   strict: bool = True, verify: bool = True, trust_pickle: bool = False,
@@ -854,7 +859,8 @@ class Registry:
         check_flags(move=move, overwrite=overwrite)
         tags = check_tags(tags)
         if move:  # moving takes the files away: never from a published checkpoint, never the root itself
-            check_outside_root(Path(path), self.store.root, what="import --move source")
+            check_outside_root(Path(path), self.store.root, what="import --move source",
+                               catalog=self._catalog_file())
         foreign = scan(Path(path).absolute())
         final = self.store.step_dir(run, step)
         if final.resolve() == foreign.directory.resolve():

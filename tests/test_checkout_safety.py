@@ -249,3 +249,19 @@ def test_a_renewed_checkout_is_not_reclaimed_and_cli_fsck_says_what_it_removed(r
     assert out.exit_code == 0 and "removed 1 registry-owned checkout(s)" in out.output
     assert kept.path.is_dir() and not again.path.exists()
     kept.close()
+
+
+def test_export_and_import_move_never_take_a_sqlite_catalog_kept_outside_the_root(tmp_path: Path) -> None:
+    db = tmp_path / "db"
+    db.mkdir()
+    with Registry.open(url=f"sqlite:///{db / 'catalog.db'}", root=tmp_path / "ckpt") as reg:
+        publish_two(reg)
+        reg.export("run@1", tmp_path / "out")
+        st.save_file(make_state(5), str(db / "model.safetensors"))  # db/ now also looks like an importable dir
+        with pytest.raises(InvalidStateError, match="contains the catalog"):
+            reg.export("run@2", db, overwrite=True)
+        with pytest.raises(InvalidStateError, match="contains the catalog"):
+            reg.import_checkpoint(db, run="x", step=1, move=True)
+        assert (db / "catalog.db").is_file() and [i.step for i in reg.checkpoints("run")] == [1, 2]
+        reg.export("run@2", tmp_path / "out", overwrite=True)  # an ordinary directory is still replaced
+        assert_state_equal(st.load_file(str(tmp_path / "out" / "model.safetensors")), make_state(2))

@@ -21,11 +21,14 @@ def real(path: Path) -> Path:
     return Path(path).absolute().resolve(strict=False)
 
 
-def check_outside_root(path: Path, root: Path, *, what: str, allowed: Path | None = None) -> None:
+def check_outside_root(path: Path, root: Path, *, what: str, allowed: Path | None = None,
+                       catalog: Path | None = None) -> None:
     """Refuse ``path`` when it is inside ``root`` or contains it, with one line naming both.
 
     ``allowed``: a directory inside the root that the registry owns for
     this purpose (the registry-owned checkouts); a path inside it passes.
+    ``catalog``: a SQLite catalog file kept outside the root, which ``path``
+    may not contain either.
     """
     mine, theirs = real(path), real(root)
     if allowed is not None and mine.is_relative_to(real(allowed)) and mine != real(allowed):
@@ -36,6 +39,9 @@ def check_outside_root(path: Path, root: Path, *, what: str, allowed: Path | Non
     if theirs.is_relative_to(mine):
         raise InvalidStateError(f"{what} {path} contains the checkpoint root {root}, whose runs and catalog it "
                                 "could replace or remove; choose a directory outside the root")
+    if catalog is not None and real(catalog).is_relative_to(mine):
+        raise InvalidStateError(f"{what} {path} contains the catalog {catalog}, which writing it could replace "
+                                "or remove; choose a directory that does not hold it")
 
 
 __all__ = ["check_outside_root", "real"]

@@ -283,15 +283,17 @@ def check_format(fmt: object, max_shard_size: object) -> int | None:
     return max_shard_size if max_shard_size is not None else HF_DEFAULT_SHARD
 
 
-def check_dest(dest: Path, *, root: Path, overwrite: bool) -> None:
-    """An export's destination: outside the checkpoint root, not containing it, empty unless ``overwrite``."""
-    check_outside_root(dest, root, what="export destination")
+def check_dest(dest: Path, *, root: Path, overwrite: bool, catalog: Path | None = None) -> None:
+    """An export's destination: outside the checkpoint root, holding neither it nor ``catalog`` (a SQLite
+    file elsewhere), empty unless ``overwrite``."""
+    check_outside_root(dest, root, what="export destination", catalog=catalog)
     if dest.exists() and (not dest.is_dir() or (any(dest.iterdir()) and not overwrite)):
         raise InvalidStateError(f"export destination {dest} exists and is not empty; pass overwrite=True "
                                 "to replace it")
 
 
-def export(ckpt: Checkpoint, dest: Path, *, root: Path, format: ExportFormat = "safetensors",  # noqa: A002
+def export(ckpt: Checkpoint, dest: Path, *, root: Path, catalog: Path | None = None,
+           format: ExportFormat = "safetensors",  # noqa: A002 - the CLI's name
            max_shard_size: int | None = None, overwrite: bool = False) -> Exported:
     """Write ``ckpt``'s weights and config as a standalone directory (atomically, replacing ``dest``).
 
@@ -301,11 +303,12 @@ def export(ckpt: Checkpoint, dest: Path, *, root: Path, format: ExportFormat = "
     the weights fit one shard, as ``save_pretrained`` writes them. Either way with ``config.json``,
     ``meta.json`` (epoch, step, source) and a ``manifest.json``, so the
     registry can import it back. Extras (optimizer state) are left out.
-    ``root``: the checkpoint root, which ``dest`` may be neither inside nor contain.
+    ``root``: the checkpoint root, which ``dest`` may be neither inside nor contain; nor may it
+    contain ``catalog``.
     """
     from registry.checkpoint import Checkpoint
     shard = check_format(format, max_shard_size)
-    check_dest(dest, root=root, overwrite=overwrite)
+    check_dest(dest, root=root, catalog=catalog, overwrite=overwrite)
     if dest.exists() and not dest.is_dir():
         raise RootError(f"export destination {dest} is not a directory", path=dest)
     meta = {k: v for k, v in ckpt.meta.items() if k in ("optimizer_step", "policy_version")}
