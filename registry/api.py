@@ -27,13 +27,14 @@ from registry.ops.background import BackgroundPublisher
 from registry.catalog import Catalog, CommitRecord, PayloadRecord
 from registry.catalog.lineage import LineageCatalog, LineageHop, LineageRecord
 from registry.checkpoint import Checkpoint
-from registry.errors import InvalidStateError, RegistryError, StepExistsError
+from registry.errors import InvalidStateError, ReadOnlyError, RegistryError, StepExistsError
 from registry.format.layout import step_dirname
 from registry.ops.protocol import publish_sequence
 from registry.records import HAS_PAYLOAD, LIVE, CheckpointInfo, EventInfo, MetricPoint, RunInfo, Status
 from registry.format.refs import Ref, check_metric_key, check_run_name, check_step, check_tag_name, parse_ref
 from registry.ops.scrub import VerifyResult, scrub
 from registry.fs.snapshot import Snapshotter
+from registry.fs.bounds import check_outside_root
 from registry.fs.filemaps import check_extras
 from registry.fs.store import Payload, Store, Written, now_timestamp, write_payload
 from registry.ops.writers import writer_alive, writer_id
@@ -584,33 +585,60 @@ class Registry:
         return Checkpoint.from_read(read)
 
     def checkout(self, ref: str | Ref, dest: str | os.PathLike[str] | None = None, *,
-                 ttl: timedelta | None = None, verify: bool = True, fallback: bool = True) -> Checkout:
-        """A directory of links to ``ref``'s verified files, under a reader lease (see :mod:`registry.ops.export`).
+                 ttl: timedelta | None = None, verify: bool = True, fallback: bool = True,
+                 link: str | None = None) -> Checkout:
+        """A directory of ``ref``'s verified files, under a reader lease (see :mod:`registry.ops.export`).
 
-        ``dest`` must be empty or absent; by default one is made under
-        ``<root>/.registry/checkouts/`` and removed on ``close()``. The lease
-        lasts ``ttl`` (default: this registry's ``lease_ttl``); ``renew()`` it
-        for longer work. Use as a context manager or as a path.
+        The files are the caller's own (reflinks where the filesystem clones,
+        checked copies otherwise): writing into the checkout never changes a
+        step. ``link="hardlink"`` or ``"symlink"`` links them instead, which
+        costs no bytes but aliases the step: a write through the checkout
+        (``save_pretrained`` into it; root ignores file modes) rewrites the
+        registry's files (see :mod:`registry.ops.checkouts`).
+        ``dest`` must be empty or absent, and outside the root; by default one
+        is made under ``<root>/.registry/checkouts/`` (a temporary directory for
+        a read-only registry) and removed on ``close()``, or by gc and
+        ``fsck --repair`` once its lease has expired. The lease lasts ``ttl``
+        (default: this registry's ``lease_ttl``); ``renew()`` it for longer
+        work. Use as a context manager or as a path.
         """
         from registry.ops.export import checkout
         check_flags(verify=verify, fallback=fallback)
         return checkout(self._reader(), parse_ref(ref), Path(dest).absolute() if dest is not None else None,
-                        ttl=ttl, verify=verify, fallback=fallback)
+                        ttl=ttl, verify=verify, fallback=fallback, link=link)  # type: ignore[arg-type]
+
+    def release_checkout(self, path: str | os.PathLike[str]) -> None:
+        """End the registry-owned checkout at ``path`` now (``registry checkout --release DIR``).
+
+        Releases its reader lease and removes the directory; a directory of
+        the caller's is refused (it is the caller's to remove).
+        """
+        from registry.ops.checkouts import release
+        if self.read_only:
+            raise ReadOnlyError("this registry is read-only; its checkouts are temporary directories, "
+                                "removed when closed")
+        release(self.catalog, self.store.root, Path(path).absolute())
 
     def export(self, ref: str | Ref, dest: str | os.PathLike[str], *, format: str = "safetensors",  # noqa: A002
                max_shard_size: int | None = None, overwrite: bool = False) -> Exported:
         """Write ``ref``'s weights and config to ``dest`` as a standalone checkpoint (see :mod:`registry.ops.export`).
 
         Read through :meth:`load` (verified, falling back past a corrupt
-        ``@latest``), without the extras.
+        ``@latest``), without the extras. ``dest`` may be neither inside the
+        root nor contain it.
         """
         from registry.ops.export import check_dest, check_format, export
         check_format(format, max_shard_size)
         check_flags(overwrite=overwrite)
-        check_dest(Path(dest), overwrite=overwrite)
+        check_dest(Path(dest), root=self.store.root, catalog=self._catalog_file(), overwrite=overwrite)
         ckpt = self.load(ref, extras=False, resume=False)  # no extra is read, so none needs trusting
-        return export(ckpt, Path(dest).absolute(), format=format,  # type: ignore[arg-type]
-                      max_shard_size=max_shard_size, overwrite=overwrite)
+        return export(ckpt, Path(dest).absolute(), root=self.store.root, catalog=self._catalog_file(),
+                      format=format, max_shard_size=max_shard_size, overwrite=overwrite)  # type: ignore[arg-type]
+
+    def _catalog_file(self) -> Path | None:
+        """The SQLite catalog's file (None for a server): no export or import --move may take it."""
+        url = self.catalog.engine.url
+        return Path(url.database) if url.get_backend_name() == "sqlite" and url.database else None
 
     def load_into(self, ref: str | Ref, state: Any, *, group: Any = None, keys: Collection[str] | None = None,
                   strict: bool = True, verify: bool = True, trust_pickle: bool = False,
@@ -858,14 +886,14 @@ class Registry:
         check_step(step)
         check_flags(move=move, overwrite=overwrite)
         tags = check_tags(tags)
+        if move:  # moving takes the files away: never from a published checkpoint, never the root itself
+            check_outside_root(Path(path), self.store.root, what="import --move source",
+                               catalog=self._catalog_file())
         foreign = scan(Path(path).absolute())
         final = self.store.step_dir(run, step)
         if final.resolve() == foreign.directory.resolve():
             raise InvalidStateError(f"{foreign.directory} already is {run}@{step}'s directory; "
                                     "'registry fsck --repair' adopts directories written outside the catalog")
-        if move and foreign.directory.resolve().is_relative_to(self.store.root.resolve()):
-            raise InvalidStateError(f"{foreign.directory} is inside the registry root, where moving it could "
-                                    "take files from a published checkpoint; import it without --move")
         meta = foreign.meta
         info = publish_sequence(
             self.catalog, run=run, step=step, final=final, relpath=self.store.relpath(final), writer=self.writer,

@@ -561,6 +561,9 @@ def gc(state: State, run: str, keep_last: int | None, keep_best: tuple[str, ...]
     elif result is not None:
         click.echo(f"deleted {len(result.deleted)} ({human_bytes(result.bytes_freed)} freed)"
                    + (f"; finished {plural(len(result.healed), 'interrupted deletion')}" if result.healed else ""))
+        if result.checkouts_removed:
+            click.echo(f"removed {plural(len(result.checkouts_removed), 'registry-owned checkout')} whose lease "
+                       "had expired")
         for step, why in sorted(result.skipped.items()):
             click.echo(f"skipped {step}: {why}")
         for step, why in sorted(result.errors.items()):

@@ -24,7 +24,8 @@ MAX_TTL = 100 * 365 * 86400  # a lease's end must stay a date the catalog can st
               help="One model.safetensors, or Hugging Face shards with model.safetensors.index.json.")
 @click.option("--max-shard-size", type=Size(minimum=1), default=None,
               help="Largest shard with --format hf, like 500MB or 2GiB (default 5GB).")
-@click.option("--overwrite", is_flag=True, help="Replace DEST if it is not empty.")
+@click.option("--overwrite", is_flag=True,
+              help="Replace DEST if it is not empty (never inside ROOT or a directory holding it).")
 @click.pass_obj
 @command
 def export(state: State, ref: str, dest: str, fmt: str, max_shard_size: int | None, overwrite: bool) -> None:
@@ -34,21 +35,42 @@ def export(state: State, ref: str, dest: str, fmt: str, max_shard_size: int | No
 
 
 @main.command("checkout")
-@click.argument("ref")
+@click.argument("ref", required=False)
 @click.argument("dest", required=False, type=click.Path(path_type=str))
 @click.option("--ttl", type=Count(minimum=1, maximum=MAX_TTL), default=24 * 3600, show_default=True,
-              help="Seconds the reader lease protects the step from retention; it then expires by itself.")
-@click.option("--no-verify", is_flag=True, help="Link without checking the files against the manifest.")
+              help="Seconds the reader lease protects the step from retention; it then expires by itself, and "
+                   "gc or fsck --repair remove a checkout the registry placed.")
+@click.option("--no-verify", is_flag=True, help="Copy without checking the files against the manifest.")
+@click.option("--link", type=click.Choice(["hardlink", "symlink"]), default=None,
+              help="Link the step's files instead of copying them. RISKY: a write into DEST (save_pretrained, "
+                   "an editor) then rewrites the registry's own step, and root ignores file modes; a symlink "
+                   "also follows an overwrite of the step.")
+@click.option("--release", "release", metavar="DIR", type=click.Path(path_type=str), default=None,
+              help="End the registry-owned checkout DIR now: release its lease and remove it.")
 @click.pass_obj
 @command
-def checkout(state: State, ref: str, dest: str | None, ttl: int, no_verify: bool) -> None:
-    """Link REF's verified files into DEST (default: under ROOT/.registry/checkouts/) and print the directory.
+def checkout(state: State, ref: str | None, dest: str | None, ttl: int, no_verify: bool, link: str | None,
+             release: str | None) -> None:
+    """Copy REF's verified files into DEST (default: under ROOT/.registry/checkouts/) and print the directory.
 
-    The directory looks like a Hugging Face checkpoint folder. The lease is
-    left to expire after --ttl seconds, as this command exits at once; the
-    links stay usable after that (hard links keep the bytes even if the step
-    is deleted; symbolic links, used across filesystems, do not).
+    The directory looks like a Hugging Face checkpoint folder and is yours:
+    each file is a reflink where the filesystem clones, a checked copy
+    otherwise, so writing into it never changes a step. The lease is left to
+    expire after --ttl seconds, as this command exits at once; a directory
+    under ROOT/.registry/checkouts/ is then removed by gc and fsck --repair,
+    or now by 'registry checkout --release DIR'. DEST must be outside ROOT.
     """
-    done = state.registry().checkout(ref, dest, ttl=timedelta(seconds=ttl), verify=not no_verify)
+    if release is not None:
+        if ref is not None or dest is not None:
+            raise click.UsageError("--release DIR takes no REF or DEST")
+        state.registry().release_checkout(release)
+        click.echo(f"released {release}")
+        return
+    if ref is None:
+        raise click.UsageError("missing REF (or --release DIR)")
+    reg = state.registry()
+    if dest is None and reg.read_only:
+        raise click.UsageError("a read-only registry writes nothing into the root: give DEST, a directory "
+                               "outside it, for the checkout")
+    done = reg.checkout(ref, dest, ttl=timedelta(seconds=ttl), verify=not no_verify, link=link)
     click.echo(str(done.path))
-

@@ -51,6 +51,7 @@ from registry.fs import dedup as dedup_files
 from registry.fs.store import fsync_dir
 from registry.ops.protocol import keep_fallback_apart
 from registry.catalog.fallback import newest_verified
+from registry.ops.checkouts import reclaim as reclaim_checkouts
 from registry.progress import Counter, ProgressFn
 
 log = logging.getLogger(__name__)
@@ -467,11 +468,13 @@ class RetentionResult:
     bytes_freed: int
     healed: tuple[int, ...]         # interrupted earlier deletions this run finished
     errors: Mapping[int, str]       # marked deleted but the directory could not be removed (retry gc)
+    checkouts_removed: tuple[Path, ...] = ()  # registry-owned checkouts of the run whose lease had expired
 
     def to_json(self) -> dict[str, Any]:
         return {"run": self.run, "deleted": list(self.deleted),
                 "skipped": {str(k): v for k, v in self.skipped.items()}, "bytes_freed": self.bytes_freed,
-                "healed": list(self.healed), "errors": {str(k): v for k, v in self.errors.items()}}
+                "healed": list(self.healed), "errors": {str(k): v for k, v in self.errors.items()},
+                "checkouts_removed": [str(p) for p in self.checkouts_removed]}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -699,6 +702,8 @@ def guard_fallback(scope: RetentionScope, run: str, doomed: Sequence[int]) -> di
 
 def _execute(scope: RetentionScope, plan: RetentionPlan, progress: ProgressFn | None = None) -> RetentionResult:
     healed, errors = finish_interrupted(scope, plan.run)
+    # first: an expired checkout made of hard links would keep a deleted step's bytes on disk
+    reclaimed = reclaim_checkouts(scope.catalog, scope.root, run=plan.run)
     planned = sorted(plan.delete)
     skipped: dict[int, str] = {}
     fallback = guard_fallback(scope, plan.run, planned)
@@ -743,7 +748,7 @@ def _execute(scope: RetentionScope, plan: RetentionPlan, progress: ProgressFn | 
             errors[row.step] = f"cannot remove {scope.root / row.path}: {exc.strerror or exc}"
         counter.advance(1, item=f"{plan.run}@{row.step}")
     return RetentionResult(run=plan.run, deleted=tuple(r.step for r in marked), skipped=dict(skipped),
-                           bytes_freed=freed, healed=healed, errors=errors)
+                           bytes_freed=freed, healed=healed, errors=errors, checkouts_removed=reclaimed)
 
 
 __all__ = ["AnyOf", "Decision", "KeepBest", "KeepEvery", "KeepLast", "KeepNewerThan", "KeepPolicyVersions",

@@ -131,6 +131,21 @@ def op_load(reg: Registry, rng: random.Random, run: str) -> None:
         _check_loaded(reg.load(ref, verify=rng.random() < 0.7), ref)
 
 
+def op_checkout(reg: Registry, rng: random.Random, run: str) -> None:
+    """A reader that writes into its checkout (reaching no step), or leaks one for gc and fsck to reclaim."""
+    from datetime import timedelta
+    if not _live(reg, run):
+        return
+    if rng.random() < 0.3:
+        with reg_warnings():
+            reg.checkout(f"{run}@latest", ttl=timedelta(0))  # never closed, its lease already expired
+        return
+    with reg_warnings(), reg.checkout(f"{run}@latest") as co:
+        with open(Path(co) / "model.safetensors", "r+b") as f:
+            f.write(b"\xff" * 16)
+        (Path(co) / "config.json").write_text("{}")
+
+
 def reg_warnings() -> Any:
     """A fallback from a corrupt @latest warns; there is no corrupt step here, so a warning is a violation."""
     import warnings
@@ -148,9 +163,9 @@ def reg_warnings() -> Any:
 
 OPS: dict[str, Callable[[Registry, random.Random, str], None]] = {
     "publish": op_publish, "overwrite": op_overwrite, "republish-deleted": op_republish_deleted, "tag": op_tag,
-    "gc": op_gc, "fsck": op_fsck, "verify": op_verify, "load": op_load}
+    "gc": op_gc, "fsck": op_fsck, "verify": op_verify, "load": op_load, "checkout": op_checkout}
 MIX = ("publish", "publish", "overwrite", "republish-deleted", "tag", "gc", "fsck", "verify", "load", "load",
-       "load")
+       "load", "checkout")
 
 # What the contract lets each operation raise when another actor got there first.
 _NOT_FOUND = (CheckpointNotFoundError,)
@@ -163,6 +178,7 @@ ALLOWED: dict[str, tuple[type[BaseException], ...]] = {
     "fsck": (),
     "verify": _NOT_FOUND,
     "load": _NOT_FOUND,  # @N or @TAG deleted by gc, or no verified step yet
+    "checkout": _NOT_FOUND,
 }
 
 
@@ -243,6 +259,10 @@ def check_after(reg: Registry, tally: StressTally) -> None:
                 tally.violations.append(f"{run}@{i.step} is {i.status} but its directory is gone")
         if rows and not any(i.status == "verified" for i in rows):
             tally.violations.append(f"{run} has no verified step left")
+    from registry.ops.checkouts import owned, reclaim
+    reclaim(reg.catalog, reg.store.root)  # what the leaked checkouts left, as gc and fsck --repair remove it
+    if owned(reg.store.root):
+        tally.violations.append(f"checkouts left after reclaiming: {[str(c.path) for c in owned(reg.store.root)]}")
     leftovers = hidden_dirs(reg.store.root)
     if leftovers:
         tally.violations.append(f"hidden directories left behind: {leftovers}")

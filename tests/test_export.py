@@ -58,14 +58,15 @@ def test_export_refuses_bad_input_before_reading(reg: Registry, tmp_path: Path) 
     assert not (tmp_path / "x").exists()
 
 
-def test_checkout_links_the_verified_files_under_a_lease(reg: Registry, tmp_path: Path) -> None:
+def test_checkout_copies_the_verified_files_under_a_lease(reg: Registry, tmp_path: Path) -> None:
     publish_two(reg)
     with reg.checkout("run@1") as co:
         path = Path(co)
-        assert co.step == 1 and co.links == "hard"
+        assert co.step == 1 and co.kind in ("copy", "reflink") and co.owned
         source = reg.resolve("run@1").path
         for name in ("config.json", "model.safetensors", "optimizer.pt", "manifest.json"):
-            assert os.stat(path / name).st_ino == os.stat(source / name).st_ino  # linked, not copied
+            assert os.stat(path / name).st_ino != os.stat(source / name).st_ino  # the caller's own file
+            assert (path / name).read_bytes() == (source / name).read_bytes()
         assert_state_equal(st.load_file(str(path / "model.safetensors")), make_state(1))
         assert reg.catalog.leased_steps("run") == {1}
         reg.publish("run", 3, make_state(3))
@@ -118,8 +119,8 @@ def test_cli_export_and_checkout(reg: Registry, cli, tmp_path: Path) -> None:  #
     assert out.exit_code == 1 and "not empty" in out.output
 
 
-def test_an_expired_checkout_lease_protects_nothing_and_hard_links_outlive_the_step(reg: Registry,
-                                                                                    tmp_path: Path) -> None:
+def test_an_expired_checkout_lease_protects_nothing_and_its_files_outlive_the_step(reg: Registry,
+                                                                                   tmp_path: Path) -> None:
     from datetime import timedelta
     publish_two(reg)
     reg.publish("run", 3, make_state(3))

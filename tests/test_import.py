@@ -139,7 +139,7 @@ def test_existing_step_needs_overwrite(sqlite_reg: Registry, tmp_path: Path) -> 
 
 def test_moving_out_of_the_registry_root_is_refused(sqlite_reg: Registry) -> None:
     info = sqlite_reg.publish("a", 1, make_state(1))
-    with pytest.raises(InvalidStateError, match="inside the registry root"):
+    with pytest.raises(InvalidStateError, match="inside the checkpoint root"):
         sqlite_reg.import_checkpoint(info.path, run="b", step=1, move=True)
     copied = sqlite_reg.import_checkpoint(info.path, run="b", step=1)
     assert_state_equal(sqlite_reg.load("b@1").state_dict, make_state(1))

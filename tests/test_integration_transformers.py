@@ -63,7 +63,7 @@ def test_trainer_publishes_resumes_after_sigkill_and_falls_back_past_a_corrupt_s
     assert result["full_resumed_at"] == 4 and result["warnings"]  # the corrupt step 6 was skipped, with a warning
     assert {int(k): v for k, v in result["full"].items()} == {5: full[5], 6: full[6]}
     assert result["best_before"] != result["best_after"] == 6  # the late evaluation re-ranked best:
-    assert result["logits_equal"] and result["hard_links"]
+    assert result["logits_equal"] and result["own_files"]
     with Registry.open(root=root) as reg:
         # the retrained step 6 replaced the corrupt one (it belonged to the abandoned timeline)
         assert reg.catalog.get("full", 6).status == "verified"  # type: ignore[union-attr]

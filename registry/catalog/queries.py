@@ -899,6 +899,11 @@ class Catalog:
     def release_lease(self, lease_id: int) -> None:
         self._lease_write(lambda conn: conn.execute(delete(Lease).where(Lease.id == lease_id)))
 
+    def lease_live(self, lease_id: int) -> bool:
+        """Whether lease ``lease_id`` is still held and unexpired (a released one is gone)."""
+        return bool(self.read(lambda conn: conn.scalar(
+            select(Lease.id).where(Lease.id == lease_id, Lease.expires_at > utcnow()))))
+
     def leased_steps(self, run: str) -> set[int]:
         def fn(conn: Connection) -> set[int]:
             run_id = self.require_run(conn, run)

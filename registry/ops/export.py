@@ -1,25 +1,29 @@
-"""A step as a plain directory: a checkout (links to the verified files) or an export (a standalone copy).
+"""A step as a plain directory: a checkout (the verified files, the caller's own) or an export (a standalone copy).
 
 Tools that want a path (``from_pretrained``, inference servers, evaluation
 harnesses, the Hugging Face ``Trainer``'s resume) get one of two things:
 
-- :func:`checkout`: a directory of links to a step's files, with the
-  step's own names (``config.json``, ``model.safetensors`` or the shards
-  and ``model.safetensors.index.json``, the ``NAME.pt`` extras). The files
-  are hard links where the filesystem allows it (the checkout then survives
-  the step's deletion, at the cost of its bytes until the checkout is
-  removed) and absolute symlinks otherwise. The step is resolved and read
-  through :class:`~registry.ops.reading.CatalogRead`, so a corrupt
-  ``@latest`` falls back to an older step with a warning, and the linked
-  files are checked against the manifest the catalog recorded before the
-  directory is handed out. A reader lease is held on the step until
-  :meth:`Checkout.close` (or the end of a ``with`` block); a process that
-  dies leaves a lease that simply expires after its ``ttl``, and expired
-  leases protect nothing. A read-only catalog records no lease.
+- :func:`checkout`: a directory of a step's files, with the step's own
+  names (``config.json``, ``model.safetensors`` or the shards and
+  ``model.safetensors.index.json``, the ``NAME.pt`` extras). By default each
+  file is a reflink where the filesystem clones, a copy otherwise, checked
+  against the manifest's sha256 as it is copied, so nothing written into
+  the checkout can reach a step; hard links or symlinks only on request
+  (``link=``), with the risk that brings (see :mod:`registry.ops.checkouts`).
+  The step is resolved and read through
+  :class:`~registry.ops.reading.CatalogRead`, so a corrupt ``@latest`` falls
+  back to an older step with a warning. A reader lease is held on the step
+  until :meth:`Checkout.close` (or the end of a ``with`` block); a process
+  that dies leaves a lease that simply expires after its ``ttl``, and
+  expired leases protect nothing. A read-only catalog records no lease.
 - :func:`export`: a standalone copy written through the same atomic writer
   as a publish (``model.safetensors``, or Hugging Face shards with an index
   when ``max_shard_size`` is given), loadable by ``safetensors``, by the
   reference module and by ``from_pretrained``, owing nothing to the root.
+
+Neither writes inside the checkpoint root or over a directory that holds it
+(:func:`registry.fs.bounds.check_outside_root`), except a checkout into the
+registry-owned checkouts directory.
 """
 
 from __future__ import annotations
@@ -27,7 +31,6 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-import tempfile
 import warnings
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -35,12 +38,15 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Literal
 
+from registry.catalog.readonly import ReadOnlyCatalog
 from registry.errors import (CheckpointDeletedError, CheckpointReadError, CorruptCheckpointError, InvalidStateError,
                              RegistryError, RootError)
 from registry.format.manifest import MANIFEST, read_manifest
+from registry.fs.bounds import check_outside_root
 from registry.fs.filemaps import map_directory
 from registry.fs.mapping import read_error
-from registry.format.layout import REGISTRY_DIR
+from registry.ops import checkouts
+from registry.ops.checkouts import Kind, Link
 from registry.ops.reading import CatalogRead, ReadAccess, report
 
 if TYPE_CHECKING:
@@ -48,27 +54,30 @@ if TYPE_CHECKING:
     from registry.format.refs import Ref
     from registry.records import CheckpointInfo
 
-CHECKOUTS = "checkouts"  # under <root>/.registry/: same filesystem as the steps, so hard links work
 ExportFormat = Literal["safetensors", "hf"]
 FORMATS: tuple[str, ...] = ("safetensors", "hf")
 HF_DEFAULT_SHARD = 5 * 10**9  # what ``save_pretrained`` calls "5GB"
 
 
 class Checkout(os.PathLike[str]):
-    """A checked-out step: a directory of links, and the reader lease that protects the step.
+    """A checked-out step: a directory of its files, and the reader lease that protects the step.
 
     Usable wherever a path is (``os.fspath``, ``str``); a context manager
     that releases the lease, and removes the directory when the registry
-    chose it (``dest=None``), on exit.
+    chose it (``dest=None``), on exit. ``kind`` says what the files are:
+    ``"reflink"`` or ``"copy"`` (the caller's own), ``"hardlink"`` or
+    ``"symlink"`` (the step's, on request). ``owned``: the directory is the
+    registry's (removed on close, and by gc once the lease has expired).
     """
 
-    def __init__(self, *, access: ReadAccess, info: CheckpointInfo, path: Path, lease: int,
-                 links: Literal["hard", "symbolic"], owned: bool) -> None:
+    def __init__(self, *, access: ReadAccess, info: CheckpointInfo, path: Path, lease: int, kind: Kind,
+                 owned: bool, recorded: bool = False) -> None:
         self._access = access
         self.info = info
         self.path = path
-        self.links = links
+        self.kind = kind
         self.owned = owned
+        self._recorded = recorded  # has a record in the registry-owned checkouts directory
         self._lease: int | None = lease
 
     @property
@@ -85,7 +94,8 @@ class Checkout(os.PathLike[str]):
 
         For checkouts that outlive their ttl (a long evaluation): call it
         before the lease expires; once expired, retention may have deleted
-        the step already, which this reports as ``CheckpointDeletedError``.
+        the step (and gc the registry-owned directory) already, which this
+        reports as ``CheckpointDeletedError``.
         """
         if self._lease is None:
             raise InvalidStateError(f"checkout {self.path} was closed; check the step out again")
@@ -95,6 +105,9 @@ class Checkout(os.PathLike[str]):
         if new is None:
             raise CheckpointDeletedError(f"{self.info.run}@{self.info.step} was deleted; its lease had expired",
                                          run=self.info.run, step=self.info.step, path=self.info.path)
+        if self._recorded:
+            checkouts.write_record(self.path, run=self.info.run, step=self.info.step, lease=new,
+                                   holder=self._access.holder)
         old, self._lease = self._lease, new
         catalog.release_lease(old)
 
@@ -105,7 +118,9 @@ class Checkout(os.PathLike[str]):
             try:
                 self._access.catalog.release_lease(lease)
             finally:
-                if self.owned:
+                if self._recorded:
+                    checkouts.remove_owned(self.path)
+                elif self.owned:
                     shutil.rmtree(self.path, ignore_errors=True)
 
     def __enter__(self) -> Checkout:
@@ -128,81 +143,65 @@ class Checkout(os.PathLike[str]):
         return str(self.path)
 
     def __repr__(self) -> str:
-        return f"Checkout({self.info.run}@{self.info.step} at {str(self.path)!r}, {self.links} links)"
+        return f"Checkout({self.info.run}@{self.info.step} at {str(self.path)!r}, {self.kind})"
 
 
-def _target(access: ReadAccess, info: CheckpointInfo, dest: Path | None) -> tuple[Path, bool]:
-    """The empty directory a checkout fills, and whether it is this call's to remove on failure."""
+def check_checkout_dest(root: Path, dest: Path) -> None:
+    """A caller's checkout directory: outside the root (or in the registry-owned checkouts), empty or absent."""
+    check_outside_root(dest, root, what="checkout destination", allowed=checkouts.home(root))
+    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        raise InvalidStateError(f"checkout destination {dest} exists and is not an empty directory")
+
+
+def _target(access: ReadAccess, info: CheckpointInfo, dest: Path | None, lease: int) -> tuple[Path, bool, bool]:
+    """The empty directory a checkout fills: (path, whether this call made it, whether it has a record)."""
     if dest is not None:
-        if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
-            raise InvalidStateError(f"checkout destination {dest} exists and is not an empty directory")
+        check_checkout_dest(access.root, dest)
         created = not dest.exists()
         dest.mkdir(parents=True, exist_ok=True)
-        return dest, created
-    home = access.root / REGISTRY_DIR / CHECKOUTS
-    prefix = f"{info.run}-step-{info.step:08d}-"
+        return dest, created, False
+    if isinstance(access.catalog, ReadOnlyCatalog):  # "opens without writing anything": not into the root
+        return checkouts.temp_dir(info.run, info.step), True, False
     try:
-        home.mkdir(parents=True, exist_ok=True)
-        return Path(tempfile.mkdtemp(prefix=prefix, dir=home)), True
-    except OSError:  # a root this process may not write (a read-only reader): symlinks from the temp dir
-        return Path(tempfile.mkdtemp(prefix=f"registry-checkout-{prefix}")), True
-
-
-def _link_all(source: Path, names: list[str], target: Path) -> Literal["hard", "symbolic"]:
-    """Link every file; hard links unless the filesystem refuses one, then symlinks for all."""
-    kind: Literal["hard", "symbolic"] = "hard"
-    for name in names:
-        src, dst = source / name, target / name
-        if kind == "hard":
-            try:
-                os.link(src, dst, follow_symlinks=False)
-                _drop_write_bits(dst)
-                continue
-            except OSError as exc:
-                if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.EACCES, errno.ENOTSUP):
-                    raise
-                kind = "symbolic"
-                for done in names[:names.index(name)]:  # one kind per checkout, so it is easy to reason about
-                    (target / done).unlink()
-                    os.symlink(source / done, target / done)
-        os.symlink(src, dst)
-    return kind
-
-
-def _drop_write_bits(path: Path) -> None:
-    """Make the shared inode read-only, so a tool writing into the checkout fails instead of editing the step.
-
-    Root ignores the bits; the checksums still catch such an edit at the next verified load.
-    """
-    try:
-        mode = path.stat().st_mode
-        if mode & 0o222:
-            os.chmod(path, mode & ~0o222)
-    except OSError:
-        pass  # not ours to change: leave it
+        return checkouts.new_owned(access.root, run=info.run, step=info.step, lease=lease,
+                                   holder=access.holder), True, True
+    except OSError:  # a root this process may not write: a temporary directory of this host's
+        return checkouts.temp_dir(info.run, info.step), True, False
 
 
 def checkout(access: ReadAccess, ref: Ref, dest: Path | None = None, *, ttl: timedelta | None = None,
-             verify: bool = True, fallback: bool = True) -> Checkout:
-    """Resolve ``ref``, lease the step, link its files into a directory, check them; see the module doc.
+             verify: bool = True, fallback: bool = True, link: Link | None = None) -> Checkout:
+    """Resolve ``ref``, lease the step, copy (or on request link) its files into a directory, check them.
 
-    ``verify`` checks every linked file against the manifest's digests
-    (the fast ones a load uses) after linking, so what is handed out is what
-    was checked; a mismatch marks the step corrupt and, for ``@latest``,
-    falls back to the next older step with a ``RuntimeWarning``.
+    ``verify`` checks every file against the manifest's sha256 as it is
+    copied (linked files: against the manifest's digests after linking), so
+    what is handed out is what was checked; a mismatch marks the step
+    corrupt and, for ``@latest``, falls back to the next older step with a
+    ``RuntimeWarning``. ``link="hardlink"`` or ``"symlink"`` links instead of
+    copying: no bytes spent, but writes through the checkout change the
+    registry's step (see :mod:`registry.ops.checkouts`).
     """
+    link = checkouts.check_link(link)
+    if dest is not None:
+        check_checkout_dest(access.root, dest)  # before anything is resolved or leased
     access = replace(access, lease_ttl=ttl) if ttl is not None else access
     read = CatalogRead(access, ref, fallback=fallback)
     try:
         while True:
             info = read.candidate()
+            assert read.lease is not None
             target: Path | None = None
-            made = False
+            made = recorded = False
             try:
                 manifest_files = _listed(info.path)
-                target, made = _target(access, info, dest)
+                target, made, recorded = _target(access, info, dest, read.lease)
                 try:
-                    links = _link_all(info.path, manifest_files, target)
+                    if link is None:
+                        kind = checkouts.copy_step(info.path, target, expected_digest=info.manifest_sha256,
+                                                   verify=verify)
+                    else:
+                        kind = checkouts.link_step(info.path, manifest_files, target, link,
+                                                   drop_write_bits=not isinstance(access.catalog, ReadOnlyCatalog))
                 except FileNotFoundError as exc:
                     if not info.path.is_dir():  # the directory went (an unmounted root): this reader's trouble
                         raise read_error(info.path, exc) from exc
@@ -211,10 +210,11 @@ def checkout(access: ReadAccess, ref: Ref, dest: Path | None = None, *, ttl: tim
                                                  path=info.path) from exc
                 except OSError as exc:
                     raise read_error(info.path, exc) from exc
-                map_directory(info.path, extras=True, verify=verify, expected_digest=info.manifest_sha256)
+                if link is not None:
+                    map_directory(info.path, extras=True, verify=verify, expected_digest=info.manifest_sha256)
             except RegistryError as exc:
                 if target is not None:
-                    _undo(target, made)
+                    _undo(target, made, recorded)
                 read.judge(exc)
                 for note in read.notes:
                     warnings.warn(note, RuntimeWarning, stacklevel=3)
@@ -222,18 +222,19 @@ def checkout(access: ReadAccess, ref: Ref, dest: Path | None = None, *, ttl: tim
                 continue
             except BaseException:
                 if target is not None:
-                    _undo(target, made)
+                    _undo(target, made, recorded)
                 raise
             report(read.record(info))
             lease, read.lease = read.lease, None  # the checkout keeps it
             assert lease is not None
-            return Checkout(access=access, info=info, path=target, lease=lease, links=links, owned=dest is None)
+            return Checkout(access=access, info=info, path=target, lease=lease, kind=kind, owned=dest is None,
+                            recorded=recorded)
     finally:
         read.release()
 
 
 def _listed(directory: Path) -> list[str]:
-    """The files a checkout links: the manifest and what it lists (whatever a load would read).
+    """The files a checkout holds: the manifest and what it lists (whatever a load would read).
 
     A directory that is not there is this reader's trouble (an unmounted
     root), never evidence against the step.
@@ -248,8 +249,10 @@ def _listed(directory: Path) -> list[str]:
     return [MANIFEST, *sorted(manifest.files)]
 
 
-def _undo(target: Path, made: bool) -> None:
-    if made:
+def _undo(target: Path, made: bool, recorded: bool) -> None:
+    if recorded:
+        checkouts.remove_owned(target)
+    elif made:
         shutil.rmtree(target, ignore_errors=True)
     else:  # the caller's directory was empty: empty it again
         for child in target.iterdir():
@@ -281,13 +284,17 @@ def check_format(fmt: object, max_shard_size: object) -> int | None:
     return max_shard_size if max_shard_size is not None else HF_DEFAULT_SHARD
 
 
-def check_dest(dest: Path, *, overwrite: bool) -> None:
+def check_dest(dest: Path, *, root: Path, overwrite: bool, catalog: Path | None = None) -> None:
+    """An export's destination: outside the checkpoint root, holding neither it nor ``catalog`` (a SQLite
+    file elsewhere), empty unless ``overwrite``."""
+    check_outside_root(dest, root, what="export destination", catalog=catalog)
     if dest.exists() and (not dest.is_dir() or (any(dest.iterdir()) and not overwrite)):
         raise InvalidStateError(f"export destination {dest} exists and is not empty; pass overwrite=True "
                                 "to replace it")
 
 
-def export(ckpt: Checkpoint, dest: Path, *, format: ExportFormat = "safetensors",  # noqa: A002 - the CLI's name
+def export(ckpt: Checkpoint, dest: Path, *, root: Path, catalog: Path | None = None,
+           format: ExportFormat = "safetensors",  # noqa: A002 - the CLI's name
            max_shard_size: int | None = None, overwrite: bool = False) -> Exported:
     """Write ``ckpt``'s weights and config as a standalone directory (atomically, replacing ``dest``).
 
@@ -297,10 +304,12 @@ def export(ckpt: Checkpoint, dest: Path, *, format: ExportFormat = "safetensors"
     the weights fit one shard, as ``save_pretrained`` writes them. Either way with ``config.json``,
     ``meta.json`` (epoch, step, source) and a ``manifest.json``, so the
     registry can import it back. Extras (optimizer state) are left out.
+    ``root``: the checkpoint root, which ``dest`` may be neither inside nor contain; nor may it
+    contain ``catalog``.
     """
     from registry.checkpoint import Checkpoint
     shard = check_format(format, max_shard_size)
-    check_dest(dest, overwrite=overwrite)
+    check_dest(dest, root=root, catalog=catalog, overwrite=overwrite)
     if dest.exists() and not dest.is_dir():
         raise RootError(f"export destination {dest} is not a directory", path=dest)
     meta = {k: v for k, v in ckpt.meta.items() if k in ("optimizer_step", "policy_version")}
@@ -316,4 +325,5 @@ def export(ckpt: Checkpoint, dest: Path, *, format: ExportFormat = "safetensors"
                     files=files)
 
 
-__all__ = ["CHECKOUTS", "Checkout", "Exported", "FORMATS", "check_format", "checkout", "export"]
+__all__ = ["Checkout", "Exported", "FORMATS", "check_checkout_dest", "check_dest", "check_format",
+           "checkout", "export"]

@@ -35,6 +35,7 @@ point every step would look missing.
 | missing-payload | published/verified row, no directory | mark corrupt |
 | damaged-payload | published/verified row, files differ from the catalog | mark corrupt |
 | corrupt-step | corrupt row | none: says what to do (restore, ``registry verify``; or gc) |
+| expired-checkout | registry-owned checkout whose reader lease expired or was released | remove it |
 
 A staging row whose writer is alive is reported in ``in_progress`` and left alone
 (on another host: one it refreshed within ``registry.ops.writers.STALE_AFTER``).
@@ -67,6 +68,7 @@ from registry.format.layout import scan_run, step_dirname
 from registry.format.manifest import MANIFEST, META, Manifest, read_manifest
 from registry.records import LIVE, Status
 from registry.format.refs import MAX_STEP, RUN_NAME_RE
+from registry.ops.checkouts import expired as expired_checkouts, remove_owned
 from registry.retention import manifest_digest, remove_tree, retire_and_remove
 from registry.fs.store import fsync_dir, verify_directory
 from registry.ops.writers import writer_alive
@@ -83,6 +85,7 @@ REPAIRS = {
     "unregistered-checkpoint": "adopt",
     "missing-payload": "mark corrupt",
     "damaged-payload": "mark corrupt",
+    "expired-checkout": "remove the checkout",
 }
 #: kinds fsck only reports: deciding about them needs a person (the detail says what to do)
 REPORTED = frozenset({"corrupt-step"})
@@ -359,6 +362,10 @@ class Fsck:
                 self.failures.append(f"checkpoint root {self.root} vanished while fsck ran (unmounted?); "
                                      f"stopped at {key[0]}@{key[1]} and judged nothing after it")
                 break
+        for co in expired_checkouts(self.catalog, self.root):
+            problem = self._found("expired-checkout", co.run, co.step, co.path,
+                                  f"checkout {co.path}: its reader lease expired or was released")
+            self._fix(problem, functools.partial(remove_owned, co.path))
         return FsckReport(problems=tuple(self.problems), repaired=tuple(self.repaired),
                           in_progress=tuple(self.in_progress), failures=tuple(self.failures),
                           rows_checked=len(rows), checksums=self.checksums)
