@@ -4,8 +4,9 @@ The kill harness kills one actor at a time; what it cannot find are two
 actors overlapping. Here ``workers`` processes loop for ``seconds`` over a mix
 that makes them collide on purpose: publishes of the same few steps,
 overwrites, re-publishes of steps retention just deleted, tags with fresh
-names, retention gc, ``fsck --repair``, ``verify`` and loads by every kind of
-ref. Nothing is injected: every step written is intact, so
+names, retention gc, ``fsck --repair``, ``verify``, loads by every kind of
+ref, checkouts written into, and publishes with dedup on that share a frozen
+shard. Nothing is injected: every step written is intact, so
 
 * every load must be bit-exact (its tensors are the ones its own ``meta.json``
   seed names);
@@ -16,7 +17,8 @@ ref. Nothing is injected: every step written is intact, so
   (``ALLOWED``); anything else, a raw ``OSError`` or a SQLAlchemy error
   included, is a violation;
 * afterwards ``fsck`` (and ``fsck --checksums``) is clean, no ``staging`` row
-  or hidden directory is left, and every run still has a ``@latest``.
+  or hidden directory is left, every run still has a ``@latest``, and its two
+  newest verified steps (``@latest`` and its fallback) share no inode.
 
 ``python -m tests.stressharness --seconds 300`` (what ``scripts/stresstest``
 runs) prints the tally; ``tests/test_stress.py`` runs a short one.
@@ -41,6 +43,7 @@ import torch
 
 from registry import Registry
 from registry.errors import CheckpointNotFoundError, StepExistsError
+from registry.fs.dedup import inodes
 from tests.killharness import _pg_url_factory, context, hidden_dirs, settle, state, worker_url
 
 RUNS = ("s0", "s1")
@@ -59,9 +62,13 @@ def _live(reg: Registry, run: str) -> list[int]:
     return [i.step for i in _rows(reg, run) if i.status in ("published", "verified")]
 
 
+# A frozen base shard (1 MiB, the size dedup starts linking at) that every dedup publish carries.
+FROZEN = torch.arange(1 << 18, dtype=torch.float32)
+
+
 def _check_loaded(ckpt: Any, what: str) -> None:
     seed = ckpt.meta.get("seed")
-    want = state(seed)
+    want = {**state(seed), "frozen": FROZEN} if ckpt.meta.get("frozen") else state(seed)
     got = ckpt.state_dict
     if set(got) != set(want) or not all(torch.equal(got[k], want[k]) for k in want):
         raise Violation(f"{what} (step {ckpt.step}) loaded tensors that are not the ones published with seed {seed}")
@@ -80,6 +87,15 @@ def op_publish(reg: Registry, rng: random.Random, run: str) -> None:
     step = rng.choice(free) if free and rng.random() < 0.5 else rng.choice(STEPS)  # else: most likely a collision
     reg.publish(run, step, state(seed), meta={"seed": seed}, extra=extra,
                 metrics={"loss": rng.random()}, verify=rng.random() < 0.8)
+
+
+def op_dedup_publish(reg: Registry, rng: random.Random, run: str) -> None:
+    """A publish with dedup on whose frozen shard other steps hold: links, then the fallback rule keeps copies."""
+    seed = rng.randrange(1 << 30)
+    free = [s for s in STEPS if s not in _live(reg, run)]
+    step = rng.choice(free) if free else rng.choice(STEPS)
+    reg.publish(run, step, {**state(seed), "frozen": FROZEN}, meta={"seed": seed, "frozen": True},
+                metrics={"loss": rng.random()}, dedup=True, overwrite=rng.random() < 0.2)
 
 
 def op_overwrite(reg: Registry, rng: random.Random, run: str) -> None:
@@ -163,9 +179,10 @@ def reg_warnings() -> Any:
 
 OPS: dict[str, Callable[[Registry, random.Random, str], None]] = {
     "publish": op_publish, "overwrite": op_overwrite, "republish-deleted": op_republish_deleted, "tag": op_tag,
-    "gc": op_gc, "fsck": op_fsck, "verify": op_verify, "load": op_load, "checkout": op_checkout}
+    "gc": op_gc, "fsck": op_fsck, "verify": op_verify, "load": op_load, "checkout": op_checkout,
+    "dedup-publish": op_dedup_publish}
 MIX = ("publish", "publish", "overwrite", "republish-deleted", "tag", "gc", "fsck", "verify", "load", "load",
-       "load", "checkout")
+       "load", "checkout", "dedup-publish")
 
 # What the contract lets each operation raise when another actor got there first.
 _NOT_FOUND = (CheckpointNotFoundError,)
@@ -179,6 +196,7 @@ ALLOWED: dict[str, tuple[type[BaseException], ...]] = {
     "verify": _NOT_FOUND,
     "load": _NOT_FOUND,  # @N or @TAG deleted by gc, or no verified step yet
     "checkout": _NOT_FOUND,
+    "dedup-publish": (StepExistsError,),
 }
 
 
@@ -259,6 +277,12 @@ def check_after(reg: Registry, tally: StressTally) -> None:
                 tally.violations.append(f"{run}@{i.step} is {i.status} but its directory is gone")
         if rows and not any(i.status == "verified" for i in rows):
             tally.violations.append(f"{run} has no verified step left")
+        newest = sorted((i for i in rows if i.status == "verified"), key=lambda i: -i.step)[:2]
+        if len(newest) == 2:
+            shared = set(inodes(reg.store.root / newest[0].path)) & set(inodes(reg.store.root / newest[1].path))
+            if shared:
+                tally.violations.append(f"{run}@{newest[0].step} and @{newest[1].step}, the fallback pair, share "
+                                        f"{len(shared)} inode(s): one bad byte would take both")
     from registry.ops.checkouts import owned, reclaim
     reclaim(reg.catalog, reg.store.root)  # what the leaked checkouts left, as gc and fsck --repair remove it
     if owned(reg.store.root):
