@@ -1,17 +1,15 @@
-"""``registry ui`` and ``registry metrics --plot``: looking at a run instead of reading tables."""
+"""``registry ui``: looking at a run in a browser instead of reading tables."""
 
 from __future__ import annotations
 
-import shutil
-import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import click
 
-from registry.cli_types import Count
+from registry.cli.types import Count
 
 if TYPE_CHECKING:
-    from registry.cli import State
+    from registry.cli.common import State
 
 
 @click.command("ui")
@@ -27,12 +25,12 @@ def ui(state: State, host: str, port: int, token: str | None) -> None:
     Needs the ui extra (pip install -e '.[ui]' in a checkout). The
     catalog is opened read-only; training never depends on this server.
     """
-    from registry.cli import command  # imported here: registry.cli registers this command at its import
+    from registry.cli.common import command
     command(serve_ui)(state, host=host, port=port, token=token)
 
 
 def serve_ui(state: State, *, host: str, port: int, token: str | None) -> None:
-    from registry.terminal import require
+    from registry.cli.terminal import require
     require("starlette", "registry ui")
     require("uvicorn", "registry ui")
     from registry.web import check_bind, create_app, listen, serve
@@ -46,23 +44,4 @@ def serve_ui(state: State, *, host: str, port: int, token: str | None) -> None:
     serve(create_app(reg, token=token), sock=sock)
 
 
-def plot_metrics(reg: Any, run: str, key: str | None) -> None:
-    """Draw ``key`` of ``run`` (default ``eval/loss`` or the first key) with its checkpoints marked."""
-    from registry.errors import CheckpointNotFoundError
-    from registry.terminal import plot
-    keys = reg.catalog.metric_keys(run)
-    if key is None:
-        if not keys:
-            raise CheckpointNotFoundError(f"run {run!r} has no metrics to plot")
-        key = "eval/loss" if "eval/loss" in keys else keys[0]
-    points = reg.metrics(run, key)
-    if not points:
-        from registry.cli import no_metric_error
-        raise no_metric_error(run, key, keys)
-    size = shutil.get_terminal_size((100, 30))
-    text = plot(points, reg.checkpoints(run, include_deleted=True), run=run, key=key,
-                width=max(40, size.columns), height=max(12, min(size.lines - 2, 30)), colour=sys.stdout.isatty())
-    click.echo(text)
-
-
-__all__ = ["plot_metrics", "ui"]
+__all__ = ["ui"]
