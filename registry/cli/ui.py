@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import click
 
+from registry.cli.common import State, command
 from registry.cli.types import Count
-
-if TYPE_CHECKING:
-    from registry.cli.common import State
 
 
 @click.command("ui")
@@ -19,17 +15,13 @@ if TYPE_CHECKING:
 @click.option("--token", envvar="REGISTRY_UI_TOKEN", show_envvar=True, default=None,
               help="Access token every request must carry (open http://HOST:PORT/?token=TOKEN once).")
 @click.pass_obj
+@command
 def ui(state: State, host: str, port: int, token: str | None) -> None:
     """Serve a read-only web view of the runs, their curves, checkpoints and retention previews.
 
     Needs the ui extra (pip install -e '.[ui]' in a checkout). The
     catalog is opened read-only; training never depends on this server.
     """
-    from registry.cli.common import command
-    command(serve_ui)(state, host=host, port=port, token=token)
-
-
-def serve_ui(state: State, *, host: str, port: int, token: str | None) -> None:
     from registry.cli.terminal import require
     require("starlette", "registry ui")
     require("uvicorn", "registry ui")
