@@ -47,7 +47,8 @@ TORCH_FREE = ("registry", "registry.catalog", "registry.catalog.queries", "regis
               "registry.fs.snapshot", "registry.fs.validation", "registry.fs.store", "registry.fs.filemaps",
               "registry.format.safetensors", "registry.fs.hashing", "registry.fs.mapping", "registry.cli.transfer", "registry.views", "registry.cli.ui",
               "registry.web", "registry.catalog.lineage", "registry.fs.dedup", "registry.cli.lineage",
-              "registry.cli.common", "registry.cli.runs", "registry.cli.maintenance", "registry.cli.main")
+              "registry.cli.common", "registry.cli.runs", "registry.cli.maintenance", "registry.cli.main",
+              "registry.cli.docs")
 # Every module of the format and filesystem folders.
 SQL_FREE = tuple(f"registry.{folder}.{path.stem}" for folder in ("format", "fs")
                  for path in sorted((PACKAGE / folder).glob("*.py")) if path.stem != "__init__")

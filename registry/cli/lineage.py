@@ -23,6 +23,11 @@ def lineage(state: State, ref: str, descendants: bool, include_resumes: bool, as
     """Show where REF came from, hop by hop up to its root (resumes, forks, imports).
 
     A numbered ref names deleted steps too: their history stays.
+
+    \b
+    Examples:
+        registry lineage demo-ft@latest
+        registry lineage demo@500 --descendants --all
     """
     reg = state.registry()
     hops = (reg.descendants(ref, forks_only=not include_resumes) if descendants else reg.lineage(ref))
@@ -47,6 +52,11 @@ def diff(state: State, ref_a: str, ref_b: str, values: bool, as_json: bool) -> N
 
     Exits 1 when some part could not be compared (listed as "not compared"):
     the steps are then not known to be identical.
+
+    \b
+    Examples:
+        registry diff demo@500 demo@latest
+        registry diff demo@release demo-ft@latest --values --json
     """
     from registry.ops.diff import render
     result = state.registry().diff(ref_a, ref_b, values=values)

@@ -73,15 +73,26 @@ def package_version() -> str:
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars (they are drawn only on a terminal anyway).")
 @click.pass_context
 def main(ctx: click.Context, url: str | None, root: str | None, read_only: bool, quiet: bool) -> None:
-    """A checkpoint registry for PyTorch training."""
+    """A checkpoint registry for PyTorch training.
+
+    \b
+    Examples:
+        registry runs
+        registry --root /data/ckpt ls demo
+        REGISTRY_URL=postgresql://host/db registry show demo@latest
+    """
     state = State(url, root, command=ctx.invoked_subcommand, read_only=read_only, quiet=quiet)
     ctx.obj = state
     ctx.call_on_close(state.close)
 
 
-for command in (runs.runs, runs.ls, runs.show, runs.resolve, runs.tag, runs.untag, runs.metrics,
-                maintenance.db, maintenance.verify, maintenance.gc, maintenance.fsck,
-                transfer.import_, transfer.export, transfer.checkout, lineage.lineage, lineage.diff, ui.ui):
+# Every command, registered here and nowhere else (docs/cli.md is written from this list, in this order).
+COMMANDS: tuple[click.Command, ...] = (
+    runs.runs, runs.ls, runs.show, runs.resolve, runs.tag, runs.untag, runs.metrics,
+    maintenance.db, maintenance.verify, maintenance.gc, maintenance.fsck,
+    transfer.import_, transfer.export, transfer.checkout, lineage.lineage, lineage.diff, ui.ui,
+)
+for command in COMMANDS:
     main.add_command(command)
 
 if __name__ == "__main__":  # pragma: no cover

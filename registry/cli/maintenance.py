@@ -16,14 +16,25 @@ from registry.records import human_bytes
 
 @click.group()
 def db() -> None:
-    """Catalog schema migrations."""
+    """Catalog schema migrations.
+
+    \b
+    Examples:
+        registry db upgrade
+        registry db current
+    """
 
 
 @db.command("upgrade")
 @click.pass_obj
 @command
 def db_upgrade(state: State) -> None:
-    """Bring the catalog schema to the newest revision."""
+    """Bring the catalog schema to the newest revision.
+
+    \b
+    Example:
+        registry --url postgresql://host/registry db upgrade
+    """
     from registry.api import locations
     from registry.catalog.session import make_engine, upgrade
     from registry.fs.store import Store
@@ -46,7 +57,12 @@ def db_upgrade(state: State) -> None:
 @click.pass_obj
 @command
 def db_current(state: State) -> None:
-    """Print the catalog's schema revision and the newest this code knows."""
+    """Print the catalog's schema revision and the newest this code knows.
+
+    \b
+    Example:
+        registry db current
+    """
     from sqlalchemy.exc import OperationalError
 
     from registry.api import locations
@@ -68,7 +84,12 @@ def db_current(state: State) -> None:
 @click.pass_obj
 @command
 def db_bind_root(state: State) -> None:
-    """Bind --root to the catalog even where the checks refuse it (a root restored without .registry/)."""
+    """Bind --root to the catalog even where the checks refuse it (a root restored without .registry/).
+
+    \b
+    Example:
+        registry --root /mnt/restored/ckpt db bind-root
+    """
     reg = state.registry(rebind_root=True)
     click.echo(f"bound {reg.store.root} to {reg.catalog.engine.url.render_as_string(hide_password=True)}")
 
@@ -79,7 +100,13 @@ def db_bind_root(state: State) -> None:
 @click.pass_obj
 @command
 def verify(state: State, targets: tuple[str, ...], as_json: bool) -> None:
-    """Re-hash checkpoints (every live step of a RUN, or one REF); exit 1 unless every one is verified."""
+    """Re-hash checkpoints (every live step of a RUN, or one REF); exit 1 unless every one is verified.
+
+    \b
+    Examples:
+        registry verify demo
+        registry verify demo@latest demo@release --json
+    """
     with state.progress(as_json) as bar:
         results = state.registry().verify(*targets, progress=bar)
     if as_json:
@@ -124,6 +151,12 @@ def gc(state: State, run: str, keep_last: int | None, keep_best: tuple[str, ...]
     Options combine: a step is kept if any of them keeps it. Whatever they
     say, @latest, @latest-published, tagged, staging and leased steps stay.
     On a terminal the plan is shown and gc asks before deleting (--yes does not ask).
+
+    \b
+    Examples:
+        registry gc demo --keep-last 3 --dry-run
+        registry gc demo --keep-last 2 --keep-best eval/loss=1 --yes
+        registry gc demo --max-bytes 50G --policy policy.py
     """
     try:
         policy = build_policy(keep_last=keep_last, keep_best=keep_best, keep_every=keep_every,
@@ -177,7 +210,13 @@ def gc(state: State, run: str, keep_last: int | None, keep_best: tuple[str, ...]
 @click.pass_obj
 @command
 def fsck(state: State, repair: bool, checksums: bool, as_json: bool) -> None:
-    """Reconcile the catalog with the checkpoint root; exit 1 if problems remain unrepaired."""
+    """Reconcile the catalog with the checkpoint root; exit 1 if problems remain unrepaired.
+
+    \b
+    Examples:
+        registry fsck
+        registry fsck --repair --checksums
+    """
     from registry.ops.fsck import iter_lines
     with state.progress(as_json) as bar:
         report = state.registry().fsck(repair=repair, checksums=checksums, progress=bar)

@@ -23,7 +23,13 @@ from registry.records import NO_PAYLOAD, human_bytes
 @click.pass_obj
 @command
 def runs(state: State, sort_by: str | None, as_json: bool) -> None:
-    """List runs, with when each was created."""
+    """List runs, with when each was created.
+
+    \b
+    Examples:
+        registry runs
+        registry runs --sort-by eval/accuracy:max --json
+    """
     from registry.views import format_age, format_time, runs_doc
     docs = runs_doc(state.registry(), sort_by=sort_by)
     if as_json:
@@ -54,7 +60,13 @@ def _time(iso: str | None) -> Any:
 @click.pass_obj
 @command
 def ls(state: State, run: str, include_deleted: bool, policy_version: int | None, as_json: bool) -> None:
-    """List the checkpoints of RUN, oldest first, with their tags and metrics."""
+    """List the checkpoints of RUN, oldest first, with their tags and metrics.
+
+    \b
+    Examples:
+        registry ls demo
+        registry ls demo --all --json
+    """
     from registry.views import checkpoints_doc, format_age, format_time
     infos = state.registry().checkpoints(run, include_deleted=include_deleted, policy_version=policy_version)
     if as_json:
@@ -77,6 +89,11 @@ def show(state: State, ref: str, as_json: bool) -> None:
 
     A deleted, failed or staging step (named by its number) is shown too,
     marked as such, with the event that ended it.
+
+    \b
+    Examples:
+        registry show demo@latest
+        registry show demo@best:eval/loss --json
     """
     from registry.views import format_time, step_view
     view = step_view(state.registry(), ref)
@@ -121,7 +138,13 @@ def show(state: State, ref: str, as_json: bool) -> None:
 @click.pass_obj
 @command
 def resolve(state: State, ref: str) -> None:
-    """Print the directory that REF names."""
+    """Print the directory that REF names.
+
+    \b
+    Examples:
+        registry resolve demo@release
+        cd "$(registry resolve demo@latest)"
+    """
     click.echo(str(state.registry().resolve(ref).path))
 
 
@@ -135,6 +158,11 @@ def tag(state: State, target: str, step_or_name: str, name: str | None) -> None:
     """Point tag NAME at the step REF names (tag run@best:eval/loss release), or at RUN STEP.
 
     The tag moves if it exists.
+
+    \b
+    Examples:
+        registry tag demo@best:eval/loss release
+        registry tag demo 1200 baseline
     """
     if name is not None:
         try:
@@ -159,7 +187,12 @@ def tag(state: State, target: str, step_or_name: str, name: str | None) -> None:
 @click.pass_obj
 @command
 def untag(state: State, run: str, name: str) -> None:
-    """Remove tag NAME from RUN."""
+    """Remove tag NAME from RUN.
+
+    \b
+    Example:
+        registry untag demo baseline
+    """
     state.registry().untag(run, name)
     click.echo(f"removed {run}@{name}")
 
@@ -177,7 +210,14 @@ def untag(state: State, run: str, name: str) -> None:
 @command
 def metrics(state: State, run: str, key: str | None, history: bool, plot: bool, wide: bool, as_csv: bool,
             as_json: bool) -> None:
-    """List the metric points of RUN, or draw them (--plot)."""
+    """List the metric points of RUN, or draw them (--plot).
+
+    \b
+    Examples:
+        registry metrics demo --key eval/loss
+        registry metrics demo --wide --csv > metrics.csv
+        registry metrics demo --plot
+    """
     from registry.views import metrics_doc
     reg = state.registry()
     if plot:

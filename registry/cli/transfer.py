@@ -30,7 +30,13 @@ MAX_TTL = 100 * 365 * 86400  # a lease's end must stay a date the catalog can st
 @command
 def import_(state: State, path: str, run: str, step: int, move: bool, overwrite: bool,
             tags: tuple[str, ...], as_json: bool) -> None:
-    """Adopt the checkpoint directory PATH (reference, legacy, Hugging Face or DCP layout) as RUN@STEP."""
+    """Adopt the checkpoint directory PATH (reference, legacy, Hugging Face or DCP layout) as RUN@STEP.
+
+    \b
+    Examples:
+        registry import ./old-run/checkpoint-500 --run demo --step 500
+        registry import /scratch/dcp/step-900 --run demo --step 900 --move --tag imported
+    """
     with state.progress(as_json) as bar:
         info = state.registry().import_checkpoint(path, run=run, step=step, move=move, overwrite=overwrite,
                                                   tags=tags, progress=bar)
@@ -53,7 +59,13 @@ def import_(state: State, path: str, run: str, step: int, move: bool, overwrite:
 @click.pass_obj
 @command
 def export(state: State, ref: str, dest: str, fmt: str, max_shard_size: int | None, overwrite: bool) -> None:
-    """Write REF's weights and config.json to DEST as a standalone checkpoint (a verified read)."""
+    """Write REF's weights and config.json to DEST as a standalone checkpoint (a verified read).
+
+    \b
+    Examples:
+        registry export demo@release ./release
+        registry export demo@latest ./hf --format hf --max-shard-size 2GiB
+    """
     done = state.registry().export(ref, dest, format=fmt, max_shard_size=max_shard_size, overwrite=overwrite)
     click.echo(f"{done.run}@{done.step} -> {done.path} ({', '.join(done.files)})")
 
@@ -83,6 +95,13 @@ def checkout(state: State, ref: str | None, dest: str | None, ttl: int, no_verif
     expire after --ttl seconds, as this command exits at once; a directory
     under ROOT/.registry/checkouts/ is then removed by gc and fsck --repair,
     or now by 'registry checkout --release DIR'. DEST must be outside ROOT.
+
+    \b
+    Examples:
+        registry checkout demo@release
+        registry checkout demo@latest ./eval-copy --ttl 3600
+        DIR=$(registry checkout demo@latest) && python eval.py "$DIR"
+        registry checkout --release "$DIR"
     """
     if release is not None:
         if ref is not None or dest is not None:

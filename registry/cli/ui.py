@@ -21,6 +21,11 @@ def ui(state: State, host: str, port: int, token: str | None) -> None:
 
     Needs the ui extra (pip install -e '.[ui]' in a checkout). The
     catalog is opened read-only; training never depends on this server.
+
+    \b
+    Examples:
+        registry ui
+        registry ui --host 0.0.0.0 --port 8080 --token "$TOKEN"
     """
     from registry.cli.terminal import require
     require("starlette", "registry ui")
