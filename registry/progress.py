@@ -3,7 +3,7 @@
 Verifying a 100 GB step takes most of a minute. The library never prints, so
 long operations take an optional ``progress`` callable and call it with a
 :class:`ProgressEvent` as they go; the command line turns those into bars on
-a terminal (``registry.terminal.progress_bar``), a script may log them, and
+a terminal (``registry.cli.terminal.progress_bar``), a script may log them, and
 None (the default) costs nothing.
 """
 

@@ -77,7 +77,7 @@ def test_gc_on_a_terminal_shows_the_plan_and_asks(wide: Registry, cli, monkeypat
     from click.testing import CliRunner
 
     from registry.cli import main
-    monkeypatch.setattr("registry.cli.stdin_is_terminal", lambda: True)
+    monkeypatch.setattr("registry.cli.maintenance.stdin_is_terminal", lambda: True)
     url, root = str(wide.catalog.engine.url.render_as_string(hide_password=False)), str(wide.store.root)
     runner = CliRunner()
 
@@ -161,7 +161,7 @@ def test_help_text_shows_no_markup() -> None:
 
 
 def test_the_plot_shows_its_ends_in_whole_steps_with_the_legend_out_of_the_way(wide: Registry) -> None:
-    from registry.terminal import plot
+    from registry.cli.terminal import plot
     wide.tag("wide-64", 30, "newest")
     text = plot(wide.metrics("wide-64", "eval/loss"), wide.checkpoints("wide-64"), run="wide-64", key="eval/loss",
                 width=80, height=20, colour=False)
@@ -176,7 +176,7 @@ def test_the_plot_shows_its_ends_in_whole_steps_with_the_legend_out_of_the_way(w
 
 def test_progress_bars_write_sizes_as_the_tables_do(monkeypatch: pytest.MonkeyPatch) -> None:
     from registry.progress import ProgressEvent
-    from registry.terminal import progress_bar
+    from registry.cli.terminal import progress_bar
 
     class Terminal(io.StringIO):
         def isatty(self) -> bool:

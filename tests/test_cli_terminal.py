@@ -14,7 +14,8 @@ import pytest
 from click.testing import CliRunner
 
 from registry import Registry
-from registry.cli import hoist_global_options, main
+from registry.cli import main
+from registry.cli.main import hoist_global_options
 from registry.retention import KeepLast
 from tests.helpers import make_state
 
@@ -129,9 +130,9 @@ def test_long_work_reports_progress(reg: Registry, tmp_path: Path) -> None:
 
 
 def test_progress_bars_only_on_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
-    from registry.cli import State
+    from registry.cli.common import State
     from registry.progress import ProgressEvent
-    from registry.terminal import progress_bar
+    from registry.cli.terminal import progress_bar
 
     class Terminal(io.StringIO):
         def isatty(self) -> bool:

@@ -192,7 +192,7 @@ def test_transformers_resume_from_can_insist_on_a_step(reg: Registry) -> None:
 
 def test_install_hints_give_the_checkout_form_and_the_index_form(monkeypatch: pytest.MonkeyPatch) -> None:
     from registry.catalog.session import make_engine
-    from registry.terminal import MissingExtraError, require
+    from registry.cli.terminal import MissingExtraError, require
 
     with pytest.raises(MissingExtraError) as caught:
         require("no_such_module_for_a_test", "registry ui")

@@ -1,6 +1,6 @@
 // A small self-contained SVG line chart: several curves (runs or metrics) on one step axis, log scale,
 // smoothing, every checkpoint marked by status, @latest and @best marked. No dependencies; shipped in the
-// wheel (registry/web/static). Status colours match registry/terminal.py.
+// wheel (registry/web/static). Status colours match registry/cli/terminal.py.
 "use strict";
 const STATUS_COLOURS = {verified: "#2ea043", published: "#1f6feb", corrupt: "#cf222e",
                         deleted: "#8c8c8c", failed: "#bf8700", staging: "#8250df"};

@@ -1,8 +1,8 @@
-"""``registry export`` and ``registry checkout``: a step as a plain directory for tools that want a path.
+"""``registry import``, ``export`` and ``checkout``: a directory in, a step out as a plain directory for tools
+that want a path.
 
-Importing this module registers them on ``registry.cli.main``. Each is one
-library call of the same name (:meth:`registry.Registry.export`,
-:meth:`registry.Registry.checkout`).
+Each is one library call (:meth:`registry.Registry.import_checkpoint`,
+:meth:`registry.Registry.export`, :meth:`registry.Registry.checkout`).
 """
 
 from __future__ import annotations
@@ -11,13 +11,43 @@ from datetime import timedelta
 
 import click
 
-from registry.cli import State, command, main
-from registry.cli_types import Count, Size
+from registry.cli.common import State, command, emit_json, json_option
+from registry.cli.types import Count, Size
+from registry.records import human_bytes
 
 MAX_TTL = 100 * 365 * 86400  # a lease's end must stay a date the catalog can store
 
 
-@main.command("export")
+@click.command("import")
+@click.argument("path", type=click.Path(path_type=str))
+@click.option("--run", required=True, help="Run to import into.")
+@click.option("--step", required=True, type=Count(minimum=0), help="Step to publish it as.")
+@click.option("--move", is_flag=True, help="Move the files (same filesystem) instead of copying them.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing step.")
+@click.option("--tag", "tags", multiple=True, help="Tag the imported step (repeatable).")
+@json_option
+@click.pass_obj
+@command
+def import_(state: State, path: str, run: str, step: int, move: bool, overwrite: bool,
+            tags: tuple[str, ...], as_json: bool) -> None:
+    """Adopt the checkpoint directory PATH (reference, legacy, Hugging Face or DCP layout) as RUN@STEP.
+
+    \b
+    Examples:
+        registry import ./old-run/checkpoint-500 --run demo --step 500
+        registry import /scratch/dcp/step-900 --run demo --step 900 --move --tag imported
+    """
+    with state.progress(as_json) as bar:
+        info = state.registry().import_checkpoint(path, run=run, step=step, move=move, overwrite=overwrite,
+                                                  tags=tags, progress=bar)
+    if as_json:
+        emit_json(info.to_json())
+        return
+    click.echo(f"{'moved' if move else 'copied'} {path} -> {info.run}@{info.step} "
+               f"({info.status}, {human_bytes(info.total_bytes)}) at {info.path}")
+
+
+@click.command("export")
 @click.argument("ref")
 @click.argument("dest", type=click.Path(path_type=str))
 @click.option("--format", "fmt", type=click.Choice(["safetensors", "hf"]), default="safetensors", show_default=True,
@@ -29,12 +59,18 @@ MAX_TTL = 100 * 365 * 86400  # a lease's end must stay a date the catalog can st
 @click.pass_obj
 @command
 def export(state: State, ref: str, dest: str, fmt: str, max_shard_size: int | None, overwrite: bool) -> None:
-    """Write REF's weights and config.json to DEST as a standalone checkpoint (a verified read)."""
+    """Write REF's weights and config.json to DEST as a standalone checkpoint (a verified read).
+
+    \b
+    Examples:
+        registry export demo@release ./release
+        registry export demo@latest ./hf --format hf --max-shard-size 2GiB
+    """
     done = state.registry().export(ref, dest, format=fmt, max_shard_size=max_shard_size, overwrite=overwrite)
     click.echo(f"{done.run}@{done.step} -> {done.path} ({', '.join(done.files)})")
 
 
-@main.command("checkout")
+@click.command("checkout")
 @click.argument("ref", required=False)
 @click.argument("dest", required=False, type=click.Path(path_type=str))
 @click.option("--ttl", type=Count(minimum=1, maximum=MAX_TTL), default=24 * 3600, show_default=True,
@@ -59,6 +95,13 @@ def checkout(state: State, ref: str | None, dest: str | None, ttl: int, no_verif
     expire after --ttl seconds, as this command exits at once; a directory
     under ROOT/.registry/checkouts/ is then removed by gc and fsck --repair,
     or now by 'registry checkout --release DIR'. DEST must be outside ROOT.
+
+    \b
+    Examples:
+        registry checkout demo@release
+        registry checkout demo@latest ./eval-copy --ttl 3600
+        DIR=$(registry checkout demo@latest) && python eval.py "$DIR"
+        registry checkout --release "$DIR"
     """
     if release is not None:
         if ref is not None or dest is not None:

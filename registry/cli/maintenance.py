@@ -1,0 +1,231 @@
+"""``registry db``, ``verify``, ``gc`` and ``fsck``: the catalog's schema, checking, retention and repair."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from registry.cli.common import State, command, emit_json, fail, json_option, stdin_is_terminal, table
+from registry.cli.terminal import plural
+from registry.cli.types import Count, Size
+from registry.errors import RegistryError
+from registry.ops.policies import PolicyOptionError, build_policy
+from registry.records import human_bytes
+
+
+@click.group()
+def db() -> None:
+    """Catalog schema migrations.
+
+    \b
+    Examples:
+        registry db upgrade
+        registry db current
+    """
+
+
+@db.command("upgrade")
+@click.pass_obj
+@command
+def db_upgrade(state: State) -> None:
+    """Bring the catalog schema to the newest revision.
+
+    \b
+    Example:
+        registry --url postgresql://host/registry db upgrade
+    """
+    from registry.api import locations
+    from registry.catalog.session import make_engine, upgrade
+    from registry.fs.store import Store
+    root, url = locations(state.url, state.root)
+    Store(root)
+    engine = make_engine(url)
+    try:
+        before, after = upgrade(engine)
+    except Exception as exc:
+        if isinstance(exc, RegistryError):
+            raise
+        from registry.errors import CatalogError
+        raise CatalogError(f"cannot upgrade catalog: {str(exc).splitlines()[0]}") from None
+    finally:
+        engine.dispose()
+    click.echo(f"upgraded {before or '(empty)'} -> {after}" if before != after else f"already at {after}")
+
+
+@db.command("current")
+@click.pass_obj
+@command
+def db_current(state: State) -> None:
+    """Print the catalog's schema revision and the newest this code knows.
+
+    \b
+    Example:
+        registry db current
+    """
+    from sqlalchemy.exc import OperationalError
+
+    from registry.api import locations
+    from registry.catalog.session import current_revision, head_revision, make_engine
+    from registry.errors import CatalogError
+    engine = make_engine(locations(state.url, state.root)[1], create=False)
+    try:
+        with engine.connect() as conn:
+            revision = current_revision(conn)
+    except OperationalError as exc:
+        raise CatalogError(f"cannot reach catalog: {str(exc.orig).splitlines()[0]}") from None
+    finally:
+        engine.dispose()
+    head = head_revision()
+    click.echo(f"{revision or '(empty)'} (head: {head}{', up to date' if revision == head else ''})")
+
+
+@db.command("bind-root")
+@click.pass_obj
+@command
+def db_bind_root(state: State) -> None:
+    """Bind --root to the catalog even where the checks refuse it (a root restored without .registry/).
+
+    \b
+    Example:
+        registry --root /mnt/restored/ckpt db bind-root
+    """
+    reg = state.registry(rebind_root=True)
+    click.echo(f"bound {reg.store.root} to {reg.catalog.engine.url.render_as_string(hide_password=True)}")
+
+
+@click.command()
+@click.argument("targets", nargs=-1, required=True)
+@json_option
+@click.pass_obj
+@command
+def verify(state: State, targets: tuple[str, ...], as_json: bool) -> None:
+    """Re-hash checkpoints (every live step of a RUN, or one REF); exit 1 unless every one is verified.
+
+    \b
+    Examples:
+        registry verify demo
+        registry verify demo@latest demo@release --json
+    """
+    with state.progress(as_json) as bar:
+        results = state.registry().verify(*targets, progress=bar)
+    if as_json:
+        from registry.views import verify_doc
+        emit_json(verify_doc(results))
+    else:
+        table(["RUN", "STEP", "RESULT", "PROBLEMS"],
+              [[r.run, r.step, "ok" if r.ok else r.status.upper(), "; ".join(r.problems)] for r in results])
+    if not all(r.ok for r in results):
+        sys.exit(1)
+
+
+@click.command()
+@click.argument("run")
+@click.option("--keep-last", type=Count(minimum=1), default=None, metavar="N",
+              help="Keep the N newest loadable steps.")
+@click.option("--keep-best", multiple=True, metavar="METRIC[:max]=K",
+              help="Keep the K best steps by METRIC (lowest; ':max' for highest). Repeatable.")
+@click.option("--keep-every", type=Count(minimum=1), default=None, metavar="N",
+              help="Keep steps that are a multiple of N.")
+@click.option("--max-bytes", type=Size(), default=None, metavar="SIZE",
+              help="Byte budget (e.g. 50G): of what the other options keep (or of every step), "
+                   "drop the oldest until the run fits.")
+@click.option("--policy", "policy_file", type=click.Path(exists=True, dir_okay=False), default=None,
+              metavar="FILE.py", help="A Python file that defines 'policy = ...'.")
+@click.option("--allow-missing-metric", is_flag=True,
+              help="Let a --keep-best metric that no checkpoint of RUN has keep nothing (default: refuse, "
+                   "exit 2: a typo there would delete the real best).")
+@click.option("--release-fork-parents", is_flag=True,
+              help="Let the policy delete steps that live forks name as their parent (default: keep them).")
+@click.option("--dry-run", is_flag=True, help="Print the plan; delete nothing.")
+@click.option("--yes", "-y", is_flag=True, help="Delete without asking (on a terminal gc shows the plan and asks "
+                                                "first; scripts and --json are never asked).")
+@json_option
+@click.pass_obj
+@command
+def gc(state: State, run: str, keep_last: int | None, keep_best: tuple[str, ...], keep_every: int | None,
+       max_bytes: int | None, policy_file: str | None, allow_missing_metric: bool, release_fork_parents: bool,
+       dry_run: bool, yes: bool, as_json: bool) -> None:
+    """Delete the checkpoints of RUN that no policy keeps.
+
+    Options combine: a step is kept if any of them keeps it. Whatever they
+    say, @latest, @latest-published, tagged, staging and leased steps stay.
+    On a terminal the plan is shown and gc asks before deleting (--yes does not ask).
+
+    \b
+    Examples:
+        registry gc demo --keep-last 3 --dry-run
+        registry gc demo --keep-last 2 --keep-best eval/loss=1 --yes
+        registry gc demo --max-bytes 50G --policy policy.py
+    """
+    try:
+        policy = build_policy(keep_last=keep_last, keep_best=keep_best, keep_every=keep_every,
+                              max_bytes=max_bytes, policy_file=policy_file)
+    except PolicyOptionError as exc:
+        raise click.BadParameter(str(exc), param_hint="--" + exc.option.replace("_", "-")) from None
+    if policy is None:
+        raise click.UsageError("say what to keep: --keep-last, --keep-best, --keep-every, --max-bytes "
+                               "or --policy (gc never guesses)")
+    plan = state.registry().plan_retention(run, policy, allow_missing_metrics=allow_missing_metric,
+                                           keep_fork_parents=not release_fork_parents)
+    from registry.views import gc_doc, plan_shared_bytes
+    shared = plan_shared_bytes(plan)
+    if not as_json:
+        click.echo(f"{run}: {policy!r}")
+        table(["STEP", "STATUS", "ACTION", "SIZE", "REASON"],
+              [[d.step, d.status, d.action.upper() if d.action == "delete" else d.action,
+                human_bytes(d.total_bytes), "; ".join(d.reasons)] for d in plan.decisions])
+        verb = "would delete" if dry_run else "planned to delete"
+        click.echo(f"{verb} {len(plan.delete)} of {plural(len(plan.decisions), 'checkpoint')}, "
+                   f"{human_bytes(plan.bytes_freed)}; keeping {human_bytes(plan.bytes_kept)}")
+        if shared:
+            click.echo(f"{human_bytes(shared)} of what they hold is stored once with kept steps (dedup): "
+                       "it stays on disk and is not counted as freed")
+    asking = bool(plan.delete) and not (dry_run or yes or as_json) and stdin_is_terminal()
+    if asking and not click.confirm(f"delete {plural(len(plan.delete), 'checkpoint')} of {run} "
+                                    f"({human_bytes(plan.bytes_freed)})?", default=False):
+        fail("nothing deleted")
+    with state.progress(as_json) as bar:
+        result = None if dry_run else plan.execute(progress=bar)
+    if as_json:
+        emit_json(gc_doc(plan, dry_run=dry_run, result=result, shared_bytes=shared))
+    elif result is not None:
+        click.echo(f"deleted {len(result.deleted)} ({human_bytes(result.bytes_freed)} freed)"
+                   + (f"; finished {plural(len(result.healed), 'interrupted deletion')}" if result.healed else ""))
+        if result.checkouts_removed:
+            click.echo(f"removed {plural(len(result.checkouts_removed), 'registry-owned checkout')} whose lease "
+                       "had expired")
+        for step, why in sorted(result.skipped.items()):
+            click.echo(f"skipped {step}: {why}")
+        for step, why in sorted(result.errors.items()):
+            click.echo(f"error {step}: {why}", err=True)
+    if result is not None and result.errors:
+        sys.exit(1)
+
+
+@click.command()
+@click.option("--repair", is_flag=True, help="Fix what is found (default: only report).")
+@click.option("--checksums", is_flag=True, help="Re-hash every live step, not just sizes and digests.")
+@json_option
+@click.pass_obj
+@command
+def fsck(state: State, repair: bool, checksums: bool, as_json: bool) -> None:
+    """Reconcile the catalog with the checkpoint root; exit 1 if problems remain unrepaired.
+
+    \b
+    Examples:
+        registry fsck
+        registry fsck --repair --checksums
+    """
+    from registry.ops.fsck import iter_lines
+    with state.progress(as_json) as bar:
+        report = state.registry().fsck(repair=repair, checksums=checksums, progress=bar)
+    if as_json:
+        emit_json(report.to_json())
+    else:
+        for line in iter_lines(report):
+            click.echo(line)
+        click.echo(f"{plural(report.rows_checked, 'row')} checked, {plural(len(report.problems), 'problem')}, "
+                   f"{len(report.repaired)} repaired, {len(report.in_progress)} in progress")
+    if report.unrepaired or report.failures:
+        sys.exit(1)

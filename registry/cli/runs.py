@@ -1,0 +1,274 @@
+"""``registry runs``, ``ls``, ``show``, ``resolve``, ``tag``, ``untag`` and ``metrics``: reading and naming steps."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import click
+
+from registry.cli.common import State, command, emit_json, json_option, table
+from registry.cli.types import Count
+from registry.errors import RegistryError
+from registry.records import NO_PAYLOAD, human_bytes
+
+
+@click.command()
+@click.option("--sort-by", default=None, metavar="METRIC[:max]",
+              help="Order runs by their best value of METRIC (lowest first; ':max' for highest), as RUN@best ranks.")
+@json_option
+@click.pass_obj
+@command
+def runs(state: State, sort_by: str | None, as_json: bool) -> None:
+    """List runs, with when each was created.
+
+    \b
+    Examples:
+        registry runs
+        registry runs --sort-by eval/accuracy:max --json
+    """
+    from registry.views import format_age, format_time, runs_doc
+    docs = runs_doc(state.registry(), sort_by=sort_by)
+    if as_json:
+        emit_json(docs)
+        return
+    best = [f"BEST {sort_by}", "AT"] if sort_by else []
+    table(["RUN", "CHECKPOINTS", "LATEST", "VERIFIED", "SIZE", *best, "CREATED", "AGE"],
+          [[d["name"], d["checkpoints"], d["latest_step"], d["latest_verified_step"], human_bytes(d["total_bytes"]),
+            *([_number(d["best"]["value"]), d["best"]["step"]] if sort_by else []),
+            format_time(_time(d["created_at"])), format_age(_time(d["created_at"]))] for d in docs])
+
+
+def _number(value: float | None) -> str | None:
+    return None if value is None else f"{value:.6g}"
+
+
+def _time(iso: str | None) -> Any:
+    from datetime import datetime
+    return datetime.fromisoformat(iso) if iso else None
+
+
+@click.command("ls")
+@click.argument("run")
+@click.option("--all", "include_deleted", is_flag=True, help="Include deleted and failed steps.")
+@click.option("--policy-version", type=Count(minimum=0), default=None,
+              help="Only steps with this policy version.")
+@json_option
+@click.pass_obj
+@command
+def ls(state: State, run: str, include_deleted: bool, policy_version: int | None, as_json: bool) -> None:
+    """List the checkpoints of RUN, oldest first, with their tags and metrics.
+
+    \b
+    Examples:
+        registry ls demo
+        registry ls demo --all --json
+    """
+    from registry.views import checkpoints_doc, format_age, format_time
+    infos = state.registry().checkpoints(run, include_deleted=include_deleted, policy_version=policy_version)
+    if as_json:
+        emit_json(checkpoints_doc(infos))
+        return
+    policy = any(i.policy_version is not None for i in infos)  # a column nobody's training sets is left out
+    table(["STEP", "STATUS", *(["POLICY"] if policy else []), "SIZE", "TAGS", "CREATED", "AGE", "METRICS"],
+          [[i.step, i.status, *([i.policy_version] if policy else []), human_bytes(i.total_bytes), ",".join(i.tags),
+            format_time(i.created_at), format_age(i.created_at),
+            " ".join(f"{k}={v:.4g}" for k, v in sorted(i.metrics.items()))] for i in infos])
+
+
+@click.command()
+@click.argument("ref")
+@json_option
+@click.pass_obj
+@command
+def show(state: State, ref: str, as_json: bool) -> None:
+    """Show one checkpoint: status, sizes, metrics, tags, files and events.
+
+    A deleted, failed or staging step (named by its number) is shown too,
+    marked as such, with the event that ended it.
+
+    \b
+    Examples:
+        registry show demo@latest
+        registry show demo@best:eval/loss --json
+    """
+    from registry.views import format_time, step_view
+    view = step_view(state.registry(), ref)
+    if as_json:
+        emit_json(view.to_json())
+        return
+    info, files, events, ended, manifest = view.info, view.files, view.events, view.ended, view.manifest
+    shared = view.shared_bytes
+    marked = info.status.upper() if info.status in NO_PAYLOAD else info.status
+    click.echo(f"{info.run}@{info.step}  {marked}  {human_bytes(info.total_bytes)}")
+    if ended is not None:
+        click.echo(f"ended:    {ended.kind} at {format_time(ended.created_at)} by {ended.actor or '-'}  "
+                   f"{json.dumps(ended.detail, sort_keys=True)}")
+    if "error" in manifest:
+        click.echo(f"manifest: unreadable: {manifest['error']}")
+    else:
+        click.echo(f"manifest: format {manifest['format_version']}, {manifest['tensors']} tensors, "
+                   f"{manifest['files']} files, created {manifest['created_at']} (writer's local time; "
+                   "the manifest records no zone)")
+        if manifest.get("layout"):
+            layout = manifest["layout"]
+            per_rank = sorted(set(layout["files_per_rank"]))
+            click.echo(f"layout:   {layout['kind']}, world size {layout['world_size']}, "
+                       f"{'/'.join(map(str, per_rank))} file(s) per rank, {human_bytes(layout['bytes'])} of shards")
+    click.echo(f"path:     {info.path}")
+    click.echo(f"epoch:    {info.epoch}  consumed_samples: {info.consumed_samples}  "
+               f"policy_version: {info.policy_version}")
+    click.echo(f"tags:     {', '.join(info.tags) or '-'}")
+    click.echo(f"metrics:  {', '.join(f'{k}={v:.6g}' for k, v in sorted(info.metrics.items())) or '-'}")
+    click.echo(f"created:  {format_time(info.created_at)}  verified: {format_time(info.verified_at)}")
+    click.echo(f"manifest: {info.manifest_sha256}")
+    if shared:
+        click.echo(f"shared:   {human_bytes(shared)} stored once with other steps (hard links, dedup)")
+    for f in files:
+        click.echo(f"  {f.name:<40} {human_bytes(f.size):>10}  {f.sha256[:16]}")
+    for e in events:
+        click.echo(f"  {format_time(e.created_at)}  {e.kind:<14} {json.dumps(e.detail, sort_keys=True)}")
+
+
+@click.command()
+@click.argument("ref")
+@click.pass_obj
+@command
+def resolve(state: State, ref: str) -> None:
+    """Print the directory that REF names.
+
+    \b
+    Examples:
+        registry resolve demo@release
+        cd "$(registry resolve demo@latest)"
+    """
+    click.echo(str(state.registry().resolve(ref).path))
+
+
+@click.command()
+@click.argument("target", metavar="REF|RUN")
+@click.argument("step_or_name", metavar="[STEP] NAME")
+@click.argument("name", required=False, metavar="")
+@click.pass_obj
+@command
+def tag(state: State, target: str, step_or_name: str, name: str | None) -> None:
+    """Point tag NAME at the step REF names (tag run@best:eval/loss release), or at RUN STEP.
+
+    The tag moves if it exists.
+
+    \b
+    Examples:
+        registry tag demo@best:eval/loss release
+        registry tag demo 1200 baseline
+    """
+    if name is not None:
+        try:
+            step = int(step_or_name)
+        except ValueError:
+            raise click.BadParameter(f"{step_or_name!r} is not a step number (tag RUN STEP NAME, "
+                                     "or tag REF NAME)", param_hint="STEP") from None
+    reg = state.registry()
+    if name is None:
+        name = step_or_name
+        info = reg.resolve(target)
+        run, step = info.run, info.step
+    else:
+        run = target
+    reg.tag(run, step, name)
+    click.echo(f"{run}@{name} -> {step}")
+
+
+@click.command()
+@click.argument("run")
+@click.argument("name")
+@click.pass_obj
+@command
+def untag(state: State, run: str, name: str) -> None:
+    """Remove tag NAME from RUN.
+
+    \b
+    Example:
+        registry untag demo baseline
+    """
+    state.registry().untag(run, name)
+    click.echo(f"removed {run}@{name}")
+
+
+@click.command()
+@click.argument("run")
+@click.option("--key", default=None, help="Only this metric (with --plot: the one drawn; default eval/loss or the "
+                                          "first key).")
+@click.option("--history", is_flag=True, help="Include superseded points.")
+@click.option("--plot", is_flag=True, help="Draw the curve in the terminal with every checkpoint marked on it.")
+@click.option("--wide", is_flag=True, help="One row per step, one column per key.")
+@click.option("--csv", "as_csv", is_flag=True, help="Print CSV (for spreadsheets); with --wide, steps x keys.")
+@json_option
+@click.pass_obj
+@command
+def metrics(state: State, run: str, key: str | None, history: bool, plot: bool, wide: bool, as_csv: bool,
+            as_json: bool) -> None:
+    """List the metric points of RUN, or draw them (--plot).
+
+    \b
+    Examples:
+        registry metrics demo --key eval/loss
+        registry metrics demo --wide --csv > metrics.csv
+        registry metrics demo --plot
+    """
+    from registry.views import metrics_doc
+    reg = state.registry()
+    if plot:
+        plot_metrics(reg, run, key)
+        return
+    points = reg.metrics(run, key, history=history)
+    if key is not None and not points:
+        keys = reg.catalog.metric_keys(run)
+        if key not in keys:
+            raise no_metric_error(run, key, keys)
+    if as_json:
+        emit_json(metrics_doc(points))
+        return
+    if wide or as_csv:
+        from registry.cli.terminal import to_csv, wide_rows
+        header, rows = (wide_rows(points) if wide else
+                        (["step", "key", "value"], [[p.step, p.key, p.value] for p in points]))
+        if as_csv:
+            click.echo(to_csv(header, rows), nl=False)
+        else:
+            table([h.upper() if h == "step" else h for h in header],
+                  [[r[0], *(None if v is None else f"{v:.6g}" for v in r[1:])] for r in rows])
+        return
+    table(["STEP", "KEY", "VALUE"] + (["CURRENT", "ATTEMPT"] if history else []),
+          [[p.step, p.key, f"{p.value:.6g}"] + (["yes" if p.current else "no", p.attempt] if history else [])
+           for p in points])
+
+
+def no_metric_error(run: str, key: str, keys: Sequence[str]) -> RegistryError:
+    """``metrics --key`` (or ``--plot --key``) of a key the run never logged: one line naming those it has."""
+    from registry.errors import CheckpointNotFoundError
+    from registry.format.refs import did_you_mean
+    more = f" and {len(keys) - 10} more" if len(keys) > 10 else ""
+    has = f"it has {', '.join(keys[:10])}{more}" if keys else "it has no metrics"
+    return CheckpointNotFoundError(f"run {run!r} has no metric {key!r} ({has})"
+                                   f"{did_you_mean(key, keys, shown='{!r}')}", run=run)
+
+
+def plot_metrics(reg: Any, run: str, key: str | None) -> None:
+    """Draw ``key`` of ``run`` (default ``eval/loss`` or the first key) with its checkpoints marked."""
+    from registry.errors import CheckpointNotFoundError
+    from registry.cli.terminal import plot
+    keys = reg.catalog.metric_keys(run)
+    if key is None:
+        if not keys:
+            raise CheckpointNotFoundError(f"run {run!r} has no metrics to plot")
+        key = "eval/loss" if "eval/loss" in keys else keys[0]
+    points = reg.metrics(run, key)
+    if not points:
+        raise no_metric_error(run, key, keys)
+    size = shutil.get_terminal_size((100, 30))
+    text = plot(points, reg.checkpoints(run, include_deleted=True), run=run, key=key,
+                width=max(40, size.columns), height=max(12, min(size.lines - 2, 30)), colour=sys.stdout.isatty())
+    click.echo(text)

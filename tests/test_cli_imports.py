@@ -1,0 +1,67 @@
+"""The command line's import paths, each in a fresh interpreter, and the arrows inside the package.
+
+Arrows run one way: ``main`` -> the command modules -> ``common`` -> ``types``/``terminal`` -> the library.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "registry" / "cli"
+MODULES = sorted(f"registry.cli.{p.stem}" for p in PACKAGE.glob("*.py") if p.stem != "__init__")
+COMMAND_MODULES = {"registry.cli.runs", "registry.cli.maintenance", "registry.cli.transfer", "registry.cli.lineage",
+                   "registry.cli.ui"}
+# what each module of the package may import of it (anything else it imports is the library or third parties)
+ALLOWED = {
+    "registry.cli": {"registry.cli.main"},
+    "registry.cli.main": COMMAND_MODULES | {"registry.cli.common"},
+    "registry.cli.docs": {"registry.cli.main"},
+    "registry.cli.common": {"registry.cli.terminal", "registry.cli.types"},
+    "registry.cli.terminal": set(),
+    "registry.cli.types": set(),
+    **{m: {"registry.cli.common", "registry.cli.types", "registry.cli.terminal"} for m in COMMAND_MODULES},
+}
+
+
+def fresh(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PACKAGE.parent.parent)
+
+
+def test_the_entry_point_imports() -> None:
+    done = fresh("from registry.cli import main\nprint(sorted(main.commands))")
+    assert done.returncode == 0, done.stderr
+    assert "'gc'" in done.stdout and "'ui'" in done.stdout and "'checkout'" in done.stdout
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_each_module_imports_first(module: str) -> None:
+    done = fresh(f"import {module}")
+    assert done.returncode == 0, done.stderr
+
+
+def cli_imports(path: Path) -> set[str]:
+    """The ``registry.cli`` modules ``path`` imports, wherever the statement is (in functions too)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            assert node.level == 0, f"{path.name}: relative import"
+            found.update(f"{node.module}.{a.name}" if (PACKAGE / f"{a.name}.py").is_file()
+                         and node.module == "registry.cli" else node.module for a in node.names)
+    return {m for m in found if m == "registry.cli" or m.startswith("registry.cli.")}
+
+
+def test_every_module_has_its_arrows_stated() -> None:
+    assert set(ALLOWED) == {"registry.cli", *MODULES}
+
+
+@pytest.mark.parametrize("module", sorted(ALLOWED))
+def test_arrows_run_one_way(module: str) -> None:
+    path = PACKAGE / "__init__.py" if module == "registry.cli" else PACKAGE / f"{module.rpartition('.')[2]}.py"
+    assert cli_imports(path) - {module} <= ALLOWED[module]
