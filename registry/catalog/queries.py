@@ -311,12 +311,8 @@ class Catalog:
         tags: dict[int, list[str]] = {}
         if len(rows) == 1:  # resolve's case: one round trip for both, it is most of resolve's cost
             one = rows[0]
-            found: Sequence[Any] = conn.execute(union_all(
-                select(literal_column("'m'").label("kind"), Metric.key.label("name"), Metric.value.label("value"),
-                       Metric.id.label("ord"))
-                .where(Metric.run_id == run_id, Metric.step == one.step, Metric.superseded.is_(False)),
-                select(literal_column("'t'"), Tag.name, literal_column("NULL"), literal_column("0"))
-                .where(Tag.checkpoint_id == one.id))).all()
+            found: Sequence[Any] = conn.execute(_METRICS_AND_TAGS, {"run_id": run_id, "step": one.step,
+                                                                  "checkpoint_id": one.id}).all()
             for kind, name, value, _ in sorted(found, key=lambda f: (f.kind, f.ord, f.name)):
                 if kind == "m":
                     metrics.setdefault(one.step, {})[name] = value
@@ -940,6 +936,13 @@ def _lease_statement(dialect: str) -> Any:
     return insert(Lease).from_select(["checkpoint_id", "holder", "expires_at"], live).returning(Lease.id)
 
 
+# one step's current metrics and its tags in one round trip (built once: resolve and get run it every time)
+_METRICS_AND_TAGS: Any = union_all(
+    select(literal_column("'m'").label("kind"), Metric.key.label("name"), Metric.value.label("value"),
+           Metric.id.label("ord"))
+    .where(Metric.run_id == bindparam("run_id"), Metric.step == bindparam("step"), Metric.superseded.is_(False)),
+    select(literal_column("'t'"), Tag.name, literal_column("NULL"), literal_column("0"))
+    .where(Tag.checkpoint_id == bindparam("checkpoint_id")))
 _RELEASE_LEASE = delete(Lease).where(Lease.id == bindparam("lease"))
 
 
