@@ -8,6 +8,7 @@ serialization failures and deadlocks, so none of those reach the caller.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -17,8 +18,8 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import (Connection, Engine, and_, create_engine, delete, event, func, insert, literal_column, or_,
-                        select, text, union_all, update)
+from sqlalchemy import (Connection, Engine, and_, bindparam, create_engine, delete, event, func, insert, literal_column,
+                        or_, select, text, union_all, update)
 from sqlalchemy.exc import DBAPIError, DisconnectionError, IntegrityError
 from sqlalchemy.pool import QueuePool
 
@@ -310,12 +311,8 @@ class Catalog:
         tags: dict[int, list[str]] = {}
         if len(rows) == 1:  # resolve's case: one round trip for both, it is most of resolve's cost
             one = rows[0]
-            found: Sequence[Any] = conn.execute(union_all(
-                select(literal_column("'m'").label("kind"), Metric.key.label("name"), Metric.value.label("value"),
-                       Metric.id.label("ord"))
-                .where(Metric.run_id == run_id, Metric.step == one.step, Metric.superseded.is_(False)),
-                select(literal_column("'t'"), Tag.name, literal_column("NULL"), literal_column("0"))
-                .where(Tag.checkpoint_id == one.id))).all()
+            found: Sequence[Any] = conn.execute(_METRICS_AND_TAGS, {"run_id": run_id, "step": one.step,
+                                                                  "checkpoint_id": one.id}).all()
             for kind, name, value, _ in sorted(found, key=lambda f: (f.kind, f.ord, f.name)):
                 if kind == "m":
                     metrics.setdefault(one.step, {})[name] = value
@@ -445,8 +442,10 @@ class Catalog:
                                 .returning(Attempt.id)).scalar_one()
         return self.write(fn)
 
-    def commit_publish(self, claim: Claim, record: CommitRecord, *, writer: str) -> None:
+    def commit_publish(self, claim: Claim, record: CommitRecord, *, writer: str) -> CheckpointInfo:
         """Phase 4: the step becomes visible together with its files, metrics and tags.
+
+        Returns the step as committed, read back in the same transaction.
 
         ``record.resumed_from=N`` says this is the first publish of an attempt that
         resumed from step N: in the same transaction, current metric points of
@@ -461,7 +460,7 @@ class Catalog:
         """
         payload, attempt_id, resumed_from = record.payload, record.attempt_id, record.resumed_from
 
-        def fn(conn: Connection) -> None:
+        def fn(conn: Connection) -> CheckpointInfo:
             now = utcnow()
             cid = claim.checkpoint_id
             earlier = conn.execute(select(CheckpointRow.step, CheckpointRow.published_at, CheckpointRow.deleted_at,
@@ -500,7 +499,11 @@ class Catalog:
             for name in record.tags:
                 self._set_tag(conn, claim.run_id, step, cid, name, actor=writer)
             self.notify(conn, claim.run_id, step, payload.status)
-        self.write(fn)
+            row = conn.execute(select(CheckpointRow.__table__, Run.name.label("run_name"))
+                               .join(Run, Run.id == CheckpointRow.run_id).where(CheckpointRow.id == cid)).one()
+            return self.checkpoint_infos(conn, row.run_name, [row])[0]
+        info: CheckpointInfo = self.write(fn)
+        return info
 
     def notify(self, conn: Connection, run_id: int, step: int | None, status: str) -> None:
         """Wake PostgreSQL followers of the run when the caller's transaction commits."""
@@ -882,22 +885,15 @@ class Catalog:
 
     def acquire_lease(self, run: str, step: int, *, holder: str, ttl: timedelta) -> int | None:
         def fn(conn: Connection) -> int | None:
-            run_id = self.require_run(conn, run)
-            query = select(CheckpointRow.id).where(CheckpointRow.run_id == run_id, CheckpointRow.step == step,
-                                                   CheckpointRow.status.in_(LIVE))
-            if conn.dialect.name == "postgresql":
-                # FOR SHARE waits for a gc transaction that holds the row FOR UPDATE, then
-                # re-checks the status: a step gc just deleted gets no lease (see catalog/retention.py).
-                query = query.with_for_update(read=True)
-            cid = conn.scalar(query)
-            if cid is None:
-                return None
-            return conn.execute(insert(Lease).values(checkpoint_id=cid, holder=holder,
-                                                     expires_at=utcnow() + ttl).returning(Lease.id)).scalar_one()
+            lease = conn.scalar(_lease_statement(conn.dialect.name),
+                                {"run": run, "step": step, "holder": holder, "expires_at": utcnow() + ttl})
+            if lease is None:
+                self.require_run(conn, run)  # no such run says so; a step no longer live gets no lease
+            return lease
         return self._lease_write(fn)  # a lease outlives no power loss: its reader died too
 
     def release_lease(self, lease_id: int) -> None:
-        self._lease_write(lambda conn: conn.execute(delete(Lease).where(Lease.id == lease_id)))
+        self._lease_write(lambda conn: conn.execute(_RELEASE_LEASE, {"lease": lease_id}))
 
     def lease_live(self, lease_id: int) -> bool:
         """Whether lease ``lease_id`` is still held and unexpired (a released one is gone)."""
@@ -921,6 +917,33 @@ class Catalog:
     @staticmethod
     def head() -> str:
         return head_revision()
+
+
+@functools.cache
+def _lease_statement(dialect: str) -> Any:
+    """One statement: the live row of a run (by name) and step, and a lease on it; no row, no lease.
+
+    Built once: a load takes a lease every time, and building the statement cost more than running it.
+    """
+    live = (select(CheckpointRow.id, bindparam("holder", type_=Lease.holder.type),
+                   bindparam("expires_at", type_=Lease.expires_at.type))
+            .where(CheckpointRow.run_id == select(Run.id).where(Run.name == bindparam("run")).scalar_subquery(),
+                   CheckpointRow.step == bindparam("step"), CheckpointRow.status.in_(LIVE)))
+    if dialect == "postgresql":
+        # FOR SHARE waits for a gc transaction that holds the row FOR UPDATE, then
+        # re-checks the status: a step gc just deleted gets no lease (see catalog/retention.py).
+        live = live.with_for_update(read=True, of=CheckpointRow)
+    return insert(Lease).from_select(["checkpoint_id", "holder", "expires_at"], live).returning(Lease.id)
+
+
+# one step's current metrics and its tags in one round trip (built once: resolve and get run it every time)
+_METRICS_AND_TAGS: Any = union_all(
+    select(literal_column("'m'").label("kind"), Metric.key.label("name"), Metric.value.label("value"),
+           Metric.id.label("ord"))
+    .where(Metric.run_id == bindparam("run_id"), Metric.step == bindparam("step"), Metric.superseded.is_(False)),
+    select(literal_column("'t'"), Tag.name, literal_column("NULL"), literal_column("0"))
+    .where(Tag.checkpoint_id == bindparam("checkpoint_id")))
+_RELEASE_LEASE = delete(Lease).where(Lease.id == bindparam("lease"))
 
 
 __all__ = ["Catalog", "Claim", "CommitRecord", "FileRecord", "NOTIFY_CHANNEL", "PayloadRecord", "replace_files",

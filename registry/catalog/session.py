@@ -102,7 +102,43 @@ def _scripts() -> ScriptDirectory:
         return ScriptDirectory.from_config(alembic_config())
 
 
+_REVISION_LINE = re.compile(r"^(down_revision|revision)\s*=\s*(None|\"([^\"]*)\"|'([^']*)')\s*$", re.M)
+_head: list[str] = []
+
+
 def head_revision() -> str:
+    """The newest revision of the migrations, read from their ``revision``/``down_revision`` lines.
+
+    Opening a catalog compares it with the database's revision on every
+    command; importing Alembic to build its script directory costs more than
+    the command itself, so a linear history is read directly and anything
+    else (a branch, a line this cannot read) is left to Alembic.
+    """
+    if not _head:
+        _head.append(_linear_head() or _alembic_head())
+    return _head[0]
+
+
+def _linear_head() -> str | None:
+    revisions: set[str] = set()
+    parents: set[str] = set()
+    try:
+        files = sorted((migrations_dir() / "versions").glob("*.py"))
+        for path in files:
+            found = dict((m.group(1), m.group(3) if m.group(3) is not None else m.group(4))
+                         for m in _REVISION_LINE.finditer(path.read_text(encoding="utf-8")))
+            if "revision" not in found or "down_revision" not in found or found["revision"] is None:
+                return None
+            revisions.add(found["revision"])
+            if found["down_revision"] is not None:
+                parents.add(found["down_revision"])
+    except OSError:
+        return None
+    heads = revisions - parents
+    return heads.pop() if len(heads) == 1 and len(revisions) == len(files) and parents <= revisions else None
+
+
+def _alembic_head() -> str:
     head = _scripts().get_current_head()
     assert head is not None
     return head
@@ -304,7 +340,12 @@ def retrying(fn: Callable[[], T], *, attempts: int = 8) -> T:
 
 
 def current_revision(conn: Connection) -> str | None:
-    with _quiet_alembic():
+    """The database's schema revision (None: no schema yet), as Alembic records it in ``alembic_version``."""
+    if conn.dialect.has_table(conn, "alembic_version"):
+        rows = list(conn.execute(text("SELECT version_num FROM alembic_version")).scalars())
+        if len(rows) <= 1:
+            return rows[0] if rows else None
+    with _quiet_alembic():  # no table (Alembic says None) or several heads (Alembic says why not)
         from alembic.runtime.migration import MigrationContext
         return MigrationContext.configure(conn).get_current_revision()
 
@@ -331,7 +372,7 @@ def write_connection(engine: Engine, *, durable: bool = True) -> Iterator[Connec
 
 
 def _check_known(revision: str | None, url: str) -> None:
-    if revision is None:
+    if revision is None or revision == head_revision():
         return
     script = _scripts()
     try:

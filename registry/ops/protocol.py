@@ -19,6 +19,7 @@ either the old or the new payload in place, and ``fsck`` finishes the job.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -78,10 +79,12 @@ def publish_sequence(catalog: Catalog, *, run: str, step: int, final: Path, relp
             linked.extend(link_duplicates(catalog, staging, root, written, run=run, step=step))
         return written
     written, status, retired = write_and_install(catalog, claim, final, write_then_link, verify=verify)
+    info: CheckpointInfo | None = None
     try:  # from here on, anything (even a KeyboardInterrupt) must reach commit_failed's undo
-        catalog.commit_publish(claim, record(payload_record(written, status, epoch=epoch,
-                                                            consumed_samples=consumed_samples, linked=linked)),
-                               writer=writer)
+        info = catalog.commit_publish(claim, record(payload_record(written, status, epoch=epoch,
+                                                                   consumed_samples=consumed_samples,
+                                                                   linked=linked)),
+                                      writer=writer)
     except BaseException as exc:
         try:
             uncommitted()
@@ -101,7 +104,8 @@ def publish_sequence(catalog: Catalog, *, run: str, step: int, final: Path, relp
     seconds = time.perf_counter() - started
     log.info("published %s@%d (%s): %s in %.3f s, %s/s", run, step, status, human_bytes(written.total_bytes), seconds,
              human_bytes(int(written.total_bytes / seconds) if seconds > 0 else 0))
-    info = catalog.get(run, step)
+    if info is None or linked:  # the commit happened although it raised; or linking may have changed it since
+        info = catalog.get(run, step)
     assert info is not None, "a committed step has a row"
     return info
 
@@ -230,23 +234,71 @@ def heartbeat(catalog: Catalog, claim: Claim) -> Iterator[None]:
     keeps refreshing says so, and one left unrefreshed for
     ``registry.ops.writers.STALE_AFTER`` is taken over by the next claim and
     repaired by fsck. A missed beat is harmless unless every beat for that
-    long is missed.
+    long is missed. One thread of the process beats for every publish in
+    flight (a thread started and joined per publish cost more than the
+    beats); once this returns, no beat for ``claim`` is running or to come.
     """
-    stop = threading.Event()
+    key = _BEATS.add(catalog, claim)
+    try:
+        yield
+    finally:
+        _BEATS.remove(key)
 
-    def beat() -> None:
-        while not stop.wait(HEARTBEAT.total_seconds()):
+
+class _Beats:
+    """The process's heartbeat thread and the claims it refreshes, each ``HEARTBEAT`` after it was added."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self._cond = threading.Condition()
+        self._due: dict[int, tuple[float, Catalog, Claim]] = {}
+        self._beating: int | None = None  # the key whose beat is running: remove() waits for it
+        self._next_key = 0
+        self._thread: threading.Thread | None = None
+
+    def add(self, catalog: Catalog, claim: Claim) -> int:
+        with self._cond:
+            key, self._next_key = self._next_key, self._next_key + 1
+            self._due[key] = (time.monotonic() + HEARTBEAT.total_seconds(), catalog, claim)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="registry-heartbeat", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+            return key
+
+    def remove(self, key: int) -> None:
+        with self._cond:
+            while self._beating == key:
+                self._cond.wait()
+            self._due.pop(key, None)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                now = time.monotonic()
+                key, at = min(((k, due[0]) for k, due in self._due.items()), key=lambda d: d[1],
+                              default=(None, now + HEARTBEAT.total_seconds()))
+                if key is None or at > now:
+                    self._cond.wait(at - now)
+                    continue
+                _, catalog, claim = self._due[key]
+                self._due[key] = (now + HEARTBEAT.total_seconds(), catalog, claim)
+                self._beating = key
             try:
                 catalog.touch_claim(claim)
             except Exception:  # noqa: BLE001 - the next beat tries again
                 pass
-    thread = threading.Thread(target=beat, name="registry-heartbeat", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join()
+            finally:
+                with self._cond:
+                    self._beating = None
+                    self._cond.notify_all()
+
+
+_BEATS = _Beats()
+if hasattr(os, "register_at_fork"):  # a forked child starts with no beats, and no lock its parent's thread held
+    os.register_at_fork(after_in_child=_BEATS.reset)
 
 
 def commit_failed(catalog: Catalog, claim: Claim, *, run: str, step: int, writer: str, final: Path,

@@ -1,0 +1,97 @@
+"""What the hot paths cost, counted (never timed): SQL statements and transactions per load and publish,
+threads started per publish, and Alembic left unimported by opening an up-to-date catalog."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+from sqlalchemy import event
+from sqlalchemy.engine import Engine
+
+from registry import Registry
+from registry.catalog.session import _alembic_head, head_revision
+from tests.helpers import make_state
+
+
+@contextmanager
+def statements() -> Iterator[list[str]]:
+    seen: list[str] = []
+
+    def count(conn, cursor, statement, params, context, executemany):  # type: ignore[no-untyped-def]
+        seen.append(" ".join(statement.split()))
+    event.listen(Engine, "before_cursor_execute", count)
+    try:
+        yield seen
+    finally:
+        event.remove(Engine, "before_cursor_execute", count)
+
+
+def test_a_lease_is_one_statement_and_a_lease_on_a_dead_step_is_none(reg: Registry) -> None:
+    reg.publish("r", 1, make_state())
+    with statements() as seen:
+        lease = reg.catalog.acquire_lease("r", 1, holder="t", ttl=reg.lease_ttl)
+    work = [s for s in seen if not s.startswith(("BEGIN", "SET", "SELECT pg_"))]
+    assert lease is not None and len(work) == 1 and work[0].startswith("INSERT INTO leases"), seen
+    assert reg.catalog.lease_live(lease)
+    reg.catalog.release_lease(lease)
+    assert not reg.catalog.lease_live(lease)
+    assert reg.catalog.acquire_lease("r", 2, holder="t", ttl=reg.lease_ttl) is None
+    reg.catalog.set_status("r", 1, "deleted", kind="delete", actor="t")
+    assert reg.catalog.acquire_lease("r", 1, holder="t", ttl=reg.lease_ttl) is None
+
+
+def test_a_lease_on_a_missing_run_says_so(reg: Registry) -> None:
+    from registry.errors import CheckpointNotFoundError
+    with pytest.raises(CheckpointNotFoundError, match="no run named"):
+        reg.catalog.acquire_lease("nope", 1, holder="t", ttl=reg.lease_ttl)
+
+
+def test_a_lazy_load_takes_three_transactions(sqlite_reg: Registry) -> None:
+    sqlite_reg.publish("r", 1, make_state())
+    sqlite_reg.load("r@latest", verify=False)
+    with statements() as seen:
+        sqlite_reg.load("r@latest", verify=False)
+    assert sum(s.startswith("BEGIN") for s in seen) == 3, seen  # resolve, lease, release
+    assert len(seen) == 7, seen
+
+
+def test_a_publish_is_two_transactions_and_starts_no_thread(sqlite_reg: Registry, monkeypatch: pytest.MonkeyPatch
+                                                            ) -> None:
+    sqlite_reg.publish("r", 1, make_state())
+    started: list[str] = []
+    real = threading.Thread.start
+
+    def start(self: threading.Thread) -> None:
+        started.append(self.name)
+        real(self)
+    with statements() as seen:
+        monkeypatch.setattr(threading.Thread, "start", start)
+        info = sqlite_reg.publish("r", 2, {"w": torch.ones(3)}, metrics={"loss": 0.5}, tags=["best"])
+        monkeypatch.undo()
+    assert sum(s.startswith("BEGIN") for s in seen) == 2, seen  # the claim and the commit, which reads it back
+    assert started == [], started
+    again = sqlite_reg.catalog.get("r", 2)
+    assert again is not None and info == dataclasses.replace(again, path=sqlite_reg.store.root / again.path)
+    assert info.metrics == {"loss": 0.5} and info.tags == ("best",) and info.status == "verified"
+
+
+def test_the_head_read_from_the_migrations_is_alembics() -> None:
+    assert head_revision() == _alembic_head()
+
+
+def test_opening_an_up_to_date_catalog_imports_no_alembic(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'c.db'}"
+    Registry.open(url, tmp_path / "root", create=True).close()
+    code = ("import sys; from registry import Registry; "
+            f"r = Registry.open({url!r}, {str(tmp_path / 'root')!r}); r.runs(); r.close(); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'alembic'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
