@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 from registry.ops import reading
 from registry.ops.background import BackgroundPublisher
 from registry.catalog import Catalog, CommitRecord, PayloadRecord
-from registry.catalog.lineage import LineageCatalog, LineageHop, LineageRecord
+from registry.catalog.lineage import LineageCatalog, LineageHop
+from registry.catalog.records import LineageRecord
 from registry.checkpoint import Checkpoint
 from registry.errors import InvalidStateError, ReadOnlyError, RegistryError, StepExistsError
 from registry.format.layout import step_dirname

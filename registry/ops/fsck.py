@@ -60,7 +60,8 @@ from typing import Any
 
 from registry.progress import Counter, ProgressFn
 from registry.catalog import Catalog, FileRecord
-from registry.catalog.fsck import PayloadRecord, RowState, record_payload, set_status_if, snapshot, unchanged
+from registry.catalog.fsck import RowState, record_payload, set_status_if, snapshot, unchanged
+from registry.catalog.records import PayloadRecord
 from registry.crashpoints import crashpoint
 from registry.errors import CheckpointReadError, CorruptCheckpointError, RegistryError, RootError
 from registry.fs.filemaps import read_json
