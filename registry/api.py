@@ -51,7 +51,8 @@ if TYPE_CHECKING:
     from registry.ops.export import Checkout, Exported
     from registry.ops.fsck import FsckReport
     from registry.progress import ProgressFn
-    from registry.retention import Policy, RetentionPlan, RetentionResult
+    from registry.ops.retention import RetentionPlan, RetentionResult
+    from registry.retention import Policy
 
 DEFAULT_ROOT = "checkpoints"
 log = logging.getLogger(__name__)
@@ -831,7 +832,7 @@ class Registry:
         ``UnknownMetricError`` (a ``PolicyError``) unless ``allow_missing_metrics``.
         A step that a live fork names as its parent is kept unless ``keep_fork_parents=False``.
         """
-        from registry.retention import RetentionScope, make_plan
+        from registry.ops.retention import RetentionScope, make_plan
         scope = RetentionScope(catalog=self.catalog, root=self.store.root, actor=self.writer)
         return make_plan(scope, run, policy, now=now, protect=protect or {},
                          allow_missing_metrics=allow_missing_metrics, keep_fork_parents=keep_fork_parents)
