@@ -633,8 +633,9 @@ class Registry:
         check_format(format, max_shard_size)
         check_flags(overwrite=overwrite)
         check_dest(Path(dest), root=self.store.root, catalog=self._catalog_file(), overwrite=overwrite)
-        ckpt = self.load(ref, extras=False, resume=False)  # no extra is read, so none needs trusting
-        return export(ckpt, Path(dest).absolute(), root=self.store.root, catalog=self._catalog_file(),
+        read = reading.load(self._reader(), parse_ref(ref), verify=True, map_location="cpu", trust_pickle=False,
+                            extras=False, fallback=True)  # no extra is read, so none needs trusting
+        return export(read, Path(dest).absolute(), root=self.store.root, catalog=self._catalog_file(),
                       format=format, max_shard_size=max_shard_size, overwrite=overwrite)  # type: ignore[arg-type]
 
     def _catalog_file(self) -> Path | None:
