@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 from registry.ops import reading
 from registry.ops.background import BackgroundPublisher
 from registry.catalog import Catalog, CommitRecord, PayloadRecord
-from registry.catalog.lineage import LineageCatalog, LineageHop, LineageRecord
+from registry.catalog.lineage import LineageCatalog, LineageHop
+from registry.catalog.records import LineageRecord
 from registry.checkpoint import Checkpoint
 from registry.errors import InvalidStateError, ReadOnlyError, RegistryError, StepExistsError
 from registry.format.layout import step_dirname
@@ -50,7 +51,8 @@ if TYPE_CHECKING:
     from registry.ops.export import Checkout, Exported
     from registry.ops.fsck import FsckReport
     from registry.progress import ProgressFn
-    from registry.retention import Policy, RetentionPlan, RetentionResult
+    from registry.ops.retention import RetentionPlan, RetentionResult
+    from registry.retention import Policy
 
 DEFAULT_ROOT = "checkpoints"
 log = logging.getLogger(__name__)
@@ -631,8 +633,9 @@ class Registry:
         check_format(format, max_shard_size)
         check_flags(overwrite=overwrite)
         check_dest(Path(dest), root=self.store.root, catalog=self._catalog_file(), overwrite=overwrite)
-        ckpt = self.load(ref, extras=False, resume=False)  # no extra is read, so none needs trusting
-        return export(ckpt, Path(dest).absolute(), root=self.store.root, catalog=self._catalog_file(),
+        read = reading.load(self._reader(), parse_ref(ref), verify=True, map_location="cpu", trust_pickle=False,
+                            extras=False, fallback=True)  # no extra is read, so none needs trusting
+        return export(read, Path(dest).absolute(), root=self.store.root, catalog=self._catalog_file(),
                       format=format, max_shard_size=max_shard_size, overwrite=overwrite)  # type: ignore[arg-type]
 
     def _catalog_file(self) -> Path | None:
@@ -830,7 +833,7 @@ class Registry:
         ``UnknownMetricError`` (a ``PolicyError``) unless ``allow_missing_metrics``.
         A step that a live fork names as its parent is kept unless ``keep_fork_parents=False``.
         """
-        from registry.retention import RetentionScope, make_plan
+        from registry.ops.retention import RetentionScope, make_plan
         scope = RetentionScope(catalog=self.catalog, root=self.store.root, actor=self.writer)
         return make_plan(scope, run, policy, now=now, protect=protect or {},
                          allow_missing_metrics=allow_missing_metrics, keep_fork_parents=keep_fork_parents)

@@ -15,9 +15,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from registry.fs.filemaps import Loaded, check_extras, read_directory
-from registry.fs.store import Payload, now_timestamp, save_directory
-from registry.format.safetensors import check_state_dict
-from registry.fs.validation import check_manifest_fields
+from registry.fs.store import Payload, save_directory
+from registry.fs.validation import saved_payload
 
 if TYPE_CHECKING:
     import torch
@@ -56,13 +55,9 @@ class Checkpoint:
         return f"Checkpoint({what}, {tensors} tensor{'' if tensors == 1 else 's'}, {human_bytes(size)})"
 
     def payload(self, *, max_shard_size: int | None = None) -> Payload:
-        meta = {"epoch": self.epoch, "consumed_samples": self.consumed_samples,
-                "timestamp": now_timestamp(), **self.meta}
-        if self.policy_version is not None:
-            meta.setdefault("policy_version", self.policy_version)
-        check_manifest_fields(meta)
-        return Payload(state_dict=check_state_dict(self.state_dict), meta=meta,
-                       config=self.config, extra=self.extra, max_shard_size=max_shard_size)
+        return saved_payload(self.state_dict, epoch=self.epoch, consumed_samples=self.consumed_samples,
+                             meta=self.meta, config=self.config, extra=self.extra,
+                             policy_version=self.policy_version, max_shard_size=max_shard_size)
 
     def save(self, save_dir: str | Path, *, max_shard_size: int | None = None) -> None:
         """Atomically write this checkpoint to ``save_dir`` (replacing it if present)."""
@@ -76,14 +71,9 @@ class Checkpoint:
     @classmethod
     def from_loaded(cls, loaded: Loaded, *, step: int | None = None, info: CheckpointInfo | None = None,
                     fallback: Fallback | None = None) -> Checkpoint:
-        meta = loaded.meta
-        policy = meta.get("policy_version")
-        if loaded.manifest is not None and loaded.manifest.policy_version is not None:
-            policy = loaded.manifest.policy_version
-        return cls(state_dict=loaded.state_dict, epoch=meta.get("epoch", 0),
-                   consumed_samples=meta.get("consumed_samples", 0), extra=loaded.extra,
-                   meta=meta, config=loaded.config, step=step,
-                   policy_version=policy if isinstance(policy, int) else None, info=info, fallback=fallback)
+        return cls(state_dict=loaded.state_dict, epoch=loaded.epoch, consumed_samples=loaded.consumed_samples,
+                   extra=loaded.extra, meta=loaded.meta, config=loaded.config, step=step,
+                   policy_version=loaded.policy_version, info=info, fallback=fallback)
 
     @classmethod
     def load(cls, save_dir: str | Path, broadcast: bool = False, verify_checksums: bool = False,

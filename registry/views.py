@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from registry.api import Registry
     from registry.catalog import FileRecord
     from registry.ops.scrub import VerifyResult
-    from registry.retention import RetentionPlan, RetentionResult
+    from registry.ops.retention import RetentionPlan, RetentionResult
 
 DEFAULT_CURVE_POINTS = 1200  # what a chart a few hundred pixels wide can show; min and max per bucket
 

@@ -23,7 +23,8 @@ import registry.fs.store as store_mod
 import registry.ops.protocol as protocol
 from registry import CatalogError, CorruptCheckpointError, PublishError, Registry
 from registry.checkpoint import Checkpoint
-from registry.retention import Decision, KeepLast, KeepPolicyVersions, RetentionPlan, RetentionResult
+from registry.ops.retention import Decision, RetentionPlan, RetentionResult
+from registry.retention import KeepLast, KeepPolicyVersions
 from registry.errors import InvalidNameError, InvalidRefError, InvalidStateError, PolicyError, RootError
 from registry.format.layout import hidden_sibling
 from registry.format.manifest import MANIFEST, WEIGHTS, WEIGHTS_INDEX
@@ -348,7 +349,7 @@ def test_a_status_change_records_its_event_and_a_refused_one_records_none(reg: R
 
 
 
-# --- registry/retention.py -----------------------------------------------------------------------------------
+# --- registry/retention.py, registry/ops/retention.py -----------------------------------------------------
 
 @pytest.mark.parametrize("versions", [[-1], [True], ["3"], [1, -2]])
 def test_policy_versions_must_be_non_negative_integers(versions: list[object]) -> None:

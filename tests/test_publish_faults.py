@@ -25,13 +25,14 @@ from typing import Any
 import pytest
 from sqlalchemy import update
 
-import registry.retention as retention_mod
+import registry.ops.retention as retention_mod
 from registry import CatalogError, PublishError, Registry, StepExistsError
 from registry.catalog import Catalog
 from registry.catalog.models import CheckpointRow
 from registry.errors import AsyncPublishError
 from registry.records import CheckpointInfo
-from registry.retention import KeepLast, Policy, RetentionContext, remove_checkpoint_dir
+from registry.fs.removal import remove_checkpoint_dir
+from registry.retention import KeepLast, Policy, RetentionContext
 from registry.fs.store import new_staging
 from registry.ops.writers import STALE_AFTER, writer_alive, writer_id
 from tests.helpers import assert_state_equal, fail_commits, make_state, write_hf_sharded

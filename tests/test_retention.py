@@ -434,7 +434,7 @@ def test_a_step_republished_while_gc_removes_it_survives(catalog_url: str, root:
     and gc's rename, gc must not remove the new payload (it checks the manifest digest)."""
     with Registry.open(url=catalog_url, root=root) as gc, Registry.open(url=catalog_url, root=root) as trainer:
         publish(gc, "run", [10, 20, 30])
-        import registry.retention as retention_mod
+        import registry.ops.retention as retention_mod
         real = retention_mod.crashpoint
 
         def republish_between(name: str) -> None:
@@ -516,7 +516,7 @@ def test_retention_and_fsck_do_not_import_the_facade() -> None:
 
     import registry
     package = Path(registry.__file__).parent
-    for module in ("retention.py", "ops/fsck.py", "format/layout.py", "catalog/retention.py", "catalog/fsck.py"):
+    for module in ("retention.py", "ops/retention.py", "fs/removal.py", "ops/fsck.py", "format/layout.py", "catalog/retention.py", "catalog/fsck.py"):
         tree = ast.parse((package / module).read_text())
         imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
         imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
@@ -527,20 +527,20 @@ def test_gc_finishes_a_deletion_interrupted_after_the_retire_and_says_so(catalog
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """A gc stopped between hiding a payload and removing it leaves a ``.retired-`` copy; the next gc
     removes it and lists the step as healed (as it does for a final directory left behind)."""
-    import registry.retention as retention_mod
+    import registry.fs.removal as removal_mod
 
     class Stop(Exception):
         pass
 
     with Registry.open(url=catalog_url, root=root) as reg:
         publish(reg, "run", [10, 20, 30])
-        real = retention_mod.crashpoint
+        real = removal_mod.crashpoint
 
         def stop_after_retire(name: str) -> None:
             if name == "gc-after-retire":
                 raise Stop(name)
             real(name)
-        monkeypatch.setattr(retention_mod, "crashpoint", stop_after_retire)
+        monkeypatch.setattr(removal_mod, "crashpoint", stop_after_retire)
         with pytest.raises(Stop):
             reg.plan_retention("run", KeepLast(2)).execute()
         monkeypatch.undo()

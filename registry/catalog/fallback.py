@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from sqlalchemy import Connection, select
 
 from registry.catalog.models import CheckpointRow, Run
-from registry.catalog.queries import Catalog
+from registry.catalog.session import Transactions
 from registry.records import HAS_PAYLOAD, Status
 
 
@@ -25,7 +25,7 @@ class StepDir:
     status: str
 
 
-def neighbours(catalog: Catalog, run: str, step: int) -> list[StepDir]:
+def neighbours(catalog: Transactions, run: str, step: int) -> list[StepDir]:
     """The steps a new ``run@step`` must share no inode with: on each side, the nearest verified step and
     the nearest step with a payload (a corrupt one may be verified again once repaired)."""
     def fn(conn: Connection) -> list[StepDir]:
@@ -46,7 +46,7 @@ def neighbours(catalog: Catalog, run: str, step: int) -> list[StepDir]:
     return result
 
 
-def newest_verified(catalog: Catalog, run: str, *, excluding: Sequence[int] = (), n: int = 2) -> list[StepDir]:
+def newest_verified(catalog: Transactions, run: str, *, excluding: Sequence[int] = (), n: int = 2) -> list[StepDir]:
     """The ``n`` newest verified steps of ``run`` other than ``excluding``, newest first."""
     def fn(conn: Connection) -> list[StepDir]:
         c = CheckpointRow

@@ -19,7 +19,9 @@ from sqlalchemy.exc import IntegrityError
 
 from registry.catalog.lineage import record_lineage
 from registry.catalog.models import Attempt, CheckpointFile, CheckpointRow, Run
-from registry.catalog.queries import Catalog, PayloadRecord, aware, replace_files, utcnow
+from registry.catalog.queries import Catalog, replace_files
+from registry.catalog.records import PayloadRecord
+from registry.catalog.session import aware, utcnow
 from registry.records import Status
 
 
@@ -139,4 +141,4 @@ def set_status_if(catalog: Catalog, seen: RowState, status: str, *, kind: str, a
     return bool(catalog.write(fn))
 
 
-__all__ = ["PayloadRecord", "RowState", "record_payload", "set_status_if", "snapshot", "unchanged"]
+__all__ = ["RowState", "record_payload", "set_status_if", "snapshot", "unchanged"]

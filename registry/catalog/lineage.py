@@ -33,28 +33,17 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sqlalchemy import Connection, DateTime, and_, delete, func, insert, select, text
 
 from registry.catalog.models import Attempt, CheckpointFile, CheckpointRow, Lineage, Run
+from registry.catalog.records import LineageRecord
+from registry.catalog.session import Transactions, aware
 from registry.records import HAS_PAYLOAD, LIVE
-
-if TYPE_CHECKING:
-    from registry.catalog.queries import Catalog
 
 HOWS = ("started", "resumed", "forked", "imported", "unknown")
 MAX_DEPTH = 100_000
-
-
-@dataclass(frozen=True, kw_only=True)
-class LineageRecord:
-    """What a commit records about where its payload came from (``how`` one of :data:`HOWS`)."""
-
-    how: str
-    parent_run: str | None = None
-    parent_step: int | None = None
-    source: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -176,7 +165,6 @@ def replaced(recorded: str | None, now: str | None) -> bool:
 
 
 def _hops(rows: Sequence[Any]) -> list[LineageHop]:
-    from registry.catalog.queries import aware
     hops: list[LineageHop] = []
     ids = {r.id for r in rows}
     for i, r in enumerate(rows):
@@ -196,9 +184,9 @@ def _hops(rows: Sequence[Any]) -> list[LineageHop]:
 
 
 class LineageCatalog:
-    """Lineage's queries, on top of a :class:`Catalog` (its engine and transaction helpers)."""
+    """Lineage's queries, run through a catalog's transactions (a :class:`registry.catalog.Catalog`)."""
 
-    def __init__(self, catalog: Catalog) -> None:
+    def __init__(self, catalog: Transactions) -> None:
         self.catalog = catalog
 
     def chain(self, run: str, step: int, *, max_depth: int = MAX_DEPTH) -> list[LineageHop]:
@@ -221,8 +209,6 @@ class LineageCatalog:
         """The steps whose lineage names ``run@step`` as parent (only forks unless ``forks_only=False``),
         by run and step, each as its own hop; one that came from a payload the step no longer holds (it was
         replaced since, or had none yet) says ``parent_replaced``: it does not descend from what is there now."""
-        from registry.catalog.queries import aware
-
         def fn(conn: Connection) -> list[LineageHop]:
             c, lin = CheckpointRow, Lineage
             query = (select(Run.name.label("run"), c.step, c.status, c.attempt_id, c.writer, c.manifest_sha256,
@@ -247,7 +233,7 @@ class LineageCatalog:
 def fork_children(conn: Connection, run: str) -> dict[int, tuple[str, ...]]:
     """Steps of ``run`` that a fork with a payload in *another* run names as its parent: step -> the forks.
 
-    What retention counts as referenced (see ``registry.retention.protections``).
+    What retention counts as referenced (see ``registry.ops.retention.protections``).
     A fork within the run is a resume by another name: the run's own policy
     decides about its history.
     """
@@ -275,7 +261,7 @@ class SameBytes:
     step: int
 
 
-def identical_files(catalog: Catalog, wanted: Sequence[tuple[int, str]], *, run: str | None = None,
+def identical_files(catalog: Transactions, wanted: Sequence[tuple[int, str]], *, run: str | None = None,
                     statuses: Sequence[str] = LIVE, exclude_steps: Sequence[int] = (),
                     limit: int = 8) -> list[SameBytes]:
     """Files of steps in ``statuses`` with one of the ``(size, sha256)`` pairs in ``wanted``.
@@ -311,5 +297,5 @@ def identical_files(catalog: Catalog, wanted: Sequence[tuple[int, str]], *, run:
     return result
 
 
-__all__ = ["HOWS", "LineageCatalog", "LineageHop", "LineageRecord", "SameBytes", "fork_children",
+__all__ = ["HOWS", "LineageCatalog", "LineageHop", "SameBytes", "fork_children",
            "identical_files", "record_lineage"]

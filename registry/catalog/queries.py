@@ -13,91 +13,25 @@ import json
 import logging
 import os
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import (Connection, Engine, and_, bindparam, create_engine, delete, event, func, insert, literal_column,
+from sqlalchemy import (Connection, Engine, and_, bindparam, delete, func, insert, literal_column,
                         or_, select, text, union_all, update)
-from sqlalchemy.exc import DBAPIError, DisconnectionError, IntegrityError
-from sqlalchemy.pool import QueuePool
+from sqlalchemy.exc import DBAPIError, IntegrityError
 
-from registry.catalog.lineage import LineageRecord, record_lineage
+from registry.catalog.lineage import record_lineage
 from registry.catalog.models import (Attempt, CheckpointFile, CheckpointRow, Event, Lease, Metric,
                                      Run, Tag)
-from registry.catalog.session import (_sqlite_begin, _sqlite_pragmas, catalog_name, failure_reason, head_revision,
-                                      open_engine, retrying, write_connection)
+from registry.catalog.records import Claim, CommitRecord, FileRecord
+from registry.catalog.session import (aware, catalog_name, failure_reason, head_revision, open_engine, read_engine,
+                                      retrying, utcnow, write_connection)
 from registry.errors import CatalogError, CheckpointNotFoundError, StepExistsError
 from registry.records import ENDED, HAS_PAYLOAD, LIVE, RANKABLE, CheckpointInfo, EventInfo, MetricPoint, RunInfo, Status
 from registry.format.refs import Ref, did_you_mean, selector_hint
 
 NOTIFY_CHANNEL = "registry_checkpoints"
-
-
-def utcnow() -> datetime:
-    return datetime.now(timezone.utc)
-
-
-def aware(value: datetime | None) -> datetime | None:
-    """A timestamp read back from the catalog, in UTC (SQLite returns them naive)."""
-    if value is not None and value.tzinfo is None:
-        return value.replace(tzinfo=timezone.utc)
-    return value
-
-
-@dataclass(frozen=True, kw_only=True)
-class Claim:
-    checkpoint_id: int
-    run_id: int
-    previous_status: str | None
-
-
-@dataclass(frozen=True, kw_only=True)
-class FileRecord:
-    name: str
-    size: int
-    sha256: str
-
-
-@dataclass(frozen=True, kw_only=True)
-class PayloadRecord:
-    """What the catalog records about a payload found valid on disk, by a publish, an import or fsck."""
-
-    status: str  # published or verified
-    manifest_sha256: str
-    files: Sequence[FileRecord]
-    total_bytes: int
-    epoch: int = 0
-    consumed_samples: int = 0
-    optimizer_step: int | None = None
-    policy_version: int | None = None
-    linked: Sequence[str] = ()  # files stored as hard links to identical live files (see registry.fs.dedup)
-    linked_bytes: int = 0
-
-    def columns(self, now: datetime) -> dict[str, Any]:
-        """The checkpoint row's values once this payload is in place, as of ``now``."""
-        return dict(status=self.status, manifest_sha256=self.manifest_sha256, total_bytes=self.total_bytes,
-                    epoch=self.epoch, consumed_samples=self.consumed_samples,
-                    optimizer_step=self.optimizer_step, policy_version=self.policy_version, updated_at=now,
-                    published_at=now, verified_at=now if self.status == Status.VERIFIED else None, deleted_at=None)
-
-
-@dataclass(frozen=True, kw_only=True)
-class CommitRecord:
-    """A publish's commit: its payload, and what its writer records in the same transaction.
-
-    ``attempt_id`` is the writer's attempt (None for an import);
-    ``resumed_from`` is set on the first publish of an attempt that resumed
-    (see :meth:`Catalog.commit_publish`).
-    """
-
-    payload: PayloadRecord
-    metrics: Sequence[tuple[int, str, float]] = ()
-    attempt_id: int | None = None
-    tags: Sequence[str] = ()
-    resumed_from: int | None = None
-    lineage: LineageRecord | None = None  # an explicit parent or an import; else the attempt says
 
 
 def replace_files(conn: Connection, checkpoint_id: int, files: Iterable[FileRecord]) -> None:
@@ -106,42 +40,6 @@ def replace_files(conn: Connection, checkpoint_id: int, files: Iterable[FileReco
     rows = [{"checkpoint_id": checkpoint_id, "name": f.name, "size": f.size, "sha256": f.sha256} for f in files]
     if rows:
         conn.execute(insert(CheckpointFile), rows)
-
-
-def _sqlite_read_engine(engine: Engine) -> Engine:
-    """A pooled engine for SQLite *read* transactions and reader leases.
-
-    The main engine opens a fresh connection per transaction (NullPool), which
-    costs ~0.3 ms of connect and pragmas when the process is quiet, and
-    several ms after it freed a lot of memory: more than the indexed queries
-    of a ``resolve``. Readers reuse connections from a small pool instead; an
-    idle pooled connection holds no transaction, so it blocks neither writers
-    nor WAL checkpoints. A connection inherited through ``fork()`` is never
-    used (nor closed) by the child: SQLite forbids it, so the child opens its
-    own. The only writes made here are reader leases, which need not survive
-    a power loss, so these connections commit without the WAL fsync
-    (``synchronous = NORMAL``; a checkpoint still syncs what it copies).
-    """
-    read = create_engine(engine.url, poolclass=QueuePool, pool_size=2, max_overflow=8,
-                         connect_args={"check_same_thread": False})
-    event.listen(read, "connect", _sqlite_pragmas)
-    event.listen(read, "connect", _not_durable)
-    event.listen(read, "begin", _sqlite_begin)
-
-    @event.listens_for(read, "connect")
-    def remember_pid(_dbapi_conn: Any, record: Any) -> None:
-        record.info["pid"] = os.getpid()
-
-    @event.listens_for(read, "checkout")
-    def refuse_inherited(_dbapi_conn: Any, record: Any, proxy: Any) -> None:
-        if record.info.get("pid") != os.getpid():
-            record.dbapi_connection = proxy.dbapi_connection = None
-            raise DisconnectionError("SQLite connection inherited across fork()")
-    return read
-
-
-def _not_durable(dbapi_conn: Any, _record: Any) -> None:
-    dbapi_conn.execute("PRAGMA synchronous = NORMAL")
 
 
 WriterAlive = Callable[[str | None, datetime | None], bool]  # (writer, row last refreshed at) -> may still write
@@ -192,7 +90,7 @@ log = logging.getLogger(__name__)
 class Catalog:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self._read_engine = _sqlite_read_engine(engine) if engine.dialect.name == "sqlite" else engine
+        self._read_engine = read_engine(engine) if engine.dialect.name == "sqlite" else engine
         self._file = _SqliteFile(str(engine.url.database)) if engine.dialect.name == "sqlite" else None
 
     @classmethod
@@ -946,5 +844,4 @@ _METRICS_AND_TAGS: Any = union_all(
 _RELEASE_LEASE = delete(Lease).where(Lease.id == bindparam("lease"))
 
 
-__all__ = ["Catalog", "Claim", "CommitRecord", "FileRecord", "NOTIFY_CHANNEL", "PayloadRecord", "replace_files",
-           "utcnow"]
+__all__ = ["Catalog", "NOTIFY_CHANNEL", "replace_files"]

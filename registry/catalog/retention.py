@@ -30,7 +30,8 @@ from sqlalchemy import Connection, func, select, update
 
 from registry.catalog.lineage import fork_children
 from registry.catalog.models import CheckpointRow, Lease
-from registry.catalog.queries import Catalog, aware, utcnow
+from registry.catalog.queries import Catalog
+from registry.catalog.session import aware, utcnow
 from registry.records import HAS_PAYLOAD, LIVE, CheckpointInfo, Status
 
 #: statuses retention may delete; everything else is never touched

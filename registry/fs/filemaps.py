@@ -61,6 +61,22 @@ class Loaded:
     manifest: Manifest | None
     manifest_sha256: str | None
 
+    @property
+    def epoch(self) -> int:
+        return self.meta.get("epoch", 0)
+
+    @property
+    def consumed_samples(self) -> int:
+        return self.meta.get("consumed_samples", 0)
+
+    @property
+    def policy_version(self) -> int | None:
+        """The step's policy version: the manifest's, else an integer ``policy_version`` in ``meta.json``."""
+        policy = self.meta.get("policy_version")
+        if self.manifest is not None and self.manifest.policy_version is not None:
+            policy = self.manifest.policy_version
+        return policy if isinstance(policy, int) else None
+
 
 # --------------------------------------------------------------------------- directories
 

@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING, Any
 from registry.errors import InvalidStateError, ManifestError, UnsafePathError, UnsafePickleError
 from registry.format.manifest import MANIFEST, META, FileEntry, Manifest, check_file_name, parse_manifest
 from registry.format.refs import MAX_STEP, check_tag_name
-from registry.fs.store import Payload, json_bytes
+from registry.format.safetensors import check_state_dict
+from registry.fs.store import Payload, json_bytes, now_timestamp
 
 if TYPE_CHECKING:
     import torch
@@ -298,3 +299,16 @@ def checked_payload(*, step: int, state_dict: dict[str, torch.Tensor], extra: ob
                    extra=check_extras(extra, trust_pickle=trust_pickle),
                    max_shard_size=check_max_shard_size(max_shard_size),
                    meta_json=meta_raw, config_json=config_raw)
+
+
+def saved_payload(state_dict: Mapping[str, torch.Tensor], *, epoch: int, consumed_samples: int,
+                  meta: Mapping[str, Any], config: Mapping[str, Any], extra: Mapping[str, Any],
+                  policy_version: int | None, max_shard_size: int | None) -> Payload:
+    """The ``Payload`` of a catalog-free save (``Checkpoint.save``, an export): ``meta.json`` as the
+    reference module writes it, stamped now and checked against what a manifest may hold."""
+    full_meta = {"epoch": epoch, "consumed_samples": consumed_samples, "timestamp": now_timestamp(), **meta}
+    if policy_version is not None:
+        full_meta.setdefault("policy_version", policy_version)
+    check_manifest_fields(full_meta)
+    return Payload(state_dict=check_state_dict(state_dict), meta=full_meta, config=config, extra=extra,
+                   max_shard_size=max_shard_size)

@@ -1,1 +1,2 @@
-"""Operations that compose the store and the catalog; import catalog, fs, format and the base modules only."""
+"""Operations that compose the store and the catalog; import catalog, fs, format, the retention policies and
+the base modules only."""

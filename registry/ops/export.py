@@ -45,12 +45,13 @@ from registry.format.manifest import MANIFEST, read_manifest
 from registry.fs.bounds import check_outside_root
 from registry.fs.filemaps import map_directory
 from registry.fs.mapping import read_error
+from registry.fs.store import save_directory
+from registry.fs.validation import saved_payload
 from registry.ops import checkouts
 from registry.ops.checkouts import Kind, Link
-from registry.ops.reading import CatalogRead, ReadAccess, report
+from registry.ops.reading import CatalogRead, Read, ReadAccess, report
 
 if TYPE_CHECKING:
-    from registry.checkpoint import Checkpoint
     from registry.format.refs import Ref
     from registry.records import CheckpointInfo
 
@@ -293,10 +294,11 @@ def check_dest(dest: Path, *, root: Path, overwrite: bool, catalog: Path | None 
                                 "to replace it")
 
 
-def export(ckpt: Checkpoint, dest: Path, *, root: Path, catalog: Path | None = None,
+def export(read: Read, dest: Path, *, root: Path, catalog: Path | None = None,
            format: ExportFormat = "safetensors",  # noqa: A002 - the CLI's name
            max_shard_size: int | None = None, overwrite: bool = False) -> Exported:
-    """Write ``ckpt``'s weights and config as a standalone directory (atomically, replacing ``dest``).
+    """Write the weights and config of the step ``read`` as a standalone directory (atomically, replacing
+    ``dest``).
 
     ``format="safetensors"``: one ``model.safetensors``; ``format="hf"``:
     Hugging Face shards of at most ``max_shard_size`` bytes (default 5 GB)
@@ -307,22 +309,20 @@ def export(ckpt: Checkpoint, dest: Path, *, root: Path, catalog: Path | None = N
     ``root``: the checkpoint root, which ``dest`` may be neither inside nor contain; nor may it
     contain ``catalog``.
     """
-    from registry.checkpoint import Checkpoint
     shard = check_format(format, max_shard_size)
     check_dest(dest, root=root, catalog=catalog, overwrite=overwrite)
     if dest.exists() and not dest.is_dir():
         raise RootError(f"export destination {dest} is not a directory", path=dest)
-    meta = {k: v for k, v in ckpt.meta.items() if k in ("optimizer_step", "policy_version")}
-    if ckpt.info is not None:
-        meta["exported_from"] = f"{ckpt.info.run}@{ckpt.info.step}"
-    out = Checkpoint(state_dict=ckpt.state_dict, epoch=ckpt.epoch, consumed_samples=ckpt.consumed_samples,
-                     meta=meta, config=ckpt.config, policy_version=ckpt.policy_version)
-    if shard is not None and sum(t.numel() * t.element_size() for t in ckpt.state_dict.values()) <= shard:
+    loaded, info = read.loaded, read.info
+    meta = {k: v for k, v in loaded.meta.items() if k in ("optimizer_step", "policy_version")}
+    meta["exported_from"] = f"{info.run}@{info.step}"
+    if shard is not None and sum(t.numel() * t.element_size() for t in loaded.state_dict.values()) <= shard:
         shard = None  # as ``save_pretrained`` does: weights that fit one shard are one ``model.safetensors``
-    out.save(dest, max_shard_size=shard)
+    save_directory(dest, saved_payload(loaded.state_dict, epoch=loaded.epoch,
+                                       consumed_samples=loaded.consumed_samples, meta=meta, config=loaded.config,
+                                       extra={}, policy_version=loaded.policy_version, max_shard_size=shard))
     files = tuple(sorted(p.name for p in dest.iterdir()))
-    return Exported(run=ckpt.info.run if ckpt.info else None, step=ckpt.step, path=dest, format=format,
-                    files=files)
+    return Exported(run=info.run, step=info.step, path=dest, format=format, files=files)
 
 
 __all__ = ["Checkout", "Exported", "FORMATS", "check_checkout_dest", "check_dest", "check_format",

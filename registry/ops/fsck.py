@@ -42,8 +42,8 @@ A staging row whose writer is alive is reported in ``in_progress`` and left alon
 A repair skipped because the row changed after the snapshot (a writer took the
 step over, or a dead writer's last COMMIT was still completing on the server)
 is listed in ``failures``; running fsck again judges the new state. An
-unfinished deletion is finished by gc's own :func:`registry.retention.remove_checkpoint_dir`
-(:func:`~registry.retention.retire_and_remove`), which removes a directory only
+unfinished deletion is finished by gc's own :func:`registry.fs.removal.remove_checkpoint_dir`
+(:func:`~registry.fs.removal.retire_and_remove`), which removes a directory only
 while it holds the payload the row deleted.
 """
 
@@ -60,7 +60,8 @@ from typing import Any
 
 from registry.progress import Counter, ProgressFn
 from registry.catalog import Catalog, FileRecord
-from registry.catalog.fsck import PayloadRecord, RowState, record_payload, set_status_if, snapshot, unchanged
+from registry.catalog.fsck import RowState, record_payload, set_status_if, snapshot, unchanged
+from registry.catalog.records import PayloadRecord
 from registry.crashpoints import crashpoint
 from registry.errors import CheckpointReadError, CorruptCheckpointError, RegistryError, RootError
 from registry.fs.filemaps import read_json
@@ -69,7 +70,7 @@ from registry.format.manifest import MANIFEST, META, Manifest, read_manifest
 from registry.records import LIVE, Status
 from registry.format.refs import MAX_STEP, RUN_NAME_RE
 from registry.ops.checkouts import expired as expired_checkouts, remove_owned
-from registry.retention import manifest_digest, remove_tree, retire_and_remove
+from registry.fs.removal import manifest_digest, remove_tree, retire_and_remove
 from registry.fs.store import fsync_dir, verify_directory
 from registry.ops.writers import writer_alive
 

@@ -1,0 +1,81 @@
+"""What the catalog is told and hands back about a publish: claims, payloads, files, commits and lineage.
+
+Plain frozen records, shared by the catalog's query modules and the layers above.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from registry.records import Status
+
+
+@dataclass(frozen=True, kw_only=True)
+class LineageRecord:
+    """What a commit records about where its payload came from (``how``: see
+    :data:`registry.catalog.lineage.HOWS`)."""
+
+    how: str
+    parent_run: str | None = None
+    parent_step: int | None = None
+    source: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Claim:
+    checkpoint_id: int
+    run_id: int
+    previous_status: str | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class FileRecord:
+    name: str
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class PayloadRecord:
+    """What the catalog records about a payload found valid on disk, by a publish, an import or fsck."""
+
+    status: str  # published or verified
+    manifest_sha256: str
+    files: Sequence[FileRecord]
+    total_bytes: int
+    epoch: int = 0
+    consumed_samples: int = 0
+    optimizer_step: int | None = None
+    policy_version: int | None = None
+    linked: Sequence[str] = ()  # files stored as hard links to identical live files (see registry.fs.dedup)
+    linked_bytes: int = 0
+
+    def columns(self, now: datetime) -> dict[str, Any]:
+        """The checkpoint row's values once this payload is in place, as of ``now``."""
+        return dict(status=self.status, manifest_sha256=self.manifest_sha256, total_bytes=self.total_bytes,
+                    epoch=self.epoch, consumed_samples=self.consumed_samples,
+                    optimizer_step=self.optimizer_step, policy_version=self.policy_version, updated_at=now,
+                    published_at=now, verified_at=now if self.status == Status.VERIFIED else None, deleted_at=None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommitRecord:
+    """A publish's commit: its payload, and what its writer records in the same transaction.
+
+    ``attempt_id`` is the writer's attempt (None for an import);
+    ``resumed_from`` is set on the first publish of an attempt that resumed
+    (see :meth:`Catalog.commit_publish`).
+    """
+
+    payload: PayloadRecord
+    metrics: Sequence[tuple[int, str, float]] = ()
+    attempt_id: int | None = None
+    tags: Sequence[str] = ()
+    resumed_from: int | None = None
+    lineage: LineageRecord | None = None  # an explicit parent or an import; else the attempt says
+
+
+__all__ = ["Claim", "CommitRecord", "FileRecord", "LineageRecord", "PayloadRecord"]
