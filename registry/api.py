@@ -10,8 +10,6 @@ state has been copied (``registry.fs.snapshot``).
 from __future__ import annotations
 
 import logging
-import math
-import numbers
 import os
 import threading
 import warnings
@@ -31,7 +29,7 @@ from registry.errors import InvalidStateError, ReadOnlyError, RegistryError, Ste
 from registry.format.layout import step_dirname
 from registry.ops.protocol import publish_sequence
 from registry.records import HAS_PAYLOAD, LIVE, CheckpointInfo, EventInfo, MetricPoint, RunInfo, Status
-from registry.format.refs import Ref, check_metric_key, check_run_name, check_step, check_tag_name, parse_ref
+from registry.format.refs import Ref, check_run_name, check_step, check_tag_name, parse_ref
 from registry.ops.scrub import VerifyResult, scrub
 from registry.fs.snapshot import Snapshotter
 from registry.fs.bounds import check_outside_root
@@ -39,7 +37,7 @@ from registry.fs.filemaps import check_extras
 from registry.fs.store import Payload, Store, Written, now_timestamp, write_payload
 from registry.ops.writers import writer_alive, writer_id
 from registry.format.safetensors import check_state_dict
-from registry.fs.validation import check_flags, check_tags, checked_payload
+from registry.fs.validation import check_flags, check_metrics, check_tags, checked_payload
 
 if TYPE_CHECKING:
     import torch
@@ -54,31 +52,6 @@ if TYPE_CHECKING:
 
 DEFAULT_ROOT = "checkpoints"
 log = logging.getLogger(__name__)
-
-
-def _check_metrics(run: str, step: int, metrics: Mapping[str, Any] | None) -> list[tuple[int, str, float]]:
-    if metrics is None:
-        return []
-    if not isinstance(metrics, Mapping):
-        raise InvalidStateError(f"metrics for {run}@{step} must be a mapping of names to numbers")
-    import torch
-    out = []
-    for key, value in metrics.items():
-        check_metric_key(key)
-        if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.dtype.is_complex:
-            value = value.item()
-        # numbers.Real admits numpy scalars; bools are numbers to Python but never a metric
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise InvalidStateError(f"metric {key!r} at {run}@{step} is {value!r}, not a number", run=run, step=step)
-        try:
-            number = float(value)
-        except OverflowError:
-            number = math.inf
-        if not math.isfinite(number):
-            raise InvalidStateError(f"metric {key!r} at {run}@{step} is {value!r}; only finite values can be ranked",
-                                    run=run, step=step)
-        out.append((step, key, number))
-    return out
 
 
 def locations(url: str | None, root: str | os.PathLike[str] | None) -> tuple[Path, str]:
@@ -214,9 +187,6 @@ class Registry:
         """This process's writer identity: asked each time, so a forked child never claims as its parent."""
         return writer_id()
 
-    def _absolute(self, info: CheckpointInfo) -> CheckpointInfo:
-        return replace(info, path=self.store.root / info.path)
-
     def _attempt(self, run: str) -> int:
         """This process's attempt at ``run``, started lazily at its first metric or publish.
 
@@ -333,7 +303,7 @@ class Registry:
         check_flags(overwrite=overwrite, verify=verify, blocking=blocking, trust_pickle=trust_pickle)
         state = check_state_dict(state_dict)
         tags = check_tags(tags)
-        new_metrics = _check_metrics(run, step, metrics)
+        new_metrics = check_metrics(run, step, metrics)
         lineage = self._parent_lineage(parent)
         payload = checked_payload(step=step, state_dict=state, extra=extra, config=config, meta=meta, epoch=epoch,
                                   consumed_samples=consumed_samples, optimizer_step=optimizer_step,
@@ -386,7 +356,7 @@ class Registry:
             if payload is not None:
                 job = _PublishJob(run=run, step=step, overwrite=options["overwrite"],
                                   final=self.store.step_dir(run, step), payload=payload, verify=options["verify"],
-                                  new_metrics=tuple(_check_metrics(run, step, options["metrics"])),
+                                  new_metrics=tuple(check_metrics(run, step, options["metrics"])),
                                   tags=tags, lineage=self._parent_lineage(parent), dedup=dedup)
                 if background:
                     with self._lock:
@@ -455,7 +425,7 @@ class Registry:
             committed=committed, dedup=job.dedup)
         if job.retention is not None:
             self._retention_after_publish(run, step, job.retention)
-        return self._absolute(info)
+        return info.under(self.store.root)
 
     # ------------------------------------------------------------------ metrics
 
@@ -472,7 +442,7 @@ class Registry:
         """
         check_run_name(run)
         check_step(step)
-        points = _check_metrics(run, step, metrics)
+        points = check_metrics(run, step, metrics)
         with self._lock:
             self._pending_metrics.setdefault(run, []).extend(points)
         if flush:
@@ -503,7 +473,7 @@ class Registry:
 
         Raises ``CheckpointNotFoundError`` where it names none; reads nothing from the root.
         """
-        return self._absolute(self.catalog.resolve(parse_ref(ref)))
+        return self.catalog.resolve(parse_ref(ref)).under(self.store.root)
 
     def checkpoints(self, run: str, include_deleted: bool = False, *,
                     policy_version: int | None = None) -> list[CheckpointInfo]:
@@ -512,7 +482,7 @@ class Registry:
         ``policy_version`` keeps only the steps published under that version of the training policy.
         """
         check_run_name(run)
-        return [self._absolute(i) for i in self.catalog.checkpoints(
+        return [i.under(self.store.root) for i in self.catalog.checkpoints(
             run, include_deleted=include_deleted, policy_version=policy_version)]
 
     def runs(self) -> list[RunInfo]:
@@ -783,7 +753,7 @@ class Registry:
         if min_policy_version is not None:
             check_step(min_policy_version)
         ref = Ref(run=run, kind="latest-published" if published else "latest")
-        return self._absolute(self.catalog.resolve(ref, min_policy_version=min_policy_version))
+        return self.catalog.resolve(ref, min_policy_version=min_policy_version).under(self.store.root)
 
     def wait_for_new(self, run: str, after_step: int | None = None, timeout: float | None = None, *,
                      newest: bool = False, min_policy_version: int | None = None) -> CheckpointInfo | None:
@@ -801,7 +771,7 @@ class Registry:
         from registry.ops.follow import Follower
         with Follower(self.catalog, run, newest=newest, min_policy_version=min_policy_version) as follower:
             info = follower.wait(after_step, timeout=timeout)
-        return self._absolute(info) if info is not None else None
+        return info.under(self.store.root) if info is not None else None
 
     def follow(self, run: str, after_step: int | None = None, *, timeout: float | None = None,
                newest: bool = False, min_policy_version: int | None = None) -> Iterator[CheckpointInfo]:
@@ -815,7 +785,7 @@ class Registry:
         with Follower(self.catalog, run, newest=newest, min_policy_version=min_policy_version) as follower:
             while (info := follower.wait(after_step, timeout=timeout)) is not None:
                 after_step = info.step
-                yield self._absolute(info)
+                yield info.under(self.store.root)
 
     # ------------------------------------------------------------------ retention
 
@@ -906,7 +876,7 @@ class Registry:
             dedup=self.dedup)
         if move:
             remove_originals(foreign)
-        return self._absolute(info)
+        return info.under(self.store.root)
 
     # ------------------------------------------------------------------ lineage and diff
 

@@ -43,7 +43,7 @@ import json
 import math
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -425,7 +425,7 @@ def _refreshed(access: Access, info: CheckpointInfo) -> CheckpointInfo:
                                       run=info.run, step=info.step)
         raise CorruptCheckpointError(f"manifest of {info.path} does not match the catalog's record",
                                      path=info.path, run=info.run, step=info.step)
-    return replace(now, path=access.root / now.path)
+    return now.under(access.root)
 
 
 def diff_checkpoints(access: Access, a: CheckpointInfo, b: CheckpointInfo, *, values: bool = False) -> CheckpointDiff:

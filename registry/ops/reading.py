@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -110,7 +110,7 @@ class CatalogRead:
         self.release()
         while True:
             raw = self.access.catalog.resolve(self.ref, below=self.below)
-            info = replace(raw, path=self.access.root / raw.path)
+            info = raw.under(self.access.root)
             if info.status == Status.CORRUPT:
                 raise CorruptCheckpointError(f"{self.ref} is marked corrupt (step {info.step}); "
                                              "run 'registry verify' after repairing it",
