@@ -71,7 +71,7 @@ from registry.fs.mapping import host_view, map_file, read_error
 from registry.fs.store import Payload, Written, now_timestamp
 from registry.fs.validation import check_flags, check_tags, checked_payload
 from registry.format.refs import check_run_name, check_step
-from registry.ops.reading import Access, CatalogRead, report
+from registry.ops.reading import Access, CatalogRead, check_digest, report
 from registry.pools import Pool
 from registry.records import CheckpointInfo, Fallback
 from registry.format.refs import Ref
@@ -261,9 +261,7 @@ def _read_plan(read: CatalogRead) -> _Plan:
         try:
             manifest_raw = _read_small(info.path, MANIFEST)
             manifest = parse_manifest(manifest_raw, path=info.path / MANIFEST)
-            if info.manifest_sha256 and digest_bytes(manifest_raw) != info.manifest_sha256:
-                raise CorruptCheckpointError(f"manifest of {info.path} does not match the catalog's record",
-                                             path=info.path, run=info.run, step=info.step)
+            check_digest(info, digest_bytes(manifest_raw))
             if manifest.layout is None:
                 raise InvalidStateError(f"{info.run}@{info.step} is not a sharded checkpoint; load it with "
                                         "Registry.load", run=info.run, step=info.step, path=info.path)

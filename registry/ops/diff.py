@@ -49,10 +49,10 @@ from typing import Any
 
 import xxhash
 
-from registry.errors import CheckpointDeletedError, CheckpointReadError, CorruptCheckpointError
+from registry.errors import CheckpointDeletedError, CheckpointReadError
 from registry.format.manifest import MANIFEST, FileEntry, Manifest
 from registry.ops.diffread import Loc, Moved, Side, Stored
-from registry.ops.reading import Access
+from registry.ops.reading import Access, check_digest
 from registry.records import HAS_PAYLOAD, CheckpointInfo
 
 CHUNK = 8 << 20  # bytes read per side at a time while comparing or measuring
@@ -423,8 +423,7 @@ def _refreshed(access: Access, info: CheckpointInfo) -> CheckpointInfo:
             raise CheckpointReadError(f"cannot read {where}: its directory {info.path} is missing although the "
                                       f"catalog lists it as {now.status}; run 'registry fsck'", path=info.path,
                                       run=info.run, step=info.step)
-        raise CorruptCheckpointError(f"manifest of {info.path} does not match the catalog's record",
-                                     path=info.path, run=info.run, step=info.step)
+        check_digest(info, None)  # the same payload listed, another manifest (or none) on disk
     return now.under(access.root)
 
 
