@@ -27,7 +27,8 @@ from registry.catalog.lineage import LineageCatalog, LineageHop, LineageRecord
 from registry.checkpoint import Checkpoint
 from registry.errors import InvalidStateError, ReadOnlyError, RegistryError, StepExistsError
 from registry.format.layout import step_dirname
-from registry.ops.protocol import publish_sequence
+from registry.ops.attempts import Attempts, Fork
+from registry.ops.protocol import CommitHooks, RecordOnly, Target, publish_sequence
 from registry.records import HAS_PAYLOAD, LIVE, CheckpointInfo, EventInfo, MetricPoint, RunInfo, Status
 from registry.format.refs import Ref, check_run_name, check_step, check_tag_name, parse_ref
 from registry.ops.scrub import VerifyResult, scrub
@@ -88,14 +89,10 @@ class Registry:
         self.url = url
         self.read_only = read_only
         self.lease_ttl = lease_ttl
-        self._pending_metrics: dict[str, list[tuple[int, str, float]]] = {}
-        self._attempts: dict[str, int] = {}
-        self._resumed_from: dict[str, int] = {}
-        self._forks: dict[str, tuple[str, int, str | None]] = {}  # run -> the checkpoint its attempt forked from
-        self._published: set[str] = set()  # runs this Registry's current attempt has published to
+        self._attempts = Attempts(catalog, writer_id)
         self._queued: set[tuple[str, int]] = set()  # (run, step) of background publishes not yet finished
         self._closed = False
-        self._lock = threading.RLock()  # buffered metrics and attempts, shared with the background publisher
+        self._lock = threading.Lock()  # the queued steps, shared with the background publisher
         self._background = BackgroundPublisher()
         self._snapshots = Snapshotter()
         self._publish_groups: PublishGroups | None = None  # background sharded publishes' groups, made on first use
@@ -186,17 +183,6 @@ class Registry:
     def writer(self) -> str:
         """This process's writer identity: asked each time, so a forked child never claims as its parent."""
         return writer_id()
-
-    def _attempt(self, run: str) -> int:
-        """This process's attempt at ``run``, started lazily at its first metric or publish.
-
-        See :meth:`begin_attempt` for what an attempt means for metrics.
-        """
-        with self._lock:  # also called from the background publisher
-            if run not in self._attempts:
-                self._attempts[run] = self.catalog.start_attempt(
-                    run, writer=self.writer, resumed_from=self._resumed_from.get(run), fork=self._forks.get(run))
-            return self._attempts[run]
 
     # ------------------------------------------------------------------ publish
 
@@ -373,7 +359,12 @@ class Registry:
             error = exc
         request = ("publish", repr(run), repr(step), repr(options["overwrite"]), repr(options["verify"]),
                    repr(options["blocking"]))
-        run_publish = (lambda write: self._run_publish(job, write=write)) if job else None
+        publish = None
+        if job is not None:  # rank 0's path goes to every rank, as the one outcome
+            target, hooks, root = self._target(job), self._hooks(job), self.store.root
+
+            def publish(write: Callable[[Path], Written]) -> CheckpointInfo:
+                return publish_sequence(self.catalog, target, write, hooks).under(root)
         policy = options["retention"]
         # retention once every rank has the outcome (rank 0 only): no rank waits for a gc
         after = (lambda info: self._retention_after_publish(run, step, policy)) if job and policy is not None else None
@@ -383,49 +374,30 @@ class Registry:
                     with self._lock:
                         self._queued.discard(key)
             return publish_in_background(comm, self._publish_groups, run=run, step=step, request=request,
-                                         local_error=error, snap=snap, run_publish=run_publish,
+                                         local_error=error, snap=snap, run_publish=publish,
                                          payload=job.payload if job else None, after=after,
                                          submit=self._background.submit, finished=finished)
         return publish_sharded(
             comm, run=run, step=step, state=state_dict if isinstance(state_dict, Mapping) else {},
-            request=request, local_error=error, run_publish=run_publish, payload=job.payload if job else None,
+            request=request, local_error=error, run_publish=publish, payload=job.payload if job else None,
             after=after)
 
-    def _run_publish(self, job: _PublishJob, *, write: Callable[[Path], Written] | None = None) -> CheckpointInfo:
-        """The publish sequence (on the caller's thread, or the background publisher's).
-
-        The commit carries the buffered metric points up to ``job.step``; they
-        go back into the buffer if it fails.
-        """
-        run, step = job.run, job.step
-        due: list[tuple[int, str, float]] = []
-
-        def record(payload: PayloadRecord) -> CommitRecord:
-            with self._lock:
-                pending = self._pending_metrics.get(run, [])
-                due.extend(m for m in pending if m[0] <= step)
-                self._pending_metrics[run] = [m for m in pending if m[0] > step]
-                resumed_from = self._resumed_from.get(run) if run not in self._published else None
-            return CommitRecord(payload=payload, metrics=due + list(job.new_metrics), attempt_id=self._attempt(run),
-                                tags=job.tags, resumed_from=resumed_from, lineage=job.lineage)
-
-        def uncommitted() -> None:
-            with self._lock:
-                self._pending_metrics[run] = due + self._pending_metrics.get(run, [])
-
-        def committed() -> None:
-            with self._lock:
-                self._published.add(run)
-
-        info = publish_sequence(
-            self.catalog, run=run, step=step, final=job.final, relpath=self.store.relpath(job.final),
-            writer=self.writer, overwrite=job.overwrite, verify=job.verify,
-            write=write or (lambda staging: write_payload(staging, job.payload)), epoch=job.payload.meta["epoch"],
-            consumed_samples=job.payload.meta["consumed_samples"], record=record, uncommitted=uncommitted,
-            committed=committed, dedup=job.dedup)
+    def _run_publish(self, job: _PublishJob) -> CheckpointInfo:
+        """The publish sequence (on the caller's thread, or the background publisher's), then its retention."""
+        info = publish_sequence(self.catalog, self._target(job), lambda staging: write_payload(staging, job.payload),
+                                self._hooks(job))
         if job.retention is not None:
-            self._retention_after_publish(run, step, job.retention)
+            self._retention_after_publish(job.run, job.step, job.retention)
         return info.under(self.store.root)
+
+    def _target(self, job: _PublishJob) -> Target:
+        return Target(run=job.run, step=job.step, root=self.store.root,
+                      relpath=self.store.relpath(self.store.step_dir(job.run, job.step)), writer=self.writer,
+                      overwrite=job.overwrite, verify=job.verify, dedup=job.dedup, epoch=job.payload.meta["epoch"],
+                      consumed_samples=job.payload.meta["consumed_samples"])
+
+    def _hooks(self, job: _PublishJob) -> CommitHooks:
+        return self._attempts.hooks(job.run, job.step, metrics=job.new_metrics, tags=job.tags, lineage=job.lineage)
 
     # ------------------------------------------------------------------ metrics
 
@@ -442,20 +414,13 @@ class Registry:
         """
         check_run_name(run)
         check_step(step)
-        points = check_metrics(run, step, metrics)
-        with self._lock:
-            self._pending_metrics.setdefault(run, []).extend(points)
+        self._attempts.buffer(run, check_metrics(run, step, metrics))
         if flush:
             self.flush(run)
 
     def flush(self, run: str | None = None) -> None:
         """Make every buffered metric point (of ``run``, or of every run) durable."""
-        with self._lock:
-            for name in [run] if run is not None else list(self._pending_metrics):
-                points = self._pending_metrics.get(name)
-                if points:
-                    self.catalog.add_metrics(name, points, attempt_id=self._attempt(name))
-                self._pending_metrics.pop(name, None)
+        self._attempts.flush(run)
 
     def metrics(self, run: str, key: str | None = None, *, history: bool = False) -> list[MetricPoint]:
         """The metric points of ``run`` (of one ``key``, or all), ordered by step.
@@ -551,7 +516,7 @@ class Registry:
         else:
             read = reading.load(self._reader(), parsed, verify=verify, map_location=map_location,
                                 trust_pickle=trust_pickle, extras=extras, fallback=fallback)
-        self._note_resume(parsed, read.info.step, resume)
+        self._attempts.note_resume(parsed, read.info.step, resume)
         return Checkpoint.from_read(read)
 
     def checkout(self, ref: str | Ref, dest: str | os.PathLike[str] | None = None, *,
@@ -642,23 +607,12 @@ class Registry:
                               keys=keys, strict=strict, verify=verify, trust_pickle=trust_pickle, fallback=fallback,
                               local_error=error)
         if comm.rank == 0 and parsed is not None and result.step is not None:
-            self._note_resume(parsed, result.step, None)
+            self._attempts.note_resume(parsed, result.step, None)
         return result
 
     def _reader(self) -> reading.ReadAccess:
         return reading.ReadAccess(catalog=self.catalog, root=self.store.root, holder=self.writer,
                                   lease_ttl=self.lease_ttl)
-
-    def _note_resume(self, ref: Ref, step: int, resume: bool | None) -> None:
-        """Record that this attempt resumes ``ref.run`` from ``step``, when the load was a resume."""
-        if resume is False or (resume is None and ref.names_one_step):
-            return
-        with self._lock:
-            if ref.run not in self._published:
-                self._resumed_from[ref.run] = step  # this attempt resumes from here
-                return
-        if resume:  # resuming again after publishing: a new attempt, as begin_attempt says
-            self.begin_attempt(ref.run, resumed_from=step)
 
     def read_checked(self, info: CheckpointInfo, *, verify: bool, map_location: Any,
                      trust_pickle: bool) -> Any:
@@ -724,7 +678,7 @@ class Registry:
         check_run_name(run)
         if resumed_from is not None:
             check_step(resumed_from)
-        fork: tuple[str, int, str | None] | None = None
+        fork: Fork | None = None
         if fork_from is not None:
             if resumed_from is not None:
                 raise InvalidStateError(f"begin_attempt({run!r}): pass resumed_from or fork_from, not both")
@@ -732,18 +686,7 @@ class Registry:
             fork = (origin.run, origin.step, origin.manifest_sha256)
             if origin.run == run:
                 resumed_from = origin.step
-        self.flush(run)
-        self._published.discard(run)
-        self._attempts.pop(run, None)
-        if fork is None:
-            self._forks.pop(run, None)
-        else:
-            self._forks[run] = fork
-        if resumed_from is None:
-            self._resumed_from.pop(run, None)
-        else:
-            self._resumed_from[run] = resumed_from
-        return self._attempt(run)
+        return self._attempts.begin(run, resumed_from=resumed_from, fork=fork)
 
     def latest(self, run: str, *, min_policy_version: int | None = None,
                published: bool = False) -> CheckpointInfo:
@@ -865,15 +808,16 @@ class Registry:
             raise InvalidStateError(f"{foreign.directory} already is {run}@{step}'s directory; "
                                     "'registry fsck --repair' adopts directories written outside the catalog")
         meta = foreign.meta
-        info = publish_sequence(
-            self.catalog, run=run, step=step, final=final, relpath=self.store.relpath(final), writer=self.writer,
-            overwrite=overwrite, verify=True,
-            write=lambda staging: stage(foreign, staging, move=move, progress=progress),
-            epoch=int_field(meta, "epoch", 0) or 0, consumed_samples=int_field(meta, "consumed_samples", 0) or 0,
-            record=lambda payload: CommitRecord(payload=payload, tags=tags,
-                                                lineage=LineageRecord(how="imported", source=provenance(
-                                                    foreign, {f.name: f.sha256 for f in payload.files}))),
-            dedup=self.dedup)
+        target = Target(run=run, step=step, root=self.store.root, relpath=self.store.relpath(final),
+                        writer=self.writer, overwrite=overwrite, dedup=self.dedup,
+                        epoch=int_field(meta, "epoch", 0) or 0,
+                        consumed_samples=int_field(meta, "consumed_samples", 0) or 0)
+
+        def record(payload: PayloadRecord) -> CommitRecord:
+            source = provenance(foreign, {f.name: f.sha256 for f in payload.files})
+            return CommitRecord(payload=payload, tags=tags, lineage=LineageRecord(how="imported", source=source))
+        info = publish_sequence(self.catalog, target, lambda staging: stage(foreign, staging, move=move,
+                                                                            progress=progress), RecordOnly(record))
         if move:
             remove_originals(foreign)
         return info.under(self.store.root)
