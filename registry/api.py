@@ -10,8 +10,6 @@ state has been copied (``registry.fs.snapshot``).
 from __future__ import annotations
 
 import logging
-import math
-import numbers
 import os
 import threading
 import warnings
@@ -30,9 +28,10 @@ from registry.catalog.records import LineageRecord
 from registry.checkpoint import Checkpoint
 from registry.errors import InvalidStateError, ReadOnlyError, RegistryError, StepExistsError
 from registry.format.layout import step_dirname
-from registry.ops.protocol import publish_sequence
+from registry.ops.attempts import Attempts, Fork
+from registry.ops.protocol import CommitHooks, RecordOnly, Target, publish_sequence
 from registry.records import HAS_PAYLOAD, LIVE, CheckpointInfo, EventInfo, MetricPoint, RunInfo, Status
-from registry.format.refs import Ref, check_metric_key, check_run_name, check_step, check_tag_name, parse_ref
+from registry.format.refs import Ref, check_run_name, check_step, check_tag_name, parse_ref
 from registry.ops.scrub import VerifyResult, scrub
 from registry.fs.snapshot import Snapshotter
 from registry.fs.bounds import check_outside_root
@@ -40,7 +39,7 @@ from registry.fs.filemaps import check_extras
 from registry.fs.store import Payload, Store, Written, now_timestamp, write_payload
 from registry.ops.writers import writer_alive, writer_id
 from registry.format.safetensors import check_state_dict
-from registry.fs.validation import check_flags, check_tags, checked_payload
+from registry.fs.validation import check_flags, check_metrics, check_tags, checked_payload
 
 if TYPE_CHECKING:
     import torch
@@ -56,31 +55,6 @@ if TYPE_CHECKING:
 
 DEFAULT_ROOT = "checkpoints"
 log = logging.getLogger(__name__)
-
-
-def _check_metrics(run: str, step: int, metrics: Mapping[str, Any] | None) -> list[tuple[int, str, float]]:
-    if metrics is None:
-        return []
-    if not isinstance(metrics, Mapping):
-        raise InvalidStateError(f"metrics for {run}@{step} must be a mapping of names to numbers")
-    import torch
-    out = []
-    for key, value in metrics.items():
-        check_metric_key(key)
-        if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.dtype.is_complex:
-            value = value.item()
-        # numbers.Real admits numpy scalars; bools are numbers to Python but never a metric
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise InvalidStateError(f"metric {key!r} at {run}@{step} is {value!r}, not a number", run=run, step=step)
-        try:
-            number = float(value)
-        except OverflowError:
-            number = math.inf
-        if not math.isfinite(number):
-            raise InvalidStateError(f"metric {key!r} at {run}@{step} is {value!r}; only finite values can be ranked",
-                                    run=run, step=step)
-        out.append((step, key, number))
-    return out
 
 
 def locations(url: str | None, root: str | os.PathLike[str] | None) -> tuple[Path, str]:
@@ -117,14 +91,10 @@ class Registry:
         self.url = url
         self.read_only = read_only
         self.lease_ttl = lease_ttl
-        self._pending_metrics: dict[str, list[tuple[int, str, float]]] = {}
-        self._attempts: dict[str, int] = {}
-        self._resumed_from: dict[str, int] = {}
-        self._forks: dict[str, tuple[str, int, str | None]] = {}  # run -> the checkpoint its attempt forked from
-        self._published: set[str] = set()  # runs this Registry's current attempt has published to
+        self._attempts = Attempts(catalog, writer_id)
         self._queued: set[tuple[str, int]] = set()  # (run, step) of background publishes not yet finished
         self._closed = False
-        self._lock = threading.RLock()  # buffered metrics and attempts, shared with the background publisher
+        self._lock = threading.Lock()  # the queued steps, shared with the background publisher
         self._background = BackgroundPublisher()
         self._snapshots = Snapshotter()
         self._publish_groups: PublishGroups | None = None  # background sharded publishes' groups, made on first use
@@ -215,20 +185,6 @@ class Registry:
     def writer(self) -> str:
         """This process's writer identity: asked each time, so a forked child never claims as its parent."""
         return writer_id()
-
-    def _absolute(self, info: CheckpointInfo) -> CheckpointInfo:
-        return replace(info, path=self.store.root / info.path)
-
-    def _attempt(self, run: str) -> int:
-        """This process's attempt at ``run``, started lazily at its first metric or publish.
-
-        See :meth:`begin_attempt` for what an attempt means for metrics.
-        """
-        with self._lock:  # also called from the background publisher
-            if run not in self._attempts:
-                self._attempts[run] = self.catalog.start_attempt(
-                    run, writer=self.writer, resumed_from=self._resumed_from.get(run), fork=self._forks.get(run))
-            return self._attempts[run]
 
     # ------------------------------------------------------------------ publish
 
@@ -335,7 +291,7 @@ class Registry:
         check_flags(overwrite=overwrite, verify=verify, blocking=blocking, trust_pickle=trust_pickle)
         state = check_state_dict(state_dict)
         tags = check_tags(tags)
-        new_metrics = _check_metrics(run, step, metrics)
+        new_metrics = check_metrics(run, step, metrics)
         lineage = self._parent_lineage(parent)
         payload = checked_payload(step=step, state_dict=state, extra=extra, config=config, meta=meta, epoch=epoch,
                                   consumed_samples=consumed_samples, optimizer_step=optimizer_step,
@@ -388,7 +344,7 @@ class Registry:
             if payload is not None:
                 job = _PublishJob(run=run, step=step, overwrite=options["overwrite"],
                                   final=self.store.step_dir(run, step), payload=payload, verify=options["verify"],
-                                  new_metrics=tuple(_check_metrics(run, step, options["metrics"])),
+                                  new_metrics=tuple(check_metrics(run, step, options["metrics"])),
                                   tags=tags, lineage=self._parent_lineage(parent), dedup=dedup)
                 if background:
                     with self._lock:
@@ -405,7 +361,12 @@ class Registry:
             error = exc
         request = ("publish", repr(run), repr(step), repr(options["overwrite"]), repr(options["verify"]),
                    repr(options["blocking"]))
-        run_publish = (lambda write: self._run_publish(job, write=write)) if job else None
+        publish = None
+        if job is not None:  # rank 0's path goes to every rank, as the one outcome
+            target, hooks, root = self._target(job), self._hooks(job), self.store.root
+
+            def publish(write: Callable[[Path], Written]) -> CheckpointInfo:
+                return publish_sequence(self.catalog, target, write, hooks).under(root)
         policy = options["retention"]
         # retention once every rank has the outcome (rank 0 only): no rank waits for a gc
         after = (lambda info: self._retention_after_publish(run, step, policy)) if job and policy is not None else None
@@ -415,49 +376,30 @@ class Registry:
                     with self._lock:
                         self._queued.discard(key)
             return publish_in_background(comm, self._publish_groups, run=run, step=step, request=request,
-                                         local_error=error, snap=snap, run_publish=run_publish,
+                                         local_error=error, snap=snap, run_publish=publish,
                                          payload=job.payload if job else None, after=after,
                                          submit=self._background.submit, finished=finished)
         return publish_sharded(
             comm, run=run, step=step, state=state_dict if isinstance(state_dict, Mapping) else {},
-            request=request, local_error=error, run_publish=run_publish, payload=job.payload if job else None,
+            request=request, local_error=error, run_publish=publish, payload=job.payload if job else None,
             after=after)
 
-    def _run_publish(self, job: _PublishJob, *, write: Callable[[Path], Written] | None = None) -> CheckpointInfo:
-        """The publish sequence (on the caller's thread, or the background publisher's).
-
-        The commit carries the buffered metric points up to ``job.step``; they
-        go back into the buffer if it fails.
-        """
-        run, step = job.run, job.step
-        due: list[tuple[int, str, float]] = []
-
-        def record(payload: PayloadRecord) -> CommitRecord:
-            with self._lock:
-                pending = self._pending_metrics.get(run, [])
-                due.extend(m for m in pending if m[0] <= step)
-                self._pending_metrics[run] = [m for m in pending if m[0] > step]
-                resumed_from = self._resumed_from.get(run) if run not in self._published else None
-            return CommitRecord(payload=payload, metrics=due + list(job.new_metrics), attempt_id=self._attempt(run),
-                                tags=job.tags, resumed_from=resumed_from, lineage=job.lineage)
-
-        def uncommitted() -> None:
-            with self._lock:
-                self._pending_metrics[run] = due + self._pending_metrics.get(run, [])
-
-        def committed() -> None:
-            with self._lock:
-                self._published.add(run)
-
-        info = publish_sequence(
-            self.catalog, run=run, step=step, final=job.final, relpath=self.store.relpath(job.final),
-            writer=self.writer, overwrite=job.overwrite, verify=job.verify,
-            write=write or (lambda staging: write_payload(staging, job.payload)), epoch=job.payload.meta["epoch"],
-            consumed_samples=job.payload.meta["consumed_samples"], record=record, uncommitted=uncommitted,
-            committed=committed, dedup=job.dedup)
+    def _run_publish(self, job: _PublishJob) -> CheckpointInfo:
+        """The publish sequence (on the caller's thread, or the background publisher's), then its retention."""
+        info = publish_sequence(self.catalog, self._target(job), lambda staging: write_payload(staging, job.payload),
+                                self._hooks(job))
         if job.retention is not None:
-            self._retention_after_publish(run, step, job.retention)
-        return self._absolute(info)
+            self._retention_after_publish(job.run, job.step, job.retention)
+        return info.under(self.store.root)
+
+    def _target(self, job: _PublishJob) -> Target:
+        return Target(run=job.run, step=job.step, root=self.store.root,
+                      relpath=self.store.relpath(self.store.step_dir(job.run, job.step)), writer=self.writer,
+                      overwrite=job.overwrite, verify=job.verify, dedup=job.dedup, epoch=job.payload.meta["epoch"],
+                      consumed_samples=job.payload.meta["consumed_samples"])
+
+    def _hooks(self, job: _PublishJob) -> CommitHooks:
+        return self._attempts.hooks(job.run, job.step, metrics=job.new_metrics, tags=job.tags, lineage=job.lineage)
 
     # ------------------------------------------------------------------ metrics
 
@@ -474,20 +416,13 @@ class Registry:
         """
         check_run_name(run)
         check_step(step)
-        points = _check_metrics(run, step, metrics)
-        with self._lock:
-            self._pending_metrics.setdefault(run, []).extend(points)
+        self._attempts.buffer(run, check_metrics(run, step, metrics))
         if flush:
             self.flush(run)
 
     def flush(self, run: str | None = None) -> None:
         """Make every buffered metric point (of ``run``, or of every run) durable."""
-        with self._lock:
-            for name in [run] if run is not None else list(self._pending_metrics):
-                points = self._pending_metrics.get(name)
-                if points:
-                    self.catalog.add_metrics(name, points, attempt_id=self._attempt(name))
-                self._pending_metrics.pop(name, None)
+        self._attempts.flush(run)
 
     def metrics(self, run: str, key: str | None = None, *, history: bool = False) -> list[MetricPoint]:
         """The metric points of ``run`` (of one ``key``, or all), ordered by step.
@@ -505,7 +440,7 @@ class Registry:
 
         Raises ``CheckpointNotFoundError`` where it names none; reads nothing from the root.
         """
-        return self._absolute(self.catalog.resolve(parse_ref(ref)))
+        return self.catalog.resolve(parse_ref(ref)).under(self.store.root)
 
     def checkpoints(self, run: str, include_deleted: bool = False, *,
                     policy_version: int | None = None) -> list[CheckpointInfo]:
@@ -514,7 +449,7 @@ class Registry:
         ``policy_version`` keeps only the steps published under that version of the training policy.
         """
         check_run_name(run)
-        return [self._absolute(i) for i in self.catalog.checkpoints(
+        return [i.under(self.store.root) for i in self.catalog.checkpoints(
             run, include_deleted=include_deleted, policy_version=policy_version)]
 
     def runs(self) -> list[RunInfo]:
@@ -583,7 +518,7 @@ class Registry:
         else:
             read = reading.load(self._reader(), parsed, verify=verify, map_location=map_location,
                                 trust_pickle=trust_pickle, extras=extras, fallback=fallback)
-        self._note_resume(parsed, read.info.step, resume)
+        self._attempts.note_resume(parsed, read.info.step, resume)
         return Checkpoint.from_read(read)
 
     def checkout(self, ref: str | Ref, dest: str | os.PathLike[str] | None = None, *,
@@ -675,23 +610,12 @@ class Registry:
                               keys=keys, strict=strict, verify=verify, trust_pickle=trust_pickle, fallback=fallback,
                               local_error=error)
         if comm.rank == 0 and parsed is not None and result.step is not None:
-            self._note_resume(parsed, result.step, None)
+            self._attempts.note_resume(parsed, result.step, None)
         return result
 
     def _reader(self) -> reading.ReadAccess:
         return reading.ReadAccess(catalog=self.catalog, root=self.store.root, holder=self.writer,
                                   lease_ttl=self.lease_ttl)
-
-    def _note_resume(self, ref: Ref, step: int, resume: bool | None) -> None:
-        """Record that this attempt resumes ``ref.run`` from ``step``, when the load was a resume."""
-        if resume is False or (resume is None and ref.names_one_step):
-            return
-        with self._lock:
-            if ref.run not in self._published:
-                self._resumed_from[ref.run] = step  # this attempt resumes from here
-                return
-        if resume:  # resuming again after publishing: a new attempt, as begin_attempt says
-            self.begin_attempt(ref.run, resumed_from=step)
 
     def read_checked(self, info: CheckpointInfo, *, verify: bool, map_location: Any,
                      trust_pickle: bool) -> Any:
@@ -757,7 +681,7 @@ class Registry:
         check_run_name(run)
         if resumed_from is not None:
             check_step(resumed_from)
-        fork: tuple[str, int, str | None] | None = None
+        fork: Fork | None = None
         if fork_from is not None:
             if resumed_from is not None:
                 raise InvalidStateError(f"begin_attempt({run!r}): pass resumed_from or fork_from, not both")
@@ -765,18 +689,7 @@ class Registry:
             fork = (origin.run, origin.step, origin.manifest_sha256)
             if origin.run == run:
                 resumed_from = origin.step
-        self.flush(run)
-        self._published.discard(run)
-        self._attempts.pop(run, None)
-        if fork is None:
-            self._forks.pop(run, None)
-        else:
-            self._forks[run] = fork
-        if resumed_from is None:
-            self._resumed_from.pop(run, None)
-        else:
-            self._resumed_from[run] = resumed_from
-        return self._attempt(run)
+        return self._attempts.begin(run, resumed_from=resumed_from, fork=fork)
 
     def latest(self, run: str, *, min_policy_version: int | None = None,
                published: bool = False) -> CheckpointInfo:
@@ -786,7 +699,7 @@ class Registry:
         if min_policy_version is not None:
             check_step(min_policy_version)
         ref = Ref(run=run, kind="latest-published" if published else "latest")
-        return self._absolute(self.catalog.resolve(ref, min_policy_version=min_policy_version))
+        return self.catalog.resolve(ref, min_policy_version=min_policy_version).under(self.store.root)
 
     def wait_for_new(self, run: str, after_step: int | None = None, timeout: float | None = None, *,
                      newest: bool = False, min_policy_version: int | None = None) -> CheckpointInfo | None:
@@ -804,7 +717,7 @@ class Registry:
         from registry.ops.follow import Follower
         with Follower(self.catalog, run, newest=newest, min_policy_version=min_policy_version) as follower:
             info = follower.wait(after_step, timeout=timeout)
-        return self._absolute(info) if info is not None else None
+        return info.under(self.store.root) if info is not None else None
 
     def follow(self, run: str, after_step: int | None = None, *, timeout: float | None = None,
                newest: bool = False, min_policy_version: int | None = None) -> Iterator[CheckpointInfo]:
@@ -818,7 +731,7 @@ class Registry:
         with Follower(self.catalog, run, newest=newest, min_policy_version=min_policy_version) as follower:
             while (info := follower.wait(after_step, timeout=timeout)) is not None:
                 after_step = info.step
-                yield self._absolute(info)
+                yield info.under(self.store.root)
 
     # ------------------------------------------------------------------ retention
 
@@ -898,18 +811,19 @@ class Registry:
             raise InvalidStateError(f"{foreign.directory} already is {run}@{step}'s directory; "
                                     "'registry fsck --repair' adopts directories written outside the catalog")
         meta = foreign.meta
-        info = publish_sequence(
-            self.catalog, run=run, step=step, final=final, relpath=self.store.relpath(final), writer=self.writer,
-            overwrite=overwrite, verify=True,
-            write=lambda staging: stage(foreign, staging, move=move, progress=progress),
-            epoch=int_field(meta, "epoch", 0) or 0, consumed_samples=int_field(meta, "consumed_samples", 0) or 0,
-            record=lambda payload: CommitRecord(payload=payload, tags=tags,
-                                                lineage=LineageRecord(how="imported", source=provenance(
-                                                    foreign, {f.name: f.sha256 for f in payload.files}))),
-            dedup=self.dedup)
+        target = Target(run=run, step=step, root=self.store.root, relpath=self.store.relpath(final),
+                        writer=self.writer, overwrite=overwrite, dedup=self.dedup,
+                        epoch=int_field(meta, "epoch", 0) or 0,
+                        consumed_samples=int_field(meta, "consumed_samples", 0) or 0)
+
+        def record(payload: PayloadRecord) -> CommitRecord:
+            source = provenance(foreign, {f.name: f.sha256 for f in payload.files})
+            return CommitRecord(payload=payload, tags=tags, lineage=LineageRecord(how="imported", source=source))
+        info = publish_sequence(self.catalog, target, lambda staging: stage(foreign, staging, move=move,
+                                                                            progress=progress), RecordOnly(record))
         if move:
             remove_originals(foreign)
-        return self._absolute(info)
+        return info.under(self.store.root)
 
     # ------------------------------------------------------------------ lineage and diff
 

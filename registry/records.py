@@ -5,7 +5,7 @@ Plain data with no torch and no SQL, so every layer can return them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from enum import Enum
 from pathlib import Path
@@ -65,6 +65,10 @@ class CheckpointInfo:
     created_at: datetime | None = None
     verified_at: datetime | None = None
     writer: str | None = None
+
+    def under(self, root: Path) -> CheckpointInfo:
+        """This step with its path made absolute: the catalog records it relative to the checkpoint ``root``."""
+        return replace(self, path=root / self.path)
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -209,7 +209,7 @@ def step_view(reg: Registry, ref: str) -> StepView:
         row = reg.catalog.get(parsed.run, parsed.step) if parsed.step is not None else None
         if row is None or row.status not in NO_PAYLOAD:
             raise
-        info = reg._absolute(row)
+        info = row.under(reg.store.root)
     from registry.fs.dedup import shared_bytes
     events = reg.events(info.run, step=info.step)
     shared = 0

@@ -77,6 +77,26 @@ def test_a_readers_os_error_marks_nothing_and_does_not_fall_back(
     assert reg.load("run@latest").step == 2
 
 
+def test_a_manifest_not_the_catalogs_is_refused_before_any_other_file_is_opened(
+        reg: Registry, monkeypatch: pytest.MonkeyPatch) -> None:
+    reg.publish("run", 1, make_state(1), extra={"optimizer": optimizer_state()})
+    second = reg.publish("run", 2, make_state(2), extra={"optimizer": optimizer_state()})
+    shutil.rmtree(second.path)
+    shutil.copytree(reg.resolve("run@1").path, second.path)  # intact, but not the payload the catalog recorded
+    opened: list[str] = []
+    real_open = os.open
+
+    def recording_open(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if Path(path).parent == second.path:
+            opened.append(Path(path).name)
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", recording_open)
+    with pytest.raises(CorruptCheckpointError, match="does not match the catalog"):
+        reg.load("run@2", verify=True)
+    assert set(opened) == {"manifest.json"}  # nothing hashed, mapped or unpickled first
+
+
 def test_an_unmounted_root_is_not_corruption_and_is_not_created(reg: Registry) -> None:
     reg.publish("run", 1, make_state(1))
     reg.publish("run", 2, make_state(2))

@@ -20,10 +20,12 @@ from __future__ import annotations
 import hashlib
 import itertools
 import pickle
+import warnings
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -89,6 +91,82 @@ class Failure:
 def first_failure(statuses: list[Failure | None]) -> Failure | None:
     """Rank 0's failure if any, else the lowest rank's: the one every rank raises."""
     return next((s for s in statuses if s is not None), None)
+
+
+class Judge(Protocol):
+    """What judges a failure to read a candidate step (``registry.ops.reading.CatalogRead``)."""
+
+    def judge(self, exc: BaseException) -> None: ...
+
+    @property
+    def notes(self) -> list[str]: ...
+
+
+def status(fn: Callable[[], Any], rank: int) -> tuple[Any, Failure | None]:
+    """``fn()`` and None, or None and its failure, to be gathered (a lost peer is raised at once)."""
+    try:
+        return fn(), None
+    except errors.DistributedError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - gathered, then raised on every rank alike
+        return None, Failure.of(exc, rank)
+
+
+def _verdict(judge: Judge, failure: Failure) -> Failure:
+    """Rank 0's judgement of ``failure``: a retry (with the fall-back notes) or what the load ends with."""
+    try:
+        judge.judge(failure.error())
+    except Exception as exc:  # noqa: BLE001 - the load is over: every rank raises this
+        return Failure.of(exc, 0)
+    notes = "\n".join(judge.notes)  # none when it lost a race: no warning
+    judge.notes.clear()
+    return Failure(kind=failure.kind, message=notes, rank=0, corrupt=failure.corrupt, retry=True)
+
+
+def settle(comm: Any, judge: Judge | None, mine: Failure | None, what: str) -> bool:
+    """One agreement round of a load: gather every rank's status; True to go round again, False when all are fine.
+
+    Rank 0 (which holds ``judge``, the catalog read) judges one failure: its
+    own if it has one, of whatever kind (a step replaced meanwhile is a race
+    and is resolved again, a reader's own trouble ends the load with
+    ``CheckpointReadError``, a corrupt step is marked and an older one tried);
+    otherwise the first *corrupt* status of any other rank, since a sharded
+    load checks a share of the pieces on every rank, so any rank's checksum
+    failure is evidence against the step (that takes one broadcast more, and
+    only then). Every other failure is raised on every rank alike, rank 0's
+    first. Without a ``judge`` (a directory, not a ref) nothing is judged.
+    """
+    if comm.rank == 0 and mine is not None and judge is not None:
+        mine = _verdict(judge, mine)
+    statuses: list[Failure | None] = comm.all_gather_object(mine, what)
+    head = statuses[0]
+    if head is None:
+        other = next((s for s in statuses if s is not None and s.corrupt), None)
+        if other is not None:  # every rank sees it in the same list, so every rank joins the broadcast
+            head = comm.broadcast_object(_verdict(judge, other) if comm.rank == 0 and judge is not None else None,
+                                         what)
+    if head is not None and head.retry:
+        for note in head.message.splitlines():
+            warnings.warn(note, RuntimeWarning, stacklevel=4)
+        return True
+    failure = head if head is not None else first_failure(statuses)
+    if failure is not None:
+        raise failure.error()
+    return False
+
+
+class Solo:
+    """The collectives of a group of one: a load or publish without a process group runs the same code."""
+
+    rank = 0
+    world = 1
+    group = None
+
+    def broadcast_object(self, obj: Any, what: str) -> Any:
+        return obj
+
+    def all_gather_object(self, obj: Any, what: str) -> list[Any]:
+        return [obj]
 
 
 def agree(comm: Any, request: tuple[Any, ...], local: BaseException | None, *, differ: str, advice: str) -> None:
@@ -297,4 +375,5 @@ def transfer(comm: Comm, layouts: list[list[int]], sources: list[torch.Tensor] |
     return got, None
 
 
-__all__ = ["Comm", "Failure", "active", "as_timedelta", "buckets", "first_failure", "transfer"]
+__all__ = ["Comm", "Failure", "Judge", "Solo", "active", "as_timedelta", "buckets", "first_failure", "settle", "status",
+           "transfer"]

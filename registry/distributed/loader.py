@@ -22,7 +22,8 @@ that will never come):
    (nothing to hide a hash behind), the others map the same files and check
    that they see the same manifest digest. Nothing but the plan crosses the
    network.
-3. *integrity*: all ranks gather every rank's status. Rank 0's checksum
+3. *integrity*: all ranks gather every rank's status
+   (:func:`registry.distributed.collectives.settle`). Rank 0's checksum
    failure is judged as in a local load: a step overwritten or deleted
    meanwhile is resolved again, a corrupt ``latest`` is marked and everyone
    goes round again with an older step; any other failure is raised on
@@ -55,7 +56,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from registry.distributed.collectives import Comm, Failure, active, agree, as_timedelta, first_failure, transfer
+from registry.distributed.collectives import Comm, Failure, active, agree, as_timedelta, settle, status, transfer
 from registry.errors import CorruptCheckpointError, DistributedError, InvalidStateError, RegistryError
 from registry.fs.filemaps import Extras, Loaded, MappedFiles, layout, map_directory, parse_files, read_directory
 from registry.fs.mapping import check_file_digest, host_view, map_file
@@ -191,36 +192,6 @@ class _Source:
 # --------------------------------------------------------------------------- the protocol
 
 
-def _status(fn: Callable[[], Any], rank: int) -> tuple[Any, Failure | None]:
-    try:
-        return fn(), None
-    except DistributedError:
-        raise
-    except Exception as exc:
-        return None, Failure.of(exc, rank)
-
-
-def _settle(comm: Comm, source: _Source | None, mine: Failure | None, what: str) -> str:
-    """Gather statuses; 'retry' when rank 0 fell back, 'ok' when all are fine, else raise."""
-    if comm.rank == 0 and mine is not None and source is not None:
-        try:
-            source.judge(mine.error())
-            note = source.notes.pop() if source.notes else ""  # none when it lost a race: no warning
-            mine = Failure(kind=mine.kind, message=note, rank=0, corrupt=mine.corrupt, retry=True)
-        except Exception as exc:  # the load is over: every rank raises this
-            mine = Failure.of(exc, 0)
-    statuses = comm.all_gather_object(mine, what)
-    head = statuses[0]
-    if head is not None and head.retry:
-        if head.message:
-            warnings.warn(head.message, RuntimeWarning, stacklevel=4)
-        return "retry"
-    failure = first_failure(statuses)
-    if failure is not None:
-        raise failure.error()
-    return "ok"
-
-
 def collective_load(*, request: tuple[Any, ...], source: Callable[[], _Source], verify: bool,
                     map_location: Any, trust_pickle: bool, strategy: str,
                     timeout: float | timedelta | None, bucket_bytes: int | None,
@@ -308,7 +279,7 @@ def _one_round(comm: Comm, src: _Source | None, *, verify: bool, device: torch.d
         if comm.rank == 0:
             assert mapped is not None
             files = mapped.files.buffers
-            _, mine = _status(lambda: check_mapped(mapped) if verify else None, 0)
+            _, mine = status(lambda: check_mapped(mapped) if verify else None, 0)
         else:
             def open_same() -> dict[str, torch.Tensor]:
                 got = {n: map_file(directory, n, expected_size=s) for n, s in plan.files}
@@ -339,13 +310,13 @@ def _one_round(comm: Comm, src: _Source | None, *, verify: bool, device: torch.d
         if comm.rank == 0:
             assert mapped is not None
             hashes = {n: d for n, d in zip(names, digests) if n != MANIFEST} if digests is not None else None
-            _, mine = _status(lambda: integrity(mapped, hashes=hashes), 0)
-    if _settle(comm, src, mine, "agreeing on integrity") == "retry":
+            _, mine = status(lambda: integrity(mapped, hashes=hashes), 0)
+    if settle(comm, src, mine, "agreeing on integrity"):
         return None, plan
 
-    loaded, mine = _status(lambda: parse_files(directory, files, trust_pickle=trust_pickle,
+    loaded, mine = status(lambda: parse_files(directory, files, trust_pickle=trust_pickle,
                                                map_location=device if device is not None else "cpu"), comm.rank)
-    if _settle(comm, src, mine, "agreeing on the parsed checkpoint") == "retry":
+    if settle(comm, src, mine, "agreeing on the parsed checkpoint"):
         return None, plan
     assert loaded is not None
     log.debug("rank %d loaded %s (step %s) by %s: %d files, %d bytes", comm.rank, plan.path, plan.step, chosen,

@@ -57,7 +57,7 @@ import torch
 import torch.distributed as dist
 
 from registry.crashpoints import crashpoint
-from registry.distributed.collectives import Comm, Failure, as_timedelta, first_failure
+from registry.distributed.collectives import Comm, Failure, Solo, as_timedelta, first_failure, settle, status
 from registry.distributed.collectives import agree as agree_on
 from registry.errors import (CorruptCheckpointError, DistributedError, InvalidStateError, ManifestError,
                              PublishError, RegistryError)
@@ -71,7 +71,7 @@ from registry.fs.mapping import host_view, map_file, read_error
 from registry.fs.store import Payload, Written, now_timestamp
 from registry.fs.validation import check_flags, check_tags, checked_payload
 from registry.format.refs import check_run_name, check_step
-from registry.ops.reading import Access, CatalogRead, report
+from registry.ops.reading import Access, CatalogRead, check_digest, report
 from registry.pools import Pool
 from registry.records import CheckpointInfo, Fallback
 from registry.format.refs import Ref
@@ -80,35 +80,21 @@ from registry.format.refs import Ref
 _CHECKS = Pool(1, "registry-sharded-check")
 
 
-class _Solo:
-    """The collectives of a group of one: a load without a process group runs the same code."""
-
-    rank = 0
-    world = 1
-    group = None
-
-    def broadcast_object(self, obj: Any, what: str) -> Any:
-        return obj
-
-    def all_gather_object(self, obj: Any, what: str) -> list[Any]:
-        return [obj]
-
-
-def comm_for(group: Any) -> Comm | _Solo:
+def comm_for(group: Any) -> Comm | Solo:
     """The group's collectives (no deadline yet, see :func:`set_timeout`), or a group of one without a process group."""
     if group is None and not (dist.is_available() and dist.is_initialized()):
-        return _Solo()
+        return Solo()
     return Comm(timeout=None, group=group)
 
 
-def set_timeout(comm: Comm | _Solo, timeout: float | timedelta | None) -> None:
+def set_timeout(comm: Comm | Solo, timeout: float | timedelta | None) -> None:
     """Give ``comm`` its per-collective deadline; a bad value raises here, inside the agreement's try."""
     deadline = as_timedelta(timeout)
     if isinstance(comm, Comm):
         comm.timeout = deadline
 
 
-def agree(comm: Comm | _Solo, request: tuple[Any, ...], local: BaseException | None) -> None:
+def agree(comm: Comm | Solo, request: tuple[Any, ...], local: BaseException | None) -> None:
     """Every rank's request and argument error; raise on every rank if any rank erred or asked differently."""
     agree_on(comm, request, local, differ="made different sharded calls",
              advice="every rank must pass the same ref or run and step, and the same options")
@@ -126,7 +112,7 @@ class _Wrote:
     failure: Failure | None = None
 
 
-def _save_rank(comm: Comm | _Solo, staging: Path, state: Mapping[str, Any], *, where: str) -> _Wrote:
+def _save_rank(comm: Comm | Solo, staging: Path, state: Mapping[str, Any], *, where: str) -> _Wrote:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     # ranks on this host: torchrun says so; otherwise assume the whole group shares it (never oversubscribe)
@@ -135,7 +121,7 @@ def _save_rank(comm: Comm | _Solo, staging: Path, state: Mapping[str, Any], *, w
     try:
         with quiet():
             md = dcp.save(dict(state), storage_writer=writer, process_group=comm.group,
-                          no_dist=isinstance(comm, _Solo))
+                          no_dist=isinstance(comm, Solo))
     except dcp_failures() as exc:  # every rank hears of it
         failed, cause = dcp_failure(exc)
         text = str(cause).splitlines()[0] if str(cause) else type(cause).__name__
@@ -147,7 +133,7 @@ def _save_rank(comm: Comm | _Solo, staging: Path, state: Mapping[str, Any], *, w
     return _Wrote(files=writer.written, tensors=tensors)
 
 
-def publish_sharded(comm: Comm | _Solo, *, run: str, step: int, state: Mapping[str, Any],
+def publish_sharded(comm: Comm | Solo, *, run: str, step: int, state: Mapping[str, Any],
                     request: tuple[Any, ...], local_error: BaseException | None,
                     run_publish: Callable[[Callable[[Path], Written]], CheckpointInfo] | None,
                     payload: Payload | None,
@@ -261,9 +247,7 @@ def _read_plan(read: CatalogRead) -> _Plan:
         try:
             manifest_raw = _read_small(info.path, MANIFEST)
             manifest = parse_manifest(manifest_raw, path=info.path / MANIFEST)
-            if info.manifest_sha256 and digest_bytes(manifest_raw) != info.manifest_sha256:
-                raise CorruptCheckpointError(f"manifest of {info.path} does not match the catalog's record",
-                                             path=info.path, run=info.run, step=info.step)
+            check_digest(info, digest_bytes(manifest_raw))
             if manifest.layout is None:
                 raise InvalidStateError(f"{info.run}@{info.step} is not a sharded checkpoint; load it with "
                                         "Registry.load", run=info.run, step=info.step, path=info.path)
@@ -285,42 +269,7 @@ def _read_small(directory: Path, name: str) -> bytes:
     return bytes(host_view(map_file(directory, name, error=error)))
 
 
-def _status(fn: Callable[[], Any], rank: int) -> tuple[Any, Failure | None]:
-    try:
-        return fn(), None
-    except DistributedError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - gathered, then raised on every rank alike
-        return None, Failure.of(exc, rank)
-
-
-def _settle(comm: Comm | _Solo, read: CatalogRead | None, mine: Failure | None, what: str) -> bool:
-    """Gather statuses; True to go round again with an older step, False when all are fine; else raise."""
-    statuses: list[Failure | None] = comm.all_gather_object(mine, what)
-    decision: Any = None
-    if comm.rank == 0:
-        failure = first_failure(statuses)
-        corrupt = next((s for s in statuses if s is not None and s.corrupt), None)
-        if corrupt is not None and read is not None:
-            try:
-                read.judge(corrupt.error())
-                decision = ("retry", tuple(read.notes))
-                read.notes.clear()
-            except Exception as exc:  # noqa: BLE001 - the load is over
-                decision = Failure.of(exc, 0)
-        elif failure is not None:
-            decision = failure
-    decision = comm.broadcast_object(decision, what)
-    if isinstance(decision, Failure):
-        raise decision.error()
-    if decision is not None:
-        for note in decision[1]:
-            warnings.warn(note, RuntimeWarning, stacklevel=4)
-        return True
-    return False
-
-
-def load_sharded(comm: Comm | _Solo, access: Access | None, ref: Ref | None, asked_for: str, state: Any, *,
+def load_sharded(comm: Comm | Solo, access: Access | None, ref: Ref | None, asked_for: str, state: Any, *,
                  keys: Collection[str] | None,
                  strict: bool, verify: bool, trust_pickle: bool, fallback: bool,
                  local_error: BaseException | None = None) -> ShardedLoad:
@@ -350,19 +299,19 @@ def load_sharded(comm: Comm | _Solo, access: Access | None, ref: Ref | None, ask
             # the check runs while DCP reads, unless a full unpickler would meet bytes not yet checked
             overlap = bool(share) and not trust_pickle
 
-            md, mine = _status(partial(_check_plan, directory, manifest, plan.metadata_raw,
+            md, mine = status(partial(_check_plan, directory, manifest, plan.metadata_raw,
                                        share if not overlap else []), comm.rank)
-            if _settle(comm, read, mine, "agreeing on the checksums"):
+            if settle(comm, read, mine, "agreeing on the checksums"):
                 continue
             saved = {k for k in md.state_dict_metadata if keys is None or wanted(k, keys)}
             asked = {k for k in flat if keys is None or wanted(k, keys)}
             missing, unexpected = tuple(sorted(asked - saved)), tuple(sorted(saved - asked))
 
             mismatch = (missing, unexpected) if strict and (missing or unexpected) else None
-            _, mine = _status(partial(_load_checked, comm, plan.info, md, flat, asked & saved, mismatch=mismatch,
+            _, mine = status(partial(_load_checked, comm, plan.info, md, flat, asked & saved, mismatch=mismatch,
                                       trust_pickle=trust_pickle, pending_check=(manifest, share) if overlap else None),
                               comm.rank)
-            if _settle(comm, read, mine, "agreeing on the loaded state"):
+            if settle(comm, read, mine, "agreeing on the loaded state"):
                 continue
             _write_back(state, flat, mappings, asked & saved)
             if comm.rank == 0:
@@ -386,7 +335,7 @@ def _check_plan(directory: Path, manifest: Manifest, metadata_raw: bytes, share:
     return md
 
 
-def _load_checked(comm: Comm | _Solo, info: CheckpointInfo, md: Any, flat: dict[str, Any], keys: set[str], *,
+def _load_checked(comm: Comm | Solo, info: CheckpointInfo, md: Any, flat: dict[str, Any], keys: set[str], *,
                   mismatch: tuple[Sequence[str], Sequence[str]] | None, trust_pickle: bool,
                   pending_check: tuple[Manifest, list[tuple[str, int]]] | None) -> None:
     """DCP reads ``keys`` of ``flat`` from ``info``'s step while this rank's share of the pieces is checked beside it
@@ -412,13 +361,13 @@ def _load_checked(comm: Comm | _Solo, info: CheckpointInfo, md: Any, flat: dict[
         pending.result()
 
 
-def _dcp_load(comm: Comm | _Solo, directory: Path, md: Any, flat: dict[str, Any], *, trust_pickle: bool) -> None:
+def _dcp_load(comm: Comm | Solo, directory: Path, md: Any, flat: dict[str, Any], *, trust_pickle: bool) -> None:
     import torch.distributed.checkpoint as dcp
     try:
         with quiet():
             dcp.load(flat, storage_reader=RestrictedFileSystemReader(directory, metadata=md, trust_pickle=trust_pickle),
                      process_group=comm.group,
-                     no_dist=isinstance(comm, _Solo))
+                     no_dist=isinstance(comm, Solo))
     except dcp_failures() as exc:
         _, cause = dcp_failure(exc)
         if isinstance(cause, RegistryError):

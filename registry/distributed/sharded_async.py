@@ -42,8 +42,8 @@ import torch.distributed as dist
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
 
-from registry.distributed.collectives import Comm
-from registry.distributed.sharded import _Solo, agree, publish_sharded
+from registry.distributed.collectives import Comm, Solo
+from registry.distributed.sharded import agree, publish_sharded
 from registry.fs.snapshot import Snapshotter
 from registry.records import CheckpointInfo
 
@@ -131,8 +131,8 @@ class PublishGroups:
     def __init__(self) -> None:
         self._groups: dict[tuple[int, ...], Any] = {}
 
-    def comm(self, comm: Comm | _Solo) -> Comm | _Solo:
-        if isinstance(comm, _Solo):
+    def comm(self, comm: Comm | Solo) -> Comm | Solo:
+        if isinstance(comm, Solo):
             return comm
         ranks = tuple(dist.get_process_group_ranks(comm.group) if comm.group is not None
                       else range(dist.get_world_size()))
@@ -158,7 +158,7 @@ def _group_timeout(group: Any) -> timedelta | None:
     return None
 
 
-def publish_in_background(comm: Comm | _Solo, groups: PublishGroups, *, run: str, step: int,
+def publish_in_background(comm: Comm | Solo, groups: PublishGroups, *, run: str, step: int,
                           request: tuple[Any, ...], local_error: BaseException | None,
                           snap: ShardedSnapshot | None,
                           run_publish: Callable[[Callable[[Path], Written]], CheckpointInfo] | None,

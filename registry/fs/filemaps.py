@@ -127,15 +127,27 @@ class MappedFiles:
     owner: dict[str, str] | None  # an index's weight_map (tensor -> shard); None for one weights file
 
 
+def check_manifest_digest(directory: Path, digest: str | None, recorded: str | None, *,
+                          run: str | None = None, step: int | None = None) -> None:
+    """The manifest read (sha256 ``digest``, None without one) must be the one the catalog ``recorded``.
+
+    ``recorded`` None (nothing recorded: a directory outside the catalog) accepts any manifest.
+    """
+    if recorded and digest != recorded:
+        raise CorruptCheckpointError(f"manifest of {directory} does not match the catalog's record",
+                                     path=directory, run=run, step=step)
+
+
 def map_directory(directory: Path, *, extras: Extras = True, verify: bool = False,
                   expected_digest: str | None = None) -> MappedFiles:
     """Map exactly what a load with ``extras`` reads, checking names, sizes and the catalog's digest.
 
-    With a manifest, only the files it lists are read and every size is
-    checked before a byte is touched; with ``verify`` each file is checked
-    against its digest as soon as it is mapped, before anything parses it.
-    Without a manifest the reference's layout is read as it is and nothing
-    can be verified.
+    ``expected_digest`` (the catalog's record of the manifest) is checked
+    first, before any other file is mapped or hashed. With a manifest, only
+    the files it lists are read and every size is checked before a byte is
+    touched; with ``verify`` each file is checked against its digest as soon
+    as it is mapped, before anything parses it. Without a manifest the
+    reference's layout is read as it is and nothing can be verified.
     """
     _checked_directory(directory)
     try:
@@ -153,9 +165,7 @@ def _map_directory(directory: Path, *, extras: Extras, verify: bool, expected_di
     if (directory / MANIFEST).exists() or (directory / MANIFEST).is_symlink():
         buffers[MANIFEST] = map_file(directory, MANIFEST, error=ManifestError, what="manifest")
         manifest, digest = _parse_manifest(buffers[MANIFEST], directory)
-        if expected_digest and digest != expected_digest:
-            raise CorruptCheckpointError(f"manifest of {directory} does not match the catalog's record",
-                                         path=directory)
+    check_manifest_digest(directory, digest, expected_digest)  # before any other file is mapped
     listed = manifest.files if manifest is not None else None
     present = set(listed) if listed is not None else {p.name for p in directory.iterdir() if p.is_file()}
 
@@ -355,8 +365,7 @@ def _on_cpu(map_location: Any) -> bool:
 
 
 def parse_files(directory: Path, files: Mapping[str, torch.Tensor | Sequence[torch.Tensor]], *,
-                trust_pickle: bool, map_location: Any, mapped: MappedFiles | None = None,
-                expected_digest: str | None = None) -> Loaded:
+                trust_pickle: bool, map_location: Any, mapped: MappedFiles | None = None) -> Loaded:
     """The checkpoint held in ``files`` (name -> bytes): what :func:`map_directory` mapped, or its bytes received.
 
     A safetensors file may be given as the pieces of its :func:`layout`;
@@ -381,9 +390,6 @@ def parse_files(directory: Path, files: Mapping[str, torch.Tensor | Sequence[tor
     config = json_object(whole(CONFIG), directory / CONFIG) if CONFIG in files else {}
     if manifest is not None and manifest.layout is not None:
         from registry.fs.dcpfiles import full_state
-        if expected_digest and manifest_sha != expected_digest:  # before anything is unpickled
-            raise CorruptCheckpointError(f"manifest of {directory} does not match the catalog's record",
-                                         path=directory)
         state, objects = full_state(directory, manifest, {n: whole(n) for n in files}, trust_pickle=trust_pickle)
         if not _on_cpu(map_location):
             state = {k: v.to(map_location) for k, v in state.items()}
@@ -422,18 +428,17 @@ def read_directory(directory: Path, *, verify: bool = True, trust_pickle: bool =
     hashed, the very mapping the tensors then view). ``extras``: read every
     ``.pt`` extra (True), none (False), or only those named; the others are
     never opened. ``expected_digest``: the manifest's sha256 as the catalog
-    records it; a sharded step's manifest is checked against it before its
-    ``.metadata`` pickle is touched (for a full step the caller compares
-    ``Loaded.manifest_sha256``, as before).
+    records it, checked before any other file is mapped, hashed or unpickled.
 
     A sharded (DCP) step loads whole: ``state_dict`` holds every tensor in
     full under DCP's flattened keys, ``extra`` the non-tensor values under
     theirs (see :mod:`registry.fs.dcpfiles`).
     """
-    mapped = map_directory(directory, extras=extras, verify=verify)
+    mapped = map_directory(directory, extras=extras, verify=verify, expected_digest=expected_digest)
     return parse_files(directory, mapped.buffers, trust_pickle=trust_pickle, map_location=map_location,
-                       mapped=mapped, expected_digest=expected_digest)
+                       mapped=mapped)
 
 
-__all__ = ["Extras", "Loaded", "MappedFiles", "assemble_shards", "check_extras", "header_of", "json_object", "layout",
+__all__ = ["Extras", "Loaded", "MappedFiles", "assemble_shards", "check_extras", "check_manifest_digest",
+           "header_of", "json_object", "layout",
            "map_directory", "parse_files", "read_directory", "read_json", "select_extras", "tensors_of", "weight_map"]

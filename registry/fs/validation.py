@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import functools
 import io
+import math
+import numbers
 import pickle
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -31,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from registry.errors import InvalidStateError, ManifestError, UnsafePathError, UnsafePickleError
 from registry.format.manifest import MANIFEST, META, FileEntry, Manifest, check_file_name, parse_manifest
-from registry.format.refs import MAX_STEP, check_tag_name
+from registry.format.refs import MAX_STEP, check_metric_key, check_tag_name
 from registry.format.safetensors import check_state_dict
 from registry.fs.store import Payload, json_bytes, now_timestamp
 
@@ -81,6 +83,32 @@ def check_tags(tags: object) -> tuple[str, ...]:
     except TypeError:
         raise InvalidStateError(f"tags must be a list of tag names, got {type(tags).__name__}") from None
     return tuple(dict.fromkeys(check_tag_name(t) for t in names))
+
+
+def check_metrics(run: str, step: int, metrics: Mapping[str, Any] | None) -> list[tuple[int, str, float]]:
+    """``metrics`` as the catalog records them: ``(step, key, value)`` with finite float values."""
+    if metrics is None:
+        return []
+    if not isinstance(metrics, Mapping):
+        raise InvalidStateError(f"metrics for {run}@{step} must be a mapping of names to numbers")
+    import torch
+    out = []
+    for key, value in metrics.items():
+        check_metric_key(key)
+        if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.dtype.is_complex:
+            value = value.item()
+        # numbers.Real admits numpy scalars; bools are numbers to Python but never a metric
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise InvalidStateError(f"metric {key!r} at {run}@{step} is {value!r}, not a number", run=run, step=step)
+        try:
+            number = float(value)
+        except OverflowError:
+            number = math.inf
+        if not math.isfinite(number):
+            raise InvalidStateError(f"metric {key!r} at {run}@{step} is {value!r}; only finite values can be ranked",
+                                    run=run, step=step)
+        out.append((step, key, number))
+    return out
 
 
 def check_max_shard_size(value: object) -> int | None:

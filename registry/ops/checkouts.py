@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Literal
 
 from registry.errors import CheckpointNotFoundError, CorruptCheckpointError, InvalidStateError
 from registry.format.manifest import MANIFEST, read_manifest
+from registry.fs.filemaps import check_manifest_digest
 from registry.fs.hashing import CHUNK, Hasher
 from registry.fs.bounds import real
 from registry.format.layout import REGISTRY_DIR
@@ -154,8 +155,7 @@ def copy_step(source: Path, target: Path, *, expected_digest: str | None, verify
     """
     clone = True
     cloned, size, digest = copy_file(source / MANIFEST, target / MANIFEST, clone=clone, hash=True)
-    if expected_digest is not None and digest != expected_digest:
-        raise CorruptCheckpointError(f"manifest of {source} does not match the catalog's record", path=source)
+    check_manifest_digest(source, digest, expected_digest)
     manifest, _ = read_manifest(target)
     clone = every = cloned
     for name in sorted(manifest.files):

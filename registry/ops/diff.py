@@ -43,16 +43,16 @@ import json
 import math
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import xxhash
 
-from registry.errors import CheckpointDeletedError, CheckpointReadError, CorruptCheckpointError
+from registry.errors import CheckpointDeletedError, CheckpointReadError
 from registry.format.manifest import MANIFEST, FileEntry, Manifest
 from registry.ops.diffread import Loc, Moved, Side, Stored
-from registry.ops.reading import Access
+from registry.ops.reading import Access, check_digest
 from registry.records import HAS_PAYLOAD, CheckpointInfo
 
 CHUNK = 8 << 20  # bytes read per side at a time while comparing or measuring
@@ -423,9 +423,8 @@ def _refreshed(access: Access, info: CheckpointInfo) -> CheckpointInfo:
             raise CheckpointReadError(f"cannot read {where}: its directory {info.path} is missing although the "
                                       f"catalog lists it as {now.status}; run 'registry fsck'", path=info.path,
                                       run=info.run, step=info.step)
-        raise CorruptCheckpointError(f"manifest of {info.path} does not match the catalog's record",
-                                     path=info.path, run=info.run, step=info.step)
-    return replace(now, path=access.root / now.path)
+        check_digest(info, None)  # the same payload listed, another manifest (or none) on disk
+    return now.under(access.root)
 
 
 def diff_checkpoints(access: Access, a: CheckpointInfo, b: CheckpointInfo, *, values: bool = False) -> CheckpointDiff:

@@ -32,6 +32,7 @@ from registry.format.manifest import (CONFIG, MANIFEST, MAX_JSON_BYTES, MAX_MANI
                                       check_file_name, decode_json_object, digest_bytes, parse_manifest)
 from registry.format.sharding import DCP_METADATA
 from registry.format.safetensors import read_safetensors_header
+from registry.ops.reading import check_digest
 from registry.records import CheckpointInfo
 
 if TYPE_CHECKING:
@@ -100,8 +101,10 @@ class Side:
         stack.callback(os.close, self._dir)
         with os.fdopen(self.fd(MANIFEST), "rb", closefd=False) as f:
             raw = f.read(MAX_MANIFEST_BYTES + 1)
-        if info.manifest_sha256 and digest_bytes(raw) != info.manifest_sha256:
-            raise Moved()
+        try:
+            check_digest(info, digest_bytes(raw))
+        except CorruptCheckpointError:
+            raise Moved() from None
         self.manifest = parse_manifest(raw, path=self.directory / MANIFEST)
         layout = self.manifest.layout
         files = self.manifest.files

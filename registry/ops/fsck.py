@@ -64,7 +64,7 @@ from registry.catalog.fsck import RowState, record_payload, set_status_if, snaps
 from registry.catalog.records import PayloadRecord
 from registry.crashpoints import crashpoint
 from registry.errors import CheckpointReadError, CorruptCheckpointError, RegistryError, RootError
-from registry.fs.filemaps import read_json
+from registry.fs.filemaps import check_manifest_digest, read_json
 from registry.format.layout import scan_run, step_dirname
 from registry.format.manifest import MANIFEST, META, Manifest, read_manifest
 from registry.records import LIVE, Status
@@ -265,8 +265,10 @@ def _matches_catalog(directory: Path, row: RowState, *, checksums: bool,
     record, why = _check_payload(directory, checksums=checksums, on_bytes=on_bytes)
     if record is None:
         return why
-    if row.manifest_sha256 and record.manifest_sha256 != row.manifest_sha256:
-        return "manifest does not match the catalog's record"
+    try:
+        check_manifest_digest(directory, record.manifest_sha256, row.manifest_sha256)
+    except CorruptCheckpointError as exc:
+        return str(exc)
     if row.files and {f.name: (f.size, f.sha256) for f in record.files} != row.files:
         return "file table does not match the catalog's"
     return ""

@@ -1,6 +1,7 @@
 """The publish sequence (docs/protocol.md), the one place that talks to both the catalog and the store.
 
-A publish and an import both run :func:`publish_sequence`:
+A publish and an import both run :func:`publish_sequence` for a :class:`Target`, with
+:class:`CommitHooks` that make the commit record:
 
 1. claim a ``staging`` row (the unique constraint picks one winner);
 2. write the payload into a hidden staging directory, hashing as it writes,
@@ -24,8 +25,10 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Protocol
 
 from registry.catalog import Catalog, Claim, CommitRecord, FileRecord, PayloadRecord
 from registry.catalog.fallback import neighbours, newest_verified
@@ -45,31 +48,76 @@ log = logging.getLogger(__name__)
 HEARTBEAT = timedelta(seconds=30)  # well inside writers.STALE_AFTER, so a slow beat never looks like a dead writer
 
 
-def publish_sequence(catalog: Catalog, *, run: str, step: int, final: Path, relpath: str, writer: str,
-                     overwrite: bool, verify: bool, write: Callable[[Path], Written], epoch: int,
-                     consumed_samples: int, record: Callable[[PayloadRecord], CommitRecord],
-                     uncommitted: Callable[[], object] = lambda: None,
-                     committed: Callable[[], object] = lambda: None, dedup: bool = False) -> CheckpointInfo:
-    """Phases 1-4: publish what ``write`` puts into a directory as ``run@step`` at ``final``.
-
-    ``relpath`` is ``final`` as the catalog records it. ``record`` turns the
-    payload, once installed, into what the commit records (metrics, tags and
-    the attempt it adds); ``uncommitted`` runs when that commit raised (give
-    back whatever ``record`` took) and ``committed`` once it happened, which
-    can be both when a failed COMMIT turns out to have happened after all.
-    Every failure after the claim is undone before it is raised. Returns the
-    step as the catalog now has it (with ``relpath``).
+@dataclass(frozen=True, kw_only=True)
+class Target:
+    """Where and how a publish lands: ``run@step`` at ``root / relpath`` (the catalog records ``relpath``).
 
     ``dedup``: store files a verified step of the run already holds as links
     (:func:`link_duplicates`); only a verified publish links.
     """
+
+    run: str
+    step: int
+    root: Path
+    relpath: str
+    writer: str
+    overwrite: bool = False
+    verify: bool = True
+    dedup: bool = False
+    epoch: int = 0
+    consumed_samples: int = 0
+
+    @property
+    def final(self) -> Path:
+        return self.root / self.relpath
+
+
+class CommitHooks(Protocol):
+    """What the publisher adds to the commit, and hears of its outcome."""
+
+    def record(self, payload: PayloadRecord) -> CommitRecord:
+        """The payload, once installed, as the commit records it (with the metrics, tags and attempt it adds)."""
+
+    def failed(self) -> None:
+        """The commit raised: give back whatever :meth:`record` took."""
+
+    def done(self) -> None:
+        """The commit happened (after :meth:`failed` too, when a failed COMMIT turns out to have happened)."""
+
+
+@dataclass(frozen=True)
+class RecordOnly:
+    """Hooks that only build the commit record (an import: no attempt, nothing to give back)."""
+
+    make: Callable[[PayloadRecord], CommitRecord]
+
+    def record(self, payload: PayloadRecord) -> CommitRecord:
+        return self.make(payload)
+
+    def failed(self) -> None:
+        pass
+
+    def done(self) -> None:
+        pass
+
+
+def publish_sequence(catalog: Catalog, target: Target, write: Callable[[Path], Written],
+                     hooks: CommitHooks) -> CheckpointInfo:
+    """Phases 1-4: publish what ``write`` puts into a directory as ``target``'s step.
+
+    ``hooks`` make the commit record and hear whether it happened. Every
+    failure after the claim is undone before it is raised. Returns the step
+    as the catalog now has it (its path relative to the root).
+    """
     started = time.perf_counter()
-    root = final.parents[len(Path(relpath).parts) - 1]
-    if overwrite and not verify:
+    run, step, final, root, writer = target.run, target.step, target.final, target.root, target.writer
+    verify, dedup = target.verify, target.dedup
+    if target.overwrite and not verify:
         # the step leaves the verified chain while it is replaced: the two verified steps that then are the
         # newest must not share an inode, before the old payload goes
         keep_fallback_apart(catalog, root, run, excluding=(step,))
-    claim = catalog.claim(run, step, path=relpath, writer=writer, overwrite=overwrite, writer_alive=writer_alive)
+    claim = catalog.claim(run, step, path=target.relpath, writer=writer, overwrite=target.overwrite,
+                          writer_alive=writer_alive)
     crashpoint("after-claim")
     linked: list[Linked] = []
 
@@ -81,17 +129,17 @@ def publish_sequence(catalog: Catalog, *, run: str, step: int, final: Path, relp
     written, status, retired = write_and_install(catalog, claim, final, write_then_link, verify=verify)
     info: CheckpointInfo | None = None
     try:  # from here on, anything (even a KeyboardInterrupt) must reach commit_failed's undo
-        info = catalog.commit_publish(claim, record(payload_record(written, status, epoch=epoch,
-                                                                   consumed_samples=consumed_samples,
-                                                                   linked=linked)),
+        info = catalog.commit_publish(claim, hooks.record(payload_record(written, status, epoch=target.epoch,
+                                                                         consumed_samples=target.consumed_samples,
+                                                                         linked=linked)),
                                       writer=writer)
     except BaseException as exc:
         try:
-            uncommitted()
+            hooks.failed()
         finally:
             commit_failed(catalog, claim, run=run, step=step, writer=writer, final=final, retired=retired,
                           exc=exc)
-    committed()
+    hooks.done()
     if retired is not None:
         discard(retired)
     crashpoint("after-commit")

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -33,7 +33,7 @@ from registry.errors import (CheckpointDeletedError, CheckpointReadError, Corrup
                              RegistryError)
 from registry.records import LIVE, CheckpointInfo, Fallback, Skipped, Status
 from registry.format.refs import Ref
-from registry.fs.filemaps import Extras, Loaded, read_directory
+from registry.fs.filemaps import Extras, Loaded, check_manifest_digest, read_directory
 
 if TYPE_CHECKING:
     from registry.catalog import Catalog
@@ -79,10 +79,8 @@ def acquire_lease(access: Access, info: CheckpointInfo) -> int:
 
 
 def check_digest(info: CheckpointInfo, digest: str | None) -> None:
-    """The manifest read must be the one the catalog recorded for this step."""
-    if info.manifest_sha256 and digest != info.manifest_sha256:
-        raise CorruptCheckpointError(f"manifest of {info.path} does not match the catalog's record",
-                                     path=info.path, run=info.run, step=info.step)
+    """The manifest read (sha256 ``digest``) must be the one the catalog recorded for this step."""
+    check_manifest_digest(info.path, digest, info.manifest_sha256, run=info.run, step=info.step)
 
 
 class CatalogRead:
@@ -110,7 +108,7 @@ class CatalogRead:
         self.release()
         while True:
             raw = self.access.catalog.resolve(self.ref, below=self.below)
-            info = replace(raw, path=self.access.root / raw.path)
+            info = raw.under(self.access.root)
             if info.status == Status.CORRUPT:
                 raise CorruptCheckpointError(f"{self.ref} is marked corrupt (step {info.step}); "
                                              "run 'registry verify' after repairing it",
@@ -211,7 +209,6 @@ def read_checked(access: Access, info: CheckpointInfo, *, verify: bool, map_loca
                                 extras=extras, expected_digest=info.manifest_sha256)
     finally:
         access.catalog.release_lease(lease)
-    check_digest(info, loaded.manifest_sha256)
     return loaded
 
 
@@ -238,7 +235,6 @@ def load(access: Access, ref: Ref, *, verify: bool, map_location: Any, trust_pic
                 loaded = read_directory(info.path, verify=verify, trust_pickle=trust_pickle,
                                         map_location=map_location, extras=extras,
                                         expected_digest=info.manifest_sha256)
-                check_digest(info, loaded.manifest_sha256)
             except RegistryError as exc:
                 read.judge(exc)
                 for note in read.notes:

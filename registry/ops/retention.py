@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from types import MappingProxyType
@@ -191,7 +191,7 @@ class RetentionPlan:
 
 
 def _candidates(scope: RetentionScope, snap: RunSnapshot) -> list[CheckpointInfo]:
-    return [replace(c, path=scope.root / c.path) for c in snap.checkpoints if c.status in CANDIDATES]
+    return [c.under(scope.root) for c in snap.checkpoints if c.status in CANDIDATES]
 
 
 def make_plan(scope: RetentionScope, run: str, policy: Policy, *, now: datetime | None = None,

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from registry.errors import InvalidNameError, RegistryError
 from registry.format.refs import check_metric_key, check_run_name, parse_ref
+from registry.ops.reading import check_digest
 from registry.records import CheckpointInfo, EventInfo, Status
 from registry.views import DEFAULT_CURVE_POINTS, downsample, format_time, runs_doc
 
@@ -124,9 +125,7 @@ def step_contents(info: CheckpointInfo) -> dict[str, Any]:
         return doc
     try:
         manifest, digest = read_manifest(directory)
-        if info.manifest_sha256 and digest != info.manifest_sha256:
-            doc["error"] = "the manifest on disk is not the one the catalog recorded for this step"
-            return doc
+        check_digest(info, digest)  # another manifest than the catalog's: say so, list nothing
         if manifest.layout is not None:
             doc["tensors"] = _dcp_tensors(directory)
         else:
