@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import re
 import shlex
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,27 +24,11 @@ from starlette.testclient import TestClient  # noqa: E402
 from registry import Registry  # noqa: E402
 from registry.cli import main  # noqa: E402
 from registry.web import create_app  # noqa: E402
-from tests.helpers import make_state, pg_schema_url  # noqa: E402
-from tests.ui_site import CONFIG, Site, build_site  # noqa: E402
+from tests.helpers import make_state  # noqa: E402
+from tests.test_web import ro, site  # noqa: E402, F401 - the same site and read-only registry as the API tests
+from tests.ui_site import CONFIG, Site  # noqa: E402
 
 HEX64 = re.compile(r"\b[0-9a-f]{64}\b")
-
-
-@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
-def site(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, Site]:
-    tmp = tmp_path_factory.mktemp("site")
-    url = (f"sqlite:///{tmp / 'catalog.db'}" if request.param == "sqlite"
-           else pg_schema_url(request.getfixturevalue("pg_database")))
-    with Registry.open(url=url, root=tmp / "ckpt") as reg:
-        built = build_site(reg)
-    return url, tmp / "ckpt", built
-
-
-@pytest.fixture(scope="module")
-def ro(site: tuple[str, Path, Site]) -> Iterator[Registry]:
-    url, root, _ = site
-    with Registry.open(url=url, root=root, read_only=True, create=False) as reg:
-        yield reg
 
 
 @pytest.fixture(scope="module")
