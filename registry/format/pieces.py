@@ -18,6 +18,7 @@ no pieces.
 
 from __future__ import annotations
 
+import bisect
 import os
 from collections.abc import Sequence
 
@@ -80,3 +81,60 @@ def first_mismatch(data: memoryview | bytes | bytearray, piece_size: int,
         if got != want:
             return index
     return None
+
+
+class HeldBytes:
+    """A file's bytes before it is written, held as consecutive buffers (a header, then each tensor's memory).
+
+    Lets dedup find a stored file with these bytes from the digests its
+    manifest records, and compare them, without writing or copying anything:
+    :meth:`digest` hashes one piece (a miss is usually told by the first),
+    :meth:`digests` all of them on every core, :meth:`piece` gives the
+    buffers that make up one piece.
+    """
+
+    def __init__(self, buffers: Sequence[memoryview], piece_size: int) -> None:
+        self.piece_size = piece_size
+        self._buffers = [b for b in buffers if len(b)]
+        self._starts: list[int] = []
+        offset = 0
+        for b in self._buffers:
+            self._starts.append(offset)
+            offset += len(b)
+        self.size = offset
+        self._digests: dict[int, str] = {}
+
+    @property
+    def count(self) -> int:
+        return piece_count(self.size, self.piece_size)
+
+    def piece(self, index: int) -> list[tuple[int, memoryview]]:
+        """The buffers of piece ``index``, each with its offset within the piece."""
+        begin = index * self.piece_size
+        end = min(begin + self.piece_size, self.size)
+        out: list[tuple[int, memoryview]] = []
+        i = max(0, bisect.bisect_right(self._starts, begin) - 1)
+        while i < len(self._buffers) and self._starts[i] < end:
+            start, buf = self._starts[i], self._buffers[i]
+            lo, hi = max(begin, start), min(end, start + len(buf))
+            if lo < hi:
+                out.append((lo - begin, buf[lo - start:hi - start]))
+            i += 1
+        return out
+
+    def digest(self, index: int) -> str:
+        found = self._digests.get(index)
+        if found is None:
+            hasher = xxhash.xxh3_128()
+            for _, part in self.piece(index):
+                hasher.update(part)
+            found = self._digests[index] = hasher.hexdigest()
+        return found
+
+    def digests(self) -> tuple[str, ...]:
+        """Every piece's digest (those not hashed yet on all cores)."""
+        todo = [i for i in range(self.count) if i not in self._digests]
+        if len(todo) > 1:
+            for _ in _POOL.map(self.digest, todo):
+                pass
+        return tuple(self.digest(i) for i in range(self.count))

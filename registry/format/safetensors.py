@@ -15,7 +15,7 @@ import functools
 import json
 import struct
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple, Protocol
@@ -72,6 +72,21 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return t.reshape(-1).view(torch.uint8).numpy().data.cast("B")
 
 
+def file_buffers(head: bytes, tensors: Sequence[torch.Tensor]) -> list[memoryview] | None:
+    """A safetensors file's bytes as buffers (``head``, then each tensor in file order) over the tensors' own memory.
+
+    None when a tensor would need a copy to be written (not on the CPU, not
+    contiguous, a conjugate or negative view): holding those copies at once
+    would cost as much memory as the tensors.
+    """
+    out = [memoryview(head)]
+    for t in tensors:
+        if t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg():
+            return None
+        out.append(tensor_bytes(t))
+    return out
+
+
 def check_state_dict(state_dict: object, *, what: str = "state_dict") -> dict[str, torch.Tensor]:
     import torch
     if not isinstance(state_dict, Mapping):
@@ -117,10 +132,13 @@ def safetensors_header(tensors: Mapping[str, torch.Tensor],
     return struct.pack("<Q", len(raw)) + raw, order
 
 
-def write_safetensors(out: Writer, tensors: Mapping[str, torch.Tensor],
-                      metadata: Mapping[str, str] | None = None) -> bytes:
-    """Write a safetensors file; returns its first bytes (length prefix and header) for read-back checks."""
-    head, order = safetensors_header(tensors, metadata)
+def write_safetensors(out: Writer, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None,
+                      *, header: tuple[bytes, list[str]] | None = None) -> bytes:
+    """Write a safetensors file; returns its first bytes (length prefix and header) for read-back checks.
+
+    ``header``: what :func:`safetensors_header` gave for these ``tensors`` and ``metadata``, when the caller has it.
+    """
+    head, order = header if header is not None else safetensors_header(tensors, metadata)
     out.write(head)
     for name in order:
         out.write(tensor_bytes(tensors[name]))

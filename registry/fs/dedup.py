@@ -34,18 +34,24 @@ this root's catalog); any failure to link keeps the copy.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
 import os
 import secrets
 import stat
+import threading
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from registry.crashpoints import crashpoint
-from registry.format.manifest import MANIFEST, read_manifest
+from registry.errors import RegistryError
+from registry.format.manifest import MANIFEST, FileEntry, read_manifest
+from registry.format.pieces import HeldBytes
+from registry.fs.hashing import libc_function
 from registry.fs.store import fsync_dir
+from registry.pools import Pool
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +111,13 @@ def _same_bytes(ours: Path, theirs: Path, expect: os.stat_result) -> bool:
         os.close(fd)
 
 
+def _may_link(theirs: os.stat_result, size: int, device: int, exclude: Collection[Inode]) -> bool:
+    """Whether a candidate (its ``lstat``) may stand for a file of ``size`` bytes on ``device``."""
+    if (theirs.st_dev, theirs.st_ino) in exclude:
+        return False  # a fallback neighbour holds it: linking would give the two one fate
+    return stat.S_ISREG(theirs.st_mode) and theirs.st_size == size and theirs.st_dev == device
+
+
 def _link_one(staging: Path, name: str, candidate: Path, device: int, exclude: Collection[Inode]) -> bool:
     ours = staging / name
     try:
@@ -112,15 +125,18 @@ def _link_one(staging: Path, name: str, candidate: Path, device: int, exclude: C
         theirs = os.lstat(candidate)
     except OSError:
         return False
-    if (theirs.st_dev, theirs.st_ino) in exclude:
-        return False  # a fallback neighbour holds it: linking would give the two one fate
-    if (not stat.S_ISREG(theirs.st_mode) or theirs.st_size != mine.st_size or theirs.st_dev != device
-            or mine.st_dev != device):
+    if not _may_link(theirs, mine.st_size, device, exclude) or mine.st_dev != device:
         return False
     if theirs.st_ino == mine.st_ino:
         return True  # already one inode (an import that hard-linked it)
     if not _same_bytes(ours, candidate, theirs):
         return False
+    return _link_as(staging, name, candidate, theirs)
+
+
+def _link_as(staging: Path, name: str, candidate: Path, theirs: os.stat_result) -> bool:
+    """Make ``staging/name`` a link to ``candidate``, which must still be the inode ``theirs`` (compared)."""
+    ours = staging / name
     tmp = staging / f".{name}.link-{secrets.token_hex(4)}"
     try:
         os.link(candidate, tmp, follow_symlinks=False)
@@ -162,6 +178,138 @@ def link_identical(staging: Path, candidates: Mapping[str, Sequence[Path]], *,
         fsync_dir(staging)
         crashpoint("dedup-after-fsync")
     return linked
+
+
+@dataclass(frozen=True, kw_only=True)
+class Source:
+    """A file of a verified step that may hold the bytes a publish is about to write (the catalog's word)."""
+
+    step_dir: Path
+    name: str
+    sha256: str           # the file's digest, as the catalog records it
+    manifest_sha256: str  # its step's manifest digest, as the catalog records it
+
+
+def link_held(staging: Path, name: str, buffers: Sequence[memoryview], sources: Sequence[Source], *,
+              exclude: Collection[Inode] = ()) -> tuple[FileEntry, Path] | None:
+    """Store ``staging/name`` as a link to the first of ``sources`` whose bytes are ``buffers``, never writing them.
+
+    ``buffers`` are the file's bytes in memory, in order (a safetensors
+    header, then each tensor's memory). A source is taken only when its
+    step's manifest on disk is the one the catalog verified, records this
+    file with the catalog's sha256 and xxh3 pieces equal to those of
+    ``buffers`` (hashed in memory; a miss is usually told by the first
+    piece), and the file's bytes then compare equal to ``buffers`` in full;
+    the link must be the very inode compared. Only then does the new
+    manifest entry, returned with the file linked to, take the source's
+    sha256: it is the digest of exactly these bytes. ``None``: nothing was
+    linked, nothing is left in ``staging``, and the caller writes the file.
+    """
+    device = os.stat(staging).st_dev
+    held: dict[int, HeldBytes] = {}
+    size = sum(len(b) for b in buffers)
+    for source in sources:
+        entry = _recorded(source, size)
+        if entry is None or entry.piece_size is None or entry.xxh3_128_pieces is None:
+            continue
+        ours = held.get(entry.piece_size)
+        if ours is None:
+            ours = held[entry.piece_size] = HeldBytes(buffers, entry.piece_size)
+        pieces = entry.xxh3_128_pieces
+        if len(pieces) != ours.count or (pieces and ours.digest(0) != pieces[0]) or ours.digests() != pieces:
+            continue
+        path = source.step_dir / source.name
+        try:
+            theirs = os.lstat(path)
+        except OSError:
+            continue
+        if _may_link(theirs, size, device, exclude) and _held_equal(path, theirs, ours) \
+                and _link_as(staging, name, path, theirs):
+            return FileEntry(name=name, size=size, sha256=entry.sha256, piece_size=entry.piece_size,
+                             xxh3_128_pieces=pieces), path
+    return None
+
+
+def _recorded(source: Source, size: int) -> FileEntry | None:
+    """``source``'s entry in its step's manifest, if that manifest and entry are what the catalog verified."""
+    try:
+        manifest, digest = read_manifest(source.step_dir)
+    except (RegistryError, OSError):
+        return None
+    entry = manifest.files.get(source.name)
+    if digest != source.manifest_sha256 or entry is None or entry.size != size or entry.sha256 != source.sha256:
+        return None
+    return entry
+
+
+_COMPARE_POOL = Pool(max(1, min(8, os.cpu_count() or 1)), "registry-compare")
+_MEMCMP = libc_function("memcmp")
+if _MEMCMP is not None:
+    _MEMCMP.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    _MEMCMP.restype = ctypes.c_int
+
+
+def _held_equal(path: Path, expect: os.stat_result, ours: HeldBytes) -> bool:
+    """Whether ``path`` (still the inode ``expect``) holds exactly ``ours``, read and compared on every core.
+
+    Each worker reads its share of the pieces into one reused buffer and
+    compares it with the memory by ``memcmp``, which, like the read, runs
+    without the GIL; the first difference stops them all.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+                     | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return False
+    try:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino, st.st_size) != (expect.st_dev, expect.st_ino, ours.size):
+            return False
+        differs = threading.Event()
+        count = ours.count
+        workers = max(1, min(count, _COMPARE_POOL.max_workers))
+        shares = [range(count * k // workers, count * (k + 1) // workers) for k in range(workers)]
+        results = list(_COMPARE_POOL.map(lambda share: _compare_share(fd, ours, share, differs), shares))
+        return all(results) and not differs.is_set()
+    finally:
+        os.close(fd)
+
+
+def _compare_share(fd: int, ours: HeldBytes, share: range, differs: threading.Event) -> bool:
+    buf = bytearray(min(ours.piece_size, ours.size))
+    view = memoryview(buf)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(buf)) if buf else 0
+    try:
+        for index in share:
+            if differs.is_set():
+                return False
+            begin = index * ours.piece_size
+            n = min(ours.piece_size, ours.size - begin)
+            done = 0
+            while done < n:
+                got = os.preadv(fd, [view[done:n]], begin + done)
+                if got <= 0:
+                    differs.set()
+                    return False
+                done += got
+            for offset, part in ours.piece(index):
+                if not _same(view, base, offset, part):
+                    differs.set()
+                    return False
+        return True
+    except OSError:
+        differs.set()
+        return False
+    finally:
+        view.release()
+
+
+def _same(view: memoryview, base: int, offset: int, part: memoryview) -> bool:
+    if _MEMCMP is None:
+        return view[offset:offset + len(part)].tobytes() == part.tobytes()
+    import numpy  # the address of any buffer, read-only ones (a header's bytes) too
+    address = numpy.frombuffer(part, dtype=numpy.uint8).ctypes.data
+    return bool(_MEMCMP(base + offset, address, len(part)) == 0)
 
 
 def _files(directories: Iterable[Path]) -> Iterator[os.stat_result]:
@@ -305,5 +453,5 @@ def _copy_over(path: Path, st: os.stat_result, sha256: str) -> bool:
         os.close(src)
 
 
-__all__ = ["Inode", "Linked", "MIN_LINK_BYTES", "NEVER_LINKED", "freed_bytes", "held", "inodes", "link_identical",
-           "linkable", "names_per_inode", "shared_bytes", "unshare"]
+__all__ = ["Inode", "Linked", "MIN_LINK_BYTES", "NEVER_LINKED", "Source", "freed_bytes", "held", "inodes",
+           "link_held", "link_identical", "linkable", "names_per_inode", "shared_bytes", "unshare"]
