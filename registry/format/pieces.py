@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import bisect
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import xxhash
 
@@ -88,19 +88,21 @@ class HeldBytes:
 
     Lets dedup find a stored file with these bytes from the digests its
     manifest records, and compare them, without writing or copying anything:
-    :meth:`digest` hashes one piece (a miss is usually told by the first),
-    :meth:`digests` all of them on every core, :meth:`piece` gives the
-    buffers that make up one piece.
+    :meth:`matches` hashes pieces up to the first that differs from a
+    manifest's (a miss is usually told by the first), :meth:`piece` gives the
+    buffers that make up one piece. ``buffer(i)`` gives buffer ``i`` of
+    ``lengths``, asked only for the pieces looked at.
     """
 
-    def __init__(self, buffers: Sequence[memoryview], piece_size: int) -> None:
+    def __init__(self, lengths: Sequence[int], buffer: Callable[[int], memoryview], piece_size: int) -> None:
         self.piece_size = piece_size
-        self._buffers = [b for b in buffers if len(b)]
-        self._starts: list[int] = []
+        self._buffer = buffer
+        self._lengths = list(lengths)
+        self._starts = [0] * len(self._lengths)
         offset = 0
-        for b in self._buffers:
-            self._starts.append(offset)
-            offset += len(b)
+        for i, n in enumerate(self._lengths):
+            self._starts[i] = offset
+            offset += n
         self.size = offset
         self._digests: dict[int, str] = {}
 
@@ -114,11 +116,11 @@ class HeldBytes:
         end = min(begin + self.piece_size, self.size)
         out: list[tuple[int, memoryview]] = []
         i = max(0, bisect.bisect_right(self._starts, begin) - 1)
-        while i < len(self._buffers) and self._starts[i] < end:
-            start, buf = self._starts[i], self._buffers[i]
-            lo, hi = max(begin, start), min(end, start + len(buf))
+        while i < len(self._lengths) and self._starts[i] < end:
+            start, n = self._starts[i], self._lengths[i]
+            lo, hi = max(begin, start), min(end, start + n)
             if lo < hi:
-                out.append((lo - begin, buf[lo - start:hi - start]))
+                out.append((lo - begin, self._buffer(i)[lo - start:hi - start]))
             i += 1
         return out
 
@@ -131,10 +133,19 @@ class HeldBytes:
             found = self._digests[index] = hasher.hexdigest()
         return found
 
-    def digests(self) -> tuple[str, ...]:
-        """Every piece's digest (those not hashed yet on all cores)."""
-        todo = [i for i in range(self.count) if i not in self._digests]
-        if len(todo) > 1:
-            for _ in _POOL.map(self.digest, todo):
-                pass
-        return tuple(self.digest(i) for i in range(self.count))
+    def matches(self, expected: Sequence[str]) -> bool:
+        """Whether the pieces' digests are ``expected``: hashed a few at a time on every core, up to the first
+        that differs (a file that differs early costs little, one that differs only at its end a full pass)."""
+        if len(expected) != self.count:
+            return False
+        batch = max(1, _POOL.max_workers)
+        index = 0
+        while index < self.count:
+            todo = range(index, min(self.count, index + (1 if index == 0 else batch)))
+            for i in todo:  # the buffers first, on this thread: making one is Python work, hashing is not
+                self.piece(i)
+            found = [self.digest(todo[0])] if len(todo) == 1 else list(_POOL.map(self.digest, todo))
+            if found != list(expected[todo.start:todo.stop]):
+                return False
+            index = todo.stop
+        return True

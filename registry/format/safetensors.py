@@ -15,7 +15,7 @@ import functools
 import json
 import struct
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple, Protocol
@@ -72,21 +72,6 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return t.reshape(-1).view(torch.uint8).numpy().data.cast("B")
 
 
-def file_buffers(head: bytes, tensors: Sequence[torch.Tensor]) -> list[memoryview] | None:
-    """A safetensors file's bytes as buffers (``head``, then each tensor in file order) over the tensors' own memory.
-
-    None when a tensor would need a copy to be written (not on the CPU, not
-    contiguous, a conjugate or negative view): holding those copies at once
-    would cost as much memory as the tensors.
-    """
-    out = [memoryview(head)]
-    for t in tensors:
-        if t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg():
-            return None
-        out.append(tensor_bytes(t))
-    return out
-
-
 def check_state_dict(state_dict: object, *, what: str = "state_dict") -> dict[str, torch.Tensor]:
     import torch
     if not isinstance(state_dict, Mapping):
@@ -132,17 +117,50 @@ def safetensors_header(tensors: Mapping[str, torch.Tensor],
     return struct.pack("<Q", len(raw)) + raw, order
 
 
-def write_safetensors(out: Writer, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None,
-                      *, header: tuple[bytes, list[str]] | None = None) -> bytes:
-    """Write a safetensors file; returns its first bytes (length prefix and header) for read-back checks.
+def write_safetensors(out: Writer, tensors: Mapping[str, torch.Tensor],
+                      metadata: Mapping[str, str] | None = None) -> bytes:
+    """Write a safetensors file; returns its first bytes (length prefix and header) for read-back checks."""
+    encoded = Encoded(tensors, metadata)
+    encoded.write(out)
+    return encoded.head
 
-    ``header``: what :func:`safetensors_header` gave for these ``tensors`` and ``metadata``, when the caller has it.
+
+class Encoded:
+    """A safetensors file about to be written: its header, then its tensors' bytes, made on demand.
+
+    Buffer 0 is the header, buffer ``i`` the ``i``-th tensor in file order.
+    A buffer over a tensor's own memory is made once and kept (it costs no
+    memory), so whoever looks at the bytes before they are written (dedup
+    hashing a piece) and the writer share that work; a tensor that needs a
+    copy (not on the CPU, not contiguous) is copied only as it is written.
     """
-    head, order = header if header is not None else safetensors_header(tensors, metadata)
-    out.write(head)
-    for name in order:
-        out.write(tensor_bytes(tensors[name]))
-    return head
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> None:
+        self.head, order = safetensors_header(tensors, metadata)
+        self.tensors = [tensors[n] for n in order]
+        self.lengths = [len(self.head), *(t.numel() * t.element_size() for t in self.tensors)]
+        self._views: dict[int, memoryview] = {0: memoryview(self.head)}
+
+    @property
+    def size(self) -> int:
+        return sum(self.lengths)
+
+    def in_memory(self) -> bool:
+        """Whether every tensor's bytes are its own CPU memory as they are (no copy to make)."""
+        return all(t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg()
+                   for t in self.tensors)
+
+    def buffer(self, index: int) -> memoryview:
+        """Buffer ``index``; call only when :meth:`in_memory`."""
+        view = self._views.get(index)
+        if view is None:
+            view = self._views[index] = tensor_bytes(self.tensors[index - 1])
+        return view
+
+    def write(self, out: Writer) -> None:
+        for index in range(len(self.lengths)):
+            view = self._views.get(index)
+            out.write(view if view is not None else tensor_bytes(self.tensors[index - 1]))
 
 
 class TensorEntry(NamedTuple):  # a tuple: headers can list many thousands, and a dataclass costs 3x to build

@@ -4,7 +4,7 @@ Opt-in (``Registry.open(..., dedup=True)``, ``publish(..., dedup=True)``). A
 frozen base model in a fine-tuning run is written by every publish; linking
 it to the copy an earlier step already holds keeps one set of blocks. What
 may be linked is bounded so that one bad inode never takes a run's fallback
-(the caller, ``registry.ops.protocol.link_duplicates``, picks candidates):
+(the callers, ``registry.ops.protocol.HeldSources`` and ``link_duplicates``, pick candidates):
 files below :data:`MIN_LINK_BYTES` and the small JSON files are never linked
 (no saving, all risk); links stay within a run; and a new step never links
 to an inode its fallback neighbours hold, so the two newest verified steps of
@@ -15,17 +15,24 @@ a shared inode is as immutable as a private one, and removing one step's
 directory only unlinks that step's names: the bytes stay while any step
 links them.
 
-"Identical" is confirmed, not assumed: the catalog says a live step records
-a file of the same size and sha256 (that is how candidates are found), and
-then the candidate must be a regular file on the staging directory's
-filesystem whose bytes equal ours, compared in full. That costs one read of
-the candidate (ours is still in the page cache from the write), and it means
-a candidate that rotted on disk since it was verified is never linked: we
-keep our good copy. After linking, the new name must be the very inode that
-was compared, so a candidate replaced in between is not taken either.
+A safetensors file is looked for before it is written (:func:`link_held`):
+the catalog names files of its size in verified steps, and one whose
+manifest records the xxh3 pieces of the bytes in memory (hashed at memory
+speed; a miss is usually told by the first piece) is compared with the
+memory and linked, so a hit writes and hashes nothing. Other files are
+written first and linked after (:func:`link_identical`): the catalog says a
+live step records a file of the same size and sha256.
+
+"Identical" is confirmed, not assumed: the candidate must be a regular file
+on the staging directory's filesystem whose bytes equal ours, compared in
+full (one read of the candidate, against the tensors' memory or our copy
+still in the page cache), so a candidate that rotted on disk since it was
+verified is never linked: we keep (or write) our good copy. After linking,
+the new name must be the very inode that was compared, so a candidate
+replaced in between is not taken either.
 
 A link goes to a temporary name in the staging directory and is then renamed
-over the staged copy, and the staging directory is fsync'd: a crash at any
+over the staged copy (or to the file's name, before writing), and the staging directory is fsync'd: a crash at any
 point leaves a staging directory whose files are each either our copy or a
 link to the same bytes, and staging directories are discarded anyway. A
 link never crosses filesystems (``EXDEV``) or roots (candidates come from
@@ -41,7 +48,7 @@ import os
 import secrets
 import stat
 import threading
-from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -190,16 +197,17 @@ class Source:
     manifest_sha256: str  # its step's manifest digest, as the catalog records it
 
 
-def link_held(staging: Path, name: str, buffers: Sequence[memoryview], sources: Sequence[Source], *,
-              exclude: Collection[Inode] = ()) -> tuple[FileEntry, Path] | None:
-    """Store ``staging/name`` as a link to the first of ``sources`` whose bytes are ``buffers``, never writing them.
+def link_held(staging: Path, name: str, lengths: Sequence[int], buffer: Callable[[int], memoryview],
+              sources: Sequence[Source], *, exclude: Collection[Inode] = ()) -> tuple[FileEntry, Path] | None:
+    """Store ``staging/name`` as a link to the first of ``sources`` holding the bytes in memory, never writing them.
 
-    ``buffers`` are the file's bytes in memory, in order (a safetensors
-    header, then each tensor's memory). A source is taken only when its
+    The file's bytes are buffers of ``lengths`` in order (a safetensors
+    header, then each tensor's memory), ``buffer(i)`` the ``i``-th, asked
+    for only as the pieces are looked at. A source is taken only when its
     step's manifest on disk is the one the catalog verified, records this
-    file with the catalog's sha256 and xxh3 pieces equal to those of
-    ``buffers`` (hashed in memory; a miss is usually told by the first
-    piece), and the file's bytes then compare equal to ``buffers`` in full;
+    file with the catalog's sha256 and xxh3 pieces equal to those of the
+    memory (a miss is usually told by the first piece), and the file's
+    bytes then compare equal to the memory in full;
     the link must be the very inode compared. Only then does the new
     manifest entry, returned with the file linked to, take the source's
     sha256: it is the digest of exactly these bytes. ``None``: nothing was
@@ -207,16 +215,16 @@ def link_held(staging: Path, name: str, buffers: Sequence[memoryview], sources: 
     """
     device = os.stat(staging).st_dev
     held: dict[int, HeldBytes] = {}
-    size = sum(len(b) for b in buffers)
+    size = sum(lengths)
     for source in sources:
         entry = _recorded(source, size)
         if entry is None or entry.piece_size is None or entry.xxh3_128_pieces is None:
             continue
         ours = held.get(entry.piece_size)
         if ours is None:
-            ours = held[entry.piece_size] = HeldBytes(buffers, entry.piece_size)
+            ours = held[entry.piece_size] = HeldBytes(lengths, buffer, entry.piece_size)
         pieces = entry.xxh3_128_pieces
-        if len(pieces) != ours.count or (pieces and ours.digest(0) != pieces[0]) or ours.digests() != pieces:
+        if not ours.matches(pieces):
             continue
         path = source.step_dir / source.name
         try:

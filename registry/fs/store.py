@@ -29,7 +29,7 @@ from registry.format.layout import (CATALOG_FILE, REGISTRY_DIR, ROOT_MARKER, hid
 from registry.format.manifest import (CONFIG, MANIFEST, MAX_JSON_BYTES, META, WEIGHTS, WEIGHTS_INDEX, FileEntry,
                                       Manifest, check_file_name, digest_bytes, read_manifest)
 from registry.pools import Pool
-from registry.format.safetensors import read_safetensors_header, safetensors_header, write_safetensors
+from registry.format.safetensors import Encoded, read_safetensors_header
 from registry.fs.hashing import HashingWriter, hash_file
 
 if TYPE_CHECKING:
@@ -113,8 +113,8 @@ class Written:
 class Reuse(Protocol):
     """Where a publish may find a file it is about to write already stored: dedup (``registry.fs.dedup``)."""
 
-    def link(self, staging: Path, name: str, head: bytes, tensors: list[torch.Tensor]) -> FileEntry | None:
-        """Store ``staging/name`` (``head``, then ``tensors``' bytes) as a link and return its entry, or None."""
+    def link(self, staging: Path, name: str, encoded: Encoded) -> FileEntry | None:
+        """Store ``staging/name`` (``encoded``'s bytes) as a link and return its entry; None: write it."""
 
 
 def _shards(state_dict: Mapping[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
@@ -179,14 +179,13 @@ def _write_files(staging: Path, payload: Payload, syncing: list[Future[None]], r
         return out.sha256
 
     def put_tensors(name: str, tensors: Mapping[str, torch.Tensor]) -> None:
-        head, order = safetensors_header(tensors, {"format": "pt"})
-        heads[name] = head
-        if reuse is not None:
-            entry = reuse.link(staging, name, head, [tensors[n] for n in order])
-            if entry is not None:
-                entries[name] = entry
-                return
-        put(name, lambda out: write_safetensors(out, tensors, header=(head, order)))
+        encoded = Encoded(tensors, {"format": "pt"})
+        heads[name] = encoded.head
+        entry = reuse.link(staging, name, encoded) if reuse is not None else None
+        if entry is not None:
+            entries[name] = entry
+        else:
+            put(name, encoded.write)
 
     meta_raw = payload.meta_json if payload.meta_json is not None else json_bytes(payload.meta, "meta")
     config_raw = payload.config_json if payload.config_json is not None else json_bytes(payload.config, "config")

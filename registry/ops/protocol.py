@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from registry.catalog import Catalog, Claim, CommitRecord, FileRecord, PayloadRecord
 from registry.catalog.fallback import neighbours, newest_verified, same_size_files
@@ -39,14 +39,11 @@ from registry.format.layout import hidden_sibling
 from registry.records import CheckpointInfo, Status, human_bytes
 from registry.fs import dedup as dedup_files
 from registry.format.manifest import FileEntry
-from registry.format.safetensors import file_buffers
+from registry.format.safetensors import Encoded
 from registry.fs.dedup import Inode, Linked, Source, link_held, link_identical, unshare
 from registry.fs.store import (Reuse, Written, check_written, discard, install, new_staging, remove_stale_staging,
                                uninstall)
 from registry.ops.writers import writer_alive
-
-if TYPE_CHECKING:
-    import torch
 
 log = logging.getLogger(__name__)
 
@@ -243,13 +240,10 @@ class HeldSources:
         self.linked: list[Linked] = []
         self.searched: set[str] = set()
 
-    def link(self, staging: Path, name: str, head: bytes, tensors: list[torch.Tensor]) -> FileEntry | None:
-        size = len(head) + sum(t.numel() * t.element_size() for t in tensors)
-        if not dedup_files.linkable(name, size):
-            return None
-        buffers = file_buffers(head, tensors)
-        if buffers is None:
-            return None  # linked after the write, if at all (link_duplicates)
+    def link(self, staging: Path, name: str, encoded: Encoded) -> FileEntry | None:
+        size = encoded.size
+        if not dedup_files.linkable(name, size) or not encoded.in_memory():
+            return None  # a tensor to copy first: linked after the write, if at all (link_duplicates)
         self.searched.add(name)
         try:
             near, files = same_size_files(self._catalog, self._run, self._step, size)
@@ -259,7 +253,7 @@ class HeldSources:
             return None
         if self._exclude is None:
             self._exclude = dedup_files.held(self._root / n.path for n in near)
-        found = link_held(staging, name, buffers,
+        found = link_held(staging, name, encoded.lengths, encoded.buffer,
                           [Source(step_dir=self._root / f.path, name=f.name, sha256=f.sha256,
                                   manifest_sha256=f.manifest_sha256) for f in files],
                           exclude=self._exclude)
