@@ -54,7 +54,8 @@ from pathlib import Path
 
 from registry.crashpoints import crashpoint
 from registry.errors import RegistryError
-from registry.format.manifest import MANIFEST, FileEntry, read_manifest
+from registry.format.manifest import MANIFEST, FileEntry, digest_bytes, manifest_bytes, parse_manifest, read_manifest
+from registry.format import pieces as piece_format
 from registry.format.pieces import HeldBytes
 from registry.fs.hashing import libc_function
 from registry.fs.store import fsync_dir
@@ -214,10 +215,11 @@ def link_held(staging: Path, name: str, lengths: Sequence[int], buffer: Callable
     linked, nothing is left in ``staging``, and the caller writes the file.
     """
     device = os.stat(staging).st_dev
-    held: dict[int, HeldBytes] = {}
     size = sum(lengths)
+    cut = piece_format.PIECE_SIZE  # as the writer cuts them now
+    held = {cut: HeldBytes(lengths, buffer, cut)}
     for source in sources:
-        entry = _recorded(source, size)
+        entry = _recorded(source, size, held[cut])
         if entry is None or entry.piece_size is None or entry.xxh3_128_pieces is None:
             continue
         ours = held.get(entry.piece_size)
@@ -238,14 +240,22 @@ def link_held(staging: Path, name: str, lengths: Sequence[int], buffer: Callable
     return None
 
 
-def _recorded(source: Source, size: int) -> FileEntry | None:
-    """``source``'s entry in its step's manifest, if that manifest and entry are what the catalog verified."""
+def _recorded(source: Source, size: int, ours: HeldBytes) -> FileEntry | None:
+    """``source``'s entry in its step's manifest, if that manifest and entry are what the catalog verified.
+
+    A manifest that does not hold the digest of our first piece (as the
+    writer cuts pieces) is not even parsed: the usual miss costs a read and
+    a search of its bytes.
+    """
     try:
-        manifest, digest = read_manifest(source.step_dir)
+        raw = manifest_bytes(source.step_dir)
+        if digest_bytes(raw) != source.manifest_sha256 or (ours.count and ours.digest(0).encode() not in raw):
+            return None
+        manifest = parse_manifest(raw, path=source.step_dir / MANIFEST)
     except (RegistryError, OSError):
         return None
     entry = manifest.files.get(source.name)
-    if digest != source.manifest_sha256 or entry is None or entry.size != size or entry.sha256 != source.sha256:
+    if entry is None or entry.size != size or entry.sha256 != source.sha256:
         return None
     return entry
 
