@@ -30,6 +30,8 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
+from typing import Any
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -148,8 +150,10 @@ def bench_dedup(reg: Registry, mib: int, tensor_mib: int, runs: int) -> list[str
     file is hashed in memory before the miss is known), a *miss* (every
     tensor differs from every live step's, as after a training step: told by
     the first piece) and a *hit* (``same`` again; its fallback neighbour is
-    the miss, so it may link to an older step). ``plain`` (dedup off, fresh
-    bytes) runs before or after that group, alternately.
+    the miss, so it links to the previous hit's copy). ``plain`` (dedup off,
+    fresh bytes) runs before or after that group, alternately. Wall and CPU
+    seconds (the process, all threads: the work done, whatever the machine's
+    load) are both reported, each as the median of per-round ratios.
     """
     same = state_of(mib, tensor_mib)
     names = sorted(same)  # one dtype: the file holds the tensors in name order
@@ -157,47 +161,77 @@ def bench_dedup(reg: Registry, mib: int, tensor_mib: int, runs: int) -> list[str
     plain = {k: v.clone() for k, v in same.items()}
     late = {**same, names[-1]: same[names[-1]].clone()}
     reg.publish("dd", 0, same, dedup=True)
-    times: dict[str, list[float]] = {"plain": [], "late": [], "miss": [], "hit": []}
+    wall: dict[str, list[float]] = {"plain": [], "late": [], "miss": [], "hit": []}
+    cpu: dict[str, list[float]] = {k: [] for k in wall}
+    probe: dict[str, list[float]] = {k: [] for k in wall}  # seconds spent looking for the file before writing
     steps = iter(range(1, 1_000_000))
+    looked: list[float] = []
+    try:
+        from registry.ops.protocol import HeldSources
+    except ImportError:  # a tree from before dedup looked before writing
+        HeldSources = None  # type: ignore[assignment,misc]  # noqa: N806
+    if HeldSources is not None:
+        real_link = HeldSources.link
 
-    def group(r: int) -> dict[str, float]:
+        def timed_link(self: Any, *args: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return real_link(self, *args)
+            finally:
+                looked.append(time.perf_counter() - t0)
+        HeldSources.link = timed_link  # type: ignore[method-assign,assignment]
+
+    def measured(fn: Callable[[], object]) -> tuple[float, float, float]:
+        looked.clear()
+        c0, t0 = time.process_time(), time.perf_counter()
+        fn()
+        return time.perf_counter() - t0, time.process_time() - c0, sum(looked)
+
+    def group(r: int) -> dict[str, tuple[float, float, float]]:
         late[names[-1]][-1] = 1e6 + r
         for t in miss.values():
             t[0] = 2e6 + r
-        out = {"late": timed(lambda: reg.publish("dd", next(steps), late, dedup=True)),
-               "miss": timed(lambda: reg.publish("dd", next(steps), miss, dedup=True))}
+        out = {"late": measured(lambda: reg.publish("dd", next(steps), late, dedup=True)),
+               "miss": measured(lambda: reg.publish("dd", next(steps), miss, dedup=True))}
         step = next(steps)
-        out["hit"] = timed(lambda: reg.publish("dd", step, same, dedup=True))
+        out["hit"] = measured(lambda: reg.publish("dd", step, same, dedup=True))
         linked = reg.events("dd", step=step)[-1].detail.get("linked_bytes", 0)
         assert linked, f"dd@{step} was not linked"
         return out
 
-    def fresh(r: int) -> dict[str, float]:
+    def fresh(r: int) -> dict[str, tuple[float, float, float]]:
         for t in plain.values():
             t[0] = 3e6 + r
-        return {"plain": timed(lambda: reg.publish("plain", r, plain))}
+        return {"plain": measured(lambda: reg.publish("plain", r, plain))}
 
     for r in range(runs + 1):
         found = {**fresh(r), **group(r)} if r % 2 == 0 else {**group(r), **fresh(r)}
         reg.apply_retention("plain", KeepLast(2))
+        reg.apply_retention("dd", KeepLast(4))  # the last hit keeps the linked copy; the next hit links it
         if r:
-            for k, v in found.items():
-                times[k].append(v)
+            for k, (w, c, p) in found.items():
+                wall[k].append(w)
+                cpu[k].append(c)
+                probe[k].append(p)
+    if HeldSources is not None:
+        HeldSources.link = real_link  # type: ignore[method-assign]
 
-    def ratio(a: str, b: str) -> float:
-        return statistics.median(x / y for x, y in zip(times[a], times[b]))
-    nlink = os.stat(reg.resolve("dd@0").path / "model.safetensors").st_nlink
+    def ratio(times: dict[str, list[float]], a: str) -> float:
+        return statistics.median(x / y for x, y in zip(times[a], times["plain"]))
+    nlink = os.stat(reg.resolve("dd@latest").path / "model.safetensors").st_nlink
+    rows = [("plain", "publish, dedup off (fresh bytes)"), ("miss", "dedup on, a miss (every tensor changed)"),
+            ("late", "dedup on, a late miss (only the last piece differs)"),
+            ("hit", "dedup on, a hit (linked, nothing written)")]
     return ["", f"### dedup: publishing {mib} MiB of weights ({len(same)} tensors), {runs} rounds", "",
-            "| variant | median s | / publish, dedup off |", "|---|---:|---:|",
-            f"| publish, dedup off (fresh bytes) | {statistics.median(times['plain']):.3f} | 1 |",
-            f"| dedup on, a miss (every tensor changed) | {statistics.median(times['miss']):.3f} | "
-            f"{ratio('miss', 'plain'):.3f} |",
-            f"| dedup on, a late miss (only the last piece differs) | {statistics.median(times['late']):.3f} | "
-            f"{ratio('late', 'plain'):.3f} |",
-            f"| dedup on, a hit (linked, nothing written) | {statistics.median(times['hit']):.3f} | "
-            f"{ratio('hit', 'plain'):.3f} |", "",
-            f"dedup hit / fresh publish {ratio('hit', 'plain'):.3f} (goal <= 0.5); dedup miss / dedup off "
-            f"{ratio('miss', 'plain'):.3f} (goal <= 1.02); dd@0's weights file has {nlink} links."]
+            "| variant | median s | / publish, dedup off | CPU s | CPU / publish, dedup off | looking, ms |",
+            "|---|---:|---:|---:|---:|---:|",
+            *(f"| {label} | {statistics.median(wall[k]):.3f} | {ratio(wall, k):.3f} | "
+              f"{statistics.median(cpu[k]):.3f} | {ratio(cpu, k):.3f} | {statistics.median(probe[k]) * 1e3:.1f} |"
+              for k, label in rows), "",
+            "(looking: the time spent finding and comparing a candidate before writing, inside the publish; "
+            "on a miss, what dedup adds to it)", "",
+            f"dedup hit / fresh publish {ratio(wall, 'hit'):.3f} (goal <= 0.5); dedup miss / dedup off "
+            f"{ratio(wall, 'miss'):.3f} (goal <= 1.02); the last hit's weights file has {nlink} links."]
 
 
 def main() -> None:
