@@ -138,8 +138,12 @@ class Encoded:
     def __init__(self, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> None:
         self.head, order = safetensors_header(tensors, metadata)
         self.tensors = [tensors[n] for n in order]
-        self.lengths = [len(self.head), *(t.numel() * t.element_size() for t in self.tensors)]
         self._views: dict[int, memoryview] = {0: memoryview(self.head)}
+
+    @functools.cached_property
+    def lengths(self) -> list[int]:
+        """The length of each buffer (asked only by whoever looks before writing)."""
+        return [len(self.head), *(t.numel() * t.element_size() for t in self.tensors)]
 
     @property
     def size(self) -> int:
@@ -158,9 +162,10 @@ class Encoded:
         return view
 
     def write(self, out: Writer) -> None:
-        for index in range(len(self.lengths)):
+        out.write(self.head)
+        for index, tensor in enumerate(self.tensors, start=1):
             view = self._views.get(index)
-            out.write(view if view is not None else tensor_bytes(self.tensors[index - 1]))
+            out.write(view if view is not None else tensor_bytes(tensor))
 
 
 class TensorEntry(NamedTuple):  # a tuple: headers can list many thousands, and a dataclass costs 3x to build
