@@ -231,7 +231,10 @@ def bench_dedup(reg: Registry, mib: int, tensor_mib: int, runs: int) -> list[str
             "(looking: the time spent finding and comparing a candidate before writing, inside the publish; "
             "on a miss, what dedup adds to it)", "",
             f"dedup hit / fresh publish {ratio(wall, 'hit'):.3f} (goal <= 0.5); dedup miss / dedup off "
-            f"{ratio(wall, 'miss'):.3f} (goal <= 1.02); the last hit's weights file has {nlink} links."]
+            f"{ratio(wall, 'miss'):.3f} (goal <= 1.02); what a miss adds, looking / publish with dedup off: "
+            f"{statistics.median(p / w for p, w in zip(probe['miss'], wall['plain'])):.2%} (a late miss "
+            f"{statistics.median(p / w for p, w in zip(probe['late'], wall['plain'])):.2%}); "
+            f"the last hit's weights file has {nlink} links."]
 
 
 def main() -> None:
