@@ -9,13 +9,15 @@
 - ``lineage`` of a chain ``--depth`` hops deep (rows inserted directly, as
   a long resume history leaves them), timed on the catalog: median ms and
   the number of SQL statements one call runs.
-- ``dedup``: publishing a step whose weights equal the previous step's
-  (linked after a byte compare) against one whose weights differ (copied).
+- ``dedup``: at ``--dedup-mib`` (default 512), a publish whose weights a
+  live step holds (a hit: linked, nothing written), one whose weights
+  differ from every live step's (a miss) and one that differs only in its
+  last piece, each against a publish with dedup off, in the same rounds.
 
 Reads come from the page cache for every variant alike (the files were just
 written); medians of ``--runs`` rounds after one warm-up round.
 
-    ./scripts/bench lineage [--mib 1024] [--depth 1000] [--runs 5] [--url URL] [--dir DIR]
+    ./scripts/bench lineage [--mib 1024] [--depth 1000] [--runs 5] [--dedup-mib 512] [--url URL] [--dir DIR]
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
+from typing import Any
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -36,6 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from registry import Registry  # noqa: E402
 from registry.catalog.lineage import LineageCatalog  # noqa: E402
+from registry.retention import KeepLast  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
 
@@ -137,25 +142,99 @@ def bench_lineage(reg: Registry, depth: int, runs: int) -> list[str]:
 
 
 def bench_dedup(reg: Registry, mib: int, tensor_mib: int, runs: int) -> list[str]:
+    """Same-run ratios of dedup hits and misses against a publish with dedup off (fresh bytes, same size).
+
+    Run ``dd`` holds the weights ``same`` at step 0; each round publishes
+    into it, in this order, a *late miss* (only the last tensor of the file
+    differs from ``same``: every piece but the last matches, so the whole
+    file is hashed in memory before the miss is known), a *miss* (every
+    tensor differs from every live step's, as after a training step: told by
+    the first piece) and a *hit* (``same`` again; its fallback neighbour is
+    the miss, so it links to the previous hit's copy). ``plain`` (dedup off,
+    fresh bytes) runs before or after that group, alternately. Wall and CPU
+    seconds (the process, all threads: the work done, whatever the machine's
+    load) are both reported, each as the median of per-round ratios.
+    """
     same = state_of(mib, tensor_mib)
+    names = sorted(same)  # one dtype: the file holds the tensors in name order
+    miss = {k: v.clone() for k, v in same.items()}
+    plain = {k: v.clone() for k, v in same.items()}
+    late = {**same, names[-1]: same[names[-1]].clone()}
     reg.publish("dd", 0, same, dedup=True)
-    linked, copied = [], []
+    wall: dict[str, list[float]] = {"plain": [], "late": [], "miss": [], "hit": []}
+    cpu: dict[str, list[float]] = {k: [] for k in wall}
+    probe: dict[str, list[float]] = {k: [] for k in wall}  # seconds spent looking for the file before writing
+    steps = iter(range(1, 1_000_000))
+    looked: list[float] = []
+    try:
+        from registry.ops.protocol import HeldSources
+    except ImportError:  # a tree from before dedup looked before writing
+        HeldSources = None  # type: ignore[assignment,misc]  # noqa: N806
+    if HeldSources is not None:
+        real_link = HeldSources.link
+
+        def timed_link(self: Any, *args: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return real_link(self, *args)
+            finally:
+                looked.append(time.perf_counter() - t0)
+        HeldSources.link = timed_link  # type: ignore[method-assign,assignment]
+
+    def measured(fn: Callable[[], object]) -> tuple[float, float, float]:
+        looked.clear()
+        c0, t0 = time.process_time(), time.perf_counter()
+        fn()
+        return time.perf_counter() - t0, time.process_time() - c0, sum(looked)
+
+    def group(r: int) -> dict[str, tuple[float, float, float]]:
+        late[names[-1]][-1] = 1e6 + r
+        for t in miss.values():
+            t[0] = 2e6 + r
+        out = {"late": measured(lambda: reg.publish("dd", next(steps), late, dedup=True)),
+               "miss": measured(lambda: reg.publish("dd", next(steps), miss, dedup=True))}
+        step = next(steps)
+        out["hit"] = measured(lambda: reg.publish("dd", step, same, dedup=True))
+        linked = reg.events("dd", step=step)[-1].detail.get("linked_bytes", 0)
+        assert linked, f"dd@{step} was not linked"
+        return out
+
+    def fresh(r: int) -> dict[str, tuple[float, float, float]]:
+        for t in plain.values():
+            t[0] = 3e6 + r
+        return {"plain": measured(lambda: reg.publish("plain", r, plain))}
+
     for r in range(runs + 1):
-        fresh = {k: v + (r + 1) for k, v in same.items()}  # never published before: nothing to link to
-        step = 2 * r + 1
-        t_link = timed(lambda: reg.publish("dd", step, same, dedup=True))  # noqa: B023 - called at once
-        t_copy = timed(lambda: reg.publish("dd", step + 1, fresh, dedup=True))  # noqa: B023 - called at once
+        found = {**fresh(r), **group(r)} if r % 2 == 0 else {**group(r), **fresh(r)}
+        reg.apply_retention("plain", KeepLast(2))
+        reg.apply_retention("dd", KeepLast(4))  # the last hit keeps the linked copy; the next hit links it
         if r:
-            linked.append(t_link)
-            copied.append(t_copy)
-    info = reg.resolve("dd@3")  # dd@1 keeps its own copy: dd@0 is its fallback neighbour
-    nlink = os.stat(info.path / "model.safetensors").st_nlink
-    return ["", f"### dedup: publishing {mib} MiB of weights", "", "| variant | median s |", "|---|---:|",
-            f"| weights equal to a live step's (byte-compared, then linked) | {statistics.median(linked):.3f} |",
-            f"| weights differ (written as usual) | {statistics.median(copied):.3f} |", "",
-            f"the identical weights file has {nlink} links: stored once. Dedup saves space, not time: the "
-            "publish still writes and hashes its copy (that is how it knows the digest), then reads the "
-            "candidate once to confirm the bytes before linking."]
+            for k, (w, c, p) in found.items():
+                wall[k].append(w)
+                cpu[k].append(c)
+                probe[k].append(p)
+    if HeldSources is not None:
+        HeldSources.link = real_link  # type: ignore[method-assign]
+
+    def ratio(times: dict[str, list[float]], a: str) -> float:
+        return statistics.median(x / y for x, y in zip(times[a], times["plain"]))
+    nlink = os.stat(reg.resolve("dd@latest").path / "model.safetensors").st_nlink
+    rows = [("plain", "publish, dedup off (fresh bytes)"), ("miss", "dedup on, a miss (every tensor changed)"),
+            ("late", "dedup on, a late miss (only the last piece differs)"),
+            ("hit", "dedup on, a hit (linked, nothing written)")]
+    return ["", f"### dedup: publishing {mib} MiB of weights ({len(same)} tensors), {runs} rounds", "",
+            "| variant | median s | / publish, dedup off | CPU s | CPU / publish, dedup off | looking, ms |",
+            "|---|---:|---:|---:|---:|---:|",
+            *(f"| {label} | {statistics.median(wall[k]):.3f} | {ratio(wall, k):.3f} | "
+              f"{statistics.median(cpu[k]):.3f} | {ratio(cpu, k):.3f} | {statistics.median(probe[k]) * 1e3:.1f} |"
+              for k, label in rows), "",
+            "(looking: the time spent finding and comparing a candidate before writing, inside the publish; "
+            "on a miss, what dedup adds to it)", "",
+            f"dedup hit / fresh publish {ratio(wall, 'hit'):.3f} (goal <= 0.5); dedup miss / dedup off "
+            f"{ratio(wall, 'miss'):.3f} (goal <= 1.02); what a miss adds, looking / publish with dedup off: "
+            f"{statistics.median(p / w for p, w in zip(probe['miss'], wall['plain'])):.2%} (a late miss "
+            f"{statistics.median(p / w for p, w in zip(probe['late'], wall['plain'])):.2%}); "
+            f"the last hit's weights file has {nlink} links."]
 
 
 def main() -> None:
@@ -166,6 +245,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--url", default=None, help="catalog URL for the lineage part (default: SQLite)")
     parser.add_argument("--dir", default=None)
+    parser.add_argument("--dedup-mib", type=int, default=512)
     parser.add_argument("--only", choices=("diff", "lineage", "dedup"), default=None)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-lineage-", dir=args.dir))
@@ -176,7 +256,7 @@ def main() -> None:
             if args.only in (None, "diff"):
                 lines += bench_diff(reg, args.mib, args.tensor_mib, args.runs)
             if args.only in (None, "dedup"):
-                lines += bench_dedup(reg, min(args.mib, 256), args.tensor_mib, args.runs)
+                lines += bench_dedup(reg, args.dedup_mib, args.tensor_mib, args.runs)
         if args.only in (None, "lineage"):
             url = args.url or f"sqlite:///{work / 'lineage.db'}"
             with Registry.open(url=url, root=work / "lineage-root") as reg:
@@ -184,7 +264,8 @@ def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print("\n".join(lines))
-    print(f"\n(./scripts/bench lineage --mib {args.mib} --depth {args.depth} --runs {args.runs})")
+    print(f"\n(./scripts/bench lineage --mib {args.mib} --depth {args.depth} --runs {args.runs} "
+          f"--dedup-mib {args.dedup_mib})")
 
 
 if __name__ == "__main__":

@@ -366,7 +366,8 @@ class Registry:
             target, hooks, root = self._target(job), self._hooks(job), self.store.root
 
             def publish(write: Callable[[Path], Written]) -> CheckpointInfo:
-                return publish_sequence(self.catalog, target, write, hooks).under(root)
+                return publish_sequence(self.catalog, target, lambda staging, _reuse: write(staging),
+                                        hooks).under(root)
         policy = options["retention"]
         # retention once every rank has the outcome (rank 0 only): no rank waits for a gc
         after = (lambda info: self._retention_after_publish(run, step, policy)) if job and policy is not None else None
@@ -386,7 +387,8 @@ class Registry:
 
     def _run_publish(self, job: _PublishJob) -> CheckpointInfo:
         """The publish sequence (on the caller's thread, or the background publisher's), then its retention."""
-        info = publish_sequence(self.catalog, self._target(job), lambda staging: write_payload(staging, job.payload),
+        info = publish_sequence(self.catalog, self._target(job),
+                                lambda staging, reuse: write_payload(staging, job.payload, reuse=reuse),
                                 self._hooks(job))
         if job.retention is not None:
             self._retention_after_publish(job.run, job.step, job.retention)
@@ -819,8 +821,9 @@ class Registry:
         def record(payload: PayloadRecord) -> CommitRecord:
             source = provenance(foreign, {f.name: f.sha256 for f in payload.files})
             return CommitRecord(payload=payload, tags=tags, lineage=LineageRecord(how="imported", source=source))
-        info = publish_sequence(self.catalog, target, lambda staging: stage(foreign, staging, move=move,
-                                                                            progress=progress), RecordOnly(record))
+        info = publish_sequence(self.catalog, target, lambda staging, _reuse: stage(foreign, staging, move=move,
+                                                                                    progress=progress),
+                                RecordOnly(record))
         if move:
             remove_originals(foreign)
         return info.under(self.store.root)

@@ -92,10 +92,10 @@ class GatedWriter:
         self._monkeypatch = monkeypatch
         monkeypatch.setattr("registry.api.write_payload", self)
 
-    def __call__(self, staging: Path, payload: store_mod.Payload) -> store_mod.Written:
+    def __call__(self, staging: Path, payload: store_mod.Payload, **options: Any) -> store_mod.Written:
         self.entered.set()
         assert self.gate.wait(WAIT), "the test never released the held publish"
-        return self.real(staging, payload)
+        return self.real(staging, payload, **options)
 
     def wait_entered(self) -> None:
         assert self.entered.wait(WAIT), "the background publisher never reached write_payload"

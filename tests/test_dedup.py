@@ -156,3 +156,145 @@ def test_kill_at_each_phase_of_dedup_and_retention(catalog_url: str, root: Path)
             assert [p.name for p in (root / run).iterdir() if p.name.startswith(".")] == [], phase
         report = reg.fsck(checksums=True)
         assert not report.problems and not report.unrepaired
+
+
+def _published_hashing_writers(monkeypatch: pytest.MonkeyPatch) -> tuple[list[str], list[int]]:
+    """The files a publish writes through ``HashingWriter``, and the bytes it hands to ``os.write``."""
+    import registry.fs.hashing as hashing
+    import registry.fs.store as store_mod
+    names: list[str] = []
+    written: list[int] = []
+    real_write = os.write
+
+    class Spy(hashing.HashingWriter):
+        def __init__(self, path: Path) -> None:
+            names.append(path.name)
+            super().__init__(path)
+
+    def counting(fd: int, data: object) -> int:
+        n = real_write(fd, data)  # type: ignore[arg-type]
+        written.append(n)
+        return n
+    monkeypatch.setattr(store_mod, "HashingWriter", Spy)
+    monkeypatch.setattr(os, "write", counting)
+    return names, written
+
+
+def test_a_hit_is_linked_before_it_is_written(reg: Registry, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bytes a verified step holds are found from memory: the weights file is never opened for writing,
+    its bytes never reach write(), and its manifest entry is the real file's digest."""
+    import hashlib
+    state = big_state(5)
+    one = reg.publish("run", 1, state)
+    two = reg.publish("run", 2, big_state(6))
+    names, written = _published_hashing_writers(monkeypatch)
+    three = reg.publish("run", 3, state)
+    monkeypatch.undo()
+    weights = three.path / "model.safetensors"
+    size = weights.stat().st_size
+    assert "model.safetensors" not in names and "manifest.json" in names
+    assert sum(written) < size  # meta, config and manifest only
+    assert os.stat(weights).st_ino == inode(one.path, "model.safetensors") != inode(two.path, "model.safetensors")
+    assert os.stat(weights).st_nlink == 2
+    recorded = json.loads((three.path / "manifest.json").read_text())["files"]["model.safetensors"]
+    assert recorded["sha256"] == hashlib.sha256(weights.read_bytes()).hexdigest() == \
+        json.loads((one.path / "manifest.json").read_text())["files"]["model.safetensors"]["sha256"]
+    assert reg.events("run", step=3)[-1].detail["linked_bytes"] == size
+    assert [r.status for r in reg.verify("run@3")] == ["verified"]
+    assert_state_equal(reg.load("run@3").state_dict, state)
+
+
+def test_a_hit_across_many_pieces_and_tensors(reg: Registry, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pieces that span tensors and the header are hashed and compared in memory; one differing
+    element in the middle piece is a miss, and that step writes its own copy."""
+    monkeypatch.setattr("registry.format.pieces.PIECE_SIZE", 64 << 10)
+    g = torch.Generator().manual_seed(7)
+    state = {f"t{i:02d}": torch.randn(1000 + 37 * i, generator=g) for i in range(40)}
+    state["big"] = torch.randn(1 << 18, generator=g)
+    one = reg.publish("run", 1, state)
+    assert len(json.loads((one.path / "manifest.json").read_text())["files"]["model.safetensors"]
+               ["xxh3_128_pieces"]["digests"]) > 16
+    reg.publish("run", 2, big_state(8))
+    three = reg.publish("run", 3, state)
+    assert inode(three.path, "model.safetensors") == inode(one.path, "model.safetensors")
+    reg.publish("run", 4, big_state(9))
+    almost = {**state, "big": state["big"].clone()}
+    almost["big"][len(almost["big"]) // 2] += 1
+    five = reg.publish("run", 5, almost)
+    assert inode(five.path, "model.safetensors") not in (inode(one.path, "model.safetensors"),
+                                                         inode(three.path, "model.safetensors"))
+    assert [r.status for r in reg.verify("run")] == ["verified"] * 5
+    assert_state_equal(reg.load("run@5").state_dict, almost)
+
+
+def test_a_rotten_candidate_gets_a_good_copy_written(reg: Registry) -> None:
+    """The candidate's recorded pieces match the memory but its bytes on disk do not: the publish writes
+    its own copy, whose manifest digest is that of the bytes it holds."""
+    import hashlib
+    state = big_state(10)
+    one = reg.publish("run", 1, state)
+    reg.publish("run", 2, big_state(11))
+    weights = one.path / "model.safetensors"
+    with open(weights, "r+b") as f:  # a byte in the middle of the data, as bit rot leaves it
+        f.seek(weights.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x01]))
+    three = reg.publish("run", 3, state)
+    mine = three.path / "model.safetensors"
+    assert os.stat(mine).st_ino != os.stat(weights).st_ino and os.stat(mine).st_nlink == 1
+    recorded = json.loads((three.path / "manifest.json").read_text())["files"]["model.safetensors"]["sha256"]
+    assert recorded == hashlib.sha256(mine.read_bytes()).hexdigest()
+    assert [(r.step, r.status) for r in reg.verify("run")] == [(1, "corrupt"), (2, "verified"), (3, "verified")]
+    assert_state_equal(reg.load("run@3").state_dict, state)
+
+
+def test_a_candidate_whose_manifest_is_not_the_verified_one_is_not_taken(reg: Registry) -> None:
+    """The pieces come from the candidate's manifest only while it is the one the catalog verified."""
+    state = big_state(12)
+    one = reg.publish("run", 1, state)
+    reg.publish("run", 2, big_state(13))
+    manifest = one.path / "manifest.json"
+    manifest.write_bytes(manifest.read_bytes() + b"\n")  # same document, other bytes: not what was verified
+    three = reg.publish("run", 3, state)
+    assert inode(three.path, "model.safetensors") != inode(one.path, "model.safetensors")
+    assert [r.status for r in reg.verify("run@3")] == ["verified"]
+
+
+def test_async_and_copied_tensors_link_too(reg: Registry) -> None:
+    """An async publish (its snapshot is what is compared) links before writing; tensors that would need
+    a copy to be written (a transposed view) are linked after the write, as before."""
+    state = big_state(14)
+    one = reg.publish("run", 1, state)
+    reg.publish("run", 2, big_state(15))
+    three = reg.publish("run", 3, state, blocking=False).result()
+    assert inode(three.path, "model.safetensors") == inode(one.path, "model.safetensors")
+
+    square = torch.randn(512, 512, generator=torch.Generator().manual_seed(16))
+    t_state = {"w": square.t()}  # not contiguous: file_buffers declines, link_duplicates links it
+    a = reg.publish("t", 1, t_state)
+    reg.publish("t", 2, big_state(17))
+    c = reg.publish("t", 3, t_state)
+    assert inode(c.path, "model.safetensors") == inode(a.path, "model.safetensors")
+    assert_state_equal(reg.load("t@3").state_dict, {"w": square.t().contiguous()})
+
+
+def test_held_bytes_pieces_are_the_writers() -> None:
+    """In-memory pieces over buffers of any lengths equal what the writer records for their concatenation."""
+    from registry.format.pieces import HeldBytes, PieceHasher
+    g = torch.Generator().manual_seed(3)
+    for lengths in ([5000], [1, 4095, 4096, 10000, 3], [0, 8192, 0, 1], [4096] * 5):
+        buffers = [memoryview(torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).numpy()).cast("B")
+                   for n in lengths]
+        whole = b"".join(bytes(b) for b in buffers)
+        hasher = PieceHasher(4096)
+        hasher.update(whole)
+        held = HeldBytes([len(b) for b in buffers], buffers.__getitem__, 4096)
+        assert held.size == len(whole) and held.matches(hasher.digests())
+        if held.count:
+            wrong = list(hasher.digests())
+            wrong[-1] = "0" * 32
+            assert not HeldBytes([len(b) for b in buffers], buffers.__getitem__, 4096).matches(wrong)
+            assert not held.matches(wrong[:-1])
+        for i in range(held.count):
+            assert b"".join(bytes(p) for _, p in held.piece(i)) == whole[i * 4096:(i + 1) * 4096]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -55,8 +56,8 @@ def test_staging_is_invisible_until_publish(reg: Registry, monkeypatch: pytest.M
     seen: dict[str, object] = {}
     real_write = store_mod.write_payload
 
-    def spy(staging: Path, payload: store_mod.Payload) -> store_mod.Written:
-        written = real_write(staging, payload)
+    def spy(staging: Path, payload: store_mod.Payload, **options: Any) -> store_mod.Written:
+        written = real_write(staging, payload, **options)
         seen["latest"] = reg.resolve("run@latest-published").step
         seen["listing"] = sorted(p.name for p in (reg.store.root / "run").iterdir())
         seen["row"] = reg.catalog.get("run", 2)

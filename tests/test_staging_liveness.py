@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import select, update
@@ -92,9 +93,9 @@ def test_a_publish_refreshes_its_row_while_it_writes(sqlite_reg: Registry, monke
         claims.append(claim)
         beaten.set()
 
-    def slow_write(staging: Path, payload: store_mod.Payload) -> store_mod.Written:
+    def slow_write(staging: Path, payload: store_mod.Payload, **options: Any) -> store_mod.Written:
         gate.wait()  # a write that outlasts several beats
-        return real_write(staging, payload)
+        return real_write(staging, payload, **options)
 
     monkeypatch.setattr(reg.catalog, "touch_claim", touch)
     monkeypatch.setattr("registry.api.write_payload", slow_write)

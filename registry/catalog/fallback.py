@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from sqlalchemy import Connection, select
+from sqlalchemy import BigInteger, CompoundSelect, Connection, Integer, Select, bindparam, select, union_all
 
-from registry.catalog.models import CheckpointRow, Run
+from registry.catalog.models import CheckpointFile, CheckpointRow, Run
 from registry.catalog.session import Transactions
 from registry.records import HAS_PAYLOAD, Status
 
@@ -25,24 +26,70 @@ class StepDir:
     status: str
 
 
+def _statements() -> tuple[CompoundSelect, Select[Any]]:
+    """The two prebuilt statements below (built once: building a statement costs more than running it)."""
+    c, f = CheckpointRow, CheckpointFile
+    run_id = select(Run.id).where(Run.name == bindparam("run")).scalar_subquery()
+    step = bindparam("step", type_=BigInteger)
+    sides = [select(c.step, c.path, c.status).where(c.run_id == run_id, c.status.in_(list(statuses)), where)
+             .order_by(order).limit(1).subquery()
+             for statuses in ((Status.VERIFIED,), HAS_PAYLOAD)
+             for where, order in ((c.step < step, c.step.desc()), (c.step > step, c.step.asc()))]
+    near = union_all(*(select(side.c.step, side.c.path, side.c.status) for side in sides))
+    newest = (select(c.id, c.step, c.path, c.manifest_sha256)
+              .where(c.run_id == run_id, c.status == Status.VERIFIED, c.step.notin_(bindparam("skip", expanding=True)))
+              .order_by(c.step.desc()).limit(bindparam("steps", type_=Integer)).subquery())
+    files = (select(newest.c.step, newest.c.path, newest.c.manifest_sha256, f.name, f.sha256)
+             .join(f, f.checkpoint_id == newest.c.id).where(f.size == bindparam("size", type_=BigInteger))
+             .order_by(newest.c.step.desc(), f.name))
+    return near, files
+
+
+_NEAR, _SAME_SIZE = _statements()
+
+
 def neighbours(catalog: Transactions, run: str, step: int) -> list[StepDir]:
     """The steps a new ``run@step`` must share no inode with: on each side, the nearest verified step and
-    the nearest step with a payload (a corrupt one may be verified again once repaired)."""
-    def fn(conn: Connection) -> list[StepDir]:
-        c = CheckpointRow
-        run_id = conn.scalar(select(Run.id).where(Run.name == run))
-        if run_id is None:
-            return []
-        found: dict[int, StepDir] = {}
-        for statuses in ((Status.VERIFIED,), HAS_PAYLOAD):
-            for where, order in ((c.step < step, c.step.desc()), (c.step > step, c.step.asc())):
-                row = conn.execute(select(c.step, c.path, c.status)
-                                   .where(c.run_id == run_id, c.status.in_(list(statuses)), where)
-                                   .order_by(order).limit(1)).first()
-                if row is not None:
-                    found[int(row.step)] = StepDir(step=int(row.step), path=row.path, status=row.status)
-        return sorted(found.values(), key=lambda d: d.step)
-    result: list[StepDir] = catalog.read(fn)
+    the nearest step with a payload (a corrupt one may be verified again once repaired). One statement."""
+    result: list[StepDir] = catalog.read(lambda conn: _neighbours(conn, run, step))
+    return result
+
+
+def _neighbours(conn: Connection, run: str, step: int) -> list[StepDir]:
+    found = {int(r.step): StepDir(step=int(r.step), path=r.path, status=r.status)
+             for r in conn.execute(_NEAR, {"run": run, "step": step})}
+    return [found[s] for s in sorted(found)]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SizedFile:
+    """A file of a verified step, as the catalog records it, with its step's manifest digest."""
+
+    step: int
+    path: str    # the step's directory, relative to the root
+    name: str
+    sha256: str
+    manifest_sha256: str
+
+
+def same_size_files(catalog: Transactions, run: str, step: int, size: int, *,
+                    steps: int = 4) -> tuple[list[StepDir], list[SizedFile]]:
+    """What dedup may link a new ``run@step`` file of ``size`` bytes to, before its bytes are written or hashed.
+
+    The step's :func:`neighbours`, and the files of ``size`` bytes of the
+    ``steps`` newest verified steps of the run outside them, newest first:
+    two prebuilt statements in one read, the second an indexed walk down
+    ``(run_id, status, step)``, so it costs the same whatever the length of
+    the run. Which of them holds the same bytes is the store's to find out
+    (the digests their manifests record).
+    """
+    def fn(conn: Connection) -> tuple[list[StepDir], list[SizedFile]]:
+        near = _neighbours(conn, run, step)
+        rows = conn.execute(_SAME_SIZE, {"run": run, "skip": sorted({step, *(n.step for n in near)}),
+                                         "steps": steps, "size": size})
+        return near, [SizedFile(step=int(r.step), path=r.path, name=r.name, sha256=r.sha256,
+                                manifest_sha256=r.manifest_sha256) for r in rows if r.manifest_sha256]
+    result: tuple[list[StepDir], list[SizedFile]] = catalog.read(fn)
     return result
 
 
@@ -60,4 +107,4 @@ def newest_verified(catalog: Transactions, run: str, *, excluding: Sequence[int]
     return result
 
 
-__all__ = ["StepDir", "neighbours", "newest_verified"]
+__all__ = ["SizedFile", "StepDir", "neighbours", "newest_verified", "same_size_files"]

@@ -232,11 +232,16 @@ def open_regular(directory: Path, name: str, *, error: type[CorruptCheckpointErr
 
 def read_manifest(directory: Path) -> tuple[Manifest, str]:
     """The parsed manifest of ``directory`` and the sha256 of its bytes."""
+    raw = manifest_bytes(directory)
+    return parse_manifest(raw, path=directory / MANIFEST), digest_bytes(raw)
+
+
+def manifest_bytes(directory: Path) -> bytes:
+    """The bytes of ``directory``'s manifest, unparsed (at most one byte more than a manifest may hold)."""
     path = directory / MANIFEST
     fd = open_regular(directory, MANIFEST, error=ManifestError, what="manifest")
     with os.fdopen(fd, "rb") as f:
         try:
-            raw = f.read(MAX_MANIFEST_BYTES + 1)
+            return f.read(MAX_MANIFEST_BYTES + 1)
         except OSError as exc:
             raise CheckpointReadError(f"cannot read {path}: {exc.strerror}", errno=exc.errno, path=path) from None
-    return parse_manifest(raw, path=path), digest_bytes(raw)

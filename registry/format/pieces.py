@@ -18,8 +18,9 @@ no pieces.
 
 from __future__ import annotations
 
+import bisect
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import xxhash
 
@@ -80,3 +81,71 @@ def first_mismatch(data: memoryview | bytes | bytearray, piece_size: int,
         if got != want:
             return index
     return None
+
+
+class HeldBytes:
+    """A file's bytes before it is written, held as consecutive buffers (a header, then each tensor's memory).
+
+    Lets dedup find a stored file with these bytes from the digests its
+    manifest records, and compare them, without writing or copying anything:
+    :meth:`matches` hashes pieces up to the first that differs from a
+    manifest's (a miss is usually told by the first), :meth:`piece` gives the
+    buffers that make up one piece. ``buffer(i)`` gives buffer ``i`` of
+    ``lengths``, asked only for the pieces looked at.
+    """
+
+    def __init__(self, lengths: Sequence[int], buffer: Callable[[int], memoryview], piece_size: int) -> None:
+        self.piece_size = piece_size
+        self._buffer = buffer
+        self._lengths = list(lengths)
+        self._starts = [0] * len(self._lengths)
+        offset = 0
+        for i, n in enumerate(self._lengths):
+            self._starts[i] = offset
+            offset += n
+        self.size = offset
+        self._digests: dict[int, str] = {}
+
+    @property
+    def count(self) -> int:
+        return piece_count(self.size, self.piece_size)
+
+    def piece(self, index: int) -> list[tuple[int, memoryview]]:
+        """The buffers of piece ``index``, each with its offset within the piece."""
+        begin = index * self.piece_size
+        end = min(begin + self.piece_size, self.size)
+        out: list[tuple[int, memoryview]] = []
+        i = max(0, bisect.bisect_right(self._starts, begin) - 1)
+        while i < len(self._lengths) and self._starts[i] < end:
+            start, n = self._starts[i], self._lengths[i]
+            lo, hi = max(begin, start), min(end, start + n)
+            if lo < hi:
+                out.append((lo - begin, self._buffer(i)[lo - start:hi - start]))
+            i += 1
+        return out
+
+    def digest(self, index: int) -> str:
+        found = self._digests.get(index)
+        if found is None:
+            hasher = xxhash.xxh3_128()
+            for _, part in self.piece(index):
+                hasher.update(part)
+            found = self._digests[index] = hasher.hexdigest()
+        return found
+
+    def matches(self, expected: Sequence[str]) -> bool:
+        """Whether the pieces' digests are ``expected``: hashed a few at a time on every core, up to the first
+        that differs (a file that differs early costs little, one that differs only at its end a full pass)."""
+        if len(expected) != self.count:
+            return False
+        batch = max(1, _POOL.max_workers)
+        index = 0
+        while index < self.count:
+            todo = range(index, min(self.count, index + (1 if index == 0 else batch)))
+            for i in todo:  # the buffers first, on this thread: making one is Python work, hashing is not
+                self.piece(i)
+            found = [self.digest(todo[0])] if len(todo) == 1 else list(_POOL.map(self.digest, todo))
+            if found != list(expected[todo.start:todo.stop]):
+                return False
+            index = todo.stop
+        return True

@@ -120,11 +120,52 @@ def safetensors_header(tensors: Mapping[str, torch.Tensor],
 def write_safetensors(out: Writer, tensors: Mapping[str, torch.Tensor],
                       metadata: Mapping[str, str] | None = None) -> bytes:
     """Write a safetensors file; returns its first bytes (length prefix and header) for read-back checks."""
-    head, order = safetensors_header(tensors, metadata)
-    out.write(head)
-    for name in order:
-        out.write(tensor_bytes(tensors[name]))
-    return head
+    encoded = Encoded(tensors, metadata)
+    encoded.write(out)
+    return encoded.head
+
+
+class Encoded:
+    """A safetensors file about to be written: its header, then its tensors' bytes, made on demand.
+
+    Buffer 0 is the header, buffer ``i`` the ``i``-th tensor in file order.
+    A buffer over a tensor's own memory is made once and kept (it costs no
+    memory), so whoever looks at the bytes before they are written (dedup
+    hashing a piece) and the writer share that work; a tensor that needs a
+    copy (not on the CPU, not contiguous) is copied only as it is written.
+    """
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> None:
+        self.head, order = safetensors_header(tensors, metadata)
+        self.tensors = [tensors[n] for n in order]
+        self._views: dict[int, memoryview] = {0: memoryview(self.head)}
+
+    @functools.cached_property
+    def lengths(self) -> list[int]:
+        """The length of each buffer (asked only by whoever looks before writing)."""
+        return [len(self.head), *(t.numel() * t.element_size() for t in self.tensors)]
+
+    @property
+    def size(self) -> int:
+        return sum(self.lengths)
+
+    def in_memory(self) -> bool:
+        """Whether every tensor's bytes are its own CPU memory as they are (no copy to make)."""
+        return all(t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg()
+                   for t in self.tensors)
+
+    def buffer(self, index: int) -> memoryview:
+        """Buffer ``index``; call only when :meth:`in_memory`."""
+        view = self._views.get(index)
+        if view is None:
+            view = self._views[index] = tensor_bytes(self.tensors[index - 1])
+        return view
+
+    def write(self, out: Writer) -> None:
+        out.write(self.head)
+        for index, tensor in enumerate(self.tensors, start=1):
+            view = self._views.get(index)
+            out.write(view if view is not None else tensor_bytes(tensor))
 
 
 class TensorEntry(NamedTuple):  # a tuple: headers can list many thousands, and a dataclass costs 3x to build

@@ -4,7 +4,7 @@ Opt-in (``Registry.open(..., dedup=True)``, ``publish(..., dedup=True)``). A
 frozen base model in a fine-tuning run is written by every publish; linking
 it to the copy an earlier step already holds keeps one set of blocks. What
 may be linked is bounded so that one bad inode never takes a run's fallback
-(the caller, ``registry.ops.protocol.link_duplicates``, picks candidates):
+(the callers, ``registry.ops.protocol.HeldSources`` and ``link_duplicates``, pick candidates):
 files below :data:`MIN_LINK_BYTES` and the small JSON files are never linked
 (no saving, all risk); links stay within a run; and a new step never links
 to an inode its fallback neighbours hold, so the two newest verified steps of
@@ -15,17 +15,24 @@ a shared inode is as immutable as a private one, and removing one step's
 directory only unlinks that step's names: the bytes stay while any step
 links them.
 
-"Identical" is confirmed, not assumed: the catalog says a live step records
-a file of the same size and sha256 (that is how candidates are found), and
-then the candidate must be a regular file on the staging directory's
-filesystem whose bytes equal ours, compared in full. That costs one read of
-the candidate (ours is still in the page cache from the write), and it means
-a candidate that rotted on disk since it was verified is never linked: we
-keep our good copy. After linking, the new name must be the very inode that
-was compared, so a candidate replaced in between is not taken either.
+A safetensors file is looked for before it is written (:func:`link_held`):
+the catalog names files of its size in verified steps, and one whose
+manifest records the xxh3 pieces of the bytes in memory (hashed at memory
+speed; a miss is usually told by the first piece) is compared with the
+memory and linked, so a hit writes and hashes nothing. Other files are
+written first and linked after (:func:`link_identical`): the catalog says a
+live step records a file of the same size and sha256.
+
+"Identical" is confirmed, not assumed: the candidate must be a regular file
+on the staging directory's filesystem whose bytes equal ours, compared in
+full (one read of the candidate, against the tensors' memory or our copy
+still in the page cache), so a candidate that rotted on disk since it was
+verified is never linked: we keep (or write) our good copy. After linking,
+the new name must be the very inode that was compared, so a candidate
+replaced in between is not taken either.
 
 A link goes to a temporary name in the staging directory and is then renamed
-over the staged copy, and the staging directory is fsync'd: a crash at any
+over the staged copy (or to the file's name, before writing), and the staging directory is fsync'd: a crash at any
 point leaves a staging directory whose files are each either our copy or a
 link to the same bytes, and staging directories are discarded anyway. A
 link never crosses filesystems (``EXDEV``) or roots (candidates come from
@@ -34,18 +41,25 @@ this root's catalog); any failure to link keeps the copy.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
 import os
 import secrets
 import stat
-from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+import threading
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from registry.crashpoints import crashpoint
-from registry.format.manifest import MANIFEST, read_manifest
+from registry.errors import RegistryError
+from registry.format.manifest import MANIFEST, FileEntry, digest_bytes, manifest_bytes, parse_manifest, read_manifest
+from registry.format import pieces as piece_format
+from registry.format.pieces import HeldBytes
+from registry.fs.hashing import libc_function
 from registry.fs.store import fsync_dir
+from registry.pools import Pool
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +119,13 @@ def _same_bytes(ours: Path, theirs: Path, expect: os.stat_result) -> bool:
         os.close(fd)
 
 
+def _may_link(theirs: os.stat_result, size: int, device: int, exclude: Collection[Inode]) -> bool:
+    """Whether a candidate (its ``lstat``) may stand for a file of ``size`` bytes on ``device``."""
+    if (theirs.st_dev, theirs.st_ino) in exclude:
+        return False  # a fallback neighbour holds it: linking would give the two one fate
+    return stat.S_ISREG(theirs.st_mode) and theirs.st_size == size and theirs.st_dev == device
+
+
 def _link_one(staging: Path, name: str, candidate: Path, device: int, exclude: Collection[Inode]) -> bool:
     ours = staging / name
     try:
@@ -112,15 +133,18 @@ def _link_one(staging: Path, name: str, candidate: Path, device: int, exclude: C
         theirs = os.lstat(candidate)
     except OSError:
         return False
-    if (theirs.st_dev, theirs.st_ino) in exclude:
-        return False  # a fallback neighbour holds it: linking would give the two one fate
-    if (not stat.S_ISREG(theirs.st_mode) or theirs.st_size != mine.st_size or theirs.st_dev != device
-            or mine.st_dev != device):
+    if not _may_link(theirs, mine.st_size, device, exclude) or mine.st_dev != device:
         return False
     if theirs.st_ino == mine.st_ino:
         return True  # already one inode (an import that hard-linked it)
     if not _same_bytes(ours, candidate, theirs):
         return False
+    return _link_as(staging, name, candidate, theirs)
+
+
+def _link_as(staging: Path, name: str, candidate: Path, theirs: os.stat_result) -> bool:
+    """Make ``staging/name`` a link to ``candidate``, which must still be the inode ``theirs`` (compared)."""
+    ours = staging / name
     tmp = staging / f".{name}.link-{secrets.token_hex(4)}"
     try:
         os.link(candidate, tmp, follow_symlinks=False)
@@ -162,6 +186,148 @@ def link_identical(staging: Path, candidates: Mapping[str, Sequence[Path]], *,
         fsync_dir(staging)
         crashpoint("dedup-after-fsync")
     return linked
+
+
+@dataclass(frozen=True, kw_only=True)
+class Source:
+    """A file of a verified step that may hold the bytes a publish is about to write (the catalog's word)."""
+
+    step_dir: Path
+    name: str
+    sha256: str           # the file's digest, as the catalog records it
+    manifest_sha256: str  # its step's manifest digest, as the catalog records it
+
+
+def link_held(staging: Path, name: str, lengths: Sequence[int], buffer: Callable[[int], memoryview],
+              sources: Sequence[Source], *, exclude: Collection[Inode] = ()) -> tuple[FileEntry, Path] | None:
+    """Store ``staging/name`` as a link to the first of ``sources`` holding the bytes in memory, never writing them.
+
+    The file's bytes are buffers of ``lengths`` in order (a safetensors
+    header, then each tensor's memory), ``buffer(i)`` the ``i``-th, asked
+    for only as the pieces are looked at. A source is taken only when its
+    step's manifest on disk is the one the catalog verified, records this
+    file with the catalog's sha256 and xxh3 pieces equal to those of the
+    memory (a miss is usually told by the first piece), and the file's
+    bytes then compare equal to the memory in full;
+    the link must be the very inode compared. Only then does the new
+    manifest entry, returned with the file linked to, take the source's
+    sha256: it is the digest of exactly these bytes. ``None``: nothing was
+    linked, nothing is left in ``staging``, and the caller writes the file.
+    """
+    device = os.stat(staging).st_dev
+    size = sum(lengths)
+    cut = piece_format.PIECE_SIZE  # as the writer cuts them now
+    held = {cut: HeldBytes(lengths, buffer, cut)}
+    for source in sources:
+        entry = _recorded(source, size, held[cut])
+        if entry is None or entry.piece_size is None or entry.xxh3_128_pieces is None:
+            continue
+        ours = held.get(entry.piece_size)
+        if ours is None:
+            ours = held[entry.piece_size] = HeldBytes(lengths, buffer, entry.piece_size)
+        pieces = entry.xxh3_128_pieces
+        if not ours.matches(pieces):
+            continue
+        path = source.step_dir / source.name
+        try:
+            theirs = os.lstat(path)
+        except OSError:
+            continue
+        if _may_link(theirs, size, device, exclude) and _held_equal(path, theirs, ours) \
+                and _link_as(staging, name, path, theirs):
+            return FileEntry(name=name, size=size, sha256=entry.sha256, piece_size=entry.piece_size,
+                             xxh3_128_pieces=pieces), path
+    return None
+
+
+def _recorded(source: Source, size: int, ours: HeldBytes) -> FileEntry | None:
+    """``source``'s entry in its step's manifest, if that manifest and entry are what the catalog verified.
+
+    A manifest that does not hold the digest of our first piece (as the
+    writer cuts pieces) is not even parsed: the usual miss costs a read and
+    a search of its bytes.
+    """
+    try:
+        raw = manifest_bytes(source.step_dir)
+        if digest_bytes(raw) != source.manifest_sha256 or (ours.count and ours.digest(0).encode() not in raw):
+            return None
+        manifest = parse_manifest(raw, path=source.step_dir / MANIFEST)
+    except (RegistryError, OSError):
+        return None
+    entry = manifest.files.get(source.name)
+    if entry is None or entry.size != size or entry.sha256 != source.sha256:
+        return None
+    return entry
+
+
+_COMPARE_POOL = Pool(max(1, min(8, os.cpu_count() or 1)), "registry-compare")
+_MEMCMP = libc_function("memcmp")
+if _MEMCMP is not None:
+    _MEMCMP.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    _MEMCMP.restype = ctypes.c_int
+
+
+def _held_equal(path: Path, expect: os.stat_result, ours: HeldBytes) -> bool:
+    """Whether ``path`` (still the inode ``expect``) holds exactly ``ours``, read and compared on every core.
+
+    Each worker reads its share of the pieces into one reused buffer and
+    compares it with the memory by ``memcmp``, which, like the read, runs
+    without the GIL; the first difference stops them all.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+                     | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return False
+    try:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino, st.st_size) != (expect.st_dev, expect.st_ino, ours.size):
+            return False
+        differs = threading.Event()
+        count = ours.count
+        workers = max(1, min(count, _COMPARE_POOL.max_workers))
+        shares = [range(count * k // workers, count * (k + 1) // workers) for k in range(workers)]
+        results = list(_COMPARE_POOL.map(lambda share: _compare_share(fd, ours, share, differs), shares))
+        return all(results) and not differs.is_set()
+    finally:
+        os.close(fd)
+
+
+def _compare_share(fd: int, ours: HeldBytes, share: range, differs: threading.Event) -> bool:
+    buf = bytearray(min(ours.piece_size, ours.size))
+    view = memoryview(buf)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(buf)) if buf else 0
+    try:
+        for index in share:
+            if differs.is_set():
+                return False
+            begin = index * ours.piece_size
+            n = min(ours.piece_size, ours.size - begin)
+            done = 0
+            while done < n:
+                got = os.preadv(fd, [view[done:n]], begin + done)
+                if got <= 0:
+                    differs.set()
+                    return False
+                done += got
+            for offset, part in ours.piece(index):
+                if not _same(view, base, offset, part):
+                    differs.set()
+                    return False
+        return True
+    except OSError:
+        differs.set()
+        return False
+    finally:
+        view.release()
+
+
+def _same(view: memoryview, base: int, offset: int, part: memoryview) -> bool:
+    if _MEMCMP is None:
+        return view[offset:offset + len(part)].tobytes() == part.tobytes()
+    import numpy  # the address of any buffer, read-only ones (a header's bytes) too
+    address = numpy.frombuffer(part, dtype=numpy.uint8).ctypes.data
+    return bool(_MEMCMP(base + offset, address, len(part)) == 0)
 
 
 def _files(directories: Iterable[Path]) -> Iterator[os.stat_result]:
@@ -305,5 +471,5 @@ def _copy_over(path: Path, st: os.stat_result, sha256: str) -> bool:
         os.close(src)
 
 
-__all__ = ["Inode", "Linked", "MIN_LINK_BYTES", "NEVER_LINKED", "freed_bytes", "held", "inodes", "link_identical",
-           "linkable", "names_per_inode", "shared_bytes", "unshare"]
+__all__ = ["Inode", "Linked", "MIN_LINK_BYTES", "NEVER_LINKED", "Source", "freed_bytes", "held", "inodes",
+           "link_held", "link_identical", "linkable", "names_per_inode", "shared_bytes", "unshare"]

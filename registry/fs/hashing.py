@@ -50,13 +50,19 @@ WRITEBACK = 8 << 20       # start kernel writeback every this many bytes
 _HASH_POOL = Pool(max(2, min(16, os.cpu_count() or 2)), "registry-hash")
 
 
+def libc_function(name: str) -> Any:
+    """``name`` from the C library through ctypes (the GIL is released during each call), or None."""
+    try:
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True), name)
+    except (OSError, AttributeError):
+        return None
+
+
 def _sync_file_range() -> Any:
     if not sys.platform.startswith("linux"):
         return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        fn = libc.sync_file_range
-    except (OSError, AttributeError):
+    fn = libc_function("sync_file_range")
+    if fn is None:
         return None
     fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
     fn.restype = ctypes.c_int

@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from registry.crashpoints import crashpoint
 from registry.errors import CorruptCheckpointError, InvalidStateError, PublishError, RootError, SafetensorsFormatError
@@ -29,7 +29,7 @@ from registry.format.layout import (CATALOG_FILE, REGISTRY_DIR, ROOT_MARKER, hid
 from registry.format.manifest import (CONFIG, MANIFEST, MAX_JSON_BYTES, META, WEIGHTS, WEIGHTS_INDEX, FileEntry,
                                       Manifest, check_file_name, digest_bytes, read_manifest)
 from registry.pools import Pool
-from registry.format.safetensors import read_safetensors_header, write_safetensors
+from registry.format.safetensors import Encoded, read_safetensors_header
 from registry.fs.hashing import HashingWriter, hash_file
 
 if TYPE_CHECKING:
@@ -110,6 +110,13 @@ class Written:
     heads: Mapping[str, bytes] = field(default_factory=dict)  # safetensors file -> the header bytes written
 
 
+class Reuse(Protocol):
+    """Where a publish may find a file it is about to write already stored: dedup (``registry.fs.dedup``)."""
+
+    def link(self, staging: Path, name: str, encoded: Encoded) -> FileEntry | None:
+        """Store ``staging/name`` (``encoded``'s bytes) as a link and return its entry; None: write it."""
+
+
 def _shards(state_dict: Mapping[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
     shards: list[list[str]] = [[]]
     size = 0
@@ -127,7 +134,7 @@ def _shards(state_dict: Mapping[str, torch.Tensor], max_bytes: int) -> list[list
 _SYNC_POOL = Pool(4, "registry-fsync")
 
 
-def write_payload(staging: Path, payload: Payload) -> Written:
+def write_payload(staging: Path, payload: Payload, *, reuse: Reuse | None = None) -> Written:
     """Write every file of ``payload`` into ``staging``, hashing as it goes.
 
     The manifest is written last and everything, the directory included, is
@@ -137,11 +144,12 @@ def write_payload(staging: Path, payload: Payload) -> Written:
     the state dict. Each file entry records sha256 and xxh3-128 piece
     digests. Each file is fsync'd on a helper thread while the next one is
     written: the fsyncs of the small files then share one journal commit
-    instead of paying one each.
+    instead of paying one each. Each safetensors file is first offered to
+    ``reuse`` (dedup), which may store it as a link instead of it being written.
     """
     syncing: list[Future[None]] = []
     try:
-        written = _write_files(staging, payload, syncing)
+        written = _write_files(staging, payload, syncing, reuse)
     finally:
         errors = [exc for f in syncing if (exc := f.exception()) is not None]  # waits for every fsync
     if errors:
@@ -150,7 +158,7 @@ def write_payload(staging: Path, payload: Payload) -> Written:
     return written
 
 
-def _write_files(staging: Path, payload: Payload, syncing: list[Future[None]]) -> Written:
+def _write_files(staging: Path, payload: Payload, syncing: list[Future[None]], reuse: Reuse | None) -> Written:
     entries: dict[str, FileEntry] = {}
     heads: dict[str, bytes] = {}
 
@@ -170,20 +178,28 @@ def _write_files(staging: Path, payload: Payload, syncing: list[Future[None]]) -
                                   xxh3_128_pieces=out.xxh3_128_pieces)
         return out.sha256
 
+    def put_tensors(name: str, tensors: Mapping[str, torch.Tensor]) -> None:
+        encoded = Encoded(tensors, {"format": "pt"})
+        heads[name] = encoded.head
+        entry = reuse.link(staging, name, encoded) if reuse is not None else None
+        if entry is not None:
+            entries[name] = entry
+        else:
+            put(name, encoded.write)
+
     meta_raw = payload.meta_json if payload.meta_json is not None else json_bytes(payload.meta, "meta")
     config_raw = payload.config_json if payload.config_json is not None else json_bytes(payload.config, "config")
     put(META, lambda out: out.write(meta_raw))
     put(CONFIG, lambda out: out.write(config_raw))
     state = payload.state_dict
     if payload.max_shard_size is None:
-        put(WEIGHTS, lambda out: heads.__setitem__(WEIGHTS, write_safetensors(out, state, {"format": "pt"})))
+        put_tensors(WEIGHTS, state)
     else:
         groups = _shards(state, payload.max_shard_size)
         weight_map: dict[str, str] = {}
         for i, names in enumerate(groups, start=1):
             shard = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
-            put(shard, lambda out, names=names, shard=shard: heads.__setitem__(shard, write_safetensors(
-                out, {n: state[n] for n in names}, {"format": "pt"})))
+            put_tensors(shard, {n: state[n] for n in names})
             weight_map.update({n: shard for n in names})
         total = sum(t.numel() * t.element_size() for t in state.values())
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}

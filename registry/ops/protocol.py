@@ -23,7 +23,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -31,15 +31,17 @@ from pathlib import Path
 from typing import Protocol
 
 from registry.catalog import Catalog, Claim, CommitRecord, FileRecord, PayloadRecord
-from registry.catalog.fallback import neighbours, newest_verified
+from registry.catalog.fallback import neighbours, newest_verified, same_size_files
 from registry.catalog.lineage import identical_files
 from registry.crashpoints import crashpoint
 from registry.errors import CatalogError, CorruptCheckpointError, PublishError, RegistryError
 from registry.format.layout import hidden_sibling
 from registry.records import CheckpointInfo, Status, human_bytes
 from registry.fs import dedup as dedup_files
-from registry.fs.dedup import Linked, link_identical, unshare
-from registry.fs.store import (Written, check_written, discard, install, new_staging, remove_stale_staging,
+from registry.format.manifest import FileEntry
+from registry.format.safetensors import Encoded
+from registry.fs.dedup import Inode, Linked, Source, link_held, link_identical, unshare
+from registry.fs.store import (Reuse, Written, check_written, discard, install, new_staging, remove_stale_staging,
                                uninstall)
 from registry.ops.writers import writer_alive
 
@@ -101,13 +103,16 @@ class RecordOnly:
         pass
 
 
-def publish_sequence(catalog: Catalog, target: Target, write: Callable[[Path], Written],
+def publish_sequence(catalog: Catalog, target: Target, write: Callable[[Path, Reuse | None], Written],
                      hooks: CommitHooks) -> CheckpointInfo:
     """Phases 1-4: publish what ``write`` puts into a directory as ``target``'s step.
 
-    ``hooks`` make the commit record and hear whether it happened. Every
-    failure after the claim is undone before it is raised. Returns the step
-    as the catalog now has it (its path relative to the root).
+    ``write(staging, reuse)`` fills the directory; ``reuse`` (dedup on, a
+    verified publish) may store a file it is about to write as a link
+    instead (:class:`HeldSources`), or is None. ``hooks`` make the commit
+    record and hear whether it happened. Every failure after the claim is
+    undone before it is raised. Returns the step as the catalog now has it
+    (its path relative to the root).
     """
     started = time.perf_counter()
     run, step, final, root, writer = target.run, target.step, target.final, target.root, target.writer
@@ -120,11 +125,16 @@ def publish_sequence(catalog: Catalog, target: Target, write: Callable[[Path], W
                           writer_alive=writer_alive)
     crashpoint("after-claim")
     linked: list[Linked] = []
+    sources = HeldSources(catalog, root, run=run, step=step) if dedup and verify else None
 
     def write_then_link(staging: Path) -> Written:
-        written = write(staging)
-        if dedup and verify:
-            linked.extend(link_duplicates(catalog, staging, root, written, run=run, step=step))
+        written = write(staging, sources)
+        if sources is not None:
+            if sources.linked:
+                crashpoint("dedup-after-fsync")  # write() fsync'd the staging directory with the links in it
+            linked.extend(sources.linked)
+            linked.extend(link_duplicates(catalog, staging, root, written, run=run, step=step,
+                                          searched=sources.searched))
         return written
     written, status, retired = write_and_install(catalog, claim, final, write_then_link, verify=verify)
     info: CheckpointInfo | None = None
@@ -171,8 +181,12 @@ def payload_record(written: Written, status: str, *, epoch: int, consumed_sample
 
 
 def link_duplicates(catalog: Catalog, staging: Path, root: Path, written: Written, *, run: str,
-                    step: int) -> list[Linked]:
+                    step: int, searched: Collection[str] = ()) -> list[Linked]:
     """Dedup: store each large staged file that a verified step of ``run`` holds as a hard link to it.
+
+    After the write, for the files not ``searched`` before it
+    (:class:`HeldSources`): ``extra`` pickles, tensors that were not in CPU
+    memory as they are written.
 
     Only files :func:`registry.fs.dedup.linkable` allows; candidates are the
     catalog's file rows of the run's other verified steps with the same size
@@ -184,7 +198,7 @@ def link_duplicates(catalog: Catalog, staging: Path, root: Path, written: Writte
     nothing is linked, never a failed publish.
     """
     wanted = {(e.size, e.sha256): e.name for e in written.manifest.files.values()
-              if dedup_files.linkable(e.name, e.size)}
+              if dedup_files.linkable(e.name, e.size) and e.name not in searched}
     if not wanted:
         return []
     try:
@@ -203,6 +217,51 @@ def link_duplicates(catalog: Catalog, staging: Path, root: Path, written: Writte
         return []
     exclude = dedup_files.held(root / n.path for n in near)
     return link_identical(staging, candidates, exclude=exclude)
+
+
+class HeldSources:
+    """Dedup before writing (a :class:`registry.fs.store.Reuse`): link a file whose bytes a verified step holds.
+
+    For each large safetensors file about to be written, one catalog read
+    (:func:`registry.catalog.fallback.same_size_files`) names the files of
+    that size in the run's newest verified steps outside the new step's
+    fallback neighbours; :func:`registry.fs.dedup.link_held` finds the one
+    whose recorded xxh3 pieces are those of the bytes in memory, compares
+    them in full and links it, and nothing is written. A file of a size no
+    such step holds costs that one read. The same rules as
+    :func:`link_duplicates`: within the run, never an inode a neighbour
+    holds, bytes compared before linking; a catalog that cannot be asked
+    means the file is written.
+    """
+
+    def __init__(self, catalog: Catalog, root: Path, *, run: str, step: int) -> None:
+        self._catalog, self._root, self._run, self._step = catalog, root, run, step
+        self._exclude: dict[Inode, int] | None = None
+        self.linked: list[Linked] = []
+        self.searched: set[str] = set()
+
+    def link(self, staging: Path, name: str, encoded: Encoded) -> FileEntry | None:
+        size = encoded.size
+        if not dedup_files.linkable(name, size) or not encoded.in_memory():
+            return None  # a tensor to copy first: linked after the write, if at all (link_duplicates)
+        self.searched.add(name)
+        try:
+            near, files = same_size_files(self._catalog, self._run, self._step, size)
+        except CatalogError:
+            return None
+        if not files:
+            return None
+        if self._exclude is None:
+            self._exclude = dedup_files.held(self._root / n.path for n in near)
+        found = link_held(staging, name, encoded.lengths, encoded.buffer,
+                          [Source(step_dir=self._root / f.path, name=f.name, sha256=f.sha256,
+                                  manifest_sha256=f.manifest_sha256) for f in files],
+                          exclude=self._exclude)
+        if found is None:
+            return None
+        entry, path = found
+        self.linked.append(Linked(name=name, source=path, size=size))
+        return entry
 
 
 def keep_fallback_apart(catalog: Catalog, root: Path, run: str, *, excluding: Sequence[int] = ()) -> list[str]:
