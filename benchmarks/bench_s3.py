@@ -93,7 +93,7 @@ def main() -> None:
                 got: dict[str, float] = {}
                 step = 2 * rnd + 1
 
-                def publish(step: int = step) -> None:
+                def publish(step: int = step, got: dict[str, float] = got) -> None:
                     t = time.perf_counter()
                     info = reg.publish("bench", step, state)
                     got["publish"] = time.perf_counter() - t
@@ -110,14 +110,14 @@ def main() -> None:
                     got["raw get"] = time.perf_counter() - t
                     root.delete(e.rel for e in root.list(info.path.as_posix()))
 
-                def put(rnd: int = rnd) -> None:
+                def put(rnd: int = rnd, got: dict[str, float] = got) -> None:
                     key = f"raw/{rnd}/model.safetensors"
                     t = time.perf_counter()
                     raw_put(root, key, blob)
                     got["raw put"] = time.perf_counter() - t
                     root.delete([key])
 
-                def background(step: int = step + 1) -> None:
+                def background(step: int = step + 1, got: dict[str, float] = got) -> None:
                     t = time.perf_counter()
                     future = reg.publish("bench", step, state, blocking=False)
                     got["async"] = time.perf_counter() - t
