@@ -194,3 +194,9 @@ def test_server_trouble_marks_nothing(catalog_url: str, s3_env: s3server.Server,
             assert reg.catalog.get("run", 3).status == Status.FAILED
     finally:
         server.stop(kill=True)
+
+
+def test_broadcast_without_a_process_group_loads_from_the_bucket(s3reg: Registry) -> None:
+    s3reg.publish("run", 1, state(1))
+    ck = s3reg.load("run@latest", broadcast=True)
+    assert ck.step == 1 and torch.equal(ck.state_dict["layer.bias"], state(1)["layer.bias"])
