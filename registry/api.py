@@ -746,8 +746,8 @@ class Registry:
         ``UnknownMetricError`` (a ``PolicyError``) unless ``allow_missing_metrics``.
         A step that a live fork names as its parent is kept unless ``keep_fork_parents=False``.
         """
-        from registry.ops.retention import RetentionScope, make_plan
-        scope = RetentionScope(catalog=self.catalog, root=self.store.root, actor=self.writer)
+        from registry.ops.retention import FileDeletion, RetentionScope, make_plan
+        scope = RetentionScope(catalog=self.catalog, storage=FileDeletion(self.store.root), actor=self.writer)
         return make_plan(scope, run, policy, now=now, protect=protect or {},
                          allow_missing_metrics=allow_missing_metrics, keep_fork_parents=keep_fork_parents)
 

@@ -16,7 +16,9 @@ from tests import s3server
 
 @dataclass(frozen=True, kw_only=True)
 class Config:
-    endpoint: str
+    """The fields of ``ObjectConfig`` that signing reads, with other values than the root's."""
+
+    endpoint_url: str
     region: str = s3server.REGION
     bucket: str
     access_key_id: str | None = s3server.ACCESS_KEY
@@ -26,12 +28,12 @@ class Config:
 
 @pytest.fixture
 def config(s3_server: s3server.Server) -> Config:
-    return Config(endpoint=s3_server.endpoint, bucket=s3server.new_bucket(s3_server))
+    return Config(endpoint_url=s3_server.endpoint, bucket=s3server.new_bucket(s3_server))
 
 
 def test_signature_matches_the_aws_example() -> None:
     """AWS's published SigV4 example for S3 (GET /test.txt with a Range header, examplebucket)."""
-    aws = Config(endpoint="https://examplebucket.s3.amazonaws.com", bucket="examplebucket",
+    aws = Config(endpoint_url="https://examplebucket.s3.amazonaws.com", bucket="examplebucket",
                  access_key_id="AKIAIOSFODNN7EXAMPLE", secret_access_key="wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY")
     headers = multipart.sign(aws, "GET", "/test.txt", {}, payload_sha256=multipart.EMPTY_SHA256,
                              now=datetime(2013, 5, 24, tzinfo=timezone.utc), extra_headers={"Range": "bytes=0-9"})
@@ -83,9 +85,9 @@ def test_an_upload_left_by_a_killed_writer_is_found_and_aborted(config: Config,
 @pytest.mark.parametrize("fault", ["wrong-secret", "missing-bucket", "unreachable"])
 def test_faults_are_one_line_storage_errors(config: Config, fault: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(multipart, "BACKOFF_S", 0.0)
-    bad = {"wrong-secret": Config(endpoint=config.endpoint, bucket=config.bucket, secret_access_key="wrong"),
-           "missing-bucket": Config(endpoint=config.endpoint, bucket=config.bucket + "-missing"),
-           "unreachable": Config(endpoint="http://127.0.0.1:9", bucket=config.bucket)}[fault]
+    bad = {"wrong-secret": Config(endpoint_url=config.endpoint_url, bucket=config.bucket, secret_access_key="wrong"),
+           "missing-bucket": Config(endpoint_url=config.endpoint_url, bucket=config.bucket + "-missing"),
+           "unreachable": Config(endpoint_url="http://127.0.0.1:9", bucket=config.bucket)}[fault]
     with pytest.raises(StorageError) as caught:
         list(multipart.list_uploads(bad, "ckpt/"))
     assert isinstance(caught.value, RegistryError) and isinstance(caught.value, OSError)

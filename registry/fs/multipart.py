@@ -37,10 +37,10 @@ TIMEOUT_S = 30.0
 
 
 class SigningConfig(Protocol):
-    """What signing needs of a root's connection settings (``ObjectRoot``'s config record has these)."""
+    """What signing needs of a root's connection settings (``registry.fs.objects.ObjectConfig`` has these)."""
 
     @property
-    def endpoint(self) -> str: ...
+    def endpoint_url(self) -> str: ...
     @property
     def region(self) -> str: ...
     @property
@@ -80,7 +80,7 @@ def _hmac(key: bytes, text: str) -> bytes:
 def sign(config: SigningConfig, method: str, path: str, query: Mapping[str, str], *, payload_sha256: str,
          now: datetime, extra_headers: Mapping[str, str] | None = None) -> dict[str, str]:
     """The headers that authenticate one request (SigV4, service ``s3``); ``path`` is already URI-encoded."""
-    parts = urllib.parse.urlsplit(config.endpoint)
+    parts = urllib.parse.urlsplit(config.endpoint_url)
     amz_date = now.strftime("%Y%m%dT%H%M%SZ")
     day = amz_date[:8]
     headers = {"host": parts.netloc, "x-amz-content-sha256": payload_sha256, "x-amz-date": amz_date,
@@ -130,7 +130,7 @@ def request(config: SigningConfig, method: str, key: str = "", query: Mapping[st
     A status outside ``ok`` raises :class:`StorageError` (the server's trouble, never a verdict on a step).
     """
     query = dict(query or {})
-    parts = urllib.parse.urlsplit(config.endpoint)
+    parts = urllib.parse.urlsplit(config.endpoint_url)
     base = parts.path.rstrip("/")
     path = f"{base}/{_quote(config.bucket)}" + (f"/{_quote(key, safe='/')}" if key else "")
     target = path + ("?" + "&".join(f"{_quote(k)}={_quote(v)}" if v else _quote(k)
@@ -151,13 +151,13 @@ def request(config: SigningConfig, method: str, key: str = "", query: Mapping[st
                                                                              raw.getheaders()})
         except OSError as exc:  # refused, reset, timed out: the server's trouble, worth retrying
             if attempt == retries:
-                raise StorageError(f"S3 {method} {where}: cannot reach {config.endpoint}: "
+                raise StorageError(f"S3 {method} {where}: cannot reach {config.endpoint_url}: "
                                    f"{exc.strerror or exc} (after {retries + 1} tries)", url=where) from None
             time.sleep(BACKOFF_S * 2 ** attempt)
             continue
         except http.client.HTTPException as exc:
             if attempt == retries:
-                raise StorageError(f"S3 {method} {where}: bad answer from {config.endpoint}: {exc}",
+                raise StorageError(f"S3 {method} {where}: bad answer from {config.endpoint_url}: {exc}",
                                    url=where) from None
             time.sleep(BACKOFF_S * 2 ** attempt)
             continue
