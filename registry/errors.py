@@ -165,3 +165,19 @@ class StorageError(RegistryError, OSError):
     def __init__(self, message: str, *, url: str | None = None, **kwargs: object) -> None:
         super().__init__(message, **kwargs)  # type: ignore[arg-type]
         self.url = url
+
+
+class ObjectNotFoundError(RegistryError, FileNotFoundError):
+    """An object-store key that does not exist (``url`` names it): the caller decides whether a payload is missing."""
+
+    def __init__(self, message: str, *, url: str | None = None, **kwargs: object) -> None:
+        super().__init__(message, **kwargs)  # type: ignore[arg-type]
+        self.url = url
+
+
+class ObjectExistsError(RegistryError, FileExistsError):
+    """A create-only put refused: the key already exists (``url`` names it)."""
+
+    def __init__(self, message: str, *, url: str | None = None, **kwargs: object) -> None:
+        super().__init__(message, **kwargs)  # type: ignore[arg-type]
+        self.url = url

@@ -65,10 +65,15 @@ class CheckpointInfo:
     created_at: datetime | None = None
     verified_at: datetime | None = None
     writer: str | None = None
+    url: str | None = None  # the step's s3:// URL on an object-store root; None on a filesystem root
 
     def under(self, root: Path) -> CheckpointInfo:
         """This step with its path made absolute: the catalog records it relative to the checkpoint ``root``."""
         return replace(self, path=root / self.path)
+
+    def at(self, url: str) -> CheckpointInfo:
+        """This step on an object-store root: ``path`` stays relative, ``url`` is where its objects are."""
+        return replace(self, url=url)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -79,6 +84,7 @@ class CheckpointInfo:
             "manifest_sha256": self.manifest_sha256,
             "created_at": self.created_at.isoformat() if self.created_at else None,
             "verified_at": self.verified_at.isoformat() if self.verified_at else None,
+            "url": self.url,
         }
 
 

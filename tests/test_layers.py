@@ -59,7 +59,7 @@ TORCH_FREE = ("registry", "registry.catalog", "registry.catalog.queries", "regis
               "registry.views", "registry.cli.ui",
               "registry.web", "registry.catalog.lineage", "registry.fs.dedup", "registry.cli.lineage",
               "registry.cli.common", "registry.cli.runs", "registry.cli.maintenance", "registry.cli.main",
-              "registry.cli.docs")
+              "registry.cli.docs", "registry.fs.objects")
 # Every module of the format and filesystem folders.
 SQL_FREE = ("registry.retention", *(f"registry.{folder}.{path.stem}" for folder in ("format", "fs")
                                     for path in sorted((PACKAGE / folder).glob("*.py")) if path.stem != "__init__"))
