@@ -328,7 +328,7 @@ def make_plan(scope: RetentionScope, run: str, policy: Policy, *, now: datetime 
         decisions.append(Decision(step=c.step, status=c.status, action="keep" if keep else "delete",
                                   reasons=reasons or ("kept",),
                                   protected=c.step in protected, total_bytes=c.total_bytes,
-                                  path=Path(where.path), url=getattr(where, 'url', None)))
+                                  path=Path(where.path), url=where.url))
     return RetentionPlan(run=run, policy=policy, decisions=tuple(decisions), now=now,
                          protect=MappingProxyType(dict(protect)), allow_missing_metrics=allow_missing_metrics,
                          keep_fork_parents=keep_fork_parents, scope=scope,
@@ -405,7 +405,7 @@ def _execute(scope: RetentionScope, plan: RetentionPlan, progress: ProgressFn | 
             scope.storage.remove(row)
         except OSError as exc:
             where = scope.storage.locate(_deleted_info(plan.run, row))
-            errors[row.step] = f"cannot remove {getattr(where, 'url', None) or where.path}: {exc.strerror or exc}"
+            errors[row.step] = f"cannot remove {where.url or where.path}: {exc.strerror or exc}"
         counter.advance(1, item=f"{plan.run}@{row.step}")
     return RetentionResult(run=plan.run, deleted=tuple(r.step for r in marked), skipped=dict(skipped),
                            bytes_freed=freed, healed=healed, errors=errors, checkouts_removed=reclaimed)
