@@ -42,7 +42,7 @@ same states, with an attempt prefix in place of a directory, plus two:
 
 | kind | found | repair |
 |---|---|---|
-| orphan-prefix | an attempt prefix no row or live claim names (a retired overwrite, a failed attempt) | delete its objects |
+| orphan-prefix | attempt prefix no row or live claim names (an old overwritten payload) | delete its objects |
 | incomplete-upload | a multipart upload never completed, not of a live claim | abort it |
 
 A staging row whose writer is alive is reported in ``in_progress`` and left alone
