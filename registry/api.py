@@ -26,7 +26,7 @@ from registry.catalog import Catalog, CommitRecord, PayloadRecord
 from registry.catalog.lineage import LineageCatalog, LineageHop
 from registry.catalog.records import LineageRecord
 from registry.checkpoint import Checkpoint
-from registry.errors import InvalidStateError, ReadOnlyError, RegistryError, StepExistsError
+from registry.errors import InvalidStateError, ReadOnlyError, RegistryError, RootError, StepExistsError
 from registry.format.layout import step_dirname
 from registry.ops.attempts import Attempts, Fork
 from registry.ops.protocol import CommitHooks, RecordOnly, Target, publish_sequence
@@ -36,6 +36,7 @@ from registry.ops.scrub import VerifyResult, scrub
 from registry.fs.snapshot import Snapshotter
 from registry.fs.bounds import check_outside_root
 from registry.fs.filemaps import check_extras
+from registry.fs.objects import is_object_url
 from registry.fs.store import Payload, Store, Written, now_timestamp, write_payload
 from registry.ops.writers import writer_alive, writer_id
 from registry.format.safetensors import check_state_dict
@@ -43,6 +44,8 @@ from registry.fs.validation import check_flags, check_metrics, check_tags, check
 
 if TYPE_CHECKING:
     import torch
+
+    from registry.fs.objects import ObjectRoot
 
     from registry.distributed.sharded import ShardedLoad
     from registry.distributed.sharded_async import PublishGroups
@@ -58,9 +61,25 @@ log = logging.getLogger(__name__)
 
 
 def locations(url: str | None, root: str | os.PathLike[str] | None) -> tuple[Path, str]:
-    """The root and catalog URL after applying the environment and the defaults."""
-    root_path = Path(root if root is not None else os.environ.get("REGISTRY_ROOT", DEFAULT_ROOT)).absolute()
+    """The root and catalog URL after applying the environment and the defaults.
+
+    An ``s3://`` root (see :func:`object_locations`) comes back as ``Path(url)``; use that function for it.
+    """
+    chosen = root if root is not None else os.environ.get("REGISTRY_ROOT", DEFAULT_ROOT)
+    if is_object_url(str(chosen)):
+        _, catalog = object_locations(url, str(chosen))
+        return Path(str(chosen)), catalog
+    root_path = Path(chosen).absolute()
     return root_path, url or os.environ.get("REGISTRY_URL") or f"sqlite:///{Store.default_catalog(root_path)}"
+
+
+def object_locations(url: str | None, root: str) -> tuple[str, str]:
+    """An ``s3://`` root and its catalog URL, which must be given: a bucket holds no SQLite file."""
+    catalog = url or os.environ.get("REGISTRY_URL")
+    if not catalog:
+        raise RootError(f"an s3:// root ({root}) needs an explicit catalog URL (url=, $REGISTRY_URL or --url): "
+                        "a SQLite file on this machine for one machine, PostgreSQL for many")
+    return root, catalog
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,7 +89,6 @@ class _PublishJob:
     run: str
     step: int
     overwrite: bool
-    final: Path
     payload: Payload
     verify: bool
     new_metrics: tuple[tuple[int, str, float], ...]
@@ -83,11 +101,13 @@ class _PublishJob:
 class Registry:
     """A catalog plus a checkpoint root. Use :meth:`open`; close it (or use ``with``)."""
 
-    def __init__(self, *, catalog: Catalog, store: Store, url: str,
-                 lease_ttl: timedelta = timedelta(minutes=30), read_only: bool = False, dedup: bool = False) -> None:
+    def __init__(self, *, catalog: Catalog, store: Store | None, url: str,
+                 lease_ttl: timedelta = timedelta(minutes=30), read_only: bool = False, dedup: bool = False,
+                 objects: ObjectRoot | None = None) -> None:
         self.catalog = catalog
         self.dedup = dedup
-        self.store = store
+        self._store = store
+        self.objects = objects  # the object-store root (``s3://``); None for a filesystem root
         self.url = url
         self.read_only = read_only
         self.lease_ttl = lease_ttl
@@ -102,7 +122,8 @@ class Registry:
     @classmethod
     def open(cls, url: str | None = None, root: str | os.PathLike[str] | None = None, *,
              migrate: bool = True, lease_ttl: timedelta = timedelta(minutes=30), create: bool = True,
-             read_only: bool = False, rebind_root: bool = False, dedup: bool = False) -> Registry:
+             read_only: bool = False, rebind_root: bool = False, dedup: bool = False,
+             storage_options: Mapping[str, Any] | None = None) -> Registry:
         """Open the catalog and the root, and check that they belong together.
 
         ``root`` defaults to ``$REGISTRY_ROOT`` or ``./checkpoints``; ``url`` to
@@ -124,12 +145,25 @@ class Registry:
         ``dedup=True`` makes :meth:`publish` and :meth:`import_checkpoint` store
         large files a verified step of the same run holds as hard links (see
         :mod:`registry.fs.dedup` for what is never linked); off by default.
+
+        ``root`` may be ``s3://BUCKET/PREFIX``: an object-store root, which
+        needs an explicit ``url`` (or ``$REGISTRY_URL``). Its endpoint and
+        credentials come from the standard AWS environment, overridden by
+        ``storage_options`` (obstore's S3 configuration keys); they are never
+        logged, stored or shown. The bucket must exist. Dedup does not apply.
         """
         from registry.ops.binding import check_binding
         from registry.catalog.readonly import ReadOnlyCatalog
         from registry.catalog.session import cannot_write, open_engine
 
         check_flags(dedup=dedup)
+        chosen = root if root is not None else os.environ.get("REGISTRY_ROOT", DEFAULT_ROOT)
+        if is_object_url(str(chosen)):
+            return cls._open_objects(url, str(chosen), storage_options=storage_options, migrate=migrate,
+                                     lease_ttl=lease_ttl, create=create, read_only=read_only,
+                                     rebind_root=rebind_root, dedup=dedup)
+        if storage_options is not None:
+            raise RootError("storage_options apply to an s3:// root only")
         root_path, url = locations(url, root)
         read_only = read_only or cannot_write(url)
         created = [p for p in (root_path, *root_path.parents) if not p.exists()]
@@ -154,6 +188,50 @@ class Registry:
                         "Registry.open(create=False) refuses a missing one)", root_path)
         return cls(catalog=catalog, store=store, url=url, lease_ttl=lease_ttl, read_only=read_only,
                    dedup=bool(dedup))
+
+    @classmethod
+    def _open_objects(cls, url: str | None, root: str, *, storage_options: Mapping[str, Any] | None,
+                      migrate: bool, lease_ttl: timedelta, create: bool, read_only: bool, rebind_root: bool,
+                      dedup: bool) -> Registry:
+        """:meth:`open` of an ``s3://`` root: the bucket is checked, then the catalog opened and bound to it."""
+        from registry.ops.binding import check_binding
+        from registry.catalog.readonly import ReadOnlyCatalog
+        from registry.catalog.session import cannot_write, open_engine
+        from registry.fs.objects import ObjectRoot
+
+        if dedup:
+            raise RootError(f"dedup does not apply to an s3:// root ({root}): objects cannot be hard-linked")
+        root, url = object_locations(url, root)
+        objects = ObjectRoot.open(root, storage_options)
+        read_only = read_only or cannot_write(url)
+        catalog: Catalog | None = None
+        try:
+            catalog = (ReadOnlyCatalog.open(url) if read_only
+                       else Catalog(open_engine(url, migrate=migrate, create=create)))
+            check_binding(catalog, objects, url=catalog.engine.url.render_as_string(hide_password=True),
+                          bind=create and not read_only, rebind=rebind_root and not read_only)
+        except BaseException:
+            if catalog is not None:
+                catalog.close()
+            raise
+        return cls(catalog=catalog, store=None, url=url, lease_ttl=lease_ttl, read_only=read_only,
+                   objects=objects)
+
+    @property
+    def store(self) -> Store:
+        """The filesystem root's :class:`Store`; an ``s3://`` root has none (``RootError`` says so)."""
+        if self._store is None:
+            raise RootError(f"this needs a filesystem checkpoint root; {self.root_url} is an object-store root")
+        return self._store
+
+    @property
+    def root_url(self) -> str:
+        """The root as given to :meth:`open`: an absolute directory, or ``s3://BUCKET/PREFIX``."""
+        return self.objects.url() if self.objects is not None else str(self.store.root)
+
+    def placed(self, info: CheckpointInfo) -> CheckpointInfo:
+        """A catalog row as the API hands it out: its absolute path, or on an ``s3://`` root its URL."""
+        return reading.placed(self._reader(), info)
 
     def close(self) -> None:
         """Wait for background publishes, flush metrics, release everything.
@@ -275,6 +353,10 @@ class Registry:
         if dedup is not None:
             check_flags(dedup=dedup)
         dedup = self.dedup if dedup is None else bool(dedup)
+        if self.objects is not None and (sharded is not False or dedup):
+            what = "sharded publish" if sharded is not False else "dedup"
+            raise InvalidStateError(f"{what} is not supported on an s3:// root ({self.root_url}); publish a full "
+                                    "state dict, or use a filesystem root")
         if sharded is not False:
             return self._publish_sharded(run, step, state_dict, group=group, timeout=timeout, parent=parent,
                                          extra=extra,
@@ -298,9 +380,8 @@ class Registry:
                                   policy_version=policy_version, max_shard_size=max_shard_size,
                                   trust_pickle=trust_pickle, timestamp=now_timestamp())
 
-        job = _PublishJob(run=run, step=step, overwrite=overwrite, final=self.store.step_dir(run, step),
-                          payload=payload, verify=verify, new_metrics=tuple(new_metrics), tags=tags,
-                          retention=retention, lineage=lineage, dedup=dedup)
+        job = _PublishJob(run=run, step=step, overwrite=overwrite, payload=payload, verify=verify,
+                          new_metrics=tuple(new_metrics), tags=tags, retention=retention, lineage=lineage, dedup=dedup)
         if not blocking:
             return self._submit_publish(job)
         self._background.wait()  # publishes commit in call order, background ones first
@@ -343,7 +424,7 @@ class Registry:
             self._background.raise_error()
             if payload is not None:
                 job = _PublishJob(run=run, step=step, overwrite=options["overwrite"],
-                                  final=self.store.step_dir(run, step), payload=payload, verify=options["verify"],
+                                  payload=payload, verify=options["verify"],
                                   new_metrics=tuple(check_metrics(run, step, options["metrics"])),
                                   tags=tags, lineage=self._parent_lineage(parent), dedup=dedup)
                 if background:
@@ -385,16 +466,32 @@ class Registry:
             after=after)
 
     def _run_publish(self, job: _PublishJob) -> CheckpointInfo:
-        """The publish sequence (on the caller's thread, or the background publisher's), then its retention."""
-        info = publish_sequence(self.catalog, self._target(job), lambda staging: write_payload(staging, job.payload),
-                                self._hooks(job))
+        """The publish sequence (on the caller's thread, or the background publisher's), then its retention.
+
+        A filesystem root writes a staging directory renamed into place; an
+        ``s3://`` root uploads to a fresh attempt prefix (:mod:`registry.ops.objectlanding`).
+        """
+        target = self._target(job)
+        if self.objects is None:
+            info = publish_sequence(self.catalog, target, lambda staging: write_payload(staging, job.payload),
+                                    self._hooks(job))
+        else:
+            from registry.fs.objectwrite import upload_payload
+            from registry.ops.objectlanding import ObjectLanding
+            objects = self.objects
+            info = publish_sequence(self.catalog, target, lambda prefix: upload_payload(objects, prefix, job.payload),
+                                    self._hooks(job), ObjectLanding(objects, target.relpath))
         if job.retention is not None:
             self._retention_after_publish(job.run, job.step, job.retention)
-        return info.under(self.store.root)
+        return self.placed(info)
 
     def _target(self, job: _PublishJob) -> Target:
-        return Target(run=job.run, step=job.step, root=self.store.root,
-                      relpath=self.store.relpath(self.store.step_dir(job.run, job.step)), writer=self.writer,
+        if self.objects is not None:
+            from registry.ops.objectlanding import attempt_path
+            root, relpath = Path(self.objects.url()), attempt_path(job.run, job.step)
+        else:
+            root, relpath = self.store.root, self.store.relpath(self.store.step_dir(job.run, job.step))
+        return Target(run=job.run, step=job.step, root=root, relpath=relpath, writer=self.writer,
                       overwrite=job.overwrite, verify=job.verify, dedup=job.dedup, epoch=job.payload.meta["epoch"],
                       consumed_samples=job.payload.meta["consumed_samples"])
 
@@ -440,7 +537,7 @@ class Registry:
 
         Raises ``CheckpointNotFoundError`` where it names none; reads nothing from the root.
         """
-        return self.catalog.resolve(parse_ref(ref)).under(self.store.root)
+        return self.placed(self.catalog.resolve(parse_ref(ref)))
 
     def checkpoints(self, run: str, include_deleted: bool = False, *,
                     policy_version: int | None = None) -> list[CheckpointInfo]:
@@ -449,7 +546,7 @@ class Registry:
         ``policy_version`` keeps only the steps published under that version of the training policy.
         """
         check_run_name(run)
-        return [i.under(self.store.root) for i in self.catalog.checkpoints(
+        return [self.placed(i) for i in self.catalog.checkpoints(
             run, include_deleted=include_deleted, policy_version=policy_version)]
 
     def runs(self) -> list[RunInfo]:
@@ -614,8 +711,8 @@ class Registry:
         return result
 
     def _reader(self) -> reading.ReadAccess:
-        return reading.ReadAccess(catalog=self.catalog, root=self.store.root, holder=self.writer,
-                                  lease_ttl=self.lease_ttl)
+        return reading.ReadAccess(catalog=self.catalog, root=self._store.root if self._store is not None else Path(),
+                                  holder=self.writer, lease_ttl=self.lease_ttl, objects=self.objects)
 
     def read_checked(self, info: CheckpointInfo, *, verify: bool, map_location: Any,
                      trust_pickle: bool) -> Any:
@@ -699,7 +796,7 @@ class Registry:
         if min_policy_version is not None:
             check_step(min_policy_version)
         ref = Ref(run=run, kind="latest-published" if published else "latest")
-        return self.catalog.resolve(ref, min_policy_version=min_policy_version).under(self.store.root)
+        return self.placed(self.catalog.resolve(ref, min_policy_version=min_policy_version))
 
     def wait_for_new(self, run: str, after_step: int | None = None, timeout: float | None = None, *,
                      newest: bool = False, min_policy_version: int | None = None) -> CheckpointInfo | None:
@@ -717,7 +814,7 @@ class Registry:
         from registry.ops.follow import Follower
         with Follower(self.catalog, run, newest=newest, min_policy_version=min_policy_version) as follower:
             info = follower.wait(after_step, timeout=timeout)
-        return info.under(self.store.root) if info is not None else None
+        return self.placed(info) if info is not None else None
 
     def follow(self, run: str, after_step: int | None = None, *, timeout: float | None = None,
                newest: bool = False, min_policy_version: int | None = None) -> Iterator[CheckpointInfo]:
@@ -731,7 +828,7 @@ class Registry:
         with Follower(self.catalog, run, newest=newest, min_policy_version=min_policy_version) as follower:
             while (info := follower.wait(after_step, timeout=timeout)) is not None:
                 after_step = info.step
-                yield info.under(self.store.root)
+                yield self.placed(info)
 
     # ------------------------------------------------------------------ retention
 
@@ -823,7 +920,7 @@ class Registry:
                                                                             progress=progress), RecordOnly(record))
         if move:
             remove_originals(foreign)
-        return info.under(self.store.root)
+        return self.placed(info)
 
     # ------------------------------------------------------------------ lineage and diff
 
@@ -928,7 +1025,7 @@ class Registry:
 
     def __repr__(self) -> str:
         url = self.catalog.engine.url.render_as_string(hide_password=True)
-        return f"Registry(url={url!r}, root={str(self.store.root)!r})"
+        return f"Registry(url={url!r}, root={self.root_url!r})"
 
 
 __all__ = ["Registry", "VerifyResult", "RegistryError", "step_dirname"]

@@ -275,7 +275,8 @@ class Catalog:
             if row.status == Status.STAGING:
                 self.record_event(conn, run_id, step, "takeover", actor=writer, dead_writer=row.writer)
                 taken_from.append(row.writer)
-            return Claim(checkpoint_id=row.id, run_id=run_id, previous_status=previous)
+            return Claim(checkpoint_id=row.id, run_id=run_id, previous_status=previous,
+                         previous_path=row.path if previous is not None else None)
         taken_from: list[str | None] = []
         claim: Claim = self.write(fn)
         if taken_from:
@@ -315,15 +316,17 @@ class Catalog:
         """Undo phase 1 after a failure: the row returns to its previous status, or ``failed``.
 
         A live step returns only with its payload intact; a ``deleted`` one
-        always does (gc removes whatever is left of it).
+        always does (gc removes whatever is left of it). A restored row gets
+        its previous path back (an object-store attempt's prefix differs).
         """
         def fn(conn: Connection) -> None:
             restore = (claim.previous_status == Status.DELETED
                        or claim.previous_status in HAS_PAYLOAD and old_payload_intact)
             status = claim.previous_status if restore else Status.FAILED
+            path = {"path": claim.previous_path} if restore and claim.previous_path is not None else {}
             conn.execute(update(CheckpointRow).where(CheckpointRow.id == claim.checkpoint_id,
                                                      CheckpointRow.status == Status.STAGING)
-                         .values(status=status, updated_at=utcnow()))
+                         .values(status=status, updated_at=utcnow(), **path))
             step = conn.scalar(select(CheckpointRow.step).where(CheckpointRow.id == claim.checkpoint_id))
             self.record_event(conn, claim.run_id, step, "publish-failed", reason=reason, restored=restore)
         self.write(fn)

@@ -29,6 +29,7 @@ class Claim:
     checkpoint_id: int
     run_id: int
     previous_status: str | None
+    previous_path: str | None = None  # the row's path before the claim: where an overwritten payload lives
 
 
 @dataclass(frozen=True, kw_only=True)

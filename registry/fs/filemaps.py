@@ -33,7 +33,7 @@ import os
 import pickle
 import re
 import zipfile
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -178,6 +178,18 @@ def _map_directory(directory: Path, *, extras: Extras, verify: bool, expected_di
             check_file_digest(directory, entry, host_view(buffers[name]))
         return buffers[name]
 
+    owner = read_plan(directory, manifest, present, extras, add, buffers)
+    for name in sorted(present - buffers.keys()) if listed is not None else ():
+        _check_listed_exists(directory, name)
+    return MappedFiles(directory=directory, buffers=buffers, manifest=manifest, manifest_sha256=digest, owner=owner)
+
+
+def read_plan(directory: Path, manifest: Manifest | None, present: set[str], extras: Extras,
+              add: Callable[[str], torch.Tensor], buffers: Mapping[str, torch.Tensor]) -> dict[str, str] | None:
+    """Read, through ``add(name)``, exactly the files a load with ``extras`` needs; return the index's weight map.
+
+    ``present``: the files the step has; ``buffers``: those read so far (``add`` fills it).
+    """
     for name in (META, CONFIG):
         if name in present:
             add(name)
@@ -195,9 +207,7 @@ def _map_directory(directory: Path, *, extras: Extras, verify: bool, expected_di
         raise CorruptCheckpointError(f"no model weights in {directory}", path=directory)
     for name in select_extras(directory, present, extras):
         add(name)
-    for name in sorted(present - buffers.keys()) if listed is not None else ():
-        _check_listed_exists(directory, name)
-    return MappedFiles(directory=directory, buffers=buffers, manifest=manifest, manifest_sha256=digest, owner=owner)
+    return owner
 
 
 def _check_listed_exists(directory: Path, name: str) -> None:

@@ -177,6 +177,9 @@ class HashingWriter:
         self.path = path
         # 0o666: the process umask decides the mode, as it does for a plain open()
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+        self._begin()
+
+    def _begin(self) -> None:
         self._hasher = Hasher(sha256=True, xxh3=False)
         self._pieces = PieceHasher()
         self._buf = bytearray()
@@ -217,6 +220,10 @@ class HashingWriter:
     def _put(self, piece: memoryview | bytearray) -> None:
         self._hasher.update(piece)
         self._pieces.update(piece)  # inline: xxh3 keeps up with the disk, sha256 is the worker's
+        self._emit(piece)
+
+    def _emit(self, piece: memoryview | bytearray) -> None:
+        """Hand one hashed piece to the file (a subclass sends it elsewhere)."""
         _write_all(self._fd, piece)
         self._on_disk += len(piece)
         if self._on_disk - self._synced_to >= WRITEBACK:

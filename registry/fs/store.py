@@ -151,10 +151,7 @@ def write_payload(staging: Path, payload: Payload) -> Written:
 
 
 def _write_files(staging: Path, payload: Payload, syncing: list[Future[None]]) -> Written:
-    entries: dict[str, FileEntry] = {}
-    heads: dict[str, bytes] = {}
-
-    def put(name: str, writer_fn: Any) -> str:
+    def put(name: str, writer_fn: Callable[[Any], object]) -> FileEntry:
         for done in syncing:  # an fsync already failed: stop writing, never retry it
             if done.done() and done.exception() is not None:
                 raise done.exception()  # type: ignore[misc]
@@ -165,35 +162,56 @@ def _write_files(staging: Path, payload: Payload, syncing: list[Future[None]]) -
             out.abort()
             raise
         syncing.append(out.close_later(_SYNC_POOL.submit))
-        assert out.sha256 is not None
-        entries[name] = FileEntry(name=name, size=out.size, sha256=out.sha256, piece_size=out.piece_size,
-                                  xxh3_128_pieces=out.xxh3_128_pieces)
-        return out.sha256
+        return entry_of(name, out)
+
+    return write_files(payload, put)
+
+
+def entry_of(name: str, out: HashingWriter) -> FileEntry:
+    """The manifest entry of a file ``out`` has finished writing (and hashing)."""
+    assert out.sha256 is not None
+    return FileEntry(name=name, size=out.size, sha256=out.sha256, piece_size=out.piece_size,
+                     xxh3_128_pieces=out.xxh3_128_pieces)
+
+
+def write_files(payload: Payload, put: Callable[[str, Callable[[Any], object]], FileEntry]) -> Written:
+    """Every file of ``payload``, manifest last, through ``put(name, fill)``: what a checkpoint holds, once.
+
+    ``put`` opens file ``name`` wherever the payload goes (a staging
+    directory, an attempt prefix in a bucket), lets ``fill(out)`` write it
+    and returns its finished entry.
+    """
+    entries: dict[str, FileEntry] = {}
+    heads: dict[str, bytes] = {}
+
+    def add(name: str, writer_fn: Any) -> str:
+        entries[name] = put(name, writer_fn)
+        return entries[name].sha256
 
     meta_raw = payload.meta_json if payload.meta_json is not None else json_bytes(payload.meta, "meta")
     config_raw = payload.config_json if payload.config_json is not None else json_bytes(payload.config, "config")
-    put(META, lambda out: out.write(meta_raw))
-    put(CONFIG, lambda out: out.write(config_raw))
+    add(META, lambda out: out.write(meta_raw))
+    add(CONFIG, lambda out: out.write(config_raw))
     state = payload.state_dict
     if payload.max_shard_size is None:
-        put(WEIGHTS, lambda out: heads.__setitem__(WEIGHTS, write_safetensors(out, state, {"format": "pt"})))
+        add(WEIGHTS, lambda out: heads.__setitem__(WEIGHTS, write_safetensors(out, state, {"format": "pt"})))
     else:
         groups = _shards(state, payload.max_shard_size)
         weight_map: dict[str, str] = {}
         for i, names in enumerate(groups, start=1):
             shard = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
-            put(shard, lambda out, names=names, shard=shard: heads.__setitem__(shard, write_safetensors(
+            add(shard, lambda out, names=names, shard=shard: heads.__setitem__(shard, write_safetensors(
                 out, {n: state[n] for n in names}, {"format": "pt"})))
             weight_map.update({n: shard for n in names})
         total = sum(t.numel() * t.element_size() for t in state.values())
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         index_raw = json_bytes(index, "weights index")
-        put(WEIGHTS_INDEX, lambda out: out.write(index_raw))
+        add(WEIGHTS_INDEX, lambda out: out.write(index_raw))
     import torch
     for key, value in payload.extra.items():
         name = check_file_name(f"{key}.pt")
         try:
-            put(name, lambda out, value=value: torch.save(value, out))
+            add(name, lambda out, value=value: torch.save(value, out))
         except (pickle.PicklingError, AttributeError, TypeError) as exc:
             raise InvalidStateError(f"extra {key!r} cannot be saved: {exc}") from None
 
@@ -204,7 +222,7 @@ def _write_files(staging: Path, payload: Payload, syncing: list[Future[None]]) -
         policy_version=payload.meta.get("policy_version"),
     )
     raw = manifest.encode()
-    manifest_sha256 = put(MANIFEST, lambda out: out.write(raw))
+    manifest_sha256 = add(MANIFEST, lambda out: out.write(raw))
     return Written(manifest=manifest, manifest_sha256=manifest_sha256,
                    total_bytes=manifest.total_bytes + len(raw), heads=heads)
 

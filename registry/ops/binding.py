@@ -28,34 +28,49 @@ import socket
 from registry.catalog.identity import Identity, live_paths, locked_identity, read_identity, record_binding
 from registry.catalog.queries import Catalog
 from registry.errors import RootMismatchError
+from registry.format.layout import REGISTRY_DIR, ROOT_MARKER
+from registry.fs.objects import ObjectRoot
 from registry.fs.store import Store
+
+Root = Store | ObjectRoot  # a directory, or an s3:// prefix (whose marker is written create-only)
 
 EVIDENCE_ROWS = 64  # how many of the newest live checkpoints an unbound catalog looks for under a new root
 
 
-def _mismatch(store: Store, url: str, identity: Identity, marker: str | None) -> RootMismatchError:
-    root = store.root
+def _where(store: Root) -> str:
+    return store.url() if isinstance(store, ObjectRoot) else str(store.root)
+
+
+def _holds(store: Root, relpath: str) -> bool:
+    if isinstance(store, ObjectRoot):
+        return store.head(f"{relpath}/manifest.json") is not None
+    return (store.root / relpath).is_dir()
+
+
+def _mismatch(store: Root, url: str, identity: Identity, marker: str | None) -> RootMismatchError:
+    root = _where(store)
     if marker is not None:
         why = (f"it is bound to another catalog (id {marker}), not to {url} (id {identity.catalog_id}); "
                "pass the --root and --url that belong together")
     else:
-        why = (f"it has no {store.marker.relative_to(root)} but catalog {url} is bound to a root "
+        why = (f"it has no {REGISTRY_DIR}/{ROOT_MARKER} but catalog {url} is bound to a root "
                f"(bound from {identity.root_hint}); a wrong or unmounted path? Each host passes its own mount "
                "of that root as --root")
-    return RootMismatchError(f"checkpoint root {root} does not belong to the catalog: {why}", path=root)
+    return RootMismatchError(f"checkpoint root {root} does not belong to the catalog: {why}",
+                             path=None if isinstance(store, ObjectRoot) else store.root)
 
 
-def _no_evidence(store: Store, url: str, paths: list[str]) -> RootMismatchError | None:
+def _no_evidence(store: Root, url: str, paths: list[str]) -> RootMismatchError | None:
     """Refusal of a root that holds none of ``paths``, the catalog's newest live checkpoints (if it has any)."""
-    if not paths or any((store.root / p).is_dir() for p in paths):
+    if not paths or any(_holds(store, p) for p in paths):
         return None
     return RootMismatchError(
-        f"checkpoint root {store.root} holds none of the newest {len(paths)} checkpoints of catalog {url} "
+        f"checkpoint root {_where(store)} holds none of the newest {len(paths)} checkpoints of catalog {url} "
         f"(such as {paths[0]}): a wrong or unmounted path? If it is the right root, run "
-        "'registry db bind-root'", path=store.root)
+        "'registry db bind-root'", path=None if isinstance(store, ObjectRoot) else store.root)
 
 
-def check_binding(catalog: Catalog, store: Store, *, url: str, bind: bool, rebind: bool = False) -> None:
+def check_binding(catalog: Catalog, store: Root, *, url: str, bind: bool, rebind: bool = False) -> None:
     """Accept, bind or refuse ``store``'s root for ``catalog`` (see the module's rules).
 
     ``bind=False`` (readers) checks the same rules and writes nothing.
@@ -74,7 +89,7 @@ def check_binding(catalog: Catalog, store: Store, *, url: str, bind: bool, rebin
             if refusal is not None:
                 raise refusal
         return
-    hint = f"{socket.gethostname()}:{store.root}"
+    hint = f"{socket.gethostname()}:{_where(store)}"
     wrote = False
     try:
         with locked_identity(catalog.engine) as (conn, identity):
@@ -89,7 +104,10 @@ def check_binding(catalog: Catalog, store: Store, *, url: str, bind: bool, rebin
                 refusal = _no_evidence(store, url, live_paths(conn, limit=EVIDENCE_ROWS))
                 if refusal is not None:
                     raise refusal
-            store.write_marker(identity.catalog_id, bound_from=hint)
+            if isinstance(store, ObjectRoot):
+                store.write_marker(identity.catalog_id, bound_from=hint, overwrite=rebind)
+            else:
+                store.write_marker(identity.catalog_id, bound_from=hint)
             wrote = marker != identity.catalog_id
             record_binding(conn, hint=hint)
     except BaseException:

@@ -28,19 +28,19 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from registry.catalog import Catalog, Claim, CommitRecord, FileRecord, PayloadRecord
 from registry.catalog.fallback import neighbours, newest_verified
 from registry.catalog.lineage import identical_files
 from registry.crashpoints import crashpoint
-from registry.errors import CatalogError, CorruptCheckpointError, PublishError, RegistryError
+from registry.errors import CatalogError, CorruptCheckpointError, PublishError, RegistryError, StorageError
 from registry.format.layout import hidden_sibling
 from registry.records import CheckpointInfo, Status, human_bytes
 from registry.fs import dedup as dedup_files
 from registry.fs.dedup import Linked, link_identical, unshare
-from registry.fs.store import (Written, check_written, discard, install, new_staging, remove_stale_staging,
-                               uninstall)
+from registry.fs.store import (FileProblem, Written, check_written, discard, install, new_staging,
+                               remove_stale_staging, uninstall)
 from registry.ops.writers import writer_alive
 
 log = logging.getLogger(__name__)
@@ -101,18 +101,22 @@ class RecordOnly:
         pass
 
 
-def publish_sequence(catalog: Catalog, target: Target, write: Callable[[Path], Written],
-                     hooks: CommitHooks) -> CheckpointInfo:
-    """Phases 1-4: publish what ``write`` puts into a directory as ``target``'s step.
+def publish_sequence(catalog: Catalog, target: Target, write: Callable[[Any], Written],
+                     hooks: CommitHooks, landing: Landing | None = None) -> CheckpointInfo:
+    """Phases 1-4: publish what ``write`` puts where ``landing`` says as ``target``'s step.
 
-    ``hooks`` make the commit record and hear whether it happened. Every
-    failure after the claim is undone before it is raised. Returns the step
-    as the catalog now has it (its path relative to the root).
+    ``landing`` defaults to a staging directory renamed to ``target.final``
+    (:class:`DirectoryLanding`); ``write`` gets what the landing prepared (the
+    staging directory, or an object store's attempt prefix). ``hooks`` make
+    the commit record and hear whether it happened. Every failure after the
+    claim is undone before it is raised. Returns the step as the catalog now
+    has it (its path relative to the root).
     """
     started = time.perf_counter()
     run, step, final, root, writer = target.run, target.step, target.final, target.root, target.writer
     verify, dedup = target.verify, target.dedup
-    if target.overwrite and not verify:
+    landing = landing if landing is not None else DirectoryLanding(final)
+    if target.overwrite and not verify and landing.links:
         # the step leaves the verified chain while it is replaced: the two verified steps that then are the
         # newest must not share an inode, before the old payload goes
         keep_fallback_apart(catalog, root, run, excluding=(step,))
@@ -126,7 +130,7 @@ def publish_sequence(catalog: Catalog, target: Target, write: Callable[[Path], W
         if dedup and verify:
             linked.extend(link_duplicates(catalog, staging, root, written, run=run, step=step))
         return written
-    written, status, retired = write_and_install(catalog, claim, final, write_then_link, verify=verify)
+    written, status, retired = write_and_install(catalog, claim, landing, write_then_link, verify=verify)
     info: CheckpointInfo | None = None
     try:  # from here on, anything (even a KeyboardInterrupt) must reach commit_failed's undo
         info = catalog.commit_publish(claim, hooks.record(payload_record(written, status, epoch=target.epoch,
@@ -137,11 +141,11 @@ def publish_sequence(catalog: Catalog, target: Target, write: Callable[[Path], W
         try:
             hooks.failed()
         finally:
-            commit_failed(catalog, claim, run=run, step=step, writer=writer, final=final, retired=retired,
+            commit_failed(catalog, claim, run=run, step=step, writer=writer, landing=landing, retired=retired,
                           exc=exc)
     hooks.done()
     if retired is not None:
-        discard(retired)
+        landing.settle(retired)
     crashpoint("after-commit")
     if linked:
         try:  # a step of the run published beside this one meanwhile; the publish itself has succeeded
@@ -224,45 +228,127 @@ def keep_fallback_apart(catalog: Catalog, root: Path, run: str, *, excluding: Se
     return unshare(root / newest[0].path, root / newest[1].path)
 
 
-def write_and_install(catalog: Catalog, claim: Claim, final: Path, write: Callable[[Path], Written], *,
-                      verify: bool) -> tuple[Written, str, Path | None]:
-    """Phases 2 and 3: ``write`` fills a fresh staging directory, which then replaces ``final``.
+class Landing(Protocol):
+    """Where phases 2 and 3 put a payload: how it is prepared, checked, installed, discarded and retired.
+
+    ``prepare`` returns what ``write`` fills (a staging directory, an attempt
+    prefix); ``install`` makes it the step's payload and returns the retired
+    old one (or None), kept until the commit; ``undo`` reverses ``install``
+    after a failed commit, returning whether the old payload is back;
+    ``settle`` discards the retired payload once the commit happened.
+    ``links``: payloads may share inodes (dedup), so the fallback chain is kept apart.
+    """
+
+    links: bool
+
+    @property
+    def where(self) -> str: ...
+
+    @property
+    def path(self) -> Path | None: ...
+
+    def prepare(self, claim: Claim) -> Any: ...
+
+    def check(self, dest: Any, written: Written) -> list[FileProblem]: ...
+
+    def install(self, dest: Any) -> Any: ...
+
+    def discard(self, dest: Any) -> None: ...
+
+    def old_intact(self) -> bool: ...
+
+    def undo(self, dest: Any, retired: Any) -> bool: ...
+
+    def settle(self, retired: Any) -> None: ...
+
+    def failure(self, exc: OSError) -> RegistryError: ...
+
+
+@dataclass
+class DirectoryLanding:
+    """A filesystem root's landing: a hidden staging sibling, fsync'd, then renamed to ``final``."""
+
+    final: Path
+    links: bool = True
+
+    @property
+    def where(self) -> str:
+        return str(self.final)
+
+    @property
+    def path(self) -> Path:
+        return self.final
+
+    def prepare(self, claim: Claim) -> Path:
+        remove_stale_staging(self.final)
+        return new_staging(self.final)
+
+    def check(self, dest: Path, written: Written) -> list[FileProblem]:
+        return check_written(dest, written)
+
+    def install(self, dest: Path) -> Path | None:
+        return install(dest, self.final, keep_retired=True)
+
+    def discard(self, dest: Path) -> None:
+        discard(dest)
+
+    def old_intact(self) -> bool:
+        try:
+            return self.final.is_dir()
+        except OSError:
+            return False
+
+    def undo(self, dest: Path, retired: Path | None) -> bool:
+        parked = hidden_sibling(self.final, "tmp")  # a name only: making a directory can fail on a full disk
+        try:
+            uninstall(parked, self.final, retired)
+        finally:
+            discard(parked)
+        return retired is not None
+
+    def settle(self, retired: Path) -> None:
+        discard(retired)
+
+    def failure(self, exc: OSError) -> RegistryError:
+        return PublishError(f"could not publish {self.final}: {os_cause(exc, self.final)}",
+                            errno=exc.errno, path=self.final)
+
+
+def write_and_install(catalog: Catalog, claim: Claim, landing: Landing, write: Callable[[Any], Written], *,
+                      verify: bool) -> tuple[Written, str, Any]:
+    """Phases 2 and 3: ``write`` fills what ``landing`` prepared, which then becomes the step's payload.
 
     Returns what was written, the status it earned and the retired old
     payload (kept until the catalog commit, see :func:`commit_failed`).
     """
-    staging: Path | None = None
+    dest: Any = None
     installed = False
     try:
-        remove_stale_staging(final)
-        staging = new_staging(final)
+        dest = landing.prepare(claim)
         with heartbeat(catalog, claim):
-            written = write(staging)
+            written = write(dest)
         crashpoint("after-write")
         status = Status.PUBLISHED
         if verify:
-            problems = check_written(staging, written)
+            problems = landing.check(dest, written)
             if problems:
                 raise CorruptCheckpointError(
-                    f"read-back of {final} failed: {problems[0].name}: {problems[0].problem}", path=final)
+                    f"read-back of {landing.where} failed: {problems[0].name}: {problems[0].problem}",
+                    path=landing.path)
             status = Status.VERIFIED
-        retired = install(staging, final, keep_retired=True)
+        retired = landing.install(dest)
         installed = True
         return written, status, retired
     except BaseException as exc:
-        if staging is not None:
-            discard(staging)
-        try:
-            intact = not installed and final.is_dir()
-        except OSError:
-            intact = False
+        if dest is not None:
+            landing.discard(dest)
+        intact = not installed and landing.old_intact()
         try:
             catalog.abort_claim(claim, reason=str(exc) or type(exc).__name__, old_payload_intact=intact)
         except Exception:
             pass  # fsck repairs a staging row whose writer is gone
-        if isinstance(exc, OSError):
-            raise PublishError(f"could not publish {final}: {os_cause(exc, final)}",
-                               errno=exc.errno, path=final) from exc
+        if isinstance(exc, OSError) and not isinstance(exc, StorageError):
+            raise landing.failure(exc) from exc
         raise
 
 
@@ -349,8 +435,8 @@ if hasattr(os, "register_at_fork"):  # a forked child starts with no beats, and 
     os.register_at_fork(after_in_child=_BEATS.reset)
 
 
-def commit_failed(catalog: Catalog, claim: Claim, *, run: str, step: int, writer: str, final: Path,
-                  retired: Path | None, exc: BaseException) -> None:
+def commit_failed(catalog: Catalog, claim: Claim, *, run: str, step: int, writer: str, landing: Landing,
+                  retired: Any, exc: BaseException) -> None:
     """The catalog commit failed: put the old payload back, unless the commit happened after all.
 
     A commit error can be ambiguous (the connection died during COMMIT), so
@@ -366,23 +452,20 @@ def commit_failed(catalog: Catalog, claim: Claim, *, run: str, step: int, writer
     if row is not None and not (row.status == Status.STAGING and row.writer == writer):
         return
     undo_error: OSError | None = None
+    intact = False
     try:
-        parked = hidden_sibling(final, "tmp")  # a name only: making a directory can fail on a full disk
-        try:
-            uninstall(parked, final, retired)
-        finally:
-            discard(parked)
+        intact = landing.undo(None, retired)
     except OSError as err:
         undo_error = err  # fsck restores a retired payload left without its final directory
     try:
         catalog.abort_claim(claim, reason=str(exc) or type(exc).__name__,
-                            old_payload_intact=retired is not None and undo_error is None)
+                            old_payload_intact=intact and undo_error is None)
     except Exception:
         pass  # fsck repairs a staging row whose writer is gone
     if undo_error is not None:
         raise PublishError(f"could not record {run}@{step} in the catalog nor undo its rename: "
-                           f"{os_cause(undo_error, final)}; run 'registry fsck --repair'",
-                           errno=undo_error.errno, path=final, run=run, step=step) from exc
+                           f"{os_cause(undo_error, Path(landing.where))}; run 'registry fsck --repair'",
+                           errno=undo_error.errno, path=landing.path, run=run, step=step) from exc
     if isinstance(exc, CatalogError) or (isinstance(exc, Exception) and not isinstance(exc, RegistryError)):
         raise CatalogError(f"could not record {run}@{step} in the catalog, nothing was published: "
                            f"{_first_line(exc)}", run=run, step=step) from exc

@@ -37,6 +37,7 @@ from registry.fs.filemaps import Extras, Loaded, check_manifest_digest, read_dir
 
 if TYPE_CHECKING:
     from registry.catalog import Catalog
+    from registry.fs.objects import ObjectRoot
 
 log = logging.getLogger(__name__)
 MAX_RACES = 8  # resolves in a row that lost a race to a writer or gc before giving up
@@ -57,15 +58,40 @@ class Access(Protocol):
     @property
     def lease_ttl(self) -> timedelta: ...
 
+    @property
+    def objects(self) -> ObjectRoot | None: ...
+
 
 @dataclass(frozen=True, kw_only=True)
 class ReadAccess:
-    """A plain :class:`Access`: the catalog, the root, who holds the leases, for how long."""
+    """A plain :class:`Access`: the catalog, the root, who holds the leases, for how long.
+
+    ``objects``: the object-store root when the root is ``s3://`` (``root`` is then unused).
+    """
 
     catalog: Catalog
     root: Path
     holder: str
     lease_ttl: timedelta
+    objects: ObjectRoot | None = None
+
+
+def placed(access: Access, info: CheckpointInfo) -> CheckpointInfo:
+    """A catalog row where readers find it: its path made absolute, or on an object store its ``url`` set."""
+    if access.objects is not None:
+        return info.at(access.objects.url(info.path.as_posix()))
+    return info.under(access.root)
+
+
+def read_step(access: Access, info: CheckpointInfo, *, verify: bool, map_location: Any, trust_pickle: bool,
+              extras: Extras = True) -> Loaded:
+    """Read a placed step's payload from its directory or its attempt prefix, matched against the catalog's digest."""
+    if access.objects is not None:
+        from registry.fs.objectread import read_objects
+        return read_objects(access.objects, info.path.as_posix(), verify=verify, trust_pickle=trust_pickle,
+                            map_location=map_location, extras=extras, expected_digest=info.manifest_sha256)
+    return read_directory(info.path, verify=verify, trust_pickle=trust_pickle, map_location=map_location,
+                          extras=extras, expected_digest=info.manifest_sha256)
 
 
 def acquire_lease(access: Access, info: CheckpointInfo) -> int:
@@ -108,7 +134,7 @@ class CatalogRead:
         self.release()
         while True:
             raw = self.access.catalog.resolve(self.ref, below=self.below)
-            info = raw.under(self.access.root)
+            info = placed(self.access, raw)
             if info.status == Status.CORRUPT:
                 raise CorruptCheckpointError(f"{self.ref} is marked corrupt (step {info.step}); "
                                              "run 'registry verify' after repairing it",
@@ -183,7 +209,9 @@ class CatalogRead:
     def _local_trouble(self, info: CheckpointInfo, exc: CheckpointReadError) -> CheckpointReadError:
         root = self.access.root
         where = f"{info.run}@{info.step}"
-        if not root.is_dir():
+        if self.access.objects is not None:
+            why = f"cannot read {where}: {exc}"
+        elif not root.is_dir():
             why = (f"cannot read {where}: the checkpoint root {root} is not there on this host "
                    "(is the shared filesystem mounted?)")
         elif exc.path is not None and exc.path == info.path and not info.path.exists():
@@ -205,8 +233,8 @@ def read_checked(access: Access, info: CheckpointInfo, *, verify: bool, map_loca
     """Read ``info``'s directory under a reader lease and match it against the catalog."""
     lease = acquire_lease(access, info)
     try:
-        loaded = read_directory(info.path, verify=verify, trust_pickle=trust_pickle, map_location=map_location,
-                                extras=extras, expected_digest=info.manifest_sha256)
+        loaded = read_step(access, info, verify=verify, map_location=map_location, trust_pickle=trust_pickle,
+                           extras=extras)
     finally:
         access.catalog.release_lease(lease)
     return loaded
@@ -232,9 +260,8 @@ def load(access: Access, ref: Ref, *, verify: bool, map_location: Any, trust_pic
         while True:
             info = read.candidate()
             try:
-                loaded = read_directory(info.path, verify=verify, trust_pickle=trust_pickle,
-                                        map_location=map_location, extras=extras,
-                                        expected_digest=info.manifest_sha256)
+                loaded = read_step(access, info, verify=verify, map_location=map_location, trust_pickle=trust_pickle,
+                                   extras=extras)
             except RegistryError as exc:
                 read.judge(exc)
                 for note in read.notes:
@@ -249,5 +276,5 @@ def load(access: Access, ref: Ref, *, verify: bool, map_location: Any, trust_pic
         read.release()
 
 
-__all__ = ["Access", "CatalogRead", "Read", "ReadAccess", "acquire_lease", "check_digest", "load", "read_checked",
-           "report"]
+__all__ = ["Access", "CatalogRead", "Read", "ReadAccess", "acquire_lease", "check_digest", "load", "placed",
+           "read_checked", "read_step", "report"]

@@ -1,0 +1,147 @@
+"""Reading a step from an attempt prefix in a bucket: parallel ranged gets into memory, pieces checked as they land.
+
+The same plan as a directory load (:func:`registry.fs.filemaps.read_plan`:
+meta, config, the weights, the extras asked for) and the same parser
+(:func:`registry.fs.filemaps.parse_files`) over the downloaded buffers. The
+manifest comes first and must be the catalog's; each file's size is asked
+before its bytes; with ``verify`` every ``PIECE_SIZE`` range is checked
+against its xxh3-128 piece digest on the thread that fetched it, so checking
+overlaps downloading. Bytes that do not match raise
+``CorruptCheckpointError``; the server's trouble raises ``StorageError``;
+a step whose manifest is gone raises ``CheckpointReadError`` (its objects are
+missing although the catalog lists it: fsck's to judge, nothing is marked).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import xxhash
+
+from registry.errors import (CheckpointReadError, CorruptCheckpointError, ManifestError, ObjectNotFoundError,
+                             RegistryError)
+from registry.format.manifest import MANIFEST, FileEntry, Manifest, digest_bytes, parse_manifest
+from registry.format.pieces import PIECE_SIZE
+from registry.fs.filemaps import Extras, Loaded, MappedFiles, check_manifest_digest, parse_files, read_plan
+from registry.fs.mapping import check_file_digest, host_view
+from registry.fs.objects import ObjectRoot
+from registry.pools import Pool
+
+if TYPE_CHECKING:
+    import torch
+
+READ_CONCURRENCY = 16  # ranged GETs in flight at once
+_POOL = Pool(READ_CONCURRENCY, "registry-s3-read")
+
+
+def read_objects(root: ObjectRoot, rel: str, *, verify: bool = True, trust_pickle: bool = False,
+                 map_location: Any = "cpu", extras: Extras = True, expected_digest: str | None = None) -> Loaded:
+    """Load the step stored under ``rel`` (its catalog path); errors name its s3:// URL."""
+    try:
+        return _read(root, rel, verify=verify, trust_pickle=trust_pickle, map_location=map_location,
+                     extras=extras, expected_digest=expected_digest)
+    except RegistryError as exc:
+        raise _with_url(exc, rel, root.url(rel)) from exc.__cause__
+
+
+def _with_url(exc: RegistryError, rel: str, url: str) -> RegistryError:
+    """``exc`` with the step's relative path in its message replaced by its URL (same class, same fields)."""
+    text = str(exc)
+    if rel not in text or url in text:
+        return exc
+    named = type(exc).__new__(type(exc))
+    named.__dict__.update(exc.__dict__)
+    named.args = (text.replace(rel, url),)
+    return named
+
+
+def _read(root: ObjectRoot, rel: str, *, verify: bool, trust_pickle: bool, map_location: Any, extras: Extras,
+          expected_digest: str | None) -> Loaded:
+    import torch
+    directory = Path(rel)
+    try:
+        raw = bytes(root.get(f"{rel}/{MANIFEST}"))
+    except ObjectNotFoundError:
+        raise CheckpointReadError(f"cannot read {rel}: its manifest is missing from the bucket although the catalog "
+                                  "lists the step; nothing was marked: run 'registry fsck' to check the root",
+                                  errno=errno.ENOENT) from None
+    manifest = parse_manifest(raw, path=directory / MANIFEST)
+    digest = digest_bytes(raw)
+    check_manifest_digest(directory, digest, expected_digest)  # before any other object is fetched
+    if manifest.layout is not None:
+        raise CorruptCheckpointError(f"{rel} is a sharded step; an s3:// root holds none")
+    buffers: dict[str, torch.Tensor] = {MANIFEST: torch.frombuffer(bytearray(raw), dtype=torch.uint8)}
+
+    def add(name: str) -> torch.Tensor:
+        entry = manifest.files.get(name)
+        if entry is None:
+            raise ManifestError(f"manifest of {directory} does not cover {name!r}", path=directory)
+        buffers[name] = fetch(root, f"{rel}/{name}", entry, verify=verify, directory=directory)
+        return buffers[name]
+
+    present = set(manifest.files)
+    owner = read_plan(directory, manifest, present, extras, add, buffers)
+    unread = sorted(present - buffers.keys())
+    for name, head in zip(unread, _POOL.map(lambda n: root.head(f"{rel}/{n}"), unread)):
+        if head is None:  # listed but gone: one damaged name must not pass for a file the step lacks
+            raise CorruptCheckpointError(f"checkpoint file is missing: {directory / name}")
+    mapped = MappedFiles(directory=directory, buffers=buffers, manifest=manifest, manifest_sha256=digest,
+                         owner=owner)
+    return parse_files(directory, buffers, trust_pickle=trust_pickle, map_location=map_location, mapped=mapped)
+
+
+def fetch(root: ObjectRoot, key: str, entry: FileEntry, *, verify: bool, directory: Path) -> torch.Tensor:
+    """One object's bytes in a fresh CPU buffer, by concurrent ranged GETs of its pieces, checked as they land."""
+    import torch
+    path = directory / entry.name
+    head = root.head(key)
+    if head is None:
+        raise CorruptCheckpointError(f"checkpoint file is missing: {path}", path=path)
+    if head.size != entry.size:
+        raise CorruptCheckpointError(f"checkpoint file size mismatch: {path} is {head.size} bytes, "
+                                     f"manifest says {entry.size}", path=path)
+    buf = torch.empty(entry.size, dtype=torch.uint8)
+    if entry.size == 0:
+        return buf
+    view = host_view(buf)
+    pieces = entry.xxh3_128_pieces if entry.piece_size is not None else None
+    step = entry.piece_size if pieces is not None and entry.piece_size else PIECE_SIZE
+    starts = range(0, entry.size, step)
+    if pieces is not None and len(pieces) != len(starts):
+        raise CorruptCheckpointError(f"checkpoint file checksum mismatch: {path} (piece count)", path=path)
+
+    def one(index: int) -> None:
+        start = starts[index]
+        end = min(entry.size, start + step)
+        data = root.get_ranges(key, [start], [end])[0]
+        if len(data) != end - start:
+            raise CorruptCheckpointError(f"checkpoint file size mismatch: {path} (bytes {start}-{end - 1} short)",
+                                         path=path)
+        if verify and pieces is not None and xxhash.xxh3_128_hexdigest(data) != pieces[index]:
+            raise CorruptCheckpointError(f"checkpoint file checksum mismatch: {path} (bytes {start}-{end - 1})",
+                                         path=path)
+        view[start:end] = data
+
+    if len(starts) == 1:
+        one(0)
+    else:
+        for _ in _POOL.map(one, range(len(starts))):
+            pass
+    if verify and pieces is None:
+        check_file_digest(directory, entry, view)
+    return buf
+
+
+def download(root: ObjectRoot, rel: str, manifest: Manifest, dest: Path) -> None:
+    """Write every file of the step under ``rel`` into the directory ``dest``, each checked against its pieces."""
+    directory = Path(rel)
+    for name in sorted(manifest.files):
+        buf = fetch(root, f"{rel}/{name}", manifest.files[name], verify=True, directory=directory)
+        fd = os.open(dest / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        with os.fdopen(fd, "wb") as f:
+            f.write(host_view(buf))
+            f.flush()
+            os.fsync(f.fileno())
