@@ -24,6 +24,7 @@ class Config:
     access_key_id: str | None = s3server.ACCESS_KEY
     secret_access_key: str | None = s3server.SECRET_KEY
     session_token: str | None = None
+    max_retries: int = 2
 
 
 @pytest.fixture

@@ -31,7 +31,6 @@ EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 _NS = "{http://s3.amazonaws.com/doc/2006-03-01/}"
 #: statuses S3 asks the client to retry (with backoff): throttling and transient server trouble
 RETRY_STATUS = frozenset({500, 502, 503, 504})
-RETRIES = 4
 BACKOFF_S = 0.2
 TIMEOUT_S = 30.0
 
@@ -51,6 +50,8 @@ class SigningConfig(Protocol):
     def secret_access_key(self) -> str | None: ...
     @property
     def session_token(self) -> str | None: ...
+    @property
+    def max_retries(self) -> int: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -122,13 +123,15 @@ def _error_line(response: Response) -> str:
 
 
 def request(config: SigningConfig, method: str, key: str = "", query: Mapping[str, str] | None = None, *,
-            body: bytes = b"", headers: Mapping[str, str] | None = None, ok: frozenset[int] = frozenset({200}),
-            retries: int = RETRIES) -> Response:
+            body: bytes = b"", headers: Mapping[str, str] | None = None,
+            ok: frozenset[int] = frozenset({200})) -> Response:
     """One signed request to the bucket (``key`` empty: the bucket itself), retried with backoff where S3
     says to retry (5xx, ``SlowDown``) and when the server cannot be reached.
 
     A status outside ``ok`` raises :class:`StorageError` (the server's trouble, never a verdict on a step).
+    The root's ``max_retries`` bounds the retries, as it bounds the data path's.
     """
+    retries = config.max_retries
     query = dict(query or {})
     parts = urllib.parse.urlsplit(config.endpoint_url)
     base = parts.path.rstrip("/")

@@ -78,6 +78,11 @@ class ObjectFsck(FsckPass):
                 self.failures.append(f"{run}@{step}: cannot check: {_one_line(exc)}")
         return self.report(len(rows))
 
+    def _root_present(self) -> bool:
+        """Asked before each verdict: a bucket gone meanwhile answers like missing keys (raises StorageError)."""
+        self.root.check_bucket()
+        return True
+
     # ------------------------------------------------------------------ helpers
 
     def _rel(self, key: str) -> str:

@@ -97,6 +97,10 @@ def _object_manifest(root: ObjectRoot, info: CheckpointInfo) -> tuple[Manifest |
     try:
         return read_manifest_object(root, info.path.as_posix())
     except ObjectNotFoundError:
+        try:  # a missing bucket answers GET like a missing key: only a bucket that is there condemns
+            root.check_bucket()
+        except OSError as exc:
+            raise _Unreadable(str(exc)) from None
         return None, f"{MANIFEST}: missing on the server"
     except CorruptCheckpointError as exc:
         return None, f"{MANIFEST}: {exc}"
