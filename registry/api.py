@@ -60,15 +60,14 @@ DEFAULT_ROOT = "checkpoints"
 log = logging.getLogger(__name__)
 
 
-def locations(url: str | None, root: str | os.PathLike[str] | None) -> tuple[Path, str]:
+def locations(url: str | None, root: str | os.PathLike[str] | None) -> tuple[Path | str, str]:
     """The root and catalog URL after applying the environment and the defaults.
 
-    An ``s3://`` root (see :func:`object_locations`) comes back as ``Path(url)``; use that function for it.
+    A directory comes back as an absolute ``Path``, an ``s3://`` root as its URL (see :func:`object_locations`).
     """
     chosen = root if root is not None else os.environ.get("REGISTRY_ROOT", DEFAULT_ROOT)
     if is_object_url(str(chosen)):
-        _, catalog = object_locations(url, str(chosen))
-        return Path(str(chosen)), catalog
+        return object_locations(url, str(chosen))
     root_path = Path(chosen).absolute()
     return root_path, url or os.environ.get("REGISTRY_URL") or f"sqlite:///{Store.default_catalog(root_path)}"
 
@@ -164,7 +163,8 @@ class Registry:
                                      rebind_root=rebind_root, dedup=dedup)
         if storage_options is not None:
             raise RootError("storage_options apply to an s3:// root only")
-        root_path, url = locations(url, root)
+        located, url = locations(url, root)
+        root_path = Path(located)
         read_only = read_only or cannot_write(url)
         created = [p for p in (root_path, *root_path.parents) if not p.exists()]
         catalog: Catalog | None = None

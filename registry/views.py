@@ -209,16 +209,16 @@ def step_view(reg: Registry, ref: str) -> StepView:
         row = reg.catalog.get(parsed.run, parsed.step) if parsed.step is not None else None
         if row is None or row.status not in NO_PAYLOAD:
             raise
-        info = row.under(reg.store.root)
+        info = reg.placed(row)
     from registry.fs.dedup import shared_bytes
     events = reg.events(info.run, step=info.step)
     shared = 0
-    if info.status not in NO_PAYLOAD:
+    if info.status not in NO_PAYLOAD and reg.objects is None:  # objects are never hard-linked
         others = [i.path for i in reg.checkpoints(info.run, include_deleted=True)
                   if i.status in HAS_PAYLOAD and i.step != info.step]
         shared = shared_bytes(info.path, others)
     return StepView(ref=ref, info=info, files=tuple(reg.catalog.files(info.run, info.step)), events=tuple(events),
-                    ended=ending_event(info.status, events), manifest=manifest_summary(info.path),
+                    ended=ending_event(info.status, events), manifest=manifest_summary(info.path, objects=reg.objects),
                     shared_bytes=shared)
 
 
@@ -230,11 +230,18 @@ def ending_event(status: str, events: Sequence[EventInfo]) -> EventInfo | None:
                  if e.detail.get("status") == status or (status == Status.FAILED and e.kind == "publish-failed")), None)
 
 
-def manifest_summary(directory: Any) -> dict[str, Any]:
-    """What the manifest on disk says, or why it cannot be read (``show`` must work on a corrupt step)."""
-    from registry.format.manifest import read_manifest
+def manifest_summary(directory: Any, *, objects: Any = None) -> dict[str, Any]:
+    """What the manifest on disk (or in the bucket, given ``objects``) says, or why it cannot be read.
+
+    ``show`` must work on a corrupt step.
+    """
+    from registry.format.manifest import MANIFEST, digest_bytes, parse_manifest, read_manifest
     try:
-        manifest, digest = read_manifest(directory)
+        if objects is not None:
+            raw = bytes(objects.get(f"{Path(directory).as_posix()}/{MANIFEST}"))
+            manifest, digest = parse_manifest(raw, path=Path(directory) / MANIFEST), digest_bytes(raw)
+        else:
+            manifest, digest = read_manifest(directory)
     except (RegistryError, OSError) as exc:
         return {"error": str(exc)}
     layout = manifest.layout

@@ -127,6 +127,21 @@ def reg(catalog_url: str, root: Path) -> Iterator[Registry]:
         yield registry
 
 
+@pytest.fixture(params=["fs", "s3"])
+def any_root(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A checkpoint root of either kind: a directory, or an ``s3://`` prefix on the session's real S3 server."""
+    if request.param == "fs":
+        return str(tmp_path / "ckpt")
+    return str(request.getfixturevalue("s3_root"))
+
+
+@pytest.fixture
+def any_reg(catalog_url: str, any_root: str) -> Iterator[Registry]:
+    """``reg`` on either kind of root (the tests that take it hold for both)."""
+    with Registry.open(url=catalog_url, root=any_root) as registry:
+        yield registry
+
+
 @pytest.fixture
 def sqlite_reg(tmp_path: Path) -> Iterator[Registry]:
     with Registry.open(url=f"sqlite:///{tmp_path / 'catalog.db'}", root=tmp_path / "ckpt") as registry:

@@ -191,3 +191,34 @@ def dcp_state(seed: int = 1) -> dict[str, Any]:
     optim = {"state": {"embed.weight": {"step": torch.tensor(7.0), "exp_avg": torch.randn(16, 8, generator=gen)}},
              "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.99), "params": ["embed.weight"]}]}
     return {"model": model, "optim": optim, "train_state": {"step": 7, "name": "run-a"}}
+
+
+def stored_file(reg: Any, info: Any, name: str) -> bytes:
+    """The bytes of file ``name`` of the step ``info`` as the root stores them (a directory or a bucket)."""
+    if reg.objects is not None:
+        return bytes(reg.objects.get(f"{info.path.as_posix()}/{name}"))
+    return (info.path / name).read_bytes()
+
+
+def store_file(reg: Any, info: Any, name: str, data: bytes) -> None:
+    """Replace file ``name`` of the step ``info`` behind the registry's back (damage it, or put it back)."""
+    if reg.objects is not None:
+        reg.objects.put(f"{info.path.as_posix()}/{name}", data, create_only=False)
+    else:
+        (info.path / name).write_bytes(data)
+
+
+def flip_stored_byte(reg: Any, info: Any, name: str, offset: int = -1) -> None:
+    data = bytearray(stored_file(reg, info, name))
+    data[offset] ^= 0xFF
+    store_file(reg, info, name, bytes(data))
+
+
+def stored_steps(reg: Any, run: str) -> list[str]:
+    """The step directories (or step prefixes, each with one attempt) the root holds for ``run``."""
+    if reg.objects is not None:
+        attempts = sorted({e.rel.split("/")[1] + "/" + e.rel.split("/")[2] for e in reg.objects.list(run)})
+        steps = [a.split("/")[0] for a in attempts]
+        assert len(steps) == len(set(steps)), f"a step with more than one attempt prefix: {attempts}"
+        return steps
+    return sorted(p.name for p in (reg.store.root / run).iterdir())

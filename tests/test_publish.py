@@ -12,7 +12,8 @@ import torch
 import registry.fs.store as store_mod
 from registry import (CheckpointNotFoundError, CorruptCheckpointError, InvalidStateError, PublishError,
                       Registry, StepExistsError)
-from tests.helpers import assert_state_equal, make_state, optimizer_state
+from tests.helpers import (assert_state_equal, flip_stored_byte, make_state, optimizer_state, store_file, stored_file,
+                           stored_steps)
 
 
 def test_round_trip(reg: Registry) -> None:
@@ -39,7 +40,8 @@ def test_round_trip(reg: Registry) -> None:
         assert torch.equal(loaded_opt["state"][0][key], value)
 
 
-def test_latest_is_newest_verified(reg: Registry) -> None:
+def test_latest_is_newest_verified(any_reg: Registry) -> None:
+    reg = any_reg
     for step in (10, 30, 20):
         reg.publish("run", step, make_state(step))
     reg.publish("run", 40, make_state(40), verify=False)
@@ -98,7 +100,8 @@ def test_failed_write_leaves_no_trace(reg: Registry, monkeypatch: pytest.MonkeyP
     assert reg.publish("run", 2, make_state(2)).status == "verified"
 
 
-def test_duplicate_step_and_overwrite(reg: Registry) -> None:
+def test_duplicate_step_and_overwrite(any_reg: Registry) -> None:
+    reg = any_reg
     reg.publish("run", 5, make_state(1), metrics={"loss": 2.0})
     with pytest.raises(StepExistsError):
         reg.publish("run", 5, make_state(2))
@@ -106,12 +109,13 @@ def test_duplicate_step_and_overwrite(reg: Registry) -> None:
     info = reg.publish("run", 5, make_state(2), overwrite=True, metrics={"loss": 1.0})
     assert info.metrics == {"loss": 1.0}
     assert_state_equal(reg.load("run@5").state_dict, make_state(2))
-    assert sorted(p.name for p in (reg.store.root / "run").iterdir()) == ["step-00000005"]
+    assert stored_steps(reg, "run") == ["step-00000005"]
     kinds = [e.kind for e in reg.events("run")]
     assert kinds.count("publish") == 2
 
 
-def test_failed_overwrite_keeps_old_payload(reg: Registry) -> None:
+def test_failed_overwrite_keeps_old_payload(any_reg: Registry) -> None:
+    reg = any_reg
     reg.publish("run", 5, make_state(1))
     with pytest.raises(InvalidStateError):
         reg.publish("run", 5, make_state(2), config={"bad": object()}, overwrite=True)
@@ -125,10 +129,11 @@ def _flip_byte(path: Path, offset: int = -1) -> None:
     path.write_bytes(bytes(data))
 
 
-def test_corrupt_latest_falls_back(reg: Registry) -> None:
+def test_corrupt_latest_falls_back(any_reg: Registry) -> None:
+    reg = any_reg
     reg.publish("run", 1, make_state(1))
     info = reg.publish("run", 2, make_state(2))
-    _flip_byte(info.path / "model.safetensors")
+    flip_stored_byte(reg, info, "model.safetensors")
     with pytest.warns(RuntimeWarning, match="corrupt"):
         ckpt = reg.load("run@latest")
     assert ckpt.step == 1
@@ -138,10 +143,11 @@ def test_corrupt_latest_falls_back(reg: Registry) -> None:
     assert "corrupt" in [e.kind for e in reg.events("run", step=2)]
 
 
-def test_corrupt_named_step_raises(reg: Registry) -> None:
+def test_corrupt_named_step_raises(any_reg: Registry) -> None:
+    reg = any_reg
     reg.publish("run", 1, make_state(1))
     info = reg.publish("run", 2, make_state(2))
-    _flip_byte(info.path / "config.json", 0)
+    flip_stored_byte(reg, info, "config.json", 0)
     with pytest.raises(CorruptCheckpointError):
         reg.load("run@2")
     assert reg.catalog.get("run", 2).status == "corrupt"  # type: ignore[union-attr]
@@ -149,11 +155,11 @@ def test_corrupt_named_step_raises(reg: Registry) -> None:
         reg.load("run@2")
 
 
-def test_truncated_file_detected_without_verify(reg: Registry) -> None:
+def test_truncated_file_detected_without_verify(any_reg: Registry) -> None:
+    reg = any_reg
     reg.publish("run", 1, make_state(1))
     info = reg.publish("run", 2, make_state(2))
-    weights = info.path / "model.safetensors"
-    os.truncate(weights, weights.stat().st_size - 3)
+    store_file(reg, info, "model.safetensors", stored_file(reg, info, "model.safetensors")[:-3])
     with pytest.warns(RuntimeWarning):
         assert reg.load("run", verify=False).step == 1
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import click
 
@@ -39,7 +40,8 @@ def db_upgrade(state: State) -> None:
     from registry.catalog.session import make_engine, upgrade
     from registry.fs.store import Store
     root, url = locations(state.url, state.root)
-    Store(root)
+    if isinstance(root, Path):  # an s3:// root's bucket is the operator's to create
+        Store(root)
     engine = make_engine(url)
     try:
         before, after = upgrade(engine)
@@ -91,7 +93,7 @@ def db_bind_root(state: State) -> None:
         registry --root /mnt/restored/ckpt db bind-root
     """
     reg = state.registry(rebind_root=True)
-    click.echo(f"bound {reg.store.root} to {reg.catalog.engine.url.render_as_string(hide_password=True)}")
+    click.echo(f"bound {reg.root_url} to {reg.catalog.engine.url.render_as_string(hide_password=True)}")
 
 
 @click.command()

@@ -118,7 +118,7 @@ def show(state: State, ref: str, as_json: bool) -> None:
             per_rank = sorted(set(layout["files_per_rank"]))
             click.echo(f"layout:   {layout['kind']}, world size {layout['world_size']}, "
                        f"{'/'.join(map(str, per_rank))} file(s) per rank, {human_bytes(layout['bytes'])} of shards")
-    click.echo(f"path:     {info.path}")
+    click.echo(f"path:     {info.url or info.path}")
     click.echo(f"epoch:    {info.epoch}  consumed_samples: {info.consumed_samples}  "
                f"policy_version: {info.policy_version}")
     click.echo(f"tags:     {', '.join(info.tags) or '-'}")
@@ -138,14 +138,15 @@ def show(state: State, ref: str, as_json: bool) -> None:
 @click.pass_obj
 @command
 def resolve(state: State, ref: str) -> None:
-    """Print the directory that REF names.
+    """Print the directory that REF names (its s3:// URL on an object-store root).
 
     \b
     Examples:
         registry resolve demo@release
         cd "$(registry resolve demo@latest)"
     """
-    click.echo(str(state.registry().resolve(ref).path))
+    info = state.registry().resolve(ref)
+    click.echo(info.url or str(info.path))
 
 
 @click.command()

@@ -338,6 +338,9 @@ def distributed_load(access: Access, ref: Ref, *, verify: bool, map_location: An
     if not active():
         return load_local(access, ref, verify=verify, map_location=map_location, trust_pickle=trust_pickle,
                           extras=extras, fallback=fallback)
+    if access.objects is not None:  # every rank has the same root: every rank refuses alike, none waits
+        raise InvalidStateError("load(broadcast=True) in a process group is not supported on an s3:// root; "
+                                "let each rank load(ref) from the bucket itself, or use a filesystem root")
     loaded, plan = collective_load(
         request=("ref", str(ref), verify, trust_pickle, strategy, bucket_bytes, extras, fallback),
         source=lambda: _Source(read=CatalogRead(access, ref, fallback=fallback)), verify=verify,

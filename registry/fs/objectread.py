@@ -62,15 +62,8 @@ def _read(root: ObjectRoot, rel: str, *, verify: bool, trust_pickle: bool, map_l
           expected_digest: str | None) -> Loaded:
     import torch
     directory = Path(rel)
-    try:
-        raw = bytes(root.get(f"{rel}/{MANIFEST}"))
-    except ObjectNotFoundError:
-        raise CheckpointReadError(f"cannot read {rel}: its manifest is missing from the bucket although the catalog "
-                                  "lists the step; nothing was marked: run 'registry fsck' to check the root",
-                                  errno=errno.ENOENT) from None
-    manifest = parse_manifest(raw, path=directory / MANIFEST)
+    raw, manifest = _manifest(root, rel, expected_digest)
     digest = digest_bytes(raw)
-    check_manifest_digest(directory, digest, expected_digest)  # before any other object is fetched
     if manifest.layout is not None:
         raise CorruptCheckpointError(f"{rel} is a sharded step; an s3:// root holds none")
     buffers: dict[str, torch.Tensor] = {MANIFEST: torch.frombuffer(bytearray(raw), dtype=torch.uint8)}
@@ -91,6 +84,20 @@ def _read(root: ObjectRoot, rel: str, *, verify: bool, trust_pickle: bool, map_l
     mapped = MappedFiles(directory=directory, buffers=buffers, manifest=manifest, manifest_sha256=digest,
                          owner=owner)
     return parse_files(directory, buffers, trust_pickle=trust_pickle, map_location=map_location, mapped=mapped)
+
+
+def _manifest(root: ObjectRoot, rel: str, expected_digest: str | None) -> tuple[bytes, Manifest]:
+    """The step's manifest, checked against the catalog's digest before any other object is fetched."""
+    directory = Path(rel)
+    try:
+        raw = bytes(root.get(f"{rel}/{MANIFEST}"))
+    except ObjectNotFoundError:
+        raise CheckpointReadError(f"cannot read {rel}: its manifest is missing from the bucket although the catalog "
+                                  "lists the step; nothing was marked: run 'registry fsck' to check the root",
+                                  errno=errno.ENOENT) from None
+    manifest = parse_manifest(raw, path=directory / MANIFEST)
+    check_manifest_digest(directory, digest_bytes(raw), expected_digest)
+    return raw, manifest
 
 
 def fetch(root: ObjectRoot, key: str, entry: FileEntry, *, verify: bool, directory: Path) -> torch.Tensor:
@@ -135,13 +142,30 @@ def fetch(root: ObjectRoot, key: str, entry: FileEntry, *, verify: bool, directo
     return buf
 
 
-def download(root: ObjectRoot, rel: str, manifest: Manifest, dest: Path) -> None:
-    """Write every file of the step under ``rel`` into the directory ``dest``, each checked against its pieces."""
+def download(root: ObjectRoot, rel: str, dest: Path, *, expected_digest: str | None) -> None:
+    """Write the manifest and every file of the step under ``rel`` into the empty directory ``dest``.
+
+    The manifest must be the catalog's (``expected_digest``); each file is
+    checked against its pieces as it lands, and fsync'd.
+    """
+    try:
+        return _download(root, rel, dest, expected_digest=expected_digest)
+    except RegistryError as exc:
+        raise _with_url(exc, rel, root.url(rel)) from exc.__cause__
+
+
+def _download(root: ObjectRoot, rel: str, dest: Path, *, expected_digest: str | None) -> None:
     directory = Path(rel)
+    raw, manifest = _manifest(root, rel, expected_digest)
+    _write(dest / MANIFEST, memoryview(raw))
     for name in sorted(manifest.files):
         buf = fetch(root, f"{rel}/{name}", manifest.files[name], verify=True, directory=directory)
-        fd = os.open(dest / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-        with os.fdopen(fd, "wb") as f:
-            f.write(host_view(buf))
-            f.flush()
-            os.fsync(f.fileno())
+        _write(dest / name, host_view(buf))
+
+
+def _write(path: Path, data: memoryview) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())

@@ -19,7 +19,8 @@ from typing import Any
 from registry.format.manifest import CONFIG, MANIFEST, META, WEIGHTS_INDEX, FileEntry
 from registry.fs.hashing import HashingWriter
 from registry.fs.objects import ObjectRoot, ObjectWriter
-from registry.fs.store import FileProblem, Payload, Written, entry_of, write_files
+from registry.fs.payloadfiles import Payload, Written, entry_of, write_files
+from registry.fs.store import FileProblem
 
 SMALL_FILES = (META, CONFIG, WEIGHTS_INDEX, MANIFEST)  # one create-only PUT each
 CHECK_WORKERS = 8

@@ -147,9 +147,10 @@ class Checkout(os.PathLike[str]):
         return f"Checkout({self.info.run}@{self.info.step} at {str(self.path)!r}, {self.kind})"
 
 
-def check_checkout_dest(root: Path, dest: Path) -> None:
+def check_checkout_dest(access: ReadAccess, dest: Path) -> None:
     """A caller's checkout directory: outside the root (or in the registry-owned checkouts), empty or absent."""
-    check_outside_root(dest, root, what="checkout destination", allowed=checkouts.home(root))
+    if access.objects is None:
+        check_outside_root(dest, access.root, what="checkout destination", allowed=checkouts.home(access.root))
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise InvalidStateError(f"checkout destination {dest} exists and is not an empty directory")
 
@@ -157,11 +158,11 @@ def check_checkout_dest(root: Path, dest: Path) -> None:
 def _target(access: ReadAccess, info: CheckpointInfo, dest: Path | None, lease: int) -> tuple[Path, bool, bool]:
     """The empty directory a checkout fills: (path, whether this call made it, whether it has a record)."""
     if dest is not None:
-        check_checkout_dest(access.root, dest)
+        check_checkout_dest(access, dest)
         created = not dest.exists()
         dest.mkdir(parents=True, exist_ok=True)
         return dest, created, False
-    if isinstance(access.catalog, ReadOnlyCatalog):  # "opens without writing anything": not into the root
+    if isinstance(access.catalog, ReadOnlyCatalog) or access.objects is not None:  # not into the root
         return checkouts.temp_dir(info.run, info.step), True, False
     try:
         return checkouts.new_owned(access.root, run=info.run, step=info.step, lease=lease,
@@ -183,8 +184,10 @@ def checkout(access: ReadAccess, ref: Ref, dest: Path | None = None, *, ttl: tim
     registry's step (see :mod:`registry.ops.checkouts`).
     """
     link = checkouts.check_link(link)
+    if access.objects is not None and link is not None:
+        raise InvalidStateError(f"link={link!r} needs a filesystem root; an s3:// root's checkout downloads copies")
     if dest is not None:
-        check_checkout_dest(access.root, dest)  # before anything is resolved or leased
+        check_checkout_dest(access, dest)  # before anything is resolved or leased
     access = replace(access, lease_ttl=ttl) if ttl is not None else access
     read = CatalogRead(access, ref, fallback=fallback)
     try:
@@ -194,6 +197,14 @@ def checkout(access: ReadAccess, ref: Ref, dest: Path | None = None, *, ttl: tim
             target: Path | None = None
             made = recorded = False
             try:
+                if access.objects is not None:  # an s3:// root: download, each file checked as it lands
+                    from registry.fs.objectread import download
+                    target, made, recorded = _target(access, info, dest, read.lease)
+                    download(access.objects, info.path.as_posix(), target, expected_digest=info.manifest_sha256)
+                    report(read.record(info))
+                    lease, read.lease = read.lease, None
+                    return Checkout(access=access, info=info, path=target, lease=lease, kind="copy",
+                                    owned=dest is None, recorded=recorded)
                 manifest_files = _listed(info.path)
                 target, made, recorded = _target(access, info, dest, read.lease)
                 try:
