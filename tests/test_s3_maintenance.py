@@ -10,7 +10,6 @@ incomplete multipart upload); fsck must name it, change nothing without
 from __future__ import annotations
 
 import json
-import socket
 from collections.abc import Iterator
 
 import pytest
@@ -23,9 +22,7 @@ from registry.fs.prefixes import scan
 from registry.ops.fsck import FsckReport
 from registry.retention import KeepLast
 from tests.helpers import assert_state_equal, make_state
-from tests.test_fsck import payload
-
-DEAD = f"{socket.gethostname()}:4194399"  # above Linux's pid_max: provably not running
+from tests.test_fsck import dead_claim, payload
 
 
 @pytest.fixture
@@ -53,21 +50,6 @@ def kinds(report: FsckReport) -> list[tuple[str, int, str]]:
 
 def status(reg: Registry, run: str, step: int) -> str:
     return str(next(i.status for i in reg.checkpoints(run, include_deleted=True) if i.step == step))
-
-
-def dead_claim(reg: Registry, run: str, step: int, *, overwrite: bool = False, upload: int | None = None,
-               manifest: bool = True) -> str:
-    """A publish whose writer died after claiming: its attempt prefix, fully uploaded with ``upload``
-    (a seed), or with every file but the manifest (``manifest=False``)."""
-    from registry.format.layout import attempt_relpath
-    rel = attempt_relpath(run, step)
-    reg.catalog.claim(run, step, path=rel, writer=DEAD, overwrite=overwrite)
-    if upload is not None:
-        assert reg.objects is not None
-        upload_payload(reg.objects, rel, payload(upload))
-        if not manifest:
-            reg.objects.delete([f"{rel}/manifest.json"])
-    return rel
 
 
 def repaired_clean(reg: Registry) -> None:
@@ -131,29 +113,6 @@ def test_half_deleted_prefix_without_manifest_is_finished_by_fsck(s3reg: Registr
 
 
 # ---------------------------------------------------------------------------------------------- fsck
-
-
-def test_clean_root_is_clean(s3reg: Registry) -> None:
-    s3reg.publish("run", 1, make_state(1))
-    s3reg.publish("run", 2, make_state(2), verify=False)
-    s3reg.publish("run", 2, make_state(22), overwrite=True)
-    report = s3reg.fsck(checksums=True)
-    assert report.clean and report.rows_checked == 2 and not report.failures, report.to_json()
-    assert prefixes(s3reg) == {("run", 1): [s3reg.resolve("run@1").path.as_posix()],
-                               ("run", 2): [s3reg.resolve("run@2").path.as_posix()]}
-
-
-def test_uncommitted_publish_rolls_forward(s3reg: Registry) -> None:
-    s3reg.publish("run", 1, make_state(1))
-    dead_claim(s3reg, "run", 2, upload=22)
-    assert s3reg.resolve("run").step == 1
-    report = s3reg.fsck()
-    assert kinds(report) == [("run", 2, "uncommitted-publish")] and not report.repaired
-    assert status(s3reg, "run", 2) == "staging"
-    s3reg.fsck(repair=True)
-    assert status(s3reg, "run", 2) == "verified"
-    assert s3reg.load("run@latest").step == 2
-    repaired_clean(s3reg)
 
 
 def test_abandoned_publish_fails_and_its_objects_and_uploads_go(s3reg: Registry) -> None:
