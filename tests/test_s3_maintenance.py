@@ -229,3 +229,30 @@ def test_verify_rehashes_objects_and_condemns_only_read_bytes(s3reg: Registry) -
     (result,) = s3reg.verify("run@2")
     assert result.status == "corrupt" and "checksum mismatch" in result.problems[0]
     assert s3reg.load("run@latest").step == 1
+
+
+def test_cli_gc_fsck_verify(catalog_url: str, s3reg: Registry) -> None:
+    from click.testing import CliRunner
+
+    from registry.cli import main
+    from tests import s3server
+    for step in (1, 2, 3):
+        s3reg.publish("run", step, make_state(step))
+    root = s3reg.root_url
+
+    def cli(*args: str) -> tuple[int, str]:
+        result = CliRunner().invoke(main, ["--url", catalog_url, "--root", root, *args], catch_exceptions=False)
+        assert s3server.SECRET_KEY not in result.output and s3server.ACCESS_KEY not in result.output
+        return result.exit_code, result.output
+
+    code, out = cli("gc", "run", "--keep-last", "1", "--dry-run", "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["delete"] == [1, 2] and doc["shared_bytes"] == 0 and doc["dry_run"]
+    assert all(d["url"].startswith(root + "/run/step-") for d in doc["decisions"])
+    assert prefixes(s3reg).keys() == {("run", 1), ("run", 2), ("run", 3)}
+    code, out = cli("gc", "run", "--keep-last", "1", "--yes")
+    assert code == 0 and prefixes(s3reg).keys() == {("run", 3)}
+    code, out = cli("verify", "run")
+    assert code == 0 and out.splitlines()[1].split() == ["run", "3", "ok"]
+    code, out = cli("fsck", "--checksums")
+    assert code == 0 and "0 problems" in out

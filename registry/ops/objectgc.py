@@ -46,6 +46,9 @@ class ObjectDeletion:
     def kept_bytes(self, kept: Sequence[CheckpointInfo]) -> int:
         return sum(c.total_bytes for c in kept)
 
+    def shared_bytes(self, doomed: Sequence[Path], kept: Sequence[Path]) -> int:
+        return 0
+
     def guard(self, catalog: Catalog, run: str, doomed: Sequence[int]) -> dict[int, str]:
         return {}
 

@@ -68,6 +68,9 @@ class Deletion(Protocol):
     def kept_bytes(self, kept: Sequence[CheckpointInfo]) -> int:
         """The bytes the located ``kept`` steps hold, each unit once."""
 
+    def shared_bytes(self, doomed: Sequence[Path], kept: Sequence[Path]) -> int:
+        """Of what the ``doomed`` steps hold, the bytes ``kept`` steps hold too (they stay)."""
+
     def guard(self, catalog: Catalog, run: str, doomed: Sequence[int]) -> dict[int, str]:
         """Before marking: steps that must be kept after all, with why (see :func:`guard_fallback`)."""
 
@@ -110,6 +113,13 @@ class FileDeletion:
                 unread += c.total_bytes
             seen.update(held)
         return sum(seen.values()) + unread
+
+    def shared_bytes(self, doomed: Sequence[Path], kept: Sequence[Path]) -> int:
+        """Counted per inode, and only what a *kept* step links: two deleted steps sharing a file between
+        them free it, and a name elsewhere (a checkout) is not a step."""
+        held = dedup_files.held(doomed)
+        also = dedup_files.held(kept)
+        return sum(size for key, size in held.items() if key in also)
 
     def guard(self, catalog: Catalog, run: str, doomed: Sequence[int]) -> dict[int, str]:
         return guard_fallback(catalog, self.root, run, doomed)
@@ -267,6 +277,14 @@ class RetentionPlan:
         if self.physical_freed is not None:
             return self.physical_freed
         return sum(d.total_bytes for d in self.decisions if d.action == "delete")
+
+    @property
+    def shared_bytes(self) -> int:
+        """Of the files the plan deletes, the bytes that kept steps hold too (stored once by dedup): they stay."""
+        if self.scope is None:
+            return 0
+        return self.scope.storage.shared_bytes([d.path for d in self.decisions if d.action == "delete"],
+                                               [d.path for d in self.decisions if d.action == "keep"])
 
     @property
     def bytes_kept(self) -> int:
