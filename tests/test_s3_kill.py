@@ -50,7 +50,7 @@ def test_every_crash_point(catalog_url: str, s3_root: str, harness: None) -> Non
         for op, point in S3_CRASH_TABLE:
             crashpoint_kill(reg, catalog_url, op, point, rng=rng, tally=tally)
         for point in GC_POINTS:
-            fill(reg, rng, 4)  # KeepLast(3) at most: something to delete
+            fill(reg, rng, 6)  # six live steps: KeepLast(3) | KeepEvery(40) deletes at least two
             code = kill_once(reg, catalog_url, rng=rng, mix=DEFAULT_MIX, max_delay=0, tally=tally,
                              crash_at=point, once="gc")
             assert code == -9, f"gc never reached {point}"
