@@ -2,9 +2,10 @@
 
 It forwards each request unchanged (the ``Host`` header too, so SigV4
 signatures made for the proxy's address still verify upstream) and lets a
-test decide, request by request, to answer ``503 SlowDown`` instead, or to
-run a hook first (kill the server mid-upload). Not a mock: every request
-that is forwarded is served by the real server.
+test decide, request by request, to answer ``503 SlowDown`` instead, to run
+a hook first (kill the server mid-upload), or to spoil the signature (the
+real server then refuses it, as it refuses revoked credentials). Not a mock:
+every request that is forwarded is served by the real server.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class Proxy:
     seen: list[Seen] = field(default_factory=list)
     slow_down: int = 0                              # answer the next N requests with 503 SlowDown
     before: Callable[[Seen], None] | None = None    # called before forwarding (may kill the server)
+    wrong_signature: bool = False                   # forward with the signature spoilt: the server refuses (403)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def take(self, request: Seen) -> bool:
@@ -77,10 +79,13 @@ def _handler(proxy: Proxy) -> type[BaseHTTPRequestHandler]:
                 return
             if proxy.before is not None:
                 proxy.before(seen)
+            headers = {k: v for k, v in self.headers.items()}
+            if proxy.wrong_signature:  # credentials revoked or rotated under a running registry
+                headers = {k: (v[:-8] + "00000000" if k.lower() == "authorization" else v)
+                           for k, v in headers.items()}
             conn = http.client.HTTPConnection(upstream.hostname, upstream.port, timeout=60)
             try:
-                conn.request(self.command, self.path, body=body or None,
-                             headers={k: v for k, v in self.headers.items()})
+                conn.request(self.command, self.path, body=body or None, headers=headers)
                 response = conn.getresponse()
                 data = response.read()
             except OSError:

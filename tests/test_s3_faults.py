@@ -141,6 +141,30 @@ def test_slow_down_storm(catalog_url: str, s3_env: s3server.Server) -> None:
             repaired_clean(reg)
 
 
+def test_credentials_refused_after_open(catalog_url: str, s3_env: s3server.Server) -> None:
+    bucket = s3server.new_bucket(s3_env)
+    with s3proxy.running(s3_env.endpoint) as proxy:
+        options = {**FAST, "endpoint": proxy.endpoint}
+        with Registry.open(catalog_url, root=f"s3://{bucket}/ckpt", storage_options=options) as reg:
+            reg.publish("run", 1, make_state(1))
+            proxy.wrong_signature = True
+            with pytest.raises(StorageError, match="access denied") as caught:
+                reg.publish("run", 2, make_state(2))
+            one_line(caught.value)
+            with pytest.raises(StorageError, match="access denied"):
+                reg.publish("run", 1, make_state(11), overwrite=True)
+            assert reg.catalog.get("run", 2).status == Status.FAILED
+            with pytest.raises(StorageError):
+                reg.fsck(repair=True)
+            assert [r.status for r in reg.verify("run")] == ["unreadable"]
+            assert reg.catalog.get("run", 1).status == Status.VERIFIED
+
+            proxy.wrong_signature = False
+            assert_state_equal(reg.load("run@1").state_dict, make_state(1))
+            assert reg.publish("run", 2, make_state(2)).status == Status.VERIFIED
+            repaired_clean(reg)
+
+
 def test_bucket_gone_after_open(catalog_url: str, s3_env: s3server.Server) -> None:
     """fsck, verify and load never take a missing bucket for missing steps. (SeaweedFS makes a bucket on
     the first PUT, so a publish here would recreate it; on AWS that PUT fails NoSuchBucket.)"""
