@@ -38,9 +38,9 @@ def harness(s3_env: s3server.Server, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(killharness, "CRASH_TABLE", S3_CRASH_TABLE)
 
 
-def fill(reg: Registry, rng: random.Random, n: int) -> None:
-    while len(_live_steps(reg, RUNS[0])) < n:
-        op_publish(reg, rng, RUNS[0])
+def fill(reg: Registry, rng: random.Random, n: int, run: str = RUNS[0]) -> None:
+    while len(_live_steps(reg, run)) < n:
+        op_publish(reg, rng, run)
 
 
 def test_every_crash_point(catalog_url: str, s3_root: str, harness: None) -> None:
@@ -50,9 +50,10 @@ def test_every_crash_point(catalog_url: str, s3_root: str, harness: None) -> Non
         for op, point in S3_CRASH_TABLE:
             crashpoint_kill(reg, catalog_url, op, point, rng=rng, tally=tally)
         for point in GC_POINTS:
-            fill(reg, rng, 6)  # six live steps: KeepLast(3) | KeepEvery(40) deletes at least two
+            run = f"gc-{point}"
+            fill(reg, rng, 6, run)  # steps 10..60: KeepLast(1-3) | KeepEvery(40) deletes 10, 20 and 30 at least
             code = kill_once(reg, catalog_url, rng=rng, mix=DEFAULT_MIX, max_delay=0, tally=tally,
-                             crash_at=point, once="gc")
+                             crash_at=point, once="gc", runs=(run,))
             assert code == -9, f"gc never reached {point}"
     assert tally.kills == len(S3_CRASH_TABLE) + len(GC_POINTS) and tally.not_reached == 0
     assert tally.checked_before_repair == tally.kills and tally.loaded_before_repair > 0
