@@ -45,6 +45,7 @@ from registry import Registry
 from registry.errors import CheckpointNotFoundError, StepExistsError
 from registry.fs.dedup import inodes
 from tests.killharness import _pg_url_factory, context, hidden_dirs, settle, state, worker_url
+from tests.s3server import aws_env
 
 RUNS = ("s0", "s1")
 STEPS = tuple(range(10, 90, 10))  # few steps, so publishers collide
@@ -200,8 +201,14 @@ ALLOWED: dict[str, tuple[type[BaseException], ...]] = {
 }
 
 
-def worker(url: str, root: str, seconds: float, seed: int, out: Any, mix: tuple[str, ...] = MIX) -> None:
-    """Run random operations until ``seconds`` pass; put the tally (and intervals) on ``out``."""
+def worker(url: str, root: str, seconds: float, seed: int, out: Any, mix: tuple[str, ...] = MIX,
+           env: dict[str, str] | None = None) -> None:
+    """Run random operations until ``seconds`` pass; put the tally (and intervals) on ``out``.
+
+    ``env``: variables to set first (an ``s3://`` root's credentials: a forkserver child has the server's
+    environment, not its parent's).
+    """
+    os.environ.update(env or {})
     rng = random.Random(seed)
     counts: collections.Counter[str] = collections.Counter()
     allowed: collections.Counter[str] = collections.Counter()
@@ -323,8 +330,9 @@ def stress(url: str, root: Path | str, *, seconds: float, workers: int = 4, seed
         mix = tuple(m for m in MIX if m != "dedup-publish") if str(root).startswith("s3://") else MIX
     ctx = context()
     out = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(worker_url(url), str(root), seconds, seed * 1000 + w, out, mix),
-                         daemon=True) for w in range(workers)]
+    procs = [ctx.Process(target=worker, daemon=True,
+                         args=(worker_url(url), str(root), seconds, seed * 1000 + w, out, mix, aws_env()))
+             for w in range(workers)]
     with Registry.open(url=url, root=root) as reg:  # create and migrate once, before the workers race
         for p in procs:
             p.start()
