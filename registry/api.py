@@ -744,7 +744,7 @@ class Registry:
             else:
                 targets.extend(i for i in self.checkpoints(parsed.run)
                                if i.status in HAS_PAYLOAD)
-        return scrub(self.catalog, targets, actor=self.writer, progress=progress)
+        return scrub(self.catalog, targets, actor=self.writer, progress=progress, objects=self.objects)
 
     # ------------------------------------------------------------------ followers
 
@@ -846,8 +846,13 @@ class Registry:
         ``UnknownMetricError`` (a ``PolicyError``) unless ``allow_missing_metrics``.
         A step that a live fork names as its parent is kept unless ``keep_fork_parents=False``.
         """
-        from registry.ops.retention import RetentionScope, make_plan
-        scope = RetentionScope(catalog=self.catalog, root=self.store.root, actor=self.writer)
+        from registry.ops.retention import Deletion, FileDeletion, RetentionScope, make_plan
+        if self.objects is not None:
+            from registry.ops.objectgc import ObjectDeletion
+            storage: Deletion = ObjectDeletion(self.objects)
+        else:
+            storage = FileDeletion(self.store.root)
+        scope = RetentionScope(catalog=self.catalog, storage=storage, actor=self.writer)
         return make_plan(scope, run, policy, now=now, protect=protect or {},
                          allow_missing_metrics=allow_missing_metrics, keep_fork_parents=keep_fork_parents)
 
@@ -965,6 +970,10 @@ class Registry:
         ``progress`` hears of the bytes re-hashed.
         """
         from registry.ops.fsck import run_fsck
+        if self.objects is not None:
+            from registry.ops.objectfsck import run_object_fsck
+            return run_object_fsck(catalog=self.catalog, root=self.objects, repair=repair, checksums=checksums,
+                                   progress=progress, actor=self.writer)
         return run_fsck(catalog=self.catalog, root=self.store.root, repair=repair, checksums=checksums,
                         progress=progress,
                         actor=self.writer)

@@ -134,16 +134,8 @@ def gc_doc(plan: RetentionPlan, *, dry_run: bool, result: RetentionResult | None
 
 
 def plan_shared_bytes(plan: RetentionPlan) -> int:
-    """Of the files a plan deletes, the bytes that kept steps hold too (stored once by dedup): they stay on disk.
-
-    Counted per inode, and only what a *kept* step links: two deleted steps
-    sharing a file between them free it, and a name elsewhere (a checkout)
-    is not a step.
-    """
-    from registry.fs.dedup import held
-    doomed = held(d.path for d in plan.decisions if d.action == "delete")
-    kept = held(d.path for d in plan.decisions if d.action == "keep")
-    return sum(size for key, size in doomed.items() if key in kept)
+    """Of the files a plan deletes, the bytes that kept steps hold too (``RetentionPlan.shared_bytes``)."""
+    return plan.shared_bytes
 
 
 def retention_preview(reg: Registry, run: str, policy_text: str, *,

@@ -84,27 +84,27 @@ def trainer(reg: Registry, run: str, out: Path, *, kill_at: int | None = None) -
                    callbacks=[cb, losses]), cb, losses
 
 
-def first(root: Path) -> None:
+def first(root: str, work: Path) -> None:
     with Registry.open(root=root) as reg:
-        t, cb, losses = trainer(reg, "full", root.parent / "out")
+        t, cb, losses = trainer(reg, "full", work / "out")
         t.train(resume_from_checkpoint=cb.resume_from())
-        print(json.dumps({"full": losses.losses, "trainer_dirs": sorted(os.listdir(root.parent / "out" / "full"))}),
+        print(json.dumps({"full": losses.losses, "trainer_dirs": sorted(os.listdir(work / "out" / "full"))}),
               flush=True)
-        t, cb, losses = trainer(reg, "crash", root.parent / "out", kill_at=4)
+        t, cb, losses = trainer(reg, "crash", work / "out", kill_at=4)
         t.train(resume_from_checkpoint=cb.resume_from())
 
 
-def resume(root: Path) -> None:
+def resume(root: str, work: Path) -> None:
     result: dict[str, Any] = {}
     with Registry.open(root=root) as reg:
-        t, cb, losses = trainer(reg, "crash", root.parent / "out2")
+        t, cb, losses = trainer(reg, "crash", work / "out2")
         path = cb.resume_from()
         result["crash_resumed_at"] = cb.checkout.step if cb.checkout else None
         t.train(resume_from_checkpoint=path)
         result["crash"] = losses.losses
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            t2, cb2, losses2 = trainer(reg, "full", root.parent / "out2")
+            t2, cb2, losses2 = trainer(reg, "full", work / "out2")
             path = cb2.resume_from()
         result["full_resumed_at"] = cb2.checkout.step if cb2.checkout else None
         result["warnings"] = [str(w.message) for w in caught if "falling back" in str(w.message)]
@@ -127,4 +127,4 @@ def resume(root: Path) -> None:
 
 
 if __name__ == "__main__":
-    {"first": first, "resume": resume}[sys.argv[2]](Path(sys.argv[1]))
+    {"first": first, "resume": resume}[sys.argv[2]](sys.argv[1], Path(sys.argv[3]))

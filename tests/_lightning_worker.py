@@ -18,7 +18,6 @@ import os
 import signal
 import sys
 import warnings
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -122,7 +121,7 @@ def fit_sharded(reg: Registry, run: str, *, kill: int | None = None) -> dict[str
             "fell_back": [str(w.message) for w in caught if "falling back" in str(w.message)]}
 
 
-def main(root: Path, mode: str) -> None:
+def main(root: str, mode: str) -> None:
     if mode == "fsdp-first":
         with Registry.open(root=root) as reg:
             print(json.dumps({"full": fit_sharded(reg, "shard-full")}), flush=True)
@@ -148,4 +147,4 @@ def main(root: Path, mode: str) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2])
+    main(sys.argv[1], sys.argv[2])

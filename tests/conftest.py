@@ -31,7 +31,7 @@ from tests.helpers import IN_CI, PG_ADMIN, REFERENCE_MODULE, pg_connect, pg_sche
 SLOW_MODULES = frozenset({
     "test_kill", "test_stress", "test_crash_states", "test_retention_crash", "test_concurrency",
     "test_distributed", "test_sharded", "test_integration_lightning", "test_integration_transformers",
-    "test_web_browser",
+    "test_web_browser", "test_s3_kill",
 })
 
 

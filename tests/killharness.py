@@ -48,6 +48,8 @@ from registry.fs.filemaps import read_directory
 
 RUNS = ("r0", "r1")
 MAX_STEPS = 6  # per run; beyond it "publish" overwrites, keeping each check cheap
+#: the environment workers get (an ``s3://`` root's AWS settings; see :func:`worker`)
+WORKER_ENV: dict[str, str] = {}
 
 
 def state(seed: int) -> dict[str, torch.Tensor]:
@@ -98,6 +100,37 @@ def op_gc(reg: Registry, rng: random.Random, run: str) -> None:
         reg.plan_retention(run, KeepLast(rng.choice((1, 2, 3))) | KeepEvery(40)).execute()
 
 
+def op_publish_killed_mid_upload(reg: Registry, rng: random.Random, run: str) -> None:
+    """On an object-store root: publish a state of several multipart parts, SIGKILLed once a multipart
+    upload of it is open on the server and parts are in flight (before any completes the object)."""
+    import signal
+
+    from registry.fs import multipart
+    from registry.fs.objects import PART_SIZE, ObjectWriter
+    assert reg.objects is not None, "an s3:// root's operation"
+    objects = reg.objects
+    sent = [0]
+    write = ObjectWriter.write
+
+    def write_then_die(self: ObjectWriter, data: Any) -> int:
+        n = write(self, data)
+        sent[0] += n
+        if sent[0] > 2 * PART_SIZE:
+            base = objects.key()
+            for _ in range(1000):  # until the server lists the open upload (polling a condition)
+                if next(iter(multipart.list_uploads(objects.config, base + "/" if base else "")), None):
+                    break
+                time.sleep(0.01)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return n
+
+    ObjectWriter.write = write_then_die  # type: ignore[method-assign]
+    steps = _live_steps(reg, run)
+    seed = rng.randrange(1 << 30)
+    big = {**state(seed), "big": torch.zeros(3 * PART_SIZE // 4)}
+    reg.publish(run, max(steps, default=0) + 10, big, meta={"seed": seed})
+
+
 @dataclass(frozen=True, kw_only=True)
 class Op:
     fn: Callable[[Registry, random.Random, str], None]
@@ -105,7 +138,8 @@ class Op:
 
 
 OPS: dict[str, Op] = {"publish": Op(fn=op_publish), "overwrite": Op(fn=op_overwrite),
-                      "tag": Op(fn=op_tag), "fsck": Op(fn=op_fsck), "gc": Op(fn=op_gc, deletes=True)}
+                      "tag": Op(fn=op_tag), "fsck": Op(fn=op_fsck), "gc": Op(fn=op_gc, deletes=True),
+                      "publish-killed-mid-upload": Op(fn=op_publish_killed_mid_upload)}
 DEFAULT_MIX = ("publish", "publish", "overwrite", "tag", "fsck", "gc")
 
 
@@ -118,8 +152,13 @@ def register_op(name: str, fn: Callable[[Registry, random.Random, str], None], *
 
 
 def worker(url: str, root: str, mix: tuple[str, ...], seed: int, crash_at: str | None, once: str | None,
-           ready: Any = None, runs: tuple[str, ...] = RUNS) -> None:
-    """Open the registry and run operations: ``once`` one named op, else random ops forever."""
+           ready: Any = None, runs: tuple[str, ...] = RUNS, env: dict[str, str] | None = None) -> None:
+    """Open the registry and run operations: ``once`` one named op, else random ops forever.
+
+    ``env`` (the AWS environment of an ``s3://`` root) is set first: a forkserver's children
+    inherit its environment, not the parent's of the moment.
+    """
+    os.environ.update(env or {})
     arm(crash_at)
     rng = random.Random(seed)
     with Registry.open(url=url, root=root) as reg:
@@ -274,23 +313,20 @@ def check_before_repair(reg: Registry, *, tally: Tally, runs: tuple[str, ...] = 
     ``verify=True`` and no fallback (a fallback would mean a live step was
     broken), bit for bit what its seed generates.
     """
-    root = reg.store.root
     for run, infos in catalog_view(reg, runs).items():
         live = _live(infos)
         for info in live:
             where = f"{run}@{info.step} ({info.status}, before repair)"
-            directory = root / info.path
             try:
-                manifest, digest = read_manifest(directory)
+                manifest, digest, sizes = stored(reg, info)
             except RegistryError as exc:
                 _fail(f"{where} is half-visible: {exc}")
             if digest != info.manifest_sha256:
                 _fail(f"{where}: the manifest on disk is not the one the catalog recorded")
             for entry in manifest.files.values():
-                try:
-                    size = (directory / entry.name).stat().st_size
-                except OSError as exc:
-                    _fail(f"{where} is half-visible: {entry.name}: {exc.strerror}")
+                size = sizes.get(entry.name)
+                if size is None:
+                    _fail(f"{where} is half-visible: {entry.name} is missing")
                 if size != entry.size:
                     _fail(f"{where}: {entry.name} is {size} bytes, its manifest says {entry.size}")
         loaded: set[int] = set()
@@ -315,6 +351,52 @@ def check_before_repair(reg: Registry, *, tally: Tally, runs: tuple[str, ...] = 
     tally.checked_before_repair += 1
 
 
+def stored(reg: Registry, info: Any) -> tuple[Any, str, dict[str, int]]:
+    """A row's manifest as stored now, its digest, and the size of every file stored beside it."""
+    if reg.objects is not None:
+        from registry.fs.prefixes import read_manifest as read_object_manifest
+        rel = info.path.as_posix()
+        manifest, digest = read_object_manifest(reg.objects, rel)
+        return manifest, digest, {e.rel[len(rel) + 1:]: e.size for e in reg.objects.list(rel)}
+    directory = reg.store.root / info.path
+    manifest, digest = read_manifest(directory)
+    sizes = {}
+    for name in manifest.files:
+        try:
+            sizes[name] = (directory / name).stat().st_size
+        except OSError:
+            pass  # missing: the caller says so
+    return manifest, digest, sizes
+
+
+def leftovers(reg: Registry) -> list[str]:
+    """What a settled fsck leaves nowhere: hidden directories, or on an object store orphan attempt
+    prefixes (no row names them) and incomplete multipart uploads."""
+    if reg.objects is None:
+        return hidden_dirs(reg.store.root)
+    from registry.fs import multipart
+    from registry.fs.prefixes import scan
+    named = {i.path.as_posix() for r in reg.runs()
+             for i in reg.checkpoints(r.name, include_deleted=True) if i.status not in ("failed", "deleted")}
+    orphans = [p for p in scan(reg.objects) if p not in named]
+    base = reg.objects.key()
+    return orphans + [f"upload {u.key}" for u in multipart.list_uploads(reg.objects.config,
+                                                                        base + "/" if base else "")]
+
+
+def _read_stored(reg: Registry, info: Any) -> Any:
+    if reg.objects is not None:
+        from registry.fs.objectread import read_objects
+        return read_objects(reg.objects, info.path.as_posix(), verify=True)
+    return read_directory(reg.store.root / info.path, verify=True)
+
+
+def _exists(reg: Registry, info: Any) -> bool:
+    if reg.objects is not None:
+        return bool(reg.objects.list(info.path.as_posix()))
+    return (reg.store.root / info.path).exists()
+
+
 def check_invariants(reg: Registry, *, before: dict[tuple[str, int], str], latest_before: dict[str, int],
                      may_delete: bool, tally: Tally, runs: tuple[str, ...] = RUNS) -> None:
     """fsck --repair, then everything the product promises after a crash."""
@@ -326,10 +408,9 @@ def check_invariants(reg: Registry, *, before: dict[tuple[str, int], str], lates
     again = reg.fsck(checksums=True)
     if not again.clean or again.in_progress:
         _fail(f"second fsck not clean: {again.to_json()}")
-    root = reg.store.root
-    leftovers = hidden_dirs(root)
-    if leftovers:
-        _fail(f"hidden directories left behind: {leftovers}")
+    left = leftovers(reg)
+    if left:
+        _fail(f"left behind: {left}")
     view = catalog_view(reg, runs)
     for run, infos in view.items():
         if any(i.status == "staging" for i in infos):
@@ -340,14 +421,14 @@ def check_invariants(reg: Registry, *, before: dict[tuple[str, int], str], lates
             # they belong to the seed in their own meta.json) is needed only where the payload changed
             if tally.loaded.get((run, step)) == info.manifest_sha256:
                 continue
-            loaded = read_directory(root / info.path, verify=True)  # raises on any checksum mismatch
+            loaded = _read_stored(reg, info)  # raises on any checksum mismatch
             if loaded.manifest_sha256 != info.manifest_sha256:
                 _fail(f"{run}@{step}: manifest on disk is not the one the catalog recorded")
             check_payload(f"{run}@{step}", loaded.meta, loaded.state_dict, loaded.extra)
             tally.checked_steps += 1
             tally.loaded[(run, step)] = info.manifest_sha256
         for i in infos:
-            if i.status in ("failed", "deleted") and (root / i.path).exists():
+            if i.status in ("failed", "deleted") and _exists(reg, i):
                 _fail(f"{run}@{i.step} is {i.status} but its directory exists")
         for (r, step), _status in before.items():
             if r == run and step not in live and not (may_delete and any(
@@ -376,8 +457,9 @@ def kill_once(reg: Registry, url: str, *, rng: random.Random, mix: tuple[str, ..
     view = catalog_view(reg, runs)
     before, latest = snapshot_live(view), latest_verified(view)
     ready = context().Event()
-    proc = context().Process(target=worker, args=(worker_url(url), str(reg.store.root), mix,
-                                                  rng.randrange(1 << 30), crash_at, once, ready, runs),
+    proc = context().Process(target=worker, args=(worker_url(url), reg.root_url, mix,
+                                                  rng.randrange(1 << 30), crash_at, once, ready, runs,
+                                                  dict(WORKER_ENV)),
                              daemon=True)
     proc.start()
     if crash_at is None:

@@ -147,3 +147,12 @@ def session_server(directory: Path) -> Iterator[Server]:
         yield server
     finally:
         server.stop()
+
+
+AWS_NAMES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_REGION", "AWS_ENDPOINT_URL",
+             "AWS_ALLOW_HTTP")
+
+
+def aws_env() -> dict[str, str]:
+    """The AWS variables of this process, for a child the forkserver starts: it has the server's older environment."""
+    return {name: os.environ[name] for name in AWS_NAMES if name in os.environ}

@@ -21,6 +21,7 @@ from registry import Checkpoint, Registry
 from registry.catalog import Claim
 from registry.cli import main
 from registry.ops.fsck import FsckReport
+from registry.records import CheckpointInfo
 from registry.fs.store import Payload, install, new_staging, now_timestamp, write_payload
 from tests.helpers import assert_state_equal, make_state
 
@@ -32,8 +33,40 @@ def payload(seed: int) -> Payload:
                                                       "timestamp": now_timestamp(), "optimizer_step": seed})
 
 
-def claim(reg: Registry, run: str, step: int, *, writer: str = DEAD, overwrite: bool = False) -> Claim:
-    return reg.catalog.claim(run, step, path=f"{run}/step-{step:08d}", writer=writer, overwrite=overwrite)
+def claim(reg: Registry, run: str, step: int, *, writer: str = DEAD, overwrite: bool = False,
+          path: str | None = None) -> Claim:
+    return reg.catalog.claim(run, step, path=path or f"{run}/step-{step:08d}", writer=writer, overwrite=overwrite)
+
+
+def dead_claim(reg: Registry, run: str, step: int, *, overwrite: bool = False, upload: int | None = None,
+               manifest: bool = True) -> str:
+    """On an s3:// root, a publish whose writer died after claiming: its attempt prefix, fully uploaded
+    with ``upload`` (a seed; what a writer killed before its commit leaves), or every file but the
+    manifest (``manifest=False``: killed mid-upload)."""
+    from registry.format.layout import attempt_relpath
+    from registry.fs.objectwrite import upload_payload
+    rel = attempt_relpath(run, step)
+    claim(reg, run, step, overwrite=overwrite, path=rel)
+    if upload is not None:
+        assert reg.objects is not None
+        upload_payload(reg.objects, rel, payload(upload))
+        if not manifest:
+            reg.objects.delete([f"{rel}/manifest.json"])
+    return rel
+
+
+def crash_before_commit(reg: Registry, run: str, step: int, seed: int) -> None:
+    """A publish whose payload is in place and whose writer died before the catalog commit, on either root."""
+    if reg.objects is None:
+        crash_after_rename(reg, run, step, seed)
+    else:
+        dead_claim(reg, run, step, upload=seed)
+
+
+def stored_bytes(reg: Registry, info: CheckpointInfo) -> int:
+    if reg.objects is not None:
+        return sum(e.size for e in reg.objects.list(info.path.as_posix()))
+    return sum(p.stat().st_size for p in info.path.iterdir())
 
 
 def crash_after_rename(reg: Registry, run: str, step: int, seed: int) -> Path:
@@ -66,16 +99,18 @@ def kinds(report: FsckReport) -> list[tuple[str, int, str]]:
     return sorted((p.run, p.step, p.kind) for p in report.problems)
 
 
-def test_clean_registry_is_clean(reg: Registry) -> None:
+def test_clean_registry_is_clean(any_reg: Registry) -> None:
+    reg = any_reg
     reg.publish("run", 1, make_state(1))
     reg.publish("run", 2, make_state(2), verify=False)
     report = reg.fsck(checksums=True)
     assert report.clean and report.rows_checked == 2 and not report.in_progress
 
 
-def test_uncommitted_publish_rolls_forward(reg: Registry) -> None:
+def test_uncommitted_publish_rolls_forward(any_reg: Registry) -> None:
+    reg = any_reg
     reg.publish("run", 1, make_state(1))
-    crash_after_rename(reg, "run", 2, seed=22)
+    crash_before_commit(reg, "run", 2, seed=22)
     assert reg.resolve("run").step == 1  # not visible while pending
     report = reg.fsck()
     assert kinds(report) == [("run", 2, "uncommitted-publish")] and not report.repaired
@@ -85,7 +120,7 @@ def test_uncommitted_publish_rolls_forward(reg: Registry) -> None:
     info = reg.resolve("run")
     assert info.step == 2 and info.status == "verified"
     assert info.epoch == 2 and info.consumed_samples == 64 and info.optimizer_step == 22
-    assert info.total_bytes == sum(p.stat().st_size for p in info.path.iterdir())
+    assert info.total_bytes == stored_bytes(reg, info)
     assert_state_equal(reg.load("run").state_dict, make_state(22))
     assert {f.name for f in reg.catalog.files("run", 2)} >= {"model.safetensors", "meta.json"}
     assert reg.fsck(checksums=True).clean
@@ -256,28 +291,34 @@ def test_without_repair_nothing_changes(reg: Registry, root: Path) -> None:
     assert reg.resolve("c").step == 9
 
 
-def test_publish_and_load_work_while_problems_pend(reg: Registry) -> None:
+def test_publish_and_load_work_while_problems_pend(any_reg: Registry) -> None:
+    reg = any_reg
     reg.publish("run", 1, make_state(1))
-    crash_after_rename(reg, "run", 2, seed=2)       # pending roll-forward
-    claim(reg, "run", 3)                            # pending abandoned publish
-    new_staging(reg.store.step_dir("run", 3))
+    crash_before_commit(reg, "run", 2, seed=2)      # pending roll-forward
+    if reg.objects is None:                         # pending abandoned publish
+        claim(reg, "run", 3)
+        new_staging(reg.store.step_dir("run", 3))
+    else:
+        dead_claim(reg, "run", 3, upload=3, manifest=False)
     assert_state_equal(reg.load("run").state_dict, make_state(1))
     # a resumed trainer re-publishes both steps: the dead writer's claims are taken over
     assert reg.publish("run", 2, make_state(20)).status == "verified"
     assert reg.publish("run", 3, make_state(30)).status == "verified"
     assert_state_equal(reg.load("run").state_dict, make_state(30))
     assert_state_equal(reg.load("run@2").state_dict, make_state(20))
+    if reg.objects is not None:  # the dead writers' attempt prefixes: no rename replaced them
+        assert kinds(reg.fsck(repair=True)) == [("run", 2, "orphan-prefix"), ("run", 3, "orphan-prefix")]
     assert reg.fsck(checksums=True).clean
 
 
-def test_cli_fsck(catalog_url: str, root: Path) -> None:
-    with Registry.open(url=catalog_url, root=root) as reg:
+def test_cli_fsck(catalog_url: str, any_root: str) -> None:
+    with Registry.open(url=catalog_url, root=any_root) as reg:
         reg.publish("run", 1, make_state(1))
-        crash_after_rename(reg, "run", 2, seed=2)
+        crash_before_commit(reg, "run", 2, seed=2)
     runner = CliRunner()
 
     def cli(*args: str):  # type: ignore[no-untyped-def]
-        return runner.invoke(main, ["--url", catalog_url, "--root", str(root), "fsck", *args],
+        return runner.invoke(main, ["--url", catalog_url, "--root", any_root, "fsck", *args],
                              catch_exceptions=False)
 
     result = cli()

@@ -24,7 +24,7 @@ import torch
 
 from registry import Registry
 from registry.errors import UnsafePickleError
-from tests.helpers import REPO, child_env, free_port
+from tests.helpers import REPO, child_env, flip_stored_byte, free_port, stored_file
 
 pytest.importorskip("lightning")
 
@@ -35,9 +35,10 @@ def env() -> dict[str, str]:
     return {k: v for k, v in child_env().items() if not k.startswith("PL_")} | {"CUDA_VISIBLE_DEVICES": ""}
 
 
-def worker(root: Path, mode: str) -> tuple[int, dict[str, Any]]:
-    out = subprocess.run([sys.executable, WORKER, str(root), mode], capture_output=True, text=True, env=env(),
-                         timeout=300)
+def worker(root: Path | str, mode: str, *, url: str | None = None) -> tuple[int, dict[str, Any]]:
+    extra = {"REGISTRY_URL": url} if url else {}
+    out = subprocess.run([sys.executable, WORKER, str(root), mode], capture_output=True, text=True,
+                         env=env() | extra, timeout=300)
     docs = [json.loads(line) for line in out.stdout.splitlines() if line.startswith('{"')]
     assert docs, out.stderr[-3000:]
     return out.returncode, docs[0]
@@ -51,28 +52,25 @@ def losses(doc: dict[str, Any]) -> dict[int, float]:
     return {int(k): v for k, v in doc["losses"].items()}
 
 
-def test_kill_resume_retention_and_corrupt_fallback(tmp_path: Path) -> None:
-    root = tmp_path / "root"
-    code, first = worker(root, "first")
+def test_kill_resume_retention_and_corrupt_fallback(tmp_path: Path, any_root: str) -> None:
+    """On a directory root and on an ``s3://`` root (the same catalog kind, a SQLite file, for both)."""
+    root, url = any_root, f"sqlite:///{tmp_path / 'catalog.db'}"
+    code, first = worker(root, "first", url=url)
     assert code == -signal.SIGKILL  # killed mid-fit, right after the second epoch's publish
     full = losses(first["full"])
     assert sorted(full) == list(range(16))  # 4 epochs of 4 steps
-    with Registry.open(root=root) as reg:
+    with Registry.open(url=url, root=root) as reg:
         val = {p.step: p.value for p in reg.metrics("full", "val_loss")}
         assert sorted(val) == [4, 8, 12, 16]  # callback_metrics committed with each step
         best = min(val, key=lambda s: val[s])
         assert set(steps(reg, "full")) == {12, 16, best}  # KeepLast(2) | KeepBest(1, "val_loss"), nothing else
         assert steps(reg, "crash") == [4, 8]
-        meta = json.loads((reg.resolve("full@16").path / "meta.json").read_text())["lightning"]
+        meta = json.loads(stored_file(reg, reg.resolve("full@16"), "meta.json"))["lightning"]
         assert {"loops", "lr_schedulers", "hyper_parameters", "global_step", "epoch"} <= set(meta)  # plain JSON
         full_live = steps(reg, "full")
-        newest = reg.resolve("full@16").path / "model.safetensors"
-    raw = bytearray(newest.read_bytes())
-    raw[-1] ^= 0xFF
-    os.chmod(newest, 0o644)
-    newest.write_bytes(bytes(raw))
+        flip_stored_byte(reg, reg.resolve("full@16"), "model.safetensors")
 
-    code, again = worker(root, "resume")
+    code, again = worker(root, "resume", url=url)
     assert code == 0
     crash = again["crash"]
     assert crash["resumed_at"] == 8
@@ -80,7 +78,7 @@ def test_kill_resume_retention_and_corrupt_fallback(tmp_path: Path) -> None:
     resumed = again["full"]
     assert resumed["fell_back"] and resumed["resumed_at"] == 12  # the corrupt step 16 was skipped
     assert losses(resumed) == {s: full[s] for s in range(12, 16)}
-    with Registry.open(root=root) as reg:
+    with Registry.open(url=url, root=root) as reg:
         assert reg.catalog.get("full", 16).status == "verified"  # type: ignore[union-attr] - retrained, replaced
         assert "corrupt" in [e.kind for e in reg.events("full", step=16)]
         assert set(steps(reg, "full")) == set(full_live)  # the other run's retention never touched it

@@ -11,7 +11,6 @@ config on the CPU; nothing is downloaded.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -21,40 +20,38 @@ from typing import Any
 import pytest
 
 from registry import Registry
-from tests.helpers import REPO, child_env
+from tests.helpers import REPO, child_env, flip_stored_byte
 
 pytest.importorskip("transformers")
 
 
-def worker(root: Path, mode: str) -> tuple[int, list[dict[str, Any]]]:
-    env = {**child_env(), "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
-    out = subprocess.run([sys.executable, str(REPO / "tests" / "_hf_worker.py"), str(root), mode],
+def worker(root: str, mode: str, *, url: str, work: Path) -> tuple[int, list[dict[str, Any]]]:
+    env = {**child_env(), "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "", "REGISTRY_URL": url}
+    out = subprocess.run([sys.executable, str(REPO / "tests" / "_hf_worker.py"), root, mode, str(work)],
                          capture_output=True, text=True, env=env, timeout=300)
     docs = [json.loads(line) for line in out.stdout.splitlines() if line.startswith('{"')]
     assert docs or out.returncode == -signal.SIGKILL, out.stderr[-3000:]
     return out.returncode, docs
 
 
-def test_trainer_publishes_resumes_after_sigkill_and_falls_back_past_a_corrupt_step(tmp_path: Path) -> None:
-    root = tmp_path / "root"
-    code, docs = worker(root, "first")
+def test_trainer_publishes_resumes_after_sigkill_and_falls_back_past_a_corrupt_step(tmp_path: Path,
+                                                                                    any_root: str) -> None:
+    """On a directory root and on an ``s3://`` root (the same catalog kind, a SQLite file, for both)."""
+    root, url = any_root, f"sqlite:///{tmp_path / 'catalog.db'}"
+    code, docs = worker(root, "first", url=url, work=tmp_path)
     assert code == -signal.SIGKILL  # killed mid-fit, right after step 4 committed
     full = {int(k): v for k, v in docs[0]["full"].items()}
     assert docs[0]["trainer_dirs"] == []  # each checkpoint-N went into the registry and was removed
-    with Registry.open(root=root) as reg:
+    with Registry.open(url=url, root=root) as reg:
         assert [i.step for i in reg.checkpoints("crash")] == [2, 4]
         assert [i.step for i in reg.checkpoints("full")] == [2, 4, 6]  # two runs in one root, each its own
         info = reg.resolve("full@4")
         assert info.metrics["eval_loss"] > 0  # evaluation metrics committed with the step
         assert {"optimizer.pt", "scheduler.pt", "rng_state.pt", "model.safetensors", "config.json"} <= {
-            p.name for p in info.path.iterdir()}
-        newest = reg.resolve("full@6").path / "model.safetensors"
-    raw = bytearray(newest.read_bytes())
-    raw[-1] ^= 0xFF
-    os.chmod(newest, 0o644)
-    newest.write_bytes(bytes(raw))
+            f.name for f in reg.catalog.files("full", 4)}
+        flip_stored_byte(reg, reg.resolve("full@6"), "model.safetensors")
 
-    code, docs = worker(root, "resume")
+    code, docs = worker(root, "resume", url=url, work=tmp_path)
     assert code == 0
     result = docs[-1]
     assert result["crash_resumed_at"] == 4
@@ -64,7 +61,7 @@ def test_trainer_publishes_resumes_after_sigkill_and_falls_back_past_a_corrupt_s
     assert {int(k): v for k, v in result["full"].items()} == {5: full[5], 6: full[6]}
     assert result["best_before"] != result["best_after"] == 6  # the late evaluation re-ranked best:
     assert result["logits_equal"] and result["own_files"]
-    with Registry.open(root=root) as reg:
+    with Registry.open(url=url, root=root) as reg:
         # the retrained step 6 replaced the corrupt one (it belonged to the abandoned timeline)
         assert reg.catalog.get("full", 6).status == "verified"  # type: ignore[union-attr]
         assert "corrupt" in [e.kind for e in reg.events("full", step=6)]

@@ -7,23 +7,29 @@ crashpoint; the survivor resumes, and the chain must say from where.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 
 from registry import Checkpoint, Registry
 from registry.catalog.lineage import LineageCatalog
-from registry.retention import KeepLast
 from registry.crashpoints import arm
+from registry.retention import KeepLast
 from tests.helpers import make_state
 from tests.killharness import context, settle, worker_url
+from tests.s3server import aws_env
 
-def _killed_publisher(url: str, root: str) -> None:
-    """In a forkserver child: publish steps 1-3, then die with step 4 renamed into place but not committed."""
+
+def _killed_publisher(url: str, root: str, env: dict[str, str]) -> None:
+    """In a forkserver child: publish steps 1-3, then die with step 4 in place (renamed, or every object
+    uploaded on an ``s3://`` root) but not committed. ``env`` holds an s3:// root's credentials: the
+    forkserver's environment predates the test's."""
+    os.environ.update(env)
     with Registry.open(url=url, root=root) as reg:
         for step in (1, 2, 3):
             reg.publish("run", step, make_state(step))
-        arm("after-rename")
+        arm("after-write" if root.startswith("s3://") else "after-rename")
         reg.publish("run", 4, make_state(4))
 
 
@@ -31,8 +37,9 @@ def hops(reg: Registry, ref: str) -> list[tuple[str, str, str]]:
     return [(h.ref, h.how, h.status) for h in reg.lineage(ref)]
 
 
-def test_resume_chain_after_kills(catalog_url: str, root: Path) -> None:
-    child = context().Process(target=_killed_publisher, args=(worker_url(catalog_url), str(root)))
+def test_resume_chain_after_kills(catalog_url: str, any_root: str) -> None:
+    root = any_root
+    child = context().Process(target=_killed_publisher, args=(worker_url(catalog_url), str(root), aws_env()))
     child.start()
     child.join()
     assert child.exitcode == -9
@@ -61,44 +68,44 @@ def test_resume_chain_after_kills(catalog_url: str, root: Path) -> None:
         assert reg.descendants("run@2", forks_only=False)[0].ref == "run@3"
 
 
-def test_fork_across_runs_retention_and_deleted_parent(reg: Registry) -> None:
+def test_fork_across_runs_retention_and_deleted_parent(any_reg: Registry) -> None:
     for step in (1, 2, 3):
-        reg.publish("base", step, make_state(step))
-    reg.begin_attempt("ft", fork_from="base@1")
-    reg.publish("ft", 10, make_state(10))
-    reg.publish("ft", 20, make_state(20))
-    assert hops(reg, "ft@20") == [("ft@20", "forked", "verified"), ("base@1", "started", "verified")]
-    assert [h.ref for h in reg.descendants("base@1")] == ["ft@10", "ft@20"]
-    assert reg.descendants("base@2") == []
+        any_reg.publish("base", step, make_state(step))
+    any_reg.begin_attempt("ft", fork_from="base@1")
+    any_reg.publish("ft", 10, make_state(10))
+    any_reg.publish("ft", 20, make_state(20))
+    assert hops(any_reg, "ft@20") == [("ft@20", "forked", "verified"), ("base@1", "started", "verified")]
+    assert [h.ref for h in any_reg.descendants("base@1")] == ["ft@10", "ft@20"]
+    assert any_reg.descendants("base@2") == []
 
-    plan = reg.plan_retention("base", KeepLast(1))
+    plan = any_reg.plan_retention("base", KeepLast(1))
     assert plan.delete.keys() == {2}
     assert "parent of fork ft@10, ft@20" in plan.keep[1]
-    reg.apply_retention("base", KeepLast(1))
-    assert reg.resolve("base@1").status == "verified"
+    any_reg.apply_retention("base", KeepLast(1))
+    assert any_reg.resolve("base@1").status == "verified"
 
-    released = reg.apply_retention("base", KeepLast(1), keep_fork_parents=False)
+    released = any_reg.apply_retention("base", KeepLast(1), keep_fork_parents=False)
     assert released.deleted == (1,)
-    chain = reg.lineage("ft@20")
+    chain = any_reg.lineage("ft@20")
     assert [(h.ref, h.status) for h in chain] == [("ft@20", "verified"), ("base@1", "deleted")]
     assert chain[0].parent_manifest_sha256 == chain[1].manifest_sha256
-    assert reg.load("ft@20").step == 20  # the fork is whole without its parent
-    assert hops(reg, "base@1") == [("base@1", "started", "deleted")]
+    assert any_reg.load("ft@20").step == 20  # the fork is whole without its parent
+    assert hops(any_reg, "base@1") == [("base@1", "started", "deleted")]
 
 
-def test_dead_fork_keeps_nothing_and_parent_ref_of_publish(reg: Registry) -> None:
-    reg.publish("base", 1, make_state(1))
-    reg.publish("base", 2, make_state(2))
-    reg.publish("ft", 5, make_state(5), parent="base@1", blocking=False).result()  # resolved at the call
-    reg.publish("ft", 6, make_state(6))
-    assert hops(reg, "ft@5")[0][1] == "forked" and hops(reg, "ft@6")[0][1] == "started"
-    assert 1 in reg.plan_retention("base", KeepLast(1)).keep
-    reg.apply_retention("ft", KeepLast(1))  # the fork itself is deleted: it no longer holds its parent
-    assert reg.plan_retention("base", KeepLast(1)).delete.keys() == {1}
-    reg.begin_attempt("base", fork_from="base@1")  # within the run: a resume by another name
-    reg.publish("base", 3, make_state(3))
-    assert hops(reg, "base@3")[0][1] == "forked"
-    assert reg.plan_retention("base", KeepLast(1)).delete.keys() == {1, 2}
+def test_dead_fork_keeps_nothing_and_parent_ref_of_publish(any_reg: Registry) -> None:
+    any_reg.publish("base", 1, make_state(1))
+    any_reg.publish("base", 2, make_state(2))
+    any_reg.publish("ft", 5, make_state(5), parent="base@1", blocking=False).result()  # resolved at the call
+    any_reg.publish("ft", 6, make_state(6))
+    assert hops(any_reg, "ft@5")[0][1] == "forked" and hops(any_reg, "ft@6")[0][1] == "started"
+    assert 1 in any_reg.plan_retention("base", KeepLast(1)).keep
+    any_reg.apply_retention("ft", KeepLast(1))  # the fork itself is deleted: it no longer holds its parent
+    assert any_reg.plan_retention("base", KeepLast(1)).delete.keys() == {1}
+    any_reg.begin_attempt("base", fork_from="base@1")  # within the run: a resume by another name
+    any_reg.publish("base", 3, make_state(3))
+    assert hops(any_reg, "base@3")[0][1] == "forked"
+    assert any_reg.plan_retention("base", KeepLast(1)).delete.keys() == {1, 2}
 
 
 def test_import_lineage_and_fork_of_an_import(reg: Registry, tmp_path: Path) -> None:
@@ -114,20 +121,20 @@ def test_import_lineage_and_fork_of_an_import(reg: Registry, tmp_path: Path) -> 
     assert hops(reg, "tuned@1") == [("tuned@1", "forked", "verified"), ("imp@7", "imported", "verified")]
 
 
-def test_lineage_names_a_parent_that_never_was_and_refuses_bad_input(reg: Registry) -> None:
+def test_lineage_names_a_parent_that_never_was_and_refuses_bad_input(any_reg: Registry) -> None:
     from registry import CheckpointNotFoundError, InvalidStateError
-    reg.begin_attempt("run", resumed_from=99)  # resumed from its own files
-    reg.publish("run", 100, make_state(1))
-    assert hops(reg, "run@100") == [("run@100", "resumed", "verified"), ("run@99", "unknown", "missing")]
+    any_reg.begin_attempt("run", resumed_from=99)  # resumed from its own files
+    any_reg.publish("run", 100, make_state(1))
+    assert hops(any_reg, "run@100") == [("run@100", "resumed", "verified"), ("run@99", "unknown", "missing")]
     with pytest.raises(CheckpointNotFoundError):
-        reg.lineage("run@5")
+        any_reg.lineage("run@5")
     with pytest.raises(InvalidStateError, match="not both"):
-        reg.begin_attempt("run", resumed_from=1, fork_from="run@100")
+        any_reg.begin_attempt("run", resumed_from=1, fork_from="run@100")
     with pytest.raises(CheckpointNotFoundError):
-        reg.begin_attempt("other", fork_from="run@7")
+        any_reg.begin_attempt("other", fork_from="run@7")
     with pytest.raises(CheckpointNotFoundError):
-        reg.publish("other", 1, make_state(1), parent="nope@1")
-    assert reg.checkpoints("run")[-1].step == 100
+        any_reg.publish("other", 1, make_state(1), parent="nope@1")
+    assert any_reg.checkpoints("run")[-1].step == 100
 
 
 def test_lineage_cli(reg: Registry, cli) -> None:  # type: ignore[no-untyped-def]
@@ -146,21 +153,21 @@ def test_lineage_cli(reg: Registry, cli) -> None:  # type: ignore[no-untyped-def
     assert missing.exit_code == 1 and "registry: error:" in missing.output
 
 
-def test_lineage_is_one_query(reg: Registry) -> None:
+def test_lineage_is_one_query(any_reg: Registry) -> None:
     """A chain of many hops is walked by one statement, not one per hop."""
     from sqlalchemy import event
     for step in range(1, 13):
-        reg.begin_attempt("deep", resumed_from=step - 1 if step > 1 else None)
-        reg.publish("deep", step, make_state(0, n=1), verify=False)
+        any_reg.begin_attempt("deep", resumed_from=step - 1 if step > 1 else None)
+        any_reg.publish("deep", step, make_state(0, n=1), verify=False)
     statements: list[str] = []
 
     def count(*args: object) -> None:
         statements.append(str(args[2]))
-    engines = {reg.catalog.engine, reg.catalog._read_engine}
+    engines = {any_reg.catalog.engine, any_reg.catalog._read_engine}
     for engine in engines:
         event.listen(engine, "before_cursor_execute", count)
     try:
-        chain = LineageCatalog(reg.catalog).chain("deep", 12)
+        chain = LineageCatalog(any_reg.catalog).chain("deep", 12)
     finally:
         for engine in engines:
             event.remove(engine, "before_cursor_execute", count)
@@ -195,22 +202,22 @@ def test_lineage_stops_at_a_replaced_parent(reg: Registry, cli) -> None:  # type
     assert len(doc) == 1 and doc[0]["parent"]["replaced"] is True
 
 
-def test_a_step_resumed_from_itself_came_from_what_it_replaced(reg: Registry) -> None:
-    reg.publish("a", 1, make_state(1))
-    reg.begin_attempt("a", resumed_from=1)
-    reg.publish("a", 1, make_state(2), overwrite=True)  # resumed from step 1, then wrote step 1 again
-    (hop,) = reg.lineage("a@1")
+def test_a_step_resumed_from_itself_came_from_what_it_replaced(any_reg: Registry) -> None:
+    any_reg.publish("a", 1, make_state(1))
+    any_reg.begin_attempt("a", resumed_from=1)
+    any_reg.publish("a", 1, make_state(2), overwrite=True)  # resumed from step 1, then wrote step 1 again
+    (hop,) = any_reg.lineage("a@1")
     assert hop.parent_replaced and not hop.parent_repeated and hop.parent_manifest_sha256 != hop.manifest_sha256
 
 
-def test_descendants_of_a_parent_published_after_the_child(reg: Registry) -> None:
+def test_descendants_of_a_parent_published_after_the_child(any_reg: Registry) -> None:
     """A resume from files outside the registry names a step that did not exist; one published there later
     is not what the child came from."""
-    reg.begin_attempt("run", resumed_from=99)
-    reg.publish("run", 100, make_state(1))
-    reg.begin_attempt("run")
-    reg.publish("run", 99, make_state(2))
-    assert [(h.ref, h.parent_replaced) for h in reg.descendants("run@99", forks_only=False)] == [("run@100", True)]
+    any_reg.begin_attempt("run", resumed_from=99)
+    any_reg.publish("run", 100, make_state(1))
+    any_reg.begin_attempt("run")
+    any_reg.publish("run", 99, make_state(2))
+    assert [(h.ref, h.parent_replaced) for h in any_reg.descendants("run@99", forks_only=False)] == [("run@100", True)]
 
 
 def _chain_rows(reg: Registry, run: str, step: int) -> int:
@@ -231,6 +238,7 @@ def test_lineage_cycle_stops_at_the_first_repeat(reg: Registry, cli) -> None:  #
     # a cycle whose digests all agree (rows written before a replaced parent was told apart, as the
     # backfill of an overwritten resume writes them): the walk stops at the first repeat and says so
     from sqlalchemy import select, update
+
     from registry.catalog.models import CheckpointRow, Lineage, Run
     b1 = reg.lineage("b@1")[0]
     a1_id = reg.catalog.read(lambda conn: conn.execute(

@@ -40,13 +40,24 @@ def live(reg: Registry, run: str) -> list[int]:
     return [i.step for i in reg.checkpoints(run) if i.status in ("published", "verified")]
 
 
+def stored_steps(reg: Registry, run: str) -> list[int]:
+    """The steps whose payload is in the root: every entry of the run's directory, or each attempt prefix."""
+    if reg.objects is not None:
+        from registry.fs.prefixes import scan
+        return sorted(p.step for p in scan(reg.objects, run).values())
+    names = sorted(p.name for p in (reg.store.root / run).iterdir())
+    assert all(n.startswith("step-") for n in names), f"not only final step directories: {names}"
+    return [int(n.removeprefix("step-")) for n in names]
+
+
 def status(reg: Registry, run: str, step: int) -> str:
     info = reg.catalog.get(run, step)
     assert info is not None
     return info.status
 
 
-def test_keep_last_plan_changes_nothing_then_execute(reg: Registry) -> None:
+def test_keep_last_plan_changes_nothing_then_execute(any_reg: Registry) -> None:
+    reg = any_reg  # a directory or an s3:// root
     publish(reg, "run", [10, 20, 30, 40, 50, 60], metrics={"eval/loss": 1.0})
     before_events = len(reg.events("run"))
     sizes = {i.step: i.total_bytes for i in reg.checkpoints("run")}
@@ -56,14 +67,14 @@ def test_keep_last_plan_changes_nothing_then_execute(reg: Registry) -> None:
     assert plan.bytes_freed == sum(sizes[s] for s in (10, 20, 30, 40)) > 0
     # planning changed nothing
     assert live(reg, "run") == [10, 20, 30, 40, 50, 60]
-    assert all(reg.store.step_dir("run", s).is_dir() for s in sizes)
+    assert stored_steps(reg, "run") == sorted(sizes)
     assert len(reg.events("run")) == before_events
 
     result = plan.execute()
     assert result.deleted == (10, 20, 30, 40) and not result.skipped and not result.errors
     assert result.bytes_freed == plan.bytes_freed
     assert live(reg, "run") == [50, 60]
-    assert sorted(p.name for p in (reg.store.root / "run").iterdir()) == ["step-00000050", "step-00000060"]
+    assert stored_steps(reg, "run") == [50, 60]
     # rows, metrics and events stay as history
     rows = {i.step: i.status for i in reg.checkpoints("run", include_deleted=True)}
     assert rows == {10: "deleted", 20: "deleted", 30: "deleted", 40: "deleted", 50: "verified", 60: "verified"}
@@ -79,7 +90,8 @@ def test_keep_last_plan_changes_nothing_then_execute(reg: Registry) -> None:
     assert all("no longer a candidate" in why for why in again.skipped.values())
 
 
-def test_keep_best_ranks_like_the_best_ref(reg: Registry) -> None:
+def test_keep_best_ranks_like_the_best_ref(any_reg: Registry) -> None:
+    reg = any_reg  # a directory or an s3:// root
     losses = {10: 0.5, 20: 0.2, 30: 0.9, 40: 0.2, 50: 0.7, 60: 0.8}
     for step, loss in losses.items():
         reg.publish("run", step, make_state(step), metrics={"eval/loss": loss, "eval/acc": 1 - loss})
@@ -95,7 +107,8 @@ def test_keep_best_ranks_like_the_best_ref(reg: Registry) -> None:
     assert list(reg.plan_retention("run", KeepBest(3, "no/such", missing_ok=True)).keep) == [60]
 
 
-def test_keep_every_tagged_newer_policy_versions(reg: Registry) -> None:
+def test_keep_every_tagged_newer_policy_versions(any_reg: Registry) -> None:
+    reg = any_reg  # a directory or an s3:// root
     for step in (10, 20, 30, 40, 50, 60):
         reg.publish("run", step, make_state(step), policy_version=(step + 10) // 20)  # 1,1,2,2,3,3
     reg.tag("run", 10, "release")
@@ -119,7 +132,8 @@ def test_keep_every_tagged_newer_policy_versions(reg: Registry) -> None:
     assert list(reg.plan_retention("run", KeepPolicyVersions(versions=[1])).delete) == [40, 50]
 
 
-def test_byte_budget_deletes_oldest_first(reg: Registry) -> None:
+def test_byte_budget_deletes_oldest_first(any_reg: Registry) -> None:
+    reg = any_reg  # a directory or an s3:// root
     publish(reg, "run", [10, 20, 30, 40, 50, 60], metrics={"eval/loss": 1.0})
     reg.log_metrics("run", 20, {"eval/loss": 0.1})
     reg.flush()
@@ -142,7 +156,8 @@ def test_byte_budget_deletes_oldest_first(reg: Registry) -> None:
     assert roomy.execute().deleted == (10, 30)
 
 
-def test_union_merges_keeps_and_reasons(reg: Registry) -> None:
+def test_union_merges_keeps_and_reasons(any_reg: Registry) -> None:
+    reg = any_reg  # a directory or an s3:// root
     for step in (10, 20, 30, 40, 50):
         reg.publish("run", step, make_state(step), metrics={"eval/loss": 1.0 / step if step != 30 else 0.0})
     policy = KeepLast(1) | KeepBest(1, "eval/loss") | KeepEvery(20)
@@ -160,7 +175,8 @@ def test_union_merges_keeps_and_reasons(reg: Registry) -> None:
     assert {d["step"]: d["action"] for d in doc["decisions"]}[10] == "delete"
 
 
-def test_invariants_hold_whatever_the_policy(reg: Registry) -> None:
+def test_invariants_hold_whatever_the_policy(any_reg: Registry) -> None:
+    reg = any_reg  # a directory or an s3:// root
     publish(reg, "run", [10, 20, 25, 30, 40, 50], metrics={"eval/loss": 0.5})
     reg.publish("run", 60, make_state(60), verify=False)            # newest, only published
     reg.tag("run", 30, "release")
@@ -180,14 +196,15 @@ def test_invariants_hold_whatever_the_policy(reg: Registry) -> None:
     assert result.deleted == (10, 20, 40)
     for step in (25, 30, 50, 60):
         assert status(reg, "run", step) in ("published", "verified")
-        assert reg.store.step_dir("run", step).is_dir()
+    assert stored_steps(reg, "run") == [25, 30, 50, 60]
     assert status(reg, "run", 70) == "staging" and status(reg, "run", 40) == "deleted"
     # a released lease no longer protects
     reg.catalog.release_lease(lease)
     assert reg.plan_retention("run", KeepNothing()).execute().deleted == (25,)
 
 
-def test_expired_lease_does_not_protect(reg: Registry) -> None:
+def test_expired_lease_does_not_protect(any_reg: Registry) -> None:
+    reg = any_reg  # a directory or an s3:// root
     publish(reg, "run", [10, 20, 30])
     assert reg.catalog.acquire_lease("run", 10, holder="crashed-reader", ttl=timedelta(seconds=-1)) is not None
     assert reg.catalog.acquire_lease("run", 20, holder="reader", ttl=timedelta(hours=1)) is not None
@@ -196,7 +213,8 @@ def test_expired_lease_does_not_protect(reg: Registry) -> None:
     assert plan.execute().deleted == (10,)
 
 
-def test_execute_rechecks_a_changed_catalog(reg: Registry) -> None:
+def test_execute_rechecks_a_changed_catalog(any_reg: Registry) -> None:
+    reg = any_reg  # a directory or an s3:// root
     losses = {5: 0.9, 10: 0.9, 20: 0.9, 30: 0.9, 40: 0.9, 50: 0.1, 60: 0.5}
     for step, loss in losses.items():
         reg.publish("run", step, make_state(step), metrics={"eval/loss": loss})
@@ -223,7 +241,8 @@ def test_execute_rechecks_a_changed_catalog(reg: Registry) -> None:
     assert live(reg, "run") == [20, 30, 40, 50, 60, 70]
 
 
-def test_publish_with_retention(reg: Registry) -> None:
+def test_publish_with_retention(any_reg: Registry) -> None:
+    reg = any_reg  # a directory or an s3:// root
     for step in (10, 20, 30, 40, 50):
         reg.publish("run", step, make_state(step), retention=KeepLast(2))
         assert live(reg, "run") == [s for s in (10, 20, 30, 40, 50) if step - 10 <= s <= step]
@@ -239,14 +258,15 @@ class Exploding(Policy):
         raise ZeroDivisionError("bad policy")
 
 
-def test_publish_survives_a_failing_retention(reg: Registry) -> None:
+def test_publish_survives_a_failing_retention(any_reg: Registry) -> None:
+    reg = any_reg  # a directory or an s3:// root
     publish(reg, "run", [10, 20])
     with pytest.warns(RetentionWarning, match="bad policy"):
         info = reg.publish("run", 30, make_state(30), retention=Exploding())
     assert info.status == "verified" and live(reg, "run") == [10, 20, 30]
     with pytest.raises(InvalidStateError, match="retention must be"):
         reg.publish("run", 40, make_state(40), retention="KeepLast(1)")
-    assert reg.catalog.get("run", 40) is None and not reg.store.step_dir("run", 40).exists()
+    assert reg.catalog.get("run", 40) is None and 40 not in stored_steps(reg, "run")
 
 
 def test_bad_policies_are_clear_errors(reg: Registry) -> None:
@@ -466,9 +486,10 @@ class KeepSteps(Policy):
         return {s: "chosen" for s in self.steps}
 
 
-def test_no_policy_can_break_the_invariants(reg: Registry) -> None:
+def test_no_policy_can_break_the_invariants(any_reg: Registry) -> None:
     """Property: whatever steps a policy keeps, the plan deletes exactly the unprotected,
     unkept candidates, and execute() deletes only planned, still-unprotected ones."""
+    reg = any_reg  # a directory or an s3:// root
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 

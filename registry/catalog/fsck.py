@@ -39,16 +39,21 @@ class RowState:
     updated_at: datetime | None = None  # a live writer on another host keeps refreshing it
 
 
-def snapshot(catalog: Catalog) -> list[RowState]:
-    """Every checkpoint row of every run, with its file table."""
+def snapshot(catalog: Catalog, *, run: str | None = None, step: int | None = None) -> list[RowState]:
+    """Every checkpoint row of every run (or the one row of ``run@step``), with its file table."""
     def fn(conn: Connection) -> list[RowState]:
         c = CheckpointRow
-        rows = conn.execute(select(c.id, c.step, c.status, c.path, c.writer, c.manifest_sha256, c.updated_at,
-                                   Run.name)
-                            .join(Run, Run.id == c.run_id).order_by(Run.name, c.step)).all()
+        query = (select(c.id, c.step, c.status, c.path, c.writer, c.manifest_sha256, c.updated_at, Run.name)
+                 .join(Run, Run.id == c.run_id).order_by(Run.name, c.step))
+        files_query = select(CheckpointFile.checkpoint_id, CheckpointFile.name, CheckpointFile.size,
+                             CheckpointFile.sha256)
+        if run is not None and step is not None:
+            query = query.where(Run.name == run, c.step == step)
+            files_query = files_query.join(c, c.id == CheckpointFile.checkpoint_id).join(
+                Run, Run.id == c.run_id).where(Run.name == run, c.step == step)
+        rows = conn.execute(query).all()
         files: dict[int, dict[str, tuple[int, str]]] = {}
-        for cid, name, size, sha in conn.execute(select(CheckpointFile.checkpoint_id, CheckpointFile.name,
-                                                        CheckpointFile.size, CheckpointFile.sha256)):
+        for cid, name, size, sha in conn.execute(files_query):
             files.setdefault(cid, {})[name] = (size, sha)
         return [RowState(run=r.name, step=r.step, status=r.status, path=r.path, writer=r.writer,
                          manifest_sha256=r.manifest_sha256, files=files.get(r.id, {}),

@@ -103,5 +103,43 @@ def scan_run(run_dir: Path) -> list[StepDir]:
     return found
 
 
-__all__ = ["HiddenKind", "StepDir", "StepDirKind", "hidden_sibling", "hidden_siblings", "parse_hidden",
-           "parse_step_dirname", "scan_run", "step_dirname"]
+# --------------------------------------------------------------------------- object-store roots
+#
+# No rename on object storage: each publish attempt uploads to a prefix of its own,
+# ``RUN/step-00001000/a-<16 hex>/``, which its claim names; the catalog row decides which is the step.
+
+_ATTEMPT_RE = re.compile(r"a-[0-9a-f]{16}")
+
+
+def attempt_relpath(run: str, step: int) -> str:
+    """A fresh attempt prefix ``RUN/step-00001000/a-<16 hex>`` (relative to the root, no slash at either end)."""
+    return f"{run}/{step_dirname(step)}/a-{secrets.token_hex(8)}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttemptKey:
+    """A key under an attempt prefix, split: which run and step, the prefix, and the file name under it."""
+
+    run: str
+    step: int
+    prefix: str   # RUN/step-00001000/a-<hex>, as the catalog row's path records it
+    name: str     # the rest of the key (a file name; "" for the prefix itself)
+
+
+def parse_attempt_key(rel: str) -> AttemptKey | None:
+    """``rel`` (a key relative to the root) as an :class:`AttemptKey`; None for a key publish never writes.
+
+    The run name is checked by the caller (``format.refs``); this only checks the shape.
+    """
+    parts = rel.split("/", 3)
+    if len(parts) < 3 or not parts[0] or parts[0].startswith("."):
+        return None
+    step = parse_step_dirname(parts[1])
+    if step is None or step[1] != "final" or not _ATTEMPT_RE.fullmatch(parts[2]):
+        return None
+    return AttemptKey(run=parts[0], step=step[0], prefix="/".join(parts[:3]), name=parts[3] if len(parts) > 3 else "")
+
+
+__all__ = ["AttemptKey", "HiddenKind", "StepDir", "StepDirKind", "attempt_relpath", "hidden_sibling",
+           "hidden_siblings", "parse_attempt_key", "parse_hidden", "parse_step_dirname", "scan_run",
+           "step_dirname"]

@@ -37,6 +37,14 @@ point every step would look missing.
 | corrupt-step | corrupt row | none: says what to do (restore, ``registry verify``; or gc) |
 | expired-checkout | registry-owned checkout whose reader lease expired or was released | remove it |
 
+On an ``s3://`` root (:mod:`registry.ops.objectfsck`) the same kinds name the
+same states, with an attempt prefix in place of a directory, plus two:
+
+| kind | found | repair |
+|---|---|---|
+| orphan-prefix | attempt prefix no row or live claim names (an old overwritten payload) | delete its objects |
+| incomplete-upload | a multipart upload never completed, not of a live claim | abort it |
+
 A staging row whose writer is alive is reported in ``in_progress`` and left alone
 (on another host: one it refreshed within ``registry.ops.writers.STALE_AFTER``).
 A repair skipped because the row changed after the snapshot (a writer took the
@@ -87,6 +95,8 @@ REPAIRS = {
     "missing-payload": "mark corrupt",
     "damaged-payload": "mark corrupt",
     "expired-checkout": "remove the checkout",
+    "orphan-prefix": "delete its objects",
+    "incomplete-upload": "abort the upload",
 }
 #: kinds fsck only reports: deciding about them needs a person (the detail says what to do)
 REPORTED = frozenset({"corrupt-step"})
@@ -102,6 +112,7 @@ class Problem:
     path: Path
     detail: str
     repair: str | None  # what --repair does about it; None: it can only be reported
+    url: str | None = None  # on an object-store root: where (``path`` is then relative to the root)
 
     def __post_init__(self) -> None:
         if self.kind not in REPAIRS and self.kind not in REPORTED and self.kind != "in-progress":
@@ -109,7 +120,7 @@ class Problem:
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": self.kind, "run": self.run, "step": self.step, "path": str(self.path),
-                "detail": self.detail, "repair": self.repair}
+                "detail": self.detail, "repair": self.repair, "url": self.url}
 
     def __str__(self) -> str:
         return f"{self.run}@{self.step}: {self.kind}: {self.detail}"
@@ -202,6 +213,14 @@ def _scan(root: Path, failures: list[str]) -> dict[tuple[str, int], _Step]:
     return found
 
 
+def meta_numbers(doc: Any) -> dict[str, int]:
+    """The few numbers a repair records from a meta.json document; anything odd gives defaults."""
+    if not isinstance(doc, dict):
+        return {}
+    return {k: doc[k] for k in ("epoch", "consumed_samples")
+            if isinstance(doc.get(k), int) and not isinstance(doc.get(k), bool) and 0 <= doc[k] <= MAX_STEP}
+
+
 def _read_meta(directory: Path, manifest: Manifest) -> dict[str, Any]:
     """The few numbers a repair records from meta.json; anything odd gives defaults."""
     if META not in manifest.files:
@@ -210,8 +229,17 @@ def _read_meta(directory: Path, manifest: Manifest) -> dict[str, Any]:
         doc = read_json(directory, META)
     except (RegistryError, OSError):
         return {}
-    return {k: doc[k] for k in ("epoch", "consumed_samples")
-            if isinstance(doc.get(k), int) and not isinstance(doc.get(k), bool) and 0 <= doc[k] <= MAX_STEP}
+    return meta_numbers(doc)
+
+
+def found_payload(manifest: Manifest, digest: str, manifest_size: int, *, status: str,
+                  meta: dict[str, int]) -> PayloadRecord:
+    """What a repair records about a valid payload found in storage (rolled forward, adopted)."""
+    return PayloadRecord(status=status, manifest_sha256=digest, total_bytes=manifest.total_bytes + manifest_size,
+                         files=[FileRecord(name=f.name, size=f.size, sha256=f.sha256)
+                                for f in manifest.files.values()],
+                         epoch=meta.get("epoch", 0), consumed_samples=meta.get("consumed_samples", 0),
+                         optimizer_step=manifest.optimizer_step, policy_version=manifest.policy_version)
 
 
 def _check_payload(directory: Path, *, checksums: bool,
@@ -251,12 +279,7 @@ def _check_payload(directory: Path, *, checksums: bool,
         manifest_size = os.stat(directory / MANIFEST, follow_symlinks=False).st_size
     except (FileNotFoundError, NotADirectoryError) as exc:
         return None, f"{Path(exc.filename or directory).name}: vanished while being checked"
-    meta = _read_meta(directory, manifest)
-    return PayloadRecord(status=status, manifest_sha256=digest, total_bytes=manifest.total_bytes + manifest_size,
-                         files=[FileRecord(name=f.name, size=f.size, sha256=f.sha256)
-                                for f in manifest.files.values()],
-                         epoch=meta.get("epoch", 0), consumed_samples=meta.get("consumed_samples", 0),
-                         optimizer_step=manifest.optimizer_step, policy_version=manifest.policy_version), ""
+    return found_payload(manifest, digest, manifest_size, status=status, meta=_read_meta(directory, manifest)), ""
 
 
 def _matches_catalog(directory: Path, row: RowState, *, checksums: bool,
@@ -290,14 +313,18 @@ class _RootVanished(Exception):
     """The root went away while fsck ran: every later "missing" would be the mount's, not the step's."""
 
 
-class Fsck:
-    """One pass of fsck over a catalog and a root. Use :func:`run_fsck`."""
+class FsckPass:
+    """What one pass of fsck found and did, whatever the root: problems, repairs, steps in flight, failures.
 
-    def __init__(self, *, catalog: Catalog, root: Path, repair: bool, checksums: bool, actor: str,
+    A subclass judges its kind of root; :meth:`_found` records a verdict
+    only if the row is still as seen (compare-and-set on the state read), and
+    :meth:`_fix` runs one repair in isolation.
+    """
+
+    def __init__(self, *, catalog: Catalog, repair: bool, checksums: bool, actor: str,
                  progress: ProgressFn | None = None) -> None:
         self.catalog = catalog
         self.counter = Counter(progress, task="fsck", total=None)
-        self.root = root
         self.repair = repair
         self.checksums = checksums
         self.actor = actor
@@ -306,22 +333,28 @@ class Fsck:
         self.in_progress: list[Problem] = []
         self.failures: list[str] = []
 
-    def _found(self, kind: str, run: str, step: int, path: Path, detail: str, *, repairable: bool = True,
-               row: RowState | None = None, still: Callable[[], bool] | None = None) -> Problem | None:
-        """Record a problem; with ``row``, only if the row is still as seen now that the disk was checked.
+    def _root_present(self) -> bool:
+        """Whether the root is still there; past a root that went away every step would look missing."""
+        return True
 
-        ``still`` then looks at the disk once more: a payload briefly out of
+    def _found(self, kind: str, run: str, step: int, path: Path, detail: str, *, repairable: bool = True,
+               row: RowState | None = None, still: Callable[[], bool] | None = None,
+               url: str | None = None) -> Problem | None:
+        """Record a problem; with ``row``, only if the row is still as seen now that the storage was checked.
+
+        ``still`` then looks at the storage once more: a payload briefly out of
         place while the catalog was read (gc checking what it may remove) is
         not the missing or damaged payload it looked like.
         """
-        if not os.path.isdir(self.root):  # follows a symlinked root, as the check at the start does
+        if not self._root_present():
             raise _RootVanished()
         if row is not None and (not unchanged(self.catalog, row) or (still is not None and not still())):
             self.in_progress.append(Problem(kind="in-progress", run=run, step=step, path=path, repair=None,
-                                            detail=f"changed while fsck checked it ({kind}); run fsck again"))
+                                            detail=f"changed while fsck checked it ({kind}); run fsck again",
+                                            url=url))
             return None
         problem = Problem(kind=kind, run=run, step=step, path=path, detail=detail,
-                          repair=REPAIRS[kind] if repairable and kind in REPAIRS else None)
+                          repair=REPAIRS[kind] if repairable and kind in REPAIRS else None, url=url)
         self.problems.append(problem)
         return problem
 
@@ -343,6 +376,23 @@ class Fsck:
             return False
         self.repaired.append(problem)
         return True
+
+    def report(self, rows_checked: int) -> FsckReport:
+        return FsckReport(problems=tuple(self.problems), repaired=tuple(self.repaired),
+                          in_progress=tuple(self.in_progress), failures=tuple(self.failures),
+                          rows_checked=rows_checked, checksums=self.checksums)
+
+
+class Fsck(FsckPass):
+    """One pass of fsck over a catalog and a directory root. Use :func:`run_fsck`."""
+
+    def __init__(self, *, catalog: Catalog, root: Path, repair: bool, checksums: bool, actor: str,
+                 progress: ProgressFn | None = None) -> None:
+        super().__init__(catalog=catalog, repair=repair, checksums=checksums, actor=actor, progress=progress)
+        self.root = root
+
+    def _root_present(self) -> bool:
+        return os.path.isdir(self.root)  # follows a symlinked root, as the check at the start does
 
     def _remove(self, paths: list[Path]) -> None:
         for path in paths:
@@ -369,9 +419,7 @@ class Fsck:
             problem = self._found("expired-checkout", co.run, co.step, co.path,
                                   f"checkout {co.path}: its reader lease expired or was released")
             self._fix(problem, functools.partial(remove_owned, co.path))
-        return FsckReport(problems=tuple(self.problems), repaired=tuple(self.repaired),
-                          in_progress=tuple(self.in_progress), failures=tuple(self.failures),
-                          rows_checked=len(rows), checksums=self.checksums)
+        return self.report(len(rows))
 
     def _step(self, run: str, step: int, row: RowState | None, scanned: _Step) -> None:
         canonical = self.root / run / step_dirname(step)

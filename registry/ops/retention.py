@@ -15,6 +15,13 @@ it vanishes from its final path at once; (3) the retired copy is removed
 (:mod:`registry.fs.removal`). ``execute`` first finishes any such interrupted
 deletion of the run, so running gc again (or ``fsck --repair``) completes the job.
 
+What a root does for steps (2) and (3), how it measures a step's bytes and
+which guards it needs is its :class:`Deletion`: :class:`FileDeletion` here for
+a directory root, ``registry.ops.objectgc.ObjectDeletion`` for an ``s3://``
+root (no rename there: the keys under the step's attempt prefix are deleted).
+The catalog side, the plan and the re-check inside the marking transaction are
+the same for both.
+
 The policies themselves are :mod:`registry.retention`.
 """
 
@@ -26,11 +33,11 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from registry.catalog import Catalog
 from registry.catalog.fallback import newest_verified
-from registry.catalog.retention import CANDIDATES, RetentionCatalog, RunSnapshot
+from registry.catalog.retention import CANDIDATES, DeletedRow, RetentionCatalog, RunSnapshot
 from registry.crashpoints import crashpoint
 from registry.errors import PolicyError
 from registry.format.layout import scan_run
@@ -46,17 +53,120 @@ from registry.retention import Policy, RetentionContext, evaluate
 log = logging.getLogger(__name__)
 
 
-def _held(checkpoint: CheckpointInfo) -> dict[dedup_files.Inode, int]:
-    """What a candidate's directory holds on disk, for :class:`~registry.retention.MaxBytes`."""
-    return dedup_files.inodes(Path(checkpoint.path))
+class Deletion(Protocol):
+    """What retention needs of a checkpoint root: where a step is, what it holds, and removing a deleted one."""
+
+    def locate(self, info: CheckpointInfo) -> CheckpointInfo:
+        """``info`` (its path relative to the root) as callers see it: an absolute path, or its URL set."""
+
+    def held(self, info: CheckpointInfo) -> Mapping[Any, int]:
+        """What a located step occupies, by storage unit (an inode), with sizes; empty: use its catalog size."""
+
+    def freed_bytes(self, doomed: Sequence[CheckpointInfo]) -> int:
+        """The bytes removing the located ``doomed`` steps would free."""
+
+    def kept_bytes(self, kept: Sequence[CheckpointInfo]) -> int:
+        """The bytes the located ``kept`` steps hold, each unit once."""
+
+    def shared_bytes(self, doomed: Sequence[Path], kept: Sequence[Path]) -> int:
+        """Of what the ``doomed`` steps hold, the bytes ``kept`` steps hold too (they stay)."""
+
+    def guard(self, catalog: Catalog, run: str, doomed: Sequence[int]) -> dict[int, str]:
+        """Before marking: steps that must be kept after all, with why (see :func:`guard_fallback`)."""
+
+    def after_mark(self, catalog: Catalog, run: str) -> None:
+        """After marking, before removing: whatever the root must re-establish (never raises)."""
+
+    def reclaim(self, catalog: Catalog, run: str) -> tuple[Path, ...]:
+        """Registry-owned checkouts of ``run`` whose lease expired, removed (first: they may hold bytes)."""
+
+    def remove(self, row: DeletedRow) -> bool:
+        """Remove what ``row`` (marked ``deleted``) left; False when nothing was there. Raises ``OSError``."""
+
+    def finish(self, run: str, rows: Sequence[DeletedRow]) -> tuple[set[int], dict[int, str]]:
+        """Finish killed deletions of ``rows`` (the run's ``deleted`` rows): steps healed, and errors."""
+
+
+@dataclass(frozen=True)
+class FileDeletion:
+    """:class:`Deletion` for a directory root: retire, then remove (:mod:`registry.fs.removal`)."""
+
+    root: Path
+
+    def locate(self, info: CheckpointInfo) -> CheckpointInfo:
+        return info.under(self.root)
+
+    def held(self, info: CheckpointInfo) -> Mapping[Any, int]:
+        """What a candidate's directory holds on disk, for :class:`~registry.retention.MaxBytes`."""
+        return dedup_files.inodes(Path(info.path))
+
+    def freed_bytes(self, doomed: Sequence[CheckpointInfo]) -> int:
+        return dedup_files.freed_bytes(Path(c.path) for c in doomed)
+
+    def kept_bytes(self, kept: Sequence[CheckpointInfo]) -> int:
+        """Bytes on disk of the steps' directories, each inode once (a catalog size where one cannot be read)."""
+        seen: dict[dedup_files.Inode, int] = {}
+        unread = 0
+        for c in kept:
+            held = dedup_files.inodes(Path(c.path))
+            if not held:
+                unread += c.total_bytes
+            seen.update(held)
+        return sum(seen.values()) + unread
+
+    def shared_bytes(self, doomed: Sequence[Path], kept: Sequence[Path]) -> int:
+        """Counted per inode, and only what a *kept* step links: two deleted steps sharing a file between
+        them free it, and a name elsewhere (a checkout) is not a step."""
+        held = dedup_files.held(doomed)
+        also = dedup_files.held(kept)
+        return sum(size for key, size in held.items() if key in also)
+
+    def guard(self, catalog: Catalog, run: str, doomed: Sequence[int]) -> dict[int, str]:
+        return guard_fallback(catalog, self.root, run, doomed)
+
+    def after_mark(self, catalog: Catalog, run: str) -> None:
+        try:  # whatever changed since the guard (a step published, verified or repaired meanwhile)
+            keep_fallback_apart(catalog, self.root, run)
+        except OSError as exc:
+            log.warning("retention of %s: could not give the newest verified step its own copy of a file it "
+                        "shares with the next: %s", run, exc.strerror or exc)
+
+    def reclaim(self, catalog: Catalog, run: str) -> tuple[Path, ...]:
+        return reclaim_checkouts(catalog, self.root, run=run)
+
+    def remove(self, row: DeletedRow) -> bool:
+        return remove_checkpoint_dir(self.root / row.path, row.manifest_sha256)
+
+    def finish(self, run: str, rows: Sequence[DeletedRow]) -> tuple[set[int], dict[int, str]]:
+        """Remove what a killed gc left of ``deleted`` rows: final or retired directories."""
+        deleted = {r.step for r in rows}
+        healed: set[int] = set()
+        errors: dict[int, str] = {}
+        for r in rows:
+            try:
+                if self.remove(r):
+                    healed.add(r.step)
+            except OSError as exc:
+                errors[r.step] = f"cannot remove {self.root / r.path}: {exc.strerror or exc}"
+        run_dir = self.root / run
+        if deleted and run_dir.is_dir():
+            for entry in scan_run(run_dir):
+                if entry.kind == "retired" and entry.step in deleted:
+                    try:
+                        remove_tree(entry.path)
+                        healed.add(entry.step)
+                    except OSError as exc:
+                        errors[entry.step] = f"cannot remove {entry.path}: {exc.strerror or exc}"
+        return healed, errors
 
 
 @dataclass(frozen=True, kw_only=True)
 class RetentionScope:
-    """What retention acts on: a catalog, the checkpoint root its paths are relative to, and who acts."""
+    """What retention acts on: a catalog, the root its paths are relative to (as a :class:`Deletion`), and
+    who acts."""
 
     catalog: Catalog
-    root: Path
+    storage: Deletion
     actor: str | None  # recorded on the ``delete`` events
 
 
@@ -70,7 +180,8 @@ class Decision:
     reasons: tuple[str, ...]
     protected: bool        # kept by an invariant, whatever the policy says
     total_bytes: int
-    path: Path
+    path: Path             # absolute on a directory root; relative to the root on an object-store root
+    url: str | None = None  # the step's URL on an object-store root
 
     def __post_init__(self) -> None:
         if self.action not in ("keep", "delete") or (self.action == "delete" and self.protected):
@@ -78,7 +189,8 @@ class Decision:
 
     def to_json(self) -> dict[str, Any]:
         return {"step": self.step, "status": self.status, "action": self.action, "reasons": list(self.reasons),
-                "protected": self.protected, "total_bytes": self.total_bytes, "path": str(self.path)}
+                "protected": self.protected, "total_bytes": self.total_bytes, "path": str(self.path),
+                "url": self.url}
 
 
 def protections(snap: RunSnapshot, extra: Mapping[int, str] = MappingProxyType({}), *,
@@ -167,6 +279,14 @@ class RetentionPlan:
         return sum(d.total_bytes for d in self.decisions if d.action == "delete")
 
     @property
+    def shared_bytes(self) -> int:
+        """Of the files the plan deletes, the bytes that kept steps hold too (stored once by dedup): they stay."""
+        if self.scope is None:
+            return 0
+        return self.scope.storage.shared_bytes([d.path for d in self.decisions if d.action == "delete"],
+                                               [d.path for d in self.decisions if d.action == "keep"])
+
+    @property
     def bytes_kept(self) -> int:
         """The bytes the kept steps hold on disk, each inode once."""
         if self.physical_kept is not None:
@@ -191,7 +311,7 @@ class RetentionPlan:
 
 
 def _candidates(scope: RetentionScope, snap: RunSnapshot) -> list[CheckpointInfo]:
-    return [c.under(scope.root) for c in snap.checkpoints if c.status in CANDIDATES]
+    return [scope.storage.locate(c) for c in snap.checkpoints if c.status in CANDIDATES]
 
 
 def make_plan(scope: RetentionScope, run: str, policy: Policy, *, now: datetime | None = None,
@@ -213,61 +333,36 @@ def make_plan(scope: RetentionScope, run: str, policy: Policy, *, now: datetime 
     protected = protections(snap, protect, keep_fork_parents=keep_fork_parents)
     candidates = _candidates(scope, snap)
     kept = evaluate(policy, candidates, RetentionContext(run=run, now=now, protected=protected,
-                                                         allow_missing_metrics=allow_missing_metrics, held=_held))
+                                                         allow_missing_metrics=allow_missing_metrics,
+                                                         held=scope.storage.held))
     decisions = []
+    located: dict[int, CheckpointInfo] = {}
     for c in snap.checkpoints:
         keep = c.step in protected or c.step in kept or c.status not in CANDIDATES
         reasons = tuple(r for r in (protected.get(c.step), kept.get(c.step)) if r)
         if not keep:
             reasons = ("not kept by the policy",)
+        where = located[c.step] = scope.storage.locate(c)
         decisions.append(Decision(step=c.step, status=c.status, action="keep" if keep else "delete",
                                   reasons=reasons or ("kept",),
                                   protected=c.step in protected, total_bytes=c.total_bytes,
-                                  path=scope.root / c.path))
+                                  path=Path(where.path), url=where.url))
     return RetentionPlan(run=run, policy=policy, decisions=tuple(decisions), now=now,
                          protect=MappingProxyType(dict(protect)), allow_missing_metrics=allow_missing_metrics,
                          keep_fork_parents=keep_fork_parents, scope=scope,
-                         physical_freed=dedup_files.freed_bytes(d.path for d in decisions if d.action == "delete"),
-                         physical_kept=_held_bytes([d for d in decisions if d.action == "keep"]))
-
-
-def _held_bytes(decisions: Sequence[Decision]) -> int:
-    """Bytes on disk of ``decisions``' directories, each inode once (a catalog size where one cannot be read)."""
-    seen: dict[dedup_files.Inode, int] = {}
-    unread = 0
-    for d in decisions:
-        held = dedup_files.inodes(d.path)
-        if not held:
-            unread += d.total_bytes
-        seen.update(held)
-    return sum(seen.values()) + unread
+                         physical_freed=scope.storage.freed_bytes(
+                             [located[d.step] for d in decisions if d.action == "delete"]),
+                         physical_kept=scope.storage.kept_bytes(
+                             [located[d.step] for d in decisions if d.action == "keep"]))
 
 
 def finish_interrupted(scope: RetentionScope, run: str) -> tuple[tuple[int, ...], dict[int, str]]:
-    """Remove what a killed gc left of ``deleted`` rows: final or retired directories."""
-    rows = RetentionCatalog(scope.catalog).deleted_rows(run)
-    deleted = {r.step for r in rows}
-    healed: set[int] = set()
-    errors: dict[int, str] = {}
-    for r in rows:
-        try:
-            if remove_checkpoint_dir(scope.root / r.path, r.manifest_sha256):
-                healed.add(r.step)
-        except OSError as exc:
-            errors[r.step] = f"cannot remove {scope.root / r.path}: {exc.strerror or exc}"
-    run_dir = scope.root / run
-    if deleted and run_dir.is_dir():
-        for entry in scan_run(run_dir):
-            if entry.kind == "retired" and entry.step in deleted:
-                try:
-                    remove_tree(entry.path)
-                    healed.add(entry.step)
-                except OSError as exc:
-                    errors[entry.step] = f"cannot remove {entry.path}: {exc.strerror or exc}"
+    """Remove what a killed gc left of ``deleted`` rows (see :meth:`Deletion.finish`)."""
+    healed, errors = scope.storage.finish(run, RetentionCatalog(scope.catalog).deleted_rows(run))
     return tuple(sorted(healed)), errors
 
 
-def guard_fallback(scope: RetentionScope, run: str, doomed: Sequence[int]) -> dict[int, str]:
+def guard_fallback(catalog: Catalog, root: Path, run: str, doomed: Sequence[int]) -> dict[int, str]:
     """Before ``doomed`` go: the two newest verified steps left must share no inode (see ``registry.fs.dedup``).
 
     The newer one gets its own copy of what they share. When that copy cannot
@@ -277,21 +372,21 @@ def guard_fallback(scope: RetentionScope, run: str, doomed: Sequence[int]) -> di
     if not doomed:
         return {}
     try:
-        keep_fallback_apart(scope.catalog, scope.root, run, excluding=doomed)
+        keep_fallback_apart(catalog, root, run, excluding=doomed)
         return {}
     except OSError as exc:
         why = f"kept as the fallback's own copy: could not copy a shared file ({exc.strerror or exc})"
         log.warning("retention of %s: %s", run, why)
-        return {s.step: why for s in newest_verified(scope.catalog, run, n=2) if s.step in doomed}
+        return {s.step: why for s in newest_verified(catalog, run, n=2) if s.step in doomed}
 
 
 def _execute(scope: RetentionScope, plan: RetentionPlan, progress: ProgressFn | None = None) -> RetentionResult:
     healed, errors = finish_interrupted(scope, plan.run)
     # first: an expired checkout made of hard links would keep a deleted step's bytes on disk
-    reclaimed = reclaim_checkouts(scope.catalog, scope.root, run=plan.run)
+    reclaimed = scope.storage.reclaim(scope.catalog, plan.run)
     planned = sorted(plan.delete)
     skipped: dict[int, str] = {}
-    fallback = guard_fallback(scope, plan.run, planned)
+    fallback = scope.storage.guard(scope.catalog, plan.run, planned)
 
     def decide(snap: RunSnapshot) -> dict[int, str]:
         skipped.clear()  # the transaction may be retried: start over each time
@@ -299,7 +394,8 @@ def _execute(scope: RetentionScope, plan: RetentionPlan, progress: ProgressFn | 
         by_step = {c.step: c for c in snap.checkpoints}
         kept = evaluate(plan.policy, _candidates(scope, snap),
                         RetentionContext(run=plan.run, now=plan.now, protected=protected,
-                                         allow_missing_metrics=plan.allow_missing_metrics, held=_held))
+                                         allow_missing_metrics=plan.allow_missing_metrics,
+                                         held=scope.storage.held))
         doomed: dict[int, str] = {}
         for step in planned:
             c = by_step.get(step)
@@ -316,25 +412,28 @@ def _execute(scope: RetentionScope, plan: RetentionPlan, progress: ProgressFn | 
     marked = RetentionCatalog(scope.catalog).mark_deleted(plan.run, decide, actor=scope.actor)
     if marked:
         crashpoint("gc-after-mark")
-    try:  # whatever changed since the guard above (a step published, verified or repaired meanwhile)
-        keep_fallback_apart(scope.catalog, scope.root, plan.run)
-    except OSError as exc:
-        log.warning("retention of %s: could not give the newest verified step its own copy of a file it "
-                    "shares with the next: %s", plan.run, exc.strerror or exc)
-    freed = dedup_files.freed_bytes(scope.root / r.path for r in marked)
+    scope.storage.after_mark(scope.catalog, plan.run)
+    freed = scope.storage.freed_bytes([scope.storage.locate(_deleted_info(plan.run, r)) for r in marked])
     counter = Counter(progress, task="gc", total=len(marked), unit="checkpoints")
     for row in marked:
         counter.advance(0, item=f"{plan.run}@{row.step}")
         log.info("retention deleted %s@%d (%d bytes): %s", plan.run, row.step, row.total_bytes,
                  plan.delete.get(row.step, "not kept"))
         try:
-            remove_checkpoint_dir(scope.root / row.path, row.manifest_sha256)
+            scope.storage.remove(row)
         except OSError as exc:
-            errors[row.step] = f"cannot remove {scope.root / row.path}: {exc.strerror or exc}"
+            where = scope.storage.locate(_deleted_info(plan.run, row))
+            errors[row.step] = f"cannot remove {where.url or where.path}: {exc.strerror or exc}"
         counter.advance(1, item=f"{plan.run}@{row.step}")
     return RetentionResult(run=plan.run, deleted=tuple(r.step for r in marked), skipped=dict(skipped),
                            bytes_freed=freed, healed=healed, errors=errors, checkouts_removed=reclaimed)
 
 
-__all__ = ["Decision", "RetentionPlan", "RetentionResult", "RetentionScope", "finish_interrupted", "guard_fallback",
-           "make_plan", "protections"]
+def _deleted_info(run: str, row: DeletedRow) -> CheckpointInfo:
+    """A marked row as a (minimal) ``CheckpointInfo``, for the root to locate and measure."""
+    return CheckpointInfo(run=run, step=row.step, status=Status.DELETED, path=Path(row.path),
+                          total_bytes=row.total_bytes, manifest_sha256=row.manifest_sha256)
+
+
+__all__ = ["Decision", "Deletion", "FileDeletion", "RetentionPlan", "RetentionResult", "RetentionScope",
+           "finish_interrupted", "guard_fallback", "make_plan", "protections"]

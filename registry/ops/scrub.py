@@ -15,16 +15,19 @@ no permission, no file descriptors left) is ``unreadable`` and records nothing.
 
 from __future__ import annotations
 
+import functools
 import os
 import stat
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from registry.catalog import Catalog
-from registry.errors import CheckpointReadError, CorruptCheckpointError
+from registry.errors import CheckpointReadError, CorruptCheckpointError, ObjectNotFoundError
 from registry.format.manifest import MANIFEST, Manifest, read_manifest
 from registry.records import HAS_PAYLOAD, CheckpointInfo, Status
+from registry.fs.objects import ObjectRoot
+from registry.fs.prefixes import check_objects, read_manifest as read_manifest_object
 from registry.fs.store import verify_directory
 from registry.progress import Counter, ProgressFn
 
@@ -89,13 +92,53 @@ def _read(info: CheckpointInfo, counter: Counter) -> _Read:
                  problems=tuple(f"{p.name}: {p.problem}" for p in damaged))
 
 
+def _object_manifest(root: ObjectRoot, info: CheckpointInfo) -> tuple[Manifest | None, str]:
+    """:func:`_manifest` on an object-store root: the bucket answered, so a missing manifest is the step's."""
+    try:
+        return read_manifest_object(root, info.path.as_posix())
+    except ObjectNotFoundError:
+        try:  # a missing bucket answers GET like a missing key: only a bucket that is there condemns
+            root.check_bucket()
+        except OSError as exc:
+            raise _Unreadable(str(exc)) from None
+        return None, f"{MANIFEST}: missing on the server"
+    except CorruptCheckpointError as exc:
+        return None, f"{MANIFEST}: {exc}"
+    except OSError as exc:  # StorageError: the server's trouble, never the step's
+        raise _Unreadable(str(exc)) from None
+
+
+def _object_read(root: ObjectRoot, info: CheckpointInfo, counter: Counter) -> _Read:
+    """:func:`_read` on an object-store root: every object re-read by ranged GETs and hashed."""
+    manifest, digest = _object_manifest(root, info)
+    if manifest is None:
+        return _Read(digest=None, files={}, problems=(digest,))
+    rel = info.path.as_posix()
+    try:
+        listed = {e.rel[len(rel) + 1:]: e for e in root.list(rel)}
+        damaged = check_objects(root, rel, manifest, listed, checksums=True,
+                                on_bytes=lambda n: counter.advance(n, item=f"{info.run}@{info.step}"))
+        if damaged and root.head(f"{rel}/{MANIFEST}") is None:  # deleted while being read (gc)
+            raise _Unreadable(f"objects deleted while being read: {root.url(rel)}")
+    except OSError as exc:
+        raise _Unreadable(str(exc)) from None
+    return _Read(digest=digest, files={n: (e.size, e.sha256) for n, e in manifest.files.items()},
+                 problems=tuple(f"{p.name}: {p.problem}" for p in damaged))
+
+
 def scrub(catalog: Catalog, infos: Sequence[CheckpointInfo], *, actor: str,
-          progress: ProgressFn | None = None) -> list[VerifyResult]:
+          progress: ProgressFn | None = None, objects: ObjectRoot | None = None) -> list[VerifyResult]:
     """Re-hash each checkpoint (a few in parallel); intact ones become ``verified``, damaged ``corrupt``.
 
     A corrupt step that hashes clean again (restored from a backup) is verified again.
     ``progress`` hears of the bytes hashed, of the sum of the steps' sizes (``registry.progress``).
+    ``objects``: the root is that object store (``infos``' paths are relative to it), not a directory.
     """
+    manifest_of: Callable[[CheckpointInfo], tuple[Manifest | None, str]] = (
+        _manifest if objects is None else functools.partial(_object_manifest, objects))
+    read: Callable[[CheckpointInfo, Counter], _Read] = (
+        _read if objects is None else functools.partial(_object_read, objects))
+
     def result(info: CheckpointInfo, status: str, *problems: str) -> VerifyResult:
         return VerifyResult(run=info.run, step=info.step, ok=status == Status.VERIFIED, status=status,
                             problems=problems)
@@ -125,7 +168,7 @@ def scrub(catalog: Catalog, infos: Sequence[CheckpointInfo], *, actor: str,
 
     def check(info: CheckpointInfo) -> VerifyResult:
         try:
-            found = _read(info, counter)
+            found = read(info, counter)
             if found.digest is not None and found.digest != info.manifest_sha256:
                 now = current(info)  # re-published since it was listed?
                 if now is not None and now.manifest_sha256 == found.digest:
@@ -142,7 +185,7 @@ def scrub(catalog: Catalog, infos: Sequence[CheckpointInfo], *, actor: str,
             now = current(info)
             if now is None or now.status not in VERDICT_FROM or now.manifest_sha256 is None:
                 return changed(info)
-            manifest, digest_or_problem = _manifest(now)
+            manifest, digest_or_problem = manifest_of(now)
             if manifest is None:
                 return record(now, now.manifest_sha256, (digest_or_problem,))
             if digest_or_problem == now.manifest_sha256:
