@@ -103,10 +103,17 @@ def s3_env(s3_server: s3server.Server, monkeypatch: pytest.MonkeyPatch) -> s3ser
     return s3_server
 
 
+@pytest.fixture(scope="session")
+def s3_bucket(s3_server: s3server.Server) -> str:
+    """The session's bucket. One, not one per test: SeaweedFS gives every bucket volumes of its own, and a
+    few hundred buckets use up the server's volumes."""
+    return s3server.new_bucket(s3_server)
+
+
 @pytest.fixture
-def s3_root(s3_env: s3server.Server) -> str:
-    """An ``s3://`` root in a bucket of this test's own, with the AWS environment set for it."""
-    return f"s3://{s3server.new_bucket(s3_env)}/ckpt"
+def s3_root(s3_env: s3server.Server, s3_bucket: str) -> str:
+    """An ``s3://`` root under a key prefix of this test's own, with the AWS environment set for it."""
+    return f"s3://{s3_bucket}/{uuid.uuid4().hex[:12]}/ckpt"
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

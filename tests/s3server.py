@@ -92,7 +92,8 @@ def start(directory: Path, *, ports: dict[str, int] | None = None, timeout: floa
     chosen = dict(ports) if ports else dict(zip(_PORTS, _free_ports(len(_PORTS))))
     log = directory / "weed.log"
     env = {**os.environ, "AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY}
-    args = [weed, "mini", f"-dir={directory}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+    # every bucket takes volumes of its own; the tests make a few dozen (volumes are not preallocated)
+    args = [weed, "mini", f"-dir={directory}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-volume.max=1000",
             *(f"-{name}={port}" for name, port in chosen.items())]
     with log.open("ab") as out:
         process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=directory,
