@@ -487,8 +487,8 @@ class Registry:
 
     def _target(self, job: _PublishJob) -> Target:
         if self.objects is not None:
-            from registry.ops.objectlanding import attempt_path
-            root, relpath = Path(self.objects.url()), attempt_path(job.run, job.step)
+            from registry.format.layout import attempt_relpath
+            root, relpath = Path(self.objects.url()), attempt_relpath(job.run, job.step)
         else:
             root, relpath = self.store.root, self.store.relpath(self.store.step_dir(job.run, job.step))
         return Target(run=job.run, step=job.step, root=root, relpath=relpath, writer=self.writer,
