@@ -353,9 +353,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", choices=("sqlite", "postgresql", "both"), default="both")
     parser.add_argument("--pg", default=os.environ.get("REGISTRY_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test"))
     parser.add_argument("--seed", type=int, default=int(time.time()))
-    parser.add_argument("--mix", default=",".join(MIX), help=f"operations to draw from (known: {', '.join(OPS)})")
+    parser.add_argument("--mix", default=None, help=f"operations to draw from (known: {', '.join(OPS)})")
+    parser.add_argument("--s3", action="store_true", help="an s3:// root on a SeaweedFS started here (weed on PATH)")
     args = parser.parse_args(argv)
-    mix = tuple(args.mix.split(","))
+    mix = tuple(args.mix.split(",")) if args.mix else (OBJECT_MIX if args.s3 else MIX)
     if unknown := [m for m in mix if m not in OPS]:
         parser.error(f"unknown operations {unknown}; known: {sorted(OPS)}")
     print(f"seed {args.seed}")
@@ -368,10 +369,21 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 make, drop = _pg_url_factory(args.pg)
                 url = make()
+            server = None
             try:
-                tally = stress(url, Path(tmp) / "root", seconds=args.seconds, workers=args.workers, seed=args.seed,
-                                mix=mix)
+                root: Path | str = Path(tmp) / "root"
+                env = None
+                if args.s3:
+                    from tests import s3server
+                    server = s3server.start(Path(tmp) / "weed")
+                    env = server.env
+                    os.environ.update(env)
+                    root = f"s3://{s3server.new_bucket(server)}/root"
+                tally = stress(url, root, seconds=args.seconds, workers=args.workers, seed=args.seed, mix=mix,
+                               env=env)
             finally:
+                if server is not None:
+                    server.stop()
                 drop()
             print(f"{backend:<10} {tally.summary()}")
             for v in tally.violations:
