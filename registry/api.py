@@ -737,7 +737,6 @@ class Registry:
         Intact steps become ``verified``; damaged ones ``corrupt`` (see :mod:`registry.ops.scrub`).
         ``progress`` hears of the bytes hashed (see :mod:`registry.progress`).
         """
-        self._directory_root("verify")  # the scrub re-hashes directories; refusing marks nothing
         targets: list[CheckpointInfo] = []
         for ref in refs:
             parsed = parse_ref(ref)
