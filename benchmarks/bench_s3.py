@@ -9,7 +9,8 @@ an order that rotates round by round so that load from other processes hits ever
   manifest last, catalog commit), against ``raw put``: ``obstore.put`` of the same safetensors bytes, already in
   memory, as one parallel multipart upload with the same part size and concurrency;
 - ``load``: a verified ``Registry.load`` (parallel ranged gets, every piece checked, tensors parsed), against
-  ``raw get``: the same ranged gets of the same object into one buffer, nothing checked or parsed;
+  ``raw get``: ``obstore.get_range`` of the same 16 MiB ranges of the same object, as many at once, into one
+  uninitialised CPU buffer, nothing checked or parsed;
 - ``async``: the time ``publish(blocking=False)`` blocks the trainer (the snapshot), against the blocking publish
   of the same round.
 
@@ -52,9 +53,9 @@ def raw_put(root: ObjectRoot, key: str, data: bytes) -> None:
     obstore.put(root.store, key, data, use_multipart=True, chunk_size=PART_SIZE, max_concurrency=UPLOAD_CONCURRENCY)
 
 
-def raw_get(root: ObjectRoot, key: str, size: int, pool: ThreadPoolExecutor) -> bytearray:
-    out = bytearray(size)
-    view = memoryview(out)
+def raw_get(root: ObjectRoot, key: str, size: int, pool: ThreadPoolExecutor) -> torch.Tensor:
+    out = torch.empty(size, dtype=torch.uint8)  # the same kind of buffer a load fills (no zero-fill)
+    view = out.numpy().data.cast("B")
 
     def one(start: int) -> None:
         end = min(size, start + PIECE_SIZE)

@@ -81,6 +81,26 @@ def object_locations(url: str | None, root: str) -> tuple[str, str]:
     return root, catalog
 
 
+def _bound_catalog(url: str, root: Store | ObjectRoot, *, migrate: bool, create: bool, read_only: bool,
+                   rebind: bool) -> Catalog:
+    """The catalog at ``url``, checked (or bound) to ``root`` (see :mod:`registry.ops.binding`); closed if refused."""
+    from registry.ops.binding import check_binding
+    from registry.catalog.readonly import ReadOnlyCatalog
+    from registry.catalog.session import open_engine
+
+    catalog: Catalog | None = None
+    try:
+        catalog = (ReadOnlyCatalog.open(url) if read_only
+                   else Catalog(open_engine(url, migrate=migrate, create=create)))
+        check_binding(catalog, root, url=catalog.engine.url.render_as_string(hide_password=True),
+                      bind=create and not read_only, rebind=rebind and not read_only)
+    except BaseException:
+        if catalog is not None:
+            catalog.close()
+        raise
+    return catalog
+
+
 @dataclass(frozen=True, kw_only=True)
 class _PublishJob:
     """A validated publish: everything the publish sequence needs (``payload.meta`` holds the numbers)."""
@@ -151,32 +171,24 @@ class Registry:
         ``storage_options`` (obstore's S3 configuration keys); they are never
         logged, stored or shown. The bucket must exist. Dedup does not apply.
         """
-        from registry.ops.binding import check_binding
-        from registry.catalog.readonly import ReadOnlyCatalog
-        from registry.catalog.session import cannot_write, open_engine
+        from registry.catalog.session import cannot_write
 
         check_flags(dedup=dedup)
-        chosen = root if root is not None else os.environ.get("REGISTRY_ROOT", DEFAULT_ROOT)
-        if is_object_url(str(chosen)):
-            return cls._open_objects(url, str(chosen), storage_options=storage_options, migrate=migrate,
+        located, url = locations(url, root)
+        if isinstance(located, str):
+            return cls._open_objects(url, located, storage_options=storage_options, migrate=migrate,
                                      lease_ttl=lease_ttl, create=create, read_only=read_only,
                                      rebind_root=rebind_root, dedup=dedup)
         if storage_options is not None:
             raise RootError("storage_options apply to an s3:// root only")
-        located, url = locations(url, root)
-        root_path = Path(located)
+        root_path = located
         read_only = read_only or cannot_write(url)
         created = [p for p in (root_path, *root_path.parents) if not p.exists()]
-        catalog: Catalog | None = None
         try:
             store = Store(root_path, create=create and not read_only)
-            catalog = (ReadOnlyCatalog.open(url) if read_only
-                       else Catalog(open_engine(url, migrate=migrate, create=create)))
-            check_binding(catalog, store, url=catalog.engine.url.render_as_string(hide_password=True),
-                          bind=create and not read_only, rebind=rebind_root and not read_only)
+            catalog = _bound_catalog(url, store, migrate=migrate, create=create, read_only=read_only,
+                                     rebind=rebind_root)
         except BaseException:
-            if catalog is not None:
-                catalog.close()
             for directory in created:  # a refused open leaves no empty root behind (say, at a mistyped path)
                 try:
                     directory.rmdir()
@@ -190,44 +202,36 @@ class Registry:
                    dedup=bool(dedup))
 
     @classmethod
-    def _open_objects(cls, url: str | None, root: str, *, storage_options: Mapping[str, Any] | None,
+    def _open_objects(cls, url: str, root: str, *, storage_options: Mapping[str, Any] | None,
                       migrate: bool, lease_ttl: timedelta, create: bool, read_only: bool, rebind_root: bool,
                       dedup: bool) -> Registry:
         """:meth:`open` of an ``s3://`` root: the bucket is checked, then the catalog opened and bound to it."""
-        from registry.ops.binding import check_binding
-        from registry.catalog.readonly import ReadOnlyCatalog
-        from registry.catalog.session import cannot_write, open_engine
+        from registry.catalog.session import cannot_write
         from registry.fs.objects import ObjectRoot
 
         if dedup:
             raise RootError(f"dedup does not apply to an s3:// root ({root}): objects cannot be hard-linked")
-        root, url = object_locations(url, root)
         objects = ObjectRoot.open(root, storage_options)
         read_only = read_only or cannot_write(url)
-        catalog: Catalog | None = None
-        try:
-            catalog = (ReadOnlyCatalog.open(url) if read_only
-                       else Catalog(open_engine(url, migrate=migrate, create=create)))
-            check_binding(catalog, objects, url=catalog.engine.url.render_as_string(hide_password=True),
-                          bind=create and not read_only, rebind=rebind_root and not read_only)
-        except BaseException:
-            if catalog is not None:
-                catalog.close()
-            raise
+        catalog = _bound_catalog(url, objects, migrate=migrate, create=create, read_only=read_only,
+                                 rebind=rebind_root)
         return cls(catalog=catalog, store=None, url=url, lease_ttl=lease_ttl, read_only=read_only,
                    objects=objects)
 
     @property
     def store(self) -> Store:
         """The filesystem root's :class:`Store`; an ``s3://`` root has none (``RootError`` says so)."""
+        return self._directory_root("this")
+
+    def _directory_root(self, what: str) -> Store:
         if self._store is None:
-            raise RootError(f"this needs a filesystem checkpoint root; {self.root_url} is an object-store root")
+            raise RootError(f"{what} needs a filesystem checkpoint root; {self.root_url} is an object-store root")
         return self._store
 
     @property
     def root_url(self) -> str:
         """The root as given to :meth:`open`: an absolute directory, or ``s3://BUCKET/PREFIX``."""
-        return self.objects.url() if self.objects is not None else str(self.store.root)
+        return self.objects.url() if self.objects is not None else str(self._directory_root("root_url").root)
 
     def placed(self, info: CheckpointInfo) -> CheckpointInfo:
         """A catalog row as the API hands it out: its absolute path, or on an ``s3://`` root its URL."""
@@ -490,8 +494,8 @@ class Registry:
 
     def _target(self, job: _PublishJob) -> Target:
         if self.objects is not None:
-            from registry.ops.objectlanding import attempt_path
-            root, relpath = Path(self.objects.url()), attempt_path(job.run, job.step)
+            from registry.format.layout import attempt_relpath
+            root, relpath = Path(self.objects.url()), attempt_relpath(job.run, job.step)
         else:
             root, relpath = self.store.root, self.store.relpath(self.store.step_dir(job.run, job.step))
         return Target(run=job.run, step=job.step, root=root, relpath=relpath, writer=self.writer,
@@ -903,6 +907,7 @@ class Registry:
         any moment leaves the source intact.
         """
         from registry.fs.importer import int_field, provenance, remove_originals, scan, stage
+        self._directory_root("import")
         check_run_name(run)
         check_step(step)
         check_flags(move=move, overwrite=overwrite)
@@ -956,6 +961,7 @@ class Registry:
         :mod:`registry.ops.diff`). Unchanged tensors are found from the manifests' piece digests
         without reading them; ``values`` adds the size of each content change."""
         from registry.ops.diff import diff_checkpoints
+        self._directory_root("diff")  # it reads directories
         return diff_checkpoints(self._reader(), self.resolve(ref_a), self.resolve(ref_b), values=values)
 
     # ------------------------------------------------------------------ fsck

@@ -487,7 +487,7 @@ def kill_once(reg: Registry, url: str, *, rng: random.Random, mix: tuple[str, ..
     return proc.exitcode
 
 
-def random_kills(url: str, root: Path, *, kills: int, seed: int = 0, mix: tuple[str, ...] = DEFAULT_MIX,
+def random_kills(url: str, root: Path | str, *, kills: int, seed: int = 0, mix: tuple[str, ...] = DEFAULT_MIX,
                  max_delay: float = 0.15) -> Tally:
     """``kills`` random-moment kills of a worker looping over ``mix`` on one catalog."""
     rng = random.Random(seed)
@@ -566,8 +566,18 @@ CRASH_TABLE: dict[tuple[str, str], str] = {
 }
 
 
-def crashpoint_kill(reg: Registry, url: str, op: str, point: str, *, rng: random.Random, tally: Tally) -> None:
-    """Kill ``op`` at ``point`` and check the step holds what CRASH_TABLE says."""
+# The same on an ``s3://`` root: no rename, so a publish killed once its manifest was uploaded is rolled
+# forward by fsck, as one killed after the rename is on a filesystem.
+OBJECT_CRASH_TABLE: dict[tuple[str, str], str] = {
+    ("publish", "after-claim"): "absent", ("publish", "after-write"): "new", ("publish", "after-commit"): "new",
+    ("overwrite", "after-claim"): "old", ("overwrite", "after-write"): "new", ("overwrite", "after-commit"): "new",
+}
+GC_POINTS = ("gc-after-mark", "gc-after-retire")
+
+
+def crashpoint_kill(reg: Registry, url: str, op: str, point: str, *, rng: random.Random, tally: Tally,
+                    table: dict[tuple[str, str], str] | None = None) -> None:
+    """Kill ``op`` at ``point`` and check the step holds what ``table`` (CRASH_TABLE) says."""
     run = RUNS[0]
     if op == "overwrite" and not _live_steps(reg, run):
         op_publish(reg, rng, run)
@@ -579,7 +589,7 @@ def crashpoint_kill(reg: Registry, url: str, op: str, point: str, *, rng: random
     now = {i.step: (i.manifest_sha256, i.status) for i in reg.checkpoints(run, include_deleted=True)}
     changed = [s for s in now if now[s][0] != old.get(s, (None,))[0] or s not in old]
     live_now = {s for s, (_, st) in now.items() if st in ("published", "verified")}
-    expect = CRASH_TABLE[(op, point)]
+    expect = (CRASH_TABLE if table is None else table)[(op, point)]
     if expect == "absent" and (set(live_now) - set(old)):
         _fail(f"{op} killed at {point}: a new step became visible: {sorted(set(live_now) - set(old))}")
     if expect == "old" and any(s in live_now and s in old and now[s][0] != old[s][0] for s in now):
@@ -597,6 +607,29 @@ def crashpoint_kills(url: str, root: Path, *, rounds: int = 1, seed: int = 0) ->
                 crashpoint_kill(reg, url, op, point, rng=rng, tally=tally)
             _fsck_kill(reg, url, rng=rng, tally=tally)
     return tally
+
+
+def object_crashpoint_kills(url: str, root: str, *, rounds: int = 1, seed: int = 0) -> tuple[Tally, Tally]:
+    """On an ``s3://`` root: every crash point of publish, overwrite and gc, and a writer killed in the
+    middle of a multipart upload, ``rounds`` times; returns the crash-point and the mid-upload tallies."""
+    rng = random.Random(seed)
+    points, mid = Tally(), Tally()
+    with Registry.open(url=url, root=root) as reg:
+        for r in range(rounds):
+            for (op, point) in OBJECT_CRASH_TABLE:
+                crashpoint_kill(reg, url, op, point, rng=rng, tally=points, table=OBJECT_CRASH_TABLE)
+            for point in GC_POINTS:
+                run = f"gc{r}-{point}"
+                while len(_live_steps(reg, run)) < 6:  # 10..60: any of op_gc's policies deletes 10, 20 and 30
+                    op_publish(reg, rng, run)
+                if kill_once(reg, url, rng=rng, mix=DEFAULT_MIX, max_delay=0, tally=points, crash_at=point,
+                             once="gc", runs=(run,)) != -9:
+                    _fail(f"gc never reached {point}")
+            # the op kills itself mid-upload; a crash point it never reaches keeps kill_once from killing it first
+            if kill_once(reg, url, rng=rng, mix=DEFAULT_MIX, max_delay=0, tally=mid, crash_at="after-commit",
+                         once="publish-killed-mid-upload") != -9:
+                _fail("the mid-upload publish was not killed")
+    return points, mid
 
 
 def _fsck_kill(reg: Registry, url: str, *, rng: random.Random, tally: Tally) -> None:
@@ -638,6 +671,23 @@ def _pg_url_factory(admin: str) -> tuple[Callable[[], str], Callable[[], None]]:
     return make, drop
 
 
+def _object_runs(make: Callable[[], str], base: Path, args: Any,
+                 mix: tuple[str, ...]) -> list[tuple[str, Tally]]:
+    """``--s3``: the kills on an ``s3://`` root of a private SeaweedFS in ``base``."""
+    from tests import s3server
+    server = s3server.start(base / "weed")
+    try:
+        WORKER_ENV.update(server.env)
+        os.environ.update(server.env)
+        points, mid = object_crashpoint_kills(make(), f"s3://{s3server.new_bucket(server)}/cp",
+                                              rounds=args.crash_rounds, seed=args.seed)
+        randomly = random_kills(make(), f"s3://{s3server.new_bucket(server)}/rk", kills=args.kills,
+                                seed=args.seed, mix=mix)
+        return [("crash points", points), ("mid-upload", mid), ("random moments", randomly)]
+    finally:
+        server.stop()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="SIGKILL registry operations and check nothing is lost.")
     parser.add_argument("--kills", type=int, default=1000, help="random kills per backend")
@@ -648,6 +698,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=int(time.time()))
     parser.add_argument("--mix", default=",".join(DEFAULT_MIX),
                         help=f"operations the random-moment worker draws from (known: {', '.join(OPS)})")
+    parser.add_argument("--s3", action="store_true",
+                        help="an s3:// root on a SeaweedFS started here (weed on PATH): crash points of publish, "
+                             "overwrite and gc, kills mid multipart upload, random kills; no migration kills")
     args = parser.parse_args(argv)
     mix = tuple(args.mix.split(","))
     unknown = [m for m in mix if m not in OPS]
@@ -668,13 +721,13 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 started = time.monotonic()
                 total = Tally()
-                for name, tally in (
+                for name, tally in (_object_runs(make, base, args, mix) if args.s3 else (
                         ("crash points", crashpoint_kills(make(), base / "cp", rounds=args.crash_rounds,
                                                           seed=args.seed)),
                         ("random moments", random_kills(make(), base / "rk", kills=args.kills, seed=args.seed,
                                                           mix=mix)),
                         ("migrations", migration_kills(make, base / "mg", kills=args.migration_kills,
-                                                       seed=args.seed))):
+                                                       seed=args.seed)))):
                     print(f"{backend:<10} {name:<15} kills={tally.kills:<6} not-reached={tally.not_reached:<4} "
                           f"steps-checked={tally.checked_steps:<7} "
                           f"checked-before-repair={tally.checked_before_repair:<6} "

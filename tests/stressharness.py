@@ -44,8 +44,8 @@ import torch
 from registry import Registry
 from registry.errors import CheckpointNotFoundError, StepExistsError
 from registry.fs.dedup import inodes
-from tests.killharness import _pg_url_factory, context, hidden_dirs, settle, state, worker_url
-from tests.s3server import aws_env
+from tests.killharness import _exists as stored_exists
+from tests.killharness import _pg_url_factory, context, leftovers, settle, state, worker_url
 
 RUNS = ("s0", "s1")
 STEPS = tuple(range(10, 90, 10))  # few steps, so publishers collide
@@ -184,6 +184,8 @@ OPS: dict[str, Callable[[Registry, random.Random, str], None]] = {
     "dedup-publish": op_dedup_publish}
 MIX = ("publish", "publish", "overwrite", "republish-deleted", "tag", "gc", "fsck", "verify", "load", "load",
        "load", "checkout", "dedup-publish")
+#: on an ``s3://`` root: no dedup (refused there) and no registry-owned checkouts (downloads are the caller's)
+OBJECT_MIX = tuple(m for m in MIX if m not in ("checkout", "dedup-publish"))
 
 # What the contract lets each operation raise when another actor got there first.
 _NOT_FOUND = (CheckpointNotFoundError,)
@@ -205,8 +207,7 @@ def worker(url: str, root: str, seconds: float, seed: int, out: Any, mix: tuple[
            env: dict[str, str] | None = None) -> None:
     """Run random operations until ``seconds`` pass; put the tally (and intervals) on ``out``.
 
-    ``env``: variables to set first (an ``s3://`` root's credentials: a forkserver child has the server's
-    environment, not its parent's).
+    ``env``: an ``s3://`` root's AWS environment (a forkserver's children do not get the parent's).
     """
     os.environ.update(env or {})
     rng = random.Random(seed)
@@ -266,13 +267,6 @@ def _overlaps(per_worker: list[list[tuple[float, float, str]]]) -> int:
     return count
 
 
-def _payload_present(reg: Registry, info: Any) -> bool:
-    """Whether the step's payload is there: its directory, or its manifest object on an ``s3://`` root."""
-    if reg.objects is not None:
-        return any(e.rel.endswith("/manifest.json") for e in reg.objects.list(info.path.as_posix()))
-    return (reg.store.root / info.path).is_dir()
-
-
 def check_after(reg: Registry, tally: StressTally) -> None:
     """Everything the product promises once the actors have stopped."""
     settle(reg)
@@ -286,25 +280,25 @@ def check_after(reg: Registry, tally: StressTally) -> None:
         accusations = [e for e in reg.events(run) if e.kind == "corrupt" or e.detail.get("status") == "corrupt"]
         tally.condemned += len(accusations)
         for i in rows:
-            if i.status in ("published", "verified") and not _payload_present(reg, i):
+            if i.status in ("published", "verified") and not stored_exists(reg, i):
                 tally.lost += 1
                 tally.violations.append(f"{run}@{i.step} is {i.status} but its payload is gone")
         if rows and not any(i.status == "verified" for i in rows):
             tally.violations.append(f"{run} has no verified step left")
         newest = sorted((i for i in rows if i.status == "verified"), key=lambda i: -i.step)[:2]
-        if len(newest) == 2 and reg.objects is None:  # objects share nothing: no links in a bucket
+        if len(newest) == 2 and reg.objects is None:  # objects share nothing
             shared = set(inodes(reg.store.root / newest[0].path)) & set(inodes(reg.store.root / newest[1].path))
             if shared:
                 tally.violations.append(f"{run}@{newest[0].step} and @{newest[1].step}, the fallback pair, share "
                                         f"{len(shared)} inode(s): one bad byte would take both")
-    if reg.objects is None:  # on a bucket, fsck below reports orphan prefixes and unfinished uploads
+    if reg.objects is None:
         from registry.ops.checkouts import owned, reclaim
         reclaim(reg.catalog, reg.store.root)  # what the leaked checkouts left, as gc and fsck --repair remove it
         if owned(reg.store.root):
             tally.violations.append(f"checkouts left after reclaiming: {[str(c.path) for c in owned(reg.store.root)]}")
-        leftovers = hidden_dirs(reg.store.root)
-        if leftovers:
-            tally.violations.append(f"hidden directories left behind: {leftovers}")
+    left = leftovers(reg)  # nobody was killed: not one orphan prefix or open upload may be left
+    if left:
+        tally.violations.append(f"left behind: {left}")
     for checksums in (False, True):
         report = reg.fsck(checksums=checksums)
         if not report.clean or report.in_progress:
@@ -321,18 +315,12 @@ def check_after(reg: Registry, tally: StressTally) -> None:
 
 
 def stress(url: str, root: Path | str, *, seconds: float, workers: int = 4, seed: int = 0,
-           mix: tuple[str, ...] | None = None) -> StressTally:
-    """``workers`` processes overlap every operation for ``seconds``; returns the tally after the checks.
-
-    ``root`` may be an ``s3://`` prefix: then dedup (which an object root refuses) is left out of the mix.
-    """
-    if mix is None:
-        mix = tuple(m for m in MIX if m != "dedup-publish") if str(root).startswith("s3://") else MIX
+           mix: tuple[str, ...] = MIX, env: dict[str, str] | None = None) -> StressTally:
+    """``workers`` processes overlap every operation for ``seconds``; returns the tally after the checks."""
     ctx = context()
     out = ctx.Queue()
-    procs = [ctx.Process(target=worker, daemon=True,
-                         args=(worker_url(url), str(root), seconds, seed * 1000 + w, out, mix, aws_env()))
-             for w in range(workers)]
+    procs = [ctx.Process(target=worker, args=(worker_url(url), str(root), seconds, seed * 1000 + w, out, mix, env),
+                         daemon=True) for w in range(workers)]
     with Registry.open(url=url, root=root) as reg:  # create and migrate once, before the workers race
         for p in procs:
             p.start()
@@ -365,9 +353,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", choices=("sqlite", "postgresql", "both"), default="both")
     parser.add_argument("--pg", default=os.environ.get("REGISTRY_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test"))
     parser.add_argument("--seed", type=int, default=int(time.time()))
-    parser.add_argument("--mix", default=",".join(MIX), help=f"operations to draw from (known: {', '.join(OPS)})")
+    parser.add_argument("--mix", default=None, help=f"operations to draw from (known: {', '.join(OPS)})")
+    parser.add_argument("--s3", action="store_true", help="an s3:// root on a SeaweedFS started here (weed on PATH)")
     args = parser.parse_args(argv)
-    mix = tuple(args.mix.split(","))
+    mix = tuple(args.mix.split(",")) if args.mix else (OBJECT_MIX if args.s3 else MIX)
     if unknown := [m for m in mix if m not in OPS]:
         parser.error(f"unknown operations {unknown}; known: {sorted(OPS)}")
     print(f"seed {args.seed}")
@@ -380,10 +369,21 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 make, drop = _pg_url_factory(args.pg)
                 url = make()
+            server = None
             try:
-                tally = stress(url, Path(tmp) / "root", seconds=args.seconds, workers=args.workers, seed=args.seed,
-                                mix=mix)
+                root: Path | str = Path(tmp) / "root"
+                env = None
+                if args.s3:
+                    from tests import s3server
+                    server = s3server.start(Path(tmp) / "weed")
+                    env = server.env
+                    os.environ.update(env)
+                    root = f"s3://{s3server.new_bucket(server)}/root"
+                tally = stress(url, root, seconds=args.seconds, workers=args.workers, seed=args.seed, mix=mix,
+                               env=env)
             finally:
+                if server is not None:
+                    server.stop()
                 drop()
             print(f"{backend:<10} {tally.summary()}")
             for v in tally.violations:

@@ -17,6 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 import registry.ops.fsck as fsck_module
+import registry.ops.verdicts as verdicts_module
 from registry import Checkpoint, Registry
 from registry.cli import main
 from registry.ops.fsck import FsckReport
@@ -87,6 +88,7 @@ def test_repair_puts_back_a_payload_installed_after_the_row_was_read_again(catal
             return result
 
         monkeypatch.setattr(fsck_module, "unchanged", unchanged)
+        monkeypatch.setattr(verdicts_module, "unchanged", unchanged)  # the verdict's re-read, FsckPass._found
         report = reg.fsck(repair=True)
         monkeypatch.undo()
         assert calls == [1, 1] and not report.repaired

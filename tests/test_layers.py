@@ -60,7 +60,8 @@ TORCH_FREE = ("registry", "registry.catalog", "registry.catalog.queries", "regis
               "registry.web", "registry.catalog.lineage", "registry.fs.dedup", "registry.cli.lineage",
               "registry.cli.common", "registry.cli.runs", "registry.cli.maintenance", "registry.cli.main",
               "registry.cli.docs", "registry.fs.objects", "registry.fs.payloadfiles", "registry.fs.objectwrite",
-              "registry.fs.objectread", "registry.ops.objectlanding")
+              "registry.fs.objectread", "registry.ops.objectlanding",
+              "registry.fs.multipart", "registry.fs.prefixes", "registry.ops.objectgc", "registry.ops.objectfsck")
 # Every module of the format and filesystem folders.
 SQL_FREE = ("registry.retention", *(f"registry.{folder}.{path.stem}" for folder in ("format", "fs")
                                     for path in sorted((PACKAGE / folder).glob("*.py")) if path.stem != "__init__"))

@@ -256,3 +256,15 @@ def test_cli_gc_fsck_verify(catalog_url: str, s3reg: Registry) -> None:
     assert code == 0 and out.splitlines()[1].split() == ["run", "3", "ok"]
     code, out = cli("fsck", "--checksums")
     assert code == 0 and "0 problems" in out
+
+
+def test_verify_of_a_step_overwritten_meanwhile_condemns_nothing(s3reg: Registry) -> None:
+    """verify listed the step at its old prefix; an overwrite committed and deleted that prefix before the
+    read. The new payload (another prefix) must not be judged by the old prefix's absence."""
+    from registry.ops.scrub import scrub
+    s3reg.publish("run", 1, make_state(1))
+    listed = s3reg.resolve("run@1")
+    s3reg.publish("run", 1, make_state(11), overwrite=True)
+    (result,) = scrub(s3reg.catalog, [listed], actor="test", objects=s3reg.objects)
+    assert result.status == "changed" and status(s3reg, "run", 1) == "verified"
+    assert_state_equal(s3reg.load("run@1").state_dict, make_state(11))

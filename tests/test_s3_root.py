@@ -200,3 +200,13 @@ def test_broadcast_without_a_process_group_loads_from_the_bucket(s3reg: Registry
     s3reg.publish("run", 1, state(1))
     ck = s3reg.load("run@latest", broadcast=True)
     assert ck.step == 1 and torch.equal(ck.state_dict["layer.bias"], state(1)["layer.bias"])
+
+
+def test_directory_only_operations_refuse_in_one_line_marking_nothing(s3reg: Registry, tmp_path: Path) -> None:
+    s3reg.publish("run", 1, state(1))
+    # verify works on an s3:// root (tests/test_s3_maintenance.py)
+    for call in (lambda: s3reg.diff("run@1", "run@1"), lambda: s3reg.import_checkpoint(tmp_path, run="other", step=1)):
+        with pytest.raises(RootError, match="needs a filesystem checkpoint root") as info:
+            call()
+        assert "\n" not in str(info.value)
+    assert s3reg.catalog.get("run", 1).status == Status.VERIFIED

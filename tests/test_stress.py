@@ -7,23 +7,20 @@ runs long ones with the same harness.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
-from tests.stressharness import StressTally, stress
+import pytest
+
+from tests.stressharness import MIX, OBJECT_MIX, stress
 
 SECONDS = float(os.environ.get("REGISTRY_STRESS_SECONDS", "6"))
 
 
-def test_overlapping_actors_lose_and_condemn_nothing(catalog_url: str, root: Path) -> None:
-    check(stress(catalog_url, root, seconds=SECONDS, workers=4, seed=7))
-
-
-def test_overlapping_actors_on_an_s3_root(catalog_url: str, s3_root: str) -> None:
-    """The same actors on an ``s3://`` root (no dedup there); afterwards fsck finds no orphan prefix or upload."""
-    check(stress(catalog_url, s3_root, seconds=SECONDS, workers=4, seed=11))
-
-
-def check(tally: StressTally) -> None:
+def test_overlapping_actors_lose_and_condemn_nothing(catalog_url: str, any_root: str,
+                                                     request: pytest.FixtureRequest) -> None:
+    on_s3 = any_root.startswith("s3://")
+    env = dict(request.getfixturevalue("s3_server").env) if on_s3 else None
+    tally = stress(catalog_url, any_root, seconds=SECONDS, workers=4, seed=7, mix=OBJECT_MIX if on_s3 else MIX,
+                   env=env)
     assert not tally.violations, "\n".join(tally.violations[:20])
     assert tally.condemned == 0 and tally.lost == 0
     # the run must have exercised what it claims to: every operation ran, and operations overlapped

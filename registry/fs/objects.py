@@ -434,7 +434,9 @@ class ObjectRoot:
 
 
 class ObjectWriter:
-    """A write-only binary file that uploads to one key as it is written; ``close()`` completes the object.
+    """A sink that uploads to one key as it is written; ``close()`` completes the object.
+
+    Wrapped by :class:`registry.fs.objectwrite.HashingUpload`, which makes it a file for the writers.
 
     Writes are buffered into ``PART_SIZE`` parts uploaded concurrently; an
     object that ends smaller goes as one PUT. :meth:`abort` drops what was
@@ -446,18 +448,6 @@ class ObjectWriter:
         self.rel = rel
         self._out = out
         self.size = 0
-
-    def writable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return False
-
-    def tell(self) -> int:
-        return self.size
-
-    def flush(self) -> None:
-        pass
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")

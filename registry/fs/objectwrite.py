@@ -118,8 +118,3 @@ def check_uploaded(root: ObjectRoot, prefix: str, written: Written) -> list[File
     if digest_bytes(raw) != written.manifest_sha256:
         problems.append(FileProblem(name=MANIFEST, problem="checksum mismatch"))
     return problems
-
-
-def delete_prefix(root: ObjectRoot, prefix: str) -> None:
-    """Delete every object under ``prefix`` (an attempt's): a discarded or retired payload."""
-    root.delete(e.rel for e in root.list(prefix))

@@ -63,12 +63,14 @@ def scan(root: ObjectRoot, under: str = "") -> dict[str, AttemptPrefix]:
     return group(root.list(under))
 
 
-def remove_prefix(root: ObjectRoot, prefix: str, keys: Sequence[str] | None = None) -> bool:
+def remove_prefix(root: ObjectRoot, prefix: str, keys: Sequence[str] | None = None, *,
+                  point: str | None = None) -> bool:
     """Delete every key under ``prefix``, the manifest first; False when there was none.
 
     Without the manifest the rest can never pass for a valid payload, so a
     deletion killed half-way leaves at worst keys that fsck and gc remove.
-    ``keys`` (relative to the root) spares the listing when the caller has one.
+    ``keys`` (relative to the root) spares the listing when the caller has one;
+    ``point`` names the crash point between the manifest and the rest.
     """
     if keys is None:
         keys = [e.rel for e in root.list(prefix)]
@@ -77,7 +79,8 @@ def remove_prefix(root: ObjectRoot, prefix: str, keys: Sequence[str] | None = No
     manifest = f"{prefix}/{MANIFEST}"
     if manifest in keys:
         root.delete([manifest])
-        crashpoint("gc-after-retire")  # the payload is out of sight, its other keys still there
+        if point is not None:
+            crashpoint(point)  # the payload is out of sight, its other keys still there
     root.delete([k for k in keys if k != manifest])
     return True
 

@@ -66,7 +66,7 @@ def nothing_to_resume(registry: Registry, run: str) -> CheckpointNotFoundError:
     """The refusal of a resume that must find a step (``create=False``): a wrong root or run, not a fresh start."""
     from registry.errors import CheckpointNotFoundError
     return CheckpointNotFoundError(
-        f"run {run!r} has no checkpoint to resume from in checkpoint root {registry.store.root}: a wrong root "
+        f"run {run!r} has no checkpoint to resume from in checkpoint root {registry.root_url}: a wrong root "
         "or run name? (create=True starts a new run instead)")
 
 

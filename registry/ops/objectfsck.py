@@ -42,7 +42,7 @@ from registry.fs import multipart
 from registry.fs.objects import ObjectRoot
 from registry.fs.prefixes import AttemptPrefix, check_objects, read_manifest, remove_prefix, scan
 from registry.fs.store import FileProblem
-from registry.ops.fsck import FsckPass, FsckReport, Problem, _one_line, found_payload, meta_numbers
+from registry.ops.verdicts import FsckPass, FsckReport, Problem, one_line, found_payload, meta_numbers
 from registry.ops.writers import writer_alive
 from registry.progress import ProgressFn
 from registry.records import LIVE, Status
@@ -75,7 +75,7 @@ class ObjectFsck(FsckPass):
                 self._step(run, step, rows.get((run, step)), by_step.get((run, step), []),
                            pending.get((run, step), []))
             except OSError as exc:  # the server's trouble (StorageError): neither corruption nor a reason to stop
-                self.failures.append(f"{run}@{step}: cannot check: {_one_line(exc)}")
+                self.failures.append(f"{run}@{step}: cannot check: {one_line(exc)}")
         return self.report(len(rows))
 
     def _root_present(self) -> bool:

@@ -59,7 +59,7 @@ class ObjectDeletion:
         return ()
 
     def remove(self, row: DeletedRow) -> bool:
-        return remove_prefix(self.root, row.path)
+        return remove_prefix(self.root, row.path, point="gc-after-retire")
 
     def finish(self, run: str, rows: Sequence[DeletedRow]) -> tuple[set[int], dict[int, str]]:
         """One listing of the run; the keys of every ``deleted`` row's prefix still there are deleted."""
@@ -76,7 +76,7 @@ class ObjectDeletion:
             if found is None:
                 continue
             try:
-                remove_prefix(self.root, row.path, [e.rel for e in found.entries])
+                remove_prefix(self.root, row.path, [e.rel for e in found.entries], point="gc-after-retire")
                 healed.add(row.step)
             except OSError as exc:
                 errors[row.step] = f"cannot delete {self.root.url(row.path)}: {exc}"

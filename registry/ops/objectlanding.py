@@ -1,7 +1,7 @@
 """Phases 2 and 3 of the publish sequence on an object-store root: an attempt prefix, no rename.
 
 A publish uploads to ``RUN/step-N/a-<16 hex>/``, a prefix no other attempt
-can use (:func:`attempt_path`); the claim names it, so fsck knows an
+can use (:func:`registry.format.layout.attempt_relpath`); the claim names it, so fsck knows an
 in-flight attempt's keys. Nothing is installed: the catalog commit that
 names the prefix is what makes the step visible. An overwrite leaves the old
 prefix alone until the commit has happened and then deletes its keys; a
@@ -12,24 +12,18 @@ was never touched. A crash in between leaves an orphan prefix for fsck.
 from __future__ import annotations
 
 import logging
-import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
 from registry.catalog import Claim
 from registry.errors import PublishError, RegistryError, StorageError
-from registry.format.layout import step_dirname
 from registry.fs.objects import ObjectRoot
-from registry.fs.objectwrite import check_uploaded, delete_prefix
+from registry.fs.objectwrite import check_uploaded
+from registry.fs.prefixes import remove_prefix
 from registry.fs.store import FileProblem, Written
 from registry.records import HAS_PAYLOAD
 
 log = logging.getLogger(__name__)
-
-
-def attempt_path(run: str, step: int) -> str:
-    """A fresh attempt prefix for ``run@step``, relative to the root: what the claim and the row record."""
-    return f"{run}/{step_dirname(step)}/a-{secrets.token_hex(8)}"
 
 
 @dataclass
@@ -78,7 +72,7 @@ class ObjectLanding:
 
     def _delete(self, rel: str, what: str) -> None:
         try:
-            delete_prefix(self.root, rel)
+            remove_prefix(self.root, rel)
         except (StorageError, OSError) as exc:  # never masks the outcome: fsck finds the orphan prefix
             log.warning("could not delete %s objects under %s: %s; 'registry fsck --repair' removes them",
                         what, self.root.url(rel), exc)

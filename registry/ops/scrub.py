@@ -156,9 +156,12 @@ def scrub(catalog: Catalog, infos: Sequence[CheckpointInfo], *, actor: str,
         return result(info, status, *problems)
 
     def current(info: CheckpointInfo) -> CheckpointInfo | None:
-        """The step's row now (the catalog's paths are relative to the root: keep the caller's)."""
+        """The step's row now. A directory root keeps the caller's absolute path (every incarnation of a
+        step lives there); on an object store each has its own prefix, so the row's own path is the one."""
         now = catalog.get(info.run, info.step)
-        return replace(now, path=info.path) if now is not None else None
+        if now is None or objects is not None:
+            return now
+        return replace(now, path=info.path)
 
     def unreadable(info: CheckpointInfo, reason: str) -> VerifyResult:
         now = current(info)

@@ -1,0 +1,218 @@
+"""What fsck finds and does, whatever the root: the kinds of problem, the report, and one pass's bookkeeping.
+
+:class:`FsckPass` keeps the problems, repairs, steps in flight and failures
+of one pass; a verdict about a row is recorded only if the row, read again
+after the storage was checked, is still as the snapshot showed it
+(compare-and-set), and each repair runs in isolation. The directory root's
+pass is :mod:`registry.ops.fsck`, the object store's :mod:`registry.ops.objectfsck`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from registry.catalog import Catalog, FileRecord
+from registry.catalog.fsck import RowState, unchanged
+from registry.catalog.records import PayloadRecord
+from registry.format.manifest import Manifest
+from registry.format.refs import MAX_STEP
+from registry.progress import Counter, ProgressFn
+
+
+REPAIRS = {
+    "uncommitted-publish": "roll forward",
+    "invalid-staged-payload": "mark corrupt",
+    "abandoned-publish": "remove staging dirs, mark failed",
+    "abandoned-staging": "remove",
+    "interrupted-overwrite": "restore the retired directory",
+    "leftover-retired": "remove",
+    "unfinished-deletion": "remove the directories",
+    "unregistered-checkpoint": "adopt",
+    "missing-payload": "mark corrupt",
+    "damaged-payload": "mark corrupt",
+    "expired-checkout": "remove the checkout",
+    "orphan-prefix": "delete its objects",
+    "incomplete-upload": "abort the upload",
+}
+#: kinds fsck only reports: deciding about them needs a person (the detail says what to do)
+REPORTED = frozenset({"corrupt-step"})
+
+
+@dataclass(frozen=True, kw_only=True)
+class Problem:
+    """One inconsistency between the catalog and the disk."""
+
+    kind: str
+    run: str
+    step: int
+    path: Path
+    detail: str
+    repair: str | None  # what --repair does about it; None: it can only be reported
+    url: str | None = None  # on an object-store root: where (``path`` is then relative to the root)
+
+    def __post_init__(self) -> None:
+        if self.kind not in REPAIRS and self.kind not in REPORTED and self.kind != "in-progress":
+            raise ValueError(f"unknown fsck problem kind {self.kind!r}")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "run": self.run, "step": self.step, "path": str(self.path),
+                "detail": self.detail, "repair": self.repair, "url": self.url}
+
+    def __str__(self) -> str:
+        return f"{self.run}@{self.step}: {self.kind}: {self.detail}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class FsckReport:
+    """What fsck found (``problems``) and what it fixed (``repaired``, a subset)."""
+
+    problems: tuple[Problem, ...] = ()
+    repaired: tuple[Problem, ...] = ()
+    in_progress: tuple[Problem, ...] = ()
+    failures: tuple[str, ...] = ()  # checks and repairs that failed, one line each
+    rows_checked: int = 0
+    checksums: bool = False
+
+    def __post_init__(self) -> None:
+        if not set(self.repaired) <= set(self.problems):
+            raise ValueError("an fsck report can only repair problems it found")
+
+    @property
+    def unrepaired(self) -> tuple[Problem, ...]:
+        done = set(self.repaired)
+        return tuple(p for p in self.problems if p not in done)
+
+    @property
+    def clean(self) -> bool:
+        return not self.problems
+
+    def to_json(self) -> dict[str, Any]:
+        return {"clean": self.clean, "rows_checked": self.rows_checked, "checksums": self.checksums,
+                "problems": [p.to_json() for p in self.problems],
+                "repaired": [p.to_json() for p in self.repaired],
+                "unrepaired": [p.to_json() for p in self.unrepaired],
+                "in_progress": [p.to_json() for p in self.in_progress],
+                "failures": list(self.failures)}
+
+
+
+def one_line(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{exc.filename}: {exc.strerror}" if exc.filename else exc.strerror
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+def meta_numbers(doc: Any) -> dict[str, int]:
+    """The few numbers a repair records from a meta.json document; anything odd gives defaults."""
+    if not isinstance(doc, dict):
+        return {}
+    return {k: doc[k] for k in ("epoch", "consumed_samples")
+            if isinstance(doc.get(k), int) and not isinstance(doc.get(k), bool) and 0 <= doc[k] <= MAX_STEP}
+
+
+def found_payload(manifest: Manifest, digest: str, manifest_size: int, *, status: str,
+                  meta: dict[str, int]) -> PayloadRecord:
+    """What a repair records about a valid payload found in storage (rolled forward, adopted)."""
+    return PayloadRecord(status=status, manifest_sha256=digest, total_bytes=manifest.total_bytes + manifest_size,
+                         files=[FileRecord(name=f.name, size=f.size, sha256=f.sha256)
+                                for f in manifest.files.values()],
+                         epoch=meta.get("epoch", 0), consumed_samples=meta.get("consumed_samples", 0),
+                         optimizer_step=manifest.optimizer_step, policy_version=manifest.policy_version)
+
+
+Repair = Callable[[], "bool | str | None"]
+
+
+class _RootVanished(Exception):
+    """The root went away while fsck ran: every later "missing" would be the mount's, not the step's."""
+
+
+class FsckPass:
+    """What one pass of fsck found and did, whatever the root: problems, repairs, steps in flight, failures.
+
+    A subclass judges its kind of root; :meth:`_found` records a verdict
+    only if the row is still as seen (compare-and-set on the state read), and
+    :meth:`_fix` runs one repair in isolation.
+    """
+
+    def __init__(self, *, catalog: Catalog, repair: bool, checksums: bool, actor: str,
+                 progress: ProgressFn | None = None) -> None:
+        self.catalog = catalog
+        self.counter = Counter(progress, task="fsck", total=None)
+        self.repair = repair
+        self.checksums = checksums
+        self.actor = actor
+        self.problems: list[Problem] = []
+        self.repaired: list[Problem] = []
+        self.in_progress: list[Problem] = []
+        self.failures: list[str] = []
+
+    def _root_present(self) -> bool:
+        """Whether the root is still there; past a root that went away every step would look missing."""
+        return True
+
+    def _found(self, kind: str, run: str, step: int, path: Path, detail: str, *, repairable: bool = True,
+               row: RowState | None = None, still: Callable[[], bool] | None = None,
+               url: str | None = None) -> Problem | None:
+        """Record a problem; with ``row``, only if the row is still as seen now that the storage was checked.
+
+        ``still`` then looks at the storage once more: a payload briefly out of
+        place while the catalog was read (gc checking what it may remove) is
+        not the missing or damaged payload it looked like.
+        """
+        if not self._root_present():
+            raise _RootVanished()
+        if row is not None and (not unchanged(self.catalog, row) or (still is not None and not still())):
+            self.in_progress.append(Problem(kind="in-progress", run=run, step=step, path=path, repair=None,
+                                            detail=f"changed while fsck checked it ({kind}); run fsck again",
+                                            url=url))
+            return None
+        problem = Problem(kind=kind, run=run, step=step, path=path, detail=detail,
+                          repair=REPAIRS[kind] if repairable and kind in REPAIRS else None, url=url)
+        self.problems.append(problem)
+        return problem
+
+    def _fix(self, problem: Problem | None, action: Repair) -> bool:
+        """Run one repair; a repair that fails is recorded, never raised, so fsck fixes what it can.
+
+        ``action`` returns False (or why, as a string) when it changed nothing
+        because the step is no longer as found.
+        """
+        if problem is None or not self.repair or problem.repair is None:
+            return False
+        try:
+            done = action()
+        except Exception as exc:  # isolation: whatever one repair hits, the others still run
+            self.failures.append(f"{problem}: repair failed: {one_line(exc)}")
+            return False
+        if done is False or isinstance(done, str):
+            self.failures.append(f"{problem}: skipped, {done or 'the catalog row changed meanwhile'}")
+            return False
+        self.repaired.append(problem)
+        return True
+
+    def report(self, rows_checked: int) -> FsckReport:
+        return FsckReport(problems=tuple(self.problems), repaired=tuple(self.repaired),
+                          in_progress=tuple(self.in_progress), failures=tuple(self.failures),
+                          rows_checked=rows_checked, checksums=self.checksums)
+
+
+def iter_lines(report: FsckReport) -> Iterator[str]:
+    """The human-readable report the CLI prints."""
+    done = set(report.repaired)
+    for p in report.problems:
+        state = "repaired" if p in done else ("not repaired" if p.repair else "needs attention")
+        yield f"{p.run}@{p.step}  {p.kind:<24} {state:<15} {p.detail}"
+    for p in report.in_progress:
+        yield f"{p.run}@{p.step}  {p.kind:<24} {'left alone':<15} {p.detail}"
+    for line in report.failures:
+        yield f"failure: {line}"
+
+
+
+__all__ = ["REPAIRS", "REPORTED", "FsckPass", "FsckReport", "Problem", "Repair", "found_payload", "iter_lines",
+           "meta_numbers", "one_line"]
