@@ -415,7 +415,7 @@ def resolve(checkpoints: int, runs: int, work: Path, cmd: str) -> list[Row]:
     from registry.catalog import Catalog
     from registry.format.refs import parse_ref
     catalog = Catalog.open(f"sqlite:///{work / 'queries.db'}")
-    runs_n = 100
+    runs_n = max(1, min(100, checkpoints // 20))  # bench queries' 100 runs; fewer for a small catalog
     bench_queries.build(catalog, checkpoints=checkpoints, runs=runs_n, metrics=10)
     per_run = checkpoints // runs_n
     folder = work / "listing" / "run000"
