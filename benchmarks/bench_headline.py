@@ -25,14 +25,21 @@ Groups (each reuses the dedicated bench's workloads and helpers):
 * resolve on a SQLite catalog of ``--checkpoints`` steps (``bench queries``'s
   catalog), against finding the newest step by listing a run's directory.
 
-    ./scripts/bench headline [--mib 256] [--runs 5] [--dist-mib 256] [--hf-mib 64] [--checkpoints 100000]
+    ./scripts/bench headline [--only one,trainers,ranks,resolve] [--mib 256] [--dist-mib 256] [--hf-mib 64]
+                             [--checkpoints 100000] [--runs 5]
     ./scripts/bench headline --mib 1024 --dist-mib 1024   # bigger (needs ~6x --mib of free memory)
+
+The state dicts cannot go below ~260 MiB (``transformer_state``'s embedding
+and head); each row names the headline group that reproduces it and the
+area's own bench, which has the full-size figures and more variants.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
+import io
 import os
 import random
 import shutil
@@ -56,8 +63,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench_distributed  # noqa: E402
 import bench_sharded  # noqa: E402
 from _common import transformer_state  # noqa: E402
-from bench_io import Table, fsync_path, fsync_tree, reference_load, reference_save, timed  # noqa: E402
-from bench_lineage import state_of  # noqa: E402
+from bench_io import Table, fsync_path, fsync_tree, reference_load, reference_save, timed, touch_all  # noqa: E402
+from bench_lineage import publish_diff_pair  # noqa: E402
 
 from registry import Registry  # noqa: E402
 
@@ -66,6 +73,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 REPO = Path(__file__).resolve().parents[1]
+GROUPS = ("one", "trainers", "ranks", "resolve")
 SEED = REPO.parent / "shared" / "seed" / "checkpoint_reference.py"
 
 
@@ -87,6 +95,22 @@ def interleaved(variants: dict[str, Callable[[], float]], runs: int, *,
     return table
 
 
+class Outputs:
+    """A save variant's output folder, emptied before every variant, and the published steps removed with it,
+    so that no variant pays for the page cache or disk blocks another one left behind."""
+
+    def __init__(self, folder: Path, *, make: bool = True) -> None:
+        self.folder, self.make = folder, make
+        self.published: list[Path] = []
+
+    def clean(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
+        if self.make:
+            self.folder.mkdir()
+        while self.published:
+            shutil.rmtree(self.published.pop(), ignore_errors=True)
+
+
 @dataclass(frozen=True)
 class Row:
     """One headline row: the registry's median, and its per-round ratio to each tool's time."""
@@ -94,8 +118,8 @@ class Row:
     job: str
     ours: float
     against: tuple[tuple[str, float], ...]
-    command: str
-    how: str = "measured here"
+    command: str  # the headline group that measured it
+    dedicated: str = ""  # the area's own bench, for its full figures
 
 
 def per_round(times: dict[str, list[float]], ours: str, tools: dict[str, str]) -> tuple[tuple[str, float], ...]:
@@ -122,16 +146,10 @@ def single_process(mib: int, runs: int, work: Path, cmd: str) -> list[Row]:
     import torch.distributed.checkpoint as dcp
     ref_mod = reference_module()
     state = transformer_state(mib)
-    out = work / "out"
+    outputs = Outputs(work / "out")
+    out, published, clean = outputs.folder, outputs.published, outputs.clean
     reg = Registry.open(url=f"sqlite:///{work / 'catalog.db'}", root=work / "root")
     steps = iter(range(1, 10**9))
-    published: list[Path] = []
-
-    def clean() -> None:
-        shutil.rmtree(out, ignore_errors=True)
-        out.mkdir()
-        while published:
-            shutil.rmtree(published.pop(), ignore_errors=True)
 
     def publish() -> float:
         return timed(lambda: published.append(reg.publish("pub", next(steps), state).path))
@@ -192,14 +210,7 @@ def single_process(mib: int, runs: int, work: Path, cmd: str) -> list[Row]:
     else:
         ref_mod.Checkpoint(state_dict=state).save(str(out / "ref"))
     template = {k: torch.empty_like(v) for k, v in state.items()}
-    a = state_of(mib, 16)
-    b = dict(a)
-    changed = sorted(a)[len(a) // 2]
-    b[changed] = a[changed].clone()
-    b[changed][12345] += 1.0
-    reg.publish("diff", 1, a)
-    reg.publish("diff", 2, b)
-    del a, b
+    publish_diff_pair(reg, mib, 16)
     diff_a, diff_b = (str(reg.resolve(f"diff@{i}").path / "model.safetensors") for i in (1, 2))
 
     def compare_files() -> list[str]:
@@ -216,6 +227,7 @@ def single_process(mib: int, runs: int, work: Path, cmd: str) -> list[Row]:
         "load(verify=True)": lambda: reg.load("load@1", verify=True),
         "load(verify=False)": lambda: reg.load("load@1", verify=False),
         "load_file": lambda: st.load_file(str(out / "m.safetensors")),
+        "load_file + touch": lambda: touch_all(st.load_file(str(out / "m.safetensors"))),
         "torch.load": lambda: torch.load(out / "m.pt", weights_only=True, mmap=True),
         "torch.load (read)": lambda: torch.load(out / "m.pt", weights_only=True),
         "dcp.load": lambda: dcp.load(template, checkpoint_id=out / "dcp"),
@@ -229,29 +241,31 @@ def single_process(mib: int, runs: int, work: Path, cmd: str) -> list[Row]:
     clean()
     med = statistics.median
     ref_label = "reference Checkpoint" if ref_mod is not None else "reference algorithm (seed module not found)"
+    size = f"{len(template)} tensors, {sum(t.numel() * t.element_size() for t in template.values()) / 2**20:.0f} MiB"
     lazy_gap = med(1e3 * (x - y) for x, y in zip(lt["load(verify=False)"], lt["load_file"]))
     return [
-        Row("blocking publish", med(s["publish"]), per_round(s, "publish", {
+        Row(f"blocking publish, {size}", med(s["publish"]), per_round(s, "publish", {
             "save_file+fsync": "save_file+fsync", "torch.save+fsync": "torch.save+fsync", "dcp.save": "dcp.save",
-            f"{ref_label}.save": "reference save"}), cmd + "; full size: ./scripts/bench io --mib 1024"),
+            f"{ref_label}.save": "reference save"}), cmd, "./scripts/bench io --mib 1024"),
         Row("async publish: time the trainer is blocked", med(s["publish async (returned)"]),
             per_round(s, "publish async (returned)", {
                 "dcp.async_save (returned)": "dcp.async_save (returned)", "save_file+fsync": "save_file+fsync",
-                "blocking publish": "publish"}), cmd + "; the GIL side: ./scripts/bench async"),
+                "blocking publish": "publish"}), cmd, "./scripts/bench async"),
         Row(f"dedup hit (same bytes as a live step; {linked} links to the file)", med(s["dedup hit"]),
             per_round(s, "dedup hit", {"fresh blocking publish": "publish", "save_file+fsync": "save_file+fsync"}),
-            cmd + "; alone: ./scripts/bench lineage --only dedup"),
+            cmd, "./scripts/bench lineage --only dedup"),
         Row("verified load (xxh3 pieces checked)", med(lt["load(verify=True)"]), per_round(lt, "load(verify=True)", {
             f"{ref_label}.load(verify_checksums=True)": "reference load (verify_checksums)",
-            "torch.load (read)": "torch.load (read)", "dcp.load": "dcp.load", "load_file (unverified)": "load_file"}),
-            cmd + "; full size: ./scripts/bench io --mib 1024"),
+            "torch.load (read)": "torch.load (read)", "dcp.load": "dcp.load",
+            "load_file + read every page (unverified)": "load_file + touch"}),
+            cmd, "./scripts/bench io --mib 1024"),
         Row(f"lazy load, verify=False (load_file + {lazy_gap:.2f} ms)", med(lt["load(verify=False)"]),
             per_round(lt, "load(verify=False)", {"load_file": "load_file", "torch.load(mmap=True)": "torch.load",
                                                  f"{ref_label}.load": "reference load"}),
-            cmd + "; parts: ./scripts/bench io --only lazy"),
+            cmd, "./scripts/bench io --only lazy"),
         Row("diff of two steps (one element differs)", med(lt["diff"]), per_round(lt, "diff", {
             "load_file both + torch.equal": "load_file both + torch.equal",
-            "one verified load": "load(verify=True)"}), cmd + "; full size: ./scripts/bench lineage --only diff"),
+            "one verified load": "load(verify=True)"}), cmd, "./scripts/bench lineage --only diff"),
     ]
 
 
@@ -284,14 +298,8 @@ def _lightning(mib: int, runs: int, work: Path, cmd: str) -> Row:
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(2, width)), batch_size=2)
     trainer.fit(Model(), data)
     steps = iter(range(1, 10**9))
-    out = work / "pl-out"
-    published: list[Path] = []
-
-    def clean() -> None:
-        shutil.rmtree(out, ignore_errors=True)
-        out.mkdir()
-        while published:
-            shutil.rmtree(published.pop(), ignore_errors=True)
+    outputs = Outputs(work / "pl-out")
+    out, published, clean = outputs.folder, outputs.published, outputs.clean
 
     def ours() -> float:
         step = next(steps)
@@ -306,7 +314,9 @@ def _lightning(mib: int, runs: int, work: Path, cmd: str) -> Row:
     times = interleaved({"registry": ours, "lightning": theirs}, runs, before=clean).times
     reg.close()
     clean()
-    return Row(f"Lightning trainer.save_checkpoint, {layers} Linear + AdamW", statistics.median(times["registry"]),
+    size = sum(p.numel() for p in trainer.lightning_module.parameters()) * 4 * 3 / 2**20
+    return Row(f"Lightning trainer.save_checkpoint, {layers} Linear + AdamW, {size:.0f} MiB",
+               statistics.median(times["registry"]),
                per_round(times, "registry", {"TorchCheckpointIO + fsync": "lightning"}), cmd)
 
 
@@ -338,16 +348,13 @@ def _hugging_face(mib: int, runs: int, work: Path, cmd: str) -> Row:
     args = TrainingArguments(output_dir=str(out), max_steps=1, per_device_train_batch_size=2, save_strategy="no",
                              report_to="none", use_cpu=True, disable_tqdm=True, logging_strategy="no")
     trainer = Trainer(model=model, args=args, train_dataset=Tokens())
-    trainer.train()
+    with contextlib.redirect_stdout(io.StringIO()):  # its end-of-training metrics, not this bench's table
+        trainer.train()
     reg = Registry.open(url=f"sqlite:///{work / 'hf.db'}", root=work / "hf-root")
     callback = RegistryCallback(reg, "hf")
     steps = iter(range(1, 10**9))
-    published: list[Path] = []
-
-    def clean() -> None:
-        shutil.rmtree(out, ignore_errors=True)
-        while published:
-            shutil.rmtree(published.pop(), ignore_errors=True)
+    outputs = Outputs(out, make=False)  # the Trainer makes its output folder
+    published, clean = outputs.published, outputs.clean
 
     def save() -> Path:
         trainer.state.global_step = next(steps)
@@ -378,28 +385,30 @@ def _hugging_face(mib: int, runs: int, work: Path, cmd: str) -> Row:
 
 
 def two_ranks(mib: int, runs: int, cmd: str) -> list[Row]:
-    ranks, _ = bench_distributed.measure(size_mib=mib, small=200, repeats=runs)
+    ranks, sizes = bench_distributed.measure(size_mib=mib, small=200, repeats=runs)
     d = {k.split(":", 1)[1]: v for k, v in ranks[0].items() if k.startswith("big:")}
-    broadcast = Row(f"broadcast load to 2 ranks, {mib} MiB (gloo)", statistics.median(d["ours/broadcast"]),
+    broadcast = Row(f"broadcast load to 2 ranks, {sizes['big'][1] / 2**20:.0f} MiB (gloo, verify=False)",
+                    statistics.median(d["ours/broadcast"]),
                     per_round(d, "ours/broadcast", {
                         "reference load_state_dict(broadcast=True)": "reference (per tensor)",
                         "one flat broadcast of the file (floor)": "floor (flat broadcast)"}),
-                    cmd + "; full size: ./scripts/bench distributed --size-mib 1024", "measured here (small variant)")
+                    cmd, "./scripts/bench distributed --size-mib 1024")
     sharded = bench_sharded.measure(size_mib=mib, repeats=runs, world=2)
     t = sharded[0]["rounds"]
     return [
         broadcast,
-        Row(f"sharded publish, 2 ranks FSDP2 + AdamW, {mib} MiB", statistics.median(t["publish/ours"]),
+        Row(f"sharded publish, 2 ranks FSDP2 + AdamW, {sum(r['shard_bytes'] for r in sharded) / 2**20:.0f} MiB",
+            statistics.median(t["publish/ours"]),
             per_round(t, "publish/ours", {"dcp.save + fsync": "publish/dcp",
                                           "gather to rank 0 + publish": "publish/gather"}),
-            cmd + "; full size: ./scripts/bench sharded --size-mib 1024", "measured here (small variant)"),
+            cmd, "./scripts/bench sharded --size-mib 1024"),
         Row("sharded async publish: time the trainer is blocked", statistics.median(t["publish/async"]),
             per_round(t, "publish/async", {"dcp.async_save (returned)": "publish/dcp-async",
                                            "dcp.save + fsync": "publish/dcp"}),
-            cmd + "; full size: ./scripts/bench sharded --size-mib 1024", "measured here (small variant)"),
+            cmd, "./scripts/bench sharded --size-mib 1024"),
         Row("sharded load (load_into, pieces checked)", statistics.median(t["load/ours"]),
             per_round(t, "load/ours", {"dcp.load": "load/dcp"}),
-            cmd + "; full size: ./scripts/bench sharded --size-mib 1024", "measured here (small variant)"),
+            cmd, "./scripts/bench sharded --size-mib 1024"),
     ]
 
 
@@ -446,14 +455,14 @@ def resolve(checkpoints: int, runs: int, work: Path, cmd: str) -> list[Row]:
                          "best": resolving(f"best:{bench_queries.BEST_KEY}"), "files": lambda: timed(best_by_files)},
                         max(runs, 7)).times
     catalog.close()
-    extra = f"; full figures, both backends: ./scripts/bench queries --checkpoints {checkpoints}"
+    extra = f"./scripts/bench queries --checkpoints {checkpoints} (both backends, every selector)"
     return [
         Row(f"resolve @latest, SQLite catalog of {checkpoints:,} checkpoints", statistics.median(times["latest"]),
             per_round(times, "latest", {f"listing a run's {per_run} step folders for the newest": "listing"}),
-            cmd + extra, "measured here (catalog built as bench queries does)"),
+            cmd, extra),
         Row(f"resolve @best:{bench_queries.BEST_KEY}, same catalog", statistics.median(times["best"]),
             per_round(times, "best", {f"reading the {per_run} folders' metrics.json for the best": "files"}),
-            cmd + extra, "measured here (catalog built as bench queries does)"),
+            cmd, extra),
     ]
 
 
@@ -465,11 +474,12 @@ def fmt_seconds(s: float) -> str:
 
 
 def table(rows: list[Row]) -> list[str]:
-    lines = ["| job | registry, median | registry / tool, same run (median of per-round ratios) | how | "
-             "reproduce |", "|---|---:|---|---|---|"]
+    lines = ["| job | registry, median | registry / tool, same run (median of per-round ratios) | reproduce | "
+             "the area's own bench |", "|---|---:|---|---|---|"]
     for r in rows:
         ratios = "; ".join(f"{label} **{x:.2f}x**" for label, x in r.against)
-        lines.append(f"| {r.job} | {fmt_seconds(r.ours)} | {ratios} | {r.how} | `{r.command}` |")
+        lines.append(f"| {r.job} | {fmt_seconds(r.ours)} | {ratios} | `{r.command}` | "
+                     f"{f'`{r.dedicated}`' if r.dedicated else ''} |")
     return lines
 
 
@@ -489,35 +499,40 @@ def main() -> None:
     parser.add_argument("--hf-mib", type=int, default=64, help="the trainers' model + optimizer state")
     parser.add_argument("--checkpoints", type=int, default=100_000, help="the resolve catalog (0: skip)")
     parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--skip", default="", help="comma-separated groups to leave out: one,trainers,ranks,resolve")
+    parser.add_argument("--only", default=",".join(GROUPS), help=f"comma-separated groups to run: {','.join(GROUPS)}")
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir on the system disk)")
     args = parser.parse_args()
     if args.runs < 1:
         parser.error("--runs must be >= 1")
-    skip = set(filter(None, args.skip.split(",")))
-    cmd = (f"./scripts/bench headline --mib {args.mib} --dist-mib {args.dist_mib} --hf-mib {args.hf_mib} "
-           f"--checkpoints {args.checkpoints} --runs {args.runs}")
+    only = [g for g in GROUPS if g in set(args.only.split(","))]
+    if not only or set(args.only.split(",")) - set(GROUPS):
+        parser.error(f"--only takes groups among {','.join(GROUPS)}")
+    runs = f" --runs {args.runs}"
+    cmd = {"one": f"./scripts/bench headline --only one --mib {args.mib}{runs}",
+           "trainers": f"./scripts/bench headline --only trainers --hf-mib {args.hf_mib}{runs}",
+           "ranks": f"./scripts/bench headline --only ranks --dist-mib {args.dist_mib}{runs}",
+           "resolve": f"./scripts/bench headline --only resolve --checkpoints {args.checkpoints}{runs}"}
     load0 = os.getloadavg()
     t0 = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="bench-headline-", dir=args.dir))
     rows: list[Row] = []
     try:
-        if "one" not in skip:
-            (work / "one").mkdir()
-            rows += single_process(args.mib, args.runs, work / "one", cmd)
-        if "trainers" not in skip:
-            (work / "trainers").mkdir()
-            rows.append(_lightning(args.hf_mib, args.runs, work / "trainers", cmd))
-            rows.append(_hugging_face(args.hf_mib, args.runs, work / "trainers", cmd))
-        if "ranks" not in skip:
-            rows += two_ranks(args.dist_mib, args.runs, cmd)
-        if "resolve" not in skip and args.checkpoints:
-            (work / "resolve").mkdir()
-            rows += resolve(args.checkpoints, args.runs, work / "resolve", cmd)
+        for group in only:
+            (work / group).mkdir()
+            if group == "one":
+                rows += single_process(args.mib, args.runs, work / group, cmd[group])
+            elif group == "trainers":
+                rows.append(_lightning(args.hf_mib, args.runs, work / group, cmd[group]))
+                rows.append(_hugging_face(args.hf_mib, args.runs, work / group, cmd[group]))
+            elif group == "ranks":
+                rows += two_ranks(args.dist_mib, args.runs, cmd[group])
+            elif args.checkpoints:
+                rows += resolve(args.checkpoints, args.runs, work / group, cmd[group])
     finally:
         shutil.rmtree(work, ignore_errors=True)
     load1 = os.getloadavg()
-    print(f"command: {cmd}")
+    print(f"command: ./scripts/bench headline --only {','.join(only)} --mib {args.mib} --dist-mib {args.dist_mib} "
+          f"--hf-mib {args.hf_mib} --checkpoints {args.checkpoints} --runs {args.runs}")
     print(f"date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; commit {commit()}; machine: {os.cpu_count()} "
           f"cores, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB, torch "
           f"{torch.__version__}; load average at start {load0[0]:.1f} / {load0[1]:.1f}, at end {load1[0]:.1f} / "

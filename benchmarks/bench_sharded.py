@@ -112,6 +112,7 @@ def rank_main(rank: int, port: int, args: dict[str, Any]) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     from registry.fs.dcpfiles import write_threads
+    here = os.environ.get("LOCAL_WORLD_SIZE", "")  # how the publish counts the ranks sharing this host's cores
     async_group = dist.new_group(backend="gloo")  # dcp.async_save's collectives run beside the barriers
     model, opt = build(args["size_mib"], world)
     msd, osd = get_state_dict(model, opt)
@@ -218,7 +219,7 @@ def rank_main(rank: int, port: int, args: dict[str, Any]) -> None:
         growth = rss_kib("VmHWM") - base
     (root / f"rank{rank}.json").write_text(json.dumps({
         "times": {k: statistics.median(v) for k, v in times.items()}, "rounds": times, "peak_kib": growth,
-        "shard_bytes": local_bytes(state), "write_threads": write_threads(world),
+        "shard_bytes": local_bytes(state), "write_threads": write_threads(int(here) if here.isdigit() else world),
         "torch_threads": torch.get_num_threads(), "cores": len(os.sched_getaffinity(0))}))
     dist.barrier()
     dist.destroy_process_group()
