@@ -120,6 +120,7 @@ def rank_main(rank: int, port: int, args: dict[str, Any]) -> None:
     root = Path(args["work"])
     counter = iter(range(1, 10**6))
     times: dict[str, list[float]] = {}
+    cpu: dict[str, list[float]] = {}  # this rank's CPU seconds (all its threads), which load does not inflate
     pending: list[Any] = []  # a dcp.async_save future, waited for after its timed call returned
 
     with Registry.open(url=f"sqlite:///{root / 'catalog.db'}", root=root / "ckpt") as reg:
@@ -198,11 +199,12 @@ def rank_main(rank: int, port: int, args: dict[str, Any]) -> None:
                 make = variants[name]
                 fn = make()
                 dist.barrier()
-                t0 = time.perf_counter()
+                t0, cpu0 = time.perf_counter(), time.process_time()
                 fn()
                 dist.barrier()
                 if i > 0:
                     times.setdefault(name, []).append(time.perf_counter() - t0)
+                    cpu.setdefault(name, []).append(time.process_time() - cpu0)
                 reg.wait()  # a background publish commits before the next variant runs
                 while pending:
                     pending.pop().result()
@@ -218,7 +220,8 @@ def rank_main(rank: int, port: int, args: dict[str, Any]) -> None:
         reg.publish("ours", next(counter), state, sharded=True, timeout=600)
         growth = rss_kib("VmHWM") - base
     (root / f"rank{rank}.json").write_text(json.dumps({
-        "times": {k: statistics.median(v) for k, v in times.items()}, "rounds": times, "peak_kib": growth,
+        "times": {k: statistics.median(v) for k, v in times.items()}, "rounds": times,
+        "cpu": {k: statistics.median(v) for k, v in cpu.items()}, "peak_kib": growth,
         "shard_bytes": local_bytes(state), "write_threads": write_threads(int(here) if here.isdigit() else world),
         "torch_threads": torch.get_num_threads(), "cores": len(os.sched_getaffinity(0))}))
     dist.barrier()
@@ -277,6 +280,10 @@ def main() -> None:
               f"{t['load/ours-unverified'] / t['load/dcp']:.2f}x dcp |")
         print(f"| load/dcp (dcp.load) | {t['load/dcp']:.3f} | ours = {t['load/ours'] / t['load/dcp']:.2f}x dcp "
               "(goal <= 1.10x) |")
+    print("\nCPU seconds per rank, median (all of a rank's threads; with fewer free cores than busy threads a "
+          "publish costs the sum of its parts):")
+    for name in ("publish/ours", "publish/dcp", "hash/sha256", "publish/async", "publish/dcp-async"):
+        print(f"  {name}: " + ", ".join(f"rank {r} {got['cpu'][name]:.2f}" for r, got in enumerate(ranks)))
     rounds = ranks[0]["rounds"]
     print("\nper-round publish/ours / publish/dcp: " + " ".join(
         f"{a / b:.2f}" for a, b in zip(rounds["publish/ours"], rounds["publish/dcp"])))
