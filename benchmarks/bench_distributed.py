@@ -172,27 +172,36 @@ def rank_main(rank: int, port: int, args: dict[str, Any]) -> None:
     dist.destroy_process_group()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size-mib", type=int, default=int(os.environ.get("BENCH_DIST_MIB", "1024")))
-    parser.add_argument("--small", type=int, default=int(os.environ.get("BENCH_DIST_SMALL", "2000")))
-    parser.add_argument("--repeats", type=int, default=int(os.environ.get("BENCH_DIST_REPEATS", "5")))
-    opts = parser.parse_args()
+def measure(*, size_mib: int, small: int, repeats: int) -> tuple[list[dict[str, Any]], dict[str, tuple[int, int]]]:
+    """Publish both cases, run the two ranks; each rank's results (``case:variant`` -> seconds per round) and
+    each case's (tensors, bytes)."""
     shutil.rmtree(WORK, ignore_errors=True)
     WORK.mkdir(parents=True)
     url, root = f"sqlite:///{WORK / 'catalog.db'}", WORK / "ckpt"
     sizes = {}
     with Registry.open(url=url, root=root) as reg:
         paths = {}
-        for case, state in (("small", small_state(opts.small)), ("big", transformer_state(opts.size_mib))):
+        for case, state in (("small", small_state(small)), ("big", transformer_state(size_mib))):
             info = reg.publish(case, 1, state, config={"case": case})
             paths[case] = str(info.path)
             sizes[case] = (len(state), sum(t.numel() * t.element_size() for t in state.values()))
             del state
     out = WORK / "results.json"
-    args = {"url": url, "root": str(root), "paths": paths, "repeats": opts.repeats, "out": str(out)}
-    mp.start_processes(rank_main, args=(free_port(), args), nprocs=2, start_method="spawn")
-    ranks = json.loads(out.read_text())
+    args = {"url": url, "root": str(root), "paths": paths, "repeats": repeats, "out": str(out)}
+    try:
+        mp.start_processes(rank_main, args=(free_port(), args), nprocs=2, start_method="spawn")
+        return json.loads(out.read_text()), sizes
+    finally:
+        shutil.rmtree(WORK, ignore_errors=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size-mib", type=int, default=int(os.environ.get("BENCH_DIST_MIB", "1024")))
+    parser.add_argument("--small", type=int, default=int(os.environ.get("BENCH_DIST_SMALL", "2000")))
+    parser.add_argument("--repeats", type=int, default=int(os.environ.get("BENCH_DIST_REPEATS", "5")))
+    opts = parser.parse_args()
+    ranks, sizes = measure(size_mib=opts.size_mib, small=opts.small, repeats=opts.repeats)
     cmd = (f"./scripts/bench distributed --size-mib {opts.size_mib} --small {opts.small} "
            f"--repeats {opts.repeats}")
     print(f"\n{cmd}\n2 ranks, gloo on 127.0.0.1, median of {opts.repeats} after a warm-up, seconds "

@@ -57,7 +57,8 @@ def timed(fn: object) -> float:
     return time.perf_counter() - start
 
 
-def bench_diff(reg: Registry, mib: int, tensor_mib: int, runs: int) -> list[str]:
+def publish_diff_pair(reg: Registry, mib: int, tensor_mib: int) -> str:
+    """Publish ``diff@1`` and ``diff@2``, which differ in one element of one tensor; that tensor's name."""
     a = state_of(mib, tensor_mib)
     b = dict(a)
     name = sorted(a)[len(a) // 2]
@@ -65,7 +66,11 @@ def bench_diff(reg: Registry, mib: int, tensor_mib: int, runs: int) -> list[str]
     b[name][12345] += 1.0
     reg.publish("diff", 1, a)
     reg.publish("diff", 2, b)
-    del a, b
+    return name
+
+
+def bench_diff(reg: Registry, mib: int, tensor_mib: int, runs: int) -> list[str]:
+    name = publish_diff_pair(reg, mib, tensor_mib)
     diffs, loads, ratios, read = [], [], [], []
     for r in range(runs + 1):
         load = timed(lambda: reg.load("diff@2", verify=True))

@@ -1,4 +1,4 @@
-"""Sharded publish and load benchmark: 2 ranks on gloo (127.0.0.1), FSDP2 + AdamW on CPU, all variants in one run.
+"""Sharded publish and load benchmark: 2 ranks (``--world``) on gloo (127.0.0.1), FSDP2 + AdamW on CPU, one run.
 
 The state is a stack of ``Linear(d, d)`` layers sharded with ``fully_shard``
 over both ranks, plus AdamW's two moments after one step: about
@@ -14,6 +14,9 @@ one warm-up:
   the next variant);
 * publish/dcp: ``dcp.save`` of the same state with DCP's own writer and
   ``sync_files=True`` into a fresh directory (no catalog, no checksums);
+* publish/dcp-async: ``dcp.async_save`` of the same, timed until the call
+  returns (its collectives run on a group of their own; the save completes
+  before the next variant);
 * hash/sha256: every rank computes the sha256 of its own shard's bytes on
   one core (one thread per rank, both ranks at once), the other half of the
   publish floor: a publish must hash every byte, so it can be no faster than
@@ -30,7 +33,14 @@ The page cache is warm (the files were just written). Peak RSS growth of
 each rank during one publish/ours is read from ``/proc/self/status`` (VmHWM
 after resetting it) and compared with the rank's shard of the state.
 
-Usage: ./scripts/bench sharded [--size-mib 1024] [--repeats 5]
+Each rank writes (and hashes) as many files at once as it has cores to
+itself (``write_threads``: cores // ranks on the host, at most 8); the
+header says how many. ``--world 1`` runs one rank alone (all cores its own),
+``--only publish`` keeps only the publish variants and the sha256 floor (no
+loads or gather between them), which separates what two ranks on two cores
+cost from what the other variants leave behind.
+
+Usage: ./scripts/bench sharded [--size-mib 1024] [--repeats 5] [--world 2] [--only publish]
 """
 
 from __future__ import annotations
@@ -38,6 +48,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -93,17 +104,24 @@ def local_bytes(state: Any) -> int:
 
 def rank_main(rank: int, port: int, args: dict[str, Any]) -> None:
     warnings.simplefilter("ignore")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+    world = args["world"]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(minutes=10))
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-    model, opt = build(args["size_mib"], 2)
+
+    from registry.fs.dcpfiles import write_threads
+    here = os.environ.get("LOCAL_WORLD_SIZE", "")  # how the publish counts the ranks sharing this host's cores
+    async_group = dist.new_group(backend="gloo")  # dcp.async_save's collectives run beside the barriers
+    model, opt = build(args["size_mib"], world)
     msd, osd = get_state_dict(model, opt)
     state = {"model": msd, "optim": osd}
     root = Path(args["work"])
     counter = iter(range(1, 10**6))
     times: dict[str, list[float]] = {}
+    cpu: dict[str, list[float]] = {}  # this rank's CPU seconds (all its threads), which load does not inflate
+    pending: list[Any] = []  # a dcp.async_save future, waited for after its timed call returned
 
     with Registry.open(url=f"sqlite:///{root / 'catalog.db'}", root=root / "ckpt") as reg:
         def clean(path: Path) -> None:
@@ -121,6 +139,11 @@ def rank_main(rank: int, port: int, args: dict[str, Any]) -> None:
         def publish_dcp() -> Callable[[], None]:
             path = root / f"dcp-{next(counter)}"
             return lambda: dcp.save(state, storage_writer=dcp.FileSystemWriter(path, sync_files=True))
+
+        def publish_dcp_async() -> Callable[[], None]:
+            path = root / f"dcp-{next(counter)}"
+            return lambda: pending.append(dcp.async_save(state, storage_writer=dcp.FileSystemWriter(
+                path, sync_files=True), process_group=async_group))
 
         def hash_sha256() -> Callable[[], None]:
             from torch.distributed.tensor import DTensor
@@ -163,9 +186,12 @@ def rank_main(rank: int, port: int, args: dict[str, Any]) -> None:
             return lambda: dcp.load(state, checkpoint_id=load_path)
 
         variants = {"publish/ours": publish_ours, "publish/async": publish_async, "publish/dcp": publish_dcp,
-                    "hash/sha256": hash_sha256,
+                    "publish/dcp-async": publish_dcp_async, "hash/sha256": hash_sha256,
                     "publish/gather": publish_gather,
                     "load/ours": load_ours, "load/ours-unverified": load_unverified, "load/dcp": load_dcp}
+        if args["only"] == "publish":  # the publish and its floor alone, no loads or gather between them
+            variants = {k: v for k, v in variants.items() if k.startswith(("publish/", "hash/"))
+                        and k != "publish/gather"}
         names = list(variants)
         for i in range(args["repeats"] + 1):
             # rotate the order each round: no variant always runs right after the biggest allocation or deletion
@@ -173,12 +199,15 @@ def rank_main(rank: int, port: int, args: dict[str, Any]) -> None:
                 make = variants[name]
                 fn = make()
                 dist.barrier()
-                t0 = time.perf_counter()
+                t0, cpu0 = time.perf_counter(), time.process_time()
                 fn()
                 dist.barrier()
                 if i > 0:
                     times.setdefault(name, []).append(time.perf_counter() - t0)
+                    cpu.setdefault(name, []).append(time.process_time() - cpu0)
                 reg.wait()  # a background publish commits before the next variant runs
+                while pending:
+                    pending.pop().result()
                 dist.barrier()
                 for old in (root / "ckpt" / "ours", root / "ckpt" / "gather"):
                     clean(old)
@@ -191,26 +220,44 @@ def rank_main(rank: int, port: int, args: dict[str, Any]) -> None:
         reg.publish("ours", next(counter), state, sharded=True, timeout=600)
         growth = rss_kib("VmHWM") - base
     (root / f"rank{rank}.json").write_text(json.dumps({
-        "times": {k: statistics.median(v) for k, v in times.items()}, "peak_kib": growth,
-        "shard_bytes": local_bytes(state)}))
+        "times": {k: statistics.median(v) for k, v in times.items()}, "rounds": times,
+        "cpu": {k: statistics.median(v) for k, v in cpu.items()}, "peak_kib": growth,
+        "shard_bytes": local_bytes(state), "write_threads": write_threads(int(here) if here.isdigit() else world),
+        "torch_threads": torch.get_num_threads(), "cores": len(os.sched_getaffinity(0))}))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size-mib", type=int, default=1024, help="model + optimizer state, both ranks together")
-    parser.add_argument("--repeats", type=int, default=5)
-    opts = parser.parse_args()
+def measure(*, size_mib: int, repeats: int, world: int = 2, only: str | None = None) -> list[dict[str, Any]]:
+    """Run ``world`` ranks; each rank's medians (``times``), seconds per round (``rounds``) and setup."""
     shutil.rmtree(WORK, ignore_errors=True)
     WORK.mkdir(parents=True)
-    args = {"size_mib": opts.size_mib, "repeats": opts.repeats, "work": str(WORK)}
-    mp.start_processes(rank_main, args=(free_port(), args), nprocs=2, start_method="spawn")
-    ranks = [json.loads((WORK / f"rank{r}.json").read_text()) for r in range(2)]
+    args = {"size_mib": size_mib, "repeats": repeats, "work": str(WORK), "world": world, "only": only}
+    try:
+        mp.start_processes(rank_main, args=(free_port(), args), nprocs=world, start_method="spawn")
+        return [json.loads((WORK / f"rank{r}.json").read_text()) for r in range(world)]
+    finally:
+        shutil.rmtree(WORK, ignore_errors=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size-mib", type=int, default=1024, help="model + optimizer state, all ranks together")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--world", type=int, default=2, help="ranks on this host (1: one rank alone)")
+    parser.add_argument("--only", choices=["publish"], default=None,
+                        help="publish: only the publish variants and the sha256 floor (no loads, no gather)")
+    opts = parser.parse_args()
+    load0 = os.getloadavg()
+    ranks = measure(size_mib=opts.size_mib, repeats=opts.repeats, world=opts.world, only=opts.only)
     t = ranks[0]["times"]
-    print(f"\n./scripts/bench sharded --size-mib {opts.size_mib} --repeats {opts.repeats}")
-    print(f"2 ranks, gloo on 127.0.0.1, FSDP2 + AdamW, {sum(r['shard_bytes'] for r in ranks) / 2**20:.0f} MiB of "
-          f"model and optimizer state; median of {opts.repeats} after a warm-up, seconds\n")
+    only = f" --only {opts.only}" if opts.only else ""
+    print(f"\n./scripts/bench sharded --size-mib {opts.size_mib} --repeats {opts.repeats} --world {opts.world}{only}")
+    print(f"{opts.world} rank(s), gloo on 127.0.0.1, FSDP2 + AdamW, {sum(r['shard_bytes'] for r in ranks) / 2**20:.0f} "
+          f"MiB of model and optimizer state; median of {opts.repeats} after a warm-up, seconds")
+    print(f"{ranks[0]['cores']} cores; per rank: {ranks[0]['write_threads']} file(s) written and hashed at once, "
+          f"{ranks[0]['torch_threads']} torch threads; load average {load0[0]:.1f} at start, "
+          f"{os.getloadavg()[0]:.1f} at end\n")
     print("| variant | median s | ratio |")
     print("|---|---:|---:|")
     print(f"| publish/ours | {t['publish/ours']:.3f} | |")
@@ -218,22 +265,32 @@ def main() -> None:
           f"{t['publish/async'] / t['publish/ours']:.2f}x of a blocking publish |")
     print(f"| publish/dcp (dcp.save + fsync) | {t['publish/dcp']:.3f} | ours = "
           f"{t['publish/ours'] / t['publish/dcp']:.2f}x dcp (goal <= 1.10x) |")
+    print(f"| publish/dcp-async (dcp.async_save: until the call returns) | {t['publish/dcp-async']:.3f} | "
+          f"ours async = {t['publish/async'] / t['publish/dcp-async']:.2f}x |")
     floor = max(t["publish/dcp"], t["hash/sha256"])
     print(f"| hash/sha256 (each rank its shard, one core) | {t['hash/sha256']:.3f} | |")
     print(f"| floor = max(dcp.save + fsync, sha256) | {floor:.3f} | ours = {t['publish/ours'] / floor:.2f}x "
           "the floor |")
-    print(f"| publish/gather (full state on rank 0 + full publish) | {t['publish/gather']:.3f} | ours "
-          f"{t['publish/gather'] / t['publish/ours']:.2f}x faster (goal >= 1.5x) |")
-    print(f"| load/ours (load_into) | {t['load/ours']:.3f} | |")
-    print(f"| load/ours-unverified (load_into, verify=False) | {t['load/ours-unverified']:.3f} | "
-          f"{t['load/ours-unverified'] / t['load/dcp']:.2f}x dcp |")
-    print(f"| load/dcp (dcp.load) | {t['load/dcp']:.3f} | ours = {t['load/ours'] / t['load/dcp']:.2f}x dcp "
-          "(goal <= 1.10x) |")
+    if "publish/gather" in t:
+        print(f"| publish/gather (full state on rank 0 + full publish) | {t['publish/gather']:.3f} | ours "
+              f"{t['publish/gather'] / t['publish/ours']:.2f}x faster (goal >= 1.5x) |")
+    if "load/ours" in t:
+        print(f"| load/ours (load_into) | {t['load/ours']:.3f} | |")
+        print(f"| load/ours-unverified (load_into, verify=False) | {t['load/ours-unverified']:.3f} | "
+              f"{t['load/ours-unverified'] / t['load/dcp']:.2f}x dcp |")
+        print(f"| load/dcp (dcp.load) | {t['load/dcp']:.3f} | ours = {t['load/ours'] / t['load/dcp']:.2f}x dcp "
+              "(goal <= 1.10x) |")
+    print("\nCPU seconds per rank, median (all of a rank's threads; with fewer free cores than busy threads a "
+          "publish costs the sum of its parts):")
+    for name in ("publish/ours", "publish/dcp", "hash/sha256", "publish/async", "publish/dcp-async"):
+        print(f"  {name}: " + ", ".join(f"rank {r} {got['cpu'][name]:.2f}" for r, got in enumerate(ranks)))
+    rounds = ranks[0]["rounds"]
+    print("\nper-round publish/ours / publish/dcp: " + " ".join(
+        f"{a / b:.2f}" for a, b in zip(rounds["publish/ours"], rounds["publish/dcp"])))
     for r, got in enumerate(ranks):
         print(f"\nrank {r}: peak RSS growth during one publish/ours: {got['peak_kib'] / 1024:.1f} MiB = "
               f"{100 * got['peak_kib'] * 1024 / got['shard_bytes']:.1f}% of its {got['shard_bytes'] / 2**20:.0f} MiB "
               "shard (goal < 10%)")
-    shutil.rmtree(WORK, ignore_errors=True)
 
 
 if __name__ == "__main__":

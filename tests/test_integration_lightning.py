@@ -200,6 +200,28 @@ class OneRank:
         return obj
 
 
+def test_fsdp1_full_state_dict_through_the_checkpoint_io_is_refused(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """``FSDPStrategy`` turns the target into a ``Path`` before its ``CheckpointIO`` sees it: refused, not a local
+    file named ``registry:...`` (Lightning runs FSDP1 on CUDA only; the strategy's own save is what it calls)."""
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    from registry.errors import InvalidStateError
+    from registry.integrations.lightning import RegistryCheckpointIO
+    monkeypatch.chdir(tmp_path)
+    with Registry.open(root=tmp_path / "root") as reg:
+        strategy = FSDPStrategy(state_dict_type="full")
+        strategy.checkpoint_io = RegistryCheckpointIO(reg)
+        with pytest.raises(InvalidStateError, match="ModelParallelStrategy"):
+            strategy.save_checkpoint({"state_dict": {"w": torch.ones(3)}, "epoch": 0, "global_step": 1},
+                                     "registry:fsdp1@1")
+        assert sorted(os.listdir(tmp_path)) == ["root"] and reg.runs() == []
+        with pytest.raises(InvalidStateError, match="ModelParallelStrategy"):
+            strategy.checkpoint_io.load_checkpoint(Path("registry:fsdp1@latest"))
+        strategy.checkpoint_io.save_checkpoint({"w": torch.ones(1)}, tmp_path / "plain.ckpt")  # other paths pass
+        assert (tmp_path / "plain.ckpt").is_file()
+
+
 def test_sharded_publish_refuses_parts_that_need_full_unpickling(tmp_path: Path) -> None:
     from fractions import Fraction
 

@@ -47,6 +47,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Mapping
+from pathlib import PurePath
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
@@ -71,6 +72,18 @@ EXTRA_OPTIMIZERS = "optimizer"  # optimizer.pt: the list of optimizer states
 
 def is_registry_path(path: object) -> bool:
     return isinstance(path, str) and path.startswith(PREFIX)
+
+
+def _refuse_converted(path: object) -> None:
+    """A ``registry:`` target that a strategy turned into a ``Path`` (``FSDPStrategy`` does) is refused.
+
+    Such a strategy reads and writes its own checkpoint files; passed on,
+    the target would become a local file named ``registry:...``.
+    """
+    if isinstance(path, PurePath) and str(path).startswith(PREFIX):
+        raise InvalidStateError(f"{str(path)!r} reached the CheckpointIO as a file path: the strategy writes and "
+                                "reads its own checkpoint files (FSDPStrategy does), so it cannot publish to the "
+                                "registry; for sharded training use ModelParallelStrategy")
 
 
 def _is_plain(value: Any) -> bool:
@@ -136,6 +149,7 @@ class RegistryCheckpointIO(CheckpointIO):
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         if not is_registry_path(path):
+            _refuse_converted(path)
             self.wrapped.save_checkpoint(checkpoint, path, storage_options=storage_options)
             return
         run, step = _step_target(path)
@@ -153,6 +167,7 @@ class RegistryCheckpointIO(CheckpointIO):
     def load_checkpoint(self, path: Any, map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
         if not is_registry_path(path):
+            _refuse_converted(path)
             return self.wrapped.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
         broadcast = torch.distributed.is_available() and torch.distributed.is_initialized()
         try:
