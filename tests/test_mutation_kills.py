@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import registry.fs.payloadfiles as payloadfiles
 import registry.fs.store as store_mod
 import registry.ops.protocol as protocol
 from registry import CatalogError, CorruptCheckpointError, PublishError, Registry
@@ -29,7 +30,8 @@ from registry.errors import InvalidNameError, InvalidRefError, InvalidStateError
 from registry.format.layout import hidden_sibling
 from registry.format.manifest import MANIFEST, WEIGHTS, WEIGHTS_INDEX
 from registry.format.refs import MAX_STEP, Ref, check_run_name, check_step, parse_ref
-from registry.fs.store import Store, Written, json_bytes
+from registry.fs.payloadfiles import json_bytes
+from registry.fs.store import Store, Written
 from registry.ops.writers import writer_alive
 from tests.helpers import assert_state_equal, fail_commits, make_state
 
@@ -124,7 +126,7 @@ def test_json_nested_too_deeply_is_refused_with_one_line() -> None:
 
 
 def test_json_over_the_size_bound_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(store_mod, "MAX_JSON_BYTES", 100)
+    monkeypatch.setattr(payloadfiles, "MAX_JSON_BYTES", 100)
     assert json_bytes({"x": "a" * 50}, "meta")
     with pytest.raises(InvalidStateError, match="at most 100 can be stored"):
         json_bytes({"x": "a" * 100}, "meta")
