@@ -86,18 +86,34 @@ class Linked:
     size: int
 
 
-def _same_bytes(ours: Path, theirs: Path, expect: os.stat_result) -> bool:
-    """Whether ``theirs`` (still the inode ``expect``) holds exactly the bytes of ``ours``."""
+def _open_inode(path: Path, expect: os.stat_result, size: int) -> int | None:
+    """A read descriptor on ``path`` if it still is the inode ``expect`` and ``size`` bytes long, else None.
+
+    Not a symlink, not blocking on a FIFO: what is compared must be the very file that was looked up.
+    """
     try:
-        fd = os.open(theirs, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
                      | getattr(os, "O_CLOEXEC", 0))
     except OSError:
-        return False
+        return None
     try:
         st = os.fstat(fd)
-        if (st.st_dev, st.st_ino, st.st_size) != (expect.st_dev, expect.st_ino, expect.st_size):
-            return False
-        chunk = max(1, min(CHUNK, st.st_size))  # a small config.json gets a small buffer
+    except OSError:
+        os.close(fd)
+        return None
+    if (st.st_dev, st.st_ino, st.st_size) != (expect.st_dev, expect.st_ino, size):
+        os.close(fd)
+        return None
+    return fd
+
+
+def _same_bytes(ours: Path, theirs: Path, expect: os.stat_result) -> bool:
+    """Whether ``theirs`` (still the inode ``expect``) holds exactly the bytes of ``ours``."""
+    fd = _open_inode(theirs, expect, expect.st_size)
+    if fd is None:
+        return False
+    try:
+        chunk = max(1, min(CHUNK, expect.st_size))  # a small config.json gets a small buffer
         mine_buf, theirs_buf = bytearray(chunk), bytearray(chunk)  # reused: no fresh pages per chunk
         with open(ours, "rb", buffering=0) as mine:
             offset = 0
@@ -274,15 +290,10 @@ def _held_equal(path: Path, expect: os.stat_result, ours: HeldBytes) -> bool:
     compares it with the memory by ``memcmp``, which, like the read, runs
     without the GIL; the first difference stops them all.
     """
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
-                     | getattr(os, "O_CLOEXEC", 0))
-    except OSError:
+    fd = _open_inode(path, expect, ours.size)
+    if fd is None:
         return False
     try:
-        st = os.fstat(fd)
-        if (st.st_dev, st.st_ino, st.st_size) != (expect.st_dev, expect.st_ino, ours.size):
-            return False
         differs = threading.Event()
         count = ours.count
         workers = max(1, min(count, _COMPARE_POOL.max_workers))
