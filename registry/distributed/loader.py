@@ -31,6 +31,11 @@ that will never come):
 4. *parse*: each rank parses the same bytes with the same code
    (:mod:`registry.fs.filemaps`); statuses are gathered once more.
 
+On an ``s3://`` root rank 0 downloads the files (checked against their
+pieces as they land, :func:`registry.fs.objectread.fetch_step`) in place of
+mapping them, and the bytes always travel by ``broadcast``: no other rank has
+anything to map, so ``shared-fs`` is refused and ``auto`` does not probe.
+
 ``strategy="auto"`` (the default) picks ``shared-fs`` when every rank can read
 the directory at rank 0's path and sees the very same manifest (same sha256;
 for a directory without a manifest: same names, sizes and mtimes), and
@@ -51,7 +56,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -65,6 +70,9 @@ from registry.ops.reading import Access, CatalogRead, Read, report
 from registry.ops.reading import load as load_local
 from registry.records import CheckpointInfo, Fallback
 from registry.format.refs import Ref
+
+if TYPE_CHECKING:
+    from registry.fs.objects import ObjectRoot
 
 log = logging.getLogger(__name__)
 STRATEGIES = ("auto", "broadcast", "shared-fs")
@@ -105,6 +113,7 @@ class Plan:
     info: CheckpointInfo | None = None
     warnings: tuple[str, ...] = ()
     fallback: Fallback | None = None
+    remote: bool = False  # fetched from an object store: no other rank can map it, the bytes must be sent
 
 
 def fingerprint(directory: Path, names: list[str], manifest_raw: bytes | None) -> str:
@@ -131,6 +140,15 @@ def map_checkpoint(directory: Path, *, expected_digest: str | None, extras: Extr
     files = map_directory(directory, extras=extras, expected_digest=expected_digest)
     raw = bytes(host_view(files.buffers[MANIFEST])) if MANIFEST in files.buffers else None
     return Mapped(files=files, fingerprint=fingerprint(directory, [n for n in files.buffers if n != MANIFEST], raw))
+
+
+def fetch_checkpoint(objects: ObjectRoot, info: CheckpointInfo, *, verify: bool, extras: Extras = True) -> Mapped:
+    """What ``map_checkpoint`` maps, downloaded from an object store (checked against its pieces as it lands)."""
+    from registry.fs.objectread import fetch_step
+    files = fetch_step(objects, info.path.as_posix(), verify=verify, extras=extras,
+                       expected_digest=info.manifest_sha256)
+    assert files.manifest_sha256 is not None, "a step in a bucket always has its manifest"
+    return Mapped(files=files, fingerprint=files.manifest_sha256)
 
 
 def integrity(mapped: Mapped, *, hashes: dict[str, str] | None) -> None:
@@ -163,6 +181,7 @@ class _Source:
 
     read: CatalogRead | None = None
     directory: Path | None = None
+    objects: ObjectRoot | None = None
 
     def next(self) -> tuple[Path, CheckpointInfo | None]:
         if self.read is None:
@@ -195,7 +214,7 @@ class _Source:
 def collective_load(*, request: tuple[Any, ...], source: Callable[[], _Source], verify: bool,
                     map_location: Any, trust_pickle: bool, strategy: str,
                     timeout: float | timedelta | None, bucket_bytes: int | None,
-                    extras: Extras = True) -> tuple[Loaded, Plan]:
+                    extras: Extras = True, remote: bool = False) -> tuple[Loaded, Plan]:
     comm = Comm(timeout=None)
     local: RegistryError | None = None
     device: torch.device | None = None
@@ -203,6 +222,9 @@ def collective_load(*, request: tuple[Any, ...], source: Callable[[], _Source], 
         comm.timeout = as_timedelta(timeout)
         if strategy not in STRATEGIES:
             raise InvalidStateError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+        if remote and strategy == "shared-fs":
+            raise InvalidStateError("strategy='shared-fs' needs a filesystem root every rank mounts; an s3:// "
+                                    "root is read by rank 0 and broadcast: use strategy='broadcast' or 'auto'")
         if bucket_bytes is not None and (isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int)
                                          or bucket_bytes <= 0):
             raise InvalidStateError(f"bucket_bytes must be a positive integer, got {bucket_bytes!r}")
@@ -234,8 +256,11 @@ def _one_round(comm: Comm, src: _Source | None, *, verify: bool, device: torch.d
             try:
                 path, info = src.next()
                 try:
-                    mapped = map_checkpoint(path, expected_digest=info.manifest_sha256 if info else None,
-                                            extras=extras)
+                    if src.objects is not None and info is not None:
+                        mapped = fetch_checkpoint(src.objects, info, verify=verify, extras=extras)
+                    else:
+                        mapped = map_checkpoint(path, expected_digest=info.manifest_sha256 if info else None,
+                                                extras=extras)
                 except RegistryError as exc:
                     src.judge(exc)  # returns when another candidate should be tried
                     continue
@@ -243,7 +268,8 @@ def _one_round(comm: Comm, src: _Source | None, *, verify: bool, device: torch.d
                 outcome = Plan(path=str(path), files=tuple((n, b.numel()) for n, b in buffers.items()),
                                manifest_sha256=mapped.files.manifest_sha256, fingerprint=mapped.fingerprint,
                                bucket_bytes=limit, step=info.step if info else None, info=info,
-                               warnings=tuple(src.notes), fallback=src.fallback(info))
+                               warnings=tuple(src.notes), fallback=src.fallback(info),
+                               remote=src.objects is not None)
                 break
             except Exception as exc:  # whatever it is, every rank must hear of it, not wait for a plan
                 outcome = Failure.of(exc, 0)
@@ -261,8 +287,8 @@ def _one_round(comm: Comm, src: _Source | None, *, verify: bool, device: torch.d
     sizes = [s for _, s in plan.files]
     directory = Path(plan.path)
 
-    chosen = strategy
-    if strategy == "auto":
+    chosen = "broadcast" if plan.remote else strategy
+    if chosen == "auto":
         def sees_same() -> bool:
             if comm.rank == 0:
                 return True
@@ -304,7 +330,8 @@ def _one_round(comm: Comm, src: _Source | None, *, verify: bool, device: torch.d
         cuts = [layout(n, b) for n, b in zip(names, sources)] if sources is not None else None
         layouts = comm.broadcast_object(cuts, "sending the files' layout")
         pieces, digests = transfer(comm, layouts, sources, limit=plan.bucket_bytes,
-                                   hash_files=verify and mapped is not None and mapped.files.manifest is not None)
+                                   hash_files=(verify and not plan.remote and mapped is not None
+                                               and mapped.files.manifest is not None))
         files = {n: got[0] if len(got) == 1 else tuple(got) for n, got in zip(names, pieces)}
         mine = None
         if comm.rank == 0:
@@ -338,14 +365,11 @@ def distributed_load(access: Access, ref: Ref, *, verify: bool, map_location: An
     if not active():
         return load_local(access, ref, verify=verify, map_location=map_location, trust_pickle=trust_pickle,
                           extras=extras, fallback=fallback)
-    if access.objects is not None:  # every rank has the same root: every rank refuses alike, none waits
-        raise InvalidStateError("load(broadcast=True) in a process group is not supported on an s3:// root; "
-                                "let each rank load(ref) from the bucket itself, or use a filesystem root")
     loaded, plan = collective_load(
         request=("ref", str(ref), verify, trust_pickle, strategy, bucket_bytes, extras, fallback),
-        source=lambda: _Source(read=CatalogRead(access, ref, fallback=fallback)), verify=verify,
-        map_location=map_location, trust_pickle=trust_pickle, strategy=strategy, timeout=timeout,
-        bucket_bytes=bucket_bytes, extras=extras)
+        source=lambda: _Source(read=CatalogRead(access, ref, fallback=fallback), objects=access.objects),
+        verify=verify, map_location=map_location, trust_pickle=trust_pickle, strategy=strategy, timeout=timeout,
+        bucket_bytes=bucket_bytes, extras=extras, remote=access.objects is not None)
     if dist.get_rank() == 0:
         report(plan.fallback)
     assert plan.info is not None, "a plan for a ref names the step's row"
@@ -368,4 +392,4 @@ def broadcast_directory(path: Path, *, verify: bool, trust_pickle: bool, map_loc
 
 
 __all__ = ["BUCKET_BYTES", "STRATEGIES", "Plan", "broadcast_directory", "collective_load",
-           "distributed_load", "map_checkpoint", "target_device"]
+           "distributed_load", "fetch_checkpoint", "map_checkpoint", "target_device"]

@@ -41,8 +41,23 @@ def read_objects(root: ObjectRoot, rel: str, *, verify: bool = True, trust_pickl
                  map_location: Any = "cpu", extras: Extras = True, expected_digest: str | None = None) -> Loaded:
     """Load the step stored under ``rel`` (its catalog path); errors name its s3:// URL."""
     try:
-        return _read(root, rel, verify=verify, trust_pickle=trust_pickle, map_location=map_location,
-                     extras=extras, expected_digest=expected_digest)
+        mapped = _fetch_step(root, rel, verify=verify, extras=extras, expected_digest=expected_digest)
+        return parse_files(mapped.directory, mapped.buffers, trust_pickle=trust_pickle, map_location=map_location,
+                           mapped=mapped)
+    except RegistryError as exc:
+        raise _with_url(exc, rel, root.url(rel)) from exc.__cause__
+
+
+def fetch_step(root: ObjectRoot, rel: str, *, verify: bool = True, extras: Extras = True,
+               expected_digest: str | None = None) -> MappedFiles:
+    """The files a load of the step under ``rel`` reads, downloaded into CPU buffers and not yet parsed.
+
+    What a directory's :func:`registry.fs.filemaps.map_directory` is to a
+    mapped load: a broadcast load fetches once on rank 0 and sends these
+    buffers to the other ranks.
+    """
+    try:
+        return _fetch_step(root, rel, verify=verify, extras=extras, expected_digest=expected_digest)
     except RegistryError as exc:
         raise _with_url(exc, rel, root.url(rel)) from exc.__cause__
 
@@ -58,8 +73,8 @@ def _with_url(exc: RegistryError, rel: str, url: str) -> RegistryError:
     return named
 
 
-def _read(root: ObjectRoot, rel: str, *, verify: bool, trust_pickle: bool, map_location: Any, extras: Extras,
-          expected_digest: str | None) -> Loaded:
+def _fetch_step(root: ObjectRoot, rel: str, *, verify: bool, extras: Extras,
+                expected_digest: str | None) -> MappedFiles:
     import torch
     directory = Path(rel)
     raw, manifest = _manifest(root, rel, expected_digest)
@@ -81,9 +96,7 @@ def _read(root: ObjectRoot, rel: str, *, verify: bool, trust_pickle: bool, map_l
     for name, head in zip(unread, _POOL.map(lambda n: root.head(f"{rel}/{n}"), unread)):
         if head is None:  # listed but gone: one damaged name must not pass for a file the step lacks
             raise CorruptCheckpointError(f"checkpoint file is missing: {directory / name}")
-    mapped = MappedFiles(directory=directory, buffers=buffers, manifest=manifest, manifest_sha256=digest,
-                         owner=owner)
-    return parse_files(directory, buffers, trust_pickle=trust_pickle, map_location=map_location, mapped=mapped)
+    return MappedFiles(directory=directory, buffers=buffers, manifest=manifest, manifest_sha256=digest, owner=owner)
 
 
 def _manifest(root: ObjectRoot, rel: str, expected_digest: str | None) -> tuple[bytes, Manifest]:
