@@ -39,6 +39,7 @@ class Proxy:
     slow_down: int = 0                              # answer the next N requests with 503 SlowDown
     before: Callable[[Seen], None] | None = None    # called before forwarding (may kill the server)
     wrong_signature: bool = False                   # forward with the signature spoilt: the server refuses (403)
+    flip_put_bodies: int = 0                        # flip one byte in the body of the next N PUTs (bad wire)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def take(self, request: Seen) -> bool:
@@ -79,6 +80,11 @@ def _handler(proxy: Proxy) -> type[BaseHTTPRequestHandler]:
                 return
             if proxy.before is not None:
                 proxy.before(seen)
+            if self.command == "PUT" and len(body) > 1:
+                with proxy.lock:
+                    flip, proxy.flip_put_bodies = proxy.flip_put_bodies > 0, max(0, proxy.flip_put_bodies - 1)
+                if flip:
+                    body = body[: len(body) // 2] + bytes([body[len(body) // 2] ^ 0xFF]) + body[len(body) // 2 + 1:]
             headers = {k: v for k, v in self.headers.items()}
             if proxy.wrong_signature:  # credentials revoked or rotated under a running registry
                 headers = {k: (v[:-8] + "00000000" if k.lower() == "authorization" else v)

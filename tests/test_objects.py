@@ -43,6 +43,14 @@ def test_config_from_environment_and_options_hides_secrets() -> None:
         ObjectConfig.resolve("b", {"max_retries": "many"}, environ={})
 
 
+def test_body_checksums_are_on_unless_turned_off() -> None:
+    assert ObjectConfig.resolve("b", environ={}).store_config()["checksum_algorithm"] == "sha256"
+    off = ObjectConfig.resolve("b", {"checksum_algorithm": "NONE"}, environ={})
+    assert not off.checksum and "checksum_algorithm" not in off.store_config()
+    with pytest.raises(RootError, match="checksum_algorithm"):
+        ObjectConfig.resolve("b", {"checksum_algorithm": "md5"}, environ={})
+
+
 def test_primitives_against_the_server(s3_root: str, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG)
     root = ObjectRoot.open(s3_root)

@@ -165,6 +165,43 @@ def test_credentials_refused_after_open(catalog_url: str, s3_env: s3server.Serve
             repaired_clean(reg)
 
 
+@pytest.mark.parametrize("size", ["small", "multipart"])
+def test_a_byte_changed_on_the_wire_is_refused_not_published(catalog_url: str, s3_env: s3server.Server,
+                                                             size: str) -> None:
+    """Every PUT and part carries its body's sha256, which the server checks: a flipped byte on the wire fails
+    the request (a server need not check the signed payload hash, and SeaweedFS does not)."""
+    bucket = s3server.new_bucket(s3_env)
+    state = make_state if size == "small" else big_state
+    with s3proxy.running(s3_env.endpoint) as proxy:
+        options = {**FAST, "endpoint": proxy.endpoint}
+        with Registry.open(catalog_url, root=f"s3://{bucket}/ckpt", storage_options=options) as reg:
+            reg.publish("run", 1, state(1))
+            published = reg.resolve("run@1")
+            proxy.flip_put_bodies = 1
+            with pytest.raises(StorageError) as caught:
+                reg.publish("run", 2, state(2))
+            one_line(caught.value)
+            assert proxy.flip_put_bodies == 0
+            assert reg.catalog.get("run", 2).status == Status.FAILED
+            assert reg.resolve("run@latest").manifest_sha256 == published.manifest_sha256
+            assert reg.publish("run", 2, state(2)).status == Status.VERIFIED
+            assert_state_equal(reg.load("run@2").state_dict, state(2))
+            assert [r.status for r in reg.verify("run")] == [Status.VERIFIED] * 2
+            repaired_clean(reg)
+
+
+def test_without_body_checksums_a_changed_byte_is_stored_and_verify_finds_it(catalog_url: str,
+                                                                            s3_env: s3server.Server) -> None:
+    """What the checksum header guards against: the server stores what it got, signed or not."""
+    bucket = s3server.new_bucket(s3_env)
+    with s3proxy.running(s3_env.endpoint) as proxy:
+        options = {**FAST, "endpoint": proxy.endpoint, "checksum_algorithm": "none"}
+        with Registry.open(catalog_url, root=f"s3://{bucket}/ckpt", storage_options=options) as reg:
+            proxy.flip_put_bodies = 1  # the first PUT of a publish is its largest file, the weights
+            reg.publish("run", 1, make_state(1))
+            assert [r.status for r in reg.verify("run")] == [Status.CORRUPT]
+
+
 def test_bucket_gone_after_open(catalog_url: str, s3_env: s3server.Server) -> None:
     """fsck, verify and load never take a missing bucket for missing steps. (SeaweedFS makes a bucket on
     the first PUT, so a publish here would recreate it; on AWS that PUT fails NoSuchBucket.)"""

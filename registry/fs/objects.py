@@ -114,6 +114,14 @@ class ObjectConfig:
     with backoff of what S3 says to retry (5xx, SlowDown, a dropped
     connection), so a server that is down answers in seconds, not minutes;
     ``storage_options`` may set both.
+
+    ``checksum`` sends every PUT and multipart part with the sha256 of its
+    body (``x-amz-checksum-sha256``), which the server checks before it
+    stores anything: a byte changed on the wire is a refused request, not a
+    published object that differs from the manifest (a server need not check
+    the signed payload hash, and SeaweedFS does not). ``storage_options``
+    ``{"checksum_algorithm": "none"}`` turns it off for a server that rejects
+    the header.
     """
 
     bucket: str
@@ -125,6 +133,7 @@ class ObjectConfig:
     allow_http: bool = False
     max_retries: int = 3
     retry_timeout: float = 15.0
+    checksum: bool = True
     options: tuple[tuple[str, str], ...] = field(default=())  # other obstore config keys, passed through
 
     @property
@@ -147,7 +156,7 @@ class ObjectConfig:
             if not isinstance(raw_key, str):
                 raise RootError(f"storage_options keys are strings, got {type(raw_key).__name__}")
             key = _ALIASES.get(raw_key.lower(), raw_key.lower())
-            if key in _ENV or key in ("max_retries", "retry_timeout"):
+            if key in _ENV or key in ("max_retries", "retry_timeout", "checksum_algorithm"):
                 found[key] = value
             elif key == "bucket":
                 raise RootError("storage_options cannot name the bucket: it is the s3:// root's")
@@ -160,15 +169,20 @@ class ObjectConfig:
             raise RootError("storage_options max_retries must be an integer and retry_timeout seconds") from None
         if retries < 0 or not timeout > 0:
             raise RootError("storage_options max_retries must be >= 0 and retry_timeout > 0")
+        algorithm = str(found.pop("checksum_algorithm", "sha256")).strip().lower()
+        if algorithm not in ("sha256", "none"):
+            raise RootError(f"storage_options checksum_algorithm must be 'sha256' or 'none', got {algorithm!r}")
         allow_http = _truthy(found.pop("allow_http", False))
         strings = {k: str(v) for k, v in found.items() if v is not None and str(v) != ""}
         return cls(bucket=bucket, allow_http=allow_http, max_retries=retries, retry_timeout=timeout,
-                   options=tuple(sorted(passthrough.items())), **strings)
+                   checksum=algorithm == "sha256", options=tuple(sorted(passthrough.items())), **strings)
 
     def store_config(self) -> dict[str, Any]:
         """The obstore S3 configuration (credentials included: hand it only to obstore)."""
         config: dict[str, Any] = dict(self.options)
         config.update({"region": self.region, "allow_http": "true" if self.allow_http else "false"})
+        if self.checksum:
+            config["checksum_algorithm"] = "sha256"
         for name in ("endpoint", "access_key_id", "secret_access_key", "session_token"):
             value = getattr(self, name)
             if value is not None:
