@@ -104,7 +104,7 @@ def build_chain(reg: Registry, depth: int) -> None:
     now = datetime.now(timezone.utc)
 
     def fn(conn):  # type: ignore[no-untyped-def]
-        run_id = conn.execute(insert(Run).values(name="deep", created_at=now).returning(Run.id)).scalar_one()
+        run_id = conn.execute(insert(Run).values(name="deep", created_at=now).returning(Run.c.id)).scalar_one()
         conn.execute(insert(Attempt), [{"id": 10_000 + s, "run_id": run_id, "writer": "bench",
                                         "resumed_from": s - 1 if s else None, "started_at": now}
                                        for s in range(depth + 1)])
@@ -113,8 +113,8 @@ def build_chain(reg: Registry, depth: int) -> None:
              "attempt_id": 10_000 + s, "epoch": 0, "consumed_samples": 0, "manifest_sha256": f"{s:064x}",
              "total_bytes": 0, "created_at": now, "updated_at": now, "published_at": now}
             for s in range(depth + 1)])
-        ids = dict(conn.execute(select(CheckpointRow.step, CheckpointRow.id)
-                                .where(CheckpointRow.run_id == run_id)).all())
+        ids = dict(conn.execute(select(CheckpointRow.c.step, CheckpointRow.c.id)
+                                .where(CheckpointRow.c.run_id == run_id)).all())
         conn.execute(insert(Lineage), [
             {"checkpoint_id": ids[s], "how": "resumed" if s else "started", "parent_run": "deep" if s else None,
              "parent_step": s - 1 if s else None, "parent_manifest_sha256": f"{s - 1:064x}" if s else None,

@@ -65,7 +65,7 @@ def build(catalog: Catalog, *, checkpoints: int, runs: int, metrics: int, seed: 
     counts = {"checkpoints": 0, "metrics": 0, "tags": 0}
     with write_connection(catalog.engine) as conn:
         conn.execute(insert(Run), [{"name": f"run{r:03d}", "created_at": now} for r in range(runs)])
-        run_ids = dict(conn.execute(select(Run.name, Run.id)).all())
+        run_ids = dict(conn.execute(select(Run.c.name, Run.c.id)).all())
 
     def rows() -> Iterator[tuple[list[dict[str, Any]], list[dict[str, Any]]]]:
         ckpts: list[dict[str, Any]] = []
@@ -110,8 +110,8 @@ def build(catalog: Catalog, *, checkpoints: int, runs: int, metrics: int, seed: 
     with write_connection(catalog.engine) as conn:
         tags = []
         for name, run_id in run_ids.items():
-            ids = conn.scalars(select(CheckpointRow.id).where(CheckpointRow.run_id == run_id,
-                                                              CheckpointRow.status == "verified")).all()
+            ids = conn.scalars(select(CheckpointRow.c.id).where(CheckpointRow.c.run_id == run_id,
+                                                              CheckpointRow.c.status == "verified")).all()
             for t, cid in enumerate(rng.sample(list(ids), min(5, len(ids)))):
                 tags.append({"run_id": run_id, "name": f"tag{t}", "checkpoint_id": cid, "updated_at": now})
         conn.execute(insert(Tag), tags)

@@ -20,29 +20,28 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, overload
 
-from registry.ops import reading
 from registry.ops.background import BackgroundPublisher
 from registry.catalog import Catalog, CommitRecord, PayloadRecord
 from registry.catalog.lineage import LineageCatalog, LineageHop
 from registry.catalog.records import LineageRecord
-from registry.checkpoint import Checkpoint
 from registry.errors import InvalidStateError, ReadOnlyError, RegistryError, RootError, StepExistsError
 from registry.format.layout import step_dirname
 from registry.ops.attempts import Attempts, Fork
-from registry.ops.protocol import CommitHooks, RecordOnly, Target, publish_sequence
 from registry.records import HAS_PAYLOAD, LIVE, CheckpointInfo, EventInfo, MetricPoint, RunInfo, Status
 from registry.format.refs import Ref, check_run_name, check_step, check_tag_name, parse_ref
-from registry.ops.scrub import VerifyResult, scrub
 from registry.fs.snapshot import Snapshotter
 from registry.fs.bounds import check_outside_root
-from registry.fs.filemaps import check_extras
 from registry.fs.objects import is_object_url
 from registry.fs.store import Payload, Store, Written, now_timestamp, write_payload
 from registry.ops.writers import writer_alive, writer_id
 from registry.format.safetensors import check_state_dict
 from registry.fs.validation import check_flags, check_metrics, check_tags, checked_payload
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # and what only some methods use, imported there: a CLI listing never loads or publishes
+    from registry.checkpoint import Checkpoint
+    from registry.ops import reading
+    from registry.ops.protocol import CommitHooks, Target
+    from registry.ops.scrub import VerifyResult
     import torch
 
     from registry.fs.objects import ObjectRoot
@@ -235,6 +234,7 @@ class Registry:
 
     def placed(self, info: CheckpointInfo) -> CheckpointInfo:
         """A catalog row as the API hands it out: its absolute path, or on an ``s3://`` root its URL."""
+        from registry.ops import reading
         return reading.placed(self._reader(), info)
 
     def close(self) -> None:
@@ -448,6 +448,7 @@ class Registry:
                    repr(options["blocking"]))
         publish = None
         if job is not None:  # rank 0's path goes to every rank, as the one outcome
+            from registry.ops.protocol import publish_sequence
             target, hooks, root = self._target(job), self._hooks(job), self.store.root
 
             def publish(write: Callable[[Path], Written]) -> CheckpointInfo:
@@ -476,6 +477,7 @@ class Registry:
         A filesystem root writes a staging directory renamed into place; an
         ``s3://`` root uploads to a fresh attempt prefix (:mod:`registry.ops.objectlanding`).
         """
+        from registry.ops.protocol import publish_sequence
         target = self._target(job)
         if self.objects is None:
             info = publish_sequence(self.catalog, target,
@@ -493,6 +495,7 @@ class Registry:
         return self.placed(info)
 
     def _target(self, job: _PublishJob) -> Target:
+        from registry.ops.protocol import Target
         if self.objects is not None:
             from registry.format.layout import attempt_relpath
             root, relpath = Path(self.objects.url()), attempt_relpath(job.run, job.step)
@@ -608,6 +611,9 @@ class Registry:
         described in :mod:`registry.distributed.loader`; every rank must pass the same
         options.
         """
+        from registry.checkpoint import Checkpoint
+        from registry.fs.filemaps import check_extras
+        from registry.ops import reading
         parsed = parse_ref(ref)
         extras = check_extras(extras)
         if not isinstance(fallback, bool):
@@ -671,6 +677,7 @@ class Registry:
         from registry.ops.export import check_dest, check_format, export
         check_format(format, max_shard_size)
         check_flags(overwrite=overwrite)
+        from registry.ops import reading
         check_dest(Path(dest), root=self.store.root, catalog=self._catalog_file(), overwrite=overwrite)
         read = reading.load(self._reader(), parse_ref(ref), verify=True, map_location="cpu", trust_pickle=False,
                             extras=False, fallback=True)  # no extra is read, so none needs trusting
@@ -718,12 +725,14 @@ class Registry:
         return result
 
     def _reader(self) -> reading.ReadAccess:
+        from registry.ops import reading
         return reading.ReadAccess(catalog=self.catalog, root=self._store.root if self._store is not None else Path(),
                                   holder=self.writer, lease_ttl=self.lease_ttl, objects=self.objects)
 
     def read_checked(self, info: CheckpointInfo, *, verify: bool, map_location: Any,
                      trust_pickle: bool) -> Any:
         """Read ``info``'s directory under a reader lease and match it against the catalog."""
+        from registry.ops import reading
         return reading.read_checked(self._reader(), info, verify=verify, map_location=map_location,
                                     trust_pickle=trust_pickle)
 
@@ -748,6 +757,7 @@ class Registry:
             else:
                 targets.extend(i for i in self.checkpoints(parsed.run)
                                if i.status in HAS_PAYLOAD)
+        from registry.ops.scrub import scrub
         return scrub(self.catalog, targets, actor=self.writer, progress=progress, objects=self.objects)
 
     # ------------------------------------------------------------------ followers
@@ -907,6 +917,7 @@ class Registry:
         any moment leaves the source intact.
         """
         from registry.fs.importer import int_field, provenance, remove_originals, scan, stage
+        from registry.ops.protocol import RecordOnly, Target, publish_sequence
         self._directory_root("import")
         check_run_name(run)
         check_step(step)
@@ -1047,4 +1058,4 @@ class Registry:
         return f"Registry(url={url!r}, root={self.root_url!r})"
 
 
-__all__ = ["Registry", "VerifyResult", "RegistryError", "step_dirname"]
+__all__ = ["Registry", "RegistryError", "step_dirname"]

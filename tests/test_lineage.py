@@ -242,9 +242,9 @@ def test_lineage_cycle_stops_at_the_first_repeat(reg: Registry, cli) -> None:  #
     from registry.catalog.models import CheckpointRow, Lineage, Run
     b1 = reg.lineage("b@1")[0]
     a1_id = reg.catalog.read(lambda conn: conn.execute(
-        select(CheckpointRow.id).join(Run, Run.id == CheckpointRow.run_id)
-        .where(Run.name == "a", CheckpointRow.step == 1)).scalar_one())
-    reg.catalog.write(lambda conn: conn.execute(update(Lineage).where(Lineage.checkpoint_id == a1_id)
+        select(CheckpointRow.c.id).join(Run, Run.c.id == CheckpointRow.c.run_id)
+        .where(Run.c.name == "a", CheckpointRow.c.step == 1)).scalar_one())
+    reg.catalog.write(lambda conn: conn.execute(update(Lineage).where(Lineage.c.checkpoint_id == a1_id)
                                                 .values(parent_manifest_sha256=b1.manifest_sha256)))
     for start, order in (("b@1", ["b@1", "a@1"]), ("a@1", ["a@1", "b@1"])):
         hops_ = reg.lineage(start)

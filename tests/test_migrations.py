@@ -11,7 +11,7 @@ from sqlalchemy import text, update
 
 from registry import CatalogError, Registry, SchemaTooNewError
 from registry.catalog import Catalog
-from registry.catalog.models import Base, CheckpointRow
+from registry.catalog.models import CheckpointRow, metadata
 from registry.catalog.session import head_revision, make_engine, open_engine, upgrade
 from registry.records import Status
 
@@ -31,7 +31,7 @@ def test_models_match_migrations(catalog_url: str) -> None:
     try:
         with engine.connect() as conn:
             ctx = MigrationContext.configure(conn, opts={"compare_type": True})
-            diff = [d for d in compare_metadata(ctx, Base.metadata) if d[0] != "remove_table"
+            diff = [d for d in compare_metadata(ctx, metadata) if d[0] != "remove_table"
                     or d[1].name != "alembic_version"]
         assert diff == []
     finally:
@@ -46,7 +46,7 @@ def test_migrated_status_check_admits_every_status_and_refuses_others(catalog_ur
 
         def set_to(value: str) -> None:
             catalog.write(lambda conn: conn.execute(update(CheckpointRow)
-                                                    .where(CheckpointRow.id == claim.checkpoint_id)
+                                                    .where(CheckpointRow.c.id == claim.checkpoint_id)
                                                     .values(status=value)))
         for status in Status:
             set_to(status.value)

@@ -206,7 +206,7 @@ def _claim(reg: Registry, step: int, writer: str) -> None:
 
 def _age(reg: Registry, step: int, by: timedelta) -> None:
     with reg.catalog.engine.begin() as conn:
-        conn.execute(update(CheckpointRow).where(CheckpointRow.step == step)
+        conn.execute(update(CheckpointRow).where(CheckpointRow.c.step == step)
                      .values(updated_at=datetime.now(timezone.utc) - by))
 
 

@@ -33,7 +33,7 @@ def foreign_claim(reg: Registry, step: int) -> Claim:
 
 def row_updated_at(reg: Registry, claim: Claim) -> datetime:
     with reg.catalog.engine.connect() as conn:
-        value = conn.scalar(select(CheckpointRow.updated_at).where(CheckpointRow.id == claim.checkpoint_id))
+        value = conn.scalar(select(CheckpointRow.c.updated_at).where(CheckpointRow.c.id == claim.checkpoint_id))
     assert value is not None
     return value if value.tzinfo is not None else value.replace(tzinfo=timezone.utc)
 
@@ -41,7 +41,7 @@ def row_updated_at(reg: Registry, claim: Claim) -> datetime:
 def age(reg: Registry, claim: Claim, by: timedelta) -> None:
     """Make the row look last refreshed ``by`` ago, as a writer that stopped beating leaves it."""
     with reg.catalog.engine.begin() as conn:
-        conn.execute(update(CheckpointRow).where(CheckpointRow.id == claim.checkpoint_id)
+        conn.execute(update(CheckpointRow).where(CheckpointRow.c.id == claim.checkpoint_id)
                      .values(updated_at=datetime.now(timezone.utc) - by))
 
 

@@ -28,8 +28,8 @@ class StepDir:
 
 def _statements() -> tuple[CompoundSelect, Select[Any]]:
     """The two prebuilt statements below (built once: building a statement costs more than running it)."""
-    c, f = CheckpointRow, CheckpointFile
-    run_id = select(Run.id).where(Run.name == bindparam("run")).scalar_subquery()
+    c, f = CheckpointRow.c, CheckpointFile.c
+    run_id = select(Run.c.id).where(Run.c.name == bindparam("run")).scalar_subquery()
     step = bindparam("step", type_=BigInteger)
     sides = [select(c.step, c.path, c.status).where(c.run_id == run_id, c.status.in_(list(statuses)), where)
              .order_by(order).limit(1).subquery()
@@ -40,7 +40,7 @@ def _statements() -> tuple[CompoundSelect, Select[Any]]:
               .where(c.run_id == run_id, c.status == Status.VERIFIED, c.step.notin_(bindparam("skip", expanding=True)))
               .order_by(c.step.desc()).limit(bindparam("steps", type_=Integer)).subquery())
     files = (select(newest.c.step, newest.c.path, newest.c.manifest_sha256, f.name, f.sha256)
-             .join(f, f.checkpoint_id == newest.c.id).where(f.size == bindparam("size", type_=BigInteger))
+             .join(CheckpointFile, f.checkpoint_id == newest.c.id).where(f.size == bindparam("size", type_=BigInteger))
              .order_by(newest.c.step.desc(), f.name))
     return near, files
 
@@ -96,9 +96,9 @@ def same_size_files(catalog: Transactions, run: str, step: int, size: int, *,
 def newest_verified(catalog: Transactions, run: str, *, excluding: Sequence[int] = (), n: int = 2) -> list[StepDir]:
     """The ``n`` newest verified steps of ``run`` other than ``excluding``, newest first."""
     def fn(conn: Connection) -> list[StepDir]:
-        c = CheckpointRow
-        query = (select(c.step, c.path, c.status).join(Run, Run.id == c.run_id)
-                 .where(Run.name == run, c.status == Status.VERIFIED))
+        c = CheckpointRow.c
+        query = (select(c.step, c.path, c.status).join(Run, Run.c.id == c.run_id)
+                 .where(Run.c.name == run, c.status == Status.VERIFIED))
         if excluding:
             query = query.where(c.step.notin_(sorted(set(excluding))))
         rows = conn.execute(query.order_by(c.step.desc()).limit(n)).all()

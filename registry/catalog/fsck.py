@@ -42,15 +42,15 @@ class RowState:
 def snapshot(catalog: Catalog, *, run: str | None = None, step: int | None = None) -> list[RowState]:
     """Every checkpoint row of every run (or the one row of ``run@step``), with its file table."""
     def fn(conn: Connection) -> list[RowState]:
-        c = CheckpointRow
-        query = (select(c.id, c.step, c.status, c.path, c.writer, c.manifest_sha256, c.updated_at, Run.name)
-                 .join(Run, Run.id == c.run_id).order_by(Run.name, c.step))
-        files_query = select(CheckpointFile.checkpoint_id, CheckpointFile.name, CheckpointFile.size,
-                             CheckpointFile.sha256)
+        c = CheckpointRow.c
+        query = (select(c.id, c.step, c.status, c.path, c.writer, c.manifest_sha256, c.updated_at, Run.c.name)
+                 .join(Run, Run.c.id == c.run_id).order_by(Run.c.name, c.step))
+        files_query = select(CheckpointFile.c.checkpoint_id, CheckpointFile.c.name, CheckpointFile.c.size,
+                             CheckpointFile.c.sha256)
         if run is not None and step is not None:
-            query = query.where(Run.name == run, c.step == step)
-            files_query = files_query.join(c, c.id == CheckpointFile.checkpoint_id).join(
-                Run, Run.id == c.run_id).where(Run.name == run, c.step == step)
+            query = query.where(Run.c.name == run, c.step == step)
+            files_query = files_query.join(CheckpointRow, c.id == CheckpointFile.c.checkpoint_id).join(
+                Run, Run.c.id == c.run_id).where(Run.c.name == run, c.step == step)
         rows = conn.execute(query).all()
         files: dict[int, dict[str, tuple[int, str]]] = {}
         for cid, name, size, sha in conn.execute(files_query):
@@ -63,9 +63,9 @@ def snapshot(catalog: Catalog, *, run: str | None = None, step: int | None = Non
 
 def _row(conn: Connection, run: str, step: int, *, lock: bool = True) -> Any:
     """The row, locked: on PostgreSQL a writer's in-flight transaction is waited for, then seen."""
-    query = (select(CheckpointRow.id, CheckpointRow.run_id, CheckpointRow.status, CheckpointRow.writer,
-                    CheckpointRow.updated_at, CheckpointRow.manifest_sha256)
-             .join(Run, Run.id == CheckpointRow.run_id).where(Run.name == run, CheckpointRow.step == step))
+    query = (select(CheckpointRow.c.id, CheckpointRow.c.run_id, CheckpointRow.c.status, CheckpointRow.c.writer,
+                    CheckpointRow.c.updated_at, CheckpointRow.c.manifest_sha256)
+             .join(Run, Run.c.id == CheckpointRow.c.run_id).where(Run.c.name == run, CheckpointRow.c.step == step))
     if lock and conn.dialect.name == "postgresql":
         query = query.with_for_update(of=CheckpointRow)
     return conn.execute(query).first()
@@ -102,12 +102,12 @@ def record_payload(catalog: Catalog, seen: RowState | None, *, run: str, step: i
                 with conn.begin_nested():
                     cid = conn.execute(insert(CheckpointRow).values(
                         run_id=run_id, step=step, writer=None, created_at=now,
-                        **values).returning(CheckpointRow.id)).scalar_one()
+                        **values).returning(CheckpointRow.c.id)).scalar_one()
             except IntegrityError:
                 return False  # a writer claimed the step meanwhile
         else:
             run_id, cid = row.run_id, row.id
-            conn.execute(update(CheckpointRow).where(CheckpointRow.id == cid).values(**values))
+            conn.execute(update(CheckpointRow).where(CheckpointRow.c.id == cid).values(**values))
         replace_files(conn, cid, payload.files)
         assert run_id is not None, "lookup_run(create=True) returns an id"
         _record_lineage(conn, run_id, cid, row.writer if row is not None else None)
@@ -121,10 +121,10 @@ def _record_lineage(conn: Connection, run_id: int, checkpoint_id: int, writer: s
     came from, as its commit would have; an adopted directory's origin is ``unknown``."""
     attempt = None
     if writer is not None:
-        attempt = conn.scalar(select(Attempt.id).where(Attempt.run_id == run_id, Attempt.writer == writer)
-                              .order_by(Attempt.id.desc()).limit(1))
+        attempt = conn.scalar(select(Attempt.c.id).where(Attempt.c.run_id == run_id, Attempt.c.writer == writer)
+                              .order_by(Attempt.c.id.desc()).limit(1))
         if attempt is not None:
-            conn.execute(update(CheckpointRow).where(CheckpointRow.id == checkpoint_id).values(attempt_id=attempt))
+            conn.execute(update(CheckpointRow).where(CheckpointRow.c.id == checkpoint_id).values(attempt_id=attempt))
     record_lineage(conn, checkpoint_id=checkpoint_id, run_id=run_id, attempt_id=attempt, resumed_from=None,
                    explicit=None)
 
@@ -140,7 +140,7 @@ def set_status_if(catalog: Catalog, seen: RowState, status: str, *, kind: str, a
         values: dict[str, Any] = {"status": status, "updated_at": now}
         if status == Status.DELETED:
             values["deleted_at"] = now
-        conn.execute(update(CheckpointRow).where(CheckpointRow.id == row.id).values(**values))
+        conn.execute(update(CheckpointRow).where(CheckpointRow.c.id == row.id).values(**values))
         Catalog.record_event(conn, row.run_id, seen.step, "repair", actor=actor, problem=kind, status=status, **detail)
         return True
     return bool(catalog.write(fn))

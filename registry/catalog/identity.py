@@ -28,7 +28,7 @@ class Identity:
 
 
 def _select(conn: Connection, *, lock: bool) -> Identity:
-    query = select(CatalogIdentity).where(CatalogIdentity.id == 1)
+    query = select(CatalogIdentity).where(CatalogIdentity.c.id == 1)
     if lock:
         query = query.with_for_update()  # PostgreSQL; SQLite's BEGIN IMMEDIATE already serialises writers
     row = conn.execute(query).first()
@@ -53,11 +53,11 @@ def locked_identity(engine: Engine) -> Iterator[tuple[Connection, Identity]]:
 
 
 def record_binding(conn: Connection, *, hint: str) -> None:
-    conn.execute(update(CatalogIdentity).where(CatalogIdentity.id == 1)
+    conn.execute(update(CatalogIdentity).where(CatalogIdentity.c.id == 1)
                  .values(root_bound_at=datetime.now(timezone.utc), root_hint=hint[:1024]))
 
 
 def live_paths(conn: Connection, *, limit: int) -> list[str]:
     """Root-relative directories of the newest ``limit`` published or verified checkpoints."""
-    return list(conn.scalars(select(CheckpointRow.path).where(CheckpointRow.status.in_(LIVE))
-                             .order_by(CheckpointRow.id.desc()).limit(limit)))
+    return list(conn.scalars(select(CheckpointRow.c.path).where(CheckpointRow.c.status.in_(LIVE))
+                             .order_by(CheckpointRow.c.id.desc()).limit(limit)))

@@ -103,28 +103,29 @@ def record_lineage(conn: Connection, *, checkpoint_id: int, run_id: int, attempt
     """
     record = explicit
     if record is None:
-        attempt = (conn.execute(select(Attempt.resumed_from, Attempt.fork_run, Attempt.fork_step)
-                                .where(Attempt.id == attempt_id)).first() if attempt_id is not None else None)
+        attempt = (conn.execute(select(Attempt.c.resumed_from, Attempt.c.fork_run, Attempt.c.fork_step)
+                                .where(Attempt.c.id == attempt_id)).first() if attempt_id is not None else None)
         if attempt is None:
             record = LineageRecord(how="unknown")
         elif attempt.fork_run is not None:
             record = LineageRecord(how="forked", parent_run=attempt.fork_run, parent_step=attempt.fork_step)
         else:
             start = resumed_from if resumed_from is not None else attempt.resumed_from
-            run = conn.scalar(select(Run.name).where(Run.id == run_id)) if start is not None else None
+            run = conn.scalar(select(Run.c.name).where(Run.c.id == run_id)) if start is not None else None
             record = (LineageRecord(how="started") if start is None
                       else LineageRecord(how="resumed", parent_run=run, parent_step=start))
     parent: Any = None
     if record.parent_run is not None and record.parent_step is not None:
-        query = (select(CheckpointRow.id, CheckpointRow.manifest_sha256).join(Run, Run.id == CheckpointRow.run_id)
-                 .where(Run.name == record.parent_run, CheckpointRow.step == record.parent_step))
+        query = (select(CheckpointRow.c.id, CheckpointRow.c.manifest_sha256)
+                 .join(Run, Run.c.id == CheckpointRow.c.run_id)
+                 .where(Run.c.name == record.parent_run, CheckpointRow.c.step == record.parent_step))
         if conn.dialect.name == "postgresql" and record.how == "forked":
             # FOR SHARE, as a tag does: a gc marking the parent deleted either commits first (the fork
             # then names a deleted parent) or waits for this commit and sees the fork that keeps it
             query = query.with_for_update(read=True, of=CheckpointRow)
         parent = conn.execute(query).first()
     parent_sha = None if parent is None else replacing if parent.id == checkpoint_id else parent.manifest_sha256
-    conn.execute(delete(Lineage).where(Lineage.checkpoint_id == checkpoint_id))
+    conn.execute(delete(Lineage).where(Lineage.c.checkpoint_id == checkpoint_id))
     conn.execute(insert(Lineage).values(
         checkpoint_id=checkpoint_id, how=record.how, parent_run=record.parent_run, parent_step=record.parent_step,
         parent_manifest_sha256=parent_sha,
@@ -210,16 +211,16 @@ class LineageCatalog:
         by run and step, each as its own hop; one that came from a payload the step no longer holds (it was
         replaced since, or had none yet) says ``parent_replaced``: it does not descend from what is there now."""
         def fn(conn: Connection) -> list[LineageHop]:
-            c, lin = CheckpointRow, Lineage
-            query = (select(Run.name.label("run"), c.step, c.status, c.attempt_id, c.writer, c.manifest_sha256,
+            c, lin = CheckpointRow.c, Lineage.c
+            query = (select(Run.c.name.label("run"), c.step, c.status, c.attempt_id, c.writer, c.manifest_sha256,
                             c.created_at, c.published_at, lin.how, lin.parent_manifest_sha256, lin.source)
-                     .join(c, c.id == lin.checkpoint_id).join(Run, Run.id == c.run_id)
+                     .join(CheckpointRow, c.id == lin.checkpoint_id).join(Run, Run.c.id == c.run_id)
                      .where(lin.parent_run == run, lin.parent_step == step))
             if forks_only:
                 query = query.where(lin.how == "forked")
-            current = conn.scalar(select(c.manifest_sha256).join(Run, Run.id == c.run_id)
-                                  .where(Run.name == run, c.step == step))
-            rows = conn.execute(query.order_by(Run.name, c.step)).all()
+            current = conn.scalar(select(c.manifest_sha256).join(Run, Run.c.id == c.run_id)
+                                  .where(Run.c.name == run, c.step == step))
+            rows = conn.execute(query.order_by(Run.c.name, c.step)).all()
             return [LineageHop(run=r.run, step=int(r.step), status=str(r.status), how=r.how, attempt=r.attempt_id,
                                writer=r.writer, when=aware(r.published_at) or aware(r.created_at),
                                manifest_sha256=r.manifest_sha256, parent_run=run, parent_step=step,
@@ -237,11 +238,11 @@ def fork_children(conn: Connection, run: str) -> dict[int, tuple[str, ...]]:
     A fork within the run is a resume by another name: the run's own policy
     decides about its history.
     """
-    c, lin = CheckpointRow, Lineage
-    rows = conn.execute(select(lin.parent_step, Run.name, c.step).join(c, c.id == lin.checkpoint_id)
-                        .join(Run, Run.id == c.run_id)
+    c, lin = CheckpointRow.c, Lineage.c
+    rows = conn.execute(select(lin.parent_step, Run.c.name, c.step).join(CheckpointRow, c.id == lin.checkpoint_id)
+                        .join(Run, Run.c.id == c.run_id)
                         .where(lin.parent_run == run, lin.how == "forked", c.status.in_(HAS_PAYLOAD))
-                        .order_by(Run.name, c.step)).all()
+                        .order_by(Run.c.name, c.step)).all()
     out: dict[int, list[str]] = {}
     for parent_step, child_run, child_step in rows:
         if parent_step is not None and child_run != run:
@@ -277,15 +278,15 @@ def identical_files(catalog: Transactions, wanted: Sequence[tuple[int, str]], *,
     sizes = {sha: size for size, sha in wanted}
 
     def fn(conn: Connection) -> list[SameBytes]:
-        f, c = CheckpointFile, CheckpointRow
+        f, c = CheckpointFile.c, CheckpointRow.c
         rank = func.row_number().over(partition_by=f.sha256,
                                       order_by=(c.published_at.desc(), c.id.desc())).label("rank")
-        query = (select(f.size, f.sha256, f.name, c.path, c.step, Run.name.label("run"), rank)
-                 .join(c, and_(c.id == f.checkpoint_id, c.status.in_(list(statuses))))
-                 .join(Run, Run.id == c.run_id)
+        query = (select(f.size, f.sha256, f.name, c.path, c.step, Run.c.name.label("run"), rank)
+                 .join(CheckpointRow, and_(c.id == f.checkpoint_id, c.status.in_(list(statuses))))
+                 .join(Run, Run.c.id == c.run_id)
                  .where(f.sha256.in_(sorted(sizes))))
         if run is not None:
-            query = query.where(Run.name == run)
+            query = query.where(Run.c.name == run)
         if exclude_steps:
             query = query.where(c.step.notin_(sorted(set(exclude_steps))))
         ranked = query.subquery()

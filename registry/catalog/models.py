@@ -1,16 +1,14 @@
-"""The catalog schema as typed SQLAlchemy 2 models.
+"""The catalog schema as SQLAlchemy Core tables.
 
 The live schema is created only by the migrations in ``migrations/`` (``registry.migrations`` once installed);
-these models describe it for queries, and a test checks that the two agree.
+these tables describe it for queries, and a test checks that the two agree. Core, not the ORM: every query
+here is a statement over columns, and importing ``sqlalchemy.orm`` would cost each CLI command ~80 ms.
 """
 
 from __future__ import annotations
 
-from datetime import datetime
-
-from sqlalchemy import (BigInteger, Boolean, CheckConstraint, DateTime, Float, ForeignKey, Index,
-                        Integer, MetaData, String, Text, UniqueConstraint)
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy import (BigInteger, Boolean, CheckConstraint, Column, DateTime, Float, ForeignKey, Index,
+                        Integer, MetaData, String, Table, Text, UniqueConstraint)
 
 from registry.records import Status
 
@@ -25,147 +23,147 @@ NAMING_CONVENTION = {
 STATUS_SQL = "status IN (" + ", ".join(f"'{s.value}'" for s in Status) + ")"  # migrations keep their own literal copy
 
 
-class Base(DeclarativeBase):
-    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+Run = Table(
+    "runs", metadata,
+    Column("id", Integer, primary_key=True),
+    Column("name", String(128), unique=True, nullable=False),
+    Column("created_at", DateTime(timezone=True), nullable=False),
+)
 
 
-class Run(Base):
-    __tablename__ = "runs"
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    name: Mapped[str] = mapped_column(String(128), unique=True)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
-
-
-class Attempt(Base):
-    """One process's stint of training a run; a resume starts a new attempt."""
-    __tablename__ = "attempts"
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
-    writer: Mapped[str] = mapped_column(String(255))
-    resumed_from: Mapped[int | None] = mapped_column(BigInteger)
-    started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+# One process's stint of training a run; a resume starts a new attempt.
+Attempt = Table(
+    "attempts", metadata,
+    Column("id", Integer, primary_key=True),
+    Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE"), index=True, nullable=False),
+    Column("writer", String(255), nullable=False),
+    Column("resumed_from", BigInteger),
+    Column("started_at", DateTime(timezone=True), nullable=False),
     # the checkpoint this attempt was forked from (``begin_attempt(run, fork_from=REF)``), by name
-    fork_run: Mapped[str | None] = mapped_column(String(128))
-    fork_step: Mapped[int | None] = mapped_column(BigInteger)
-    fork_manifest_sha256: Mapped[str | None] = mapped_column(String(64))
+    Column("fork_run", String(128)),
+    Column("fork_step", BigInteger),
+    Column("fork_manifest_sha256", String(64)),
+)
 
 
-class CheckpointRow(Base):
-    __tablename__ = "checkpoints"
-    __table_args__ = (
-        UniqueConstraint("run_id", "step"),
-        CheckConstraint(STATUS_SQL, name="status"),
-        Index("ix_checkpoints_run_status_step", "run_id", "status", "step"),
-        Index("ix_checkpoints_run_policy", "run_id", "policy_version"),
-    )
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
-    step: Mapped[int] = mapped_column(BigInteger)
-    status: Mapped[str] = mapped_column(String(16))
-    path: Mapped[str] = mapped_column(String(1024))
-    writer: Mapped[str | None] = mapped_column(String(255))
-    attempt_id: Mapped[int | None] = mapped_column(ForeignKey("attempts.id", ondelete="SET NULL"))
-    epoch: Mapped[int] = mapped_column(BigInteger, default=0)
-    consumed_samples: Mapped[int] = mapped_column(BigInteger, default=0)
-    optimizer_step: Mapped[int | None] = mapped_column(BigInteger)
-    policy_version: Mapped[int | None] = mapped_column(BigInteger)
-    manifest_sha256: Mapped[str | None] = mapped_column(String(64))
-    total_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
-    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
-    published_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
-    verified_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
-    deleted_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+CheckpointRow = Table(
+    "checkpoints", metadata,
+    Column("id", Integer, primary_key=True),
+    Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
+    Column("step", BigInteger, nullable=False),
+    Column("status", String(16), nullable=False),
+    Column("path", String(1024), nullable=False),
+    Column("writer", String(255)),
+    Column("attempt_id", Integer, ForeignKey("attempts.id", ondelete="SET NULL")),
+    Column("epoch", BigInteger, default=0, nullable=False),
+    Column("consumed_samples", BigInteger, default=0, nullable=False),
+    Column("optimizer_step", BigInteger),
+    Column("policy_version", BigInteger),
+    Column("manifest_sha256", String(64)),
+    Column("total_bytes", BigInteger, default=0, nullable=False),
+    Column("created_at", DateTime(timezone=True), nullable=False),
+    Column("updated_at", DateTime(timezone=True), nullable=False),
+    Column("published_at", DateTime(timezone=True)),
+    Column("verified_at", DateTime(timezone=True)),
+    Column("deleted_at", DateTime(timezone=True)),
+    UniqueConstraint("run_id", "step"),
+    CheckConstraint(STATUS_SQL, name="status"),
+    Index("ix_checkpoints_run_status_step", "run_id", "status", "step"),
+    Index("ix_checkpoints_run_policy", "run_id", "policy_version"),
+)
 
 
-class CheckpointFile(Base):
-    __tablename__ = "checkpoint_files"
-    __table_args__ = (Index("ix_checkpoint_files_sha256", "sha256"),)  # dedup: a live file with these bytes
-    checkpoint_id: Mapped[int] = mapped_column(ForeignKey("checkpoints.id", ondelete="CASCADE"),
-                                               primary_key=True)
-    name: Mapped[str] = mapped_column(String(255), primary_key=True)
-    size: Mapped[int] = mapped_column(BigInteger)
-    sha256: Mapped[str] = mapped_column(String(64))
+CheckpointFile = Table(
+    "checkpoint_files", metadata,
+    Column("checkpoint_id", Integer, ForeignKey("checkpoints.id", ondelete="CASCADE"), primary_key=True),
+    Column("name", String(255), primary_key=True),
+    Column("size", BigInteger, nullable=False),
+    Column("sha256", String(64), nullable=False),
+    Index("ix_checkpoint_files_sha256", "sha256"),  # dedup: a live file with these bytes
+)
 
 
-class Lineage(Base):
-    """How a committed step came to be, and the step it came from (see ``registry.catalog.lineage``).
-
-    The parent is named by run and step, not by a foreign key, so that it is
-    still named after retention deleted it or a publish replaced it; its
-    manifest digest at the time tells which payload it was.
-    """
-    __tablename__ = "checkpoint_lineage"
-    __table_args__ = (Index("ix_checkpoint_lineage_parent_run_parent_step", "parent_run", "parent_step"),)
-    checkpoint_id: Mapped[int] = mapped_column(ForeignKey("checkpoints.id", ondelete="CASCADE"),
-                                               primary_key=True)
-    how: Mapped[str] = mapped_column(String(16))
-    parent_run: Mapped[str | None] = mapped_column(String(128))
-    parent_step: Mapped[int | None] = mapped_column(BigInteger)
-    parent_manifest_sha256: Mapped[str | None] = mapped_column(String(64))
+# How a committed step came to be, and the step it came from (see ``registry.catalog.lineage``).
+#
+# The parent is named by run and step, not by a foreign key, so that it is
+# still named after retention deleted it or a publish replaced it; its
+# manifest digest at the time tells which payload it was.
+Lineage = Table(
+    "checkpoint_lineage", metadata,
+    Column("checkpoint_id", Integer, ForeignKey("checkpoints.id", ondelete="CASCADE"), primary_key=True),
+    Column("how", String(16), nullable=False),
+    Column("parent_run", String(128)),
+    Column("parent_step", BigInteger),
+    Column("parent_manifest_sha256", String(64)),
     # the parent's row, found when this row was written; a plain id (a step keeps its row through deletion
     # and overwrites) so that a chain is walked by primary key, whatever the planner knows of the tables
-    parent_checkpoint_id: Mapped[int | None] = mapped_column(Integer)
-    source: Mapped[str | None] = mapped_column(Text)
+    Column("parent_checkpoint_id", Integer),
+    Column("source", Text),
+    Index("ix_checkpoint_lineage_parent_run_parent_step", "parent_run", "parent_step"),
+)
 
 
-class Metric(Base):
-    """A metric point. A newer point for the same (run, key, step) supersedes
-    older ones, and so does a resume below its step; superseded rows stay as history."""
-    __tablename__ = "metrics"
-    __table_args__ = (
-        Index("ix_metrics_best", "run_id", "key", "superseded", "value", "step"),
-        Index("ix_metrics_run_step_current", "run_id", "step", "superseded", "key", "value"),
-    )
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
-    step: Mapped[int] = mapped_column(BigInteger)
-    key: Mapped[str] = mapped_column(String(255))
-    value: Mapped[float] = mapped_column(Float)
-    attempt_id: Mapped[int | None] = mapped_column(ForeignKey("attempts.id", ondelete="SET NULL"))
-    superseded: Mapped[bool] = mapped_column(Boolean, default=False)
-    logged_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+# A metric point. A newer point for the same (run, key, step) supersedes
+# older ones, and so does a resume below its step; superseded rows stay as history.
+Metric = Table(
+    "metrics", metadata,
+    Column("id", Integer, primary_key=True),
+    Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
+    Column("step", BigInteger, nullable=False),
+    Column("key", String(255), nullable=False),
+    Column("value", Float, nullable=False),
+    Column("attempt_id", Integer, ForeignKey("attempts.id", ondelete="SET NULL")),
+    Column("superseded", Boolean, default=False, nullable=False),
+    Column("logged_at", DateTime(timezone=True), nullable=False),
+    Index("ix_metrics_best", "run_id", "key", "superseded", "value", "step"),
+    Index("ix_metrics_run_step_current", "run_id", "step", "superseded", "key", "value"),
+)
 
 
-class Tag(Base):
-    __tablename__ = "tags"
-    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
-    name: Mapped[str] = mapped_column(String(128), primary_key=True)
-    checkpoint_id: Mapped[int] = mapped_column(ForeignKey("checkpoints.id", ondelete="CASCADE"), index=True)
-    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+Tag = Table(
+    "tags", metadata,
+    Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True),
+    Column("name", String(128), primary_key=True),
+    Column("checkpoint_id", Integer, ForeignKey("checkpoints.id", ondelete="CASCADE"), index=True, nullable=False),
+    Column("updated_at", DateTime(timezone=True), nullable=False),
+)
 
 
-class Event(Base):
-    __tablename__ = "events"
-    __table_args__ = (Index("ix_events_run_id_id", "run_id", "id"),)
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    run_id: Mapped[int | None] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
-    step: Mapped[int | None] = mapped_column(BigInteger)
-    kind: Mapped[str] = mapped_column(String(32))
-    detail: Mapped[str] = mapped_column(Text, default="{}")
-    actor: Mapped[str | None] = mapped_column(String(255))
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+Event = Table(
+    "events", metadata,
+    Column("id", Integer, primary_key=True),
+    Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE")),
+    Column("step", BigInteger),
+    Column("kind", String(32), nullable=False),
+    Column("detail", Text, default="{}", nullable=False),
+    Column("actor", String(255)),
+    Column("created_at", DateTime(timezone=True), nullable=False),
+    Index("ix_events_run_id_id", "run_id", "id"),
+)
 
 
-class Lease(Base):
-    """A reader's claim on a checkpoint; retention never deletes a leased step."""
-    __tablename__ = "leases"
-    __table_args__ = (Index("ix_leases_checkpoint_expires", "checkpoint_id", "expires_at"),)
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    checkpoint_id: Mapped[int] = mapped_column(ForeignKey("checkpoints.id", ondelete="CASCADE"))
-    holder: Mapped[str] = mapped_column(String(255))
-    expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+# A reader's claim on a checkpoint; retention never deletes a leased step.
+Lease = Table(
+    "leases", metadata,
+    Column("id", Integer, primary_key=True),
+    Column("checkpoint_id", Integer, ForeignKey("checkpoints.id", ondelete="CASCADE"), nullable=False),
+    Column("holder", String(255), nullable=False),
+    Column("expires_at", DateTime(timezone=True), nullable=False),
+    Index("ix_leases_checkpoint_expires", "checkpoint_id", "expires_at"),
+)
 
 
-class CatalogIdentity(Base):
-    """The catalog's one identity row: its id, and whether a checkpoint root is bound to it.
-
-    The bound root carries the same id in ``<root>/.registry/root.json``; the
-    path it was bound from is kept only to name it in error messages.
-    """
-    __tablename__ = "catalog_identity"
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    catalog_id: Mapped[str] = mapped_column(String(32))
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
-    root_bound_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
-    root_hint: Mapped[str | None] = mapped_column(String(1024))
+# The catalog's one identity row: its id, and whether a checkpoint root is bound to it.
+#
+# The bound root carries the same id in ``<root>/.registry/root.json``; the
+# path it was bound from is kept only to name it in error messages.
+CatalogIdentity = Table(
+    "catalog_identity", metadata,
+    Column("id", Integer, primary_key=True),
+    Column("catalog_id", String(32), nullable=False),
+    Column("created_at", DateTime(timezone=True), nullable=False),
+    Column("root_bound_at", DateTime(timezone=True)),
+    Column("root_hint", String(1024)),
+)

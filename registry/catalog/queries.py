@@ -36,7 +36,7 @@ NOTIFY_CHANNEL = "registry_checkpoints"
 
 def replace_files(conn: Connection, checkpoint_id: int, files: Iterable[FileRecord]) -> None:
     """Make ``files`` the checkpoint's whole file table."""
-    conn.execute(delete(CheckpointFile).where(CheckpointFile.checkpoint_id == checkpoint_id))
+    conn.execute(delete(CheckpointFile).where(CheckpointFile.c.checkpoint_id == checkpoint_id))
     rows = [{"checkpoint_id": checkpoint_id, "name": f.name, "size": f.size, "sha256": f.sha256} for f in files]
     if rows:
         conn.execute(insert(CheckpointFile), rows)
@@ -152,32 +152,32 @@ class Catalog:
     @staticmethod
     def lookup_run(conn: Connection, run: str, *, create: bool = False) -> int | None:
         """The id of ``run``; None when it has none, unless ``create``."""
-        run_id = conn.scalar(select(Run.id).where(Run.name == run))
+        run_id = conn.scalar(select(Run.c.id).where(Run.c.name == run))
         if run_id is None and create:
             try:  # a concurrent writer may create the same run first: then use theirs
                 with conn.begin_nested():
                     conn.execute(insert(Run).values(name=run, created_at=utcnow()))
             except IntegrityError:
                 pass
-            run_id = conn.scalar(select(Run.id).where(Run.name == run))
+            run_id = conn.scalar(select(Run.c.id).where(Run.c.name == run))
         return run_id
 
     def require_run(self, conn: Connection, run: str) -> int:
         """The id of ``run``; ``CheckpointNotFoundError`` when there is no such run."""
         run_id = self.lookup_run(conn, run)
         if run_id is None:
-            hint = did_you_mean(run, conn.scalars(select(Run.name)), shown="{!r}")
+            hint = did_you_mean(run, conn.scalars(select(Run.c.name)), shown="{!r}")
             raise CheckpointNotFoundError(f"no run named {run!r}{hint}", run=run)
         return run_id
 
     @staticmethod
     def tag_names(conn: Connection, run_id: int) -> list[str]:
-        return list(conn.scalars(select(Tag.name).where(Tag.run_id == run_id)))
+        return list(conn.scalars(select(Tag.c.name).where(Tag.c.run_id == run_id)))
 
     @staticmethod
     def _metric_key_query(run_id: int) -> Any:
-        return (select(Metric.key).where(Metric.run_id == run_id, Metric.superseded.is_(False))
-                .distinct().order_by(Metric.key))
+        return (select(Metric.c.key).where(Metric.c.run_id == run_id, Metric.c.superseded.is_(False))
+                .distinct().order_by(Metric.c.key))
 
     def _not_found_hint(self, conn: Connection, ref: Ref) -> str:
         """What a tag or ``best:`` ref that found nothing probably meant, from the run's own names."""
@@ -221,12 +221,12 @@ class Catalog:
             step_chunk = steps[chunk_start:chunk_start + 500]
             id_chunk = ids[chunk_start:chunk_start + 500]
             for step, key, value in conn.execute(
-                    select(Metric.step, Metric.key, Metric.value)
-                    .where(Metric.run_id == run_id, Metric.step.in_(step_chunk), Metric.superseded.is_(False))
-                    .order_by(Metric.id)):
+                    select(Metric.c.step, Metric.c.key, Metric.c.value)
+                    .where(Metric.c.run_id == run_id, Metric.c.step.in_(step_chunk), Metric.c.superseded.is_(False))
+                    .order_by(Metric.c.id)):
                 metrics.setdefault(step, {})[key] = value
-            for cid, name in conn.execute(select(Tag.checkpoint_id, Tag.name)
-                                          .where(Tag.checkpoint_id.in_(id_chunk)).order_by(Tag.name)):
+            for cid, name in conn.execute(select(Tag.c.checkpoint_id, Tag.c.name)
+                                          .where(Tag.c.checkpoint_id.in_(id_chunk)).order_by(Tag.c.name)):
                 tags.setdefault(cid, []).append(name)
         return [CheckpointInfo(
             run=run, step=r.step, status=Status(r.status), path=Path(r.path), epoch=r.epoch,
@@ -250,7 +250,7 @@ class Catalog:
             run_id = self.lookup_run(conn, run, create=True)
             assert run_id is not None
             now = utcnow()
-            query = select(CheckpointRow.__table__).where(CheckpointRow.run_id == run_id, CheckpointRow.step == step)
+            query = select(CheckpointRow).where(CheckpointRow.c.run_id == run_id, CheckpointRow.c.step == step)
             if conn.dialect.name == "postgresql":
                 query = query.with_for_update()
             row = conn.execute(query).first()
@@ -260,7 +260,7 @@ class Catalog:
                         cid = conn.execute(insert(CheckpointRow).values(
                             run_id=run_id, step=step, status=Status.STAGING, path=path, writer=writer,
                             epoch=0, consumed_samples=0, total_bytes=0, created_at=now,
-                            updated_at=now).returning(CheckpointRow.id)).scalar_one()
+                            updated_at=now).returning(CheckpointRow.c.id)).scalar_one()
                 except IntegrityError:
                     raise StepExistsError(f"{run}@{step} is being published by another writer",
                                           run=run, step=step) from None
@@ -269,7 +269,7 @@ class Catalog:
                                        writer_alive=writer_alive)
             if conflict is not None:
                 raise conflict
-            conn.execute(update(CheckpointRow).where(CheckpointRow.id == row.id)
+            conn.execute(update(CheckpointRow).where(CheckpointRow.c.id == row.id)
                          .values(status=Status.STAGING, writer=writer, path=path, updated_at=now))
             previous = row.status if row.status != Status.STAGING else None
             if row.status == Status.STAGING:
@@ -291,9 +291,9 @@ class Catalog:
         refuse an existing step before it returns.
         """
         def fn(conn: Connection) -> None:
-            row = conn.execute(select(CheckpointRow.status, CheckpointRow.writer, CheckpointRow.updated_at)
-                               .join(Run, Run.id == CheckpointRow.run_id)
-                               .where(Run.name == run, CheckpointRow.step == step)).first()
+            row = conn.execute(select(CheckpointRow.c.status, CheckpointRow.c.writer, CheckpointRow.c.updated_at)
+                               .join(Run, Run.c.id == CheckpointRow.c.run_id)
+                               .where(Run.c.name == run, CheckpointRow.c.step == step)).first()
             if row is not None:
                 conflict = _claim_conflict(run, step, row.status, row.writer, row.updated_at,
                                            overwrite=overwrite, writer_alive=writer_alive)
@@ -307,8 +307,8 @@ class Catalog:
         Not durable: after a power loss the writer is gone with the beat.
         """
         def fn(conn: Connection) -> None:
-            conn.execute(update(CheckpointRow).where(CheckpointRow.id == claim.checkpoint_id,
-                                                     CheckpointRow.status == Status.STAGING)
+            conn.execute(update(CheckpointRow).where(CheckpointRow.c.id == claim.checkpoint_id,
+                                                     CheckpointRow.c.status == Status.STAGING)
                          .values(updated_at=utcnow()))
         self.write(fn, durable=False)
 
@@ -324,10 +324,10 @@ class Catalog:
                        or claim.previous_status in HAS_PAYLOAD and old_payload_intact)
             status = claim.previous_status if restore else Status.FAILED
             path = {"path": claim.previous_path} if restore and claim.previous_path is not None else {}
-            conn.execute(update(CheckpointRow).where(CheckpointRow.id == claim.checkpoint_id,
-                                                     CheckpointRow.status == Status.STAGING)
+            conn.execute(update(CheckpointRow).where(CheckpointRow.c.id == claim.checkpoint_id,
+                                                     CheckpointRow.c.status == Status.STAGING)
                          .values(status=status, updated_at=utcnow(), **path))
-            step = conn.scalar(select(CheckpointRow.step).where(CheckpointRow.id == claim.checkpoint_id))
+            step = conn.scalar(select(CheckpointRow.c.step).where(CheckpointRow.c.id == claim.checkpoint_id))
             self.record_event(conn, claim.run_id, step, "publish-failed", reason=reason, restored=restore)
         self.write(fn)
 
@@ -340,7 +340,7 @@ class Catalog:
                                               "fork_manifest_sha256": fork[2]}
             return conn.execute(insert(Attempt).values(run_id=run_id, writer=writer, resumed_from=resumed_from,
                                                        started_at=utcnow(), **forked)
-                                .returning(Attempt.id)).scalar_one()
+                                .returning(Attempt.c.id)).scalar_one()
         return self.write(fn)
 
     def commit_publish(self, claim: Claim, record: CommitRecord, *, writer: str) -> CheckpointInfo:
@@ -364,28 +364,29 @@ class Catalog:
         def fn(conn: Connection) -> CheckpointInfo:
             now = utcnow()
             cid = claim.checkpoint_id
-            earlier = conn.execute(select(CheckpointRow.step, CheckpointRow.published_at, CheckpointRow.deleted_at,
-                                          CheckpointRow.manifest_sha256).where(CheckpointRow.id == cid)).one()
+            c = CheckpointRow.c
+            earlier = conn.execute(select(c.step, c.published_at, c.deleted_at, c.manifest_sha256)
+                                   .where(CheckpointRow.c.id == cid)).one()
             step = earlier.step
-            conn.execute(update(CheckpointRow).where(CheckpointRow.id == cid).values(
+            conn.execute(update(CheckpointRow).where(CheckpointRow.c.id == cid).values(
                 **payload.columns(now), attempt_id=attempt_id, writer=writer))
             self._lock_run(conn, claim.run_id)
-            others = or_(Metric.attempt_id.is_(None), Metric.attempt_id != attempt_id)
-            current = [Metric.run_id == claim.run_id, Metric.superseded.is_(False), others]
+            others = or_(Metric.c.attempt_id.is_(None), Metric.c.attempt_id != attempt_id)
+            current = [Metric.c.run_id == claim.run_id, Metric.c.superseded.is_(False), others]
             if resumed_from is not None:
-                n = conn.execute(update(Metric).where(*current, Metric.step > resumed_from)
+                n = conn.execute(update(Metric).where(*current, Metric.c.step > resumed_from)
                                  .values(superseded=True)).rowcount
                 if attempt_id is not None:
-                    conn.execute(update(Attempt).where(Attempt.id == attempt_id).values(resumed_from=resumed_from))
+                    conn.execute(update(Attempt).where(Attempt.c.id == attempt_id).values(resumed_from=resumed_from))
                 self.record_event(conn, claim.run_id, step, "resume", actor=writer, attempt=attempt_id,
                             resumed_from=resumed_from, superseded_points=n)
             ended = max((t for t in (aware(earlier.published_at), aware(earlier.deleted_at)) if t is not None),
                         default=None)
             superseded = None
             if claim.previous_status is not None or ended is not None:
-                stale = others if ended is None else or_(others, Metric.logged_at <= ended)
+                stale = others if ended is None else or_(others, Metric.c.logged_at <= ended)
                 superseded = conn.execute(update(Metric).where(
-                    Metric.run_id == claim.run_id, Metric.superseded.is_(False), Metric.step == step, stale)
+                    Metric.c.run_id == claim.run_id, Metric.c.superseded.is_(False), Metric.c.step == step, stale)
                     .values(superseded=True)).rowcount
             replace_files(conn, cid, payload.files)
             record_lineage(conn, checkpoint_id=cid, run_id=claim.run_id, attempt_id=attempt_id,
@@ -400,8 +401,8 @@ class Catalog:
             for name in record.tags:
                 self._set_tag(conn, claim.run_id, step, cid, name, actor=writer)
             self.notify(conn, claim.run_id, step, payload.status)
-            row = conn.execute(select(CheckpointRow.__table__, Run.name.label("run_name"))
-                               .join(Run, Run.id == CheckpointRow.run_id).where(CheckpointRow.id == cid)).one()
+            row = conn.execute(select(CheckpointRow, Run.c.name.label("run_name"))
+                               .join(Run, Run.c.id == CheckpointRow.c.run_id).where(CheckpointRow.c.id == cid)).one()
             return self.checkpoint_infos(conn, row.run_name, [row])[0]
         info: CheckpointInfo = self.write(fn)
         return info
@@ -409,7 +410,7 @@ class Catalog:
     def notify(self, conn: Connection, run_id: int, step: int | None, status: str) -> None:
         """Wake PostgreSQL followers of the run when the caller's transaction commits."""
         if conn.dialect.name == "postgresql":
-            run = conn.scalar(select(Run.name).where(Run.id == run_id))
+            run = conn.scalar(select(Run.c.name).where(Run.c.id == run_id))
             conn.execute(text("SELECT pg_notify(:c, :p)"),
                          {"c": NOTIFY_CHANNEL, "p": json.dumps({"run": run, "step": step, "status": status})})
 
@@ -419,7 +420,7 @@ class Catalog:
         so two racing writers cannot both leave a current point for the same (step, key).
         ``FOR NO KEY UPDATE`` does not block other transactions' foreign-key checks on the run."""
         if conn.dialect.name == "postgresql":
-            conn.execute(select(Run.id).where(Run.id == run_id).with_for_update(key_share=True))
+            conn.execute(select(Run.c.id).where(Run.c.id == run_id).with_for_update(key_share=True))
 
     @classmethod
     def _insert_metrics(cls, conn: Connection, run_id: int, metrics: Sequence[tuple[int, str, float]],
@@ -433,8 +434,8 @@ class Catalog:
         for step, key, value in metrics:
             latest[(step, key)] = value
         for (step, key) in latest:
-            conn.execute(update(Metric).where(Metric.run_id == run_id, Metric.step == step, Metric.key == key,
-                                              Metric.superseded.is_(False)).values(superseded=True))
+            conn.execute(update(Metric).where(Metric.c.run_id == run_id, Metric.c.step == step, Metric.c.key == key,
+                                              Metric.c.superseded.is_(False)).values(superseded=True))
         conn.execute(insert(Metric), [
             {"run_id": run_id, "step": step, "key": key, "value": value, "attempt_id": attempt_id,
              "superseded": False, "logged_at": now} for (step, key), value in latest.items()])
@@ -462,11 +463,11 @@ class Catalog:
         """
         def fn(conn: Connection) -> bool:
             run_id = self.require_run(conn, run)
-            cond = [CheckpointRow.run_id == run_id, CheckpointRow.step == step]
+            cond = [CheckpointRow.c.run_id == run_id, CheckpointRow.c.step == step]
             if only_from is not None:
-                cond.append(CheckpointRow.status.in_(only_from))
+                cond.append(CheckpointRow.c.status.in_(only_from))
             if manifest_sha256 is not None:
-                cond.append(CheckpointRow.manifest_sha256 == manifest_sha256)
+                cond.append(CheckpointRow.c.manifest_sha256 == manifest_sha256)
             now = utcnow()
             values: dict[str, Any] = {"status": status, "updated_at": now}
             if status == Status.VERIFIED:
@@ -486,9 +487,9 @@ class Catalog:
     @staticmethod
     def _tagged(conn: Connection, run_id: int, name: str) -> Any:
         """The checkpoint id and step the tag ``name`` points to now, or None."""
-        return conn.execute(select(Tag.checkpoint_id, CheckpointRow.step)
-                            .join(CheckpointRow, CheckpointRow.id == Tag.checkpoint_id)
-                            .where(Tag.run_id == run_id, Tag.name == name)).first()
+        return conn.execute(select(Tag.c.checkpoint_id, CheckpointRow.c.step)
+                            .join(CheckpointRow, CheckpointRow.c.id == Tag.c.checkpoint_id)
+                            .where(Tag.c.run_id == run_id, Tag.c.name == name)).first()
 
     def _set_tag(self, conn: Connection, run_id: int, step: int, checkpoint_id: int, name: str,
                  actor: str | None) -> None:
@@ -506,7 +507,7 @@ class Catalog:
         if old is not None and old.checkpoint_id == checkpoint_id:
             return
         if old is not None:
-            conn.execute(update(Tag).where(Tag.run_id == run_id, Tag.name == name)
+            conn.execute(update(Tag).where(Tag.c.run_id == run_id, Tag.c.name == name)
                          .values(checkpoint_id=checkpoint_id, updated_at=now))
         self.record_event(conn, run_id, step, "tag", actor=actor, tag=name,
                     old_step=old.step if old is not None else None, new_step=step)
@@ -514,8 +515,8 @@ class Catalog:
     def tag(self, run: str, step: int, name: str, *, actor: str | None = None) -> None:
         def fn(conn: Connection) -> None:
             run_id = self.require_run(conn, run)
-            query = select(CheckpointRow.id, CheckpointRow.status).where(CheckpointRow.run_id == run_id,
-                                                                         CheckpointRow.step == step)
+            query = select(CheckpointRow.c.id, CheckpointRow.c.status).where(CheckpointRow.c.run_id == run_id,
+                                                                         CheckpointRow.c.step == step)
             if conn.dialect.name == "postgresql":
                 query = query.with_for_update(read=True)  # serialise with gc, as acquire_lease does
             row = conn.execute(query).first()
@@ -532,7 +533,7 @@ class Catalog:
             if old is None:
                 hint = did_you_mean(name, self.tag_names(conn, run_id), shown="{!r}")
                 raise CheckpointNotFoundError(f"run {run!r} has no tag {name!r}{hint}", run=run)
-            conn.execute(delete(Tag).where(Tag.run_id == run_id, Tag.name == name))
+            conn.execute(delete(Tag).where(Tag.c.run_id == run_id, Tag.c.name == name))
             self.record_event(conn, run_id, old.step, "untag", actor=actor, tag=name, old_step=old.step)
             return int(old.step)
         return self.write(fn)
@@ -544,9 +545,9 @@ class Catalog:
                       min_policy_version: int | None = None) -> tuple[Any, str]:
         """The one SELECT behind :meth:`resolve` (exposed so the benchmark can EXPLAIN it),
         and what to say when it finds nothing. The run's id is a scalar subquery: one round trip."""
-        run_id = select(Run.id).where(Run.name == ref.run).scalar_subquery()
-        c = CheckpointRow
-        query = select(c.__table__)
+        run_id = select(Run.c.id).where(Run.c.name == ref.run).scalar_subquery()
+        c = CheckpointRow.c
+        query = select(CheckpointRow)
         if ref.kind not in ("best", "tag"):  # those constrain the run through their join: one subquery
             query = query.where(c.run_id == run_id)
         if ref.kind in ("latest", "latest-published"):
@@ -564,16 +565,16 @@ class Catalog:
             query = query.where(c.step == ref.step)
             what = f"no checkpoint at step {ref.step}"
         elif ref.kind == "tag":
-            query = (query.join(Tag, and_(Tag.checkpoint_id == c.id, Tag.run_id == c.run_id))
-                     .where(Tag.run_id == run_id, Tag.name == ref.tag))
+            query = (query.join(Tag, and_(Tag.c.checkpoint_id == c.id, Tag.c.run_id == c.run_id))
+                     .where(Tag.c.run_id == run_id, Tag.c.name == ref.tag))
             hint = selector_hint(ref.run, ref.tag or "")
             what = f"no tag {ref.tag!r}" + (f"; {hint}" if hint else "")
         else:
-            m = Metric
+            m = Metric.c
             # ORDER BY the index's own columns (m.step, not c.step) so the
             # planner walks ix_metrics_best and stops at the first live step.
             order = (m.value.asc(), m.step.desc()) if ref.mode == "min" else (m.value.desc(), m.step.desc())
-            query = (query.join(m, and_(m.run_id == c.run_id, m.step == c.step))
+            query = (query.join(Metric, and_(m.run_id == c.run_id, m.step == c.step))
                      .where(m.run_id == run_id, m.key == ref.metric, m.superseded.is_(False),
                             c.status.in_(RANKABLE))
                      .order_by(*order).limit(1))
@@ -632,8 +633,8 @@ class Catalog:
             run_id = self.lookup_run(conn, run)
             if run_id is None:
                 return None
-            c = CheckpointRow
-            query = select(c.__table__).where(c.run_id == run_id, c.status.in_(statuses))
+            c = CheckpointRow.c
+            query = select(CheckpointRow).where(c.run_id == run_id, c.status.in_(statuses))
             if after_step is not None:
                 query = query.where(c.step > after_step)
             if min_policy_version is not None:
@@ -647,8 +648,8 @@ class Catalog:
             run_id = self.lookup_run(conn, run)
             if run_id is None:
                 return None
-            row = conn.execute(select(CheckpointRow.__table__).where(CheckpointRow.run_id == run_id,
-                                                                     CheckpointRow.step == step)).first()
+            row = conn.execute(select(CheckpointRow).where(CheckpointRow.c.run_id == run_id,
+                                                                     CheckpointRow.c.step == step)).first()
             return self.checkpoint_infos(conn, run, [row])[0] if row is not None else None
         return self.read(fn)
 
@@ -657,27 +658,27 @@ class Catalog:
                     policy_version: int | None = None) -> list[CheckpointInfo]:
         def fn(conn: Connection) -> list[CheckpointInfo]:
             run_id = self.require_run(conn, run)
-            query = select(CheckpointRow.__table__).where(CheckpointRow.run_id == run_id)
+            query = select(CheckpointRow).where(CheckpointRow.c.run_id == run_id)
             if statuses is not None:
-                query = query.where(CheckpointRow.status.in_(statuses))
+                query = query.where(CheckpointRow.c.status.in_(statuses))
             elif not include_deleted:
-                query = query.where(CheckpointRow.status.not_in(ENDED))
+                query = query.where(CheckpointRow.c.status.not_in(ENDED))
             if policy_version is not None:
-                query = query.where(CheckpointRow.policy_version == policy_version)
-            rows = conn.execute(query.order_by(CheckpointRow.step)).all()
+                query = query.where(CheckpointRow.c.policy_version == policy_version)
+            rows = conn.execute(query.order_by(CheckpointRow.c.step)).all()
             return self.checkpoint_infos(conn, run, rows)
         return self.read(fn)
 
     def runs(self) -> list[RunInfo]:
         def fn(conn: Connection) -> list[RunInfo]:
-            live = CheckpointRow.status.in_(LIVE)
-            stats = (select(CheckpointRow.run_id,
-                            func.count(CheckpointRow.id).label("n"),
-                            func.max(CheckpointRow.step).label("latest"),
-                            func.coalesce(func.sum(CheckpointRow.total_bytes), 0).label("bytes"))
-                     .where(live).group_by(CheckpointRow.run_id).subquery())
-            rows = conn.execute(select(Run.name, Run.created_at, stats.c.n, stats.c.latest, stats.c.bytes)
-                                .outerjoin(stats, stats.c.run_id == Run.id).order_by(Run.name)).all()
+            live = CheckpointRow.c.status.in_(LIVE)
+            stats = (select(CheckpointRow.c.run_id,
+                            func.count(CheckpointRow.c.id).label("n"),
+                            func.max(CheckpointRow.c.step).label("latest"),
+                            func.coalesce(func.sum(CheckpointRow.c.total_bytes), 0).label("bytes"))
+                     .where(live).group_by(CheckpointRow.c.run_id).subquery())
+            rows = conn.execute(select(Run.c.name, Run.c.created_at, stats.c.n, stats.c.latest, stats.c.bytes)
+                                .outerjoin(stats, stats.c.run_id == Run.c.id).order_by(Run.c.name)).all()
             return [RunInfo(name=r.name, created_at=aware(r.created_at), checkpoints=int(r.n or 0),
                             latest_step=r.latest, total_bytes=int(r.bytes or 0)) for r in rows]
         return self.read(fn)
@@ -688,21 +689,24 @@ class Catalog:
         are absent."""
         def fn(conn: Connection) -> dict[str, tuple[dict[str, int], datetime | None]]:
             def only(query: Any) -> Any:
-                return query if run is None else query.where(Run.name == run)
+                return query if run is None else query.where(Run.c.name == run)
             counts: dict[str, dict[str, int]] = {}
             for name, status, n in conn.execute(only(
-                    select(Run.name, CheckpointRow.status, func.count(CheckpointRow.id))
-                    .join(CheckpointRow, CheckpointRow.run_id == Run.id)).group_by(Run.name, CheckpointRow.status)):
+                    select(Run.c.name, CheckpointRow.c.status, func.count(CheckpointRow.c.id))
+                    .join(CheckpointRow, CheckpointRow.c.run_id == Run.c.id))
+                    .group_by(Run.c.name, CheckpointRow.c.status)):
                 counts.setdefault(name, {})[str(status)] = int(n)
             last: dict[str, datetime | None] = {}
-            top = only(select(Metric.run_id, func.max(Metric.step).label("step")).join(Run, Run.id == Metric.run_id)) \
-                .group_by(Metric.run_id).subquery()
-            newest_metric = (select(Run.name, func.max(Metric.logged_at))
-                             .join(top, top.c.run_id == Run.id)
-                             .join(Metric, and_(Metric.run_id == top.c.run_id, Metric.step == top.c.step))
-                             .group_by(Run.name))
-            newest_event = only(select(Run.name, func.max(Event.created_at)).join(Event, Event.run_id == Run.id)) \
-                .group_by(Run.name)
+            top = only(select(Metric.c.run_id, func.max(Metric.c.step).label("step"))
+                       .join(Run, Run.c.id == Metric.c.run_id)) \
+                .group_by(Metric.c.run_id).subquery()
+            newest_metric = (select(Run.c.name, func.max(Metric.c.logged_at))
+                             .join(top, top.c.run_id == Run.c.id)
+                             .join(Metric, and_(Metric.c.run_id == top.c.run_id, Metric.c.step == top.c.step))
+                             .group_by(Run.c.name))
+            newest_event = only(select(Run.c.name, func.max(Event.c.created_at))
+                                .join(Event, Event.c.run_id == Run.c.id)) \
+                .group_by(Run.c.name)
             for query in (newest_event, newest_metric):
                 for name, raw in conn.execute(query):
                     when = aware(raw)
@@ -715,12 +719,12 @@ class Catalog:
     def metrics(self, run: str, *, key: str | None = None, history: bool = False) -> list[MetricPoint]:
         def fn(conn: Connection) -> list[MetricPoint]:
             run_id = self.require_run(conn, run)
-            query = select(Metric.__table__).where(Metric.run_id == run_id)
+            query = select(Metric).where(Metric.c.run_id == run_id)
             if key is not None:
-                query = query.where(Metric.key == key)
+                query = query.where(Metric.c.key == key)
             if not history:
-                query = query.where(Metric.superseded.is_(False))
-            rows = conn.execute(query.order_by(Metric.step, Metric.key, Metric.id)).all()
+                query = query.where(Metric.c.superseded.is_(False))
+            rows = conn.execute(query.order_by(Metric.c.step, Metric.c.key, Metric.c.id)).all()
             return [MetricPoint(step=r.step, key=r.key, value=r.value, logged_at=aware(r.logged_at),
                                 attempt=r.attempt_id, current=not r.superseded) for r in rows]
         return self.read(fn)
@@ -729,9 +733,9 @@ class Catalog:
         """The current ``(step, value)`` points of one metric by step: :meth:`metrics` without the records."""
         def fn(conn: Connection) -> list[tuple[int, float]]:
             run_id = self.require_run(conn, run)
-            rows = conn.execute(select(Metric.step, Metric.value)
-                                .where(Metric.run_id == run_id, Metric.key == key, Metric.superseded.is_(False))
-                                .order_by(Metric.step, Metric.id))
+            rows = conn.execute(select(Metric.c.step, Metric.c.value)
+                                .where(Metric.c.run_id == run_id, Metric.c.key == key, Metric.c.superseded.is_(False))
+                                .order_by(Metric.c.step, Metric.c.id))
             return [(int(step), float(value)) for step, value in rows]
         return self.read(fn)
 
@@ -743,10 +747,10 @@ class Catalog:
         """
         def fn(conn: Connection) -> list[tuple[int, str, int, datetime | None, tuple[str, ...]]]:
             run_id = self.require_run(conn, run)
-            c = CheckpointRow
+            c = CheckpointRow.c
             tags: dict[int, list[str]] = {}
-            for step, name in conn.execute(select(c.step, Tag.name).join(Tag, Tag.checkpoint_id == c.id)
-                                           .where(Tag.run_id == run_id).order_by(Tag.name)):
+            for step, name in conn.execute(select(c.step, Tag.c.name).join(Tag, Tag.c.checkpoint_id == c.id)
+                                           .where(Tag.c.run_id == run_id).order_by(Tag.c.name)):
                 tags.setdefault(step, []).append(name)
             rows = conn.execute(select(c.step, c.status, c.total_bytes, c.created_at)
                                 .where(c.run_id == run_id).order_by(c.step))
@@ -763,21 +767,21 @@ class Catalog:
     def files(self, run: str, step: int) -> list[FileRecord]:
         def fn(conn: Connection) -> list[FileRecord]:
             run_id = self.require_run(conn, run)
-            rows = conn.execute(select(CheckpointFile.__table__)
-                                .join(CheckpointRow, CheckpointRow.id == CheckpointFile.checkpoint_id)
-                                .where(CheckpointRow.run_id == run_id, CheckpointRow.step == step)
-                                .order_by(CheckpointFile.name)).all()
+            rows = conn.execute(select(CheckpointFile)
+                                .join(CheckpointRow, CheckpointRow.c.id == CheckpointFile.c.checkpoint_id)
+                                .where(CheckpointRow.c.run_id == run_id, CheckpointRow.c.step == step)
+                                .order_by(CheckpointFile.c.name)).all()
             return [FileRecord(name=r.name, size=r.size, sha256=r.sha256) for r in rows]
         return self.read(fn)
 
     def events(self, run: str | None = None, *, step: int | None = None, limit: int = 1000) -> list[EventInfo]:
         def fn(conn: Connection) -> list[EventInfo]:
-            query = select(Event.__table__, Run.name.label("run_name")).outerjoin(Run, Run.id == Event.run_id)
+            query = select(Event, Run.c.name.label("run_name")).outerjoin(Run, Run.c.id == Event.c.run_id)
             if run is not None:
-                query = query.where(Event.run_id == self.require_run(conn, run))
+                query = query.where(Event.c.run_id == self.require_run(conn, run))
             if step is not None:
-                query = query.where(Event.step == step)
-            rows = conn.execute(query.order_by(Event.id.desc()).limit(limit)).all()
+                query = query.where(Event.c.step == step)
+            rows = conn.execute(query.order_by(Event.c.id.desc()).limit(limit)).all()
             return [EventInfo(id=e.id, run=e.run_name, step=e.step, kind=e.kind, detail=json.loads(e.detail),
                               actor=e.actor, created_at=aware(e.created_at)) for e in reversed(rows)]
         return self.read(fn)
@@ -799,13 +803,14 @@ class Catalog:
     def lease_live(self, lease_id: int) -> bool:
         """Whether lease ``lease_id`` is still held and unexpired (a released one is gone)."""
         return bool(self.read(lambda conn: conn.scalar(
-            select(Lease.id).where(Lease.id == lease_id, Lease.expires_at > utcnow()))))
+            select(Lease.c.id).where(Lease.c.id == lease_id, Lease.c.expires_at > utcnow()))))
 
     def leased_steps(self, run: str) -> set[int]:
         def fn(conn: Connection) -> set[int]:
             run_id = self.require_run(conn, run)
-            return set(conn.scalars(select(CheckpointRow.step).join(Lease, Lease.checkpoint_id == CheckpointRow.id)
-                                    .where(CheckpointRow.run_id == run_id, Lease.expires_at > utcnow())))
+            return set(conn.scalars(select(CheckpointRow.c.step)
+                                    .join(Lease, Lease.c.checkpoint_id == CheckpointRow.c.id)
+                                    .where(CheckpointRow.c.run_id == run_id, Lease.c.expires_at > utcnow())))
         return self.read(fn)
 
     # ------------------------------------------------------------------ schema
@@ -826,25 +831,25 @@ def _lease_statement(dialect: str) -> Any:
 
     Built once: a load takes a lease every time, and building the statement cost more than running it.
     """
-    live = (select(CheckpointRow.id, bindparam("holder", type_=Lease.holder.type),
-                   bindparam("expires_at", type_=Lease.expires_at.type))
-            .where(CheckpointRow.run_id == select(Run.id).where(Run.name == bindparam("run")).scalar_subquery(),
-                   CheckpointRow.step == bindparam("step"), CheckpointRow.status.in_(LIVE)))
+    live = (select(CheckpointRow.c.id, bindparam("holder", type_=Lease.c.holder.type),
+                   bindparam("expires_at", type_=Lease.c.expires_at.type))
+            .where(CheckpointRow.c.run_id == select(Run.c.id).where(Run.c.name == bindparam("run")).scalar_subquery(),
+                   CheckpointRow.c.step == bindparam("step"), CheckpointRow.c.status.in_(LIVE)))
     if dialect == "postgresql":
         # FOR SHARE waits for a gc transaction that holds the row FOR UPDATE, then
         # re-checks the status: a step gc just deleted gets no lease (see catalog/retention.py).
         live = live.with_for_update(read=True, of=CheckpointRow)
-    return insert(Lease).from_select(["checkpoint_id", "holder", "expires_at"], live).returning(Lease.id)
+    return insert(Lease).from_select(["checkpoint_id", "holder", "expires_at"], live).returning(Lease.c.id)
 
 
 # one step's current metrics and its tags in one round trip (built once: resolve and get run it every time)
 _METRICS_AND_TAGS: Any = union_all(
-    select(literal_column("'m'").label("kind"), Metric.key.label("name"), Metric.value.label("value"),
-           Metric.id.label("ord"))
-    .where(Metric.run_id == bindparam("run_id"), Metric.step == bindparam("step"), Metric.superseded.is_(False)),
-    select(literal_column("'t'"), Tag.name, literal_column("NULL"), literal_column("0"))
-    .where(Tag.checkpoint_id == bindparam("checkpoint_id")))
-_RELEASE_LEASE = delete(Lease).where(Lease.id == bindparam("lease"))
+    select(literal_column("'m'").label("kind"), Metric.c.key.label("name"), Metric.c.value.label("value"),
+           Metric.c.id.label("ord"))
+    .where(Metric.c.run_id == bindparam("run_id"), Metric.c.step == bindparam("step"), Metric.c.superseded.is_(False)),
+    select(literal_column("'t'"), Tag.c.name, literal_column("NULL"), literal_column("0"))
+    .where(Tag.c.checkpoint_id == bindparam("checkpoint_id")))
+_RELEASE_LEASE = delete(Lease).where(Lease.c.id == bindparam("lease"))
 
 
 __all__ = ["Catalog", "NOTIFY_CHANNEL", "replace_files"]

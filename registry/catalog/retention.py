@@ -69,16 +69,16 @@ class RetentionCatalog:
         self.catalog = catalog
 
     def _snapshot(self, conn: Connection, run_id: int, run: str) -> RunSnapshot:
-        c = CheckpointRow
-        rows = conn.execute(select(c.__table__).where(c.run_id == run_id, c.status.in_(SHOWN))
+        c = CheckpointRow.c
+        rows = conn.execute(select(CheckpointRow).where(c.run_id == run_id, c.status.in_(SHOWN))
                             .order_by(c.step)).all()
         infos = tuple(self.catalog.checkpoint_infos(conn, run, rows))
         verified = [i.step for i in infos if i.status == Status.VERIFIED]
         live = [i.step for i in infos if i.status in LIVE]
         now = utcnow()
         leases = {int(step): when for step, expires in conn.execute(
-            select(c.step, func.max(Lease.expires_at)).join(Lease, Lease.checkpoint_id == c.id)
-            .where(c.run_id == run_id, Lease.expires_at > now).group_by(c.step))
+            select(c.step, func.max(Lease.c.expires_at)).join(Lease, Lease.c.checkpoint_id == c.id)
+            .where(c.run_id == run_id, Lease.c.expires_at > now).group_by(c.step))
             if (when := aware(expires)) is not None}
         return RunSnapshot(run=run, checkpoints=infos, latest=max(verified, default=None),
                            latest_published=max(live, default=None), leases=leases, taken_at=now,
@@ -102,7 +102,7 @@ class RetentionCatalog:
         """
         def fn(conn: Connection) -> list[DeletedRow]:
             run_id = self.catalog.require_run(conn, run)
-            c = CheckpointRow
+            c = CheckpointRow.c
             if conn.dialect.name == "postgresql":
                 conn.execute(select(c.id).where(c.run_id == run_id).order_by(c.id).with_for_update())
             snap = self._snapshot(conn, run_id, run)
@@ -114,7 +114,7 @@ class RetentionCatalog:
                 info = by_step.get(step)
                 if info is None or info.status not in CANDIDATES:
                     continue
-                changed = conn.execute(update(c).where(c.run_id == run_id, c.step == step,
+                changed = conn.execute(update(CheckpointRow).where(c.run_id == run_id, c.step == step,
                                                        c.status.in_(CANDIDATES))
                                        .values(status=Status.DELETED, deleted_at=now, updated_at=now)).rowcount
                 if not changed:
@@ -133,7 +133,7 @@ class RetentionCatalog:
         """Every ``deleted`` row of ``run``: whose directories a finished deletion has removed."""
         def fn(conn: Connection) -> list[DeletedRow]:
             run_id = self.catalog.require_run(conn, run)
-            c = CheckpointRow
+            c = CheckpointRow.c
             rows: Any = conn.execute(select(c.step, c.path, c.total_bytes, c.manifest_sha256)
                                      .where(c.run_id == run_id, c.status == Status.DELETED).order_by(c.step)).all()
             return [DeletedRow(step=r.step, path=r.path, total_bytes=r.total_bytes,

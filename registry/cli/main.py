@@ -60,9 +60,17 @@ def package_version() -> str:
         return "unknown (not installed)"
 
 
+def _print_version(ctx: click.Context) -> None:
+    # looked up only when asked: reading the installed metadata costs every other command ~50 ms
+    if not ctx.resilient_parsing:
+        click.echo(f"registry {package_version()}")
+        ctx.exit()
+
+
 @click.group(cls=Main, epilog="Environment: REGISTRY_URL, REGISTRY_ROOT and REGISTRY_READ_ONLY set the options of the "
              "same names; REGISTRY_UI_TOKEN is registry ui's --token. Global options may follow the command.")
-@click.version_option(package_version(), "--version", prog_name="registry", message="%(prog)s %(version)s")
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=lambda ctx, _, value:
+              _print_version(ctx) if value else None, help="Show the version and exit.")
 @click.option("--url", envvar="REGISTRY_URL", show_envvar=True,
               help="Catalog URL (default sqlite:///ROOT/.registry/catalog.db, or ROOT/catalog.db where it exists).")
 @click.option("--root", envvar="REGISTRY_ROOT", show_envvar=True, type=click.Path(path_type=str),

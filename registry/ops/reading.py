@@ -33,9 +33,9 @@ from registry.errors import (CheckpointDeletedError, CheckpointReadError, Corrup
                              RegistryError)
 from registry.records import LIVE, CheckpointInfo, Fallback, Skipped, Status
 from registry.format.refs import Ref
-from registry.fs.filemaps import Extras, Loaded, check_manifest_digest, read_directory
 
 if TYPE_CHECKING:
+    from registry.fs.filemaps import Extras, Loaded
     from registry.catalog import Catalog
     from registry.fs.objects import ObjectRoot
 
@@ -90,6 +90,7 @@ def read_step(access: Access, info: CheckpointInfo, *, verify: bool, map_locatio
         from registry.fs.objectread import read_objects
         return read_objects(access.objects, info.path.as_posix(), verify=verify, trust_pickle=trust_pickle,
                             map_location=map_location, extras=extras, expected_digest=info.manifest_sha256)
+    from registry.fs.filemaps import read_directory  # the parsers: what a listing never needs
     return read_directory(info.path, verify=verify, trust_pickle=trust_pickle, map_location=map_location,
                           extras=extras, expected_digest=info.manifest_sha256)
 
@@ -106,6 +107,7 @@ def acquire_lease(access: Access, info: CheckpointInfo) -> int:
 
 def check_digest(info: CheckpointInfo, digest: str | None) -> None:
     """The manifest read (sha256 ``digest``) must be the one the catalog recorded for this step."""
+    from registry.fs.filemaps import check_manifest_digest
     check_manifest_digest(info.path, digest, info.manifest_sha256, run=info.run, step=info.step)
 
 
