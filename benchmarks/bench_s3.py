@@ -8,6 +8,8 @@ an order that rotates round by round so that load from other processes hits ever
   tensors' memory, sha256 and xxh3 pieces computed while uploading, sizes and headers checked on the server,
   manifest last, catalog commit), against ``raw put``: ``obstore.put`` of the same safetensors bytes, already in
   memory, as one parallel multipart upload with the same part size and concurrency;
+- ``raw put, no checksum``: the same put from a store with ``checksum_algorithm: none``, no
+  ``x-amz-checksum-sha256`` on its bodies: what the server-checked body checksum costs;
 - ``load``: a verified ``Registry.load`` (parallel ranged gets, every piece checked, tensors parsed), against
   ``raw get``: ``obstore.get_range`` of the same 16 MiB ranges of the same object, as many at once, into one
   uninitialised CPU buffer, nothing checked or parsed;
@@ -83,13 +85,18 @@ def main() -> None:
         state = transformer_state(args.mib)
         blob = st.save(state, {"format": "pt"})
         size = len(blob)
-        times: dict[str, list[float]] = {k: [] for k in ("publish", "raw put", "load", "raw get", "async")}
-        ratios: dict[str, list[float]] = {"publish / raw put": [], "load / raw get": [], "async / publish": []}
+        times: dict[str, list[float]] = {k: [] for k in ("publish", "raw put", "raw put, no checksum", "load",
+                                                           "raw get", "async")}
+        ratios: dict[str, list[float]] = {"publish / raw put": [], "publish / raw put, no checksum": [],
+                                          "load / raw get": [], "async / publish": []}
         pool = ThreadPoolExecutor(READ_CONCURRENCY)
         with Registry.open(f"sqlite:///{work / 'catalog.db'}", root=f"s3://{bucket}/bench",
                            storage_options=server.storage_options) as reg:
             assert reg.objects is not None
             root = reg.objects
+            # the same store without x-amz-checksum-sha256 on its bodies: what the server-checked checksum costs
+            bare = ObjectRoot.open(f"s3://{bucket}/bench",
+                                   storage_options={**server.storage_options, "checksum_algorithm": "none"})
             for rnd in range(args.runs + 1):
                 got: dict[str, float] = {}
                 step = 2 * rnd + 1
@@ -118,6 +125,13 @@ def main() -> None:
                     got["raw put"] = time.perf_counter() - t
                     root.delete([key])
 
+                def put_bare(rnd: int = rnd, got: dict[str, float] = got) -> None:
+                    key = f"raw/{rnd}/bare.safetensors"
+                    t = time.perf_counter()
+                    raw_put(bare, key, blob)
+                    got["raw put, no checksum"] = time.perf_counter() - t
+                    root.delete([key])
+
                 def background(step: int = step + 1, got: dict[str, float] = got) -> None:
                     t = time.perf_counter()
                     future = reg.publish("bench", step, state, blocking=False)
@@ -125,7 +139,7 @@ def main() -> None:
                     info = future.result()
                     root.delete(e.rel for e in root.list(info.path.as_posix()))
 
-                order = [publish, put, background]
+                order = [publish, put, put_bare, background]
                 shift = rnd % len(order)
                 for fn in order[shift:] + order[:shift]:
                     fn()
@@ -134,17 +148,18 @@ def main() -> None:
                 for k, v in got.items():
                     times[k].append(v)
                 ratios["publish / raw put"].append(got["publish"] / got["raw put"])
+                ratios["publish / raw put, no checksum"].append(got["publish"] / got["raw put, no checksum"])
                 ratios["load / raw get"].append(got["load"] / got["raw get"])
                 ratios["async / publish"].append(got["async"] / got["publish"])
         mib = size / 2**20
         print(f"s3 root on SeaweedFS (loopback), {mib:.0f} MiB safetensors, median of {args.runs} rounds "
               f"after a warm-up; {os.cpu_count()} CPUs")
-        print(f"{'variant':<22} {'seconds':>9} {'MiB/s':>8}")
+        print(f"{'variant':<30} {'seconds':>9} {'MiB/s':>8}")
         for k, v in times.items():
             med = statistics.median(v)
-            print(f"{k:<22} {med:>9.3f} {mib / med if k != 'async' else float('nan'):>8.0f}")
+            print(f"{k:<30} {med:>9.3f} {mib / med if k != 'async' else float('nan'):>8.0f}")
         for k, v in ratios.items():
-            print(f"{k:<22} {statistics.median(v):>9.3f}  (per round: {', '.join(f'{x:.2f}' for x in v)})")
+            print(f"{k:<30} {statistics.median(v):>9.3f}  (per round: {', '.join(f'{x:.2f}' for x in v)})")
         print(f"command: ./scripts/bench s3 --mib {args.mib} --runs {args.runs}")
     finally:
         if server is not None and server.process is not None:
