@@ -45,7 +45,10 @@ from registry.fs.validation import check_flags, check_metrics, check_tags, check
 if TYPE_CHECKING:
     import torch
 
+    from registry.catalog.replicas import Queued, ReplicaInfo
     from registry.fs.objects import ObjectRoot
+    from registry.ops.replicator import Replicator
+    from registry.ops.tiers import Tiers
 
     from registry.distributed.sharded import ShardedLoad
     from registry.distributed.sharded_async import PublishGroups
@@ -122,8 +125,10 @@ class Registry:
 
     def __init__(self, *, catalog: Catalog, store: Store | None, url: str,
                  lease_ttl: timedelta = timedelta(minutes=30), read_only: bool = False, dedup: bool = False,
-                 objects: ObjectRoot | None = None) -> None:
+                 objects: ObjectRoot | None = None, tiers: Tiers | None = None) -> None:
         self.catalog = catalog
+        self.tiers = tiers  # a fast root with a durable tier (registry.ops.tiers); None for a plain root
+        self._replicator: Replicator | None = None
         self.dedup = dedup
         self._store = store
         self.objects = objects  # the object-store root (``s3://``); None for a filesystem root
@@ -142,7 +147,7 @@ class Registry:
     def open(cls, url: str | None = None, root: str | os.PathLike[str] | None = None, *,
              migrate: bool = True, lease_ttl: timedelta = timedelta(minutes=30), create: bool = True,
              read_only: bool = False, rebind_root: bool = False, dedup: bool = False,
-             storage_options: Mapping[str, Any] | None = None) -> Registry:
+             storage_options: Mapping[str, Any] | None = None, durable: str | None = None) -> Registry:
         """Open the catalog and the root, and check that they belong together.
 
         ``root`` defaults to ``$REGISTRY_ROOT`` or ``./checkpoints``; ``url`` to
@@ -170,11 +175,23 @@ class Registry:
         credentials come from the standard AWS environment, overridden by
         ``storage_options`` (obstore's S3 configuration keys); they are never
         logged, stored or shown. The bucket must exist. Dedup does not apply.
+
+        ``durable`` (default ``$REGISTRY_DURABLE``): an ``s3://`` root that is
+        the durable tier of the filesystem root ``root`` (the fast tier): every
+        step published here is replicated there in the background, and loads
+        read the nearest verified copy (see :mod:`registry.ops.tiers`). The
+        durable root is the one bound to the catalog; ``storage_options``
+        apply to it.
         """
         from registry.catalog.session import cannot_write
 
         check_flags(dedup=dedup)
         located, url = locations(url, root)
+        durable = durable if durable is not None else (os.environ.get("REGISTRY_DURABLE") or None)
+        if durable is not None:
+            return cls._open_tiers(url, located, durable, storage_options=storage_options, migrate=migrate,
+                                   lease_ttl=lease_ttl, create=create, read_only=read_only,
+                                   rebind_root=rebind_root, dedup=dedup)
         if isinstance(located, str):
             return cls._open_objects(url, located, storage_options=storage_options, migrate=migrate,
                                      lease_ttl=lease_ttl, create=create, read_only=read_only,
@@ -215,8 +232,57 @@ class Registry:
         read_only = read_only or cannot_write(url)
         catalog = _bound_catalog(url, objects, migrate=migrate, create=create, read_only=read_only,
                                  rebind=rebind_root)
+        try:
+            from registry.ops.tiers import refuse_durable_as_root
+            refuse_durable_as_root(catalog, root)
+        except BaseException:
+            catalog.close()
+            raise
         return cls(catalog=catalog, store=None, url=url, lease_ttl=lease_ttl, read_only=read_only,
                    objects=objects)
+
+    @classmethod
+    def _open_tiers(cls, url: str, fast: Path | str, durable: str, *, storage_options: Mapping[str, Any] | None,
+                    migrate: bool, lease_ttl: timedelta, create: bool, read_only: bool, rebind_root: bool,
+                    dedup: bool) -> Registry:
+        """:meth:`open` with a durable tier: the durable root bound to the catalog, the fast root its tier."""
+        from registry.catalog.identity import read_identity
+        from registry.catalog.session import cannot_write
+        from registry.fs.objects import ObjectRoot
+        from registry.ops.tiers import Tiers, open_tier
+
+        if isinstance(fast, str):
+            raise RootError(f"the fast tier must be a filesystem root, not {fast}; pass the s3:// root as durable=")
+        if not is_object_url(durable):
+            raise RootError(f"durable={durable!r}: the durable tier must be an s3:// root (s3://BUCKET/PREFIX)")
+        objects = ObjectRoot.open(durable, storage_options)
+        read_only = read_only or cannot_write(url)
+        store = Store(fast, create=create and not read_only)
+        catalog = _bound_catalog(url, objects, migrate=migrate, create=create, read_only=read_only,
+                                 rebind=rebind_root)
+        try:
+            tier_id = open_tier(store, catalog_id=read_identity(catalog.engine).catalog_id,
+                                create=create and not read_only)
+        except BaseException:
+            catalog.close()
+            raise
+        reg = cls(catalog=catalog, store=store, url=url, lease_ttl=lease_ttl, read_only=read_only,
+                  dedup=bool(dedup), tiers=Tiers(fast=store, durable=objects, tier_id=tier_id))
+        if create and not read_only:
+            reg._replication().kick()  # a queue left by an earlier process (killed, or its tier was down)
+        return reg
+
+    def _replication(self) -> Replicator:
+        """The tiered root's replicator (made on first use); ``InvalidStateError`` without a durable tier."""
+        if self.tiers is None:
+            raise InvalidStateError(f"{self.root_url} has no durable tier: open it with durable=s3://...")
+        if self.read_only:
+            raise ReadOnlyError("this registry is read-only: it replicates nothing")
+        if self._replicator is None:
+            from registry.ops.replicator import Replicator
+            self._replicator = Replicator(catalog=self.catalog, fast_root=self.tiers.fast.root,
+                                          durable=self.tiers.durable, writer=writer_id)
+        return self._replicator
 
     @property
     def store(self) -> Store:
@@ -251,6 +317,8 @@ class Registry:
         finally:
             self._closed = True
             self._background.shutdown()
+            if self._replicator is not None:
+                self._replicator.close(wait=True)
             self._snapshots.clear()
             self.catalog.close()
         self._background.raise_error()
@@ -279,7 +347,8 @@ class Registry:
                 verify: bool = True, max_shard_size: int | None = None,
                 retention: Policy | None = None, blocking: Literal[True] = True,
                 trust_pickle: bool = False, parent: str | Ref | None = None, sharded: bool = False,
-                group: Any = None, timeout: float | None = None, dedup: bool | None = None) -> CheckpointInfo: ...
+                group: Any = None, timeout: float | None = None, dedup: bool | None = None,
+                durable: bool = False) -> CheckpointInfo: ...
 
     @overload
     def publish(self, run: str, step: int, state_dict: Mapping[str, torch.Tensor], *,
@@ -291,7 +360,7 @@ class Registry:
                 retention: Policy | None = None, blocking: Literal[False],
                 trust_pickle: bool = False, parent: str | Ref | None = None, sharded: bool = False,
                 group: Any = None, timeout: float | None = None,
-                dedup: bool | None = None) -> Future[CheckpointInfo]: ...
+                dedup: bool | None = None, durable: bool = False) -> Future[CheckpointInfo]: ...
 
     @overload
     def publish(self, run: str, step: int, state_dict: Mapping[str, torch.Tensor], *,
@@ -303,7 +372,7 @@ class Registry:
                 retention: Policy | None = None, blocking: bool,
                 trust_pickle: bool = False, parent: str | Ref | None = None, sharded: bool = False,
                 group: Any = None, timeout: float | None = None,
-                dedup: bool | None = None) -> CheckpointInfo | Future[CheckpointInfo]: ...
+                dedup: bool | None = None, durable: bool = False) -> CheckpointInfo | Future[CheckpointInfo]: ...
 
     def publish(self, run: str, step: int, state_dict: Mapping[str, torch.Tensor], *,
                 extra: Mapping[str, Any] | None = None, config: Mapping[str, Any] | None = None,
@@ -314,7 +383,7 @@ class Registry:
                 retention: Policy | None = None, blocking: bool = True,
                 trust_pickle: bool = False, parent: str | Ref | None = None, sharded: bool = False,
                 group: Any = None, timeout: float | None = None,
-                dedup: bool | None = None) -> CheckpointInfo | Future[CheckpointInfo]:
+                dedup: bool | None = None, durable: bool = False) -> CheckpointInfo | Future[CheckpointInfo]:
         """Atomically publish ``state_dict`` and friends as ``run@step``.
 
         Returns the ``CheckpointInfo``; with ``blocking=False`` a
@@ -353,9 +422,17 @@ class Registry:
 
         ``dedup``: link large files a verified step of the run already holds
         (see :mod:`registry.fs.dedup`); None takes the registry's ``dedup``.
+
+        On a root with a durable tier the publish returns once the fast tier's
+        commit is done and the step is replicated in the background;
+        ``durable=True`` waits for its durable copy too (see :meth:`wait_durable`).
         """
         if dedup is not None:
             check_flags(dedup=dedup)
+        check_flags(durable=durable)
+        if durable and (self.tiers is None or blocking is False or sharded is not False):
+            raise InvalidStateError("publish(durable=True) needs a root with a durable tier and a blocking, "
+                                    "unsharded publish; call wait_durable() after the future instead")
         dedup = self.dedup if dedup is None else bool(dedup)
         if self.objects is not None and (sharded is not False or dedup):
             what = "sharded publish" if sharded is not False else "dedup"
@@ -390,7 +467,10 @@ class Registry:
             return self._submit_publish(job)
         self._background.wait()  # publishes commit in call order, background ones first
         self._background.raise_error()
-        return self._run_publish(job)
+        info = self._run_publish(job)
+        if durable:
+            self.wait_durable(run, step)
+        return info
 
     def _parent_lineage(self, parent: str | Ref | None) -> LineageRecord | None:
         """``publish(..., parent=REF)``: the fork this step records, resolved before anything is claimed."""
@@ -488,6 +568,8 @@ class Registry:
             info = publish_sequence(self.catalog, target,
                                     lambda prefix, _reuse: upload_payload(objects, prefix, job.payload),
                                     self._hooks(job), ObjectLanding(objects, target.relpath))
+        if self.tiers is not None and not self.read_only:
+            self._replication().kick()
         if job.retention is not None:
             self._retention_after_publish(job.run, job.step, job.retention)
         return self.placed(info)
@@ -503,7 +585,75 @@ class Registry:
                       consumed_samples=job.payload.meta["consumed_samples"])
 
     def _hooks(self, job: _PublishJob) -> CommitHooks:
-        return self._attempts.hooks(job.run, job.step, metrics=job.new_metrics, tags=job.tags, lineage=job.lineage)
+        hooks = self._attempts.hooks(job.run, job.step, metrics=job.new_metrics, tags=job.tags, lineage=job.lineage)
+        if self.tiers is not None:
+            from registry.ops.tiers import FastCopyHooks
+            relpath = self.store.relpath(self.store.step_dir(job.run, job.step))
+            return FastCopyHooks(hooks, location=self.tiers.location, path=relpath)
+        return hooks
+
+    # ------------------------------------------------------------------ tiers
+
+    def wait_durable(self, run: str, step: int, *, timeout: float | None = None) -> ReplicaInfo:
+        """Wait until ``run@step`` has a verified copy on the durable tier; returns that copy.
+
+        Replication runs on this registry's background thread (started here
+        if needed); a copy made by another process counts too. Raises
+        ``TimeoutError`` when ``timeout`` seconds pass first (the queue keeps
+        the step: it becomes durable later).
+        """
+        from registry.catalog.replicas import DURABLE, ReplicaCatalog
+        check_run_name(run)
+        check_step(step)
+        info = self.catalog.resolve(Ref(run=run, kind="step", step=step))
+        replicator = self._replication()
+        if not replicator.wait_durable(run, step, info.manifest_sha256, timeout=timeout):
+            why = f": {replicator.failing}" if replicator.failing is not None else ""
+            raise TimeoutError(f"{run}@{step} has no durable copy after {timeout} s{why}")
+        copy = ReplicaCatalog(self.catalog).copy(run, step, DURABLE, manifest_sha256=info.manifest_sha256)
+        assert copy is not None
+        return copy
+
+    def replicate(self, run: str | None = None, *, wait: bool = False, timeout: float | None = None) -> int:
+        """Replicate the queued steps whose fast copy is on this root, here and now; how many were.
+
+        ``registry replicate``. Without ``wait`` a ``StorageError`` (the durable
+        tier down) is raised; with it the queue is retried with backoff until
+        it drained or ``timeout`` seconds passed (then ``TimeoutError``).
+        """
+        import time
+
+        from registry.ops.replicator import BACKOFF_MAX, BACKOFF_START
+        from registry.errors import StorageError
+        if run is not None:
+            check_run_name(run)
+        replicator = self._replication()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        before, backoff = replicator.replicated, BACKOFF_START
+        while True:
+            try:
+                replicator.drain(run=run)
+                return replicator.replicated - before
+            except StorageError as exc:
+                if not wait or (deadline is not None and time.monotonic() + backoff > deadline):
+                    if wait:
+                        raise TimeoutError(f"the queue did not drain in {timeout} s: {exc}") from exc
+                    raise
+                log.warning("replicate: %s; retrying in %.1f s", exc, backoff)
+                time.sleep(backoff)
+                backoff = min(BACKOFF_MAX, backoff * 2)
+
+    def replication_queue(self, run: str | None = None) -> list[Queued]:
+        """The steps of this fast root (of ``run``, or of every run) still waiting for their durable copy, in order."""
+        if run is not None:
+            check_run_name(run)
+        return self._replication().local_queue(run=run)
+
+    def replicas(self, run: str, step: int | None = None) -> list[ReplicaInfo]:
+        """Every recorded copy of ``run``'s steps (of one ``step``): tier, status, path, when it became durable."""
+        from registry.catalog.replicas import ReplicaCatalog
+        check_run_name(run)
+        return ReplicaCatalog(self.catalog).replicas(run, step)
 
     # ------------------------------------------------------------------ metrics
 
@@ -719,7 +869,8 @@ class Registry:
 
     def _reader(self) -> reading.ReadAccess:
         return reading.ReadAccess(catalog=self.catalog, root=self._store.root if self._store is not None else Path(),
-                                  holder=self.writer, lease_ttl=self.lease_ttl, objects=self.objects)
+                                  holder=self.writer, lease_ttl=self.lease_ttl, objects=self.objects,
+                                  tiers=self.tiers)
 
     def read_checked(self, info: CheckpointInfo, *, verify: bool, map_location: Any,
                      trust_pickle: bool) -> Any:

@@ -157,6 +157,28 @@ class Lease(Base):
     expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
 
 
+REPLICA_STATUSES = ("pending", "published", "verified", "corrupt", "deleted")
+REPLICA_STATUS_SQL = "status IN (" + ", ".join(f"'{s}'" for s in REPLICA_STATUSES) + ")"
+
+
+class Replica(Base):
+    """One copy of a step on one storage tier (``fast:<tier id>`` or ``durable``; see ``registry.catalog.replicas``)."""
+    __tablename__ = "checkpoint_replicas"
+    __table_args__ = (
+        CheckConstraint(REPLICA_STATUS_SQL, name="status"),
+        Index("ix_checkpoint_replicas_location_status", "location", "status"),
+    )
+    checkpoint_id: Mapped[int] = mapped_column(ForeignKey("checkpoints.id", ondelete="CASCADE"), primary_key=True)
+    location: Mapped[str] = mapped_column(String(64), primary_key=True)
+    status: Mapped[str] = mapped_column(String(16))
+    path: Mapped[str] = mapped_column(String(1024))
+    manifest_sha256: Mapped[str | None] = mapped_column(String(64))
+    writer: Mapped[str | None] = mapped_column(String(255))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    durable_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
 class CatalogIdentity(Base):
     """The catalog's one identity row: its id, and whether a checkpoint root is bound to it.
 

@@ -231,3 +231,27 @@ def fsck(state: State, repair: bool, checksums: bool, as_json: bool) -> None:
                    f"{len(report.repaired)} repaired, {len(report.in_progress)} in progress")
     if report.unrepaired or report.failures:
         sys.exit(1)
+
+
+@click.command()
+@click.argument("run", required=False)
+@click.option("--wait", is_flag=True, help="While the durable tier fails, retry with backoff until the queue drains.")
+@click.option("--timeout", type=float, default=None, help="With --wait: give up after this many seconds.")
+@click.pass_obj
+@command
+def replicate(state: State, run: str | None, wait: bool, timeout: float | None) -> None:
+    """Copy the steps still only on this fast root (of RUN, or of every run) to its --durable tier.
+
+    Publishes replicate in the background; this drains what a killed trainer,
+    or a durable tier that was down, left in the queue. Each copy is checked
+    against its manifest while it is uploaded.
+
+    \b
+    Examples:
+        registry --root /nvme/ckpt --durable s3://bucket/ckpt replicate
+        registry --root /nvme/ckpt --durable s3://bucket/ckpt replicate demo --wait --timeout 600
+    """
+    reg = state.registry()
+    done = reg.replicate(run, wait=wait, timeout=timeout)
+    left = len(reg.replication_queue(run))
+    click.echo(f"replicated {plural(done, 'step')}; {plural(left, 'step')} of this root still queued")
