@@ -1127,6 +1127,11 @@ class Registry:
         ``progress`` hears of the bytes re-hashed.
         """
         from registry.ops.fsck import run_fsck
+        if self.tiers is not None:
+            from registry.ops.tierfsck import run_tier_fsck
+            return run_tier_fsck(catalog=self.catalog, tiers=self.tiers,
+                                 replicator=None if self.read_only else self._replication(), repair=repair,
+                                 checksums=checksums, actor=self.writer, progress=progress)
         if self.objects is not None:
             from registry.ops.objectfsck import run_object_fsck
             return run_object_fsck(catalog=self.catalog, root=self.objects, repair=repair, checksums=checksums,

@@ -307,3 +307,45 @@ def test_a_corrupt_durable_copy_is_marked_and_latest_goes_on_to_an_older_step(tr
     assert treg.catalog.get("run", 2).status == Status.VERIFIED  # another host's fast copy may still be good
     with pytest.raises(CheckpointNotFoundError, match="no copy this host can read"):
         treg.load("run@2")
+
+
+# --------------------------------------------------------------------------- fsck
+
+
+def test_fsck_reports_one_tier_steps_and_bad_durable_copies_and_repairs_them(treg: Registry) -> None:
+    assert treg.tiers is not None
+    durable = treg.tiers.durable
+    treg.publish("run", 1, make_state(1), durable=True)
+    treg.publish("run", 2, make_state(2), durable=True)
+    replicator = treg._replication()
+    with replicator._drain_lock:
+        treg.publish("run", 3, make_state(3))
+        gone = treg.wait_durable("run", 1, timeout=5)
+        durable.delete([f"{gone.path}/{MANIFEST}"])  # a durable copy lost
+        damaged = ReplicaCatalog(treg.catalog).copy("run", 2, DURABLE,
+                                                    manifest_sha256=treg.catalog.get("run", 2).manifest_sha256)
+        assert damaged is not None
+        key = f"{damaged.path}/model.safetensors"
+        obstore.put(durable.store, key, bytes(durable.get(key))[:-1])  # one byte short
+        obstore.put(durable.store, "run/step-00000009/a-0123456789abcdef/model.safetensors", b"x")  # an orphan
+        report = treg.fsck()
+        kinds = sorted((p.kind, p.step) for p in report.problems)
+        assert kinds == [("damaged-durable-copy", 2), ("missing-durable-copy", 1), ("only-on-fast-tier", 3),
+                         ("orphan-durable-prefix", 9)], report.problems
+    report = treg.fsck(repair=True)
+    assert {p.kind for p in report.repaired} >= {"damaged-durable-copy", "missing-durable-copy",
+                                                 "orphan-durable-prefix"}, (report.repaired, report.failures)
+    replicator.idle(timeout=60)
+    assert treg.fsck().clean
+    for step in (1, 2, 3):
+        assert durable_copy(treg, "run", step) is not None
+
+
+def test_fsck_on_another_host_does_not_condemn_steps_it_does_not_hold(catalog_url: str, durable: str,
+                                                                       tmp_path: Path) -> None:
+    with Registry.open(catalog_url, root=tmp_path / "host-a", durable=durable) as a:
+        a.publish("run", 1, make_state(1), durable=True)
+    with Registry.open(catalog_url, root=tmp_path / "host-b", durable=durable) as b:
+        report = b.fsck(repair=True)
+        assert report.clean, report.problems
+        assert b.catalog.get("run", 1).status == Status.VERIFIED

@@ -125,6 +125,41 @@ class ReplicaCatalog:
         result: ReplicaInfo | None = self.catalog.read(fn)
         return result
 
+    def snapshot(self) -> list[tuple[ReplicaInfo, str, str | None, str]]:
+        """Every copy of every step, with its step's status, manifest digest and path: what fsck checks."""
+        def fn(conn: Connection) -> list[tuple[ReplicaInfo, str, str | None, str]]:
+            query = (select(*_COLUMNS, CheckpointRow.status.label("c_status"),
+                            CheckpointRow.manifest_sha256.label("c_manifest"), CheckpointRow.path.label("c_path"))
+                     .join(CheckpointRow, CheckpointRow.id == Replica.checkpoint_id)
+                     .join(Run, Run.id == CheckpointRow.run_id).order_by(Run.name, CheckpointRow.step))
+            return [(_info(r), r.c_status, r.c_manifest, r.c_path) for r in conn.execute(query)]
+        result: list[tuple[ReplicaInfo, str, str | None, str]] = self.catalog.read(fn)
+        return result
+
+    def requeue(self, copy: ReplicaInfo) -> bool:
+        """Forget a durable copy judged bad (compare-and-set on its path and status): the step is queued again."""
+        def fn(conn: Connection) -> bool:
+            cid = conn.scalar(select(CheckpointRow.id).join(Run, Run.id == CheckpointRow.run_id)
+                              .where(Run.name == copy.run, CheckpointRow.step == copy.step))
+            if cid is None:
+                return False
+            return bool(conn.execute(delete(Replica).where(
+                Replica.checkpoint_id == cid, Replica.location == copy.location, Replica.path == copy.path,
+                Replica.status == copy.status)).rowcount)
+        result: bool = self.catalog.write(fn)
+        return result
+
+    def names_prefix(self, run: str, step: int, prefix: str) -> bool:
+        """Whether a durable copy of ``run@step`` (any status) names ``prefix`` now."""
+        def fn(conn: Connection) -> bool:
+            return conn.scalar(select(Replica.checkpoint_id)
+                               .join(CheckpointRow, CheckpointRow.id == Replica.checkpoint_id)
+                               .join(Run, Run.id == CheckpointRow.run_id)
+                               .where(Run.name == run, CheckpointRow.step == step, Replica.location == DURABLE,
+                                      Replica.path == prefix)) is not None
+        result: bool = self.catalog.read(fn)
+        return result
+
     def has_durable(self) -> bool:
         """Whether any step has a durable copy recorded: the catalog's bound root is then a durable tier."""
         def fn(conn: Connection) -> bool:
