@@ -975,15 +975,19 @@ class Registry:
         return self.placed(info) if info is not None else None
 
     def follow(self, run: str, after_step: int | None = None, *, timeout: float | None = None,
-               newest: bool = False, min_policy_version: int | None = None) -> Iterator[CheckpointInfo]:
+               newest: bool = False, min_policy_version: int | None = None,
+               durable: bool = False) -> Iterator[CheckpointInfo]:
         """Yield each new verified step of ``run`` above ``after_step`` as it is published.
 
         Stops when ``timeout`` seconds pass without a new step (``None``: never).
         Keeps one listener open across steps, so nothing published between two
-        yields is missed.
+        yields is missed. ``durable=True`` yields only steps with a verified
+        copy on the durable tier, as each becomes durable.
         """
         from registry.ops.follow import Follower
-        with Follower(self.catalog, run, newest=newest, min_policy_version=min_policy_version) as follower:
+        check_flags(durable=durable)
+        with Follower(self.catalog, run, newest=newest, min_policy_version=min_policy_version,
+                      durable=durable) as follower:
             while (info := follower.wait(after_step, timeout=timeout)) is not None:
                 after_step = info.step
                 yield self.placed(info)

@@ -349,3 +349,13 @@ def test_fsck_on_another_host_does_not_condemn_steps_it_does_not_hold(catalog_ur
         report = b.fsck(repair=True)
         assert report.clean, report.problems
         assert b.catalog.get("run", 1).status == Status.VERIFIED
+
+
+def test_follow_durable_yields_only_durable_steps(treg: Registry) -> None:
+    replicator = treg._replication()
+    with replicator._drain_lock:
+        treg.publish("run", 1, make_state(1))
+        assert [i.step for i in treg.follow("run", timeout=0)] == [1]
+        assert list(treg.follow("run", timeout=0, durable=True)) == []
+    treg.wait_durable("run", 1, timeout=60)
+    assert [i.step for i in treg.follow("run", timeout=0, durable=True)] == [1]

@@ -60,6 +60,13 @@ def record_replica(conn: Connection, checkpoint_id: int, *, location: str, statu
                                             **values))
 
 
+def _durable_copy_exists(c: Any) -> Any:
+    """The condition that the checkpoint row ``c`` has a verified durable copy of its own payload."""
+    return select(Replica.checkpoint_id).where(
+        Replica.checkpoint_id == c.id, Replica.location == DURABLE, Replica.status == "verified",
+        Replica.manifest_sha256 == c.manifest_sha256).exists()
+
+
 WriterAlive = Callable[[str | None, datetime | None], bool]  # (writer, row last refreshed at) -> may still write
 
 
@@ -427,7 +434,8 @@ class Catalog:
         info: CheckpointInfo = self.write(fn)
         return info
 
-    def notify(self, conn: Connection, run_id: int, step: int | None, status: str) -> None:
+    @staticmethod
+    def notify(conn: Connection, run_id: int, step: int | None, status: str) -> None:
         """Wake PostgreSQL followers of the run when the caller's transaction commits."""
         if conn.dialect.name == "postgresql":
             run = conn.scalar(select(Run.name).where(Run.id == run_id))
@@ -573,10 +581,8 @@ class Catalog:
         if ref.kind in ("latest", "latest-published", "latest-durable"):
             statuses = (Status.VERIFIED,) if ref.kind == "latest" else LIVE
             query = query.where(c.status.in_(statuses))
-            if ref.kind == "latest-durable":  # a verified durable copy of the step's own payload
-                query = query.where(select(Replica.checkpoint_id).where(
-                    Replica.checkpoint_id == c.id, Replica.location == DURABLE, Replica.status == "verified",
-                    Replica.manifest_sha256 == c.manifest_sha256).exists())
+            if ref.kind == "latest-durable":
+                query = query.where(_durable_copy_exists(c))
             if below is not None:
                 query = query.where(c.step < below)
             if min_policy_version is not None:
@@ -648,7 +654,7 @@ class Catalog:
 
     def next_after(self, run: str, after_step: int | None, *, newest: bool = False,
                    statuses: Sequence[str] = (Status.VERIFIED,),
-                   min_policy_version: int | None = None) -> CheckpointInfo | None:
+                   min_policy_version: int | None = None, durable: bool = False) -> CheckpointInfo | None:
         """The first (or, with ``newest``, the last) step above ``after_step`` in ``statuses``.
 
         ``None`` when there is none yet, also when the run does not exist yet:
@@ -665,6 +671,8 @@ class Catalog:
                 query = query.where(c.step > after_step)
             if min_policy_version is not None:
                 query = query.where(c.policy_version >= min_policy_version)
+            if durable:
+                query = query.where(_durable_copy_exists(c))
             row = conn.execute(query.order_by(c.step.desc() if newest else c.step.asc()).limit(1)).first()
             return self.checkpoint_infos(conn, run, [row])[0] if row is not None else None
         return self.read(fn)

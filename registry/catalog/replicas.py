@@ -246,9 +246,11 @@ class ReplicaCatalog:
                 Replica.path == claim.path, Replica.writer == writer).values(
                 status=VERIFIED, manifest_sha256=claim.manifest_sha256, updated_at=now, durable_at=now)).rowcount
             if changed:
-                run_id = conn.scalar(select(CheckpointRow.run_id).where(CheckpointRow.id == claim.checkpoint_id))
+                run_id: int = conn.execute(select(CheckpointRow.run_id)
+                                           .where(CheckpointRow.id == claim.checkpoint_id)).scalar_one()
                 Catalog.record_event(conn, run_id, claim.step, "replicate", actor=writer, location=DURABLE,
                                      path=claim.path, manifest_sha256=claim.manifest_sha256)
+                Catalog.notify(conn, run_id, claim.step, "durable")  # wakes follow(..., durable=True)
             return bool(changed)
         result: bool = self.catalog.write(fn)
         return result
