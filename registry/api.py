@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from registry.catalog.replicas import Queued, ReplicaInfo
     from registry.fs.objects import ObjectRoot
     from registry.ops.replicator import Replicator
+    from registry.ops.tierretention import TierPlan
     from registry.ops.tiers import Tiers
 
     from registry.distributed.sharded import ShardedLoad
@@ -1006,6 +1007,9 @@ class Registry:
         A step that a live fork names as its parent is kept unless ``keep_fork_parents=False``.
         """
         from registry.ops.retention import Deletion, FileDeletion, RetentionScope, make_plan
+        if self.tiers is not None:
+            raise InvalidStateError(f"{self.root_url} has a durable tier: retention is per tier, "
+                                    "plan_tier_retention(run, policy, tier='fast' or 'durable')")
         if self.objects is not None:
             from registry.ops.objectgc import ObjectDeletion
             storage: Deletion = ObjectDeletion(self.objects)
@@ -1014,6 +1018,23 @@ class Registry:
         scope = RetentionScope(catalog=self.catalog, storage=storage, actor=self.writer)
         return make_plan(scope, run, policy, now=now, protect=protect or {},
                          allow_missing_metrics=allow_missing_metrics, keep_fork_parents=keep_fork_parents)
+
+    def plan_tier_retention(self, run: str, policy: Policy, *, tier: str = "fast", force: bool = False,
+                            now: datetime | None = None, protect: Mapping[int, str] | None = None,
+                            allow_missing_metrics: bool = False) -> TierPlan:
+        """What ``policy`` keeps and deletes of ``run``'s copies on one tier (``fast`` or ``durable``).
+
+        See :mod:`registry.ops.tierretention`: deleting a copy of a step that
+        has another good copy leaves the step live; deleting its last copy
+        ends it. The fast tier keeps what is not yet durable unless ``force``.
+        """
+        from registry.ops.tierretention import make_tier_plan
+        if self.tiers is None:
+            raise InvalidStateError(f"{self.root_url} has no durable tier: use plan_retention")
+        check_flags(force=force, allow_missing_metrics=allow_missing_metrics)
+        return make_tier_plan(self.catalog, self.tiers, run, policy, tier=tier, force=force,  # type: ignore[arg-type]
+                              now=now, protect=protect or {}, allow_missing_metrics=allow_missing_metrics,
+                              actor=self.writer)
 
     def apply_retention(self, run: str, policy: Policy, *, protect: Mapping[int, str] | None = None,
                         allow_missing_metrics: bool = False, keep_fork_parents: bool = True) -> RetentionResult:
@@ -1039,6 +1060,9 @@ class Registry:
         """
         from registry.retention import RetentionWarning
         try:
+            if self.tiers is not None:  # a trainer's policy is its fast tier's
+                self.plan_tier_retention(run, policy, protect={step: "just published"}).execute()
+                return None
             return self.apply_retention(run, policy, protect={step: "just published"})
         except (RegistryError, OSError) as exc:
             warnings.warn(f"retention after publishing {run}@{step} failed: {exc}", RetentionWarning,

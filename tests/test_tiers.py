@@ -359,3 +359,73 @@ def test_follow_durable_yields_only_durable_steps(treg: Registry) -> None:
         assert list(treg.follow("run", timeout=0, durable=True)) == []
     treg.wait_durable("run", 1, timeout=60)
     assert [i.step for i in treg.follow("run", timeout=0, durable=True)] == [1]
+
+
+# --------------------------------------------------------------------------- retention per tier
+
+
+def test_fast_retention_keeps_what_is_not_durable_and_deletes_only_copies(treg: Registry) -> None:
+    from registry.retention import KeepLast
+    for step in (1, 2, 3):
+        treg.publish("run", step, make_state(step), durable=True)
+    replicator = treg._replication()
+    with replicator._drain_lock:
+        treg.publish("run", 4, make_state(4))
+        treg.publish("run", 5, make_state(5))
+        plan = treg.plan_tier_retention("run", KeepLast(1), tier="fast")
+        assert sorted(plan.delete) == [1, 2, 3] and not any(d.ends_step for d in plan.decisions)
+        assert "not durable yet" in plan.keep[4]
+        result = plan.execute()
+        assert result.deleted == (1, 2, 3) and result.ended == ()
+    for step in (1, 2, 3):
+        assert treg.catalog.get("run", step).status == Status.VERIFIED  # the step lives on, on the durable tier
+        assert not (treg.store.root / "run" / f"step-{step:08d}").exists()
+    assert treg.load("run@2").step == 2  # from the durable tier, into this host's cache
+    assert treg.fsck().clean
+    with pytest.raises(InvalidStateError, match="per tier"):
+        treg.plan_retention("run", KeepLast(1))
+
+
+def test_durable_retention_and_the_last_copy_ends_the_step(treg: Registry) -> None:
+    from registry.retention import KeepEvery, KeepLast
+    for step in (1, 2, 3, 4):
+        treg.publish("run", step, make_state(step), durable=True)
+    treg.plan_tier_retention("run", KeepLast(1), tier="fast").execute()  # fast copies of 1-3 gone
+    plan = treg.plan_tier_retention("run", KeepEvery(2), tier="durable")
+    assert sorted(plan.delete) == [1, 3]
+    assert [d.ends_step for d in plan.decisions if d.action == "delete"] == [True, True]
+    assert "@latest-durable" in plan.keep[4]
+    result = plan.execute()
+    assert result.ended == (1, 3) and result.deleted == (1, 3)
+    assert treg.catalog.get("run", 1).status == Status.DELETED
+    assert treg.catalog.get("run", 2).status == Status.VERIFIED
+    assert treg.tiers is not None
+    assert not [k for k in durable_keys(treg, "run/step-00000001")]
+    assert treg.fsck().clean
+
+
+def test_force_deletes_a_copy_not_yet_durable_and_the_step_with_it(treg: Registry) -> None:
+    from registry.retention import KeepLast
+    replicator = treg._replication()
+    with replicator._drain_lock:
+        treg.publish("run", 1, make_state(1))
+        treg.publish("run", 2, make_state(2))
+        plan = treg.plan_tier_retention("run", KeepLast(1), tier="fast", force=True)
+        assert [(d.step, d.ends_step) for d in plan.decisions if d.action == "delete"] == [(1, True)]
+        assert plan.execute().ended == (1,)
+    assert treg.catalog.get("run", 1).status == Status.DELETED
+    replicator.idle(timeout=60)
+    assert durable_copy(treg, "run", 1) is None
+
+
+def test_gc_dry_run_shows_the_plan_per_tier(catalog_url: str, fast: Path, durable: str) -> None:
+    from click.testing import CliRunner
+
+    from registry.cli import main
+    with Registry.open(catalog_url, root=fast, durable=durable) as reg:
+        for step in (1, 2):
+            reg.publish("run", step, make_state(step), durable=True)
+    out = CliRunner().invoke(main, ["--url", catalog_url, "--root", str(fast), "--durable", durable, "gc", "run",
+                                    "--keep-last", "1", "--dry-run"], catch_exceptions=False)
+    assert out.exit_code == 0, out.output
+    assert "(fast tier)" in out.output and "(durable tier)" in out.output and "DELETE" in out.output

@@ -25,7 +25,7 @@ from typing import Any
 
 from sqlalchemy import Connection, and_, delete, insert, or_, select, update
 
-from registry.catalog.models import CheckpointRow, Replica, Run
+from registry.catalog.models import CheckpointRow, Lease, Replica, Run
 from registry.catalog.queries import DURABLE, Catalog, record_replica
 from registry.catalog.session import Transactions, aware, utcnow
 from registry.records import Status
@@ -158,6 +158,33 @@ class ReplicaCatalog:
                                .where(Run.name == run, CheckpointRow.step == step, Replica.location == DURABLE,
                                       Replica.path == prefix)) is not None
         result: bool = self.catalog.read(fn)
+        return result
+
+    def copy_deleted(self, run: str, step: int, *, location: str, path: str, manifest_sha256: str | None,
+                     require: str | None, actor: str | None) -> str | None:
+        """Mark ``location``'s copy of ``run@step`` at ``path`` ``deleted`` (recorded if it had no row); None when
+        it was, else why not. Compare-and-set, in one transaction: the step still holds ``manifest_sha256``,
+        no reader holds a lease on it, and ``require`` (a location) still has a verified copy of it."""
+        def fn(conn: Connection) -> str | None:
+            row = conn.execute(select(CheckpointRow.id, CheckpointRow.run_id, CheckpointRow.manifest_sha256)
+                               .join(Run, Run.id == CheckpointRow.run_id)
+                               .where(Run.name == run, CheckpointRow.step == step)).first()
+            if row is None or (manifest_sha256 is not None and row.manifest_sha256 != manifest_sha256):
+                return "the step changed since the plan"
+            leased = conn.scalar(select(Lease.id).where(Lease.checkpoint_id == row.id, Lease.expires_at > utcnow())
+                                 .limit(1))
+            if leased is not None:
+                return "leased by a reader"
+            if require is not None and conn.scalar(select(Replica.checkpoint_id).where(
+                    Replica.checkpoint_id == row.id, Replica.location == require, Replica.status == VERIFIED,
+                    Replica.manifest_sha256 == row.manifest_sha256)) is None:
+                return f"its {require} copy is no longer verified"
+            record_replica(conn, row.id, location=location, status=DELETED, path=path,
+                           manifest_sha256=row.manifest_sha256, writer=actor)
+            Catalog.record_event(conn, row.run_id, step, "replica-deleted", actor=actor, location=location,
+                                 path=path)
+            return None
+        result: str | None = self.catalog.write(fn)
         return result
 
     def has_durable(self) -> bool:
