@@ -429,3 +429,43 @@ def test_gc_dry_run_shows_the_plan_per_tier(catalog_url: str, fast: Path, durabl
                                     "--keep-last", "1", "--dry-run"], catch_exceptions=False)
     assert out.exit_code == 0, out.output
     assert "(fast tier)" in out.output and "(durable tier)" in out.output and "DELETE" in out.output
+
+
+# --------------------------------------------------------------------------- faults
+
+
+def test_durable_tier_down_the_trainer_goes_on_and_the_queue_catches_up(
+        catalog_url: str, tmp_path: Path, s3_env: object, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    from registry.retention import KeepLast
+    from tests.test_s3_faults import FAST, Private
+    server = Private(tmp_path / "weed")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", server.endpoint)
+    try:
+        from tests import s3server
+        bucket = s3server.new_bucket(s3server.Server(endpoint=server.endpoint))
+        caplog.set_level(logging.INFO, logger="registry.ops.replicator")
+        with Registry.open(catalog_url, root=tmp_path / "fast", durable=f"s3://{bucket}/ckpt",
+                           storage_options=FAST) as reg:
+            reg.publish("run", 1, make_state(1), durable=True)
+            server.kill()
+            for step in (2, 3, 4):  # the fast tier's commit is all a publish waits for
+                assert reg.publish("run", step, make_state(step)).status == Status.VERIFIED
+            with pytest.raises(TimeoutError, match="cannot"):
+                reg.wait_durable("run", 4, timeout=20)
+            result = reg.plan_tier_retention("run", KeepLast(1), tier="fast").execute()
+            assert result.deleted == (1,)  # durable already; 2 and 3 are not, and stay
+            assert all((reg.store.root / "run" / f"step-{s:08d}").is_dir() for s in (2, 3, 4))
+            assert_state_equal(reg.load("run@3").state_dict, make_state(3))  # loads go on from the fast tier
+            server.restart()
+            for step in (2, 3, 4):
+                assert reg.wait_durable("run", step, timeout=120).status == "verified"
+            assert [c.status for c in reg.checkpoints("run")] == [Status.VERIFIED] * 4
+        outages = [r for r in caplog.records if "is failing" in r.getMessage()]
+        assert len(outages) == 1, [r.getMessage() for r in outages]
+        assert any("answers again" in r.getMessage() for r in caplog.records)
+    finally:
+        server.kill()
+
