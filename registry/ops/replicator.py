@@ -158,6 +158,8 @@ class Replicator:
                     if outcome:
                         done += 1
                         progressed = True
+                        with self._state:
+                            self._state.notify_all()  # wakes wait_durable at once
                     else:
                         skipped.add(item.checkpoint_id)
                 if not progressed:
