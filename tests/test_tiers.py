@@ -254,12 +254,13 @@ def test_latest_falls_back_past_a_step_no_host_here_can_read(catalog_url: str, f
 
 
 CHILD_RANK = """
-    import sys, json, torch
+    import sys, json, hashlib, torch
     from registry import Registry
     url, fast, durable, out = sys.argv[1:5]
     with Registry.open(url, root=fast, durable=durable) as reg:
         ck = reg.load("run@latest")
-        json.dump({"step": ck.step, "sum": float(ck.state_dict["w"].sum())}, open(out, "w"))
+        digest = hashlib.sha256(ck.state_dict["w"].numpy().tobytes()).hexdigest()
+        json.dump({"step": ck.step, "sha256": digest}, open(out, "w"))
 """
 
 
@@ -278,8 +279,9 @@ def test_two_hosts_a_step_from_a_resumes_on_b_downloaded_once_for_two_ranks(
     for p in procs:
         _, err = p.communicate(timeout=120)
         assert p.returncode == 0, err
+    import hashlib
     for out in outs:
-        assert json.loads(out.read_text()) == {"step": 7, "sum": float(w.sum())}
+        assert json.loads(out.read_text()) == {"step": 7, "sha256": hashlib.sha256(w.numpy().tobytes()).hexdigest()}
     cache = host_b / ".registry" / "cache" / "run"
     assert len([d for d in cache.iterdir() if d.is_dir() and not d.name.startswith(".")]) == 1
     assert not [d for d in cache.iterdir() if ".tmp-" in d.name]
@@ -469,3 +471,39 @@ def test_durable_tier_down_the_trainer_goes_on_and_the_queue_catches_up(
     finally:
         server.kill()
 
+
+
+CHILD_GROUP_RANK = """
+    import sys, json, hashlib, torch, torch.distributed as dist
+    from registry import Registry
+    rank, port, url, fast, durable, out = int(sys.argv[1]), sys.argv[2], *sys.argv[3:7]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    with Registry.open(url, root=fast, durable=durable, create=rank == 0) as reg:
+        ck = reg.load("run@latest", broadcast=True, strategy="broadcast", timeout=60)
+    digest = hashlib.sha256(ck.state_dict["w"].numpy().tobytes()).hexdigest()
+    json.dump({"step": ck.step, "sha256": digest}, open(out, "w"))
+    dist.destroy_process_group()
+"""
+
+
+def test_a_process_group_on_a_fresh_host_loads_through_the_cache(catalog_url: str, durable: str,
+                                                                 tmp_path: Path) -> None:
+    from tests.helpers import free_port
+    w = torch.arange(100_000, dtype=torch.float32)
+    with Registry.open(catalog_url, root=tmp_path / "host-a", durable=durable) as a:
+        a.publish("run", 3, {"w": w}, durable=True)
+    host_b = tmp_path / "host-b"
+    with Registry.open(catalog_url, root=host_b, durable=durable):
+        pass  # the fresh host's fast root, empty but for its tier marker
+    port, code = str(free_port()), textwrap.dedent(CHILD_GROUP_RANK)
+    outs = [tmp_path / f"g{r}.json" for r in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(r), port, catalog_url, str(host_b), durable,
+                               str(outs[r])], env={**child_env(), "OMP_NUM_THREADS": "1"}, stderr=subprocess.PIPE,
+                              text=True) for r in range(2)]
+    for p in procs:
+        _, err = p.communicate(timeout=180)
+        assert p.returncode == 0, err
+    import hashlib
+    expected = {"step": 3, "sha256": hashlib.sha256(w.numpy().tobytes()).hexdigest()}
+    assert [json.loads(o.read_text()) for o in outs] == [expected] * 2
+    assert (host_b / ".registry" / "cache" / "run").is_dir()

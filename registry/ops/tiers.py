@@ -213,6 +213,27 @@ def read_nearest(tiers: Tiers, catalog: Catalog, info: CheckpointInfo, *, verify
                           run=info.run, step=info.step, path=info.path) from exc
 
 
+def local_directory(tiers: Tiers, catalog: Catalog, info: CheckpointInfo, *, holder: str) -> Path:
+    """A directory of this host holding ``info``'s payload, for a mapped (distributed) load: the fast copy when it
+    is here, else this host's cached download of the durable copy (``NoCopyError`` when there is none)."""
+    if info.path.is_dir():
+        return info.path
+    replicas = ReplicaCatalog(catalog)
+    durable = replicas.copy(info.run, info.step, DURABLE, manifest_sha256=info.manifest_sha256)
+    if durable is None:
+        raise NoCopyError(f"{info.run}@{info.step} has no copy this host can read: it is not on the fast tier "
+                          f"{tiers.fast.root} and has no verified durable copy yet", run=info.run, step=info.step,
+                          path=info.path)
+    cached = tiers.fast.root / cache_relpath(info)
+    with _host_lock(cached.parent / f".{cached.name}.lock"):
+        if not (cached / "manifest.json").is_file():
+            _download(tiers, durable.path, cached, info)
+            replicas.record(info.run, info.step, location=tiers.location, status="verified",
+                            path=cache_relpath(info), manifest_sha256=info.manifest_sha256 or "", writer=holder,
+                            event="cached")
+    return cached
+
+
 def _read_cached(tiers: Tiers, replicas: ReplicaCatalog, prefix: str, info: CheckpointInfo,
                  read: Callable[[Path, bool], Loaded], *, verify: bool, holder: str) -> Loaded:
     """This host's cached copy of ``info``, downloaded from ``prefix`` on the durable tier if it has none yet."""
