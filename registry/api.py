@@ -44,7 +44,11 @@ if TYPE_CHECKING:  # and what only some methods use, imported there: a CLI listi
     from registry.ops.scrub import VerifyResult
     import torch
 
+    from registry.catalog.replicas import Queued, ReplicaInfo
     from registry.fs.objects import ObjectRoot
+    from registry.ops.replicator import Replicator
+    from registry.ops.tierretention import TierPlan
+    from registry.ops.tiers import Tiers
 
     from registry.distributed.sharded import ShardedLoad
     from registry.distributed.sharded_async import PublishGroups
@@ -121,8 +125,10 @@ class Registry:
 
     def __init__(self, *, catalog: Catalog, store: Store | None, url: str,
                  lease_ttl: timedelta = timedelta(minutes=30), read_only: bool = False, dedup: bool = False,
-                 objects: ObjectRoot | None = None) -> None:
+                 objects: ObjectRoot | None = None, tiers: Tiers | None = None) -> None:
         self.catalog = catalog
+        self.tiers = tiers  # a fast root with a durable tier (registry.ops.tiers); None for a plain root
+        self._replicator: Replicator | None = None
         self.dedup = dedup
         self._store = store
         self.objects = objects  # the object-store root (``s3://``); None for a filesystem root
@@ -141,7 +147,7 @@ class Registry:
     def open(cls, url: str | None = None, root: str | os.PathLike[str] | None = None, *,
              migrate: bool = True, lease_ttl: timedelta = timedelta(minutes=30), create: bool = True,
              read_only: bool = False, rebind_root: bool = False, dedup: bool = False,
-             storage_options: Mapping[str, Any] | None = None) -> Registry:
+             storage_options: Mapping[str, Any] | None = None, durable: str | None = None) -> Registry:
         """Open the catalog and the root, and check that they belong together.
 
         ``root`` defaults to ``$REGISTRY_ROOT`` or ``./checkpoints``; ``url`` to
@@ -169,11 +175,23 @@ class Registry:
         credentials come from the standard AWS environment, overridden by
         ``storage_options`` (obstore's S3 configuration keys); they are never
         logged, stored or shown. The bucket must exist. Dedup does not apply.
+
+        ``durable`` (default ``$REGISTRY_DURABLE``): an ``s3://`` root that is
+        the durable tier of the filesystem root ``root`` (the fast tier): every
+        step published here is replicated there in the background, and loads
+        read the nearest verified copy (see :mod:`registry.ops.tiers`). The
+        durable root is the one bound to the catalog; ``storage_options``
+        apply to it.
         """
         from registry.catalog.session import cannot_write
 
         check_flags(dedup=dedup)
         located, url = locations(url, root)
+        durable = durable if durable is not None else (os.environ.get("REGISTRY_DURABLE") or None)
+        if durable is not None:
+            return cls._open_tiers(url, located, durable, storage_options=storage_options, migrate=migrate,
+                                   lease_ttl=lease_ttl, create=create, read_only=read_only,
+                                   rebind_root=rebind_root, dedup=dedup)
         if isinstance(located, str):
             return cls._open_objects(url, located, storage_options=storage_options, migrate=migrate,
                                      lease_ttl=lease_ttl, create=create, read_only=read_only,
@@ -214,8 +232,57 @@ class Registry:
         read_only = read_only or cannot_write(url)
         catalog = _bound_catalog(url, objects, migrate=migrate, create=create, read_only=read_only,
                                  rebind=rebind_root)
+        try:
+            from registry.ops.tiers import refuse_durable_as_root
+            refuse_durable_as_root(catalog, root)
+        except BaseException:
+            catalog.close()
+            raise
         return cls(catalog=catalog, store=None, url=url, lease_ttl=lease_ttl, read_only=read_only,
                    objects=objects)
+
+    @classmethod
+    def _open_tiers(cls, url: str, fast: Path | str, durable: str, *, storage_options: Mapping[str, Any] | None,
+                    migrate: bool, lease_ttl: timedelta, create: bool, read_only: bool, rebind_root: bool,
+                    dedup: bool) -> Registry:
+        """:meth:`open` with a durable tier: the durable root bound to the catalog, the fast root its tier."""
+        from registry.catalog.identity import read_identity
+        from registry.catalog.session import cannot_write
+        from registry.fs.objects import ObjectRoot
+        from registry.ops.tiers import Tiers, open_tier
+
+        if isinstance(fast, str):
+            raise RootError(f"the fast tier must be a filesystem root, not {fast}; pass the s3:// root as durable=")
+        if not is_object_url(durable):
+            raise RootError(f"durable={durable!r}: the durable tier must be an s3:// root (s3://BUCKET/PREFIX)")
+        objects = ObjectRoot.open(durable, storage_options)
+        read_only = read_only or cannot_write(url)
+        store = Store(fast, create=create and not read_only)
+        catalog = _bound_catalog(url, objects, migrate=migrate, create=create, read_only=read_only,
+                                 rebind=rebind_root)
+        try:
+            tier_id = open_tier(store, catalog_id=read_identity(catalog.engine).catalog_id,
+                                create=create and not read_only)
+        except BaseException:
+            catalog.close()
+            raise
+        reg = cls(catalog=catalog, store=store, url=url, lease_ttl=lease_ttl, read_only=read_only,
+                  dedup=bool(dedup), tiers=Tiers(fast=store, durable=objects, tier_id=tier_id))
+        if create and not read_only:
+            reg._replication().kick()  # a queue left by an earlier process (killed, or its tier was down)
+        return reg
+
+    def _replication(self) -> Replicator:
+        """The tiered root's replicator (made on first use); ``InvalidStateError`` without a durable tier."""
+        if self.tiers is None:
+            raise InvalidStateError(f"{self.root_url} has no durable tier: open it with durable=s3://...")
+        if self.read_only:
+            raise ReadOnlyError("this registry is read-only: it replicates nothing")
+        if self._replicator is None:
+            from registry.ops.replicator import Replicator
+            self._replicator = Replicator(catalog=self.catalog, fast_root=self.tiers.fast.root,
+                                          durable=self.tiers.durable, writer=writer_id)
+        return self._replicator
 
     @property
     def store(self) -> Store:
@@ -251,6 +318,8 @@ class Registry:
         finally:
             self._closed = True
             self._background.shutdown()
+            if self._replicator is not None:
+                self._replicator.close(wait=True)
             self._snapshots.clear()
             self.catalog.close()
         self._background.raise_error()
@@ -279,7 +348,8 @@ class Registry:
                 verify: bool = True, max_shard_size: int | None = None,
                 retention: Policy | None = None, blocking: Literal[True] = True,
                 trust_pickle: bool = False, parent: str | Ref | None = None, sharded: bool = False,
-                group: Any = None, timeout: float | None = None, dedup: bool | None = None) -> CheckpointInfo: ...
+                group: Any = None, timeout: float | None = None, dedup: bool | None = None,
+                durable: bool = False) -> CheckpointInfo: ...
 
     @overload
     def publish(self, run: str, step: int, state_dict: Mapping[str, torch.Tensor], *,
@@ -291,7 +361,7 @@ class Registry:
                 retention: Policy | None = None, blocking: Literal[False],
                 trust_pickle: bool = False, parent: str | Ref | None = None, sharded: bool = False,
                 group: Any = None, timeout: float | None = None,
-                dedup: bool | None = None) -> Future[CheckpointInfo]: ...
+                dedup: bool | None = None, durable: bool = False) -> Future[CheckpointInfo]: ...
 
     @overload
     def publish(self, run: str, step: int, state_dict: Mapping[str, torch.Tensor], *,
@@ -303,7 +373,7 @@ class Registry:
                 retention: Policy | None = None, blocking: bool,
                 trust_pickle: bool = False, parent: str | Ref | None = None, sharded: bool = False,
                 group: Any = None, timeout: float | None = None,
-                dedup: bool | None = None) -> CheckpointInfo | Future[CheckpointInfo]: ...
+                dedup: bool | None = None, durable: bool = False) -> CheckpointInfo | Future[CheckpointInfo]: ...
 
     def publish(self, run: str, step: int, state_dict: Mapping[str, torch.Tensor], *,
                 extra: Mapping[str, Any] | None = None, config: Mapping[str, Any] | None = None,
@@ -314,7 +384,7 @@ class Registry:
                 retention: Policy | None = None, blocking: bool = True,
                 trust_pickle: bool = False, parent: str | Ref | None = None, sharded: bool = False,
                 group: Any = None, timeout: float | None = None,
-                dedup: bool | None = None) -> CheckpointInfo | Future[CheckpointInfo]:
+                dedup: bool | None = None, durable: bool = False) -> CheckpointInfo | Future[CheckpointInfo]:
         """Atomically publish ``state_dict`` and friends as ``run@step``.
 
         Returns the ``CheckpointInfo``; with ``blocking=False`` a
@@ -353,9 +423,17 @@ class Registry:
 
         ``dedup``: link large files a verified step of the run already holds
         (see :mod:`registry.fs.dedup`); None takes the registry's ``dedup``.
+
+        On a root with a durable tier the publish returns once the fast tier's
+        commit is done and the step is replicated in the background;
+        ``durable=True`` waits for its durable copy too (see :meth:`wait_durable`).
         """
         if dedup is not None:
             check_flags(dedup=dedup)
+        check_flags(durable=durable)
+        if durable and (self.tiers is None or blocking is False or sharded is not False):
+            raise InvalidStateError("publish(durable=True) needs a root with a durable tier and a blocking, "
+                                    "unsharded publish; call wait_durable() after the future instead")
         dedup = self.dedup if dedup is None else bool(dedup)
         if self.objects is not None and (sharded is not False or dedup):
             what = "sharded publish" if sharded is not False else "dedup"
@@ -390,7 +468,10 @@ class Registry:
             return self._submit_publish(job)
         self._background.wait()  # publishes commit in call order, background ones first
         self._background.raise_error()
-        return self._run_publish(job)
+        info = self._run_publish(job)
+        if durable:
+            self.wait_durable(run, step)
+        return info
 
     def _parent_lineage(self, parent: str | Ref | None) -> LineageRecord | None:
         """``publish(..., parent=REF)``: the fork this step records, resolved before anything is claimed."""
@@ -490,6 +571,8 @@ class Registry:
             info = publish_sequence(self.catalog, target,
                                     lambda prefix, _reuse: upload_payload(objects, prefix, job.payload),
                                     self._hooks(job), ObjectLanding(objects, target.relpath))
+        if self.tiers is not None and not self.read_only:
+            self._replication().kick()
         if job.retention is not None:
             self._retention_after_publish(job.run, job.step, job.retention)
         return self.placed(info)
@@ -506,7 +589,75 @@ class Registry:
                       consumed_samples=job.payload.meta["consumed_samples"])
 
     def _hooks(self, job: _PublishJob) -> CommitHooks:
-        return self._attempts.hooks(job.run, job.step, metrics=job.new_metrics, tags=job.tags, lineage=job.lineage)
+        hooks = self._attempts.hooks(job.run, job.step, metrics=job.new_metrics, tags=job.tags, lineage=job.lineage)
+        if self.tiers is not None:
+            from registry.ops.tiers import FastCopyHooks
+            relpath = self.store.relpath(self.store.step_dir(job.run, job.step))
+            return FastCopyHooks(hooks, location=self.tiers.location, path=relpath)
+        return hooks
+
+    # ------------------------------------------------------------------ tiers
+
+    def wait_durable(self, run: str, step: int, *, timeout: float | None = None) -> ReplicaInfo:
+        """Wait until ``run@step`` has a verified copy on the durable tier; returns that copy.
+
+        Replication runs on this registry's background thread (started here
+        if needed); a copy made by another process counts too. Raises
+        ``TimeoutError`` when ``timeout`` seconds pass first (the queue keeps
+        the step: it becomes durable later).
+        """
+        from registry.catalog.replicas import DURABLE, ReplicaCatalog
+        check_run_name(run)
+        check_step(step)
+        info = self.catalog.resolve(Ref(run=run, kind="step", step=step))
+        replicator = self._replication()
+        if not replicator.wait_durable(run, step, info.manifest_sha256, timeout=timeout):
+            why = f": {replicator.failing}" if replicator.failing is not None else ""
+            raise TimeoutError(f"{run}@{step} has no durable copy after {timeout} s{why}")
+        copy = ReplicaCatalog(self.catalog).copy(run, step, DURABLE, manifest_sha256=info.manifest_sha256)
+        assert copy is not None
+        return copy
+
+    def replicate(self, run: str | None = None, *, wait: bool = False, timeout: float | None = None) -> int:
+        """Replicate the queued steps whose fast copy is on this root, here and now; how many were.
+
+        ``registry replicate``. Without ``wait`` a ``StorageError`` (the durable
+        tier down) is raised; with it the queue is retried with backoff until
+        it drained or ``timeout`` seconds passed (then ``TimeoutError``).
+        """
+        import time
+
+        from registry.ops.replicator import BACKOFF_MAX, BACKOFF_START
+        from registry.errors import StorageError
+        if run is not None:
+            check_run_name(run)
+        replicator = self._replication()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        before, backoff = replicator.replicated, BACKOFF_START
+        while True:
+            try:
+                replicator.drain(run=run)
+                return replicator.replicated - before
+            except StorageError as exc:
+                if not wait or (deadline is not None and time.monotonic() + backoff > deadline):
+                    if wait:
+                        raise TimeoutError(f"the queue did not drain in {timeout} s: {exc}") from exc
+                    raise
+                log.warning("replicate: %s; retrying in %.1f s", exc, backoff)
+                time.sleep(backoff)
+                backoff = min(BACKOFF_MAX, backoff * 2)
+
+    def replication_queue(self, run: str | None = None) -> list[Queued]:
+        """The steps of this fast root (of ``run``, or of every run) still waiting for their durable copy, in order."""
+        if run is not None:
+            check_run_name(run)
+        return self._replication().local_queue(run=run)
+
+    def replicas(self, run: str, step: int | None = None) -> list[ReplicaInfo]:
+        """Every recorded copy of ``run``'s steps (of one ``step``): tier, status, path, when it became durable."""
+        from registry.catalog.replicas import ReplicaCatalog
+        check_run_name(run)
+        return ReplicaCatalog(self.catalog).replicas(run, step)
 
     # ------------------------------------------------------------------ metrics
 
@@ -727,7 +878,8 @@ class Registry:
     def _reader(self) -> reading.ReadAccess:
         from registry.ops import reading
         return reading.ReadAccess(catalog=self.catalog, root=self._store.root if self._store is not None else Path(),
-                                  holder=self.writer, lease_ttl=self.lease_ttl, objects=self.objects)
+                                  holder=self.writer, lease_ttl=self.lease_ttl, objects=self.objects,
+                                  tiers=self.tiers)
 
     def read_checked(self, info: CheckpointInfo, *, verify: bool, map_location: Any,
                      trust_pickle: bool) -> Any:
@@ -834,15 +986,19 @@ class Registry:
         return self.placed(info) if info is not None else None
 
     def follow(self, run: str, after_step: int | None = None, *, timeout: float | None = None,
-               newest: bool = False, min_policy_version: int | None = None) -> Iterator[CheckpointInfo]:
+               newest: bool = False, min_policy_version: int | None = None,
+               durable: bool = False) -> Iterator[CheckpointInfo]:
         """Yield each new verified step of ``run`` above ``after_step`` as it is published.
 
         Stops when ``timeout`` seconds pass without a new step (``None``: never).
         Keeps one listener open across steps, so nothing published between two
-        yields is missed.
+        yields is missed. ``durable=True`` yields only steps with a verified
+        copy on the durable tier, as each becomes durable.
         """
         from registry.ops.follow import Follower
-        with Follower(self.catalog, run, newest=newest, min_policy_version=min_policy_version) as follower:
+        check_flags(durable=durable)
+        with Follower(self.catalog, run, newest=newest, min_policy_version=min_policy_version,
+                      durable=durable) as follower:
             while (info := follower.wait(after_step, timeout=timeout)) is not None:
                 after_step = info.step
                 yield self.placed(info)
@@ -861,6 +1017,9 @@ class Registry:
         A step that a live fork names as its parent is kept unless ``keep_fork_parents=False``.
         """
         from registry.ops.retention import Deletion, FileDeletion, RetentionScope, make_plan
+        if self.tiers is not None:
+            raise InvalidStateError(f"{self.root_url} has a durable tier: retention is per tier, "
+                                    "plan_tier_retention(run, policy, tier='fast' or 'durable')")
         if self.objects is not None:
             from registry.ops.objectgc import ObjectDeletion
             storage: Deletion = ObjectDeletion(self.objects)
@@ -869,6 +1028,23 @@ class Registry:
         scope = RetentionScope(catalog=self.catalog, storage=storage, actor=self.writer)
         return make_plan(scope, run, policy, now=now, protect=protect or {},
                          allow_missing_metrics=allow_missing_metrics, keep_fork_parents=keep_fork_parents)
+
+    def plan_tier_retention(self, run: str, policy: Policy, *, tier: str = "fast", force: bool = False,
+                            now: datetime | None = None, protect: Mapping[int, str] | None = None,
+                            allow_missing_metrics: bool = False) -> TierPlan:
+        """What ``policy`` keeps and deletes of ``run``'s copies on one tier (``fast`` or ``durable``).
+
+        See :mod:`registry.ops.tierretention`: deleting a copy of a step that
+        has another good copy leaves the step live; deleting its last copy
+        ends it. The fast tier keeps what is not yet durable unless ``force``.
+        """
+        from registry.ops.tierretention import make_tier_plan
+        if self.tiers is None:
+            raise InvalidStateError(f"{self.root_url} has no durable tier: use plan_retention")
+        check_flags(force=force, allow_missing_metrics=allow_missing_metrics)
+        return make_tier_plan(self.catalog, self.tiers, run, policy, tier=tier, force=force,  # type: ignore[arg-type]
+                              now=now, protect=protect or {}, allow_missing_metrics=allow_missing_metrics,
+                              actor=self.writer)
 
     def apply_retention(self, run: str, policy: Policy, *, protect: Mapping[int, str] | None = None,
                         allow_missing_metrics: bool = False, keep_fork_parents: bool = True) -> RetentionResult:
@@ -894,6 +1070,9 @@ class Registry:
         """
         from registry.retention import RetentionWarning
         try:
+            if self.tiers is not None:  # a trainer's policy is its fast tier's
+                self.plan_tier_retention(run, policy, protect={step: "just published"}).execute()
+                return None
             return self.apply_retention(run, policy, protect={step: "just published"})
         except (RegistryError, OSError) as exc:
             warnings.warn(f"retention after publishing {run}@{step} failed: {exc}", RetentionWarning,
@@ -987,6 +1166,11 @@ class Registry:
         ``progress`` hears of the bytes re-hashed.
         """
         from registry.ops.fsck import run_fsck
+        if self.tiers is not None:
+            from registry.ops.tierfsck import run_tier_fsck
+            return run_tier_fsck(catalog=self.catalog, tiers=self.tiers,
+                                 replicator=None if self.read_only else self._replication(), repair=repair,
+                                 checksums=checksums, actor=self.writer, progress=progress)
         if self.objects is not None:
             from registry.ops.objectfsck import run_object_fsck
             return run_object_fsck(catalog=self.catalog, root=self.objects, repair=repair, checksums=checksums,

@@ -27,6 +27,8 @@ POINTS = (
     "sharded-rank-after-write",   # sharded publish, a rank other than 0: its DCP files written and fsync'd,
                                   # digests not yet sent
     "sharded-after-gather",  # sharded publish, rank 0: every rank's digests in hand, manifest not yet written
+    "replicate-after-claim",   # tiers: the durable copy's attempt prefix claimed (pending), nothing uploaded
+    "replicate-after-upload",  # tiers: every file of the durable copy uploaded, the manifest not yet
     "migrate-before-commit",  # schema migration: every revision applied, its transaction not yet committed
 )
 

@@ -125,6 +125,14 @@ class CheckpointDeletedError(CheckpointNotFoundError):
     """The step stopped being loadable (retention deleted it) between resolving it and reading it."""
 
 
+class NoCopyError(CheckpointNotFoundError):
+    """A tiered root's step with no copy this host can read: not on its fast tier, and not yet durable.
+
+    Not evidence against the step (another host's fast tier may hold it):
+    nothing is marked; ``@latest`` goes on to an older step.
+    """
+
+
 class AsyncPublishError(RegistryError, RuntimeError):
     """A background publish (``blocking=False``) failed; raised once on the next call.
 

@@ -155,6 +155,27 @@ Lease = Table(
 )
 
 
+REPLICA_STATUSES = ("pending", "published", "verified", "corrupt", "deleted")
+REPLICA_STATUS_SQL = "status IN (" + ", ".join(f"'{s}'" for s in REPLICA_STATUSES) + ")"
+
+
+# One copy of a step on one storage tier (``fast:<tier id>`` or ``durable``; see ``registry.catalog.replicas``).
+Replica = Table(
+    "checkpoint_replicas", metadata,
+    Column("checkpoint_id", Integer, ForeignKey("checkpoints.id", ondelete="CASCADE"), primary_key=True),
+    Column("location", String(64), primary_key=True),
+    Column("status", String(16), nullable=False),
+    Column("path", String(1024), nullable=False),
+    Column("manifest_sha256", String(64)),
+    Column("writer", String(255)),
+    Column("created_at", DateTime(timezone=True), nullable=False),
+    Column("updated_at", DateTime(timezone=True), nullable=False),
+    Column("durable_at", DateTime(timezone=True)),
+    CheckConstraint(REPLICA_STATUS_SQL, name="status"),
+    Index("ix_checkpoint_replicas_location_status", "location", "status"),
+)
+
+
 # The catalog's one identity row: its id, and whether a checkpoint root is bound to it.
 #
 # The bound root carries the same id in ``<root>/.registry/root.json``; the

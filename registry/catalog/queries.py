@@ -22,7 +22,7 @@ from sqlalchemy import (Connection, Engine, and_, bindparam, delete, func, inser
 from sqlalchemy.exc import DBAPIError, IntegrityError
 
 from registry.catalog.lineage import record_lineage
-from registry.catalog.models import (Attempt, CheckpointFile, CheckpointRow, Event, Lease, Metric,
+from registry.catalog.models import (Attempt, CheckpointFile, CheckpointRow, Event, Lease, Metric, Replica,
                                      Run, Tag)
 from registry.catalog.records import Claim, CommitRecord, FileRecord
 from registry.catalog.session import (aware, catalog_name, failure_reason, head_revision, open_engine, read_engine,
@@ -40,6 +40,31 @@ def replace_files(conn: Connection, checkpoint_id: int, files: Iterable[FileReco
     rows = [{"checkpoint_id": checkpoint_id, "name": f.name, "size": f.size, "sha256": f.sha256} for f in files]
     if rows:
         conn.execute(insert(CheckpointFile), rows)
+
+
+DURABLE = "durable"  # the replica location of the durable tier (see registry.catalog.replicas)
+
+
+def record_replica(conn: Connection, checkpoint_id: int, *, location: str, status: str, path: str,
+                   manifest_sha256: str | None, writer: str | None) -> None:
+    """Make ``location``'s copy of the step this row (in the caller's transaction)."""
+    now = utcnow()
+    values: dict[str, Any] = dict(status=status, path=path, manifest_sha256=manifest_sha256, writer=writer,
+                                  updated_at=now)
+    if location == DURABLE and status == "verified":
+        values["durable_at"] = now
+    changed = conn.execute(update(Replica).where(Replica.c.checkpoint_id == checkpoint_id,
+                                                 Replica.c.location == location).values(**values)).rowcount
+    if not changed:
+        conn.execute(insert(Replica).values(checkpoint_id=checkpoint_id, location=location, created_at=now,
+                                            **values))
+
+
+def _durable_copy_exists(c: Any) -> Any:
+    """The condition that the checkpoint row ``c`` has a verified durable copy of its own payload."""
+    return select(Replica.c.checkpoint_id).where(
+        Replica.c.checkpoint_id == c.id, Replica.c.location == DURABLE, Replica.c.status == "verified",
+        Replica.c.manifest_sha256 == c.manifest_sha256).exists()
 
 
 WriterAlive = Callable[[str | None, datetime | None], bool]  # (writer, row last refreshed at) -> may still write
@@ -400,6 +425,9 @@ class Catalog:
                               **again)
             for name in record.tags:
                 self._set_tag(conn, claim.run_id, step, cid, name, actor=writer)
+            if record.replica is not None:
+                record_replica(conn, cid, location=record.replica[0], status=payload.status, path=record.replica[1],
+                               manifest_sha256=payload.manifest_sha256, writer=writer)
             self.notify(conn, claim.run_id, step, payload.status)
             row = conn.execute(select(CheckpointRow, Run.c.name.label("run_name"))
                                .join(Run, Run.c.id == CheckpointRow.c.run_id).where(CheckpointRow.c.id == cid)).one()
@@ -407,7 +435,8 @@ class Catalog:
         info: CheckpointInfo = self.write(fn)
         return info
 
-    def notify(self, conn: Connection, run_id: int, step: int | None, status: str) -> None:
+    @staticmethod
+    def notify(conn: Connection, run_id: int, step: int | None, status: str) -> None:
         """Wake PostgreSQL followers of the run when the caller's transaction commits."""
         if conn.dialect.name == "postgresql":
             run = conn.scalar(select(Run.c.name).where(Run.c.id == run_id))
@@ -550,15 +579,18 @@ class Catalog:
         query = select(CheckpointRow)
         if ref.kind not in ("best", "tag"):  # those constrain the run through their join: one subquery
             query = query.where(c.run_id == run_id)
-        if ref.kind in ("latest", "latest-published"):
+        if ref.kind in ("latest", "latest-published", "latest-durable"):
             statuses = (Status.VERIFIED,) if ref.kind == "latest" else LIVE
             query = query.where(c.status.in_(statuses))
+            if ref.kind == "latest-durable":
+                query = query.where(_durable_copy_exists(c))
             if below is not None:
                 query = query.where(c.step < below)
             if min_policy_version is not None:
                 query = query.where(c.policy_version >= min_policy_version)
             query = query.order_by(c.step.desc()).limit(1)
-            what = f"no {'verified' if ref.kind == 'latest' else 'published'} checkpoint"
+            what = {"latest": "no verified checkpoint", "latest-published": "no published checkpoint",
+                    "latest-durable": "no checkpoint with a verified durable copy"}[ref.kind]
             if min_policy_version is not None:
                 what += f" with policy version >= {min_policy_version}"
         elif ref.kind == "step":
@@ -585,7 +617,8 @@ class Catalog:
         """The checkpoint a ref names now (the grammar is in docs/refs.md).
 
         - ``latest``: the newest ``verified`` step; ``latest-published``: the
-          newest ``published`` or ``verified`` one. ``below`` restricts them to
+          newest ``published`` or ``verified`` one; ``latest-durable``: the newest
+          live one with a ``verified`` copy of its payload on the durable tier. ``below`` restricts them to
           older steps (the loader's fallback past a corrupt step) and
           ``min_policy_version`` to steps whose policy version is at least that.
         - ``best:METRIC[:min|max]``: among ``published``/``verified`` steps, the
@@ -622,7 +655,7 @@ class Catalog:
 
     def next_after(self, run: str, after_step: int | None, *, newest: bool = False,
                    statuses: Sequence[str] = (Status.VERIFIED,),
-                   min_policy_version: int | None = None) -> CheckpointInfo | None:
+                   min_policy_version: int | None = None, durable: bool = False) -> CheckpointInfo | None:
         """The first (or, with ``newest``, the last) step above ``after_step`` in ``statuses``.
 
         ``None`` when there is none yet, also when the run does not exist yet:
@@ -639,6 +672,8 @@ class Catalog:
                 query = query.where(c.step > after_step)
             if min_policy_version is not None:
                 query = query.where(c.policy_version >= min_policy_version)
+            if durable:
+                query = query.where(_durable_copy_exists(c))
             row = conn.execute(query.order_by(c.step.desc() if newest else c.step.asc()).limit(1)).first()
             return self.checkpoint_infos(conn, run, [row])[0] if row is not None else None
         return self.read(fn)

@@ -77,6 +77,7 @@ class CommitRecord:
     tags: Sequence[str] = ()
     resumed_from: int | None = None
     lineage: LineageRecord | None = None  # an explicit parent or an import; else the attempt says
+    replica: tuple[str, str] | None = None  # (location, path) of the copy a tiered root's publish made
 
 
 __all__ = ["Claim", "CommitRecord", "FileRecord", "LineageRecord", "PayloadRecord"]

@@ -25,8 +25,9 @@ CREATORS = frozenset({"import", "db"})  # may create the root and the catalog; o
 
 class State:
     def __init__(self, url: str | None, root: str | None, *, command: str | None = None,
-                 read_only: bool = False, quiet: bool = False) -> None:
+                 read_only: bool = False, quiet: bool = False, durable: str | None = None) -> None:
         self.url = url
+        self.durable = durable
         self.quiet = quiet
         self.root = root
         self.command = command
@@ -38,7 +39,7 @@ class State:
             from registry.api import Registry
             self._registry = Registry.open(url=self.url, root=self.root, migrate=migrate,
                                            create=self.command in CREATORS, read_only=self.read_only,
-                                           rebind_root=rebind_root)
+                                           rebind_root=rebind_root, durable=self.durable)
         return self._registry
 
     def progress(self, as_json: bool) -> Any:

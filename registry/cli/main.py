@@ -20,7 +20,7 @@ class Main(click.Group):
         return super().parse_args(ctx, hoist_global_options(args))
 
 
-GLOBAL_VALUED = ("--url", "--root")
+GLOBAL_VALUED = ("--url", "--root", "--durable")
 GLOBAL_FLAGS = ("--read-only", "--quiet", "-q")
 
 
@@ -67,7 +67,8 @@ def _print_version(ctx: click.Context) -> None:
         ctx.exit()
 
 
-@click.group(cls=Main, epilog="Environment: REGISTRY_URL, REGISTRY_ROOT and REGISTRY_READ_ONLY set the options of the "
+@click.group(cls=Main, epilog="Environment: REGISTRY_URL, REGISTRY_ROOT, REGISTRY_DURABLE and REGISTRY_READ_ONLY set "
+             "the options of the "
              "same names; REGISTRY_UI_TOKEN is registry ui's --token. Global options may follow the command.")
 @click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=lambda ctx, _, value:
               _print_version(ctx) if value else None, help="Show the version and exit.")
@@ -75,12 +76,15 @@ def _print_version(ctx: click.Context) -> None:
               help="Catalog URL (default sqlite:///ROOT/.registry/catalog.db, or ROOT/catalog.db where it exists).")
 @click.option("--root", envvar="REGISTRY_ROOT", show_envvar=True, type=click.Path(path_type=str),
               help="Checkpoint root (default ./checkpoints); each host passes its own mount of it.")
+@click.option("--durable", envvar="REGISTRY_DURABLE", show_envvar=True,
+              help="The durable tier (s3://BUCKET/PREFIX) of the --root directory, its fast tier.")
 @click.option("--read-only", is_flag=True, envvar="REGISTRY_READ_ONLY", show_envvar=True,
               help="Open the catalog read-only (automatic for a SQLite catalog this user cannot write); "
                    "loads take no lease.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars (they are drawn only on a terminal anyway).")
 @click.pass_context
-def main(ctx: click.Context, url: str | None, root: str | None, read_only: bool, quiet: bool) -> None:
+def main(ctx: click.Context, url: str | None, root: str | None, durable: str | None, read_only: bool,
+         quiet: bool) -> None:
     """A checkpoint registry for PyTorch training.
 
     \b
@@ -89,7 +93,7 @@ def main(ctx: click.Context, url: str | None, root: str | None, read_only: bool,
         registry --root /data/ckpt ls demo
         REGISTRY_URL=postgresql://host/db registry show demo@latest
     """
-    state = State(url, root, command=ctx.invoked_subcommand, read_only=read_only, quiet=quiet)
+    state = State(url, root, command=ctx.invoked_subcommand, read_only=read_only, quiet=quiet, durable=durable)
     ctx.obj = state
     ctx.call_on_close(state.close)
 
@@ -97,7 +101,7 @@ def main(ctx: click.Context, url: str | None, root: str | None, read_only: bool,
 # Every command, registered here and nowhere else (docs/cli.md is written from this list, in this order).
 COMMANDS: tuple[click.Command, ...] = (
     runs.runs, runs.ls, runs.show, runs.resolve, runs.tag, runs.untag, runs.metrics,
-    maintenance.db, maintenance.verify, maintenance.gc, maintenance.fsck,
+    maintenance.db, maintenance.verify, maintenance.gc, maintenance.fsck, maintenance.replicate,
     transfer.import_, transfer.export, transfer.checkout, lineage.lineage, lineage.diff, ui.ui,
 )
 for command in COMMANDS:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -139,6 +140,10 @@ def verify(state: State, targets: tuple[str, ...], as_json: bool) -> None:
                    "exit 2: a typo there would delete the real best).")
 @click.option("--release-fork-parents", is_flag=True,
               help="Let the policy delete steps that live forks name as their parent (default: keep them).")
+@click.option("--tier", type=click.Choice(["fast", "durable"]), default=None,
+              help="With --durable: the tier whose copies the policy is for (default: the plan of both, "
+                   "the policy applied to the fast tier only).")
+@click.option("--force", is_flag=True, help="With --durable: let the fast tier delete copies not yet durable.")
 @click.option("--dry-run", is_flag=True, help="Print the plan; delete nothing.")
 @click.option("--yes", "-y", is_flag=True, help="Delete without asking (on a terminal gc shows the plan and asks "
                                                 "first; scripts and --json are never asked).")
@@ -147,7 +152,7 @@ def verify(state: State, targets: tuple[str, ...], as_json: bool) -> None:
 @command
 def gc(state: State, run: str, keep_last: int | None, keep_best: tuple[str, ...], keep_every: int | None,
        max_bytes: int | None, policy_file: str | None, allow_missing_metric: bool, release_fork_parents: bool,
-       dry_run: bool, yes: bool, as_json: bool) -> None:
+       tier: str | None, force: bool, dry_run: bool, yes: bool, as_json: bool) -> None:
     """Delete the checkpoints of RUN that no policy keeps.
 
     Options combine: a step is kept if any of them keeps it. Whatever they
@@ -168,8 +173,15 @@ def gc(state: State, run: str, keep_last: int | None, keep_best: tuple[str, ...]
     if policy is None:
         raise click.UsageError("say what to keep: --keep-last, --keep-best, --keep-every, --max-bytes "
                                "or --policy (gc never guesses)")
-    plan = state.registry().plan_retention(run, policy, allow_missing_metrics=allow_missing_metric,
-                                           keep_fork_parents=not release_fork_parents)
+    reg = state.registry()
+    if reg.tiers is not None:
+        tier_gc(reg, run, policy, tier=tier, force=force, allow_missing_metric=allow_missing_metric,
+                dry_run=dry_run, yes=yes, as_json=as_json)
+        return
+    if tier is not None or force:
+        raise click.UsageError("--tier and --force apply to a root with a --durable tier")
+    plan = reg.plan_retention(run, policy, allow_missing_metrics=allow_missing_metric,
+                              keep_fork_parents=not release_fork_parents)
     from registry.views import gc_doc, plan_shared_bytes
     shared = plan_shared_bytes(plan)
     if not as_json:
@@ -205,6 +217,40 @@ def gc(state: State, run: str, keep_last: int | None, keep_best: tuple[str, ...]
         sys.exit(1)
 
 
+def tier_gc(reg: Any, run: str, policy: Any, *, tier: str | None, force: bool, allow_missing_metric: bool,
+            dry_run: bool, yes: bool, as_json: bool) -> None:
+    """``gc`` on a root with a durable tier: the plan of each tier shown, the policy's tier executed."""
+    chosen = tier or "fast"
+    plans = [reg.plan_tier_retention(run, policy, tier=t, force=force, allow_missing_metrics=allow_missing_metric)
+             for t in ((chosen,) if tier is not None else ("fast", "durable"))]
+    if as_json:
+        emit_json({"run": run, "tiers": [p.to_json() for p in plans], "dry_run": dry_run, "executed": chosen})
+    else:
+        for plan in plans:
+            click.echo(f"{run} ({plan.tier} tier): {policy!r}" + ("" if plan.tier == chosen else
+                                                                 " (shown only: pass --tier durable to apply)"))
+            table(["STEP", "ACTION", "SIZE", "REASON"],
+                  [[d.step, (d.action.upper() if d.action == "delete" else d.action)
+                    + (" (last copy)" if d.ends_step else ""), human_bytes(d.total_bytes), "; ".join(d.reasons)]
+                   for d in plan.decisions])
+    if dry_run:
+        return
+    plan = next(p for p in plans if p.tier == chosen)
+    if plan.delete and not (yes or as_json) and stdin_is_terminal() and not click.confirm(
+            f"delete {plural(len(plan.delete), 'copy', 'copies')} on the {chosen} tier?", default=False):
+        fail("nothing deleted")
+    result = plan.execute()
+    if not as_json:
+        click.echo(f"deleted {len(result.deleted)} {chosen} copies ({human_bytes(result.bytes_freed)}), "
+                   f"ended {plural(len(result.ended), 'step')}")
+        for step, why in sorted(result.skipped.items()):
+            click.echo(f"skipped {step}: {why}")
+        for step, why in sorted(result.errors.items()):
+            click.echo(f"error {step}: {why}", err=True)
+    if result.errors:
+        sys.exit(1)
+
+
 @click.command()
 @click.option("--repair", is_flag=True, help="Fix what is found (default: only report).")
 @click.option("--checksums", is_flag=True, help="Re-hash every live step, not just sizes and digests.")
@@ -231,3 +277,27 @@ def fsck(state: State, repair: bool, checksums: bool, as_json: bool) -> None:
                    f"{len(report.repaired)} repaired, {len(report.in_progress)} in progress")
     if report.unrepaired or report.failures:
         sys.exit(1)
+
+
+@click.command()
+@click.argument("run", required=False)
+@click.option("--wait", is_flag=True, help="While the durable tier fails, retry with backoff until the queue drains.")
+@click.option("--timeout", type=float, default=None, help="With --wait: give up after this many seconds.")
+@click.pass_obj
+@command
+def replicate(state: State, run: str | None, wait: bool, timeout: float | None) -> None:
+    """Copy the steps still only on this fast root (of RUN, or of every run) to its --durable tier.
+
+    Publishes replicate in the background; this drains what a killed trainer,
+    or a durable tier that was down, left in the queue. Each copy is checked
+    against its manifest while it is uploaded.
+
+    \b
+    Examples:
+        registry --root /nvme/ckpt --durable s3://bucket/ckpt replicate
+        registry --root /nvme/ckpt --durable s3://bucket/ckpt replicate demo --wait --timeout 600
+    """
+    reg = state.registry()
+    done = reg.replicate(run, wait=wait, timeout=timeout)
+    left = len(reg.replication_queue(run))
+    click.echo(f"replicated {plural(done, 'step')}; {plural(left, 'step')} of this root still queued")

@@ -73,6 +73,7 @@ from registry.format.refs import Ref
 
 if TYPE_CHECKING:
     from registry.fs.objects import ObjectRoot
+    from registry.ops.tiers import Tiers
 
 log = logging.getLogger(__name__)
 STRATEGIES = ("auto", "broadcast", "shared-fs")
@@ -182,6 +183,7 @@ class _Source:
     read: CatalogRead | None = None
     directory: Path | None = None
     objects: ObjectRoot | None = None
+    tiers: Tiers | None = None  # a fast root with a durable tier: a step not here is read from this host's cache
 
     def next(self) -> tuple[Path, CheckpointInfo | None]:
         if self.read is None:
@@ -259,6 +261,10 @@ def _one_round(comm: Comm, src: _Source | None, *, verify: bool, device: torch.d
                     if src.objects is not None and info is not None:
                         mapped = fetch_checkpoint(src.objects, info, verify=verify, extras=extras)
                     else:
+                        if src.tiers is not None and info is not None and src.read is not None:
+                            from registry.ops.tiers import local_directory
+                            path = local_directory(src.tiers, src.read.access.catalog, info,
+                                                   holder=src.read.access.holder)
                         mapped = map_checkpoint(path, expected_digest=info.manifest_sha256 if info else None,
                                                 extras=extras)
                 except RegistryError as exc:
@@ -367,7 +373,8 @@ def distributed_load(access: Access, ref: Ref, *, verify: bool, map_location: An
                           extras=extras, fallback=fallback)
     loaded, plan = collective_load(
         request=("ref", str(ref), verify, trust_pickle, strategy, bucket_bytes, extras, fallback),
-        source=lambda: _Source(read=CatalogRead(access, ref, fallback=fallback), objects=access.objects),
+        source=lambda: _Source(read=CatalogRead(access, ref, fallback=fallback), objects=access.objects,
+                               tiers=getattr(access, "tiers", None)),
         verify=verify, map_location=map_location, trust_pickle=trust_pickle, strategy=strategy, timeout=timeout,
         bucket_bytes=bucket_bytes, extras=extras, remote=access.objects is not None)
     if dist.get_rank() == 0:

@@ -19,10 +19,10 @@ from registry.format.numbers import shown
 RUN_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 TAG_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,127}")
 METRIC_KEY_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_./\-]{0,254}")
-RESERVED_TAGS = frozenset({"latest", "latest-published"})
+RESERVED_TAGS = frozenset({"latest", "latest-published", "latest-durable"})
 MAX_STEP = 2**63 - 1  # the catalog stores steps as 64-bit integers
 
-RefKind = Literal["latest", "latest-published", "best", "step", "tag"]
+RefKind = Literal["latest", "latest-published", "latest-durable", "best", "step", "tag"]
 
 
 def check_run_name(name: object) -> str:
@@ -61,6 +61,9 @@ def check_metric_key(key: object) -> str:
     return key
 
 
+LATEST_KINDS = ("latest", "latest-published", "latest-durable")  # "the newest good one", of three kinds
+
+
 @dataclass(frozen=True, kw_only=True)
 class Ref:
     """A parsed reference. ``value`` is the step, tag or metric as fits ``kind``."""
@@ -75,10 +78,10 @@ class Ref:
     @property
     def names_one_step(self) -> bool:
         """True when the ref names a single step rather than "the newest good one"."""
-        return self.kind not in ("latest", "latest-published")
+        return self.kind not in LATEST_KINDS
 
     def __str__(self) -> str:
-        if self.kind in ("latest", "latest-published"):
+        if self.kind in LATEST_KINDS:
             return f"{self.run}@{self.kind}"
         if self.kind == "step":
             return f"{self.run}@{self.step}"
@@ -87,8 +90,8 @@ class Ref:
         return f"{self.run}@best:{self.metric}:{self.mode}"
 
 
-REF_GRAMMAR = "expected RUN[@latest|@latest-published|@STEP|@TAG|@best:METRIC[:min|max]]"
-_SELECTOR_WORDS = ("latest", "latest-published", "best")
+REF_GRAMMAR = "expected RUN[@latest|@latest-published|@latest-durable|@STEP|@TAG|@best:METRIC[:min|max]]"
+_SELECTOR_WORDS = ("latest", "latest-published", "latest-durable", "best")
 
 
 def _bad_ref(text: object, why: str, hint: str | None = None) -> InvalidRefError:
@@ -177,7 +180,7 @@ def parse_ref(text: object) -> Ref:
         raise _bad_ref(text, "nothing after '@'", f"did you mean {run}@latest?")
     if "@" in selector:
         raise _bad_ref(text, "more than one '@'")
-    if selector in ("latest", "latest-published"):
+    if selector in LATEST_KINDS:
         return Ref(run=run, kind=selector)  # type: ignore[arg-type]
     if selector.isdigit() and selector.isascii():
         if len(selector.lstrip("0")) > len(str(MAX_STEP)) or int(selector) > MAX_STEP:

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from registry.format.manifest import CONFIG, MANIFEST, META, WEIGHTS_INDEX, FileEntry
+from registry.format.manifest import CONFIG, MANIFEST, META, WEIGHTS_INDEX, FileEntry, Manifest
 from registry.fs.hashing import HashingWriter
 from registry.fs.objects import ObjectRoot, ObjectWriter
 from registry.fs.payloadfiles import Payload, Written, entry_of, write_files
@@ -70,21 +70,72 @@ class HashingUpload(HashingWriter):
             pass
 
 
+def _put(root: ObjectRoot, prefix: str, name: str, fill: Callable[[Any], object]) -> FileEntry:
+    """Upload one file under ``prefix`` as ``fill(out)`` writes it, hashed on the way; its manifest entry."""
+    rel = f"{prefix}/{name}"
+    sink = _CreateOnly(root, rel) if name in SMALL_FILES else root.writer(rel)
+    out = HashingUpload(sink)
+    try:
+        fill(out)
+        out.close()
+    except BaseException:
+        out.abort()
+        raise
+    return entry_of(name, out)
+
+
 def upload_payload(root: ObjectRoot, prefix: str, payload: Payload) -> Written:
     """Upload every file of ``payload`` under ``prefix`` (relative to the root), manifest last."""
-    def put(name: str, fill: Callable[[Any], object]) -> FileEntry:
-        rel = f"{prefix}/{name}"
-        sink = _CreateOnly(root, rel) if name in SMALL_FILES else root.writer(rel)
-        out = HashingUpload(sink)
-        try:
-            fill(out)
-            out.close()
-        except BaseException:
-            out.abort()
-            raise
-        return entry_of(name, out)
+    return write_files(payload, lambda name, fill: _put(root, prefix, name, fill))
 
-    return write_files(payload, put)
+
+COPY_CHUNK = 8 << 20  # bytes read from a file at a time while it is uploaded
+
+
+def upload_directory(root: ObjectRoot, prefix: str, directory: Path, manifest: Manifest, raw_manifest: bytes
+                     ) -> tuple[Written, list[FileProblem]]:
+    """Upload a checkpoint directory's files under ``prefix``, hashed while uploading; the manifest last.
+
+    Each file's size, sha256 and pieces as uploaded are compared with
+    ``manifest`` (whose bytes are ``raw_manifest``): a file that differs is
+    a problem of the directory's copy, and the manifest is then not uploaded,
+    so the prefix never holds what could pass for a payload. Returns what was
+    uploaded (as :func:`check_uploaded` takes it) and the problems found.
+    """
+    from registry.format.manifest import digest_bytes
+    from registry.format.safetensors import MAX_HEADER
+
+    problems: list[FileProblem] = []
+    heads: dict[str, bytes] = {}
+    for name in sorted(manifest.files):
+        expected = manifest.files[name]
+        try:
+            source = open(directory / name, "rb")  # noqa: SIM115 - closed below, after the upload
+        except FileNotFoundError:
+            problems.append(FileProblem(name=name, problem="missing"))
+            continue
+        with source:
+            def fill(out: Any, source: Any = source) -> None:
+                while chunk := source.read(COPY_CHUNK):
+                    out.write(chunk)
+            entry = _put(root, prefix, name, fill)
+            if name.endswith(".safetensors") and entry.size >= 8:
+                source.seek(0)
+                head = source.read(8)
+                length = int.from_bytes(head, "little")
+                if length <= MAX_HEADER:  # the header read back from the server must be these bytes
+                    heads[name] = head + source.read(length)
+        if entry.size != expected.size:
+            problems.append(FileProblem(name=name, problem=f"size {entry.size}, manifest says {expected.size}"))
+        elif entry.sha256 != expected.sha256 or (
+                expected.xxh3_128_pieces is not None and expected.piece_size == entry.piece_size
+                and entry.xxh3_128_pieces != expected.xxh3_128_pieces):
+            problems.append(FileProblem(name=name, problem="checksum mismatch"))
+    if not problems:
+        _put(root, prefix, MANIFEST, lambda out: out.write(raw_manifest))
+    written = Written(manifest=manifest, manifest_sha256=digest_bytes(raw_manifest),
+                      total_bytes=manifest.total_bytes + len(raw_manifest), heads=heads)
+    return written, problems
 
 
 def check_uploaded(root: ObjectRoot, prefix: str, written: Written) -> list[FileProblem]:

@@ -68,8 +68,9 @@ class Follower:
     """Waits for new steps of one run; keeps its listener open between waits."""
 
     def __init__(self, catalog: Catalog, run: str, *, newest: bool = False,
-                 min_policy_version: int | None = None) -> None:
+                 min_policy_version: int | None = None, durable: bool = False) -> None:
         self.catalog = catalog
+        self.durable = durable  # only steps with a verified durable copy (a root with tiers)
         self.run = check_run_name(run)
         self.newest = newest
         self.min_policy_version = None if min_policy_version is None else check_step(min_policy_version)
@@ -94,7 +95,7 @@ class Follower:
 
     def _query(self, after_step: int | None) -> CheckpointInfo | None:
         return self.catalog.next_after(self.run, after_step, newest=self.newest,
-                                       min_policy_version=self.min_policy_version)
+                                       min_policy_version=self.min_policy_version, durable=self.durable)
 
     def wait(self, after_step: int | None, *, timeout: float | None) -> CheckpointInfo | None:
         """The next verified step above ``after_step`` (``None``: any), or ``None`` after ``timeout`` s."""

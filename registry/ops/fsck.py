@@ -61,7 +61,7 @@ import errno
 import functools
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -211,9 +211,12 @@ class Fsck(FsckPass):
     """One pass of fsck over a catalog and a directory root. Use :func:`run_fsck`."""
 
     def __init__(self, *, catalog: Catalog, root: Path, repair: bool, checksums: bool, actor: str,
-                 progress: ProgressFn | None = None) -> None:
+                 progress: ProgressFn | None = None, elsewhere: Collection[tuple[str, int]] = ()) -> None:
         super().__init__(catalog=catalog, repair=repair, checksums=checksums, actor=actor, progress=progress)
         self.root = root
+        # steps whose copy is on another tier (a durable tier, another host's fast root): no directory here
+        # is no missing payload
+        self.elsewhere = frozenset(elsewhere)
 
     def _root_present(self) -> bool:
         return os.path.isdir(self.root)  # follows a symlinked root, as the check at the start does
@@ -309,6 +312,8 @@ class Fsck(FsckPass):
                         f"marked corrupt ({where}): restore its files and run 'registry verify {run}@{step}', "
                         f"or let 'registry gc {run}' delete it", repairable=False, row=row)
         elif row.status in LIVE:
+            if payload_dir is None and (run, step) in self.elsewhere:
+                return
             if payload_dir is None:
                 p = self._found("missing-payload", run, step, final, f"{row.status} step has no directory", row=row,
                                 still=lambda: not _is_dir(final))
@@ -379,7 +384,8 @@ class Fsck(FsckPass):
 
 
 def run_fsck(*, catalog: Catalog, root: Path, repair: bool = False, checksums: bool = False,
-             actor: str, progress: ProgressFn | None = None) -> FsckReport:
+             actor: str, progress: ProgressFn | None = None,
+             elsewhere: Collection[tuple[str, int]] = ()) -> FsckReport:
     """Check (and with ``repair`` fix) every step under ``root`` against ``catalog``.
 
     ``checksums`` re-hashes every live step's files instead of checking sizes
@@ -387,7 +393,7 @@ def run_fsck(*, catalog: Catalog, root: Path, repair: bool = False, checksums: b
     hears of the bytes that ``checksums`` re-hashes (the total is not known ahead).
     """
     return Fsck(catalog=catalog, root=root, repair=repair, checksums=checksums, actor=actor,
-                progress=progress).run()
+                progress=progress, elsewhere=elsewhere).run()
 
 
 __all__ = ["FsckReport", "Problem", "REPAIRS", "REPORTED", "iter_lines", "run_fsck"]  # verdicts' names, re-exported

@@ -29,7 +29,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from registry.errors import (CheckpointDeletedError, CheckpointReadError, CorruptCheckpointError,
+from registry.errors import (CheckpointDeletedError, CheckpointReadError, CorruptCheckpointError, NoCopyError,
                              RegistryError)
 from registry.records import LIVE, CheckpointInfo, Fallback, Skipped, Status
 from registry.format.refs import Ref
@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from registry.fs.filemaps import Extras, Loaded
     from registry.catalog import Catalog
     from registry.fs.objects import ObjectRoot
+    from registry.ops.tiers import Tiers
 
 log = logging.getLogger(__name__)
 MAX_RACES = 8  # resolves in a row that lost a race to a writer or gc before giving up
@@ -66,7 +67,8 @@ class Access(Protocol):
 class ReadAccess:
     """A plain :class:`Access`: the catalog, the root, who holds the leases, for how long.
 
-    ``objects``: the object-store root when the root is ``s3://`` (``root`` is then unused).
+    ``objects``: the object-store root when the root is ``s3://`` (``root`` is then unused);
+    ``tiers``: the fast root's durable tier, when it has one (loads then read the nearest copy).
     """
 
     catalog: Catalog
@@ -74,6 +76,7 @@ class ReadAccess:
     holder: str
     lease_ttl: timedelta
     objects: ObjectRoot | None = None
+    tiers: Tiers | None = None
 
 
 def placed(access: Access, info: CheckpointInfo) -> CheckpointInfo:
@@ -86,6 +89,11 @@ def placed(access: Access, info: CheckpointInfo) -> CheckpointInfo:
 def read_step(access: Access, info: CheckpointInfo, *, verify: bool, map_location: Any, trust_pickle: bool,
               extras: Extras = True) -> Loaded:
     """Read a placed step's payload from its directory or its attempt prefix, matched against the catalog's digest."""
+    tiers = getattr(access, "tiers", None)
+    if tiers is not None:
+        from registry.ops.tiers import read_nearest
+        return read_nearest(tiers, access.catalog, info, verify=verify, map_location=map_location,
+                            trust_pickle=trust_pickle, extras=extras, holder=access.holder)
     if access.objects is not None:
         from registry.fs.objectread import read_objects
         return read_objects(access.objects, info.path.as_posix(), verify=verify, trust_pickle=trust_pickle,
@@ -167,6 +175,13 @@ class CatalogRead:
         self.release()
         if info is None:
             raise exc
+        if isinstance(exc, NoCopyError):  # another host's step, not durable yet: nothing to condemn
+            if self.ref.names_one_step or not self.fallback:
+                raise exc
+            self.skipped.append(Skipped(step=info.step, reason=str(exc), created_at=info.created_at))
+            self.notes.append(f"{exc}; falling back to an older step")
+            self.below = info.step
+            return
         if isinstance(exc, CheckpointReadError):
             now = self.access.catalog.get(info.run, info.step)
             if now is None or (now.status, now.manifest_sha256) != (info.status, info.manifest_sha256):

@@ -36,6 +36,12 @@ REPAIRS = {
     "expired-checkout": "remove the checkout",
     "orphan-prefix": "delete its objects",
     "incomplete-upload": "abort the upload",
+    # a root with a durable tier (registry.ops.tierfsck)
+    "only-on-fast-tier": "replicate it",
+    "missing-durable-copy": "mark the copy corrupt, replicate again from the fast copy",
+    "damaged-durable-copy": "mark the copy corrupt, replicate again from the fast copy",
+    "corrupt-durable-copy": "replicate again from the fast copy",
+    "orphan-durable-prefix": "delete its objects",
 }
 #: kinds fsck only reports: deciding about them needs a person (the detail says what to do)
 REPORTED = frozenset({"corrupt-step"})

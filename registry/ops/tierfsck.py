@@ -1,0 +1,188 @@
+"""``fsck`` on a root with a durable tier: the fast root as on any directory root, then the copies on each tier.
+
+The fast root is checked by :mod:`registry.ops.fsck`, except that a live
+step with no directory here is not a missing payload when its copy is on
+another tier (a verified durable copy of its payload, or another host's fast
+root): that is how tiers work. Then, from the replica rows:
+
+* ``only-on-fast-tier``: a verified step whose fast copy is here and which has
+  no durable copy yet; ``--repair`` replicates it (as ``registry replicate``);
+* ``missing-durable-copy`` / ``damaged-durable-copy``: a verified durable
+  copy whose manifest is gone, or whose objects differ from the manifest
+  (sizes; with ``--checksums`` every byte); ``--repair`` marks the copy
+  corrupt and, where a fast copy is here, replicates the step again;
+* ``corrupt-durable-copy``: a copy marked corrupt (by a load); ``--repair``
+  deletes its objects and replicates again from a fast copy here;
+* ``orphan-durable-prefix``: an attempt prefix on the durable root no copy
+  names (a replication killed mid-way, a copy replaced); ``--repair`` deletes
+  its objects if no row names it when read again just before.
+
+Every verdict is a compare-and-set on the copy's row; a request the durable
+tier fails is a failure line, never a verdict.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+from registry.catalog import Catalog
+from registry.catalog.replicas import DURABLE, ReplicaCatalog, ReplicaInfo
+from registry.errors import CorruptCheckpointError, ObjectNotFoundError
+from registry.format.manifest import MANIFEST, digest_bytes
+from registry.fs.prefixes import AttemptPrefix, check_objects, read_manifest, remove_prefix, scan
+from registry.ops.fsck import run_fsck
+from registry.ops.replicator import Replicator
+from registry.ops.tiers import Tiers
+from registry.ops.verdicts import FsckPass, FsckReport, one_line
+from registry.ops.writers import writer_alive
+from registry.progress import ProgressFn
+from registry.records import LIVE, Status
+
+
+class TierFsck(FsckPass):
+    """The copies of a tiered root (see the module's docstring). Use :func:`run_tier_fsck`."""
+
+    def __init__(self, *, catalog: Catalog, tiers: Tiers, replicator: Replicator | None, repair: bool,
+                 checksums: bool, actor: str, progress: ProgressFn | None = None) -> None:
+        super().__init__(catalog=catalog, repair=repair, checksums=checksums, actor=actor, progress=progress)
+        self.tiers = tiers
+        self.replicas = ReplicaCatalog(catalog)
+        self.replicator = replicator
+        self.requeued = False
+
+    def elsewhere(self) -> set[tuple[str, int]]:
+        """The live steps with a good copy of their payload somewhere other than this fast root's step
+        directory (the durable tier, another host's fast root, this host's cache): a step directory missing
+        here is then no missing payload."""
+        found: set[tuple[str, int]] = set()
+        for copy, status, digest, path in self.replicas.snapshot():
+            good = status in LIVE and copy.manifest_sha256 == digest and copy.status in ("published", "verified")
+            if good and not (copy.location == self.tiers.location and copy.path == path):
+                found.add((copy.run, copy.step))
+        return found
+
+    def _fast_here(self, run: str, step: int, path: str, digest: str | None) -> bool:
+        try:
+            raw = (self.tiers.fast.root / path / MANIFEST).read_bytes()
+        except OSError:
+            return False
+        return digest_bytes(raw) == digest
+
+    def run(self) -> FsckReport:
+        durable = self.tiers.durable
+        durable.check_bucket()
+        prefixes = scan(durable)  # before the rows: a replication claims before its first upload
+        rows = self.replicas.snapshot()
+        named = {(c.run, c.step, c.path) for c, *_ in rows if c.location == DURABLE}
+        live_claims = {(c.run, c.step) for c, *_ in rows if c.location == DURABLE and c.status == "pending"
+                       and writer_alive(c.writer, c.updated_at)}
+        durable_of = {(c.run, c.step): c for c, *_ in rows if c.location == DURABLE}
+        for copy, status, digest, path in rows:
+            if copy.location != DURABLE:
+                continue
+            try:
+                self._durable_copy(copy, status, digest, path)
+            except OSError as exc:  # the durable tier's trouble: no verdict
+                self.failures.append(f"{copy.run}@{copy.step}: cannot check its durable copy: {one_line(exc)}")
+        for found in prefixes.values():
+            key = (found.run, found.step)
+            if (found.run, found.step, found.prefix) in named or key in live_claims:
+                continue
+            p = self._found("orphan-durable-prefix", found.run, found.step, Path(found.prefix),
+                            f"{len(found.entries)} objects under {found.prefix} that no copy names",
+                            url=durable.url(found.prefix))
+            self._fix(p, functools.partial(self._remove_orphan, found))
+        waiting = []
+        for q in self.replicas.queue():
+            if (q.run, q.step) not in durable_of and self._fast_here(q.run, q.step, q.path, q.manifest_sha256):
+                p = self._found("only-on-fast-tier", q.run, q.step, self.tiers.fast.root / q.path,
+                                "verified, with no durable copy yet (queued for replication)")
+                if p is not None:
+                    waiting.append((p, q))
+        if self.repair and (waiting or self.requeued) and self.replicator is not None:
+            try:
+                self.replicator.drain()
+            except OSError as exc:
+                self.failures.append(f"replication after repair: {one_line(exc)}")
+            for p, q in waiting:
+                if self.replicas.copy(q.run, q.step, DURABLE, manifest_sha256=q.manifest_sha256) is not None:
+                    self.repaired.append(p)
+                else:
+                    self.failures.append(f"{p}: not replicated (see the log)")
+        return self.report(len(rows))
+
+    def _remove_orphan(self, found: AttemptPrefix) -> bool | str:
+        if self.replicas.names_prefix(found.run, found.step, found.prefix):
+            return "a copy names it now"
+        remove_prefix(self.tiers.durable, found.prefix, [e.rel for e in found.entries])
+        return True
+
+    def _durable_copy(self, copy: ReplicaInfo, status: str, digest: str | None, path: str) -> None:
+        durable = self.tiers.durable
+        local = status == Status.VERIFIED and copy.manifest_sha256 == digest and self._fast_here(
+            copy.run, copy.step, path, digest)
+        where = Path(copy.path)
+        if copy.status == "corrupt":
+            p = self._found("corrupt-durable-copy", copy.run, copy.step, where,
+                            "marked corrupt" + ("" if local else "; no fast copy here to replicate from"),
+                            repairable=local, url=durable.url(copy.path))
+            self._fix(p, lambda: self._requeue(copy))
+            return
+        if copy.status != "verified":
+            return
+        why = None
+        try:
+            manifest, found_digest = read_manifest(durable, copy.path)
+            if found_digest != copy.manifest_sha256:
+                why = "its manifest is not the one the catalog records"
+            else:
+                listed = {e.rel[len(copy.path) + 1:]: e for e in durable.list(copy.path)}
+                problems = check_objects(durable, copy.path, manifest, listed, checksums=self.checksums,
+                                         on_bytes=lambda n: self.counter.advance(n, item=f"{copy.run}@{copy.step}"))
+                if problems:
+                    why = f"{problems[0].name}: {problems[0].problem}"
+        except ObjectNotFoundError:
+            p = self._found("missing-durable-copy", copy.run, copy.step, where, "its manifest is gone from the "
+                            "durable tier", url=durable.url(copy.path))
+            self._fix(p, lambda: self._condemn(copy, "manifest missing", requeue=local))
+            return
+        except CorruptCheckpointError as exc:
+            why = str(exc)
+        if why is not None:
+            p = self._found("damaged-durable-copy", copy.run, copy.step, where, why, url=durable.url(copy.path))
+            self._fix(p, lambda: self._condemn(copy, why or "", requeue=local))
+
+    def _condemn(self, copy: ReplicaInfo, reason: str, *, requeue: bool) -> bool | str:
+        if not self.replicas.set_replica_status(copy.run, copy.step, DURABLE, "corrupt", path=copy.path,
+                                                manifest_sha256=copy.manifest_sha256, only_from=("verified",),
+                                                actor=self.actor, reason=reason):
+            return "the copy's row changed meanwhile"
+        if requeue:
+            corrupt = ReplicaInfo(**{**copy.__dict__, "status": "corrupt"})
+            return self._requeue(corrupt)
+        return True
+
+    def _requeue(self, copy: ReplicaInfo) -> bool | str:
+        """Delete a bad copy's objects and forget it, so the step is replicated again from the fast copy here."""
+        remove_prefix(self.tiers.durable, copy.path)
+        if not self.replicas.requeue(copy):
+            return "the copy's row changed meanwhile"
+        self.requeued = True
+        return True
+
+
+def run_tier_fsck(*, catalog: Catalog, tiers: Tiers, replicator: Replicator | None, repair: bool,
+                  checksums: bool, actor: str, progress: ProgressFn | None = None) -> FsckReport:
+    """fsck of the fast root, then of the copies on both tiers; one report."""
+    tier = TierFsck(catalog=catalog, tiers=tiers, replicator=replicator, repair=repair, checksums=checksums,
+                    actor=actor, progress=progress)
+    fast = run_fsck(catalog=catalog, root=tiers.fast.root, repair=repair, checksums=checksums, actor=actor,
+                    progress=progress, elsewhere=tier.elsewhere())
+    copies = tier.run()
+    return FsckReport(problems=fast.problems + copies.problems, repaired=fast.repaired + copies.repaired,
+                      in_progress=fast.in_progress + copies.in_progress, failures=fast.failures + copies.failures,
+                      rows_checked=fast.rows_checked, checksums=checksums)
+
+
+__all__ = ["TierFsck", "run_tier_fsck"]

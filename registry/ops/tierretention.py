@@ -1,0 +1,225 @@
+"""Retention per tier on a root with a durable tier: a policy for the fast copies, another for the durable ones.
+
+A plan is for one tier. Its candidates are the steps with a copy on that
+tier (on the fast tier: the step's directory under this fast root, or this
+host's cached download of it). The invariants of :func:`protections` hold
+on both tiers (``@latest``, tags, readers' leases...). Deleting a copy
+while another good copy of the step stays (a fast copy whose step is
+durable, a durable copy whose step is still on a fast tier) removes that
+copy only: the step stays live and loads from its other copy. Deleting the
+last copy of a step is the only deletion that ends the step (``deleted``,
+through the same marking transaction as plain retention). The fast tier
+never deletes a copy that is not yet durable unless told (``force=True``;
+a corrupt step may always go).
+
+Execution is compare-and-set: a copy is marked ``deleted`` only if, in the
+same transaction, the step still holds that payload, no reader holds a lease
+on it, and (for a copy-only deletion) the other tier's copy is still
+verified; then its directory is retired and removed, or its prefix deleted.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from types import MappingProxyType
+from typing import Any, Literal
+
+from registry.catalog import Catalog
+from registry.catalog.replicas import DURABLE, ReplicaCatalog, ReplicaInfo
+from registry.catalog.retention import CANDIDATES, RetentionCatalog, RunSnapshot
+from registry.errors import PolicyError, StorageError
+from registry.format.refs import check_run_name
+from registry.fs.prefixes import remove_prefix
+from registry.fs.removal import remove_checkpoint_dir
+from registry.ops.retention import protections
+from registry.ops.tiers import Tiers
+from registry.records import Status
+from registry.retention import Policy, RetentionContext, evaluate
+
+log = logging.getLogger(__name__)
+
+Tier = Literal["fast", "durable"]
+GOOD = ("published", "verified")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TierDecision:
+    """One step's copy on the plan's tier: kept (with why) or deleted; ``ends_step``: it is the step's last copy."""
+
+    step: int
+    action: Literal["keep", "delete"]
+    reasons: tuple[str, ...]
+    path: str               # the copy, relative to its tier's root
+    total_bytes: int
+    ends_step: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {"step": self.step, "action": self.action, "reasons": list(self.reasons), "path": self.path,
+                "total_bytes": self.total_bytes, "ends_step": self.ends_step}
+
+
+@dataclass(frozen=True, kw_only=True)
+class TierResult:
+    """What :meth:`TierPlan.execute` did: copies deleted, steps ended, steps skipped (why) and errors."""
+
+    tier: Tier
+    deleted: tuple[int, ...] = ()
+    ended: tuple[int, ...] = ()
+    skipped: Mapping[int, str] = field(default_factory=dict)
+    errors: Mapping[int, str] = field(default_factory=dict)
+    bytes_freed: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class TierPlan:
+    """What a policy keeps and deletes on one tier of a run; changes nothing until :meth:`execute`."""
+
+    run: str
+    tier: Tier
+    decisions: tuple[TierDecision, ...]
+    catalog: Catalog = field(repr=False)
+    tiers: Tiers = field(repr=False)
+    actor: str | None = None
+    protect: Mapping[int, str] = field(default_factory=dict)
+
+    @property
+    def keep(self) -> Mapping[int, str]:
+        return {d.step: "; ".join(d.reasons) for d in self.decisions if d.action == "keep"}
+
+    @property
+    def delete(self) -> Mapping[int, str]:
+        return {d.step: "; ".join(d.reasons) for d in self.decisions if d.action == "delete"}
+
+    @property
+    def bytes_freed(self) -> int:
+        return sum(d.total_bytes for d in self.decisions if d.action == "delete")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"run": self.run, "tier": self.tier, "decisions": [d.to_json() for d in self.decisions],
+                "bytes_freed": self.bytes_freed}
+
+    def execute(self) -> TierResult:
+        return _execute(self)
+
+
+def _copies(tiers: Tiers, snap: RunSnapshot, copies: Sequence[ReplicaInfo]) -> tuple[
+        dict[int, str], dict[int, ReplicaInfo], dict[int, list[ReplicaInfo]]]:
+    """Per step: this fast root's copy (its path), the durable copy, and the good copies on other fast roots."""
+    digest = {c.step: c.manifest_sha256 for c in snap.checkpoints}
+    fast: dict[int, str] = {}
+    durable: dict[int, ReplicaInfo] = {}
+    others: dict[int, list[ReplicaInfo]] = {}
+    for r in copies:
+        if r.manifest_sha256 != digest.get(r.step):
+            continue
+        if r.location == DURABLE:
+            durable[r.step] = r
+        elif r.location == tiers.location:
+            if r.status in GOOD and (tiers.fast.root / r.path).is_dir():
+                fast[r.step] = r.path
+        elif r.status in GOOD:
+            others.setdefault(r.step, []).append(r)
+    for c in snap.checkpoints:  # the step's own directory here (a step published before its copies were recorded)
+        rel = c.path.as_posix()
+        gone = any(r.step == c.step and r.location == tiers.location and r.path == rel and r.status not in GOOD
+                   for r in copies)
+        if c.step not in fast and not gone and (tiers.fast.root / rel).is_dir():
+            fast[c.step] = rel
+    return fast, durable, others
+
+
+def make_tier_plan(catalog: Catalog, tiers: Tiers, run: str, policy: Policy, *, tier: Tier, force: bool = False,
+                   now: datetime | None = None, protect: Mapping[int, str] = MappingProxyType({}),
+                   allow_missing_metrics: bool = False, actor: str | None = None) -> TierPlan:
+    """Decide what ``policy`` keeps and deletes of ``run``'s copies on ``tier`` (see the module's docstring)."""
+    check_run_name(run)
+    if not isinstance(policy, Policy):
+        raise PolicyError(f"a retention policy must be a registry.retention.Policy, got {policy!r}")
+    if tier not in ("fast", "durable"):
+        raise PolicyError(f"tier must be 'fast' or 'durable', got {tier!r}")
+    now = now or datetime.now(timezone.utc)
+    snap = RetentionCatalog(catalog).snapshot(run)
+    fast, durable, others = _copies(tiers, snap, ReplicaCatalog(catalog).replicas(run))
+    protected = protections(snap, protect)
+    if tier == "durable":
+        good_durable = [s for s, r in durable.items() if r.status == "verified"]
+        if good_durable:
+            newest = max(good_durable)
+            protected[newest] = "; ".join(r for r in (protected.get(newest), "@latest-durable") if r)
+    on_tier = fast if tier == "fast" else {s: r.path for s, r in durable.items() if r.status in ("verified",
+                                                                                                   "corrupt")}
+    candidates = [c for c in snap.checkpoints if c.step in on_tier and c.status in CANDIDATES]
+    kept = evaluate(policy, [c.under(tiers.fast.root) for c in candidates],
+                    RetentionContext(run=run, now=now, protected=protected,
+                                     allow_missing_metrics=allow_missing_metrics))
+    decisions = []
+    for c in candidates:
+        other_good = bool(others.get(c.step)) or (
+            c.step in durable and durable[c.step].status == "verified" if tier == "fast" else c.step in fast)
+        reasons = tuple(r for r in (protected.get(c.step), kept.get(c.step)) if r)
+        keep = c.step in protected or c.step in kept
+        if not keep and tier == "fast" and not other_good and not force and c.status != Status.CORRUPT:
+            keep, reasons = True, ("not durable yet (force=True deletes it, and the step with it)",)
+        decisions.append(TierDecision(step=c.step, action="keep" if keep else "delete",
+                                      reasons=reasons or (("kept",) if keep else ("not kept by the policy",)),
+                                      path=on_tier[c.step], total_bytes=c.total_bytes,
+                                      ends_step=not keep and not other_good))
+    return TierPlan(run=run, tier=tier, decisions=tuple(decisions), catalog=catalog, tiers=tiers, actor=actor,
+                    protect=MappingProxyType(dict(protect)))
+
+
+def _remove(plan: TierPlan, path: str, digest: str | None) -> None:
+    if plan.tier == "fast":
+        remove_checkpoint_dir(plan.tiers.fast.root / path, digest)
+    else:
+        remove_prefix(plan.tiers.durable, path)
+
+
+def _execute(plan: TierPlan) -> TierResult:
+    replicas = ReplicaCatalog(plan.catalog)
+    location = plan.tiers.location if plan.tier == "fast" else DURABLE
+    other = DURABLE if plan.tier == "fast" else None
+    deleted: list[int] = []
+    ended: list[int] = []
+    skipped: dict[int, str] = {}
+    errors: dict[int, str] = {}
+    freed = 0
+    doomed = [d for d in plan.decisions if d.action == "delete"]
+    by_step = {d.step: d for d in doomed}
+    enders = {d.step: "; ".join(d.reasons) for d in doomed if d.ends_step}
+
+    def decide(snap: RunSnapshot) -> dict[int, str]:
+        protected = protections(snap, plan.protect)
+        return {s: why for s, why in enders.items() if s not in protected}
+    if enders:
+        for row in RetentionCatalog(plan.catalog).mark_deleted(plan.run, decide, actor=plan.actor):
+            ended.append(row.step)
+            d = by_step[row.step]
+            replicas.copy_deleted(plan.run, row.step, location=location, path=d.path,
+                                  manifest_sha256=row.manifest_sha256, require=None, actor=plan.actor)
+    digests = {c.step: c.manifest_sha256 for c in RetentionCatalog(plan.catalog).snapshot(plan.run).checkpoints}
+    for d in doomed:
+        if d.ends_step and d.step not in ended:
+            skipped[d.step] = "protected, or changed since the plan"
+            continue
+        if not d.ends_step:
+            why = replicas.copy_deleted(plan.run, d.step, location=location, path=d.path,
+                                        manifest_sha256=digests.get(d.step), require=other, actor=plan.actor)
+            if why is not None:
+                skipped[d.step] = why
+                continue
+        try:
+            _remove(plan, d.path, digests.get(d.step))
+        except (OSError, StorageError) as exc:
+            errors[d.step] = f"cannot remove {d.path}: {exc}"
+            continue
+        deleted.append(d.step)
+        freed += d.total_bytes
+    return TierResult(tier=plan.tier, deleted=tuple(deleted), ended=tuple(ended), skipped=skipped, errors=errors,
+                      bytes_freed=freed)
+
+
+__all__ = ["TierDecision", "TierPlan", "TierResult", "make_tier_plan"]

@@ -1,0 +1,278 @@
+"""A root with tiers: a fast filesystem root, and a durable ``s3://`` root the steps are replicated to.
+
+The fast root is where a trainer publishes (as on any directory root); the
+durable root is bound to the catalog (``registry.ops.binding``) and holds
+each step's durable copy under an attempt prefix of its own. Each fast root
+carries a random tier id in ``<fast>/.registry/tier.json`` (written
+create-only, with the catalog's id), so several hosts with fast directories
+of their own share one catalog and one durable root; the catalog records
+each copy as a replica (``registry.catalog.replicas``) at ``fast:<tier id>``
+or ``durable``.
+
+Loads take the nearest verified copy (:func:`read_nearest`): the fast
+copy when it is there and good; else the durable copy, downloaded once per
+host into ``<fast>/.registry/cache/`` under an ``fcntl`` lock that every
+process of the host shares, then recorded as this tier's copy. A corrupt
+fast copy falls back to the durable copy of the same step before the
+loader goes on to any older step.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import secrets
+import shutil
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from registry.catalog import CommitRecord, PayloadRecord
+from registry.catalog.replicas import DURABLE, ReplicaCatalog, fast_location
+from registry.errors import CorruptCheckpointError, NoCopyError, RootError, RootMismatchError
+from registry.format.layout import REGISTRY_DIR, step_dirname
+from registry.fs.filemaps import Extras, Loaded, read_directory
+from registry.fs.store import Store, fsync_dir
+from registry.records import CheckpointInfo
+
+if TYPE_CHECKING:
+    from registry.catalog import Catalog
+    from registry.fs.objects import ObjectRoot
+    from registry.ops.protocol import CommitHooks
+
+log = logging.getLogger(__name__)
+
+TIER_MARKER = "tier.json"
+CACHE_DIR = f"{REGISTRY_DIR}/cache"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Tiers:
+    """A fast root and the durable root its steps are replicated to; ``tier_id`` names the fast one."""
+
+    fast: Store
+    durable: ObjectRoot
+    tier_id: str
+
+    @property
+    def location(self) -> str:
+        """This fast tier's replica location (``fast:<tier id>``)."""
+        return fast_location(self.tier_id)
+
+
+def _marker(store: Store) -> Path:
+    return store.root / REGISTRY_DIR / TIER_MARKER
+
+
+def _read_tier(store: Store) -> dict[str, Any] | None:
+    path = _marker(store)
+    try:
+        doc = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise RootError(f"cannot read {path}: {exc.strerror}", path=path) from None
+    except ValueError:
+        doc = None
+    if not isinstance(doc, dict) or not isinstance(doc.get("tier_id"), str) or not isinstance(
+            doc.get("catalog_id"), str):
+        raise RootError(f"{path} is not a tier marker (expected JSON with a tier_id and a catalog_id)", path=path)
+    return doc
+
+
+def open_tier(store: Store, *, catalog_id: str, create: bool) -> str:
+    """The tier id of the fast root ``store`` for the catalog ``catalog_id``, its marker written if ``create``.
+
+    A marker that names another catalog is refused (``RootMismatchError``):
+    that fast root belongs to another registry. Written create-only, so two
+    processes opening a new fast root at once agree on one id.
+    """
+    doc = _read_tier(store)
+    if doc is None:
+        if not create:
+            raise RootError(f"fast root {store.root} has no {REGISTRY_DIR}/{TIER_MARKER}: it was never opened "
+                            "by a writer with this durable tier (open it once without read_only/create=False)",
+                            path=store.root)
+        doc = {"tier_id": secrets.token_hex(8), "catalog_id": catalog_id}
+        path = _marker(store)
+        try:
+            path.parent.mkdir(exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return open_tier(store, catalog_id=catalog_id, create=False)
+        except OSError as exc:
+            raise RootError(f"cannot write {path}: {exc.strerror}", path=path) from None
+        with os.fdopen(fd, "wb") as f:
+            f.write((json.dumps(doc, indent=2) + "\n").encode())
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_dir(path.parent)
+    if doc["catalog_id"] != catalog_id:
+        raise RootMismatchError(f"fast root {store.root} is a tier of another catalog (id {doc['catalog_id']}), "
+                                f"not of this one (id {catalog_id}); pass the --root, --durable and --url that "
+                                "belong together", path=store.root)
+    return str(doc["tier_id"])
+
+
+def refuse_durable_as_root(catalog: Catalog, root: str) -> None:
+    """An ``s3://`` root whose catalog records durable copies is a durable tier, never a root of its own: its
+    prefixes are named by replica rows, which a plain root's fsck and gc would take for orphans."""
+    if ReplicaCatalog(catalog).has_durable():
+        raise RootError(f"{root} is the durable tier of this catalog, not a checkpoint root of its own: open the "
+                        "fast root with durable= (--durable) instead")
+
+
+@dataclass(frozen=True)
+class FastCopyHooks:
+    """A publish's commit hooks on a tiered root: the commit also records the fast tier's copy."""
+
+    inner: CommitHooks
+    location: str
+    path: str
+
+    def record(self, payload: PayloadRecord) -> CommitRecord:
+        return replace(self.inner.record(payload), replica=(self.location, self.path))
+
+    def failed(self) -> None:
+        self.inner.failed()
+
+    def done(self) -> None:
+        self.inner.done()
+
+
+# --------------------------------------------------------------------------- reading the nearest copy
+
+
+def cache_relpath(info: CheckpointInfo) -> str:
+    """Where this host's cache keeps the durable copy of ``info``'s payload, relative to the fast root."""
+    digest = (info.manifest_sha256 or "none")[:16]
+    return f"{CACHE_DIR}/{info.run}/{step_dirname(info.step)}-{digest}"
+
+
+@contextmanager
+def _host_lock(path: Path) -> Iterator[None]:
+    """An exclusive ``fcntl`` lock on ``path`` (created), shared by every process of this host."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def read_nearest(tiers: Tiers, catalog: Catalog, info: CheckpointInfo, *, verify: bool, map_location: Any,
+                 trust_pickle: bool, extras: Extras, holder: str) -> Loaded:
+    """Read ``info`` (placed under the fast root) from the nearest verified copy (see the module's docstring).
+
+    Raises ``NoCopyError`` when neither this fast tier nor the durable tier
+    holds its payload, ``CorruptCheckpointError`` when the fast copy is bad
+    and there is no durable one, and ``StorageError`` when the durable tier
+    cannot be reached (nothing is marked).
+    """
+    def read(directory: Path, check: bool) -> Loaded:
+        return read_directory(directory, verify=check, trust_pickle=trust_pickle, map_location=map_location,
+                              extras=extras, expected_digest=info.manifest_sha256)
+
+    replicas = ReplicaCatalog(catalog)
+    fast_bad: CorruptCheckpointError | None = None
+    if info.path.is_dir():
+        try:
+            return read(info.path, verify)
+        except CorruptCheckpointError as exc:
+            fast_bad = exc
+    durable = replicas.copy(info.run, info.step, DURABLE, manifest_sha256=info.manifest_sha256)
+    if durable is None:
+        if fast_bad is not None:
+            raise fast_bad
+        raise NoCopyError(f"{info.run}@{info.step} has no copy this host can read: it is not on the fast tier "
+                          f"{tiers.fast.root} and has no verified durable copy yet (its writer's host holds it "
+                          "until it is replicated)", run=info.run, step=info.step, path=info.path)
+    if fast_bad is not None:
+        log.warning("%s@%s: the fast copy is corrupt (%s); reading the durable copy of the same step",
+                    info.run, info.step, fast_bad)
+        relpath = tiers.fast.relpath(info.path)
+        replicas.set_replica_status(info.run, info.step, tiers.location, "corrupt", path=relpath,
+                                    manifest_sha256=info.manifest_sha256, only_from=("published", "verified"),
+                                    actor=holder, reason=str(fast_bad))
+    try:
+        return _read_cached(tiers, replicas, durable.path, info, read, verify=verify, holder=holder)
+    except CorruptCheckpointError as exc:
+        replicas.set_replica_status(info.run, info.step, DURABLE, "corrupt", path=durable.path,
+                                    manifest_sha256=info.manifest_sha256, only_from=("verified",), actor=holder,
+                                    reason=str(exc))
+        log.error("%s@%s: its durable copy is corrupt (%s); marked so", info.run, info.step, exc)
+        if fast_bad is not None:
+            raise fast_bad from exc
+        raise NoCopyError(f"{info.run}@{info.step} has no copy this host can read: not on the fast tier "
+                          f"{tiers.fast.root}, and its durable copy is corrupt ({exc})",
+                          run=info.run, step=info.step, path=info.path) from exc
+
+
+def local_directory(tiers: Tiers, catalog: Catalog, info: CheckpointInfo, *, holder: str) -> Path:
+    """A directory of this host holding ``info``'s payload, for a mapped (distributed) load: the fast copy when it
+    is here, else this host's cached download of the durable copy (``NoCopyError`` when there is none)."""
+    if info.path.is_dir():
+        return info.path
+    replicas = ReplicaCatalog(catalog)
+    durable = replicas.copy(info.run, info.step, DURABLE, manifest_sha256=info.manifest_sha256)
+    if durable is None:
+        raise NoCopyError(f"{info.run}@{info.step} has no copy this host can read: it is not on the fast tier "
+                          f"{tiers.fast.root} and has no verified durable copy yet", run=info.run, step=info.step,
+                          path=info.path)
+    cached = tiers.fast.root / cache_relpath(info)
+    with _host_lock(cached.parent / f".{cached.name}.lock"):
+        if not (cached / "manifest.json").is_file():
+            _download(tiers, durable.path, cached, info)
+            replicas.record(info.run, info.step, location=tiers.location, status="verified",
+                            path=cache_relpath(info), manifest_sha256=info.manifest_sha256 or "", writer=holder,
+                            event="cached")
+    return cached
+
+
+def _read_cached(tiers: Tiers, replicas: ReplicaCatalog, prefix: str, info: CheckpointInfo,
+                 read: Callable[[Path, bool], Loaded], *, verify: bool, holder: str) -> Loaded:
+    """This host's cached copy of ``info``, downloaded from ``prefix`` on the durable tier if it has none yet."""
+    cached = tiers.fast.root / cache_relpath(info)
+    with _host_lock(cached.parent / f".{cached.name}.lock"):
+        fresh = False
+        if not (cached / "manifest.json").is_file():
+            _download(tiers, prefix, cached, info)
+            fresh = True
+        try:
+            # bytes just downloaded were checked piece by piece as they landed
+            loaded = read(cached, verify and not fresh)
+        except CorruptCheckpointError as exc:
+            if fresh:
+                raise
+            log.warning("%s@%s: this host's cached copy %s is damaged (%s); downloading it again",
+                        info.run, info.step, cached, exc)
+            shutil.rmtree(cached, ignore_errors=True)
+            _download(tiers, prefix, cached, info)
+            fresh = True
+            loaded = read(cached, False)
+        if fresh:
+            replicas.record(info.run, info.step, location=tiers.location, status="verified",
+                            path=cache_relpath(info), manifest_sha256=info.manifest_sha256 or "", writer=holder,
+                            event="cached")
+    return loaded
+
+
+def _download(tiers: Tiers, prefix: str, dest: Path, info: CheckpointInfo) -> None:
+    """The durable copy under ``prefix`` into ``dest``, through a hidden sibling renamed into place."""
+    from registry.fs.objectread import download
+    staging = dest.parent / f".{dest.name}.tmp-{secrets.token_hex(4)}"
+    staging.mkdir(parents=True)
+    try:
+        download(tiers.durable, prefix, staging, expected_digest=info.manifest_sha256)
+        fsync_dir(staging)
+        shutil.rmtree(dest, ignore_errors=True)
+        os.replace(staging, dest)
+        fsync_dir(dest.parent)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise

@@ -1,0 +1,509 @@
+"""A fast root with a durable ``s3://`` tier: background replication, the queue across processes, the nearest
+copy on load, two hosts sharing one catalog and one durable root. Real SeaweedFS, both catalog backends."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import obstore
+import pytest
+import torch
+
+from registry import Registry
+from registry.catalog.replicas import DURABLE, ReplicaCatalog
+from registry.errors import CheckpointNotFoundError, InvalidStateError, RootError, RootMismatchError
+from registry.format.manifest import MANIFEST
+from registry.records import Status
+from tests.helpers import assert_state_equal, child_env, make_state
+
+
+@pytest.fixture
+def durable(s3_root: str) -> str:
+    return s3_root
+
+
+@pytest.fixture
+def fast(tmp_path: Path) -> Path:
+    return tmp_path / "fast-a"
+
+
+@pytest.fixture
+def treg(catalog_url: str, fast: Path, durable: str) -> Iterator[Registry]:
+    with Registry.open(catalog_url, root=fast, durable=durable) as reg:
+        yield reg
+
+
+def durable_copy(reg: Registry, run: str, step: int) -> object:
+    info = reg.catalog.get(run, step)
+    assert info is not None
+    return ReplicaCatalog(reg.catalog).copy(run, step, DURABLE, manifest_sha256=info.manifest_sha256)
+
+
+def durable_keys(reg: Registry, prefix: str = "") -> list[str]:
+    assert reg.tiers is not None
+    return sorted(e.rel for e in reg.tiers.durable.list(prefix))
+
+
+# --------------------------------------------------------------------------- publish and replicate
+
+
+def test_publish_returns_before_replication_then_the_durable_copy_matches(treg: Registry) -> None:
+    sd = make_state(1)
+    replicator = treg._replication()
+    with replicator._drain_lock:  # the thread cannot replicate while we hold this: publish must not wait for it
+        info = treg.publish("run", 10, sd, extra={"opt": {"lr": 0.1}}, metrics={"loss": 1.0})
+        assert info.status == Status.VERIFIED
+        assert durable_copy(treg, "run", 10) is None
+        assert [q.step for q in ReplicaCatalog(treg.catalog).queue()] == [10]
+    copy = treg.wait_durable("run", 10, timeout=60)
+    assert copy.status == "verified" and copy.durable_at is not None and copy.manifest_sha256 == info.manifest_sha256
+    assert ReplicaCatalog(treg.catalog).queue() == []
+    assert treg.tiers is not None
+    for name in sorted(p.name for p in info.path.iterdir()):
+        assert bytes(treg.tiers.durable.get(f"{copy.path}/{name}")) == (info.path / name).read_bytes(), name
+    assert durable_keys(treg) == sorted([f"{copy.path}/{p.name}" for p in info.path.iterdir()]
+                                        + [".registry/root.json"])
+    kinds = [(r.location.split(":")[0], r.status) for r in treg.replicas("run", 10)]
+    assert kinds == [("durable", "verified"), ("fast", "verified")]
+    assert "replicate" in [e.kind for e in treg.events("run", step=10)]
+
+
+def test_publish_durable_true_waits_and_steps_replicate_in_order(treg: Registry) -> None:
+    for step in (3, 1, 2):
+        treg.publish("run", step, make_state(step))
+    last = treg.publish("run", 4, make_state(4), durable=True)
+    assert durable_copy(treg, "run", 4) is not None
+    assert treg.resolve("run@latest-durable").step == 4 == last.step
+    events = [e.step for e in treg.events("run") if e.kind == "replicate"]
+    assert sorted(events) == [1, 2, 3, 4] and events[-1] == 4
+    with pytest.raises(InvalidStateError, match="durable=True"):
+        treg.publish("run", 5, make_state(5), durable=True, blocking=False)
+
+
+def test_latest_durable_is_the_newest_step_with_a_durable_copy(treg: Registry) -> None:
+    treg.publish("run", 1, make_state(1), durable=True)
+    replicator = treg._replication()
+    with replicator._drain_lock:
+        treg.publish("run", 2, make_state(2))
+        assert treg.resolve("run@latest").step == 2
+        assert treg.resolve("run@latest-durable").step == 1
+        assert treg.load("run@latest-durable").step == 1
+    treg.wait_durable("run", 2, timeout=60)
+    assert treg.resolve("run@latest-durable").step == 2
+
+
+def test_plain_root_has_no_latest_durable_and_refuses_durable_calls(catalog_url: str, tmp_path: Path) -> None:
+    with Registry.open(catalog_url, root=tmp_path / "plain") as reg:
+        reg.publish("run", 1, make_state())
+        with pytest.raises(CheckpointNotFoundError, match="durable copy"):
+            reg.resolve("run@latest-durable")
+        with pytest.raises(InvalidStateError, match="no durable tier"):
+            reg.wait_durable("run", 1)
+        with pytest.raises(InvalidStateError, match="durable=True"):
+            reg.publish("run", 2, make_state(), durable=True)
+
+
+def test_durable_tier_is_not_a_root_of_its_own(catalog_url: str, fast: Path, durable: str,
+                                               tmp_path: Path) -> None:
+    with Registry.open(catalog_url, root=fast, durable=durable) as reg:
+        reg.publish("run", 1, make_state(), durable=True)
+    with pytest.raises(RootError, match="durable tier of this catalog"):
+        Registry.open(catalog_url, root=durable)
+    with pytest.raises(RootError, match="must be an s3:// root"):
+        Registry.open(catalog_url, root=fast, durable=str(tmp_path / "elsewhere"))
+    other = f"sqlite:///{tmp_path / 'other.db'}"
+    with pytest.raises(RootMismatchError):  # the durable root is bound to the first catalog
+        Registry.open(other, root=tmp_path / "fast-x", durable=durable)
+
+
+def test_a_corrupt_fast_copy_is_marked_and_never_replicated(treg: Registry) -> None:
+    replicator = treg._replication()
+    with replicator._drain_lock:
+        info = treg.publish("run", 1, make_state(1))
+        target = info.path / "model.safetensors"
+        raw = bytearray(target.read_bytes())
+        raw[-2] ^= 0xFF
+        target.write_bytes(bytes(raw))
+    replicator.idle(timeout=60)
+    assert treg.catalog.get("run", 1).status == Status.CORRUPT
+    assert durable_copy(treg, "run", 1) is None
+    assert not [k for k in durable_keys(treg) if k.endswith(MANIFEST)]
+
+
+def test_the_env_and_the_cli_name_the_durable_tier(catalog_url: str, fast: Path, durable: str,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from click.testing import CliRunner
+
+    from registry.cli import main
+    monkeypatch.setenv("REGISTRY_DURABLE", durable)
+    with Registry.open(catalog_url, root=fast) as reg:
+        assert reg.tiers is not None
+        replicator = reg._replication()
+        with replicator._drain_lock:
+            reg.publish("run", 1, make_state())
+        replicator.close(wait=False)
+        reg._replicator = None
+    monkeypatch.delenv("REGISTRY_DURABLE")
+    runner = CliRunner()
+    out = runner.invoke(main, ["--url", catalog_url, "--root", str(fast), "--durable", durable, "replicate",
+                               "--wait"], catch_exceptions=False)
+    assert out.exit_code == 0, out.output
+    with Registry.open(catalog_url, root=fast, durable=durable) as reg:
+        assert durable_copy(reg, "run", 1) is not None
+
+
+# --------------------------------------------------------------------------- kills
+
+
+CHILD_PUBLISH = """
+    import sys, torch
+    from registry import Registry
+    url, fast, durable = sys.argv[1:4]
+    reg = Registry.open(url, root=fast, durable=durable)
+    with reg._replication()._drain_lock:  # all three published before replication begins
+        for step in (1, 2, 3):
+            reg.publish("run", step, {"w": torch.full((300_000,), float(step))})
+    reg.wait_durable("run", 3, timeout=120)
+    print("not killed")
+"""
+
+
+@pytest.mark.parametrize("point", ["replicate-after-claim", "replicate-after-upload"])
+def test_a_kill_mid_replication_and_the_next_process_finishes_the_queue(
+        catalog_url: str, fast: Path, durable: str, point: str) -> None:
+    code = textwrap.dedent(CHILD_PUBLISH)
+    proc = subprocess.run([sys.executable, "-c", code, catalog_url, str(fast), durable], capture_output=True,
+                          text=True, env={**child_env(), "REGISTRY_CRASH_AT": point}, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    with Registry.open(catalog_url, root=fast, durable=durable, create=False) as reg:
+        assert [c.step for c in reg.checkpoints("run")] == [1, 2, 3]
+        pending = [r for r in reg.replicas("run") if r.location == DURABLE]
+        assert [r.status for r in pending] == ["pending"]  # killed holding step 1's claim
+        for step in (1, 2, 3):
+            copy = reg.wait_durable("run", step, timeout=120)
+            assert copy.status == "verified"
+        reg._replication().idle(timeout=60)
+        live = {r.path for r in reg.replicas("run") if r.location == DURABLE}
+        manifests = {k.rsplit("/", 1)[0] for k in durable_keys(reg, "run") if k.endswith(MANIFEST)}
+        assert manifests == live
+        ck = reg.load("run@latest-durable")
+        assert ck.step == 3 and torch.equal(ck.state_dict["w"], torch.full((300_000,), 3.0))
+
+
+# --------------------------------------------------------------------------- loads
+
+
+def test_a_corrupt_fast_copy_loads_the_same_step_from_the_durable_tier(treg: Registry) -> None:
+    treg.publish("run", 1, make_state(1), durable=True)
+    sd = make_state(2)
+    info = treg.publish("run", 2, sd, durable=True)
+    target = info.path / "model.safetensors"
+    raw = bytearray(target.read_bytes())
+    raw[-2] ^= 0xFF
+    target.write_bytes(bytes(raw))
+    ck = treg.load("run@latest")
+    assert ck.step == 2 and ck.fallback is None
+    assert_state_equal(ck.state_dict, sd)
+    assert treg.catalog.get("run", 2).status == Status.VERIFIED  # the step is fine: one copy of it is not
+    assert "replica-corrupt" in [e.kind for e in treg.events("run", step=2)]
+    fast_rows = [r for r in treg.replicas("run", 2) if r.location.startswith("fast:")]
+    assert [(r.status, r.path.startswith(".registry/cache/")) for r in fast_rows] == [("verified", True)]
+    assert treg.load("run@latest").step == 2  # this host's good copy is the cached one now
+
+
+def test_a_fresh_disk_resumes_from_the_durable_tier(catalog_url: str, fast: Path, durable: str,
+                                                    tmp_path: Path) -> None:
+    sd = make_state(3)
+    with Registry.open(catalog_url, root=fast, durable=durable) as reg:
+        reg.publish("run", 5, sd, extra={"opt": {"lr": 0.5}}, durable=True)
+    shutil.rmtree(fast)  # the machine is gone, and its disk with it
+    fresh = tmp_path / "fast-new"
+    with Registry.open(catalog_url, root=fresh, durable=durable) as reg:
+        ck = reg.load("run@latest")
+        assert ck.step == 5 and ck.extra["opt"]["lr"] == 0.5
+        assert_state_equal(ck.state_dict, sd)
+        again = reg.load("run@latest")  # from this host's cache now
+        assert_state_equal(again.state_dict, sd)
+        assert reg.tiers is not None
+        cached = [r for r in reg.replicas("run", 5) if r.location == reg.tiers.location]
+        assert [r.status for r in cached] == ["verified"] and cached[0].path.startswith(".registry/cache/")
+
+
+def test_latest_falls_back_past_a_step_no_host_here_can_read(catalog_url: str, fast: Path, durable: str,
+                                                             tmp_path: Path) -> None:
+    with Registry.open(catalog_url, root=fast, durable=durable) as a:
+        a.publish("run", 1, make_state(1), durable=True)
+        replicator = a._replication()
+        with replicator._drain_lock:
+            a.publish("run", 2, make_state(2))
+            with Registry.open(catalog_url, root=tmp_path / "fast-b", durable=durable) as b:
+                b._replication()._drain_lock.acquire()  # b has nothing of its own to replicate anyway
+                ck = b.load("run@latest")
+                assert ck.step == 1 and ck.fallback is not None and [s.step for s in ck.fallback.skipped] == [2]
+                with pytest.raises(CheckpointNotFoundError, match="no copy this host can read"):
+                    b.load("run@2")
+                b._replication()._drain_lock.release()
+            assert a.catalog.get("run", 2).status == Status.VERIFIED
+
+
+CHILD_RANK = """
+    import sys, json, hashlib, torch
+    from registry import Registry
+    url, fast, durable, out = sys.argv[1:5]
+    with Registry.open(url, root=fast, durable=durable) as reg:
+        ck = reg.load("run@latest")
+        digest = hashlib.sha256(ck.state_dict["w"].numpy().tobytes()).hexdigest()
+        json.dump({"step": ck.step, "sha256": digest}, open(out, "w"))
+"""
+
+
+def test_two_hosts_a_step_from_a_resumes_on_b_downloaded_once_for_two_ranks(
+        catalog_url: str, durable: str, tmp_path: Path) -> None:
+    host_a, host_b = tmp_path / "host-a", tmp_path / "host-b"
+    w = torch.arange(2_000_000, dtype=torch.float32)
+    with Registry.open(catalog_url, root=host_a, durable=durable) as a:
+        a.publish("run", 7, {"w": w}, durable=True)
+    with Registry.open(catalog_url, root=host_b, durable=durable) as b:
+        assert b.tiers is not None and a.tiers is not None and b.tiers.tier_id != a.tiers.tier_id
+    code = textwrap.dedent(CHILD_RANK)
+    outs = [tmp_path / f"rank{i}.json" for i in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-c", code, catalog_url, str(host_b), durable, str(out)],
+                              env=child_env(), stderr=subprocess.PIPE, text=True) for out in outs]
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+    import hashlib
+    for out in outs:
+        assert json.loads(out.read_text()) == {"step": 7, "sha256": hashlib.sha256(w.numpy().tobytes()).hexdigest()}
+    cache = host_b / ".registry" / "cache" / "run"
+    assert len([d for d in cache.iterdir() if d.is_dir() and not d.name.startswith(".")]) == 1
+    assert not [d for d in cache.iterdir() if ".tmp-" in d.name]
+    with Registry.open(catalog_url, root=host_b, durable=durable) as b:
+        assert b.tiers is not None
+        assert len([e for e in b.events("run", step=7) if e.kind == "cached"]) == 1  # one download, two ranks
+        rows = [r for r in b.replicas("run", 7) if r.location == b.tiers.location]
+        assert len(rows) == 1 and rows[0].status == "verified"
+    assert not (host_a / ".registry" / "cache").exists()
+
+
+def test_a_corrupt_durable_copy_is_marked_and_latest_goes_on_to_an_older_step(treg: Registry) -> None:
+    treg.publish("run", 1, make_state(1), durable=True)
+    info = treg.publish("run", 2, make_state(2), durable=True)
+    copy = treg.wait_durable("run", 2)
+    assert treg.tiers is not None
+    key = f"{copy.path}/model.safetensors"
+    raw = bytearray(treg.tiers.durable.get(key))
+    raw[-2] ^= 0xFF
+    obstore.put(treg.tiers.durable.store, key, bytes(raw))
+    shutil.rmtree(info.path)  # the fast copy is gone: only the damaged durable copy is left
+    ck = treg.load("run@latest")
+    assert ck.step == 1 and ck.fallback is not None
+    assert [r.status for r in treg.replicas("run", 2) if r.location == DURABLE] == ["corrupt"]
+    assert treg.catalog.get("run", 2).status == Status.VERIFIED  # another host's fast copy may still be good
+    with pytest.raises(CheckpointNotFoundError, match="no copy this host can read"):
+        treg.load("run@2")
+
+
+# --------------------------------------------------------------------------- fsck
+
+
+def test_fsck_reports_one_tier_steps_and_bad_durable_copies_and_repairs_them(treg: Registry) -> None:
+    assert treg.tiers is not None
+    durable = treg.tiers.durable
+    treg.publish("run", 1, make_state(1), durable=True)
+    treg.publish("run", 2, make_state(2), durable=True)
+    replicator = treg._replication()
+    with replicator._drain_lock:
+        treg.publish("run", 3, make_state(3))
+        gone = treg.wait_durable("run", 1, timeout=5)
+        durable.delete([f"{gone.path}/{MANIFEST}"])  # a durable copy lost
+        damaged = ReplicaCatalog(treg.catalog).copy("run", 2, DURABLE,
+                                                    manifest_sha256=treg.catalog.get("run", 2).manifest_sha256)
+        assert damaged is not None
+        key = f"{damaged.path}/model.safetensors"
+        obstore.put(durable.store, key, bytes(durable.get(key))[:-1])  # one byte short
+        obstore.put(durable.store, "run/step-00000009/a-0123456789abcdef/model.safetensors", b"x")  # an orphan
+        report = treg.fsck()
+        kinds = sorted((p.kind, p.step) for p in report.problems)
+        assert kinds == [("damaged-durable-copy", 2), ("missing-durable-copy", 1), ("only-on-fast-tier", 3),
+                         ("orphan-durable-prefix", 9)], report.problems
+    report = treg.fsck(repair=True)
+    assert {p.kind for p in report.repaired} >= {"damaged-durable-copy", "missing-durable-copy",
+                                                 "orphan-durable-prefix"}, (report.repaired, report.failures)
+    replicator.idle(timeout=60)
+    assert treg.fsck().clean
+    for step in (1, 2, 3):
+        assert durable_copy(treg, "run", step) is not None
+
+
+def test_fsck_on_another_host_does_not_condemn_steps_it_does_not_hold(catalog_url: str, durable: str,
+                                                                       tmp_path: Path) -> None:
+    with Registry.open(catalog_url, root=tmp_path / "host-a", durable=durable) as a:
+        a.publish("run", 1, make_state(1), durable=True)
+    with Registry.open(catalog_url, root=tmp_path / "host-b", durable=durable) as b:
+        report = b.fsck(repair=True)
+        assert report.clean, report.problems
+        assert b.catalog.get("run", 1).status == Status.VERIFIED
+
+
+def test_follow_durable_yields_only_durable_steps(treg: Registry) -> None:
+    replicator = treg._replication()
+    with replicator._drain_lock:
+        treg.publish("run", 1, make_state(1))
+        assert [i.step for i in treg.follow("run", timeout=0)] == [1]
+        assert list(treg.follow("run", timeout=0, durable=True)) == []
+    treg.wait_durable("run", 1, timeout=60)
+    assert [i.step for i in treg.follow("run", timeout=0, durable=True)] == [1]
+
+
+# --------------------------------------------------------------------------- retention per tier
+
+
+def test_fast_retention_keeps_what_is_not_durable_and_deletes_only_copies(treg: Registry) -> None:
+    from registry.retention import KeepLast
+    for step in (1, 2, 3):
+        treg.publish("run", step, make_state(step), durable=True)
+    replicator = treg._replication()
+    with replicator._drain_lock:
+        treg.publish("run", 4, make_state(4))
+        treg.publish("run", 5, make_state(5))
+        plan = treg.plan_tier_retention("run", KeepLast(1), tier="fast")
+        assert sorted(plan.delete) == [1, 2, 3] and not any(d.ends_step for d in plan.decisions)
+        assert "not durable yet" in plan.keep[4]
+        result = plan.execute()
+        assert result.deleted == (1, 2, 3) and result.ended == ()
+    for step in (1, 2, 3):
+        assert treg.catalog.get("run", step).status == Status.VERIFIED  # the step lives on, on the durable tier
+        assert not (treg.store.root / "run" / f"step-{step:08d}").exists()
+    assert treg.load("run@2").step == 2  # from the durable tier, into this host's cache
+    assert treg.fsck().clean
+    with pytest.raises(InvalidStateError, match="per tier"):
+        treg.plan_retention("run", KeepLast(1))
+
+
+def test_durable_retention_and_the_last_copy_ends_the_step(treg: Registry) -> None:
+    from registry.retention import KeepEvery, KeepLast
+    for step in (1, 2, 3, 4):
+        treg.publish("run", step, make_state(step), durable=True)
+    treg.plan_tier_retention("run", KeepLast(1), tier="fast").execute()  # fast copies of 1-3 gone
+    plan = treg.plan_tier_retention("run", KeepEvery(2), tier="durable")
+    assert sorted(plan.delete) == [1, 3]
+    assert [d.ends_step for d in plan.decisions if d.action == "delete"] == [True, True]
+    assert "@latest-durable" in plan.keep[4]
+    result = plan.execute()
+    assert result.ended == (1, 3) and result.deleted == (1, 3)
+    assert treg.catalog.get("run", 1).status == Status.DELETED
+    assert treg.catalog.get("run", 2).status == Status.VERIFIED
+    assert treg.tiers is not None
+    assert not [k for k in durable_keys(treg, "run/step-00000001")]
+    assert treg.fsck().clean
+
+
+def test_force_deletes_a_copy_not_yet_durable_and_the_step_with_it(treg: Registry) -> None:
+    from registry.retention import KeepLast
+    replicator = treg._replication()
+    with replicator._drain_lock:
+        treg.publish("run", 1, make_state(1))
+        treg.publish("run", 2, make_state(2))
+        plan = treg.plan_tier_retention("run", KeepLast(1), tier="fast", force=True)
+        assert [(d.step, d.ends_step) for d in plan.decisions if d.action == "delete"] == [(1, True)]
+        assert plan.execute().ended == (1,)
+    assert treg.catalog.get("run", 1).status == Status.DELETED
+    replicator.idle(timeout=60)
+    assert durable_copy(treg, "run", 1) is None
+
+
+def test_gc_dry_run_shows_the_plan_per_tier(catalog_url: str, fast: Path, durable: str) -> None:
+    from click.testing import CliRunner
+
+    from registry.cli import main
+    with Registry.open(catalog_url, root=fast, durable=durable) as reg:
+        for step in (1, 2):
+            reg.publish("run", step, make_state(step), durable=True)
+    out = CliRunner().invoke(main, ["--url", catalog_url, "--root", str(fast), "--durable", durable, "gc", "run",
+                                    "--keep-last", "1", "--dry-run"], catch_exceptions=False)
+    assert out.exit_code == 0, out.output
+    assert "(fast tier)" in out.output and "(durable tier)" in out.output and "DELETE" in out.output
+
+
+# --------------------------------------------------------------------------- faults
+
+
+def test_durable_tier_down_the_trainer_goes_on_and_the_queue_catches_up(
+        catalog_url: str, tmp_path: Path, s3_env: object, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    from registry.retention import KeepLast
+    from tests.test_s3_faults import FAST, Private
+    server = Private(tmp_path / "weed")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", server.endpoint)
+    try:
+        from tests import s3server
+        bucket = s3server.new_bucket(s3server.Server(endpoint=server.endpoint))
+        caplog.set_level(logging.INFO, logger="registry.ops.replicator")
+        with Registry.open(catalog_url, root=tmp_path / "fast", durable=f"s3://{bucket}/ckpt",
+                           storage_options=FAST) as reg:
+            reg.publish("run", 1, make_state(1), durable=True)
+            server.kill()
+            for step in (2, 3, 4):  # the fast tier's commit is all a publish waits for
+                assert reg.publish("run", step, make_state(step)).status == Status.VERIFIED
+            with pytest.raises(TimeoutError, match="cannot"):
+                reg.wait_durable("run", 4, timeout=20)
+            result = reg.plan_tier_retention("run", KeepLast(1), tier="fast").execute()
+            assert result.deleted == (1,)  # durable already; 2 and 3 are not, and stay
+            assert all((reg.store.root / "run" / f"step-{s:08d}").is_dir() for s in (2, 3, 4))
+            assert_state_equal(reg.load("run@3").state_dict, make_state(3))  # loads go on from the fast tier
+            server.restart()
+            for step in (2, 3, 4):
+                assert reg.wait_durable("run", step, timeout=120).status == "verified"
+            assert [c.status for c in reg.checkpoints("run")] == [Status.VERIFIED] * 4
+        outages = [r for r in caplog.records if "is failing" in r.getMessage()]
+        assert len(outages) == 1, [r.getMessage() for r in outages]
+        assert any("answers again" in r.getMessage() for r in caplog.records)
+    finally:
+        server.kill()
+
+
+
+CHILD_GROUP_RANK = """
+    import sys, json, hashlib, torch, torch.distributed as dist
+    from registry import Registry
+    rank, port, url, fast, durable, out = int(sys.argv[1]), sys.argv[2], *sys.argv[3:7]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    with Registry.open(url, root=fast, durable=durable, create=rank == 0) as reg:
+        ck = reg.load("run@latest", broadcast=True, strategy="broadcast", timeout=60)
+    digest = hashlib.sha256(ck.state_dict["w"].numpy().tobytes()).hexdigest()
+    json.dump({"step": ck.step, "sha256": digest}, open(out, "w"))
+    dist.destroy_process_group()
+"""
+
+
+def test_a_process_group_on_a_fresh_host_loads_through_the_cache(catalog_url: str, durable: str,
+                                                                 tmp_path: Path) -> None:
+    from tests.helpers import free_port
+    w = torch.arange(100_000, dtype=torch.float32)
+    with Registry.open(catalog_url, root=tmp_path / "host-a", durable=durable) as a:
+        a.publish("run", 3, {"w": w}, durable=True)
+    host_b = tmp_path / "host-b"
+    with Registry.open(catalog_url, root=host_b, durable=durable):
+        pass  # the fresh host's fast root, empty but for its tier marker
+    port, code = str(free_port()), textwrap.dedent(CHILD_GROUP_RANK)
+    outs = [tmp_path / f"g{r}.json" for r in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(r), port, catalog_url, str(host_b), durable,
+                               str(outs[r])], env={**child_env(), "OMP_NUM_THREADS": "1"}, stderr=subprocess.PIPE,
+                              text=True) for r in range(2)]
+    for p in procs:
+        _, err = p.communicate(timeout=180)
+        assert p.returncode == 0, err
+    import hashlib
+    expected = {"step": 3, "sha256": hashlib.sha256(w.numpy().tobytes()).hexdigest()}
+    assert [json.loads(o.read_text()) for o in outs] == [expected] * 2
+    assert (host_b / ".registry" / "cache" / "run").is_dir()
