@@ -507,3 +507,15 @@ def test_a_process_group_on_a_fresh_host_loads_through_the_cache(catalog_url: st
     expected = {"step": 3, "sha256": hashlib.sha256(w.numpy().tobytes()).hexdigest()}
     assert [json.loads(o.read_text()) for o in outs] == [expected] * 2
     assert (host_b / ".registry" / "cache" / "run").is_dir()
+
+
+def test_a_read_only_reader_on_a_fresh_host_loads_from_the_durable_tier(catalog_url: str, durable: str,
+                                                                        tmp_path: Path) -> None:
+    with Registry.open(catalog_url, root=tmp_path / "host-a", durable=durable) as a:
+        a.publish("run", 1, make_state(1), durable=True)
+    with Registry.open(catalog_url, root=tmp_path / "host-b", durable=durable):
+        pass
+    with Registry.open(catalog_url, root=tmp_path / "host-b", durable=durable, read_only=True) as b:
+        assert_state_equal(b.load("run@latest").state_dict, make_state(1))
+        with pytest.raises(Exception, match="read-only"):
+            b.replicate()

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from registry.catalog import CommitRecord, PayloadRecord
 from registry.catalog.replicas import DURABLE, ReplicaCatalog, fast_location
-from registry.errors import CorruptCheckpointError, NoCopyError, RootError, RootMismatchError
+from registry.errors import CatalogError, CorruptCheckpointError, NoCopyError, RootError, RootMismatchError
 from registry.format.layout import REGISTRY_DIR, step_dirname
 from registry.fs.filemaps import Extras, Loaded, read_directory
 from registry.fs.store import Store, fsync_dir
@@ -196,21 +196,31 @@ def read_nearest(tiers: Tiers, catalog: Catalog, info: CheckpointInfo, *, verify
         log.warning("%s@%s: the fast copy is corrupt (%s); reading the durable copy of the same step",
                     info.run, info.step, fast_bad)
         relpath = tiers.fast.relpath(info.path)
-        replicas.set_replica_status(info.run, info.step, tiers.location, "corrupt", path=relpath,
-                                    manifest_sha256=info.manifest_sha256, only_from=("published", "verified"),
-                                    actor=holder, reason=str(fast_bad))
+        _note("the corrupt fast copy", lambda: replicas.set_replica_status(
+            info.run, info.step, tiers.location, "corrupt", path=relpath, manifest_sha256=info.manifest_sha256,
+            only_from=("published", "verified"), actor=holder, reason=str(fast_bad)))
     try:
         return _read_cached(tiers, replicas, durable.path, info, read, verify=verify, holder=holder)
     except CorruptCheckpointError as exc:
-        replicas.set_replica_status(info.run, info.step, DURABLE, "corrupt", path=durable.path,
-                                    manifest_sha256=info.manifest_sha256, only_from=("verified",), actor=holder,
-                                    reason=str(exc))
+        why = str(exc)
+        _note("the corrupt durable copy", lambda: replicas.set_replica_status(
+            info.run, info.step, DURABLE, "corrupt", path=durable.path, manifest_sha256=info.manifest_sha256,
+            only_from=("verified",), actor=holder, reason=why))
         log.error("%s@%s: its durable copy is corrupt (%s); marked so", info.run, info.step, exc)
         if fast_bad is not None:
             raise fast_bad from exc
         raise NoCopyError(f"{info.run}@{info.step} has no copy this host can read: not on the fast tier "
                           f"{tiers.fast.root}, and its durable copy is corrupt ({exc})",
                           run=info.run, step=info.step, path=info.path) from exc
+
+
+def _note(what: str, record: Callable[[], object]) -> None:
+    """Record what a load found about a copy; a catalog that cannot record it (read-only, or down) does not fail
+    the load, which has its bytes."""
+    try:
+        record()
+    except CatalogError as exc:
+        log.warning("%s was not recorded in the catalog: %s", what, exc)
 
 
 def local_directory(tiers: Tiers, catalog: Catalog, info: CheckpointInfo, *, holder: str) -> Path:
@@ -228,9 +238,9 @@ def local_directory(tiers: Tiers, catalog: Catalog, info: CheckpointInfo, *, hol
     with _host_lock(cached.parent / f".{cached.name}.lock"):
         if not (cached / "manifest.json").is_file():
             _download(tiers, durable.path, cached, info)
-            replicas.record(info.run, info.step, location=tiers.location, status="verified",
-                            path=cache_relpath(info), manifest_sha256=info.manifest_sha256 or "", writer=holder,
-                            event="cached")
+            _note("this host's cached copy", lambda: replicas.record(
+                info.run, info.step, location=tiers.location, status="verified", path=cache_relpath(info),
+                manifest_sha256=info.manifest_sha256 or "", writer=holder, event="cached"))
     return cached
 
 
@@ -256,9 +266,9 @@ def _read_cached(tiers: Tiers, replicas: ReplicaCatalog, prefix: str, info: Chec
             fresh = True
             loaded = read(cached, False)
         if fresh:
-            replicas.record(info.run, info.step, location=tiers.location, status="verified",
-                            path=cache_relpath(info), manifest_sha256=info.manifest_sha256 or "", writer=holder,
-                            event="cached")
+            _note("this host's cached copy", lambda: replicas.record(
+                info.run, info.step, location=tiers.location, status="verified", path=cache_relpath(info),
+                manifest_sha256=info.manifest_sha256 or "", writer=holder, event="cached"))
     return loaded
 
 
