@@ -180,6 +180,7 @@ class StepView:
     ended: EventInfo | None
     manifest: dict[str, Any]
     shared_bytes: int = 0  # stored once with other steps of the run (hard links made by dedup)
+    copies: tuple[Any, ...] = ()  # on a root with a durable tier: each tier's copy (registry.catalog.replicas)
 
     def to_json(self) -> dict[str, Any]:
         doc = self.info.to_json()
@@ -189,6 +190,10 @@ class StepView:
         doc["events"] = events_doc(self.events)
         doc["ended_by"] = self.ended.to_json() if self.ended is not None else None
         doc["shared_bytes"] = self.shared_bytes
+        doc["copies"] = [{"location": c.location, "status": c.status, "path": c.path,
+                          "manifest_sha256": c.manifest_sha256,
+                          "durable_at": c.durable_at.isoformat() if c.durable_at else None}
+                         for c in self.copies]
         return doc
 
 
@@ -209,9 +214,10 @@ def step_view(reg: Registry, ref: str) -> StepView:
         others = [i.path for i in reg.checkpoints(info.run, include_deleted=True)
                   if i.status in HAS_PAYLOAD and i.step != info.step]
         shared = shared_bytes(info.path, others)
+    copies = tuple(reg.replicas(info.run, info.step)) if reg.tiers is not None else ()
     return StepView(ref=ref, info=info, files=tuple(reg.catalog.files(info.run, info.step)), events=tuple(events),
                     ended=ending_event(info.status, events), manifest=manifest_summary(info.path, objects=reg.objects),
-                    shared_bytes=shared)
+                    shared_bytes=shared, copies=copies)
 
 
 def ending_event(status: str, events: Sequence[EventInfo]) -> EventInfo | None:

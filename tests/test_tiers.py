@@ -519,3 +519,24 @@ def test_a_read_only_reader_on_a_fresh_host_loads_from_the_durable_tier(catalog_
         assert_state_equal(b.load("run@latest").state_dict, make_state(1))
         with pytest.raises(Exception, match="read-only"):
             b.replicate()
+
+
+def test_show_lists_each_copy_and_when_it_became_durable(catalog_url: str, fast: Path, durable: str) -> None:
+    from click.testing import CliRunner
+
+    from registry.cli import main
+    with Registry.open(catalog_url, root=fast, durable=durable) as reg:
+        reg.publish("run", 1, make_state(1), durable=True)
+        with reg._replication()._drain_lock:  # step 2 stays fast-only while show looks at it
+            reg.publish("run", 2, make_state(2))
+            # read-only: a writer's open would start replicating the queue (step 2) itself
+            args = ["--url", catalog_url, "--root", str(fast), "--durable", durable, "--read-only"]
+            one = CliRunner().invoke(main, [*args, "show", "run@1"])
+            assert one.exit_code == 0, one.output
+            copies = [line for line in one.output.splitlines() if line.startswith("copy:")]
+            assert len(copies) == 2 and any("durable verified, durable since" in c for c in copies), one.output
+            doc = json.loads(CliRunner().invoke(main, [*args, "show", "run@1", "--json"]).output)
+            assert sorted(c["location"].split(":")[0] for c in doc["copies"]) == ["durable", "fast"]
+            assert all(c["durable_at"] for c in doc["copies"] if c["location"] == DURABLE)
+            two = json.loads(CliRunner().invoke(main, [*args, "show", "run@2", "--json"]).output)
+            assert [c["location"].split(":")[0] for c in two["copies"]] == ["fast"]

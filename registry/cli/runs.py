@@ -119,6 +119,9 @@ def show(state: State, ref: str, as_json: bool) -> None:
             click.echo(f"layout:   {layout['kind']}, world size {layout['world_size']}, "
                        f"{'/'.join(map(str, per_rank))} file(s) per rank, {human_bytes(layout['bytes'])} of shards")
     click.echo(f"path:     {info.url or info.path}")
+    for copy in view.copies:  # a root with a durable tier: where each copy is, and whether it is good
+        when = f", durable since {format_time(copy.durable_at)}" if copy.durable_at else ""
+        click.echo(f"copy:     {copy.location} {copy.status}{when}  {copy.path}")
     click.echo(f"epoch:    {info.epoch}  consumed_samples: {info.consumed_samples}  "
                f"policy_version: {info.policy_version}")
     click.echo(f"tags:     {', '.join(info.tags) or '-'}")
