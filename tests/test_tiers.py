@@ -495,18 +495,33 @@ def test_a_process_group_on_a_fresh_host_loads_through_the_cache(catalog_url: st
     host_b = tmp_path / "host-b"
     with Registry.open(catalog_url, root=host_b, durable=durable):
         pass  # the fresh host's fast root, empty but for its tier marker
-    port, code = str(free_port()), textwrap.dedent(CHILD_GROUP_RANK)
+    code = textwrap.dedent(CHILD_GROUP_RANK)
     outs = [tmp_path / f"g{r}.json" for r in range(2)]
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(r), port, catalog_url, str(host_b), durable,
-                               str(outs[r])], env={**child_env(), "OMP_NUM_THREADS": "1"}, stderr=subprocess.PIPE,
-                              text=True) for r in range(2)]
-    for p in procs:
-        _, err = p.communicate(timeout=180)
-        assert p.returncode == 0, err
+
+    def group() -> list[object]:
+        port = str(free_port())
+        procs = [subprocess.Popen([sys.executable, "-c", code, str(r), port, catalog_url, str(host_b), durable,
+                                   str(outs[r])], env={**child_env(), "OMP_NUM_THREADS": "1"},
+                                  stderr=subprocess.PIPE, text=True) for r in range(2)]
+        for p in procs:
+            _, err = p.communicate(timeout=180)
+            assert p.returncode == 0, err
+        return [json.loads(o.read_text()) for o in outs]
+
     import hashlib
     expected = {"step": 3, "sha256": hashlib.sha256(w.numpy().tobytes()).hexdigest()}
-    assert [json.loads(o.read_text()) for o in outs] == [expected] * 2
-    assert (host_b / ".registry" / "cache" / "run").is_dir()
+    assert group() == [expected] * 2
+    cached = [d for d in (host_b / ".registry" / "cache" / "run").iterdir() if not d.name.startswith(".")]
+    assert len(cached) == 1
+    weights = cached[0] / "model.safetensors"  # a bad byte in this host's cache is this host's to repair
+    data = bytearray(weights.read_bytes())
+    data[-10] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    assert group() == [expected] * 2
+    with Registry.open(catalog_url, root=host_b, durable=durable) as b:
+        assert b.catalog.get("run", 3).status == Status.VERIFIED  # type: ignore[union-attr]
+        assert len([e for e in b.events("run", step=3) if e.kind == "cached"]) == 2  # downloaded again, once
+    assert weights.read_bytes() != bytes(data)
 
 
 def test_a_read_only_reader_on_a_fresh_host_loads_from_the_durable_tier(catalog_url: str, durable: str,

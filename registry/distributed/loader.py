@@ -260,11 +260,18 @@ def _one_round(comm: Comm, src: _Source | None, *, verify: bool, device: torch.d
                 try:
                     if src.objects is not None and info is not None:
                         mapped = fetch_checkpoint(src.objects, info, verify=verify, extras=extras)
+                    elif src.tiers is not None and info is not None and src.read is not None:
+                        from registry.ops.tiers import read_local
+
+                        def mapped_at(directory: Path, check: bool, info: CheckpointInfo = info
+                                      ) -> tuple[Path, Mapped]:
+                            got = map_checkpoint(directory, expected_digest=info.manifest_sha256, extras=extras)
+                            if check:  # this host's cached download: a damaged one is fetched again
+                                check_mapped(got)
+                            return directory, got
+                        path, mapped = read_local(src.tiers, src.read.access.catalog, info, mapped_at,
+                                                  verify=verify, holder=src.read.access.holder)
                     else:
-                        if src.tiers is not None and info is not None and src.read is not None:
-                            from registry.ops.tiers import local_directory
-                            path = local_directory(src.tiers, src.read.access.catalog, info,
-                                                   holder=src.read.access.holder)
                         mapped = map_checkpoint(path, expected_digest=info.manifest_sha256 if info else None,
                                                 extras=extras)
                 except RegistryError as exc:

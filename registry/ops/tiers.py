@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from registry.catalog import CommitRecord, PayloadRecord
 from registry.catalog.replicas import DURABLE, ReplicaCatalog, fast_location
@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 
 TIER_MARKER = "tier.json"
 CACHE_DIR = f"{REGISTRY_DIR}/cache"
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -223,29 +224,26 @@ def _note(what: str, record: Callable[[], object]) -> None:
         log.warning("%s was not recorded in the catalog: %s", what, exc)
 
 
-def local_directory(tiers: Tiers, catalog: Catalog, info: CheckpointInfo, *, holder: str) -> Path:
-    """A directory of this host holding ``info``'s payload, for a mapped (distributed) load: the fast copy when it
-    is here, else this host's cached download of the durable copy (``NoCopyError`` when there is none)."""
+def read_local(tiers: Tiers, catalog: Catalog, info: CheckpointInfo, read: Callable[[Path, bool], T], *,
+               verify: bool, holder: str) -> T:
+    """``read(directory, check)`` of a directory of this host holding ``info``'s payload, for a mapped
+    (distributed) load: the fast copy when it is here (``check`` False: the caller checks what it maps), else
+    this host's cached download of the durable copy, checked when ``verify`` and downloaded again when damaged,
+    so that a bad cached file is this host's to repair, never a verdict on the step (``NoCopyError`` when there
+    is no durable copy)."""
     if info.path.is_dir():
-        return info.path
+        return read(info.path, False)
     replicas = ReplicaCatalog(catalog)
     durable = replicas.copy(info.run, info.step, DURABLE, manifest_sha256=info.manifest_sha256)
     if durable is None:
         raise NoCopyError(f"{info.run}@{info.step} has no copy this host can read: it is not on the fast tier "
                           f"{tiers.fast.root} and has no verified durable copy yet", run=info.run, step=info.step,
                           path=info.path)
-    cached = tiers.fast.root / cache_relpath(info)
-    with _host_lock(cached.parent / f".{cached.name}.lock"):
-        if not (cached / "manifest.json").is_file():
-            _download(tiers, durable.path, cached, info)
-            _note("this host's cached copy", lambda: replicas.record(
-                info.run, info.step, location=tiers.location, status="verified", path=cache_relpath(info),
-                manifest_sha256=info.manifest_sha256 or "", writer=holder, event="cached"))
-    return cached
+    return _read_cached(tiers, replicas, durable.path, info, read, verify=verify, holder=holder)
 
 
 def _read_cached(tiers: Tiers, replicas: ReplicaCatalog, prefix: str, info: CheckpointInfo,
-                 read: Callable[[Path, bool], Loaded], *, verify: bool, holder: str) -> Loaded:
+                 read: Callable[[Path, bool], T], *, verify: bool, holder: str) -> T:
     """This host's cached copy of ``info``, downloaded from ``prefix`` on the durable tier if it has none yet."""
     cached = tiers.fast.root / cache_relpath(info)
     with _host_lock(cached.parent / f".{cached.name}.lock"):
