@@ -1,6 +1,6 @@
 """SIGKILL real worker processes at every crash point and at random moments; nothing may be lost.
 
-Sizes: ``REGISTRY_KILLS`` random kills per backend (default 80),
+Sizes: ``REGISTRY_KILLS`` random kills per backend (default 30),
 ``REGISTRY_MIGRATION_KILLS`` kills during migration per backend (default 6).
 ``scripts/killtest`` runs thousands with the same harness.
 """
@@ -15,7 +15,7 @@ import pytest
 from tests.helpers import pg_schema_url
 from tests.killharness import CRASH_TABLE, crashpoint_kills, migration_kills, random_kills
 
-KILLS = int(os.environ.get("REGISTRY_KILLS", "80"))
+KILLS = int(os.environ.get("REGISTRY_KILLS", "30"))
 MIGRATION_KILLS = int(os.environ.get("REGISTRY_MIGRATION_KILLS", "6"))
 
 

@@ -1,6 +1,6 @@
 """Several real processes overlap every operation on one catalog; nothing may be lost, condemned or refused.
 
-Size: ``REGISTRY_STRESS_SECONDS`` per backend (default 6); ``scripts/stresstest``
+Size: ``REGISTRY_STRESS_SECONDS`` per backend and root (default 3); ``scripts/stresstest``
 runs long ones with the same harness.
 """
 
@@ -12,7 +12,7 @@ import pytest
 
 from tests.stressharness import MIX, OBJECT_MIX, stress
 
-SECONDS = float(os.environ.get("REGISTRY_STRESS_SECONDS", "6"))
+SECONDS = float(os.environ.get("REGISTRY_STRESS_SECONDS", "3"))
 
 
 def test_overlapping_actors_lose_and_condemn_nothing(catalog_url: str, any_root: str,
