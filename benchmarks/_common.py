@@ -50,3 +50,16 @@ def rss_kib(field: str) -> int:
         if line.startswith(field + ":"):
             return int(line.split()[1])
     return 0
+
+
+def print_rates(times: dict[str, list[float]], ratios: dict[str, list[float]], *, mib: float,
+                no_rate: tuple[str, ...] = ()) -> None:
+    """The table the object-store benches print: each variant's median seconds and MiB/s (none for ``no_rate``),
+    then each ratio's median with its per-round values."""
+    import statistics
+    print(f"{'variant':<30} {'seconds':>9} {'MiB/s':>8}")
+    for k, v in times.items():
+        med = statistics.median(v)
+        print(f"{k:<30} {med:>9.3f} {mib / med if k not in no_rate else float('nan'):>8.0f}")
+    for k, v in ratios.items():
+        print(f"{k:<30} {statistics.median(v):>9.3f}  (per round: {', '.join(f'{x:.2f}' for x in v)})")

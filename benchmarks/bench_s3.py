@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -41,7 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import transformer_state  # noqa: E402
+from _common import print_rates, transformer_state  # noqa: E402
 from registry import Registry  # noqa: E402
 from registry.fs.objectread import READ_CONCURRENCY  # noqa: E402
 from registry.fs.objects import PART_SIZE, UPLOAD_CONCURRENCY, ObjectRoot  # noqa: E402
@@ -154,12 +153,7 @@ def main() -> None:
         mib = size / 2**20
         print(f"s3 root on SeaweedFS (loopback), {mib:.0f} MiB safetensors, median of {args.runs} rounds "
               f"after a warm-up; {os.cpu_count()} CPUs")
-        print(f"{'variant':<30} {'seconds':>9} {'MiB/s':>8}")
-        for k, v in times.items():
-            med = statistics.median(v)
-            print(f"{k:<30} {med:>9.3f} {mib / med if k != 'async' else float('nan'):>8.0f}")
-        for k, v in ratios.items():
-            print(f"{k:<30} {statistics.median(v):>9.3f}  (per round: {', '.join(f'{x:.2f}' for x in v)})")
+        print_rates(times, ratios, mib=mib, no_rate=("async",))
         print(f"command: ./scripts/bench s3 --mib {args.mib} --runs {args.runs}")
     finally:
         if server is not None and server.process is not None:

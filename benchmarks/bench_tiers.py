@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -39,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import transformer_state  # noqa: E402
+from _common import print_rates, transformer_state  # noqa: E402
 from registry import Registry  # noqa: E402
 from registry.fs.objectread import READ_CONCURRENCY  # noqa: E402
 from registry.fs.objects import PART_SIZE, UPLOAD_CONCURRENCY, ObjectRoot  # noqa: E402
@@ -156,12 +155,7 @@ def main() -> None:
         mib = size / 2**20
         print(f"tiers: fast directory root + s3:// durable tier on SeaweedFS (loopback), {mib:.0f} MiB safetensors, "
               f"median of {args.runs} rounds after a warm-up; {os.cpu_count()} CPUs")
-        print(f"{'variant':<30} {'seconds':>9} {'MiB/s':>8}")
-        for k, v in times.items():
-            med = statistics.median(v)
-            print(f"{k:<30} {med:>9.3f} {mib / med:>8.0f}")
-        for k, v in ratios.items():
-            print(f"{k:<30} {statistics.median(v):>9.3f}  (per round: {', '.join(f'{x:.2f}' for x in v)})")
+        print_rates(times, ratios, mib=mib)
         print(f"command: ./scripts/bench tiers --mib {args.mib} --runs {args.runs}")
     finally:
         if server is not None and server.process is not None:
