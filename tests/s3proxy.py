@@ -40,6 +40,7 @@ class Proxy:
     before: Callable[[Seen], None] | None = None    # called before forwarding (may kill the server)
     wrong_signature: bool = False                   # forward with the signature spoilt: the server refuses (403)
     flip_put_bodies: int = 0                        # flip one byte in the body of the next N PUTs (bad wire)
+    flip_put_suffix: str = ""                        # flip one byte in the next PUT to a key ending so (once)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def take(self, request: Seen) -> bool:
@@ -83,6 +84,8 @@ def _handler(proxy: Proxy) -> type[BaseHTTPRequestHandler]:
             if self.command == "PUT" and len(body) > 1:
                 with proxy.lock:
                     flip, proxy.flip_put_bodies = proxy.flip_put_bodies > 0, max(0, proxy.flip_put_bodies - 1)
+                    if proxy.flip_put_suffix and urllib.parse.urlsplit(self.path).path.endswith(proxy.flip_put_suffix):
+                        flip, proxy.flip_put_suffix = True, ""
                 if flip:
                     body = body[: len(body) // 2] + bytes([body[len(body) // 2] ^ 0xFF]) + body[len(body) // 2 + 1:]
             headers = {k: v for k, v in self.headers.items()}

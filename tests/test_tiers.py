@@ -21,6 +21,7 @@ from registry.catalog.replicas import DURABLE, ReplicaCatalog
 from registry.errors import CheckpointNotFoundError, InvalidStateError, RootError, RootMismatchError
 from registry.format.manifest import MANIFEST
 from registry.records import Status
+from tests import s3proxy, s3server
 from tests.helpers import assert_state_equal, child_env, make_state
 
 
@@ -406,6 +407,21 @@ def test_durable_retention_and_the_last_copy_ends_the_step(treg: Registry) -> No
     assert treg.fsck().clean
 
 
+def test_a_durable_plan_made_while_the_fast_copy_existed_never_deletes_the_last_copy(treg: Registry) -> None:
+    """The plan saw two copies and planned a copy-only deletion; the fast copy went before it ran (a trainer's
+    fast retention): deleting the durable copy now would leave a live step with no copy, so it is skipped."""
+    from registry.retention import KeepLast
+    for step in (1, 2, 3):
+        treg.publish("run", step, make_state(step), durable=True)
+    plan = treg.plan_tier_retention("run", KeepLast(1), tier="durable")
+    assert sorted(plan.delete) == [1, 2] and not any(d.ends_step for d in plan.decisions)
+    assert treg.plan_tier_retention("run", KeepLast(2), tier="fast").execute().deleted == (1,)
+    result = plan.execute()
+    assert result.deleted == (2,) and "no other good copy" in result.skipped[1], result
+    assert treg.catalog.get("run", 1).status == Status.VERIFIED
+    assert_state_equal(treg.load("run@1").state_dict, make_state(1))  # from its durable copy, still there
+
+
 def test_force_deletes_a_copy_not_yet_durable_and_the_step_with_it(treg: Registry) -> None:
     from registry.retention import KeepLast
     replicator = treg._replication()
@@ -555,3 +571,22 @@ def test_show_lists_each_copy_and_when_it_became_durable(catalog_url: str, fast:
             assert all(c["durable_at"] for c in doc["copies"] if c["location"] == DURABLE)
             two = json.loads(CliRunner().invoke(main, [*args, "show", "run@2", "--json"]).output)
             assert [c["location"].split(":")[0] for c in two["copies"]] == ["fast"]
+
+
+def test_a_manifest_the_durable_server_stored_wrong_is_its_fault_not_the_steps(catalog_url: str, fast: Path,
+                                                                               s3_env: s3server.Server) -> None:
+    """The fast copy matched its manifest as it was read, so a manifest stored differently on the server (here a
+    byte flipped on the wire, with body checksums off) is the tier's trouble: retried, never a verdict."""
+    bucket = s3server.new_bucket(s3_env)
+    with s3proxy.running(s3_env.endpoint) as proxy:
+        options = {"endpoint": proxy.endpoint, "checksum_algorithm": "none", "max_retries": 0}
+        with Registry.open(catalog_url, root=fast, durable=f"s3://{bucket}/ckpt", storage_options=options) as reg:
+            proxy.flip_put_suffix = "/manifest.json"
+            info = reg.publish("run", 1, make_state(1))
+            copy = reg.wait_durable("run", 1, timeout=120)  # the first attempt fails its check; the next one holds
+            assert proxy.flip_put_suffix == ""
+            assert copy.manifest_sha256 == info.manifest_sha256
+            assert reg.catalog.get("run", 1).status == Status.VERIFIED  # type: ignore[union-attr]
+            assert "corrupt" not in [e.kind for e in reg.events("run", step=1)]
+            assert_state_equal(reg.load("run@latest-durable").state_dict, make_state(1))
+

@@ -164,7 +164,8 @@ class ReplicaCatalog:
                      require: str | None, actor: str | None) -> str | None:
         """Mark ``location``'s copy of ``run@step`` at ``path`` ``deleted`` (recorded if it had no row); None when
         it was, else why not. Compare-and-set, in one transaction: the step still holds ``manifest_sha256``,
-        no reader holds a lease on it, and ``require`` (a location) still has a verified copy of it."""
+        no reader holds a lease on it, this location's copy is still the one at ``path``, and ``require`` (a
+        location, or ``"fast:"`` for any fast tier's) still has a good copy of the same payload."""
         def fn(conn: Connection) -> str | None:
             row = conn.execute(select(CheckpointRow.c.id, CheckpointRow.c.run_id, CheckpointRow.c.manifest_sha256)
                                .join(Run, Run.c.id == CheckpointRow.c.run_id)
@@ -175,10 +176,18 @@ class ReplicaCatalog:
                                  .where(Lease.c.checkpoint_id == row.id, Lease.c.expires_at > utcnow()).limit(1))
             if leased is not None:
                 return "leased by a reader"
-            if require is not None and conn.scalar(select(Replica.c.checkpoint_id).where(
-                    Replica.c.checkpoint_id == row.id, Replica.c.location == require, Replica.c.status == VERIFIED,
-                    Replica.c.manifest_sha256 == row.manifest_sha256)) is None:
-                return f"its {require} copy is no longer verified"
+            held = conn.execute(select(Replica.c.path).where(Replica.c.checkpoint_id == row.id,
+                                                             Replica.c.location == location)).first()
+            if held is not None and held.path != path:  # a copy made since the plan (a re-replication) stays
+                return f"its {location} copy changed since the plan"
+            if require is not None:
+                # a fast tier's copy may be only published (verify=False); the durable one is verified or nothing
+                other = (Replica.c.location.startswith(require), Replica.c.status.in_((VERIFIED, PUBLISHED))) \
+                    if require.endswith(":") else (Replica.c.location == require, Replica.c.status == VERIFIED)
+                if conn.scalar(select(Replica.c.checkpoint_id).where(
+                        Replica.c.checkpoint_id == row.id, *other,
+                        Replica.c.manifest_sha256 == row.manifest_sha256).limit(1)) is None:
+                    return f"no other good copy of it ({require.rstrip(':')}) is recorded any more"
             record_replica(conn, row.id, location=location, status=DELETED, path=path,
                            manifest_sha256=row.manifest_sha256, writer=actor)
             Catalog.record_event(conn, row.run_id, step, "replica-deleted", actor=actor, location=location,

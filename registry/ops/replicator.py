@@ -33,7 +33,7 @@ from pathlib import Path
 from registry.catalog import Catalog
 from registry.catalog.replicas import DURABLE, DurableClaim, Queued, ReplicaCatalog
 from registry.crashpoints import crashpoint
-from registry.errors import ManifestError, StorageError
+from registry.errors import ManifestError, RegistryError, StorageError
 from registry.format.layout import attempt_relpath
 from registry.format.manifest import MANIFEST, digest_bytes, parse_manifest
 from registry.fs.objects import ObjectRoot
@@ -154,7 +154,13 @@ class Replicator:
                     with self._state:
                         if self._stopping:
                             return done
-                    outcome = self.replicate(item)
+                    try:
+                        outcome = self.replicate(item)
+                    except StorageError:
+                        raise  # the tier's trouble: the caller backs off
+                    except (OSError, RegistryError) as exc:  # this step's own (a fast file unreadable): the rest go on
+                        log.warning("%s@%s was not replicated: %s", item.run, item.step, exc)
+                        outcome = False
                     if outcome:
                         done += 1
                         progressed = True
@@ -201,7 +207,7 @@ class Replicator:
             if not problems:
                 crashpoint("replicate-after-upload")
                 problems = check_uploaded(self.durable, claim.path, written)
-                if problems and all(p.name != MANIFEST for p in problems):
+                if problems:  # the fast copy matched its manifest as it was read: what differs is the server's
                     raise StorageError(f"the durable tier stored {claim.run}@{claim.step} differently from what "
                                        f"was uploaded ({problems[0].name}: {problems[0].problem})",
                                        url=self.durable.url(claim.path))

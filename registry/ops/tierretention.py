@@ -181,7 +181,7 @@ def _remove(plan: TierPlan, path: str, digest: str | None) -> None:
 def _execute(plan: TierPlan) -> TierResult:
     replicas = ReplicaCatalog(plan.catalog)
     location = plan.tiers.location if plan.tier == "fast" else DURABLE
-    other = DURABLE if plan.tier == "fast" else None
+    other = DURABLE if plan.tier == "fast" else "fast:"  # a copy-only deletion needs the other tier's copy still there
     deleted: list[int] = []
     ended: list[int] = []
     skipped: dict[int, str] = {}
