@@ -9,6 +9,7 @@ state has been copied (``registry.fs.snapshot``).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -910,7 +911,12 @@ class Registry:
                 targets.extend(i for i in self.checkpoints(parsed.run)
                                if i.status in HAS_PAYLOAD)
         from registry.ops.scrub import scrub
-        return scrub(self.catalog, targets, actor=self.writer, progress=progress, objects=self.objects)
+        copy_only = None
+        if self.tiers is not None:
+            from registry.ops.tiers import mark_fast_copy
+            copy_only = functools.partial(mark_fast_copy, self.tiers, self.catalog, actor=self.writer)
+        return scrub(self.catalog, targets, actor=self.writer, progress=progress, objects=self.objects,
+                     copy_only=copy_only)
 
     # ------------------------------------------------------------------ followers
 

@@ -590,3 +590,38 @@ def test_a_manifest_the_durable_server_stored_wrong_is_its_fault_not_the_steps(c
             assert "corrupt" not in [e.kind for e in reg.events("run", step=1)]
             assert_state_equal(reg.load("run@latest-durable").state_dict, make_state(1))
 
+
+
+def test_verify_on_a_damaged_fast_copy_marks_the_copy_when_a_durable_copy_stands(treg: Registry) -> None:
+    """One host's bad disk is that host's copy's trouble: the step stands on its durable copy. With no durable
+    copy yet, the fast copy is the step's only one, and the step is condemned as on a plain root."""
+    good = treg.publish("run", 1, make_state(1), durable=True)
+    with treg._replication()._drain_lock:
+        bare = treg.publish("run", 2, make_state(2))
+        for info in (good, bare):
+            weights = info.path / "model.safetensors"
+            data = bytearray(weights.read_bytes())
+            data[-5] ^= 0xFF
+            weights.write_bytes(bytes(data))
+        results = {r.step: r for r in treg.verify("run")}
+    assert (results[1].status, results[1].ok) == ("corrupt-copy", False) and results[1].problems
+    assert results[2].status == Status.CORRUPT
+    assert treg.catalog.get("run", 1).status == Status.VERIFIED  # type: ignore[union-attr]
+    assert treg.catalog.get("run", 2).status == Status.CORRUPT  # type: ignore[union-attr]
+    assert [(r.location.split(":")[0], r.status) for r in treg.replicas("run", 1)] == [
+        ("durable", "verified"), ("fast", "corrupt")]
+    assert_state_equal(treg.load("run@latest").state_dict, make_state(1))  # from the durable copy
+
+
+def test_fsck_repairs_a_damaged_fast_copy_by_marking_the_copy_when_a_durable_copy_stands(treg: Registry) -> None:
+    info = treg.publish("run", 1, make_state(1), durable=True)
+    weights = info.path / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-5] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    report = treg.fsck(repair=True, checksums=True)
+    assert [p.kind for p in report.problems] == ["damaged-payload"] and report.repaired
+    assert treg.catalog.get("run", 1).status == Status.VERIFIED  # type: ignore[union-attr]
+    fast = [r for r in treg.replicas("run", 1) if r.location != DURABLE]
+    assert [r.status for r in fast] == ["corrupt"]
+    assert_state_equal(treg.load("run@latest").state_dict, make_state(1))

@@ -80,7 +80,7 @@ from registry.format.refs import MAX_STEP, RUN_NAME_RE
 from registry.ops.checkouts import expired as expired_checkouts, remove_owned
 from registry.fs.removal import manifest_digest, remove_tree, retire_and_remove
 from registry.fs.store import fsync_dir, verify_directory
-from registry.ops.verdicts import (REPAIRS, REPORTED, FsckPass, FsckReport, Problem, one_line, _RootVanished,
+from registry.ops.verdicts import (REPAIRS, REPORTED, CopyOnly, FsckPass, FsckReport, Problem, one_line, _RootVanished,
                                    found_payload, iter_lines, meta_numbers)
 from registry.ops.writers import writer_alive
 
@@ -211,12 +211,15 @@ class Fsck(FsckPass):
     """One pass of fsck over a catalog and a directory root. Use :func:`run_fsck`."""
 
     def __init__(self, *, catalog: Catalog, root: Path, repair: bool, checksums: bool, actor: str,
-                 progress: ProgressFn | None = None, elsewhere: Collection[tuple[str, int]] = ()) -> None:
+                 progress: ProgressFn | None = None, elsewhere: Collection[tuple[str, int]] = (),
+                 copy_only: CopyOnly | None = None) -> None:
         super().__init__(catalog=catalog, repair=repair, checksums=checksums, actor=actor, progress=progress)
         self.root = root
         # steps whose copy is on another tier (a durable tier, another host's fast root): no directory here
         # is no missing payload
         self.elsewhere = frozenset(elsewhere)
+        # on a root with tiers: records damage against this host's copy alone where another good copy stands
+        self.copy_only = copy_only
 
     def _root_present(self) -> bool:
         return os.path.isdir(self.root)  # follows a symlinked root, as the check at the start does
@@ -326,8 +329,10 @@ class Fsck(FsckPass):
             if why:
                 p = self._found("damaged-payload", run, step, payload_dir, why, row=row,
                                 still=lambda: manifest_digest(payload_dir) == checked)
-                self._fix(p, lambda: set_status_if(self.catalog, row, Status.CORRUPT, kind="damaged-payload",
-                                                   actor=self.actor, reason=why))
+                self._fix(p, lambda: (self.copy_only is not None and row.manifest_sha256 is not None
+                                      and self.copy_only(run, step, payload_dir, row.manifest_sha256, why))
+                          or set_status_if(self.catalog, row, Status.CORRUPT, kind="damaged-payload",
+                                           actor=self.actor, reason=why))
 
     def _restore(self, retired: Path, final: Path) -> None:
         os.replace(retired, final)
@@ -385,7 +390,7 @@ class Fsck(FsckPass):
 
 def run_fsck(*, catalog: Catalog, root: Path, repair: bool = False, checksums: bool = False,
              actor: str, progress: ProgressFn | None = None,
-             elsewhere: Collection[tuple[str, int]] = ()) -> FsckReport:
+             elsewhere: Collection[tuple[str, int]] = (), copy_only: CopyOnly | None = None) -> FsckReport:
     """Check (and with ``repair`` fix) every step under ``root`` against ``catalog``.
 
     ``checksums`` re-hashes every live step's files instead of checking sizes
@@ -393,7 +398,7 @@ def run_fsck(*, catalog: Catalog, root: Path, repair: bool = False, checksums: b
     hears of the bytes that ``checksums`` re-hashes (the total is not known ahead).
     """
     return Fsck(catalog=catalog, root=root, repair=repair, checksums=checksums, actor=actor,
-                progress=progress, elsewhere=elsewhere).run()
+                progress=progress, elsewhere=elsewhere, copy_only=copy_only).run()
 
 
 __all__ = ["FsckReport", "Problem", "REPAIRS", "REPORTED", "iter_lines", "run_fsck"]  # verdicts' names, re-exported

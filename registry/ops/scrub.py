@@ -30,6 +30,7 @@ from registry.fs.objects import ObjectRoot
 from registry.fs.prefixes import check_objects, read_manifest as read_manifest_object
 from registry.fs.store import verify_directory
 from registry.progress import Counter, ProgressFn
+from registry.ops.verdicts import CopyOnly
 
 VERDICT_FROM = HAS_PAYLOAD
 MISMATCH = "manifest does not match the catalog"
@@ -38,7 +39,8 @@ MISMATCH = "manifest does not match the catalog"
 @dataclass(frozen=True, kw_only=True)
 class VerifyResult:
     """One step's outcome. ``status``: ``verified`` or ``corrupt`` (recorded in the catalog);
-    ``changed`` (another writer replaced or deleted the step while it was hashed) or
+    ``corrupt-copy`` (on a root with tiers: this host's copy is damaged and recorded so, the step stands on its
+    durable copy); ``changed`` (another writer replaced or deleted the step while it was hashed) or
     ``unreadable`` (this host could not read it): nothing recorded. ``ok`` only for ``verified``."""
     run: str
     step: int
@@ -127,12 +129,14 @@ def _object_read(root: ObjectRoot, info: CheckpointInfo, counter: Counter) -> _R
 
 
 def scrub(catalog: Catalog, infos: Sequence[CheckpointInfo], *, actor: str,
-          progress: ProgressFn | None = None, objects: ObjectRoot | None = None) -> list[VerifyResult]:
+          progress: ProgressFn | None = None, objects: ObjectRoot | None = None,
+          copy_only: CopyOnly | None = None) -> list[VerifyResult]:
     """Re-hash each checkpoint (a few in parallel); intact ones become ``verified``, damaged ``corrupt``.
 
     A corrupt step that hashes clean again (restored from a backup) is verified again.
     ``progress`` hears of the bytes hashed, of the sum of the steps' sizes (``registry.progress``).
     ``objects``: the root is that object store (``infos``' paths are relative to it), not a directory.
+    ``copy_only``: on a root with tiers, asked before a step is condemned (see ``registry.ops.verdicts``).
     """
     manifest_of: Callable[[CheckpointInfo], tuple[Manifest | None, str]] = (
         _manifest if objects is None else functools.partial(_object_manifest, objects))
@@ -149,6 +153,9 @@ def scrub(catalog: Catalog, infos: Sequence[CheckpointInfo], *, actor: str,
 
     def record(info: CheckpointInfo, digest: str | None, problems: tuple[str, ...]) -> VerifyResult:
         status = Status.CORRUPT if problems else Status.VERIFIED
+        if problems and digest is not None and copy_only is not None and copy_only(
+                info.run, info.step, info.path, digest, "; ".join(problems)):
+            return result(info, "corrupt-copy", *problems)
         if digest is None or not catalog.set_status(
                 info.run, info.step, status, kind="corrupt" if problems else "verify", actor=actor,
                 only_from=VERDICT_FROM, manifest_sha256=digest, problems=list(problems)):

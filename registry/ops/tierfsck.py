@@ -33,7 +33,7 @@ from registry.format.manifest import MANIFEST, digest_bytes
 from registry.fs.prefixes import AttemptPrefix, check_objects, read_manifest, remove_prefix, scan
 from registry.ops.fsck import run_fsck
 from registry.ops.replicator import Replicator
-from registry.ops.tiers import Tiers
+from registry.ops.tiers import Tiers, mark_fast_copy
 from registry.ops.verdicts import FsckPass, FsckReport, one_line
 from registry.ops.writers import writer_alive
 from registry.progress import ProgressFn
@@ -178,7 +178,8 @@ def run_tier_fsck(*, catalog: Catalog, tiers: Tiers, replicator: Replicator | No
     tier = TierFsck(catalog=catalog, tiers=tiers, replicator=replicator, repair=repair, checksums=checksums,
                     actor=actor, progress=progress)
     fast = run_fsck(catalog=catalog, root=tiers.fast.root, repair=repair, checksums=checksums, actor=actor,
-                    progress=progress, elsewhere=tier.elsewhere())
+                    progress=progress, elsewhere=tier.elsewhere(),
+                    copy_only=functools.partial(mark_fast_copy, tiers, catalog, actor=actor))
     copies = tier.run()
     return FsckReport(problems=fast.problems + copies.problems, repaired=fast.repaired + copies.repaired,
                       in_progress=fast.in_progress + copies.in_progress, failures=fast.failures + copies.failures,

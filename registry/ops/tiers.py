@@ -215,6 +215,23 @@ def read_nearest(tiers: Tiers, catalog: Catalog, info: CheckpointInfo, *, verify
                           run=info.run, step=info.step, path=info.path) from exc
 
 
+def mark_fast_copy(tiers: Tiers, catalog: Catalog, run: str, step: int, directory: Path, digest: str, reason: str,
+                   *, actor: str) -> bool:
+    """Record this host's copy of ``run@step`` at ``directory`` ``corrupt`` instead of the step, when a verified
+    durable copy of the same payload (``digest``) stands; False (nothing recorded) when none does, and the step's
+    own verdict is the caller's. Compare-and-set on the copy's path and digest (a :data:`CopyOnly`)."""
+    replicas = ReplicaCatalog(catalog)
+    if replicas.copy(run, step, DURABLE, manifest_sha256=digest) is None:
+        return False
+    marked = replicas.set_replica_status(run, step, tiers.location, "corrupt", path=tiers.fast.relpath(directory),
+                                         manifest_sha256=digest, only_from=("published", "verified"), actor=actor,
+                                         reason=reason)
+    if marked:
+        log.warning("%s@%s: this host's copy %s is damaged (%s); marked so, the step stands on its durable copy",
+                    run, step, directory, reason)
+    return True
+
+
 def _note(what: str, record: Callable[[], object]) -> None:
     """Record what a load found about a copy; a catalog that cannot record it (read-only, or down) does not fail
     the load, which has its bytes."""

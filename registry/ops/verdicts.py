@@ -21,6 +21,11 @@ from registry.format.manifest import Manifest
 from registry.format.refs import MAX_STEP
 from registry.progress import Counter, ProgressFn
 
+# On a root with tiers, asked before a step is condemned for this host's copy at ``directory``:
+# (run, step, directory, the payload's manifest digest, why) -> True when the damage was recorded against that
+# copy alone, another good copy of the same payload standing (see registry.ops.tiers.mark_fast_copy).
+CopyOnly = Callable[[str, int, Path, str, str], bool]
+
 
 REPAIRS = {
     "uncommitted-publish": "roll forward",
