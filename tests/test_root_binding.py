@@ -239,19 +239,19 @@ def test_reader_commands_create_nothing(catalog_url: str, tmp_path: Path, monkey
 
 def test_read_only_open_reads_takes_no_lease_and_writes_nothing(catalog_url: str, root: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    import registry.ops.reading as reading
+    import registry.fs.filemaps as filemaps  # where a load's read looks up its parser, at each call
     with Registry.open(url=catalog_url, root=root) as reg:
         reg.publish("r", 1, make_state(1), metrics={"loss": 0.5}, tags=["release"])
         events = len(reg.events("r"))
     leases_seen = []
-    real_read = reading.read_directory
+    real_read = filemaps.read_directory
 
     def read_and_look(*args, **kwargs):  # type: ignore[no-untyped-def]
         with Registry.open(url=catalog_url, root=root) as other:
             leases_seen.append(other.catalog.leased_steps("r"))
         return real_read(*args, **kwargs)
 
-    monkeypatch.setattr(reading, "read_directory", read_and_look)
+    monkeypatch.setattr(filemaps, "read_directory", read_and_look)
     with Registry.open(url=catalog_url, root=root, read_only=True) as ro:
         assert ro.read_only
         assert [r.name for r in ro.runs()] == ["r"]
@@ -262,7 +262,7 @@ def test_read_only_open_reads_takes_no_lease_and_writes_nothing(catalog_url: str
         for write in (lambda: ro.tag("r", 1, "x"), lambda: ro.publish("r", 2, make_state(2))):
             with pytest.raises(ReadOnlyError, match="read-only"):
                 write()
-    monkeypatch.setattr(reading, "read_directory", real_read)
+    monkeypatch.setattr(filemaps, "read_directory", real_read)
     with Registry.open(url=catalog_url, root=root) as reg:
         assert [i.step for i in reg.checkpoints("r", include_deleted=True)] == [1]
         assert len(reg.events("r")) == events
@@ -301,7 +301,7 @@ def test_a_sqlite_catalog_nobody_here_may_write_opens_read_only(tmp_path: Path,
 def test_a_read_only_load_of_a_corrupt_latest_falls_back_once_and_records_nothing(
         catalog_url: str, root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A verdict a read-only catalog cannot record is still a verdict: fall back, do not re-read the step."""
-    import registry.ops.reading as reading
+    import registry.fs.filemaps as filemaps  # where a load's read looks up its parser, at each call
     with Registry.open(url=catalog_url, root=root) as reg:
         reg.publish("r", 1, make_state(1))
         bad = reg.publish("r", 2, make_state(2))
@@ -311,13 +311,13 @@ def test_a_read_only_load_of_a_corrupt_latest_falls_back_once_and_records_nothin
     raw[-1] ^= 0xFF
     weights.write_bytes(bytes(raw))
     reads: list[Path] = []
-    real_read = reading.read_directory
+    real_read = filemaps.read_directory
 
     def counted(path: Path, *args, **kwargs):  # type: ignore[no-untyped-def]
         reads.append(path)
         return real_read(path, *args, **kwargs)
 
-    monkeypatch.setattr(reading, "read_directory", counted)
+    monkeypatch.setattr(filemaps, "read_directory", counted)
     with Registry.open(url=catalog_url, root=root, read_only=True) as ro, \
             pytest.warns(RuntimeWarning, match="falling back"):
         ckpt = ro.load("r@latest")
