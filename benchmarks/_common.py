@@ -6,8 +6,10 @@ first on ``sys.path`` and ``from _common import ...`` finds this module.
 
 from __future__ import annotations
 
+import os
 import socket
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -63,3 +65,15 @@ def print_rates(times: dict[str, list[float]], ratios: dict[str, list[float]], *
         print(f"{k:<30} {med:>9.3f} {mib / med if k not in no_rate else float('nan'):>8.0f}")
     for k, v in ratios.items():
         print(f"{k:<30} {statistics.median(v):>9.3f}  (per round: {', '.join(f'{x:.2f}' for x in v)})")
+
+
+def s3_bench_server(work: Path) -> Any:
+    """The S3 server an object-store bench talks to: the one ``REGISTRY_TEST_S3_ENDPOINT`` names (its credentials
+    in the AWS environment), else a private SeaweedFS under ``work`` whose credentials go into this process's
+    environment. Stop it with ``server.stop()`` when ``server.process`` is set."""
+    from tests import s3server
+    if os.environ.get("REGISTRY_TEST_S3_ENDPOINT"):
+        return s3server.Server(endpoint=os.environ["REGISTRY_TEST_S3_ENDPOINT"])
+    server = s3server.start(work / "seaweedfs")
+    os.environ.update(server.env)
+    return server

@@ -40,7 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import print_rates, transformer_state  # noqa: E402
+from _common import print_rates, s3_bench_server, transformer_state  # noqa: E402
 from registry import Registry  # noqa: E402
 from registry.fs.objectread import READ_CONCURRENCY  # noqa: E402
 from registry.fs.objects import PART_SIZE, UPLOAD_CONCURRENCY, ObjectRoot  # noqa: E402
@@ -75,11 +75,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-s3-", dir=args.dir))
     server = None
     try:
-        if os.environ.get("REGISTRY_TEST_S3_ENDPOINT"):
-            server = s3server.Server(endpoint=os.environ["REGISTRY_TEST_S3_ENDPOINT"])
-        else:
-            server = s3server.start(work / "seaweedfs")
-            os.environ.update(server.env)
+        server = s3_bench_server(work)
         bucket = s3server.new_bucket(server)
         state = transformer_state(args.mib)
         blob = st.save(state, {"format": "pt"})
