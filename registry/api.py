@@ -25,7 +25,8 @@ from registry.ops.background import BackgroundPublisher
 from registry.catalog import Catalog, CommitRecord, PayloadRecord
 from registry.catalog.lineage import LineageCatalog, LineageHop
 from registry.catalog.records import LineageRecord
-from registry.errors import InvalidStateError, ReadOnlyError, RegistryError, RootError, StepExistsError
+from registry.errors import (CheckpointNotFoundError, InvalidStateError, ReadOnlyError, RegistryError, RootError,
+                             StepExistsError)
 from registry.format.layout import step_dirname
 from registry.ops.attempts import Attempts, Fork
 from registry.records import HAS_PAYLOAD, LIVE, CheckpointInfo, EventInfo, MetricPoint, RunInfo, Status
@@ -616,7 +617,9 @@ class Registry:
             why = f": {replicator.failing}" if replicator.failing is not None else ""
             raise TimeoutError(f"{run}@{step} has no durable copy after {timeout} s{why}")
         copy = ReplicaCatalog(self.catalog).copy(run, step, DURABLE, manifest_sha256=info.manifest_sha256)
-        assert copy is not None
+        if copy is None:  # durable, then deleted or overwritten at once by another process
+            raise CheckpointNotFoundError(f"{run}@{step}'s durable copy is gone again (deleted or replaced since "
+                                          "it was made)", run=run, step=step)
         return copy
 
     def replicate(self, run: str | None = None, *, wait: bool = False, timeout: float | None = None) -> int:

@@ -100,17 +100,23 @@ def open_tier(store: Store, *, catalog_id: str, create: bool) -> str:
                             path=store.root)
         doc = {"tier_id": secrets.token_hex(8), "catalog_id": catalog_id}
         path = _marker(store)
+        # written whole under a temporary name, then linked into place: the link is the create-only step, so a
+        # reader (or a crash) never meets a marker that exists but is not yet written
+        tmp = path.parent / f".{TIER_MARKER}.{secrets.token_hex(4)}"
         try:
             path.parent.mkdir(exist_ok=True)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            with open(tmp, "xb") as f:
+                f.write((json.dumps(doc, indent=2) + "\n").encode())
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o644)
+            os.link(tmp, path)
         except FileExistsError:
             return open_tier(store, catalog_id=catalog_id, create=False)
         except OSError as exc:
             raise RootError(f"cannot write {path}: {exc.strerror}", path=path) from None
-        with os.fdopen(fd, "wb") as f:
-            f.write((json.dumps(doc, indent=2) + "\n").encode())
-            f.flush()
-            os.fsync(f.fileno())
+        finally:
+            tmp.unlink(missing_ok=True)
         fsync_dir(path.parent)
     if doc["catalog_id"] != catalog_id:
         raise RootMismatchError(f"fast root {store.root} is a tier of another catalog (id {doc['catalog_id']}), "
@@ -166,6 +172,12 @@ def _host_lock(path: Path) -> Iterator[None]:
         os.close(fd)
 
 
+def _not_durable_yet(tiers: Tiers, info: CheckpointInfo) -> NoCopyError:
+    return NoCopyError(f"{info.run}@{info.step} has no copy this host can read: it is not on the fast tier "
+                       f"{tiers.fast.root} and has no verified durable copy yet (its writer's host holds it until "
+                       "it is replicated)", run=info.run, step=info.step, path=info.path)
+
+
 def read_nearest(tiers: Tiers, catalog: Catalog, info: CheckpointInfo, *, verify: bool, map_location: Any,
                  trust_pickle: bool, extras: Extras, holder: str) -> Loaded:
     """Read ``info`` (placed under the fast root) from the nearest verified copy (see the module's docstring).
@@ -190,9 +202,7 @@ def read_nearest(tiers: Tiers, catalog: Catalog, info: CheckpointInfo, *, verify
     if durable is None:
         if fast_bad is not None:
             raise fast_bad
-        raise NoCopyError(f"{info.run}@{info.step} has no copy this host can read: it is not on the fast tier "
-                          f"{tiers.fast.root} and has no verified durable copy yet (its writer's host holds it "
-                          "until it is replicated)", run=info.run, step=info.step, path=info.path)
+        raise _not_durable_yet(tiers, info)
     if fast_bad is not None:
         log.warning("%s@%s: the fast copy is corrupt (%s); reading the durable copy of the same step",
                     info.run, info.step, fast_bad)
@@ -253,9 +263,7 @@ def read_local(tiers: Tiers, catalog: Catalog, info: CheckpointInfo, read: Calla
     replicas = ReplicaCatalog(catalog)
     durable = replicas.copy(info.run, info.step, DURABLE, manifest_sha256=info.manifest_sha256)
     if durable is None:
-        raise NoCopyError(f"{info.run}@{info.step} has no copy this host can read: it is not on the fast tier "
-                          f"{tiers.fast.root} and has no verified durable copy yet", run=info.run, step=info.step,
-                          path=info.path)
+        raise _not_durable_yet(tiers, info)
     return _read_cached(tiers, replicas, durable.path, info, read, verify=verify, holder=holder)
 
 
