@@ -265,3 +265,24 @@ def test_export_and_import_move_never_take_a_sqlite_catalog_kept_outside_the_roo
         assert (db / "catalog.db").is_file() and [i.step for i in reg.checkpoints("run")] == [1, 2]
         reg.export("run@2", tmp_path / "out", overwrite=True)  # an ordinary directory is still replaced
         assert_state_equal(st.load_file(str(tmp_path / "out" / "model.safetensors")), make_state(2))
+
+
+def test_a_short_ttl_checkout_is_not_reclaimed_while_it_is_being_filled(reg: Registry,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """gc running while a ttl=0 checkout copies its files reclaims nothing of it; once handed out, it may."""
+    from registry.ops import checkouts
+    reg.publish("run", 1, make_state())
+    real = checkouts.copy_file
+    reclaimed: list[tuple[Path, ...]] = []
+
+    def copy_then_gc(src: Path, dst: Path, **kw: object):  # type: ignore[no-untyped-def]
+        done = real(src, dst, **kw)  # type: ignore[arg-type]
+        reclaimed.append(checkouts.reclaim(reg.catalog, reg.store.root))
+        return done
+    monkeypatch.setattr(checkouts, "copy_file", copy_then_gc)
+    co = reg.checkout("run@1", ttl=timedelta(0))
+    monkeypatch.undo()
+    assert reclaimed and not any(reclaimed), reclaimed
+    assert_state_equal(st.load_file(str(Path(co) / "model.safetensors")), make_state())
+    assert co.ttl == timedelta(0) and not reg.catalog.lease_live(co._lease)  # type: ignore[arg-type]
+    assert checkouts.reclaim(reg.catalog, reg.store.root) == (co.path,)

@@ -86,6 +86,11 @@ class Checkout(os.PathLike[str]):
         return self.info.step
 
     @property
+    def ttl(self) -> timedelta:
+        """The lease time this checkout was asked for (what :meth:`renew` takes by default)."""
+        return self._access.lease_ttl
+
+    @property
     def held(self) -> bool:
         """Whether this checkout still holds its lease (it may have expired in the catalog meanwhile)."""
         return self._lease is not None
@@ -102,7 +107,7 @@ class Checkout(os.PathLike[str]):
             raise InvalidStateError(f"checkout {self.path} was closed; check the step out again")
         catalog = self._access.catalog
         new = catalog.acquire_lease(self.info.run, self.info.step, holder=self._access.holder,
-                                    ttl=ttl or self._access.lease_ttl)
+                                    ttl=self._access.lease_ttl if ttl is None else ttl)
         if new is None:
             raise CheckpointDeletedError(f"{self.info.run}@{self.info.step} was deleted; its lease had expired",
                                          run=self.info.run, step=self.info.step, path=self.info.path)
@@ -188,7 +193,10 @@ def checkout(access: ReadAccess, ref: Ref, dest: Path | None = None, *, ttl: tim
         raise InvalidStateError(f"link={link!r} needs a filesystem root; an s3:// root's checkout downloads copies")
     if dest is not None:
         check_checkout_dest(access, dest)  # before anything is resolved or leased
-    access = replace(access, lease_ttl=ttl) if ttl is not None else access
+    handed = replace(access, lease_ttl=ttl) if ttl is not None else access
+    # Filled under a lease of at least the registry's own ttl: one shorter than the copy takes (a caller's
+    # ttl=0) would let gc reclaim the directory while it is being filled. The caller's ttl starts at hand-out.
+    access = replace(access, lease_ttl=max(ttl, access.lease_ttl)) if ttl is not None else access
     read = CatalogRead(access, ref, fallback=fallback)
     try:
         while True:
@@ -203,8 +211,8 @@ def checkout(access: ReadAccess, ref: Ref, dest: Path | None = None, *, ttl: tim
                     download(access.objects, info.path.as_posix(), target, expected_digest=info.manifest_sha256)
                     report(read.record(info))
                     lease, read.lease = read.lease, None
-                    return Checkout(access=access, info=info, path=target, lease=lease, kind="copy",
-                                    owned=dest is None, recorded=recorded)
+                    return _hand_out(Checkout(access=handed, info=info, path=target, lease=lease, kind="copy",
+                                              owned=dest is None, recorded=recorded), access)
                 manifest_files = _listed(info.path)
                 target, made, recorded = _target(access, info, dest, read.lease)
                 try:
@@ -239,10 +247,21 @@ def checkout(access: ReadAccess, ref: Ref, dest: Path | None = None, *, ttl: tim
             report(read.record(info))
             lease, read.lease = read.lease, None  # the checkout keeps it
             assert lease is not None
-            return Checkout(access=access, info=info, path=target, lease=lease, kind=kind, owned=dest is None,
-                            recorded=recorded)
+            return _hand_out(Checkout(access=handed, info=info, path=target, lease=lease, kind=kind,
+                                      owned=dest is None, recorded=recorded), access)
     finally:
         read.release()
+
+
+def _hand_out(made: Checkout, filled_under: ReadAccess) -> Checkout:
+    """``made`` with its lease set to the caller's ttl, when that is shorter than the one it was filled under."""
+    if made.ttl < filled_under.lease_ttl:
+        try:
+            made.renew()
+        except BaseException:
+            made.close()
+            raise
+    return made
 
 
 def _listed(directory: Path) -> list[str]:
