@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -459,8 +460,16 @@ def test_durable_tier_down_the_trainer_goes_on_and_the_queue_catches_up(
 
     from registry.retention import KeepLast
     from tests.test_s3_faults import FAST, Private
+    met_outage = threading.Event()
+
+    class Outage(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "is failing" in record.getMessage():
+                met_outage.set()
+    handler = Outage()
     server = Private(tmp_path / "weed")
     monkeypatch.setenv("AWS_ENDPOINT_URL", server.endpoint)
+    logging.getLogger("registry.ops.replicator").addHandler(handler)
     try:
         from tests import s3server
         bucket = s3server.new_bucket(s3server.Server(endpoint=server.endpoint))
@@ -471,8 +480,9 @@ def test_durable_tier_down_the_trainer_goes_on_and_the_queue_catches_up(
             server.kill()
             for step in (2, 3, 4):  # the fast tier's commit is all a publish waits for
                 assert reg.publish("run", step, make_state(step)).status == Status.VERIFIED
-            with pytest.raises(TimeoutError, match="cannot"):
-                reg.wait_durable("run", 4, timeout=20)
+            assert met_outage.wait(120), "the replicator never reported the durable tier down"
+            with pytest.raises(TimeoutError, match="cannot"):  # the tier is down: no wait is long enough
+                reg.wait_durable("run", 4, timeout=1)
             result = reg.plan_tier_retention("run", KeepLast(1), tier="fast").execute()
             assert result.deleted == (1,)  # durable already; 2 and 3 are not, and stay
             assert all((reg.store.root / "run" / f"step-{s:08d}").is_dir() for s in (2, 3, 4))
@@ -485,6 +495,7 @@ def test_durable_tier_down_the_trainer_goes_on_and_the_queue_catches_up(
         assert len(outages) == 1, [r.getMessage() for r in outages]
         assert any("answers again" in r.getMessage() for r in caplog.records)
     finally:
+        logging.getLogger("registry.ops.replicator").removeHandler(handler)
         server.kill()
 
 
