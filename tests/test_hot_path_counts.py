@@ -54,13 +54,13 @@ def test_a_lease_on_a_missing_run_says_so(reg: Registry) -> None:
         reg.catalog.acquire_lease("nope", 1, holder="t", ttl=reg.lease_ttl)
 
 
-def test_a_lazy_load_takes_three_transactions(sqlite_reg: Registry) -> None:
+def test_a_lazy_load_takes_two_transactions(sqlite_reg: Registry) -> None:
     sqlite_reg.publish("r", 1, make_state())
     sqlite_reg.load("r@latest", verify=False)
     with statements() as seen:
         sqlite_reg.load("r@latest", verify=False)
-    assert sum(s.startswith("BEGIN") for s in seen) == 3, seen  # resolve, lease, release
-    assert len(seen) == 7, seen
+    assert sum(s.startswith("BEGIN") for s in seen) == 2, seen  # resolve with its lease, release
+    assert len(seen) == 6, seen
 
 
 def test_a_publish_is_two_transactions_and_starts_no_thread(sqlite_reg: Registry, monkeypatch: pytest.MonkeyPatch

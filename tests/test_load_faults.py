@@ -131,22 +131,45 @@ def test_a_missing_step_directory_fails_the_load_and_leaves_the_verdict_to_fsck(
 def test_overwrite_between_resolve_and_read_loads_the_new_payload(catalog_url: str, root: Path) -> None:
     with Registry.open(url=catalog_url, root=root) as reader, Registry.open(url=catalog_url, root=root) as writer:
         writer.publish("run", 5, make_state(1))
-        real_resolve = reader.catalog.resolve
+        real_resolve = reader.catalog.resolve_leased
         raced: list[int] = []
 
         def resolve_then_overwrite(*args: Any, **kwargs: Any) -> Any:
-            info = real_resolve(*args, **kwargs)
+            info, lease = real_resolve(*args, **kwargs)
             if not raced:
                 raced.append(info.step)
                 writer.publish("run", 5, make_state(2), overwrite=True)
-            return info
+            return info, lease
 
-        reader.catalog.resolve = resolve_then_overwrite  # type: ignore[method-assign]
+        reader.catalog.resolve_leased = resolve_then_overwrite  # type: ignore[method-assign]
         ckpt = reader.load("run@5")
         assert raced == [5]
         assert_state_equal(ckpt.state_dict, make_state(2))
         assert statuses(reader) == {5: "verified"}
         assert corrupt_events(reader) == []
+
+
+def test_a_step_deleted_between_resolve_and_lease_is_resolved_again(reg: Registry) -> None:
+    """No lease for a step that resolved (PostgreSQL: gc deleted it between the two statements): the
+    load resolves again and reads what is live then, marking nothing."""
+    reg.publish("run", 1, make_state(1))
+    reg.publish("run", 2, make_state(2))
+    real = reg.catalog.resolve_leased
+    calls: list[int] = []
+
+    def deleted_in_between(*args: Any, **kwargs: Any) -> Any:
+        info, lease = real(*args, **kwargs)
+        calls.append(info.step)
+        if len(calls) == 1:
+            reg.catalog.release_lease(lease)
+            reg.catalog.set_status("run", info.step, "deleted", kind="delete", actor="gc")
+            return info, None
+        return info, lease
+    reg.catalog.resolve_leased = deleted_in_between  # type: ignore[method-assign]
+    ckpt = reg.load("run@latest")
+    assert calls == [2, 1] and ckpt.step == 1
+    assert_state_equal(ckpt.state_dict, make_state(1))
+    assert statuses(reg) == {1: "verified", 2: "deleted"} and corrupt_events(reg) == []
 
 
 def test_corrupt_verdict_is_compare_and_set_on_the_digest_read(catalog_url: str, root: Path) -> None:
@@ -322,16 +345,16 @@ WORKER = textwrap.dedent("""
     results = {}
     with Registry.open(url=url, root=root) as reg:
         if rank == 0:
-            real_resolve = reg.catalog.resolve
+            real_resolve = reg.catalog.resolve_leased
             raced = []
             def resolve_then_overwrite(ref, **kwargs):
-                info = real_resolve(ref, **kwargs)
+                info, lease = real_resolve(ref, **kwargs)
                 if ref.run == "race" and not raced:  # a second writer, at the exact moment
                     raced.append(info.step)
                     with Registry.open(url=spec["url"], root=spec["root"]) as writer:
                         writer.publish("race", 5, make_state(2), overwrite=True)
-                return info
-            reg.catalog.resolve = resolve_then_overwrite
+                return info, lease
+            reg.catalog.resolve_leased = resolve_then_overwrite
         for name, ref, options in (("race", "race@5", {}), ("extras", "main@1", {"extras": ["rng"]}),
                                    ("no-fallback", "fb@latest", {"fallback": False}),
                                    ("fallback", "fb2@latest", {})):

@@ -572,46 +572,10 @@ class Catalog:
     @staticmethod
     def resolve_query(ref: Ref, *, below: int | None = None,
                       min_policy_version: int | None = None) -> tuple[Any, str]:
-        """The one SELECT behind :meth:`resolve` (exposed so the benchmark can EXPLAIN it),
-        and what to say when it finds nothing. The run's id is a scalar subquery: one round trip."""
-        run_id = select(Run.c.id).where(Run.c.name == ref.run).scalar_subquery()
-        c = CheckpointRow.c
-        query = select(CheckpointRow)
-        if ref.kind not in ("best", "tag"):  # those constrain the run through their join: one subquery
-            query = query.where(c.run_id == run_id)
-        if ref.kind in ("latest", "latest-published", "latest-durable"):
-            statuses = (Status.VERIFIED,) if ref.kind == "latest" else LIVE
-            query = query.where(c.status.in_(statuses))
-            if ref.kind == "latest-durable":
-                query = query.where(_durable_copy_exists(c))
-            if below is not None:
-                query = query.where(c.step < below)
-            if min_policy_version is not None:
-                query = query.where(c.policy_version >= min_policy_version)
-            query = query.order_by(c.step.desc()).limit(1)
-            what = {"latest": "no verified checkpoint", "latest-published": "no published checkpoint",
-                    "latest-durable": "no checkpoint with a verified durable copy"}[ref.kind]
-            if min_policy_version is not None:
-                what += f" with policy version >= {min_policy_version}"
-        elif ref.kind == "step":
-            query = query.where(c.step == ref.step)
-            what = f"no checkpoint at step {ref.step}"
-        elif ref.kind == "tag":
-            query = (query.join(Tag, and_(Tag.c.checkpoint_id == c.id, Tag.c.run_id == c.run_id))
-                     .where(Tag.c.run_id == run_id, Tag.c.name == ref.tag))
-            hint = selector_hint(ref.run, ref.tag or "")
-            what = f"no tag {ref.tag!r}" + (f"; {hint}" if hint else "")
-        else:
-            m = Metric.c
-            # ORDER BY the index's own columns (m.step, not c.step) so the
-            # planner walks ix_metrics_best and stops at the first live step.
-            order = (m.value.asc(), m.step.desc()) if ref.mode == "min" else (m.value.desc(), m.step.desc())
-            query = (query.join(Metric, and_(m.run_id == c.run_id, m.step == c.step))
-                     .where(m.run_id == run_id, m.key == ref.metric, m.superseded.is_(False),
-                            c.status.in_(RANKABLE))
-                     .order_by(*order).limit(1))
-            what = f"no published or verified checkpoint has a current value of {ref.metric!r}"
-        return query, what
+        """The one SELECT behind :meth:`resolve`, its values bound (exposed so the benchmark can EXPLAIN it),
+        and what to say when it finds nothing."""
+        query, params, what = _resolve_statement(ref, below=below, min_policy_version=min_policy_version)
+        return query.params(params), what
 
     def resolve(self, ref: Ref, *, below: int | None = None, min_policy_version: int | None = None) -> CheckpointInfo:
         """The checkpoint a ref names now (the grammar is in docs/refs.md).
@@ -631,23 +595,43 @@ class Catalog:
           and re-verified; loading it raises ``CorruptCheckpointError``); any
           other status is a ``CheckpointNotFoundError`` that names the status.
         """
-        def fn(conn: Connection) -> CheckpointInfo:
-            query, what = self.resolve_query(ref, below=below, min_policy_version=min_policy_version)
-            row = conn.execute(query).first()
-            if row is None:
-                hint = self._not_found_hint(conn, ref)
-                raise CheckpointNotFoundError(f"{ref}: {what}{hint}", run=ref.run, step=ref.step)
-            if ref.kind in ("tag", "step") and row.status not in HAS_PAYLOAD:
-                raise CheckpointNotFoundError(f"{ref}: step {row.step} is {row.status}", run=ref.run, step=row.step)
-            return self.checkpoint_infos(conn, ref.run, [row])[0]
-        return self.read(fn)
+        return self.read(lambda conn: self._resolve_in(conn, ref, below=below, min_policy_version=min_policy_version))
+
+    def resolve_leased(self, ref: Ref, *, below: int | None = None, holder: str,
+                       ttl: timedelta) -> tuple[CheckpointInfo, int | None]:
+        """:meth:`resolve`, and a reader lease on the step when it is live, in one transaction.
+
+        A load does both each time; one transaction for the two is a round trip
+        and a commit less. The lease is None for a step that is not live (a
+        corrupt one resolves by step or tag) or, on PostgreSQL, that gc deleted
+        between the two statements.
+        """
+        def fn(conn: Connection) -> tuple[CheckpointInfo, int | None]:
+            info = self._resolve_in(conn, ref, below=below, min_policy_version=None)
+            if info.status not in LIVE:
+                return info, None
+            return info, conn.scalar(_lease_statement(conn.dialect.name), {
+                "run": info.run, "step": info.step, "holder": holder, "expires_at": utcnow() + ttl})
+        return self._lease_write(fn)
+
+    def _resolve_in(self, conn: Connection, ref: Ref, *, below: int | None,
+                    min_policy_version: int | None) -> CheckpointInfo:
+        query, params, what = _resolve_statement(ref, below=below, min_policy_version=min_policy_version)
+        row = conn.execute(query, params).first()
+        if row is None:
+            hint = self._not_found_hint(conn, ref)
+            raise CheckpointNotFoundError(f"{ref}: {what}{hint}", run=ref.run, step=ref.step)
+        if ref.kind in ("tag", "step") and row.status not in HAS_PAYLOAD:
+            raise CheckpointNotFoundError(f"{ref}: step {row.step} is {row.status}", run=ref.run, step=row.step)
+        return self.checkpoint_infos(conn, ref.run, [row])[0]
 
     def resolve_each(self, refs: Sequence[Ref]) -> list[CheckpointInfo | None]:
         """:meth:`resolve` of many refs in one read transaction; None where one names no step (a runs table)."""
         def fn(conn: Connection) -> list[CheckpointInfo | None]:
             found: list[CheckpointInfo | None] = []
             for ref in refs:
-                row = conn.execute(self.resolve_query(ref)[0]).first()
+                query, params, _ = _resolve_statement(ref)
+                row = conn.execute(query, params).first()
                 ok = row is not None and (ref.kind not in ("tag", "step") or row.status in HAS_PAYLOAD)
                 found.append(self.checkpoint_infos(conn, ref.run, [row])[0] if ok else None)
             return found
@@ -858,6 +842,64 @@ class Catalog:
     @staticmethod
     def head() -> str:
         return head_revision()
+
+
+def _resolve_statement(ref: Ref, *, below: int | None = None,
+                       min_policy_version: int | None = None) -> tuple[Any, dict[str, Any], str]:
+    """The SELECT that resolves ``ref``, the values to bind to it, and what to say when it finds nothing."""
+    query = _resolve_shape(ref.kind, ref.mode, below is not None, min_policy_version is not None)
+    params = {"run": ref.run, "below": below, "min_policy_version": min_policy_version, "step": ref.step,
+              "tag": ref.tag, "metric": ref.metric}
+    if ref.kind in ("latest", "latest-published", "latest-durable"):
+        what = {"latest": "no verified checkpoint", "latest-published": "no published checkpoint",
+                "latest-durable": "no checkpoint with a verified durable copy"}[ref.kind]
+        if min_policy_version is not None:
+            what += f" with policy version >= {min_policy_version}"
+    elif ref.kind == "step":
+        what = f"no checkpoint at step {ref.step}"
+    elif ref.kind == "tag":
+        hint = selector_hint(ref.run, ref.tag or "")
+        what = f"no tag {ref.tag!r}" + (f"; {hint}" if hint else "")
+    else:
+        what = f"no published or verified checkpoint has a current value of {ref.metric!r}"
+    return query, {k: v for k, v in params.items() if v is not None}, what
+
+
+@functools.cache
+def _resolve_shape(kind: str, mode: str | None, below: bool, min_policy_version: bool) -> Any:
+    """The resolve SELECT for one shape of ref, with its values as bind parameters.
+
+    Built once per shape: a load resolves every time, and building the
+    statement cost about as much as running it.
+    """
+    run_id = select(Run.c.id).where(Run.c.name == bindparam("run", type_=Run.c.name.type)).scalar_subquery()
+    c = CheckpointRow.c
+    query = select(CheckpointRow)
+    if kind not in ("best", "tag"):  # those constrain the run through their join: one subquery
+        query = query.where(c.run_id == run_id)
+    if kind in ("latest", "latest-published", "latest-durable"):
+        statuses = (Status.VERIFIED,) if kind == "latest" else LIVE
+        query = query.where(c.status.in_(statuses))
+        if kind == "latest-durable":
+            query = query.where(_durable_copy_exists(c))
+        if below:
+            query = query.where(c.step < bindparam("below", type_=c.step.type))
+        if min_policy_version:
+            query = query.where(c.policy_version >= bindparam("min_policy_version", type_=c.policy_version.type))
+        return query.order_by(c.step.desc()).limit(1)
+    if kind == "step":
+        return query.where(c.step == bindparam("step", type_=c.step.type))
+    if kind == "tag":
+        return (query.join(Tag, and_(Tag.c.checkpoint_id == c.id, Tag.c.run_id == c.run_id))
+                .where(Tag.c.run_id == run_id, Tag.c.name == bindparam("tag", type_=Tag.c.name.type)))
+    m = Metric.c
+    # ORDER BY the index's own columns (m.step, not c.step) so the
+    # planner walks ix_metrics_best and stops at the first live step.
+    order = (m.value.asc(), m.step.desc()) if mode == "min" else (m.value.desc(), m.step.desc())
+    return (query.join(Metric, and_(m.run_id == c.run_id, m.step == c.step))
+            .where(m.run_id == run_id, m.key == bindparam("metric", type_=m.key.type), m.superseded.is_(False),
+                   c.status.in_(RANKABLE))
+            .order_by(*order).limit(1))
 
 
 @functools.cache

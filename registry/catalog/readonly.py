@@ -17,7 +17,8 @@ from sqlalchemy import Engine
 
 from registry.catalog.queries import Catalog
 from registry.catalog.session import open_engine
-from registry.records import LIVE
+from registry.format.refs import Ref
+from registry.records import LIVE, CheckpointInfo
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,11 @@ class ReadOnlyCatalog(Catalog):
     def acquire_lease(self, run: str, step: int, *, holder: str, ttl: timedelta) -> int | None:
         info = self.get(run, step)
         return NO_LEASE if info is not None and info.status in LIVE else None
+
+    def resolve_leased(self, ref: Ref, *, below: int | None = None, holder: str,
+                       ttl: timedelta) -> tuple[CheckpointInfo, int | None]:
+        info = self.resolve(ref, below=below)
+        return info, NO_LEASE if info.status in LIVE else None
 
     def release_lease(self, lease_id: int) -> None:
         if lease_id != NO_LEASE:

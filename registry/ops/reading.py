@@ -143,17 +143,17 @@ class CatalogRead:
         """Release the previous step, resolve the ref and lease what it names (its path made absolute)."""
         self.release()
         while True:
-            raw = self.access.catalog.resolve(self.ref, below=self.below)
+            raw, lease = self.access.catalog.resolve_leased(self.ref, below=self.below, holder=self.access.holder,
+                                                           ttl=self.access.lease_ttl)
             info = placed(self.access, raw)
             if info.status == Status.CORRUPT:
                 raise CorruptCheckpointError(f"{self.ref} is marked corrupt (step {info.step}); "
                                              "run 'registry verify' after repairing it",
                                              run=info.run, step=info.step, path=info.path)
-            try:
-                self.lease = acquire_lease(self.access, info)
-            except CheckpointDeletedError:
+            if lease is None:  # gc deleted it between the resolve and the lease: resolve again
                 self._raced()
                 continue
+            self.lease = lease
             self.info = info
             return info
 
