@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import text
@@ -305,16 +306,19 @@ def test_reader_resolves_again_when_gc_wins_the_race(catalog_url: str, root: Pat
     reader takes its lease: the reader must load the new step, not a directory being deleted."""
     with Registry.open(url=catalog_url, root=root) as reader, Registry.open(url=catalog_url, root=root) as trainer:
         publish(trainer, "run", [10, 20])
-        real_acquire = reader.catalog.acquire_lease
+        real_resolve_leased = reader.catalog.resolve_leased
         raced: list[int] = []
 
-        def acquire_after_gc(run: str, step: int, **kwargs: object) -> int | None:
-            if not raced:
-                raced.append(step)
-                trainer.publish("run", 30, make_state(30), retention=KeepLast(1))
-            return real_acquire(run, step, **kwargs)  # type: ignore[arg-type]
+        def lease_after_gc(ref: Any, **kwargs: Any) -> Any:
+            # PostgreSQL's interleaving: the resolve, then gc's commit, then the lease statement
+            if raced:
+                return real_resolve_leased(ref, **kwargs)
+            info = reader.catalog.resolve(ref, below=kwargs.get("below"))
+            raced.append(info.step)
+            trainer.publish("run", 30, make_state(30), retention=KeepLast(1))
+            return info, reader.catalog.acquire_lease(info.run, info.step, holder=kwargs["holder"], ttl=kwargs["ttl"])
 
-        reader.catalog.acquire_lease = acquire_after_gc  # type: ignore[method-assign]
+        reader.catalog.resolve_leased = lease_after_gc  # type: ignore[method-assign]
         ckpt = reader.load("run")
         assert raced == [20] and ckpt.step == 30
         assert_state_equal(ckpt.state_dict, make_state(30))
