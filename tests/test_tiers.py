@@ -636,3 +636,33 @@ def test_fsck_repairs_a_damaged_fast_copy_by_marking_the_copy_when_a_durable_cop
     fast = [r for r in treg.replicas("run", 1) if r.location != DURABLE]
     assert [r.status for r in fast] == ["corrupt"]
     assert_state_equal(treg.load("run@latest").state_dict, make_state(1))
+
+
+def test_an_older_payload_left_on_another_host_is_never_a_verdict_on_the_step(catalog_url: str, durable: str,
+                                                                               tmp_path: Path) -> None:
+    """Host B published step 2, host A published it again: B's directory holds B's older payload. Loads on B
+    do not read it, and neither a load, verify nor fsck there condemns the step, whose only good copy is A's
+    until it is durable; fsck --repair removes B's leftover."""
+    host_a, host_b = tmp_path / "host-a", tmp_path / "host-b"
+    with Registry.open(catalog_url, root=host_b, durable=durable) as b:
+        b.publish("run", 1, make_state(1), durable=True)
+        b.publish("run", 2, make_state(2), durable=True)
+    with Registry.open(catalog_url, root=host_a, durable=durable) as a:
+        with a._replication()._drain_lock:
+            new = a.publish("run", 2, make_state(22), overwrite=True)
+            with Registry.open(catalog_url, root=host_b, durable=durable) as b:
+                assert b.load("run@latest").step == 1  # step 2 has no copy B can read yet
+                assert [r.status for r in b.verify("run@2")] != [Status.CORRUPT]
+                report = b.fsck()
+                assert [(p.kind, p.step) for p in report.problems] == [("superseded-fast-copy", 2)]
+                assert b.catalog.get("run", 2).status == Status.VERIFIED  # type: ignore[union-attr]
+                assert not [e for e in b.events("run") if e.kind == "corrupt"]
+                assert b.fsck(repair=True).repaired
+                assert not (host_b / "run" / "step-00000002").exists() and b.fsck().clean
+                assert (host_b / "run" / "step-00000001").is_dir()
+                older = [r for r in b.replicas("run", 2) if r.location == b.tiers.location]  # type: ignore[union-attr]
+                assert [r.status for r in older] == ["deleted"]
+        a.wait_durable("run", 2, timeout=60)
+        assert (new.path / MANIFEST).is_file()
+    with Registry.open(catalog_url, root=host_b, durable=durable) as b:
+        assert_state_equal(b.load("run@latest").state_dict, make_state(22))  # the new payload, from the durable tier

@@ -212,12 +212,15 @@ class Fsck(FsckPass):
 
     def __init__(self, *, catalog: Catalog, root: Path, repair: bool, checksums: bool, actor: str,
                  progress: ProgressFn | None = None, elsewhere: Collection[tuple[str, int]] = (),
-                 copy_only: CopyOnly | None = None) -> None:
+                 copy_only: CopyOnly | None = None, superseded: Collection[tuple[str, int]] = ()) -> None:
         super().__init__(catalog=catalog, repair=repair, checksums=checksums, actor=actor, progress=progress)
         self.root = root
         # steps whose copy is on another tier (a durable tier, another host's fast root): no directory here
         # is no missing payload
         self.elsewhere = frozenset(elsewhere)
+        # steps whose directory here holds an older payload of theirs (published again on another host): the
+        # tier pass reports those, never as damage to the step
+        self.superseded = frozenset(superseded)
         # on a root with tiers: records damage against this host's copy alone where another good copy stands
         self.copy_only = copy_only
 
@@ -315,7 +318,7 @@ class Fsck(FsckPass):
                         f"marked corrupt ({where}): restore its files and run 'registry verify {run}@{step}', "
                         f"or let 'registry gc {run}' delete it", repairable=False, row=row)
         elif row.status in LIVE:
-            if payload_dir is None and (run, step) in self.elsewhere:
+            if payload_dir is None and (run, step) in self.elsewhere or (run, step) in self.superseded:
                 return
             if payload_dir is None:
                 p = self._found("missing-payload", run, step, final, f"{row.status} step has no directory", row=row,
@@ -390,7 +393,8 @@ class Fsck(FsckPass):
 
 def run_fsck(*, catalog: Catalog, root: Path, repair: bool = False, checksums: bool = False,
              actor: str, progress: ProgressFn | None = None,
-             elsewhere: Collection[tuple[str, int]] = (), copy_only: CopyOnly | None = None) -> FsckReport:
+             elsewhere: Collection[tuple[str, int]] = (), copy_only: CopyOnly | None = None,
+             superseded: Collection[tuple[str, int]] = ()) -> FsckReport:
     """Check (and with ``repair`` fix) every step under ``root`` against ``catalog``.
 
     ``checksums`` re-hashes every live step's files instead of checking sizes
@@ -398,7 +402,7 @@ def run_fsck(*, catalog: Catalog, root: Path, repair: bool = False, checksums: b
     hears of the bytes that ``checksums`` re-hashes (the total is not known ahead).
     """
     return Fsck(catalog=catalog, root=root, repair=repair, checksums=checksums, actor=actor,
-                progress=progress, elsewhere=elsewhere, copy_only=copy_only).run()
+                progress=progress, elsewhere=elsewhere, copy_only=copy_only, superseded=superseded).run()
 
 
 __all__ = ["FsckReport", "Problem", "REPAIRS", "REPORTED", "iter_lines", "run_fsck"]  # verdicts' names, re-exported

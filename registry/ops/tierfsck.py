@@ -13,6 +13,10 @@ root): that is how tiers work. Then, from the replica rows:
   corrupt and, where a fast copy is here, replicates the step again;
 * ``corrupt-durable-copy``: a copy marked corrupt (by a load); ``--repair``
   deletes its objects and replicates again from a fast copy here;
+* ``superseded-fast-copy``: this host's directory of a live step holds an
+  older payload of it (the step was published again on another host since):
+  never damage to the step; ``--repair`` removes that directory (digest-checked)
+  and marks this host's copy ``deleted``;
 * ``orphan-durable-prefix``: an attempt prefix on the durable root no copy
   names (a replication killed mid-way, a copy replaced); ``--repair`` deletes
   its objects if no row names it when read again just before.
@@ -31,6 +35,7 @@ from registry.catalog.replicas import DURABLE, ReplicaCatalog, ReplicaInfo
 from registry.errors import CorruptCheckpointError, ObjectNotFoundError
 from registry.format.manifest import MANIFEST, digest_bytes
 from registry.fs.prefixes import AttemptPrefix, check_objects, read_manifest, remove_prefix, scan
+from registry.fs.removal import remove_checkpoint_dir
 from registry.ops.fsck import run_fsck
 from registry.ops.replicator import Replicator
 from registry.ops.tiers import Tiers, mark_fast_copy
@@ -61,6 +66,32 @@ class TierFsck(FsckPass):
             if good and not (copy.location == self.tiers.location and copy.path == path):
                 found.add((copy.run, copy.step))
         return found
+
+    def superseded(self) -> dict[tuple[str, int], ReplicaInfo]:
+        """This tier's copies of live steps that hold an older payload in the step's directory here: the step
+        was published again on another host since. Not the step's copy, so never a verdict on the step."""
+        found = {}
+        for copy, status, digest, path in self.replicas.snapshot():
+            if (copy.location == self.tiers.location and copy.path == path and status in LIVE
+                    and copy.status in ("published", "verified") and copy.manifest_sha256 != digest
+                    and self._fast_here(copy.run, copy.step, path, copy.manifest_sha256)):
+                found[(copy.run, copy.step)] = copy
+        return found
+
+    def older_payloads(self, superseded: dict[tuple[str, int], ReplicaInfo]) -> None:
+        for copy in superseded.values():
+            where = self.tiers.fast.root / copy.path
+            p = self._found("superseded-fast-copy", copy.run, copy.step, where,
+                            "holds an older payload of the step, which was published again on another host since")
+            self._fix(p, functools.partial(self._remove_older, copy, where))
+
+    def _remove_older(self, copy: ReplicaInfo, where: Path) -> bool | str:
+        if not remove_checkpoint_dir(where, copy.manifest_sha256):  # digest-checked: only the payload seen
+            return "its directory changed meanwhile"
+        self.replicas.set_replica_status(copy.run, copy.step, copy.location, "deleted", path=copy.path,
+                                         manifest_sha256=copy.manifest_sha256, only_from=("published", "verified"),
+                                         actor=self.actor, reason="an older payload of the step")
+        return True
 
     def _fast_here(self, run: str, step: int, path: str, digest: str | None) -> bool:
         try:
@@ -177,9 +208,11 @@ def run_tier_fsck(*, catalog: Catalog, tiers: Tiers, replicator: Replicator | No
     """fsck of the fast root, then of the copies on both tiers; one report."""
     tier = TierFsck(catalog=catalog, tiers=tiers, replicator=replicator, repair=repair, checksums=checksums,
                     actor=actor, progress=progress)
+    superseded = tier.superseded()
     fast = run_fsck(catalog=catalog, root=tiers.fast.root, repair=repair, checksums=checksums, actor=actor,
-                    progress=progress, elsewhere=tier.elsewhere(),
+                    progress=progress, elsewhere=tier.elsewhere(), superseded=superseded,
                     copy_only=functools.partial(mark_fast_copy, tiers, catalog, actor=actor))
+    tier.older_payloads(superseded)
     copies = tier.run()
     return FsckReport(problems=fast.problems + copies.problems, repaired=fast.repaired + copies.repaired,
                       in_progress=fast.in_progress + copies.in_progress, failures=fast.failures + copies.failures,

@@ -36,6 +36,7 @@ from registry.catalog.replicas import DURABLE, ReplicaCatalog, fast_location
 from registry.errors import CatalogError, CorruptCheckpointError, NoCopyError, RootError, RootMismatchError
 from registry.format.layout import REGISTRY_DIR, step_dirname
 from registry.fs.filemaps import Extras, Loaded, read_directory
+from registry.fs.removal import manifest_digest
 from registry.fs.store import Store, fsync_dir
 from registry.records import CheckpointInfo
 
@@ -197,7 +198,8 @@ def read_nearest(tiers: Tiers, catalog: Catalog, info: CheckpointInfo, *, verify
         try:
             return read(info.path, verify)
         except CorruptCheckpointError as exc:
-            fast_bad = exc
+            if not older_payload_here(tiers, replicas, info.run, info.step, info.path, info.manifest_sha256):
+                fast_bad = exc
     durable = replicas.copy(info.run, info.step, DURABLE, manifest_sha256=info.manifest_sha256)
     if durable is None:
         if fast_bad is not None:
@@ -225,12 +227,31 @@ def read_nearest(tiers: Tiers, catalog: Catalog, info: CheckpointInfo, *, verify
                           run=info.run, step=info.step, path=info.path) from exc
 
 
+def older_payload_here(tiers: Tiers, replicas: ReplicaCatalog, run: str, step: int, directory: Path,
+                       digest: str | None) -> bool:
+    """Whether this host's ``directory`` of ``run@step`` holds an older payload of the step, one this fast tier
+    recorded before the step was published again on another host: not the step's copy here, so it is neither
+    read nor a verdict on the step (a local leftover is not corruption)."""
+    held = manifest_digest(directory)
+    if held is None or digest is None or held == digest:
+        return False
+    older = any(r.location == tiers.location and r.manifest_sha256 == held
+                and r.status in ("published", "verified") for r in replicas.replicas(run, step))
+    if older:
+        log.warning("%s@%s: this host's %s holds an older payload of the step (it was published again on another "
+                    "host since); it is not read, and says nothing about the step", run, step, directory)
+    return older
+
+
 def mark_fast_copy(tiers: Tiers, catalog: Catalog, run: str, step: int, directory: Path, digest: str, reason: str,
                    *, actor: str) -> bool:
     """Record this host's copy of ``run@step`` at ``directory`` ``corrupt`` instead of the step, when a verified
     durable copy of the same payload (``digest``) stands; False (nothing recorded) when none does, and the step's
-    own verdict is the caller's. Compare-and-set on the copy's path and digest (a :data:`CopyOnly`)."""
+    own verdict is the caller's. Compare-and-set on the copy's path and digest (a :data:`CopyOnly`). True, and
+    nothing recorded, when ``directory`` holds an older payload of the step (:func:`older_payload_here`)."""
     replicas = ReplicaCatalog(catalog)
+    if older_payload_here(tiers, replicas, run, step, directory, digest):
+        return True
     if replicas.copy(run, step, DURABLE, manifest_sha256=digest) is None:
         return False
     marked = replicas.set_replica_status(run, step, tiers.location, "corrupt", path=tiers.fast.relpath(directory),
@@ -258,9 +279,10 @@ def read_local(tiers: Tiers, catalog: Catalog, info: CheckpointInfo, read: Calla
     this host's cached download of the durable copy, checked when ``verify`` and downloaded again when damaged,
     so that a bad cached file is this host's to repair, never a verdict on the step (``NoCopyError`` when there
     is no durable copy)."""
-    if info.path.is_dir():
-        return read(info.path, False)
     replicas = ReplicaCatalog(catalog)
+    if info.path.is_dir() and not older_payload_here(tiers, replicas, info.run, info.step, info.path,
+                                                     info.manifest_sha256):
+        return read(info.path, False)
     durable = replicas.copy(info.run, info.step, DURABLE, manifest_sha256=info.manifest_sha256)
     if durable is None:
         raise _not_durable_yet(tiers, info)

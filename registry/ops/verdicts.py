@@ -47,6 +47,7 @@ REPAIRS = {
     "damaged-durable-copy": "mark the copy corrupt, replicate again from the fast copy",
     "corrupt-durable-copy": "replicate again from the fast copy",
     "orphan-durable-prefix": "delete its objects",
+    "superseded-fast-copy": "remove the older payload",
 }
 #: kinds fsck only reports: deciding about them needs a person (the detail says what to do)
 REPORTED = frozenset({"corrupt-step"})
