@@ -11,6 +11,7 @@ import sys
 import textwrap
 import threading
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 
 import obstore
@@ -381,6 +382,7 @@ def test_fast_retention_keeps_what_is_not_durable_and_deletes_only_copies(treg: 
         assert "not durable yet" in plan.keep[4]
         result = plan.execute()
         assert result.deleted == (1, 2, 3) and result.ended == ()
+    treg.wait_durable("run", 5, timeout=60)  # else fsck rightly finds 4 or 5 only on the fast tier
     for step in (1, 2, 3):
         assert treg.catalog.get("run", step).status == Status.VERIFIED  # the step lives on, on the durable tier
         assert not (treg.store.root / "run" / f"step-{step:08d}").exists()
@@ -666,3 +668,37 @@ def test_an_older_payload_left_on_another_host_is_never_a_verdict_on_the_step(ca
         assert (new.path / MANIFEST).is_file()
     with Registry.open(catalog_url, root=host_b, durable=durable) as b:
         assert_state_equal(b.load("run@latest").state_dict, make_state(22))  # the new payload, from the durable tier
+
+
+def test_a_long_upload_keeps_its_claim_fresh_for_other_hosts(treg: Registry, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A replication that takes longer than a writer's staleness window must not look abandoned: its pending
+    row is refreshed while it uploads, as a publish refreshes its staging row."""
+    from registry.ops import protocol, replicator
+    monkeypatch.setattr(protocol, "HEARTBEAT", timedelta(milliseconds=5))
+    beat = threading.Event()
+    real_touch, real_upload = ReplicaCatalog.touch_durable, replicator.upload_directory
+
+    def touch(self: ReplicaCatalog, claim: object, *, writer: str) -> None:
+        real_touch(self, claim, writer=writer)  # type: ignore[arg-type]
+        beat.set()
+
+    def pending_updated_at() -> object:
+        rows = [r for r in treg.replicas("run", 1) if r.location == DURABLE and r.status == "pending"]
+        assert len(rows) == 1
+        return rows[0].updated_at
+
+    seen: list[object] = []
+
+    def slow_upload(*args: object, **kwargs: object) -> object:
+        seen.append(pending_updated_at())
+        for _ in range(2):  # two beats: at least one whole refresh after the first read
+            beat.clear()
+            assert beat.wait(60)
+        seen.append(pending_updated_at())
+        return real_upload(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ReplicaCatalog, "touch_durable", touch)
+    monkeypatch.setattr(replicator, "upload_directory", slow_upload)
+    treg.publish("run", 1, make_state(1), durable=True)
+    assert len(seen) == 2 and seen[1] > seen[0]  # type: ignore[operator]
+    assert [r.status for r in treg.replicas("run", 1) if r.location == DURABLE] == ["verified"]

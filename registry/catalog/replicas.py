@@ -292,6 +292,15 @@ class ReplicaCatalog:
         result: bool = self.catalog.write(fn)
         return result
 
+    def touch_durable(self, claim: DurableClaim, *, writer: str) -> None:
+        """Refresh ``claim``'s row while its upload runs: other hosts see that its writer is still at work."""
+        def fn(conn: Connection) -> None:
+            conn.execute(update(Replica).where(
+                Replica.c.checkpoint_id == claim.checkpoint_id, Replica.c.location == DURABLE,
+                Replica.c.status == PENDING, Replica.c.path == claim.path, Replica.c.writer == writer).values(
+                updated_at=utcnow()))
+        self.catalog.write(fn, durable=False)
+
     def drop_claim(self, claim: DurableClaim, *, writer: str) -> bool:
         """Give up ``claim`` (its upload was removed): the step is queued again as if never claimed."""
         def fn(conn: Connection) -> bool:

@@ -426,11 +426,21 @@ def heartbeat(catalog: Catalog, claim: Claim) -> Iterator[None]:
     keeps refreshing says so, and one left unrefreshed for
     ``registry.ops.writers.STALE_AFTER`` is taken over by the next claim and
     repaired by fsck. A missed beat is harmless unless every beat for that
-    long is missed. One thread of the process beats for every publish in
-    flight (a thread started and joined per publish cost more than the
-    beats); once this returns, no beat for ``claim`` is running or to come.
+    long is missed.
     """
-    key = _BEATS.add(catalog, claim)
+    with beating(lambda: catalog.touch_claim(claim)):
+        yield
+
+
+@contextmanager
+def beating(touch: Callable[[], object]) -> Iterator[None]:
+    """Call ``touch`` (the refresh of a claim's row) every ``HEARTBEAT`` while the body runs.
+
+    One thread of the process beats for every claim in flight (a thread
+    started and joined per publish cost more than the beats); a failed beat is
+    left to the next. Once this returns, no beat of ``touch`` is running or to come.
+    """
+    key = _BEATS.add(touch)
     try:
         yield
     finally:
@@ -438,22 +448,22 @@ def heartbeat(catalog: Catalog, claim: Claim) -> Iterator[None]:
 
 
 class _Beats:
-    """The process's heartbeat thread and the claims it refreshes, each ``HEARTBEAT`` after it was added."""
+    """The process's heartbeat thread and the refreshes it makes, each ``HEARTBEAT`` after it was added."""
 
     def __init__(self) -> None:
         self.reset()
 
     def reset(self) -> None:
         self._cond = threading.Condition()
-        self._due: dict[int, tuple[float, Catalog, Claim]] = {}
+        self._due: dict[int, tuple[float, Callable[[], object]]] = {}
         self._beating: int | None = None  # the key whose beat is running: remove() waits for it
         self._next_key = 0
         self._thread: threading.Thread | None = None
 
-    def add(self, catalog: Catalog, claim: Claim) -> int:
+    def add(self, touch: Callable[[], object]) -> int:
         with self._cond:
             key, self._next_key = self._next_key, self._next_key + 1
-            self._due[key] = (time.monotonic() + HEARTBEAT.total_seconds(), catalog, claim)
+            self._due[key] = (time.monotonic() + HEARTBEAT.total_seconds(), touch)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="registry-heartbeat", daemon=True)
                 self._thread.start()
@@ -475,11 +485,11 @@ class _Beats:
                 if key is None or at > now:
                     self._cond.wait(at - now)
                     continue
-                _, catalog, claim = self._due[key]
-                self._due[key] = (now + HEARTBEAT.total_seconds(), catalog, claim)
+                touch = self._due[key][1]
+                self._due[key] = (now + HEARTBEAT.total_seconds(), touch)
                 self._beating = key
             try:
-                catalog.touch_claim(claim)
+                touch()
             except Exception:  # noqa: BLE001 - the next beat tries again
                 pass
             finally:

@@ -6,7 +6,9 @@ whose fast copy is on its own fast root (the manifest there has the step's
 digest; another host's steps are that host's to replicate), and for each:
 
 1. claims the durable copy (a ``pending`` row naming a fresh attempt
-   prefix; compare-and-set, a live writer's claim is left alone);
+   prefix; compare-and-set, a live writer's claim is left alone), and
+   refreshes that row while it uploads, as a publish does its claim, so a
+   long upload never looks like a dead writer to another host;
 2. uploads the fast copy's files to that prefix, hashing each while it is
    uploaded and comparing it with the manifest (the same upload code as an
    ``s3://`` publish, :func:`registry.fs.objectwrite.upload_directory`), the
@@ -39,6 +41,7 @@ from registry.format.manifest import MANIFEST, digest_bytes, parse_manifest
 from registry.fs.objects import ObjectRoot
 from registry.fs.objectwrite import check_uploaded, upload_directory
 from registry.fs.prefixes import remove_prefix
+from registry.ops.protocol import beating
 from registry.ops.writers import writer_alive
 from registry.records import LIVE, Status
 
@@ -202,15 +205,16 @@ class Replicator:
             return False
         crashpoint("replicate-after-claim")
         try:
-            manifest = parse_manifest(raw, path=directory / MANIFEST)
-            written, problems = upload_directory(self.durable, claim.path, directory, manifest, raw)
-            if not problems:
-                crashpoint("replicate-after-upload")
-                problems = check_uploaded(self.durable, claim.path, written)
-                if problems:  # the fast copy matched its manifest as it was read: what differs is the server's
-                    raise StorageError(f"the durable tier stored {claim.run}@{claim.step} differently from what "
-                                       f"was uploaded ({problems[0].name}: {problems[0].problem})",
-                                       url=self.durable.url(claim.path))
+            with beating(lambda: self.replicas.touch_durable(claim, writer=writer)):
+                manifest = parse_manifest(raw, path=directory / MANIFEST)
+                written, problems = upload_directory(self.durable, claim.path, directory, manifest, raw)
+                if not problems:
+                    crashpoint("replicate-after-upload")
+                    problems = check_uploaded(self.durable, claim.path, written)
+                    if problems:  # the fast copy matched its manifest as it was read: the server's is what differs
+                        raise StorageError(f"the durable tier stored {claim.run}@{claim.step} differently from "
+                                           f"what was uploaded ({problems[0].name}: {problems[0].problem})",
+                                           url=self.durable.url(claim.path))
         except ManifestError as exc:
             self._fast_corrupt(claim, str(exc))
             return True
