@@ -125,6 +125,38 @@ def _answers(server: Server) -> bool:
         return False
 
 
+MARKER_BUCKET = "registry-ready"
+
+
+def put_marker(server: Server) -> str:
+    """Store an object on a server a test will restart, in a bucket of its own; its key, for :func:`wait_readable`.
+    4 KiB: big enough to live on a volume, which a restarted server serves only once it has loaded its volumes."""
+    import obstore
+    from obstore.store import S3Store
+
+    key = f"marker-{secrets.token_hex(4)}"
+    obstore.put(S3Store(MARKER_BUCKET, config=server.storage_options), key, secrets.token_bytes(4096))  # type: ignore[arg-type]
+    return key
+
+
+def wait_readable(server: Server, key: str, *, timeout: float = 60.0) -> None:
+    """Wait until a restarted ``server`` reads back the marker ``key`` written before: it answers S3 requests
+    before it has loaded its volumes, and in between a GET of what it held fails with a 500."""
+    import obstore
+    from obstore.store import S3Store
+
+    store = S3Store(MARKER_BUCKET, config=server.storage_options)  # type: ignore[arg-type]
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            obstore.get(store, key).bytes()
+            return
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+        time.sleep(0.1)
+
+
 def new_bucket(server: Server) -> str:
     """A fresh, empty bucket on ``server``, made by its first put (the server creates buckets on upload)."""
     import obstore

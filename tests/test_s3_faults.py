@@ -46,6 +46,7 @@ class Private:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         self.server = s3server.start(directory)
+        self.marker = s3server.put_marker(self.server)
 
     @property
     def endpoint(self) -> str:
@@ -55,7 +56,9 @@ class Private:
         self.server.stop(kill=True)
 
     def restart(self) -> None:
+        """Start it again; back once it serves what it held (a loaded machine answers 500 for a while before)."""
         self.server = s3server.start(self.directory, ports=self.server.ports)
+        s3server.wait_readable(self.server, self.marker)
 
 
 @pytest.fixture
