@@ -655,6 +655,8 @@ def test_an_older_payload_left_on_another_host_is_never_a_verdict_on_the_step(ca
             with Registry.open(catalog_url, root=host_b, durable=durable) as b:
                 assert b.load("run@latest").step == 1  # step 2 has no copy B can read yet
                 assert [r.status for r in b.verify("run@2")] != [Status.CORRUPT]
+                from registry.retention import KeepLast
+                assert [d.step for d in b.plan_tier_retention("run", KeepLast(1), tier="fast").decisions] == [1]
                 report = b.fsck()
                 assert [(p.kind, p.step) for p in report.problems] == [("superseded-fast-copy", 2)]
                 assert b.catalog.get("run", 2).status == Status.VERIFIED  # type: ignore[union-attr]

@@ -124,8 +124,10 @@ def _copies(tiers: Tiers, snap: RunSnapshot, copies: Sequence[ReplicaInfo]) -> t
             others.setdefault(r.step, []).append(r)
     for c in snap.checkpoints:  # the step's own directory here (a step published before its copies were recorded)
         rel = c.path.as_posix()
-        gone = any(r.step == c.step and r.location == tiers.location and r.path == rel and r.status not in GOOD
-                   for r in copies)
+        # a row here for that directory that is not a good copy of this payload: gone, or an older payload of the
+        # step (published again on another host since), which is no copy of it
+        gone = any(r.step == c.step and r.location == tiers.location and r.path == rel
+                   and (r.status not in GOOD or r.manifest_sha256 != c.manifest_sha256) for r in copies)
         if c.step not in fast and not gone and (tiers.fast.root / rel).is_dir():
             fast[c.step] = rel
     return fast, durable, others
