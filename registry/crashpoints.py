@@ -29,6 +29,7 @@ POINTS = (
     "sharded-after-gather",  # sharded publish, rank 0: every rank's digests in hand, manifest not yet written
     "replicate-after-claim",   # tiers: the durable copy's attempt prefix claimed (pending), nothing uploaded
     "replicate-after-upload",  # tiers: every file of the durable copy uploaded, the manifest not yet
+    "cache-after-download",    # tiers: a durable copy downloaded into this host's cache, not yet renamed into place
     "migrate-before-commit",  # schema migration: every revision applied, its transaction not yet committed
 )
 

@@ -200,6 +200,32 @@ def test_a_kill_mid_replication_and_the_next_process_finishes_the_queue(
         assert ck.step == 3 and torch.equal(ck.state_dict["w"], torch.full((300_000,), 3.0))
 
 
+def test_a_kill_mid_download_leaves_a_staging_directory_fsck_removes(catalog_url: str, fast: Path, durable: str,
+                                                                     tmp_path: Path) -> None:
+    from registry.ops.tiers import _host_lock, _lock_path, abandoned_downloads, cache_relpath
+    with Registry.open(catalog_url, root=fast, durable=durable) as reg:
+        info = reg.publish("run", 4, {"w": torch.arange(1000.0)}, durable=True)
+    host_b = tmp_path / "host-b"
+    with Registry.open(catalog_url, root=host_b, durable=durable):
+        pass
+    code = textwrap.dedent(CHILD_RANK)
+    env = {**child_env(), "REGISTRY_CRASH_AT": "cache-after-download"}
+    proc = subprocess.run([sys.executable, "-c", code, catalog_url, str(host_b), durable, str(tmp_path / "o.json")],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    cached = host_b / cache_relpath(info)
+    leftovers = [d for d in cached.parent.iterdir() if ".tmp-" in d.name]
+    assert len(leftovers) == 1 and not cached.exists()
+    with Registry.open(catalog_url, root=host_b, durable=durable) as b:
+        assert b.tiers is not None
+        with _host_lock(_lock_path(cached)):  # a download under way holds this lock: its staging is not abandoned
+            assert abandoned_downloads(b.tiers) == []
+        report = b.fsck()
+        assert [(p.kind, p.step, p.path) for p in report.problems] == [("abandoned-download", 4, leftovers[0])]
+        assert b.fsck(repair=True).repaired and not leftovers[0].exists() and b.fsck().clean
+        assert torch.equal(b.load("run@4").state_dict["w"], torch.arange(1000.0))
+
+
 # --------------------------------------------------------------------------- loads
 
 

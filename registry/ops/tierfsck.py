@@ -17,6 +17,9 @@ root): that is how tiers work. Then, from the replica rows:
   older payload of it (the step was published again on another host since):
   never damage to the step; ``--repair`` removes that directory (digest-checked)
   and marks this host's copy ``deleted``;
+* ``abandoned-download``: a staging directory in this host's cache that no
+  download is filling (a process killed mid-download); ``--repair`` removes
+  it unless a download took that copy's host lock meanwhile;
 * ``orphan-durable-prefix``: an attempt prefix on the durable root no copy
   names (a replication killed mid-way, a copy replaced); ``--repair`` deletes
   its objects if no row names it when read again just before.
@@ -38,7 +41,7 @@ from registry.fs.prefixes import AttemptPrefix, check_objects, read_manifest, re
 from registry.fs.removal import remove_checkpoint_dir
 from registry.ops.fsck import run_fsck
 from registry.ops.replicator import Replicator
-from registry.ops.tiers import Tiers, mark_fast_copy
+from registry.ops.tiers import Tiers, abandoned_downloads, mark_fast_copy, remove_abandoned_download
 from registry.ops.verdicts import FsckPass, FsckReport, one_line
 from registry.ops.writers import writer_alive
 from registry.progress import ProgressFn
@@ -92,6 +95,12 @@ class TierFsck(FsckPass):
                                          manifest_sha256=copy.manifest_sha256, only_from=("published", "verified"),
                                          actor=self.actor, reason="an older payload of the step")
         return True
+
+    def downloads(self) -> None:
+        for staging, step, cached in abandoned_downloads(self.tiers):
+            p = self._found("abandoned-download", cached.parent.name, step, staging,
+                            f"a download into this host's cache that no process is making (for {cached.name})")
+            self._fix(p, functools.partial(remove_abandoned_download, staging, cached))
 
     def _fast_here(self, run: str, step: int, path: str, digest: str | None) -> bool:
         try:
@@ -213,6 +222,7 @@ def run_tier_fsck(*, catalog: Catalog, tiers: Tiers, replicator: Replicator | No
                     progress=progress, elsewhere=tier.elsewhere(), superseded=superseded,
                     copy_only=functools.partial(mark_fast_copy, tiers, catalog, actor=actor))
     tier.older_payloads(superseded)
+    tier.downloads()
     copies = tier.run()
     return FsckReport(problems=fast.problems + copies.problems, repaired=fast.repaired + copies.repaired,
                       in_progress=fast.in_progress + copies.in_progress, failures=fast.failures + copies.failures,

@@ -33,8 +33,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from registry.catalog import CommitRecord, PayloadRecord
 from registry.catalog.replicas import DURABLE, ReplicaCatalog, fast_location
+from registry.crashpoints import crashpoint
 from registry.errors import CatalogError, CorruptCheckpointError, NoCopyError, RootError, RootMismatchError
-from registry.format.layout import REGISTRY_DIR, step_dirname
+from registry.format.layout import REGISTRY_DIR, hidden_sibling, parse_hidden, parse_step_dirname, step_dirname
 from registry.fs.filemaps import Extras, Loaded, read_directory
 from registry.fs.removal import manifest_digest
 from registry.fs.store import Store, fsync_dir
@@ -161,16 +162,57 @@ def cache_relpath(info: CheckpointInfo) -> str:
     return f"{CACHE_DIR}/{info.run}/{step_dirname(info.step)}-{digest}"
 
 
+def _lock_path(cached: Path) -> Path:
+    return cached.parent / f".{cached.name}.lock"
+
+
 @contextmanager
-def _host_lock(path: Path) -> Iterator[None]:
-    """An exclusive ``fcntl`` lock on ``path`` (created), shared by every process of this host."""
+def _host_lock(path: Path, *, wait: bool = True) -> Iterator[bool]:
+    """An exclusive ``fcntl`` lock on ``path`` (created), shared by every process of this host; with ``wait``
+    False, yields False at once when another process holds it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        yield True
     finally:
         os.close(fd)
+
+
+def abandoned_downloads(tiers: Tiers) -> list[tuple[Path, int, Path]]:
+    """This host's cache's staging directories that no download is filling now (its process was killed mid-way),
+    each with its step and the cached copy it was for: a download holds the copy's host lock from start to rename."""
+    found = []
+    try:
+        runs = [d for d in (tiers.fast.root / CACHE_DIR).iterdir() if d.is_dir() and not d.is_symlink()]
+    except FileNotFoundError:
+        return []
+    for run_dir in runs:
+        for entry in run_dir.iterdir():
+            hidden = parse_hidden(entry.name)
+            if hidden is None or hidden[1] != "tmp" or not entry.is_dir() or entry.is_symlink():
+                continue
+            parsed = parse_step_dirname(hidden[0].rpartition("-")[0])  # the copy's name: step-N-DIGEST
+            if parsed is None:
+                continue
+            cached = run_dir / hidden[0]
+            with _host_lock(_lock_path(cached), wait=False) as free:
+                if free:
+                    found.append((entry, parsed[0], cached))
+    return found
+
+
+def remove_abandoned_download(staging: Path, cached: Path) -> bool | str:
+    """Remove a staging directory :func:`abandoned_downloads` found, unless a download took the lock since."""
+    with _host_lock(_lock_path(cached), wait=False) as free:
+        if not free:
+            return "a download of that copy is under way"
+        shutil.rmtree(staging)
+    return True
 
 
 def _not_durable_yet(tiers: Tiers, info: CheckpointInfo) -> NoCopyError:
@@ -293,7 +335,7 @@ def _read_cached(tiers: Tiers, replicas: ReplicaCatalog, prefix: str, info: Chec
                  read: Callable[[Path, bool], T], *, verify: bool, holder: str) -> T:
     """This host's cached copy of ``info``, downloaded from ``prefix`` on the durable tier if it has none yet."""
     cached = tiers.fast.root / cache_relpath(info)
-    with _host_lock(cached.parent / f".{cached.name}.lock"):
+    with _host_lock(_lock_path(cached)):
         fresh = False
         if not (cached / "manifest.json").is_file():
             _download(tiers, prefix, cached, info)
@@ -320,11 +362,12 @@ def _read_cached(tiers: Tiers, replicas: ReplicaCatalog, prefix: str, info: Chec
 def _download(tiers: Tiers, prefix: str, dest: Path, info: CheckpointInfo) -> None:
     """The durable copy under ``prefix`` into ``dest``, through a hidden sibling renamed into place."""
     from registry.fs.objectread import download
-    staging = dest.parent / f".{dest.name}.tmp-{secrets.token_hex(4)}"
+    staging = hidden_sibling(dest, "tmp")
     staging.mkdir(parents=True)
     try:
         download(tiers.durable, prefix, staging, expected_digest=info.manifest_sha256)
         fsync_dir(staging)
+        crashpoint("cache-after-download")
         shutil.rmtree(dest, ignore_errors=True)
         os.replace(staging, dest)
         fsync_dir(dest.parent)

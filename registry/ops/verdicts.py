@@ -48,6 +48,7 @@ REPAIRS = {
     "corrupt-durable-copy": "replicate again from the fast copy",
     "orphan-durable-prefix": "delete its objects",
     "superseded-fast-copy": "remove the older payload",
+    "abandoned-download": "remove it",
 }
 #: kinds fsck only reports: deciding about them needs a person (the detail says what to do)
 REPORTED = frozenset({"corrupt-step"})
