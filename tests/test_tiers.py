@@ -730,3 +730,42 @@ def test_a_long_upload_keeps_its_claim_fresh_for_other_hosts(treg: Registry, mon
     treg.publish("run", 1, make_state(1), durable=True)
     assert len(seen) == 2 and seen[1] > seen[0]  # type: ignore[operator]
     assert [r.status for r in treg.replicas("run", 1) if r.location == DURABLE] == ["verified"]
+
+
+def test_a_copy_deletion_that_failed_is_finished_by_fsck(treg: Registry, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Retention marks copies deleted, then cannot remove their files (an I/O error; a kill is the same): fsck
+    finds the files of each deleted copy, on either tier, and --repair removes them; every step stays live."""
+    import errno
+    from collections.abc import Mapping, Sequence
+
+    from registry.ops import tierretention
+    from registry.records import CheckpointInfo
+    from registry.retention import KeepLast, Policy, RetentionContext
+
+    class AllBut4(Policy):
+        def keep(self, checkpoints: Sequence[CheckpointInfo], context: RetentionContext) -> Mapping[int, str]:
+            return {c.step: "not 4" for c in checkpoints if c.step != 4}
+
+    for step in (1, 2, 3, 4, 5):
+        treg.publish("run", step, make_state(step), durable=True)
+    real_remove = tierretention._remove
+
+    def failing(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(tierretention, "_remove", failing)
+    fast = treg.plan_tier_retention("run", KeepLast(2), tier="fast").execute()
+    assert fast.deleted == () and sorted(fast.errors) == [1, 2, 3]
+    durable = treg.plan_tier_retention("run", AllBut4(), tier="durable").execute()
+    assert durable.ended == () and sorted(durable.errors) == [4]  # a copy only: its fast copy stays
+    monkeypatch.setattr(tierretention, "_remove", real_remove)
+    report = treg.fsck()
+    assert sorted((p.kind, p.step) for p in report.problems) == [("unfinished-copy-deletion", s) for s in (1, 2, 3, 4)]
+    assert len(treg.fsck(repair=True).repaired) == 4
+    assert treg.fsck().clean
+    assert treg.tiers is not None
+    assert not durable_keys(treg, "run/step-00000004") and durable_keys(treg, "run/step-00000001")
+    assert [s for s in (1, 2, 3, 4, 5) if (treg.store.root / "run" / f"step-{s:08d}").exists()] == [4, 5]
+    assert {treg.catalog.get("run", s).status for s in (1, 2, 3, 4, 5)} == {Status.VERIFIED}  # type: ignore[union-attr]
+    for step in (1, 4):
+        assert_state_equal(treg.load(f"run@{step}").state_dict, make_state(step))

@@ -17,6 +17,9 @@ root): that is how tiers work. Then, from the replica rows:
   older payload of it (the step was published again on another host since):
   never damage to the step; ``--repair`` removes that directory (digest-checked)
   and marks this host's copy ``deleted``;
+* ``unfinished-copy-deletion``: a copy retention marked ``deleted`` whose
+  files are still there (their removal failed, or the process was killed
+  after the mark); ``--repair`` removes them if the row still says so;
 * ``abandoned-download``: a staging directory in this host's cache that no
   download is filling (a process killed mid-download); ``--repair`` removes
   it unless a download took that copy's host lock meanwhile;
@@ -125,8 +128,16 @@ class TierFsck(FsckPass):
                 self._durable_copy(copy, status, digest, path)
             except OSError as exc:  # the durable tier's trouble: no verdict
                 self.failures.append(f"{copy.run}@{copy.step}: cannot check its durable copy: {one_line(exc)}")
+        deleted = {(c.run, c.step, c.path): c for c, *_ in rows if c.location == DURABLE and c.status == "deleted"}
         for found in prefixes.values():
             key = (found.run, found.step)
+            if (found.run, found.step, found.prefix) in deleted:
+                copy = deleted[(found.run, found.step, found.prefix)]
+                p = self._found("unfinished-copy-deletion", found.run, found.step, Path(found.prefix),
+                                f"a durable copy marked deleted whose {len(found.entries)} objects are still there",
+                                url=durable.url(found.prefix))
+                self._fix(p, functools.partial(self._finish_deletion, copy, found))
+                continue
             if (found.run, found.step, found.prefix) in named or key in live_claims:
                 continue
             p = self._found("orphan-durable-prefix", found.run, found.step, Path(found.prefix),
@@ -151,6 +162,36 @@ class TierFsck(FsckPass):
                 else:
                     self.failures.append(f"{p}: not replicated (see the log)")
         return self.report(len(rows))
+
+    def _still_deleted(self, copy: ReplicaInfo) -> bool:
+        return any(r.location == copy.location and r.status == "deleted" and r.path == copy.path
+                   and r.manifest_sha256 == copy.manifest_sha256 for r in self.replicas.replicas(copy.run, copy.step))
+
+    def _finish_deletion(self, copy: ReplicaInfo, found: AttemptPrefix) -> bool | str:
+        if not self._still_deleted(copy):
+            return "the copy's row changed meanwhile"
+        remove_prefix(self.tiers.durable, found.prefix, [e.rel for e in found.entries])
+        return True
+
+    def fast_deletions(self) -> None:
+        """This tier's copies marked deleted whose directory still holds that payload (the removal failed, or
+        its process was killed after the mark)."""
+        for copy, status, _digest, path in self.replicas.snapshot():
+            where = self.tiers.fast.root / copy.path
+            if (copy.location != self.tiers.location or copy.status != "deleted" or copy.manifest_sha256 is None
+                    or status not in LIVE and copy.path == path  # the step's own directory: fsck's gc finishing
+                    or not self._fast_here(copy.run, copy.step, copy.path, copy.manifest_sha256)):
+                continue
+            p = self._found("unfinished-copy-deletion", copy.run, copy.step, where,
+                            "this host's copy is marked deleted, its directory still there")
+            self._fix(p, functools.partial(self._finish_fast_deletion, copy, where))
+
+    def _finish_fast_deletion(self, copy: ReplicaInfo, where: Path) -> bool | str:
+        if not self._still_deleted(copy):
+            return "the copy's row changed meanwhile"
+        if not remove_checkpoint_dir(where, copy.manifest_sha256):
+            return "its directory changed meanwhile"
+        return True
 
     def _remove_orphan(self, found: AttemptPrefix) -> bool | str:
         if self.replicas.names_prefix(found.run, found.step, found.prefix):
@@ -223,6 +264,7 @@ def run_tier_fsck(*, catalog: Catalog, tiers: Tiers, replicator: Replicator | No
                     copy_only=functools.partial(mark_fast_copy, tiers, catalog, actor=actor))
     tier.older_payloads(superseded)
     tier.downloads()
+    tier.fast_deletions()
     copies = tier.run()
     return FsckReport(problems=fast.problems + copies.problems, repaired=fast.repaired + copies.repaired,
                       in_progress=fast.in_progress + copies.in_progress, failures=fast.failures + copies.failures,
