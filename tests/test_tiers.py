@@ -769,3 +769,20 @@ def test_a_copy_deletion_that_failed_is_finished_by_fsck(treg: Registry, monkeyp
     assert {treg.catalog.get("run", s).status for s in (1, 2, 3, 4, 5)} == {Status.VERIFIED}  # type: ignore[union-attr]
     for step in (1, 4):
         assert_state_equal(treg.load(f"run@{step}").state_dict, make_state(step))
+
+
+def test_fsck_aborts_a_multipart_upload_no_live_replication_claims(treg: Registry) -> None:
+    """A replication killed mid-file leaves an incomplete multipart upload on the durable tier (invisible to
+    listings, still billed): fsck reports it and --repair aborts it; the durable copies stay."""
+    from registry.format.layout import attempt_relpath
+    from registry.fs import multipart
+    treg.publish("run", 1, make_state(1), durable=True)
+    assert treg.tiers is not None
+    durable = treg.tiers.durable
+    rel = attempt_relpath("run", 2)
+    multipart.start_upload(durable.config, durable.key(f"{rel}/model.safetensors"))
+    report = treg.fsck()
+    assert [(p.kind, p.step, str(p.path)) for p in report.problems] == [("incomplete-upload", 2, rel)]
+    assert len(treg.fsck(repair=True).repaired) == 1
+    assert list(multipart.list_uploads(durable.config, durable.key() + "/")) == []
+    assert treg.fsck().clean and durable_copy(treg, "run", 1) is not None

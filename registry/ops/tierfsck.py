@@ -23,6 +23,8 @@ root): that is how tiers work. Then, from the replica rows:
 * ``abandoned-download``: a staging directory in this host's cache that no
   download is filling (a process killed mid-download); ``--repair`` removes
   it unless a download took that copy's host lock meanwhile;
+* ``incomplete-upload``: a multipart upload on the durable root that no live
+  replication claims (one killed mid-file); ``--repair`` aborts it;
 * ``orphan-durable-prefix``: an attempt prefix on the durable root no copy
   names (a replication killed mid-way, a copy replaced); ``--repair`` deletes
   its objects if no row names it when read again just before.
@@ -40,6 +42,8 @@ from registry.catalog import Catalog
 from registry.catalog.replicas import DURABLE, ReplicaCatalog, ReplicaInfo
 from registry.errors import CorruptCheckpointError, ObjectNotFoundError
 from registry.format.manifest import MANIFEST, digest_bytes
+from registry.format.layout import parse_attempt_key
+from registry.fs import multipart
 from registry.fs.prefixes import AttemptPrefix, check_objects, read_manifest, remove_prefix, scan
 from registry.fs.removal import remove_checkpoint_dir
 from registry.ops.fsck import run_fsck
@@ -116,6 +120,8 @@ class TierFsck(FsckPass):
         durable = self.tiers.durable
         durable.check_bucket()
         prefixes = scan(durable)  # before the rows: a replication claims before its first upload
+        base = durable.key() + "/" if durable.key() else ""
+        uploads = list(multipart.list_uploads(durable.config, base))
         rows = self.replicas.snapshot()
         named = {(c.run, c.step, c.path) for c, *_ in rows if c.location == DURABLE}
         live_claims = {(c.run, c.step) for c, *_ in rows if c.location == DURABLE and c.status == "pending"
@@ -144,6 +150,16 @@ class TierFsck(FsckPass):
                             f"{len(found.entries)} objects under {found.prefix} that no copy names",
                             url=durable.url(found.prefix))
             self._fix(p, functools.partial(self._remove_orphan, found))
+        claimed = {(c.run, c.step, c.path) for c, *_ in rows if c.location == DURABLE and c.status == "pending"
+                   and writer_alive(c.writer, c.updated_at)}
+        for upload in uploads:
+            attempt = parse_attempt_key(upload.key[len(base):])
+            if attempt is None or (attempt.run, attempt.step, attempt.prefix) in claimed:
+                continue
+            p = self._found("incomplete-upload", attempt.run, attempt.step, Path(attempt.prefix),
+                            f"multipart upload of {attempt.name} never completed (no live replication claims it)",
+                            url=durable.url(attempt.prefix))
+            self._fix(p, functools.partial(self._abort, attempt.run, attempt.step, attempt.prefix, upload))
         waiting = []
         for q in self.replicas.queue():
             if (q.run, q.step) not in durable_of and self._fast_here(q.run, q.step, q.path, q.manifest_sha256):
@@ -191,6 +207,13 @@ class TierFsck(FsckPass):
             return "the copy's row changed meanwhile"
         if not remove_checkpoint_dir(where, copy.manifest_sha256):
             return "its directory changed meanwhile"
+        return True
+
+    def _abort(self, run: str, step: int, prefix: str, upload: multipart.Upload) -> bool | str:
+        if any(r.location == DURABLE and r.status == "pending" and r.path == prefix
+               and writer_alive(r.writer, r.updated_at) for r in self.replicas.replicas(run, step)):
+            return "a live replication claims it now"
+        multipart.abort_upload(self.tiers.durable.config, upload)
         return True
 
     def _remove_orphan(self, found: AttemptPrefix) -> bool | str:
