@@ -553,9 +553,9 @@ def test_a_process_group_on_a_fresh_host_loads_through_the_cache(catalog_url: st
     code = textwrap.dedent(CHILD_GROUP_RANK)
     outs = [tmp_path / f"g{r}.json" for r in range(2)]
 
-    def group() -> list[object]:
+    def group(fast: Path = host_b) -> list[object]:
         port = str(free_port())
-        procs = [subprocess.Popen([sys.executable, "-c", code, str(r), port, catalog_url, str(host_b), durable,
+        procs = [subprocess.Popen([sys.executable, "-c", code, str(r), port, catalog_url, str(fast), durable,
                                    str(outs[r])], env={**child_env(), "OMP_NUM_THREADS": "1"},
                                   stderr=subprocess.PIPE, text=True) for r in range(2)]
         for p in procs:
@@ -577,6 +577,19 @@ def test_a_process_group_on_a_fresh_host_loads_through_the_cache(catalog_url: st
         assert b.catalog.get("run", 3).status == Status.VERIFIED  # type: ignore[union-attr]
         assert len([e for e in b.events("run", step=3) if e.kind == "cached"]) == 2  # downloaded again, once
     assert weights.read_bytes() != bytes(data)
+
+    # host A's own fast copy damaged: the group reads the durable copy of the same step, never an older one,
+    # and the step stays verified (one host's disk is that host's copy's trouble)
+    host_a = tmp_path / "host-a"
+    fast_weights = host_a / "run" / "step-00000003" / "model.safetensors"
+    data = bytearray(fast_weights.read_bytes())
+    data[-10] ^= 0xFF
+    fast_weights.write_bytes(bytes(data))
+    assert group(host_a) == [expected] * 2
+    with Registry.open(catalog_url, root=host_a, durable=durable) as a:
+        assert a.catalog.get("run", 3).status == Status.VERIFIED  # type: ignore[union-attr]
+        kinds = [e.kind for e in a.events("run", step=3)]
+        assert "replica-corrupt" in kinds and "corrupt" not in kinds, kinds
 
 
 def test_a_read_only_reader_on_a_fresh_host_loads_from_the_durable_tier(catalog_url: str, durable: str,

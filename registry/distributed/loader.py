@@ -53,7 +53,7 @@ import json
 import logging
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -184,6 +184,8 @@ class _Source:
     directory: Path | None = None
     objects: ObjectRoot | None = None
     tiers: Tiers | None = None  # a fast root with a durable tier: a step not here is read from this host's cache
+    mapped_from: Path | None = None  # the directory of the current candidate that rank 0 mapped
+    fast_bad: set[int] = field(default_factory=set)  # steps whose fast copy here failed: read their durable copy
 
     def next(self) -> tuple[Path, CheckpointInfo | None]:
         if self.read is None:
@@ -193,9 +195,26 @@ class _Source:
         return info.path, info
 
     def judge(self, exc: BaseException) -> None:
-        """Return when another candidate should be tried; raise what the load ends with."""
+        """Return when another candidate should be tried; raise what the load ends with.
+
+        On a root with tiers, a bad fast copy of a step with a durable copy is that copy's fault alone
+        (:func:`registry.ops.tiers.mark_fast_copy`): the same step is tried again from its durable copy,
+        before any older step.
+        """
         if self.read is None:
             raise exc
+        info = self.read.info
+        if (self.tiers is not None and info is not None and isinstance(exc, CorruptCheckpointError)
+                and info.manifest_sha256 is not None and self.mapped_from == info.path
+                and info.step not in self.fast_bad):
+            from registry.ops.tiers import mark_fast_copy
+            if mark_fast_copy(self.tiers, self.read.access.catalog, info.run, info.step, info.path,
+                              info.manifest_sha256, str(exc), actor=self.read.access.holder):
+                self.fast_bad.add(info.step)
+                self.read.release()
+                self.read.notes.append(f"{info.run}@{info.step}: this host's fast copy is damaged ({exc}); "
+                                       "read from the durable copy of the same step")
+                return
         self.read.judge(exc)
 
     @property
@@ -270,13 +289,15 @@ def _one_round(comm: Comm, src: _Source | None, *, verify: bool, device: torch.d
                                 check_mapped(got)
                             return directory, got
                         path, mapped = read_local(src.tiers, src.read.access.catalog, info, mapped_at,
-                                                  verify=verify, holder=src.read.access.holder)
+                                                  verify=verify, holder=src.read.access.holder,
+                                                  fast=info.step not in src.fast_bad)
                     else:
                         mapped = map_checkpoint(path, expected_digest=info.manifest_sha256 if info else None,
                                                 extras=extras)
                 except RegistryError as exc:
                     src.judge(exc)  # returns when another candidate should be tried
                     continue
+                src.mapped_from = path
                 buffers = mapped.files.buffers
                 outcome = Plan(path=str(path), files=tuple((n, b.numel()) for n, b in buffers.items()),
                                manifest_sha256=mapped.files.manifest_sha256, fingerprint=mapped.fingerprint,

@@ -315,14 +315,14 @@ def _note(what: str, record: Callable[[], object]) -> None:
 
 
 def read_local(tiers: Tiers, catalog: Catalog, info: CheckpointInfo, read: Callable[[Path, bool], T], *,
-               verify: bool, holder: str) -> T:
+               verify: bool, holder: str, fast: bool = True) -> T:
     """``read(directory, check)`` of a directory of this host holding ``info``'s payload, for a mapped
     (distributed) load: the fast copy when it is here (``check`` False: the caller checks what it maps), else
     this host's cached download of the durable copy, checked when ``verify`` and downloaded again when damaged,
     so that a bad cached file is this host's to repair, never a verdict on the step (``NoCopyError`` when there
-    is no durable copy)."""
+    is no durable copy). ``fast`` False: the fast copy was found damaged, read the durable copy."""
     replicas = ReplicaCatalog(catalog)
-    if info.path.is_dir() and not older_payload_here(tiers, replicas, info.run, info.step, info.path,
+    if fast and info.path.is_dir() and not older_payload_here(tiers, replicas, info.run, info.step, info.path,
                                                      info.manifest_sha256):
         return read(info.path, False)
     durable = replicas.copy(info.run, info.step, DURABLE, manifest_sha256=info.manifest_sha256)
