@@ -112,8 +112,8 @@ class Hasher:
         if self._inline_xxh:
             assert self._xxh is not None
             self._xxh.update(piece)
-        if self._sha is None and self._inline_xxh:
-            return
+        if self._sha is None and (self._xxh is None or self._inline_xxh):
+            return  # nothing for the worker to hash
         with self._cond:
             while len(self._queue) >= self._max_pending and self._error is None:
                 self._cond.wait()

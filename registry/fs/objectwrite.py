@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from registry.format.manifest import CONFIG, MANIFEST, META, WEIGHTS_INDEX, FileEntry, Manifest
-from registry.fs.hashing import HashingWriter
+from registry.format.pieces import PIECE_SIZE
+from registry.fs.hashing import Hasher, HashingWriter
 from registry.fs.objects import ObjectRoot, ObjectWriter
 from registry.fs.payloadfiles import Payload, Written, entry_of, write_files
 from registry.fs.store import FileProblem
@@ -48,11 +49,13 @@ class _CreateOnly:
 class HashingUpload(HashingWriter):
     """:class:`~registry.fs.hashing.HashingWriter`'s hashing, with each piece going to an object instead of a file."""
 
-    def __init__(self, sink: ObjectWriter | _CreateOnly) -> None:
+    def __init__(self, sink: ObjectWriter | _CreateOnly, *, sha256: bool = True) -> None:
         self.path = Path(sink.rel)
         self._sink = sink
         self._fd = -1
         self._begin()
+        if not sha256:  # the pieces alone (inline, memory speed): the file is checked against them
+            self._hasher = Hasher(sha256=False, xxh3=False)
 
     def _emit(self, piece: memoryview | bytearray) -> None:
         self._sink.write(piece)
@@ -70,17 +73,22 @@ class HashingUpload(HashingWriter):
             pass
 
 
-def _put(root: ObjectRoot, prefix: str, name: str, fill: Callable[[Any], object]) -> FileEntry:
-    """Upload one file under ``prefix`` as ``fill(out)`` writes it, hashed on the way; its manifest entry."""
+def _put(root: ObjectRoot, prefix: str, name: str, fill: Callable[[Any], object], *,
+         sha256: bool = True) -> FileEntry:
+    """Upload one file under ``prefix`` as ``fill(out)`` writes it, hashed on the way; its manifest entry
+    (without ``sha256``, its sha256 is left empty and only the pieces are computed)."""
     rel = f"{prefix}/{name}"
     sink = _CreateOnly(root, rel) if name in SMALL_FILES else root.writer(rel)
-    out = HashingUpload(sink)
+    out = HashingUpload(sink, sha256=sha256)
     try:
         fill(out)
         out.close()
     except BaseException:
         out.abort()
         raise
+    if not sha256:
+        return FileEntry(name=name, size=out.size, sha256="", piece_size=out.piece_size,
+                         xxh3_128_pieces=out.xxh3_128_pieces)
     return entry_of(name, out)
 
 
@@ -96,8 +104,11 @@ def upload_directory(root: ObjectRoot, prefix: str, directory: Path, manifest: M
                      ) -> tuple[Written, list[FileProblem]]:
     """Upload a checkpoint directory's files under ``prefix``, hashed while uploading; the manifest last.
 
-    Each file's size, sha256 and pieces as uploaded are compared with
-    ``manifest`` (whose bytes are ``raw_manifest``): a file that differs is
+    Each file's size and pieces as uploaded are compared with ``manifest``
+    (whose bytes are ``raw_manifest``), as a verified load checks a file; its
+    sha256 only where the manifest has no pieces of this writer's size (the
+    pieces hash at memory speed, sha256 would take a core from the upload and
+    the server). A file that differs is
     a problem of the directory's copy, and the manifest is then not uploaded,
     so the prefix never holds what could pass for a payload. Returns what was
     uploaded (as :func:`check_uploaded` takes it) and the problems found.
@@ -118,7 +129,8 @@ def upload_directory(root: ObjectRoot, prefix: str, directory: Path, manifest: M
             def fill(out: Any, source: Any = source) -> None:
                 while chunk := source.read(COPY_CHUNK):
                     out.write(chunk)
-            entry = _put(root, prefix, name, fill)
+            pieces = expected.xxh3_128_pieces is not None and expected.piece_size == PIECE_SIZE
+            entry = _put(root, prefix, name, fill, sha256=not pieces)
             if name.endswith(".safetensors") and entry.size >= 8:
                 source.seek(0)
                 head = source.read(8)
@@ -127,7 +139,7 @@ def upload_directory(root: ObjectRoot, prefix: str, directory: Path, manifest: M
                     heads[name] = head + source.read(length)
         if entry.size != expected.size:
             problems.append(FileProblem(name=name, problem=f"size {entry.size}, manifest says {expected.size}"))
-        elif entry.sha256 != expected.sha256 or (
+        elif (not pieces and entry.sha256 != expected.sha256) or (
                 expected.xxh3_128_pieces is not None and expected.piece_size == entry.piece_size
                 and entry.xxh3_128_pieces != expected.xxh3_128_pieces):
             problems.append(FileProblem(name=name, problem="checksum mismatch"))
