@@ -9,7 +9,6 @@ state has been copied (``registry.fs.snapshot``).
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import threading
@@ -914,12 +913,8 @@ class Registry:
                 targets.extend(i for i in self.checkpoints(parsed.run)
                                if i.status in HAS_PAYLOAD)
         from registry.ops.scrub import scrub
-        copy_only = None
-        if self.tiers is not None:
-            from registry.ops.tiers import mark_fast_copy
-            copy_only = functools.partial(mark_fast_copy, self.tiers, self.catalog, actor=self.writer)
         return scrub(self.catalog, targets, actor=self.writer, progress=progress, objects=self.objects,
-                     copy_only=copy_only)
+                     tiers=self.tiers)
 
     # ------------------------------------------------------------------ followers
 

@@ -54,6 +54,17 @@ def durable_keys(reg: Registry, prefix: str = "") -> list[str]:
     return sorted(e.rel for e in reg.tiers.durable.list(prefix))
 
 
+def damage_durable(reg: Registry, run: str, step: int) -> str:
+    """Flip a byte of the step's durable copy of its weights; returns the key."""
+    copy = reg.wait_durable(run, step)
+    assert reg.tiers is not None
+    key = f"{copy.path}/model.safetensors"
+    raw = bytearray(reg.tiers.durable.get(key))
+    raw[-2] ^= 0xFF
+    obstore.put(reg.tiers.durable.store, key, bytes(raw))
+    return key
+
+
 # --------------------------------------------------------------------------- publish and replicate
 
 
@@ -325,12 +336,7 @@ def test_two_hosts_a_step_from_a_resumes_on_b_downloaded_once_for_two_ranks(
 def test_a_corrupt_durable_copy_is_marked_and_latest_goes_on_to_an_older_step(treg: Registry) -> None:
     treg.publish("run", 1, make_state(1), durable=True)
     info = treg.publish("run", 2, make_state(2), durable=True)
-    copy = treg.wait_durable("run", 2)
-    assert treg.tiers is not None
-    key = f"{copy.path}/model.safetensors"
-    raw = bytearray(treg.tiers.durable.get(key))
-    raw[-2] ^= 0xFF
-    obstore.put(treg.tiers.durable.store, key, bytes(raw))
+    damage_durable(treg, "run", 2)
     shutil.rmtree(info.path)  # the fast copy is gone: only the damaged durable copy is left
     ck = treg.load("run@latest")
     assert ck.step == 1 and ck.fallback is not None
@@ -338,6 +344,40 @@ def test_a_corrupt_durable_copy_is_marked_and_latest_goes_on_to_an_older_step(tr
     assert treg.catalog.get("run", 2).status == Status.VERIFIED  # another host's fast copy may still be good
     with pytest.raises(CheckpointNotFoundError, match="no copy this host can read"):
         treg.load("run@2")
+
+
+def test_verify_rehashes_the_durable_copy_of_a_step_this_host_holds_no_copy_of(treg: Registry) -> None:
+    """Fast retention removed the fast copies: verify re-hashes the durable copy. Its damage is the step's, since
+    no other copy of the payload stands, and verify says so and records it."""
+    from registry.retention import KeepLast
+    for step in (1, 2, 3):
+        treg.publish("run", step, make_state(step), durable=True)
+    assert treg.plan_tier_retention("run", KeepLast(1), tier="fast").execute().deleted == (1, 2)
+    assert [(r.step, r.status) for r in treg.verify("run")] == [(1, Status.VERIFIED), (2, Status.VERIFIED),
+                                                               (3, Status.VERIFIED)]
+    assert sum(e.kind == "verify" for e in treg.events("run", step=1)) == 1
+    damage_durable(treg, "run", 2)
+    [result] = treg.verify("run@2")
+    assert result.status == Status.CORRUPT and "durable copy s3://" in result.problems[0], result
+    assert treg.catalog.get("run", 2).status == Status.CORRUPT  # type: ignore[union-attr]
+    assert [r.status for r in treg.replicas("run", 2) if r.location == DURABLE] == ["corrupt"]
+    assert treg.catalog.get("run", 1).status == Status.VERIFIED  # type: ignore[union-attr]
+
+
+def test_verify_on_another_host_condemns_only_a_damaged_durable_copy_while_the_fast_copy_stands(
+        catalog_url: str, durable: str, tmp_path: Path) -> None:
+    with Registry.open(catalog_url, root=tmp_path / "host-a", durable=durable) as a:
+        a.publish("run", 1, make_state(1), durable=True)
+        damage_durable(a, "run", 1)
+    with Registry.open(catalog_url, root=tmp_path / "host-b", durable=durable) as b:
+        [result] = b.verify("run@1")
+        assert result.status == "corrupt-copy" and not result.ok and "durable copy" in result.problems[0]
+        assert b.catalog.get("run", 1).status == Status.VERIFIED  # type: ignore[union-attr]
+        assert [r.status for r in b.replicas("run", 1) if r.location == DURABLE] == ["corrupt"]
+        [again] = b.verify("run@1")  # no verified durable copy left to read, and none here: nothing to say
+        assert again.status == "unreadable" and "no verified durable copy" in again.problems[0]
+    with Registry.open(catalog_url, root=tmp_path / "host-a", durable=durable) as a:
+        assert [r.status for r in a.verify("run@1")] == [Status.VERIFIED]  # host A's own copy is good
 
 
 # --------------------------------------------------------------------------- fsck
@@ -693,7 +733,8 @@ def test_an_older_payload_left_on_another_host_is_never_a_verdict_on_the_step(ca
             new = a.publish("run", 2, make_state(22), overwrite=True)
             with Registry.open(catalog_url, root=host_b, durable=durable) as b:
                 assert b.load("run@latest").step == 1  # step 2 has no copy B can read yet
-                assert [r.status for r in b.verify("run@2")] != [Status.CORRUPT]
+                [result] = b.verify("run@2")  # B holds no copy of A's payload, which is not durable yet
+                assert result.status == "unreadable" and "no verified durable copy" in result.problems[0]
                 from registry.retention import KeepLast
                 assert [d.step for d in b.plan_tier_retention("run", KeepLast(1), tier="fast").decisions] == [1]
                 report = b.fsck()
@@ -708,6 +749,7 @@ def test_an_older_payload_left_on_another_host_is_never_a_verdict_on_the_step(ca
         a.wait_durable("run", 2, timeout=60)
         assert (new.path / MANIFEST).is_file()
     with Registry.open(catalog_url, root=host_b, durable=durable) as b:
+        assert [r.status for r in b.verify("run@2")] == [Status.VERIFIED]  # its durable copy, re-hashed
         assert_state_equal(b.load("run@latest").state_dict, make_state(22))  # the new payload, from the durable tier
 
 

@@ -184,7 +184,6 @@ class _Source:
     directory: Path | None = None
     objects: ObjectRoot | None = None
     tiers: Tiers | None = None  # a fast root with a durable tier: a step not here is read from this host's cache
-    mapped_from: Path | None = None  # the directory of the current candidate that rank 0 mapped
     fast_bad: set[int] = field(default_factory=set)  # steps whose fast copy here failed: read their durable copy
 
     def next(self) -> tuple[Path, CheckpointInfo | None]:
@@ -204,16 +203,16 @@ class _Source:
         if self.read is None:
             raise exc
         info = self.read.info
-        if (self.tiers is not None and info is not None and isinstance(exc, CorruptCheckpointError)
-                and info.manifest_sha256 is not None and self.mapped_from == info.path
-                and info.step not in self.fast_bad):
+        where = exc.path if isinstance(exc, CorruptCheckpointError) else None
+        if (self.tiers is not None and info is not None and where is not None and info.manifest_sha256 is not None
+                and (where == info.path or info.path in where.parents) and info.step not in self.fast_bad):
             from registry.ops.tiers import mark_fast_copy
             if mark_fast_copy(self.tiers, self.read.access.catalog, info.run, info.step, info.path,
                               info.manifest_sha256, str(exc), actor=self.read.access.holder):
                 self.fast_bad.add(info.step)
                 self.read.release()
-                self.read.notes.append(f"{info.run}@{info.step}: this host's fast copy is damaged ({exc}); "
-                                       "read from the durable copy of the same step")
+                self.read.notes.append(f"{info.run}@{info.step}: this host's fast copy is not the step's good "
+                                       f"payload ({exc}); read from the durable copy of the same step")
                 return
         self.read.judge(exc)
 
@@ -297,7 +296,6 @@ def _one_round(comm: Comm, src: _Source | None, *, verify: bool, device: torch.d
                 except RegistryError as exc:
                     src.judge(exc)  # returns when another candidate should be tried
                     continue
-                src.mapped_from = path
                 buffers = mapped.files.buffers
                 outcome = Plan(path=str(path), files=tuple((n, b.numel()) for n, b in buffers.items()),
                                manifest_sha256=mapped.files.manifest_sha256, fingerprint=mapped.fingerprint,

@@ -21,8 +21,10 @@ import stat
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from registry.catalog import Catalog
+from registry.catalog.replicas import DURABLE, ReplicaCatalog
 from registry.errors import CheckpointReadError, CorruptCheckpointError, ObjectNotFoundError
 from registry.format.manifest import MANIFEST, Manifest, read_manifest
 from registry.records import HAS_PAYLOAD, CheckpointInfo, Status
@@ -30,7 +32,7 @@ from registry.fs.objects import ObjectRoot
 from registry.fs.prefixes import check_objects, read_manifest as read_manifest_object
 from registry.fs.store import verify_directory
 from registry.progress import Counter, ProgressFn
-from registry.ops.verdicts import CopyOnly
+from registry.ops.tiers import Tiers, mark_fast_copy, older_payload_here
 
 VERDICT_FROM = HAS_PAYLOAD
 MISMATCH = "manifest does not match the catalog"
@@ -39,9 +41,10 @@ MISMATCH = "manifest does not match the catalog"
 @dataclass(frozen=True, kw_only=True)
 class VerifyResult:
     """One step's outcome. ``status``: ``verified`` or ``corrupt`` (recorded in the catalog);
-    ``corrupt-copy`` (on a root with tiers: this host's copy is damaged and recorded so, the step stands on its
-    durable copy); ``changed`` (another writer replaced or deleted the step while it was hashed) or
-    ``unreadable`` (this host could not read it): nothing recorded. ``ok`` only for ``verified``."""
+    ``corrupt-copy`` (on a root with tiers: the copy read, this host's fast copy or, when this host holds none,
+    the durable copy, is damaged and recorded so; the step stands on another copy); ``changed`` (another writer
+    replaced or deleted the step while it was hashed) or ``unreadable`` (this host could not read it): nothing
+    recorded. ``ok`` only for ``verified``."""
     run: str
     step: int
     ok: bool
@@ -130,13 +133,15 @@ def _object_read(root: ObjectRoot, info: CheckpointInfo, counter: Counter) -> _R
 
 def scrub(catalog: Catalog, infos: Sequence[CheckpointInfo], *, actor: str,
           progress: ProgressFn | None = None, objects: ObjectRoot | None = None,
-          copy_only: CopyOnly | None = None) -> list[VerifyResult]:
+          tiers: Tiers | None = None) -> list[VerifyResult]:
     """Re-hash each checkpoint (a few in parallel); intact ones become ``verified``, damaged ``corrupt``.
 
     A corrupt step that hashes clean again (restored from a backup) is verified again.
     ``progress`` hears of the bytes hashed, of the sum of the steps' sizes (``registry.progress``).
     ``objects``: the root is that object store (``infos``' paths are relative to it), not a directory.
-    ``copy_only``: on a root with tiers, asked before a step is condemned (see ``registry.ops.verdicts``).
+    ``tiers``: the root has a durable tier. A damaged fast copy of a step with a verified durable copy is this
+    host's copy's fault (``corrupt-copy``); a step this host holds no copy of (its directory is gone, or holds
+    an older payload of it) is verified on its durable copy instead.
     """
     manifest_of: Callable[[CheckpointInfo], tuple[Manifest | None, str]] = (
         _manifest if objects is None else functools.partial(_object_manifest, objects))
@@ -151,10 +156,11 @@ def scrub(catalog: Catalog, infos: Sequence[CheckpointInfo], *, actor: str,
         return result(info, "changed", "replaced or deleted by another writer while being verified; "
                                        "nothing recorded, verify it again")
 
-    def record(info: CheckpointInfo, digest: str | None, problems: tuple[str, ...]) -> VerifyResult:
+    def record(info: CheckpointInfo, digest: str | None, problems: tuple[str, ...], *,
+               copy_only: bool = True) -> VerifyResult:
         status = Status.CORRUPT if problems else Status.VERIFIED
-        if problems and digest is not None and copy_only is not None and copy_only(
-                info.run, info.step, info.path, digest, "; ".join(problems)):
+        if problems and digest is not None and copy_only and tiers is not None and mark_fast_copy(
+                tiers, catalog, info.run, info.step, info.path, digest, "; ".join(problems), actor=actor):
             return result(info, "corrupt-copy", *problems)
         if digest is None or not catalog.set_status(
                 info.run, info.step, status, kind="corrupt" if problems else "verify", actor=actor,
@@ -176,17 +182,53 @@ def scrub(catalog: Catalog, infos: Sequence[CheckpointInfo], *, actor: str,
             return changed(info)
         return result(info, "unreadable", reason)
 
+    def recorded(info: CheckpointInfo) -> dict[str, tuple[int, str]]:
+        return {f.name: (f.size, f.sha256) for f in catalog.files(info.run, info.step)}
+
+    def durable(tiers: Tiers, info: CheckpointInfo) -> VerifyResult:
+        """Re-hash the verified durable copy of a step this host holds no copy of. Damage condemns that copy,
+        and the step only when no other copy of its payload stands: a fast copy's row is taken at its word,
+        since a directory missing here may be a disk not mounted, never proof of lost bytes."""
+        replicas = ReplicaCatalog(catalog)
+        copy = replicas.copy(info.run, info.step, DURABLE, manifest_sha256=info.manifest_sha256)
+        if copy is None:
+            return unreadable(info, f"this host holds no copy of its payload ({info.path}) and it has no verified "
+                                    "durable copy: verify it on the host that holds it")
+        found = _object_read(tiers.durable, replace(info, path=Path(copy.path)), counter)
+        problems = found.problems
+        if found.digest is not None and found.digest != info.manifest_sha256:
+            problems = (f"{MANIFEST}: not the one the catalog records",)
+        elif not problems and (files := recorded(info)) and files != found.files:
+            problems = (MISMATCH,)
+        if not problems:
+            return record(info, info.manifest_sha256, ())
+        where = tuple(f"durable copy {tiers.durable.url(copy.path)}: {p}" for p in problems)
+        if not replicas.set_replica_status(info.run, info.step, DURABLE, "corrupt", path=copy.path,
+                                           manifest_sha256=info.manifest_sha256, only_from=("verified",),
+                                           actor=actor, reason="; ".join(problems)):
+            return changed(info)
+        if any(r.location != DURABLE and r.status in ("published", "verified")
+               and r.manifest_sha256 == info.manifest_sha256 for r in replicas.replicas(info.run, info.step)):
+            return result(info, "corrupt-copy", *where)
+        return record(info, info.manifest_sha256, where, copy_only=False)
+
+    def here(tiers: Tiers, info: CheckpointInfo) -> bool:
+        """Whether this host's fast directory of the step is its copy (a damaged one included)."""
+        return info.path.is_dir() and not older_payload_here(tiers, ReplicaCatalog(catalog), info.run, info.step,
+                                                             info.path, info.manifest_sha256)
+
     def check(info: CheckpointInfo) -> VerifyResult:
         try:
+            if tiers is not None and not here(tiers, info):
+                return durable(tiers, info)
             found = read(info, counter)
             if found.digest is not None and found.digest != info.manifest_sha256:
                 now = current(info)  # re-published since it was listed?
                 if now is not None and now.manifest_sha256 == found.digest:
                     info = now
             if found.digest is not None and found.digest == info.manifest_sha256:
-                recorded = {f.name: (f.size, f.sha256) for f in catalog.files(info.run, info.step)}
-                problems = found.problems
-                if not problems and recorded and recorded != found.files:
+                problems, files = found.problems, recorded(info)
+                if not problems and files and files != found.files:
                     problems = (MISMATCH,)
                 return record(info, found.digest, problems)
             # Not the manifest the catalog recorded. Condemn that record only if it is still

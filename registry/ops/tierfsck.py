@@ -63,6 +63,8 @@ class TierFsck(FsckPass):
         super().__init__(catalog=catalog, repair=repair, checksums=checksums, actor=actor, progress=progress)
         self.tiers = tiers
         self.replicas = ReplicaCatalog(catalog)
+        # the copies as the fast root's checks see them, read once before them (run() reads its own after its scan)
+        self._before = self.replicas.snapshot()
         self.replicator = replicator
         self.requeued = False
 
@@ -71,7 +73,7 @@ class TierFsck(FsckPass):
         directory (the durable tier, another host's fast root, this host's cache): a step directory missing
         here is then no missing payload."""
         found: set[tuple[str, int]] = set()
-        for copy, status, digest, path in self.replicas.snapshot():
+        for copy, status, digest, path in self._before:
             good = status in LIVE and copy.manifest_sha256 == digest and copy.status in ("published", "verified")
             if good and not (copy.location == self.tiers.location and copy.path == path):
                 found.add((copy.run, copy.step))
@@ -81,7 +83,7 @@ class TierFsck(FsckPass):
         """This tier's copies of live steps that hold an older payload in the step's directory here: the step
         was published again on another host since. Not the step's copy, so never a verdict on the step."""
         found = {}
-        for copy, status, digest, path in self.replicas.snapshot():
+        for copy, status, digest, path in self._before:
             if (copy.location == self.tiers.location and copy.path == path and status in LIVE
                     and copy.status in ("published", "verified") and copy.manifest_sha256 != digest
                     and self._fast_here(copy.run, copy.step, path, copy.manifest_sha256)):
@@ -192,7 +194,7 @@ class TierFsck(FsckPass):
     def fast_deletions(self) -> None:
         """This tier's copies marked deleted whose directory still holds that payload (the removal failed, or
         its process was killed after the mark)."""
-        for copy, status, _digest, path in self.replicas.snapshot():
+        for copy, status, _digest, path in self._before:
             where = self.tiers.fast.root / copy.path
             if (copy.location != self.tiers.location or copy.status != "deleted" or copy.manifest_sha256 is None
                     or status not in LIVE and copy.path == path  # the step's own directory: fsck's gc finishing

@@ -321,10 +321,9 @@ def read_local(tiers: Tiers, catalog: Catalog, info: CheckpointInfo, read: Calla
     this host's cached download of the durable copy, checked when ``verify`` and downloaded again when damaged,
     so that a bad cached file is this host's to repair, never a verdict on the step (``NoCopyError`` when there
     is no durable copy). ``fast`` False: the fast copy was found damaged, read the durable copy."""
-    replicas = ReplicaCatalog(catalog)
-    if fast and info.path.is_dir() and not older_payload_here(tiers, replicas, info.run, info.step, info.path,
-                                                     info.manifest_sha256):
+    if fast and info.path.is_dir():
         return read(info.path, False)
+    replicas = ReplicaCatalog(catalog)
     durable = replicas.copy(info.run, info.step, DURABLE, manifest_sha256=info.manifest_sha256)
     if durable is None:
         raise _not_durable_yet(tiers, info)
