@@ -30,6 +30,7 @@ POINTS = (
     "replicate-after-claim",   # tiers: the durable copy's attempt prefix claimed (pending), nothing uploaded
     "replicate-after-upload",  # tiers: every file of the durable copy uploaded, the manifest not yet
     "cache-after-download",    # tiers: a durable copy downloaded into this host's cache, not yet renamed into place
+    "cache-evict-after-mark",  # tiers: a stale cached copy's row marked deleted, its directory still in place
     "migrate-before-commit",  # schema migration: every revision applied, its transaction not yet committed
 )
 

@@ -237,6 +237,59 @@ def test_a_kill_mid_download_leaves_a_staging_directory_fsck_removes(catalog_url
         assert torch.equal(b.load("run@4").state_dict["w"], torch.arange(1000.0))
 
 
+def test_a_download_evicts_the_cached_copies_no_load_reads_again(catalog_url: str, durable: str,
+                                                                  tmp_path: Path) -> None:
+    """Host B cached step 1; host A published step 1 again: B's cached copy holds a payload nobody reads any more.
+    fsck on B reports it; B's next download evicts it (its row marked deleted) and keeps the copies still live."""
+    from registry.ops.tiers import cache_relpath
+    host_a, host_b = tmp_path / "host-a", tmp_path / "host-b"
+    with Registry.open(catalog_url, root=host_a, durable=durable) as a:
+        old = a.publish("run", 1, make_state(1), durable=True)
+        a.publish("run", 2, make_state(2), durable=True)
+        a.publish("run", 3, make_state(3), durable=True)
+        with Registry.open(catalog_url, root=host_b, durable=durable) as b:
+            b.load("run@1")
+            b.load("run@2")
+            two = a.catalog.get("run", 2)
+            assert two is not None
+            stale, kept = host_b / cache_relpath(old), host_b / cache_relpath(two)
+            assert stale.is_dir() and kept.is_dir()
+            assert b.fsck().clean
+            new = a.publish("run", 1, make_state(11), overwrite=True, durable=True)
+            assert [(p.kind, p.step, p.path) for p in b.fsck().problems] == [("stale-cached-copy", 1, stale)]
+            assert_state_equal(b.load("run@3").state_dict, make_state(3))  # a download: evicts the stale copy
+            assert not stale.exists() and kept.is_dir() and b.fsck().clean
+            assert b.tiers is not None
+            rows = {r.path: r.status for r in b.replicas("run") if r.location == b.tiers.location}
+            assert rows[str(stale.relative_to(host_b))] == "deleted"
+            assert rows[str(kept.relative_to(host_b))] == "verified"
+            assert_state_equal(b.load("run@1").state_dict, make_state(11))  # the new payload, downloaded anew
+            assert (host_b / cache_relpath(new)).is_dir()
+
+
+def test_a_kill_mid_eviction_leaves_a_marked_copy_fsck_removes(catalog_url: str, durable: str,
+                                                                tmp_path: Path) -> None:
+    from registry.ops.tiers import cache_relpath
+    host_a, host_b = tmp_path / "host-a", tmp_path / "host-b"
+    with Registry.open(catalog_url, root=host_a, durable=durable) as a:
+        old = a.publish("run", 1, {"w": torch.arange(10.0)}, durable=True)
+        with Registry.open(catalog_url, root=host_b, durable=durable) as b:
+            b.load("run@1")
+        a.publish("run", 1, {"w": torch.arange(11.0)}, overwrite=True, durable=True)
+        a.publish("run", 2, {"w": torch.arange(12.0)}, durable=True)
+    env = {**child_env(), "REGISTRY_CRASH_AT": "cache-evict-after-mark"}
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(CHILD_RANK), catalog_url, str(host_b), durable,
+                           str(tmp_path / "o.json")], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    stale = host_b / cache_relpath(old)
+    assert stale.is_dir()  # its row says deleted: the kill came between the mark and the removal
+    with Registry.open(catalog_url, root=host_b, durable=durable) as b:
+        report = b.fsck()
+        assert [(p.kind, p.step, p.path) for p in report.problems] == [("unfinished-copy-deletion", 1, stale)]
+        assert b.fsck(repair=True).repaired and not stale.exists() and b.fsck().clean
+        assert torch.equal(b.load("run@1").state_dict["w"], torch.arange(11.0))
+
+
 # --------------------------------------------------------------------------- loads
 
 

@@ -23,6 +23,9 @@ root): that is how tiers work. Then, from the replica rows:
 * ``abandoned-download``: a staging directory in this host's cache that no
   download is filling (a process killed mid-download); ``--repair`` removes
   it unless a download took that copy's host lock meanwhile;
+* ``stale-cached-copy``: a download in this host's cache whose step has ended
+  or was published again since (a load evicts those of its run after each
+  download); ``--repair`` marks this host's row of it ``deleted`` and removes it;
 * ``incomplete-upload``: a multipart upload on the durable root that no live
   replication claims (one killed mid-file); ``--repair`` aborts it;
 * ``orphan-durable-prefix``: an attempt prefix on the durable root no copy
@@ -42,13 +45,14 @@ from registry.catalog import Catalog
 from registry.catalog.replicas import DURABLE, ReplicaCatalog, ReplicaInfo
 from registry.errors import CorruptCheckpointError, ObjectNotFoundError
 from registry.format.manifest import MANIFEST, digest_bytes
-from registry.format.layout import parse_attempt_key
+from registry.format.layout import parse_attempt_key, parse_hidden
 from registry.fs import multipart
 from registry.fs.prefixes import AttemptPrefix, check_objects, read_manifest, remove_prefix, scan
 from registry.fs.removal import remove_checkpoint_dir
 from registry.ops.fsck import run_fsck
 from registry.ops.replicator import Replicator
-from registry.ops.tiers import Tiers, abandoned_downloads, mark_fast_copy, remove_abandoned_download
+from registry.ops.tiers import (Tiers, abandoned_downloads, evict_cached_copy, mark_fast_copy,
+                                remove_abandoned_download, stale_cached_copies)
 from registry.ops.verdicts import FsckPass, FsckReport, one_line
 from registry.ops.writers import writer_alive
 from registry.progress import ProgressFn
@@ -110,6 +114,16 @@ class TierFsck(FsckPass):
             p = self._found("abandoned-download", cached.parent.name, step, staging,
                             f"a download into this host's cache that no process is making (for {cached.name})")
             self._fix(p, functools.partial(remove_abandoned_download, staging, cached))
+        marked = {self.tiers.fast.root / c.path for c, *_ in self._before  # unfinished-copy-deletion's to finish
+                  if c.location == self.tiers.location and c.status == "deleted"}
+        for run, step, cached in stale_cached_copies(self.tiers, self.catalog):
+            if cached in marked:
+                continue
+            what = ("the leftover of a cached copy's removal" if parse_hidden(cached.name) is not None
+                    else "a download into this host's cache whose step has ended or holds another payload")
+            p = self._found("stale-cached-copy", run, step, cached, what)
+            self._fix(p, functools.partial(evict_cached_copy, self.tiers, self.catalog, run, step, cached,
+                                           actor=self.actor))
 
     def _fast_here(self, run: str, step: int, path: str, digest: str | None) -> bool:
         try:

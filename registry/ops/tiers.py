@@ -37,9 +37,9 @@ from registry.crashpoints import crashpoint
 from registry.errors import CatalogError, CorruptCheckpointError, NoCopyError, RootError, RootMismatchError
 from registry.format.layout import REGISTRY_DIR, hidden_sibling, parse_hidden, parse_step_dirname, step_dirname
 from registry.fs.filemaps import Extras, Loaded, read_directory
-from registry.fs.removal import manifest_digest
+from registry.fs.removal import manifest_digest, remove_checkpoint_dir
 from registry.fs.store import Store, fsync_dir
-from registry.records import CheckpointInfo
+from registry.records import ENDED, CheckpointInfo
 
 if TYPE_CHECKING:
     from registry.catalog import Catalog
@@ -162,6 +162,22 @@ def cache_relpath(info: CheckpointInfo) -> str:
     return f"{CACHE_DIR}/{info.run}/{step_dirname(info.step)}-{digest}"
 
 
+def _parse_cached(name: str) -> tuple[int, str] | None:
+    """The step and the digest prefix a cached copy's name (:func:`cache_relpath`) holds; None for other names."""
+    stem, _, digest = name.rpartition("-")
+    parsed = parse_step_dirname(stem)
+    if parsed is None or parsed[1] != "final" or not digest:
+        return None
+    return parsed[0], digest
+
+
+def _cache_runs(tiers: Tiers) -> list[Path]:
+    try:
+        return [d for d in (tiers.fast.root / CACHE_DIR).iterdir() if d.is_dir() and not d.is_symlink()]
+    except FileNotFoundError:
+        return []
+
+
 def _lock_path(cached: Path) -> Path:
     return cached.parent / f".{cached.name}.lock"
 
@@ -187,22 +203,16 @@ def abandoned_downloads(tiers: Tiers) -> list[tuple[Path, int, Path]]:
     """This host's cache's staging directories that no download is filling now (its process was killed mid-way),
     each with its step and the cached copy it was for: a download holds the copy's host lock from start to rename."""
     found = []
-    try:
-        runs = [d for d in (tiers.fast.root / CACHE_DIR).iterdir() if d.is_dir() and not d.is_symlink()]
-    except FileNotFoundError:
-        return []
-    for run_dir in runs:
+    for run_dir in _cache_runs(tiers):
         for entry in run_dir.iterdir():
             hidden = parse_hidden(entry.name)
-            if hidden is None or hidden[1] != "tmp" or not entry.is_dir() or entry.is_symlink():
-                continue
-            parsed = parse_step_dirname(hidden[0].rpartition("-")[0])  # the copy's name: step-N-DIGEST
-            if parsed is None:
+            copy = _parse_cached(hidden[0]) if hidden is not None and hidden[1] == "tmp" else None
+            if copy is None or hidden is None or not entry.is_dir() or entry.is_symlink():
                 continue
             cached = run_dir / hidden[0]
             with _host_lock(_lock_path(cached), wait=False) as free:
                 if free:
-                    found.append((entry, parsed[0], cached))
+                    found.append((entry, copy[0], cached))
     return found
 
 
@@ -213,6 +223,69 @@ def remove_abandoned_download(staging: Path, cached: Path) -> bool | str:
             return "a download of that copy is under way"
         shutil.rmtree(staging)
     return True
+
+
+def _stale(catalog: Catalog, run: str, step: int, digest: str) -> bool:
+    """Whether nothing will read a cached copy of ``run@step`` whose payload's digest starts with ``digest``: the
+    step has ended, or holds another payload now."""
+    row = catalog.get(run, step)
+    return row is None or row.status in ENDED or (
+        row.manifest_sha256 is not None and not row.manifest_sha256.startswith(digest))
+
+
+def stale_cached_copies(tiers: Tiers, catalog: Catalog, *, run: str | None = None) -> list[tuple[str, int, Path]]:
+    """This host's cached downloads (of one ``run``) whose step has ended or was published again since, and the
+    leftovers of their removal: no load reads them again, and nothing else frees their space."""
+    found = []
+    for run_dir in _cache_runs(tiers):
+        if run is not None and run_dir.name != run:
+            continue
+        for entry in sorted(run_dir.iterdir()):
+            hidden = parse_hidden(entry.name)
+            copy = _parse_cached(hidden[0] if hidden is not None else entry.name)
+            if copy is None or not entry.is_dir() or entry.is_symlink() or hidden is not None and hidden[1] == "tmp":
+                continue
+            if hidden is not None or _stale(catalog, run_dir.name, copy[0], copy[1]):
+                found.append((run_dir.name, copy[0], entry))
+    return found
+
+
+def evict_cached_copy(tiers: Tiers, catalog: Catalog, run: str, step: int, cached: Path, *,
+                      actor: str) -> bool | str:
+    """Remove a copy :func:`stale_cached_copies` found, under its host lock and only if it is still stale then (a
+    load downloading or reading it holds that lock); this host's row naming it is marked ``deleted`` first."""
+    hidden = parse_hidden(cached.name)
+    name = hidden[0] if hidden is not None else cached.name
+    copy = _parse_cached(name)
+    if copy is None:
+        return "not a cached copy"
+    with _host_lock(_lock_path(cached.parent / name), wait=False) as free:
+        if not free:
+            return "a load of that copy is under way"
+        if hidden is not None:  # a removal's leftover
+            shutil.rmtree(cached)
+            return True
+        if not _stale(catalog, run, step, copy[1]):
+            return "its step holds that payload again"
+        digest = manifest_digest(cached)
+        if digest is not None:  # a catalog that cannot record it (read-only) leaves a row no load reads
+            _note("the evicted cached copy", lambda: ReplicaCatalog(catalog).set_replica_status(
+                run, step, tiers.location, "deleted", path=tiers.fast.relpath(cached), manifest_sha256=digest,
+                only_from=("published", "verified"), actor=actor, reason="its step ended or holds another payload"))
+        crashpoint("cache-evict-after-mark")
+        remove_checkpoint_dir(cached)
+    return True
+
+
+def _evict_stale(tiers: Tiers, catalog: Catalog, run: str, *, actor: str) -> None:
+    """Evict this host's stale cached copies of ``run`` after a download; a failure is logged, never the load's."""
+    try:
+        for stale_run, step, cached in stale_cached_copies(tiers, catalog, run=run):
+            if evict_cached_copy(tiers, catalog, stale_run, step, cached, actor=actor) is True:
+                log.info("%s@%s: evicted this host's cached copy %s (its step ended or holds another payload)",
+                         stale_run, step, cached)
+    except (CatalogError, OSError) as exc:
+        log.warning("this host's stale cached copies of %s were not evicted: %s", run, exc)
 
 
 def _not_durable_yet(tiers: Tiers, info: CheckpointInfo) -> NoCopyError:
@@ -255,7 +328,7 @@ def read_nearest(tiers: Tiers, catalog: Catalog, info: CheckpointInfo, *, verify
             info.run, info.step, tiers.location, "corrupt", path=relpath, manifest_sha256=info.manifest_sha256,
             only_from=("published", "verified"), actor=holder, reason=str(fast_bad)))
     try:
-        return _read_cached(tiers, replicas, durable.path, info, read, verify=verify, holder=holder)
+        return _read_cached(tiers, catalog, durable.path, info, read, verify=verify, holder=holder)
     except CorruptCheckpointError as exc:
         why = str(exc)
         _note("the corrupt durable copy", lambda: replicas.set_replica_status(
@@ -327,12 +400,14 @@ def read_local(tiers: Tiers, catalog: Catalog, info: CheckpointInfo, read: Calla
     durable = replicas.copy(info.run, info.step, DURABLE, manifest_sha256=info.manifest_sha256)
     if durable is None:
         raise _not_durable_yet(tiers, info)
-    return _read_cached(tiers, replicas, durable.path, info, read, verify=verify, holder=holder)
+    return _read_cached(tiers, catalog, durable.path, info, read, verify=verify, holder=holder)
 
 
-def _read_cached(tiers: Tiers, replicas: ReplicaCatalog, prefix: str, info: CheckpointInfo,
+def _read_cached(tiers: Tiers, catalog: Catalog, prefix: str, info: CheckpointInfo,
                  read: Callable[[Path, bool], T], *, verify: bool, holder: str) -> T:
-    """This host's cached copy of ``info``, downloaded from ``prefix`` on the durable tier if it has none yet."""
+    """This host's cached copy of ``info``, downloaded from ``prefix`` on the durable tier if it has none yet; a
+    download then evicts the run's cached copies no load will read again (:func:`stale_cached_copies`)."""
+    replicas = ReplicaCatalog(catalog)
     cached = tiers.fast.root / cache_relpath(info)
     with _host_lock(_lock_path(cached)):
         fresh = False
@@ -355,6 +430,8 @@ def _read_cached(tiers: Tiers, replicas: ReplicaCatalog, prefix: str, info: Chec
             _note("this host's cached copy", lambda: replicas.record(
                 info.run, info.step, location=tiers.location, status="verified", path=cache_relpath(info),
                 manifest_sha256=info.manifest_sha256 or "", writer=holder, event="cached"))
+    if fresh:
+        _evict_stale(tiers, catalog, info.run, actor=holder)
     return loaded
 
 

@@ -49,6 +49,7 @@ REPAIRS = {
     "orphan-durable-prefix": "delete its objects",
     "superseded-fast-copy": "remove the older payload",
     "abandoned-download": "remove it",
+    "stale-cached-copy": "remove it",
     "unfinished-copy-deletion": "remove the copy's files",
 }
 #: kinds fsck only reports: deciding about them needs a person (the detail says what to do)
