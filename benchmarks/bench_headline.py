@@ -62,7 +62,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench_distributed  # noqa: E402
 import bench_sharded  # noqa: E402
-from _common import transformer_state  # noqa: E402
+from _common import settle, transformer_state  # noqa: E402
 from bench_io import Table, fsync_path, fsync_tree, reference_load, reference_save, timed, touch_all  # noqa: E402
 from bench_lineage import publish_diff_pair  # noqa: E402
 
@@ -88,6 +88,7 @@ def interleaved(variants: dict[str, Callable[[], float]], runs: int, *,
     for round_ in range(runs + 1):
         for name in names[round_ % len(names):] + names[:round_ % len(names)]:
             before()
+            settle()
             cpu0 = time.process_time()
             seconds = variants[name]()
             if round_:

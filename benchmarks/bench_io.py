@@ -41,7 +41,7 @@ import torch
 import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _common import small_state, transformer_state  # noqa: E402
+from _common import settle, small_state, transformer_state  # noqa: E402
 from registry import Registry  # noqa: E402
 from registry.fs.filemaps import read_directory  # noqa: E402
 
@@ -273,6 +273,7 @@ def bench_workload(label: str, state: dict[str, torch.Tensor], work: Path, runs:
         order = names[round_ % len(names):] + names[:round_ % len(names)]
         for name in order:
             clean()
+            settle()
             cpu0 = time.process_time()
             seconds = saves[name]()
             if round_:
@@ -312,6 +313,7 @@ def bench_workload(label: str, state: dict[str, torch.Tensor], work: Path, runs:
     for round_ in range(runs + 1):
         order = lnames[round_ % len(lnames):] + lnames[:round_ % len(lnames)]
         for name in order:
+            settle()
             cpu0 = time.process_time()
             seconds = timed(loads[name])
             if round_:
@@ -422,6 +424,7 @@ def bench_lazy(mib: int, work: Path, runs: int, url: str | None) -> list[str]:
     names = list(variants)
     for round_ in range(runs + 1):
         for name in names[round_ % len(names):] + names[:round_ % len(names)]:
+            settle()
             cpu0 = time.thread_time()
             seconds = timed(variants[name])
             if round_:

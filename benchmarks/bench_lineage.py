@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _common import settle  # noqa: E402
 from registry import Registry  # noqa: E402
 from registry.catalog.lineage import LineageCatalog  # noqa: E402
 from registry.retention import KeepLast  # noqa: E402
@@ -188,6 +189,7 @@ def bench_dedup(reg: Registry, mib: int, tensor_mib: int, runs: int) -> list[str
 
     def measured(fn: Callable[[], object]) -> tuple[float, float, float]:
         looked.clear()
+        settle()
         c0, t0 = time.process_time(), time.perf_counter()
         fn()
         return time.perf_counter() - t0, time.process_time() - c0, sum(looked)

@@ -40,7 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import print_rates, s3_bench_server, transformer_state  # noqa: E402
+from _common import print_rates, s3_bench_server, settle, transformer_state  # noqa: E402
 from registry import Registry  # noqa: E402
 from registry.fs.objectread import READ_CONCURRENCY  # noqa: E402
 from registry.fs.objects import PART_SIZE, UPLOAD_CONCURRENCY, ObjectRoot  # noqa: E402
@@ -137,6 +137,7 @@ def main() -> None:
                 order = [publish, put, put_bare, background]
                 shift = rnd % len(order)
                 for fn in order[shift:] + order[:shift]:
+                    settle()
                     fn()
                 if rnd == 0:
                     continue  # warm-up

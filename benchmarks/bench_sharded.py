@@ -64,7 +64,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _common import free_port, rss_kib  # noqa: E402
+from _common import free_port, rss_kib, settle  # noqa: E402
 
 from registry import Registry  # noqa: E402
 
@@ -198,6 +198,7 @@ def rank_main(rank: int, port: int, args: dict[str, Any]) -> None:
             for name in names[i % len(names):] + names[:i % len(names)]:
                 make = variants[name]
                 fn = make()
+                settle()
                 dist.barrier()
                 t0, cpu0 = time.perf_counter(), time.process_time()
                 fn()

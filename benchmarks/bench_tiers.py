@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import print_rates, s3_bench_server, transformer_state  # noqa: E402
+from _common import print_rates, s3_bench_server, settle, transformer_state  # noqa: E402
 from registry import Registry  # noqa: E402
 from registry.fs.objectread import READ_CONCURRENCY  # noqa: E402
 from registry.fs.objects import PART_SIZE, UPLOAD_CONCURRENCY, ObjectRoot  # noqa: E402
@@ -119,6 +119,7 @@ def main() -> None:
                 order = [fast, tiered, put]
                 shift = rnd % len(order)
                 for fn in order[shift:] + order[:shift]:
+                    settle()
                     fn()
                 copy = reg.wait_durable("bench", step)
                 key = f"{copy.path}/model.safetensors"
@@ -140,6 +141,7 @@ def main() -> None:
                     dest.unlink()
 
                 for fn in ([resume, raw] if rnd % 2 else [raw, resume]):
+                    settle()
                     fn()
                 if rnd == 0:
                     continue  # warm-up
