@@ -25,8 +25,8 @@ from registry.catalog.lineage import record_lineage
 from registry.catalog.models import (Attempt, CheckpointFile, CheckpointRow, Event, Lease, Metric, Replica,
                                      Run, Tag)
 from registry.catalog.records import Claim, CommitRecord, FileRecord
-from registry.catalog.session import (aware, catalog_name, failure_reason, head_revision, open_engine, read_engine,
-                                      retrying, utcnow, write_connection)
+from registry.catalog.session import (DriverStatement, aware, catalog_name, failure_reason, head_revision,
+                                      open_engine, read_engine, retrying, utcnow, write_connection)
 from registry.errors import CatalogError, CheckpointNotFoundError, StepExistsError
 from registry.records import ENDED, HAS_PAYLOAD, LIVE, RANKABLE, CheckpointInfo, EventInfo, MetricPoint, RunInfo, Status
 from registry.format.refs import Ref, did_you_mean, selector_hint
@@ -138,18 +138,27 @@ class Catalog:
                 return fn(conn)
         return self._transaction(txn)
 
-    def _lease_write(self, fn: Any) -> Any:
-        """A write that need not survive a power loss (a reader lease), on SQLite over a pooled
-        connection: a load takes two of them, and a fresh connection for each cost more than the load."""
-        if self._read_engine is self.engine:
-            return self.write(fn, durable=False)
+    @functools.cached_property
+    def _driver_leases(self) -> tuple[DriverStatement, DriverStatement] | None:
+        """On a writable SQLite catalog, the lease and its release as driver statements, over pooled connections.
 
-        def txn() -> Any:
-            with self._read_engine.connect() as conn:
-                conn.execution_options(registry_write=True)  # BEGIN IMMEDIATE, as every write
-                with conn.begin():
-                    return fn(conn)
-        return self._transaction(txn)
+        A load takes and releases a lease every time; through SQLAlchemy those
+        two writes cost more than the rest of a lazy load (see ``DriverStatement``).
+        """
+        if self._read_engine is self.engine:
+            return None
+        return (DriverStatement(_lease_statement("sqlite"), self._read_engine),
+                DriverStatement(_RELEASE_LEASE, self._read_engine))
+
+    def _take_lease(self, run: str, step: int, holder: str, ttl: timedelta) -> int | None:
+        """A reader lease on the live ``run@step``; None when it is not live. A lease outlives no power loss:
+        its reader died too, so its commit skips the fsync."""
+        def params() -> dict[str, Any]:
+            return {"run": run, "step": step, "holder": holder, "expires_at": utcnow() + ttl}
+        driver = self._driver_leases
+        if driver is None:
+            return self.write(lambda conn: conn.scalar(_lease_statement(conn.dialect.name), params()), durable=False)
+        return self._transaction(lambda: driver[0].run(params()))
 
     def read(self, fn: Any) -> Any:
         """``fn(conn)`` in one read transaction, retried like :meth:`write`."""
@@ -599,20 +608,25 @@ class Catalog:
 
     def resolve_leased(self, ref: Ref, *, below: int | None = None, holder: str,
                        ttl: timedelta) -> tuple[CheckpointInfo, int | None]:
-        """:meth:`resolve`, and a reader lease on the step when it is live, in one transaction.
+        """:meth:`resolve`, and a reader lease on the step when it is live.
 
-        A load does both each time; one transaction for the two is a round trip
-        and a commit less. The lease is None for a step that is not live (a
-        corrupt one resolves by step or tag) or, on PostgreSQL, that gc deleted
-        between the two statements.
+        The lease is None for a step that is not live (a corrupt one resolves
+        by step or tag) or that gc deleted since it resolved: the caller
+        resolves again. The lease names the run and step, not the payload: a
+        step published again in between is caught by the reader, which checks
+        what it reads against ``manifest_sha256``.
         """
-        def fn(conn: Connection) -> tuple[CheckpointInfo, int | None]:
+        if self._driver_leases is not None:  # SQLite: a read, then the lease as one driver statement
+            info = self.resolve(ref, below=below)
+            return info, self._take_lease(info.run, info.step, holder, ttl) if info.status in LIVE else None
+
+        def fn(conn: Connection) -> tuple[CheckpointInfo, int | None]:  # one transaction, one commit
             info = self._resolve_in(conn, ref, below=below, min_policy_version=None)
             if info.status not in LIVE:
                 return info, None
             return info, conn.scalar(_lease_statement(conn.dialect.name), {
                 "run": info.run, "step": info.step, "holder": holder, "expires_at": utcnow() + ttl})
-        return self._lease_write(fn)
+        return self.write(fn, durable=False)
 
     def _resolve_in(self, conn: Connection, ref: Ref, *, below: int | None,
                     min_policy_version: int | None) -> CheckpointInfo:
@@ -808,16 +822,17 @@ class Catalog:
     # ------------------------------------------------------------------ reader leases
 
     def acquire_lease(self, run: str, step: int, *, holder: str, ttl: timedelta) -> int | None:
-        def fn(conn: Connection) -> int | None:
-            lease = conn.scalar(_lease_statement(conn.dialect.name),
-                                {"run": run, "step": step, "holder": holder, "expires_at": utcnow() + ttl})
-            if lease is None:
-                self.require_run(conn, run)  # no such run says so; a step no longer live gets no lease
-            return lease
-        return self._lease_write(fn)  # a lease outlives no power loss: its reader died too
+        lease = self._take_lease(run, step, holder, ttl)
+        if lease is None:
+            self.read(lambda conn: self.require_run(conn, run))  # no such run says so; a step no longer live gets none
+        return lease
 
     def release_lease(self, lease_id: int) -> None:
-        self._lease_write(lambda conn: conn.execute(_RELEASE_LEASE, {"lease": lease_id}))
+        driver = self._driver_leases
+        if driver is None:
+            self.write(lambda conn: conn.execute(_RELEASE_LEASE, {"lease": lease_id}), durable=False)
+        else:
+            self._transaction(lambda: driver[1].run({"lease": lease_id}))
 
     def lease_live(self, lease_id: int) -> bool:
         """Whether lease ``lease_id`` is still held and unexpired (a released one is gone)."""

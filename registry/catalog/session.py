@@ -245,6 +245,56 @@ def _not_durable(dbapi_conn: Any, _record: Any) -> None:
     dbapi_conn.execute("PRAGMA synchronous = NORMAL")
 
 
+class DriverStatement:
+    """A prebuilt statement run straight on a pooled SQLite driver connection, as one autocommit statement.
+
+    For the single-statement writes a load makes every time (its reader lease
+    and the lease's release). SQLAlchemy's execution around a statement (pool
+    events, ``BEGIN IMMEDIATE``, the compiled-cache lookup, result wrapping)
+    costs five times the statement itself when the interpreter's caches are
+    cold, as they are for a load between training steps. The SQL text, the
+    order of its parameters and their conversions (a timestamp as SQLite
+    stores it) are compiled from the Core statement once, so that statement
+    stays the one definition. The pooled connections are in autocommit mode
+    (``_sqlite_pragmas``), so the statement is its own transaction, and
+    ``busy_timeout`` waits for the lock as ``BEGIN IMMEDIATE`` would.
+    """
+
+    def __init__(self, statement: Any, engine: Engine) -> None:
+        self._engine = engine
+        self._compiled = statement.compile(dialect=engine.dialect)
+        self._error: type[Exception] = engine.dialect.loaded_dbapi.Error
+        self._plan: tuple[str, list[str], dict[str, Any], dict[str, Any]] | None = None
+
+    def _arguments(self, params: dict[str, Any]) -> tuple[str, list[Any]]:
+        if self._plan is None:  # the statement's own IN lists expand the same way every time
+            state = self._compiled.construct_expanded_state(params)
+            fixed = {k: v for k, v in state.parameters.items() if k not in params}
+            processors = dict(state.processors)  # the expanded IN lists'; then each parameter type's own
+            dialect = self._engine.dialect
+            for name, bind in self._compiled.binds.items():
+                convert = bind.type.dialect_impl(dialect).bind_processor(dialect)
+                if convert is not None and name in (state.positiontup or ()):
+                    processors.setdefault(name, convert)
+            self._plan = (state.statement, list(state.positiontup or ()), fixed, processors)
+        sql, order, fixed, processors = self._plan
+        values = {**fixed, **params}
+        return sql, [processors[name](values[name]) if name in processors else values[name] for name in order]
+
+    def run(self, params: dict[str, Any]) -> Any:
+        """Execute with ``params`` on one of the engine's pooled connections; the first column of its first row."""
+        sql, args = self._arguments(params)
+        conn = self._engine.raw_connection()
+        try:
+            # every row fetched: the statement ends, and with it its implicit transaction
+            rows = conn.driver_connection.execute(sql, args).fetchall()  # type: ignore[union-attr]
+        except self._error as exc:  # as SQLAlchemy would raise it: retried, then reported, like any other
+            raise DBAPIError.instance(sql, args, exc, self._error) from exc
+        finally:
+            conn.close()
+        return rows[0][0] if rows else None
+
+
 def _sqlite_read_only_pragmas(dbapi_conn: Any, _record: Any) -> None:
     dbapi_conn.isolation_level = None
     cur = dbapi_conn.cursor()
