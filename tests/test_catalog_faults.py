@@ -305,3 +305,26 @@ def test_publishing_a_deleted_step_again_supersedes_its_old_scores(reg: Registry
                        (20, "train/loss", 2.0, False), (30, "eval/loss", 0.9, True)]
     superseded = [e.detail.get("superseded_points") for e in reg.events("run") if e.kind == "publish"]
     assert superseded == [None, None, None, 1, 1, 2]
+
+
+# ---------------------------------------------------------------------- leases on the driver connection
+
+
+def test_a_lease_the_sqlite_driver_refuses_is_a_one_line_catalog_error(sqlite_reg: Registry, tmp_path: Path) -> None:
+    import sqlite3
+    state = make_state()
+    sqlite_reg.publish("r", 1, state)
+    lease = sqlite_reg.catalog.acquire_lease("r", 1, holder="t", ttl=sqlite_reg.lease_ttl)
+    assert lease is not None
+    with sqlite3.connect(tmp_path / "catalog.db") as conn:  # a schema damaged under the registry
+        conn.execute("ALTER TABLE leases RENAME TO leases_gone")
+    with pytest.raises(CatalogError, match="no such table: leases") as err:
+        sqlite_reg.load("r@1")
+    assert "\n" not in str(err.value)
+    with pytest.raises(CatalogError, match="no such table: leases"):
+        sqlite_reg.catalog.release_lease(lease)
+    with sqlite3.connect(tmp_path / "catalog.db") as conn:
+        conn.execute("ALTER TABLE leases_gone RENAME TO leases")
+    assert_state_equal(sqlite_reg.load("r@1").state_dict, state)  # nothing published was touched
+    sqlite_reg.catalog.release_lease(lease)
+    assert not sqlite_reg.catalog.lease_live(lease)
