@@ -310,7 +310,7 @@ def test_reader_resolves_again_when_gc_wins_the_race(catalog_url: str, root: Pat
         raced: list[int] = []
 
         def lease_after_gc(ref: Any, **kwargs: Any) -> Any:
-            # PostgreSQL's interleaving: the resolve, then gc's commit, then the lease statement
+            # the resolve, then gc's commit, then the lease statement: an order both catalogs allow
             if raced:
                 return real_resolve_leased(ref, **kwargs)
             info = reader.catalog.resolve(ref, below=kwargs.get("below"))

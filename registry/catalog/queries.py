@@ -151,8 +151,8 @@ class Catalog:
                 DriverStatement(_RELEASE_LEASE, self._read_engine))
 
     def _take_lease(self, run: str, step: int, holder: str, ttl: timedelta) -> int | None:
-        """A reader lease on the live ``run@step``; None when it is not live. A lease outlives no power loss:
-        its reader died too, so its commit skips the fsync."""
+        """A reader lease on the live ``run@step``; None when it is not live. A lease outlives no power loss
+        (its reader died too), so on SQLite its commit skips the WAL fsync."""
         def params() -> dict[str, Any]:
             return {"run": run, "step": step, "holder": holder, "expires_at": utcnow() + ttl}
         driver = self._driver_leases
