@@ -84,14 +84,18 @@ def test_fsck_repairs_a_stale_foreign_staging_row_and_leaves_a_fresh_one(reg: Re
 def test_a_publish_refreshes_its_row_while_it_writes(sqlite_reg: Registry, monkeypatch: pytest.MonkeyPatch) -> None:
     reg = sqlite_reg
     monkeypatch.setattr(protocol, "HEARTBEAT", timedelta(milliseconds=5))
-    gate, beaten = threading.Event(), threading.Event()
+    gate, beat = threading.Event(), threading.Condition()
     claims: list[Claim] = []
+    started = [0]  # beats begun; the one heartbeat thread runs them one at a time
     real_touch, real_write = reg.catalog.touch_claim, store_mod.write_payload
 
     def touch(claim: Claim) -> None:
+        with beat:
+            started[0] += 1
         real_touch(claim)
-        claims.append(claim)
-        beaten.set()
+        with beat:
+            claims.append(claim)
+            beat.notify_all()
 
     def slow_write(staging: Path, payload: store_mod.Payload, **options: Any) -> store_mod.Written:
         gate.wait()  # a write that outlasts several beats
@@ -101,11 +105,13 @@ def test_a_publish_refreshes_its_row_while_it_writes(sqlite_reg: Registry, monke
     monkeypatch.setattr("registry.api.write_payload", slow_write)
     future = reg.publish("run", 1, make_state(1), blocking=False)
     try:
-        assert beaten.wait(timeout=60)  # a hang guard: the beat never came
+        with beat:
+            assert beat.wait_for(lambda: claims, timeout=60)  # a hang guard: the beat never came
         claim = claims[0]
         first = row_updated_at(reg, claim)
-        beaten.clear()
-        assert beaten.wait(timeout=60)
+        with beat:
+            begun = started[0]  # a beat that begins after the read above stamps a later time
+            assert beat.wait_for(lambda: len(claims) > begun, timeout=60)
         assert row_updated_at(reg, claim) > first
         assert reg.catalog.get("run", 1).status == "staging"  # type: ignore[union-attr]
     finally:
