@@ -28,8 +28,9 @@ ALLOWED = {
 }
 
 
-def fresh(code: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PACKAGE.parent.parent)
+def fresh(code: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                          cwd=PACKAGE.parent.parent)
 
 
 def test_the_entry_point_imports() -> None:
@@ -65,3 +66,27 @@ def test_every_module_has_its_arrows_stated() -> None:
 def test_arrows_run_one_way(module: str) -> None:
     path = PACKAGE / "__init__.py" if module == "registry.cli" else PACKAGE / f"{module.rpartition('.')[2]}.py"
     assert cli_imports(path) - {module} <= ALLOWED[module]
+
+
+def test_a_listing_starts_no_child_process(tmp_path: Path) -> None:
+    """Looking up a C function once ran ``ldconfig`` in a child process, at the import of every command."""
+    from registry import Registry
+
+    Registry.open(root=tmp_path / "root").close()
+    done = fresh("import subprocess, sys\n"
+                 "started = []\n"
+                 "real = subprocess.Popen.__init__\n"
+                 "def record(self, args, *rest, **options):\n"
+                 "    started.append(args)\n"
+                 "    real(self, args, *rest, **options)\n"
+                 "subprocess.Popen.__init__ = record\n"
+                 "from registry.cli import main\n"
+                 "import registry.fs.dedup\n"
+                 "main(['--root', sys.argv[1], 'runs'], standalone_mode=False)\n"
+                 "from registry.fs.hashing import libc_function\n"
+                 "memcmp = libc_function('memcmp')\n"
+                 "assert memcmp is not None and memcmp is not libc_function('memcmp')\n"
+                 "assert libc_function('no_such_function') is None\n"
+                 "print('started', started)", str(tmp_path / "root"))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().endswith("started []"), done.stdout

@@ -6,7 +6,6 @@ loader and the catalog alike without importing torch or SQL.
 
 from __future__ import annotations
 
-import difflib
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -104,6 +103,8 @@ def close_match(name: str, candidates: Iterable[str], *, cutoff: float = 0.6) ->
 
     The one home of every "did you mean": refs, keywords, runs, tags and metric keys.
     """
+    import difflib  # only an error message needs it
+
     by_folded: dict[str, str] = {}
     for candidate in candidates:
         by_folded.setdefault(candidate.lower(), candidate)

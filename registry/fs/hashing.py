@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import hashlib
 import os
 import sys
@@ -50,11 +51,32 @@ WRITEBACK = 8 << 20       # start kernel writeback every this many bytes
 _HASH_POOL = Pool(max(2, min(16, os.cpu_count() or 2)), "registry-hash")
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """The C library: the process's own symbols first, which hold it wherever Python links it dynamically.
+
+    ``find_library`` runs ``ldconfig`` in a child process, 2 ms of every
+    command's start-up that needs no C function.
+    """
+    for find in (lambda: None, lambda: ctypes.util.find_library("c")):
+        try:
+            library = ctypes.CDLL(find(), use_errno=True)
+            library["memcmp"]  # noqa: B018 (a handle without libc's symbols is not libc)
+            return library
+        except (OSError, AttributeError, TypeError):
+            continue
+    return None
+
+
 def libc_function(name: str) -> Any:
-    """``name`` from the C library through ctypes (the GIL is released during each call), or None."""
+    """``name`` from the C library through ctypes (the GIL is released during each call), or None.
+
+    A new function object per call: each caller sets its own ``argtypes``.
+    """
+    library = _libc()
     try:
-        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True), name)
-    except (OSError, AttributeError):
+        return None if library is None else library[name]
+    except AttributeError:
         return None
 
 
