@@ -613,7 +613,9 @@ class Registry:
         info = self.catalog.resolve(Ref(run=run, kind="step", step=step))
         replicator = self._replication()
         if not replicator.wait_durable(run, step, info.manifest_sha256, timeout=timeout):
-            why = f": {replicator.failing}" if replicator.failing is not None else ""
+            refused = [d.error for d in replicator.deferred(run=run) if d.item.step == step]
+            failing = refused[0] if refused else replicator.failing
+            why = f": {failing}" if failing is not None else ""
             raise TimeoutError(f"{run}@{step} has no durable copy after {timeout} s{why}")
         copy = ReplicaCatalog(self.catalog).copy(run, step, DURABLE, manifest_sha256=info.manifest_sha256)
         if copy is None:  # durable, then deleted or overwritten at once by another process
@@ -625,8 +627,9 @@ class Registry:
         """Replicate the queued steps whose fast copy is on this root, here and now; how many were.
 
         ``registry replicate``. Without ``wait`` a ``StorageError`` (the durable
-        tier down) is raised; with it the queue is retried with backoff until
-        it drained or ``timeout`` seconds passed (then ``TimeoutError``).
+        tier down, or a step it refused, after the steps it took) is raised;
+        with it the queue is retried with backoff until it drained or
+        ``timeout`` seconds passed (then ``TimeoutError``).
         """
         import time
 
@@ -639,7 +642,12 @@ class Registry:
         before, backoff = replicator.replicated, BACKOFF_START
         while True:
             try:
-                replicator.drain(run=run)
+                replicator.drain(run=run, now=True)
+                refused = replicator.deferred(run=run)
+                if refused:
+                    first = refused[0]
+                    raise StorageError(f"{first.item.run}@{first.item.step} was not replicated: {first.error}",
+                                       url=first.error.url, run=first.item.run, step=first.item.step)
                 return replicator.replicated - before
             except StorageError as exc:
                 if not wait or (deadline is not None and time.monotonic() + backoff > deadline):

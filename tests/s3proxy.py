@@ -20,6 +20,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
              b"<Message>Please reduce your request rate.</Message></Error>")
+ACCESS_DENIED = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>AccessDenied</Code>'
+                 b"<Message>Access Denied</Message></Error>")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,6 +40,7 @@ class Proxy:
     seen: list[Seen] = field(default_factory=list)
     slow_down: int = 0                              # answer the next N requests with 503 SlowDown
     before: Callable[[Seen], None] | None = None    # called before forwarding (may kill the server)
+    deny: Callable[[Seen], bool] | None = None      # answer 403 AccessDenied where it says so (a bucket policy)
     wrong_signature: bool = False                   # forward with the signature spoilt: the server refuses (403)
     flip_put_bodies: int = 0                        # flip one byte in the body of the next N PUTs (bad wire)
     flip_put_suffix: str = ""                        # flip one byte in the next PUT to a key ending so (once)
@@ -78,6 +81,13 @@ def _handler(proxy: Proxy) -> type[BaseHTTPRequestHandler]:
                 self.send_header("content-length", str(len(SLOW_DOWN)))
                 self.end_headers()
                 self.wfile.write(SLOW_DOWN)
+                return
+            if proxy.deny is not None and proxy.deny(seen):
+                self.send_response(403)
+                self.send_header("content-type", "application/xml")
+                self.send_header("content-length", str(len(ACCESS_DENIED)))
+                self.end_headers()
+                self.wfile.write(ACCESS_DENIED)
                 return
             if proxy.before is not None:
                 proxy.before(seen)

@@ -894,3 +894,42 @@ def test_fsck_aborts_a_multipart_upload_no_live_replication_claims(treg: Registr
     assert len(treg.fsck(repair=True).repaired) == 1
     assert list(multipart.list_uploads(durable.config, durable.key() + "/")) == []
     assert treg.fsck().clean and durable_copy(treg, "run", 1) is not None
+
+
+def test_a_step_the_durable_tier_refuses_never_holds_back_the_steps_after_it(
+        catalog_url: str, fast: Path, s3_env: s3server.Server, caplog: pytest.LogCaptureFixture) -> None:
+    """A bucket policy denies one step's keys: the steps after it still become durable, the refused step is
+    retried on its own, reported by name, marked nothing, and becomes durable once the server takes it."""
+    import logging
+
+    from registry.errors import StorageError
+    bucket = s3server.new_bucket(s3_env)
+    caplog.set_level(logging.WARNING, logger="registry.ops.replicator")
+    with s3proxy.running(s3_env.endpoint) as proxy:
+        denied = threading.Event()
+        denied.set()
+        proxy.deny = lambda seen: denied.is_set() and "/step-00000002/" in seen.path and seen.method != "GET"
+        options = {"endpoint": proxy.endpoint, "max_retries": 0}
+        with Registry.open(catalog_url, root=fast, durable=f"s3://{bucket}/ckpt", storage_options=options) as reg:
+            with reg._replication()._drain_lock:  # the three are queued before the replicator looks
+                for step in (1, 2, 3):
+                    reg.publish("run", step, make_state(step))
+            for step in (1, 3):
+                assert reg.wait_durable("run", step, timeout=120).status == "verified"
+            assert [q.step for q in reg.replication_queue("run")] == [2]
+            with pytest.raises(TimeoutError, match=r"run@2 has no durable copy .*access denied"):
+                reg.wait_durable("run", 2, timeout=0.5)
+            with pytest.raises(StorageError, match=r"run@2 was not replicated: .*access denied") as refused:
+                reg.replicate("run")
+            assert (refused.value.run, refused.value.step) == ("run", 2)
+            assert reg.catalog.get("run", 2).status == Status.VERIFIED  # type: ignore[union-attr]
+            assert "corrupt" not in [e.kind for e in reg.events("run")]
+            reg.publish("run", 4, make_state(4))  # a later step is not held back by the refused one either
+            assert reg.wait_durable("run", 4, timeout=120).status == "verified"
+            denied.clear()
+            assert reg.wait_durable("run", 2, timeout=120).status == "verified"
+            assert reg.replication_queue("run") == []
+            assert_state_equal(reg.load("run@2", verify=True).state_dict, make_state(2))
+    messages = [r.getMessage() for r in caplog.records]
+    assert not any("is failing" in m for m in messages), messages  # one step's refusal is not an outage
+    assert sum("run@2 was not replicated" in m for m in messages) == 1, messages

@@ -17,9 +17,13 @@ digest; another host's steps are that host's to replicate), and for each:
 
 A fast copy whose bytes differ from its manifest is never uploaded as good:
 its step is marked ``corrupt`` (compare-and-set on its digest) and the
-prefix removed. The durable tier's trouble (``StorageError``) marks nothing:
-the thread backs off and retries, logging the outage once; the trainer never
-waits for it. A process killed mid-way leaves a ``pending`` row of a dead
+prefix removed. The durable tier's trouble (``StorageError``) marks nothing,
+and the trainer never waits for it. A step the server refuses while the step
+after it goes through (a key a bucket policy denies, an object the server
+cannot store) is that step's own trouble: it is retried with its own backoff
+and never holds back the steps after it. Two steps failing in a row, or the
+only one, mean the tier is down: the thread backs off and retries, logging
+the outage once. A process killed mid-way leaves a ``pending`` row of a dead
 writer, which the next replicator takes over (its prefix is deleted once the
 new copy committed; fsck removes any other orphan prefix).
 """
@@ -30,6 +34,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from registry.catalog import Catalog
@@ -51,6 +56,16 @@ BACKOFF_START = 0.5  # seconds before the first retry after the durable tier fai
 BACKOFF_MAX = 30.0
 
 
+@dataclass(frozen=True, kw_only=True)
+class Deferred:
+    """A queued step the durable tier refused while it took the steps after it: retried after its own backoff."""
+
+    item: Queued
+    error: StorageError
+    retry_at: float  # time.monotonic() of its next try
+    backoff: float
+
+
 class Replicator:
     """The replication queue of one fast root: :meth:`drain` on the caller's thread, or :meth:`kick` a thread."""
 
@@ -67,6 +82,9 @@ class Replicator:
         self._stopping = False
         self.failing: StorageError | None = None  # the durable tier's error while it is down
         self.replicated = 0
+        self._deferred: dict[tuple[int, str], Deferred] = {}  # by checkpoint id and payload digest
+        self._deferred_lock = threading.Lock()  # taken last: nothing else is taken while it is held
+        self._resting = False  # the thread waits only for a deferred step's next try: idle for idle()
 
     # ------------------------------------------------------------------ the thread
 
@@ -108,19 +126,35 @@ class Replicator:
                 self.failing = None
             backoff = BACKOFF_START
             with self._state:
-                if not self._kicked and not did or self._stopping:
-                    self._thread = None
+                if self._stopping:
+                    break
+                if not self._kicked and not did:
+                    rest = self._next_retry()
+                    if rest is None:
+                        self._thread = None
+                        self._state.notify_all()
+                        return
+                    self._resting = True
                     self._state.notify_all()
-                    return
+                    self._state.wait(rest)
+                    self._resting = False
         with self._state:
             self._thread = None
             self._state.notify_all()
 
+    def _next_retry(self) -> float | None:
+        """Seconds until the earliest deferred step's next try (0 when due), None when none is deferred."""
+        with self._deferred_lock:
+            if not self._deferred:
+                return None
+            return max(0.0, min(d.retry_at for d in self._deferred.values()) - time.monotonic())
+
     def idle(self, timeout: float | None = None) -> bool:
-        """Wait until the thread has nothing left to do (or ``timeout`` seconds); True when it has stopped."""
+        """Wait until the thread has nothing left to do but deferred steps' retries (or ``timeout`` seconds);
+        True when it has."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._state:
-            while self._thread is not None:
+            while self._thread is not None and not self._resting:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
@@ -140,39 +174,88 @@ class Replicator:
 
     # ------------------------------------------------------------------ the work
 
-    def drain(self, *, run: str | None = None) -> int:
+    def drain(self, *, run: str | None = None, now: bool = False) -> int:
         """Replicate every queued step whose fast copy is on this fast root; how many were replicated.
 
-        Raises ``StorageError`` when the durable tier fails (what was done stays done).
+        A ``StorageError`` on one step moves on to the next: when that one goes
+        through, the error was the first one's own, and it is deferred (see
+        :meth:`deferred`); ``now`` tries deferred steps before their backoff
+        ends. Raises ``StorageError`` when two steps in a row fail so, or the
+        last one tried and never deferred (the tier may be down; what was done
+        stays done).
         """
         with self._drain_lock:
             done = 0
             skipped: set[int] = set()
+            skipped_keys: set[tuple[int, str]] = set()
             while True:
                 queue = [q for q in self.replicas.queue(run=run) if q.checkpoint_id not in skipped]
+                if run is None:  # a step no longer queued (durable elsewhere, deleted) is no longer deferred
+                    queued = {_key(q) for q in queue} | skipped_keys
+                    with self._deferred_lock:
+                        self._deferred = {k: d for k, d in self._deferred.items() if k in queued}
                 if not queue:
                     return done
                 progressed = False
+                refused: list[tuple[Queued, StorageError]] = []  # since the last step that went through
                 for item in queue:
                     with self._state:
                         if self._stopping:
                             return done
+                    with self._deferred_lock:
+                        deferred = self._deferred.get(_key(item))
+                    skipped.add(item.checkpoint_id)  # tried once per drain; one that went through leaves the queue
+                    skipped_keys.add(_key(item))
+                    if deferred is not None and not now and deferred.retry_at > time.monotonic():
+                        continue
+                    outcome: bool | None
                     try:
                         outcome = self.replicate(item)
-                    except StorageError:
-                        raise  # the tier's trouble: the caller backs off
+                    except StorageError as exc:
+                        refused.append((item, exc))
+                        outcome = None
                     except (OSError, RegistryError) as exc:  # this step's own (a fast file unreadable): the rest go on
                         log.warning("%s@%s was not replicated: %s", item.run, item.step, exc)
                         outcome = False
-                    if outcome:
+                    if outcome is None:
+                        if len(refused) == 2:
+                            raise refused[0][1]  # two in a row: the tier's trouble, the caller backs off
+                    elif outcome:
                         done += 1
                         progressed = True
+                        with self._deferred_lock:
+                            self._deferred.pop(_key(item), None)
+                        for failed, error in refused:
+                            self._defer(failed, error)
+                        refused.clear()
                         with self._state:
                             self._state.notify_all()  # wakes wait_durable at once
-                    else:
-                        skipped.add(item.checkpoint_id)
+                with self._deferred_lock:
+                    before = set(self._deferred)
+                for failed, error in refused:
+                    if _key(failed) in before:  # refused before while the tier took others: still its own
+                        self._defer(failed, error)
+                fresh = [error for failed, error in refused if _key(failed) not in before]
+                if fresh:
+                    raise fresh[0]  # no step after it went through: it may be the tier's trouble
                 if not progressed:
                     return done
+
+    def _defer(self, item: Queued, error: StorageError) -> None:
+        with self._deferred_lock:
+            before = self._deferred.get(_key(item))
+            backoff = BACKOFF_START if before is None else min(BACKOFF_MAX, before.backoff * 2)
+            self._deferred[_key(item)] = Deferred(item=item, error=error, retry_at=time.monotonic() + backoff,
+                                                  backoff=backoff)
+        if before is None:
+            log.warning("%s@%s was not replicated: %s; the durable tier takes the steps after it, so this one is "
+                        "retried on its own, with backoff", item.run, item.step, error)
+
+    def deferred(self, *, run: str | None = None) -> list[Deferred]:
+        """The queued steps the durable tier refused while it took others, oldest first: each is retried later."""
+        with self._deferred_lock:
+            found = [d for d in self._deferred.values() if run is None or d.item.run == run]
+        return sorted(found, key=lambda d: (d.item.run, d.item.step))
 
     def local_queue(self, *, run: str | None = None) -> list[Queued]:
         """The queued steps whose fast copy is on this fast root, oldest first."""
@@ -268,4 +351,9 @@ class Replicator:
             delay = min(1.0, delay * 2)
 
 
-__all__ = ["Replicator"]
+def _key(item: Queued) -> tuple[int, str]:
+    """A deferral is the payload's: the step published again starts with no backoff."""
+    return item.checkpoint_id, item.manifest_sha256
+
+
+__all__ = ["Deferred", "Replicator"]
