@@ -16,14 +16,18 @@ import torch
 
 
 def settle() -> None:
-    """A full garbage collection before a timed variant, outside its timing.
+    """A full garbage collection and a ``sync`` before a timed variant, outside its timing.
 
-    The rounds allocate alike, so without it the interpreter's full
-    collection lands on the same variant every round and bills it for the
-    whole bench's garbage (seen: a 9 ms lazy load timed at 176 ms, a
-    publish at twice the floor).
+    The rounds allocate alike, so without the collection the interpreter's
+    full collection lands on the same variant every round and bills it for
+    the whole bench's garbage (seen: a 9 ms lazy load timed at 176 ms, a
+    publish at twice the floor). Without the ``sync`` the next variant's
+    writes queue behind what the last one left dirty and never fsync'd (the
+    S3 server's volume files): whichever of two resumes ran first took 2.1-2.5x
+    the other, round after round.
     """
     gc.collect()
+    os.sync()
 
 
 def transformer_state(mib: int) -> dict[str, torch.Tensor]:
