@@ -21,10 +21,10 @@ def settle() -> None:
     The rounds allocate alike, so without the collection the interpreter's
     full collection lands on the same variant every round and bills it for
     the whole bench's garbage (seen: a 9 ms lazy load timed at 176 ms, a
-    publish at twice the floor). Without the ``sync`` the next variant's
-    writes queue behind what the last one left dirty and never fsync'd (the
-    S3 server's volume files): whichever of two resumes ran first took 2.1-2.5x
-    the other, round after round.
+    publish at twice the floor). The ``sync`` writes out what the last
+    variant left dirty and never fsync'd (the S3 server's volume files), which
+    the kernel would otherwise flush 30 s later, inside whichever variant runs
+    then.
     """
     gc.collect()
     os.sync()
