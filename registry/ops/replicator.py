@@ -220,11 +220,12 @@ class Replicator:
                     if outcome is None:
                         if len(refused) == 2:
                             raise refused[0][1]  # two in a row: the tier's trouble, the caller backs off
-                    elif outcome:
+                        continue
+                    with self._deferred_lock:  # replicated, or no longer this replicator's to do
+                        self._deferred.pop(_key(item), None)
+                    if outcome:
                         done += 1
                         progressed = True
-                        with self._deferred_lock:
-                            self._deferred.pop(_key(item), None)
                         for failed, error in refused:
                             self._defer(failed, error)
                         refused.clear()
