@@ -84,6 +84,29 @@ def test_a_lazy_load_is_one_read_and_two_lease_statements(sqlite_reg: Registry) 
     assert [s.split()[0] for s in seen] == ["BEGIN", "SELECT", "SELECT", "COMMIT", "INSERT", "DELETE"], seen
 
 
+@pytest.mark.parametrize("verify", [False, True])
+def test_a_load_maps_the_weights_and_reads_the_small_json_files(sqlite_reg: Registry, verify: bool,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A map of a file of a few hundred bytes costs a page fault and an unmap more than reading it."""
+    import mmap
+    import os
+
+    state = make_state()
+    sqlite_reg.publish("r", 1, state, config={"lr": 0.1}, meta={"note": "x"})
+    mapped: list[str] = []
+    real = mmap.mmap
+
+    def counting(fd: int, size: int, *args: object, **options: object) -> mmap.mmap:
+        mapped.append(os.path.basename(os.readlink(f"/proc/self/fd/{fd}")))
+        return real(fd, size, *args, **options)  # type: ignore[arg-type]
+    monkeypatch.setattr(mmap, "mmap", counting)
+    ck = sqlite_reg.load("r@latest", verify=verify)
+    monkeypatch.undo()
+    assert mapped == ["model.safetensors"]
+    assert ck.config == {"lr": 0.1} and ck.meta["note"] == "x" and ck.step == 1
+    assert all(torch.equal(ck.state_dict[k], v) for k, v in state.items())
+
+
 def test_a_publish_is_two_transactions_and_starts_no_thread(sqlite_reg: Registry, monkeypatch: pytest.MonkeyPatch
                                                             ) -> None:
     sqlite_reg.publish("r", 1, make_state())

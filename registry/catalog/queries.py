@@ -893,8 +893,8 @@ def _resolve_shape(kind: str, mode: str | None, below: bool, min_policy_version:
     if kind not in ("best", "tag"):  # those constrain the run through their join: one subquery
         query = query.where(c.run_id == run_id)
     if kind in ("latest", "latest-published", "latest-durable"):
-        statuses = (Status.VERIFIED,) if kind == "latest" else LIVE
-        query = query.where(c.status.in_(statuses))
+        # one status is an equality: an IN list is expanded anew at every execution
+        query = query.where(c.status == Status.VERIFIED if kind == "latest" else c.status.in_(LIVE))
         if kind == "latest-durable":
             query = query.where(_durable_copy_exists(c))
         if below:

@@ -101,16 +101,12 @@ def _parse_pieces(entry: dict[str, Any], name: str, size: int,
     doc = entry.get("xxh3_128_pieces")
     if doc is None:
         return None, None
-    bad = ManifestError(f"manifest {path}: {name!r} has an invalid xxh3_128_pieces", path=path)
-    if not isinstance(doc, dict):
-        raise bad
-    piece_size, digests = doc.get("piece_size"), doc.get("digests")
-    if isinstance(piece_size, bool) or not isinstance(piece_size, int) or piece_size < MIN_PIECE_SIZE:
-        raise bad
-    if not isinstance(digests, list) or len(digests) != piece_count(size, piece_size):
-        raise bad
-    if not all(isinstance(d, str) and _XXH3_128_RE.fullmatch(d) for d in digests):
-        raise bad
+    piece_size = doc.get("piece_size") if isinstance(doc, dict) else None
+    digests = doc.get("digests") if isinstance(doc, dict) else None
+    if (isinstance(piece_size, bool) or not isinstance(piece_size, int) or piece_size < MIN_PIECE_SIZE
+            or not isinstance(digests, list) or len(digests) != piece_count(size, piece_size)
+            or not all(isinstance(d, str) and _XXH3_128_RE.fullmatch(d) for d in digests)):
+        raise ManifestError(f"manifest {path}: {name!r} has an invalid xxh3_128_pieces", path=path)
     return piece_size, tuple(digests)
 
 
@@ -122,7 +118,7 @@ def check_file_name(name: object, *, where: Path | None = None) -> str:
     """A manifest may only name plain files directly inside the checkpoint."""
     if (not isinstance(name, str) or not name or name in (".", "..") or "/" in name
             or "\\" in name or "\x00" in name or name.startswith("~")
-            or Path(name).name != name or Path(name).is_absolute()):
+            or os.path.basename(name) != name or os.path.isabs(name)):  # a drive ("C:x") where paths have them
         raise UnsafePathError(f"unsafe file name {name!r} in manifest" + (f" of {where}" if where else ""),
                               path=where)
     return name
@@ -209,11 +205,10 @@ def open_regular(directory: Path, name: str, *, error: type[CorruptCheckpointErr
     on a FIFO planted under a checkpoint name; the caller closes the fd.
     """
     check_file_name(name, where=directory)
-    path = directory / name
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
-                     | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(os.path.join(directory, name), _OPEN_FLAGS)
     except OSError as exc:
+        path = directory / name
         if exc.errno in (errno.ENOENT, errno.ENOTDIR) and not directory.is_dir():
             # the whole directory is gone (an unmounted root, a step removed under us): nothing was
             # read, so this says nothing about the checkpoint's bytes
@@ -226,8 +221,12 @@ def open_regular(directory: Path, name: str, *, error: type[CorruptCheckpointErr
         raise CheckpointReadError(f"cannot open {path}: {exc.strerror}", errno=exc.errno, path=path) from None
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
-        raise error(f"{what} is not a regular file: {path}", path=path)
+        raise error(f"{what} is not a regular file: {directory / name}", path=directory / name)
     return fd
+
+
+_OPEN_FLAGS = (os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+               | getattr(os, "O_CLOEXEC", 0))
 
 
 def read_manifest(directory: Path) -> tuple[Manifest, str]:

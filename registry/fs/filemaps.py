@@ -162,7 +162,7 @@ def _map_directory(directory: Path, *, extras: Extras, verify: bool, expected_di
     buffers: dict[str, torch.Tensor] = {}
     manifest: Manifest | None = None
     digest: str | None = None
-    if (directory / MANIFEST).exists() or (directory / MANIFEST).is_symlink():
+    if os.path.lexists(os.path.join(directory, MANIFEST)):  # a symlink there is refused, not skipped
         buffers[MANIFEST] = map_file(directory, MANIFEST, error=ManifestError, what="manifest")
         manifest, digest = _parse_manifest(buffers[MANIFEST], directory)
     check_manifest_digest(directory, digest, expected_digest)  # before any other file is mapped

@@ -23,27 +23,47 @@ if TYPE_CHECKING:
 def map_file(directory: Path, name: str, *, expected_size: int | None = None,
              error: type[CorruptCheckpointError] = CorruptCheckpointError,
              what: str = "checkpoint file") -> torch.Tensor:
-    """``directory/name`` as a uint8 tensor over a private (copy-on-write) memory map.
+    """``directory/name`` as a uint8 tensor over a private (copy-on-write) memory map, or over a copy in
+    memory of a JSON file up to :data:`SMALL_JSON` bytes (a manifest, ``meta.json``, an index).
 
     Symlinks are refused; the size is checked against the manifest before any
     byte is touched. The mapping lives as long as the tensor or any view of it.
     """
     import torch
-    path = directory / name
     fd = open_regular(directory, name, error=error, what=what)
     try:
         size = os.fstat(fd).st_size
         if expected_size is not None and size != expected_size:
+            path = directory / name
             raise CorruptCheckpointError(
                 f"checkpoint file size mismatch: {path} is {size} bytes, manifest says {expected_size}", path=path)
         if size == 0:
             return torch.empty(0, dtype=torch.uint8)
+        if size <= SMALL_JSON and name.endswith(".json"):  # parsed whole, never viewed as tensors
+            return torch.frombuffer(_read_all(fd, size, directory, name), dtype=torch.uint8)
         mapped = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
     finally:
         os.close(fd)
     if hasattr(mapped, "madvise") and hasattr(mmap, "MADV_SEQUENTIAL"):
         mapped.madvise(mmap.MADV_SEQUENTIAL)
     return torch.frombuffer(mapped, dtype=torch.uint8)
+
+
+SMALL_JSON = 64 << 10  # read into memory: a map, its page fault and its unmap cost more than the copy
+
+
+def _read_all(fd: int, size: int, directory: Path, name: str) -> bytearray:
+    """The ``size`` bytes of ``fd``; a file that shrank while read is a size mismatch, as a map would find."""
+    buf = bytearray(size)
+    view, done = memoryview(buf), 0
+    while done < size:
+        n = os.readv(fd, [view[done:]])
+        if n == 0:
+            path = directory / name
+            raise CorruptCheckpointError(f"checkpoint file size mismatch: {path} ended at byte {done}, "
+                                         f"{size} expected", path=path)
+        done += n
+    return buf
 
 
 def host_view(buf: torch.Tensor) -> memoryview:
