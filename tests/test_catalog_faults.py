@@ -328,3 +328,19 @@ def test_a_lease_the_sqlite_driver_refuses_is_a_one_line_catalog_error(sqlite_re
     assert_state_equal(sqlite_reg.load("r@1").state_dict, state)  # nothing published was touched
     sqlite_reg.catalog.release_lease(lease)
     assert not sqlite_reg.catalog.lease_live(lease)
+
+
+def test_a_resolve_the_sqlite_driver_refuses_is_a_one_line_catalog_error(sqlite_reg: Registry, tmp_path: Path) -> None:
+    import sqlite3
+    state = make_state()
+    sqlite_reg.publish("r", 1, state, metrics={"loss": 0.5})
+    with sqlite3.connect(tmp_path / "catalog.db") as conn:  # a schema damaged under the registry
+        conn.execute("ALTER TABLE metrics RENAME TO metrics_gone")
+    with pytest.raises(CatalogError, match="no such table: metrics") as err:
+        sqlite_reg.load("r@latest")
+    assert "\n" not in str(err.value)
+    with sqlite3.connect(tmp_path / "catalog.db") as conn:
+        conn.execute("ALTER TABLE metrics_gone RENAME TO metrics")
+    ck = sqlite_reg.load("r@latest")  # the pooled connection that failed mid-read is usable again
+    assert_state_equal(ck.state_dict, state)
+    assert ck.info is not None and ck.info.metrics == {"loss": 0.5}

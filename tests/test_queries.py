@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from registry import (CheckpointNotFoundError, CorruptCheckpointError, InvalidNameError, InvalidRefError,
@@ -210,3 +211,26 @@ def test_cli_show_metrics_tags(catalog_url: str, root: Path) -> None:
         assert cli("resolve", ref).output.strip() == str(root.absolute() / "run" / f"step-{step:08d}"), ref
     assert json.loads(cli("verify", "run@release", "--json").output)[0]["step"] == 20
     assert cli("untag", "run", "release").exit_code == 0
+
+
+def test_a_resolve_on_the_sqlite_driver_reads_what_sqlalchemy_reads(sqlite_reg: Registry) -> None:
+    """The load's resolve runs its statements on the driver connection; every kind of ref reads the same
+    record through SQLAlchemy (timestamps converted back, metrics, tags), and a ref that finds nothing
+    is explained as SQLAlchemy's read explains it."""
+    from registry.format.refs import parse_ref
+    catalog = sqlite_reg.catalog
+    assert catalog._driver_reads is not None
+    for step in (1, 2, 3):
+        sqlite_reg.publish("r", step, {"w": torch.full((2,), float(step))}, metrics={"loss": 1.0 / step,
+                           "acc": step / 10}, tags=["keep"] if step == 2 else [], policy_version=step)
+    for text in ("r@latest", "r@latest-published", "r@2", "r@keep", "r@best:loss", "r@best:acc:max"):
+        ref = parse_ref(text)
+        via_driver = catalog.resolve(ref)
+        via_sqlalchemy = catalog.read(lambda conn, ref=ref: catalog._resolve_in(conn, ref, below=None,
+                                                                                 min_policy_version=None))
+        assert via_driver == via_sqlalchemy, text
+        assert via_driver.created_at.tzinfo is not None and via_driver.verified_at is not None
+    assert catalog.resolve(parse_ref("r@latest"), below=3).step == 2
+    assert catalog.resolve(parse_ref("r@latest"), min_policy_version=3).step == 3
+    with pytest.raises(CheckpointNotFoundError, match=r"no tag 'kepe'; did you mean r@keep\?"):
+        catalog.resolve(parse_ref("r@kepe"))

@@ -15,7 +15,7 @@ import os
 from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 from sqlalchemy import (Connection, Engine, and_, bindparam, delete, func, insert, literal_column,
                         or_, select, text, union_all, update)
@@ -25,7 +25,7 @@ from registry.catalog.lineage import record_lineage
 from registry.catalog.models import (Attempt, CheckpointFile, CheckpointRow, Event, Lease, Metric, Replica,
                                      Run, Tag)
 from registry.catalog.records import Claim, CommitRecord, FileRecord
-from registry.catalog.session import (DriverStatement, aware, catalog_name, failure_reason, head_revision,
+from registry.catalog.session import (DriverRead, DriverStatement, aware, catalog_name, failure_reason, head_revision,
                                       open_engine, read_engine, retrying, utcnow, write_connection)
 from registry.errors import CatalogError, CheckpointNotFoundError, StepExistsError
 from registry.records import ENDED, HAS_PAYLOAD, LIVE, RANKABLE, CheckpointInfo, EventInfo, MetricPoint, RunInfo, Status
@@ -149,6 +149,14 @@ class Catalog:
             return None
         return (DriverStatement(_lease_statement("sqlite"), self._read_engine),
                 DriverStatement(_RELEASE_LEASE, self._read_engine))
+
+    @functools.cached_property
+    def _driver_reads(self) -> DriverRead | None:
+        """On a writable SQLite catalog, a resolve's read transaction on a pooled driver connection: a load
+        resolves every time, and SQLAlchemy's execution around its statements cost more than they do."""
+        if self._read_engine is self.engine:
+            return None
+        return DriverRead(self._read_engine)
 
     def _take_lease(self, run: str, step: int, holder: str, ttl: timedelta) -> int | None:
         """A reader lease on the live ``run@step``; None when it is not live. A lease outlives no power loss
@@ -604,6 +612,12 @@ class Catalog:
           and re-verified; loading it raises ``CorruptCheckpointError``); any
           other status is a ``CheckpointNotFoundError`` that names the status.
         """
+        driver = self._driver_reads
+        if driver is not None:  # what it finds; what it does not is explained by the read below
+            found = self._transaction(lambda: driver.run(lambda conn: self._resolve_in(
+                conn, ref, below=below, min_policy_version=min_policy_version, explain=False)))
+            if found is not None:
+                return found
         return self.read(lambda conn: self._resolve_in(conn, ref, below=below, min_policy_version=min_policy_version))
 
     def resolve_leased(self, ref: Ref, *, below: int | None = None, holder: str,
@@ -628,14 +642,26 @@ class Catalog:
                 "run": info.run, "step": info.step, "holder": holder, "expires_at": utcnow() + ttl})
         return self.write(fn, durable=False)
 
+    @overload
     def _resolve_in(self, conn: Connection, ref: Ref, *, below: int | None,
-                    min_policy_version: int | None) -> CheckpointInfo:
+                    min_policy_version: int | None) -> CheckpointInfo: ...
+
+    @overload
+    def _resolve_in(self, conn: Any, ref: Ref, *, below: int | None, min_policy_version: int | None,
+                    explain: Literal[False]) -> CheckpointInfo | None: ...
+
+    def _resolve_in(self, conn: Any, ref: Ref, *, below: int | None, min_policy_version: int | None,
+                    explain: bool = True) -> CheckpointInfo | None:
+        """The checkpoint ``ref`` names, in ``conn``'s transaction; without ``explain``, None where
+        :meth:`resolve` raises (nothing beyond the resolve's own statements is run)."""
         query, params, what = _resolve_statement(ref, below=below, min_policy_version=min_policy_version)
         row = conn.execute(query, params).first()
-        if row is None:
-            hint = self._not_found_hint(conn, ref)
-            raise CheckpointNotFoundError(f"{ref}: {what}{hint}", run=ref.run, step=ref.step)
-        if ref.kind in ("tag", "step") and row.status not in HAS_PAYLOAD:
+        if row is None or ref.kind in ("tag", "step") and row.status not in HAS_PAYLOAD:
+            if not explain:
+                return None
+            if row is None:
+                hint = self._not_found_hint(conn, ref)
+                raise CheckpointNotFoundError(f"{ref}: {what}{hint}", run=ref.run, step=ref.step)
             raise CheckpointNotFoundError(f"{ref}: step {row.step} is {row.status}", run=ref.run, step=row.step)
         return self.checkpoint_infos(conn, ref.run, [row])[0]
 

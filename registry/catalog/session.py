@@ -25,6 +25,7 @@ import random
 import re
 import sqlite3
 import time
+from collections import namedtuple
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -249,7 +250,8 @@ class DriverStatement:
     """A prebuilt statement run straight on a pooled SQLite driver connection, as one autocommit statement.
 
     For the single-statement writes a load makes every time (its reader lease
-    and the lease's release). SQLAlchemy's execution around a statement (pool
+    and the lease's release), and the statements of its resolve
+    (:class:`DriverRead`). SQLAlchemy's execution around a statement (pool
     events, ``BEGIN IMMEDIATE``, the compiled-cache lookup, result wrapping)
     costs five times the statement itself when the interpreter's caches are
     cold, as they are for a load between training steps. The SQL text, the
@@ -265,6 +267,8 @@ class DriverStatement:
         self._compiled = statement.compile(dialect=engine.dialect)
         self._error: type[Exception] = engine.dialect.loaded_dbapi.Error
         self._plan: tuple[str, list[str], dict[str, Any], dict[str, Any]] | None = None
+        self._row: Any = None  # the named tuple of its result columns, made at the first rows()
+        self._convert: list[tuple[int, Callable[[Any], Any]]] = []
 
     def _arguments(self, params: dict[str, Any]) -> tuple[str, list[Any]]:
         if self._plan is None:  # the statement's own IN lists expand the same way every time
@@ -283,16 +287,102 @@ class DriverStatement:
 
     def run(self, params: dict[str, Any]) -> Any:
         """Execute with ``params`` on one of the engine's pooled connections; the first column of its first row."""
-        sql, args = self._arguments(params)
         conn = self._engine.raw_connection()
         try:
             # every row fetched: the statement ends, and with it its implicit transaction
-            rows = conn.driver_connection.execute(sql, args).fetchall()  # type: ignore[union-attr]
-        except self._error as exc:  # as SQLAlchemy would raise it: retried, then reported, like any other
-            raise DBAPIError.instance(sql, args, exc, self._error) from exc
+            rows = self._fetch(conn.driver_connection, params)
         finally:
             conn.close()
         return rows[0][0] if rows else None
+
+    def rows(self, driver: sqlite3.Connection, params: dict[str, Any]) -> DriverRows:
+        """Every row of the statement on ``driver``, each value converted as SQLAlchemy's types convert it
+        (a stored timestamp back into a datetime), each row a named tuple of the statement's columns."""
+        if self._row is None:
+            dialect = self._engine.dialect
+            columns = self._compiled._result_columns
+            self._row = namedtuple("DriverRow", [c[0] for c in columns])  # type: ignore[misc]
+            self._convert = [(i, convert) for i, c in enumerate(columns)
+                             if (convert := c[3].dialect_impl(dialect).result_processor(dialect, None)) is not None]
+        make, convert = self._row._make, self._convert
+        out = DriverRows()
+        for raw in self._fetch(driver, params):
+            values = list(raw)
+            for i, fn in convert:
+                values[i] = fn(values[i])
+            out.append(make(values))
+        return out
+
+    def _fetch(self, driver: Any, params: dict[str, Any]) -> list[Any]:
+        sql, args = self._arguments(params)
+        try:
+            return list(driver.execute(sql, args).fetchall())
+        except self._error as exc:  # as SQLAlchemy would raise it: retried, then reported, like any other
+            raise DBAPIError.instance(sql, args, exc, self._error) from exc
+
+
+class DriverRows(list[Any]):
+    """A statement's rows, with the two calls of SQLAlchemy's result that the readers here use."""
+
+    def first(self) -> Any:
+        return self[0] if self else None
+
+    def all(self) -> list[Any]:
+        return list(self)
+
+
+class DriverRead:
+    """Read transactions of prebuilt statements on a pooled SQLite driver connection: ``BEGIN``, the
+    statements, ``COMMIT``, with none of SQLAlchemy's execution around each (see :class:`DriverStatement`).
+
+    ``fn(conn)`` gets a connection whose ``execute(statement, params)`` and
+    ``.first()``/``.all()`` of its rows are all a reader may use: a reader
+    written for a SQLAlchemy connection runs unchanged on it, the same
+    statements, one snapshot. Each statement is compiled once and kept (up to
+    :data:`PLANS`; past that, compiled at each use), so it should be one the
+    caller builds once.
+    """
+
+    PLANS = 64
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self._plans: dict[int, tuple[Any, DriverStatement]] = {}  # by id; the statement is kept, so is its id
+        self._error: type[Exception] = engine.dialect.loaded_dbapi.Error
+
+    def plan(self, statement: Any) -> DriverStatement:
+        found = self._plans.get(id(statement))
+        if found is not None and found[0] is statement:
+            return found[1]
+        made = DriverStatement(statement, self._engine)
+        if len(self._plans) < self.PLANS:
+            self._plans[id(statement)] = (statement, made)
+        return made
+
+    def run(self, fn: Callable[[Any], T]) -> T:
+        conn = self._engine.raw_connection()
+        try:
+            driver = conn.driver_connection
+            try:
+                driver.execute("BEGIN")  # type: ignore[union-attr]
+                try:
+                    result = fn(_DriverConnection(driver, self))
+                finally:
+                    driver.execute("COMMIT")  # type: ignore[union-attr]  # a read: it ends the snapshot
+            except self._error as exc:
+                raise DBAPIError.instance("BEGIN", (), exc, self._error) from exc
+            return result
+        finally:
+            conn.close()
+
+
+class _DriverConnection:
+    def __init__(self, driver: Any, read: DriverRead) -> None:
+        self._driver = driver
+        self._read = read
+
+    def execute(self, statement: Any, params: dict[str, Any] | None = None) -> DriverRows:
+        return self._read.plan(statement).rows(self._driver, params or {})
 
 
 def _sqlite_read_only_pragmas(dbapi_conn: Any, _record: Any) -> None:
