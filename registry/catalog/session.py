@@ -267,8 +267,8 @@ class DriverStatement:
         self._compiled = statement.compile(dialect=engine.dialect)
         self._error: type[Exception] = engine.dialect.loaded_dbapi.Error
         self._plan: tuple[str, list[str], dict[str, Any], dict[str, Any]] | None = None
-        self._row: Any = None  # the named tuple of its result columns, made at the first rows()
-        self._convert: list[tuple[int, Callable[[Any], Any]]] = []
+        # a row of its result columns from a driver row, and the conversions of those columns; at the first rows()
+        self._rows: tuple[Callable[[Any], Any], list[tuple[int, Callable[[Any], Any]]]] | None = None
 
     def _arguments(self, params: dict[str, Any]) -> tuple[str, list[Any]]:
         if self._plan is None:  # the statement's own IN lists expand the same way every time
@@ -298,13 +298,13 @@ class DriverStatement:
     def rows(self, driver: sqlite3.Connection, params: dict[str, Any]) -> DriverRows:
         """Every row of the statement on ``driver``, each value converted as SQLAlchemy's types convert it
         (a stored timestamp back into a datetime), each row a named tuple of the statement's columns."""
-        if self._row is None:
+        if self._rows is None:  # one assignment: a thread never sees the row type without its conversions
             dialect = self._engine.dialect
             columns = self._compiled._result_columns
-            self._row = namedtuple("DriverRow", [c[0] for c in columns])  # type: ignore[misc]
-            self._convert = [(i, convert) for i, c in enumerate(columns)
-                             if (convert := c[3].dialect_impl(dialect).result_processor(dialect, None)) is not None]
-        make, convert = self._row._make, self._convert
+            row = namedtuple("DriverRow", [c[0] for c in columns])  # type: ignore[misc]
+            self._rows = (row._make, [(i, convert) for i, c in enumerate(columns) if (
+                convert := c[3].dialect_impl(dialect).result_processor(dialect, None)) is not None])
+        make, convert = self._rows
         out = DriverRows()
         for raw in self._fetch(driver, params):
             values = list(raw)
