@@ -25,7 +25,8 @@ from registry.catalog.lineage import record_lineage
 from registry.catalog.models import (Attempt, CheckpointFile, CheckpointRow, Event, Lease, Metric, Replica,
                                      Run, Tag)
 from registry.catalog.records import Claim, CommitRecord, FileRecord
-from registry.catalog.session import (DriverRead, DriverStatement, aware, catalog_name, failure_reason, head_revision,
+from registry.catalog.driver import DriverRead, DriverStatement
+from registry.catalog.session import (aware, catalog_name, failure_reason, head_revision,
                                       open_engine, read_engine, retrying, utcnow, write_connection)
 from registry.errors import CatalogError, CheckpointNotFoundError, StepExistsError
 from registry.records import ENDED, HAS_PAYLOAD, LIVE, RANKABLE, CheckpointInfo, EventInfo, MetricPoint, RunInfo, Status
