@@ -298,3 +298,30 @@ def test_held_bytes_pieces_are_the_writers() -> None:
             assert not held.matches(wrong[:-1])
         for i in range(held.count):
             assert b"".join(bytes(p) for _, p in held.piece(i)) == whole[i * 4096:(i + 1) * 4096]
+
+
+def test_a_same_size_miss_is_told_by_the_files_end_before_a_piece_is_hashed(
+        reg: Registry, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An older step with the same shapes is the usual candidate: its end differs from the memory's, so
+    no piece of the memory is hashed for it. A file that differs only before its last 64 KiB is still a
+    miss, told by its pieces."""
+    from registry.format.pieces import HeldBytes
+    hashed: list[int] = []
+    real = HeldBytes.digest
+
+    def digest(self: HeldBytes, index: int) -> str:
+        hashed.append(index)
+        return real(self, index)
+    infos = [reg.publish("run", step, big_state(step)) for step in (1, 2, 3)]
+    monkeypatch.setattr(HeldBytes, "digest", digest)
+    four = reg.publish("run", 4, big_state(4))  # step 1 is a candidate (2 and 3 are its fallback): a miss
+    assert hashed == [] and os.stat(four.path / "model.safetensors").st_nlink == 1
+    early = big_state(1)
+    early["base"][0] += 1  # differs from step 1 only at the start of its data
+    five = reg.publish("run", 5, early)
+    assert hashed and os.stat(five.path / "model.safetensors").st_nlink == 1
+    hashed.clear()
+    six = reg.publish("run", 6, big_state(1))  # a hit: the pieces, then the whole file, then the link
+    assert hashed and inode(six.path, "model.safetensors") == inode(infos[0].path, "model.safetensors")
+    assert [r.status for r in reg.verify("run")] == ["verified"] * 6
+    assert_state_equal(reg.load("run@5").state_dict, early)

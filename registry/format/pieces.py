@@ -113,7 +113,10 @@ class HeldBytes:
     def piece(self, index: int) -> list[tuple[int, memoryview]]:
         """The buffers of piece ``index``, each with its offset within the piece."""
         begin = index * self.piece_size
-        end = min(begin + self.piece_size, self.size)
+        return self.span(begin, min(begin + self.piece_size, self.size))
+
+    def span(self, begin: int, end: int) -> list[tuple[int, memoryview]]:
+        """The buffers holding bytes ``begin`` to ``end`` of the file, each with its offset from ``begin``."""
         out: list[tuple[int, memoryview]] = []
         i = max(0, bisect.bisect_right(self._starts, begin) - 1)
         while i < len(self._lengths) and self._starts[i] < end:

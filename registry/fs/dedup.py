@@ -223,8 +223,9 @@ def link_held(staging: Path, name: str, lengths: Sequence[int], buffer: Callable
     for only as the pieces are looked at. A source is taken only when its
     step's manifest on disk is the one the catalog verified, records this
     file with the catalog's sha256 and xxh3 pieces equal to those of the
-    memory (a miss is usually told by the first piece), and the file's
-    bytes then compare equal to the memory in full;
+    memory, and the file's bytes then compare equal to the memory in full (a
+    miss is usually told by the file's last bytes, :func:`_tail_equal`, before
+    any of that);
     the link must be the very inode compared. Only then does the new
     manifest entry, returned with the file linked to, take the source's
     sha256: it is the digest of exactly these bytes. ``None``: nothing was
@@ -235,6 +236,13 @@ def link_held(staging: Path, name: str, lengths: Sequence[int], buffer: Callable
     cut = piece_format.PIECE_SIZE  # as the writer cuts them now
     held = {cut: HeldBytes(lengths, buffer, cut)}
     for source in sources:
+        path = source.step_dir / source.name
+        try:
+            theirs = os.lstat(path)
+        except OSError:
+            continue
+        if not _may_link(theirs, size, device, exclude) or not _tail_equal(path, theirs, held[cut]):
+            continue
         entry = _recorded(source, size, held[cut])
         if entry is None or entry.piece_size is None or entry.xxh3_128_pieces is None:
             continue
@@ -244,13 +252,7 @@ def link_held(staging: Path, name: str, lengths: Sequence[int], buffer: Callable
         pieces = entry.xxh3_128_pieces
         if not ours.matches(pieces):
             continue
-        path = source.step_dir / source.name
-        try:
-            theirs = os.lstat(path)
-        except OSError:
-            continue
-        if _may_link(theirs, size, device, exclude) and _held_equal(path, theirs, ours) \
-                and _link_as(staging, name, path, theirs):
+        if _held_equal(path, theirs, ours) and _link_as(staging, name, path, theirs):
             return FileEntry(name=name, size=size, sha256=entry.sha256, piece_size=entry.piece_size,
                              xxh3_128_pieces=pieces), path
     return None
@@ -281,6 +283,40 @@ _MEMCMP = libc_function("memcmp")
 if _MEMCMP is not None:
     _MEMCMP.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
     _MEMCMP.restype = ctypes.c_int
+
+
+TAIL = 64 << 10  # the bytes of a candidate compared before a piece of the memory is hashed
+
+
+def _tail_equal(path: Path, expect: os.stat_result, ours: HeldBytes) -> bool:
+    """Whether the last :data:`TAIL` bytes of ``path`` (still the inode ``expect``) are those of ``ours``.
+
+    A candidate of the same size usually is the same shapes a few steps
+    earlier: its header is ours, its weights are not, and a file's end is
+    weights. One small read tells that miss apart before its manifest is
+    read and a 16 MiB piece of the memory hashed; a match still goes through
+    the manifest, the pieces and the full comparison.
+    """
+    fd = _open_inode(path, expect, ours.size)
+    if fd is None:
+        return False
+    begin = max(0, ours.size - TAIL)
+    buf = bytearray(ours.size - begin)
+    view = memoryview(buf)
+    try:
+        done = 0
+        while done < len(buf):
+            got = os.preadv(fd, [view[done:]], begin + done)
+            if got <= 0:
+                return False
+            done += got
+        base = ctypes.addressof(ctypes.c_char.from_buffer(buf)) if buf else 0
+        return all(_same(view, base, offset, part) for offset, part in ours.span(begin, ours.size))
+    except OSError:
+        return False
+    finally:
+        view.release()
+        os.close(fd)
 
 
 def _held_equal(path: Path, expect: os.stat_result, ours: HeldBytes) -> bool:
