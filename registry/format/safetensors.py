@@ -143,7 +143,7 @@ class Encoded:
     @functools.cached_property
     def lengths(self) -> list[int]:
         """The length of each buffer (asked only by whoever looks before writing)."""
-        return [len(self.head), *(t.numel() * t.element_size() for t in self.tensors)]
+        return [len(self.head), *(t.nbytes for t in self.tensors)]
 
     @property
     def size(self) -> int:
@@ -151,8 +151,7 @@ class Encoded:
 
     def in_memory(self) -> bool:
         """Whether every tensor's bytes are its own CPU memory as they are (no copy to make)."""
-        return all(t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg()
-                   for t in self.tensors)
+        return all(t.is_cpu and t.is_contiguous() and not t.is_conj() and not t.is_neg() for t in self.tensors)
 
     def buffer(self, index: int) -> memoryview:
         """Buffer ``index``; call only when :meth:`in_memory`."""

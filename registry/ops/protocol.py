@@ -245,14 +245,17 @@ class HeldSources:
 
     def link(self, staging: Path, name: str, encoded: Encoded) -> FileEntry | None:
         size = encoded.size
-        if not dedup_files.linkable(name, size) or not encoded.in_memory():
-            return None  # a tensor to copy first: linked after the write, if at all (link_duplicates)
+        if not dedup_files.linkable(name, size):
+            return None
         self.searched.add(name)
         try:
             near, files = same_size_files(self._catalog, self._run, self._step, size)
         except CatalogError:
             return None
         if not files:
+            return None
+        if not encoded.in_memory():  # asked last: it looks at every tensor
+            self.searched.discard(name)  # a tensor to copy first: linked after the write, if at all (link_duplicates)
             return None
         if self._exclude is None:
             self._exclude = dedup_files.held(self._root / n.path for n in near)
