@@ -69,6 +69,14 @@ def _handler(proxy: Proxy) -> type[BaseHTTPRequestHandler]:
         def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - the base class's name
             pass
 
+        def _answer(self, status: int, error: bytes) -> None:
+            """Answer with an S3 error document instead of forwarding."""
+            self.send_response(status)
+            self.send_header("content-type", "application/xml")
+            self.send_header("content-length", str(len(error)))
+            self.end_headers()
+            self.wfile.write(error)
+
         def _serve(self) -> None:
             split = urllib.parse.urlsplit(self.path)
             seen = Seen(method=self.command, path=split.path,
@@ -76,18 +84,10 @@ def _handler(proxy: Proxy) -> type[BaseHTTPRequestHandler]:
             length = int(self.headers.get("content-length") or 0)
             body = self.rfile.read(length) if length else b""
             if proxy.take(seen):
-                self.send_response(503)
-                self.send_header("content-type", "application/xml")
-                self.send_header("content-length", str(len(SLOW_DOWN)))
-                self.end_headers()
-                self.wfile.write(SLOW_DOWN)
+                self._answer(503, SLOW_DOWN)
                 return
             if proxy.deny is not None and proxy.deny(seen):
-                self.send_response(403)
-                self.send_header("content-type", "application/xml")
-                self.send_header("content-length", str(len(ACCESS_DENIED)))
-                self.end_headers()
-                self.wfile.write(ACCESS_DENIED)
+                self._answer(403, ACCESS_DENIED)
                 return
             if proxy.before is not None:
                 proxy.before(seen)
