@@ -37,24 +37,36 @@ class DriverStatement:
         self._engine = engine
         self._compiled = statement.compile(dialect=engine.dialect)
         self._error: type[Exception] = engine.dialect.loaded_dbapi.Error
-        self._plan: tuple[str, list[str], dict[str, Any], dict[str, Any]] | None = None
+        self._plan: tuple[str, list[str], dict[str, Any], dict[str, Any], frozenset[str]] | None = None
         # a row of its result columns from a driver row, and the conversions of those columns; at the first rows()
         self._rows: tuple[Callable[[Any], Any], list[tuple[int, Callable[[Any], Any]]]] | None = None
 
     def _arguments(self, params: dict[str, Any]) -> tuple[str, list[Any]]:
-        if self._plan is None:  # the statement's own IN lists expand the same way every time
-            state = self._compiled.construct_expanded_state(params)
-            fixed = {k: v for k, v in state.parameters.items() if k not in params}
-            processors = dict(state.processors)  # the expanded IN lists'; then each parameter type's own
-            dialect = self._engine.dialect
-            for name, bind in self._compiled.binds.items():
-                convert = bind.type.dialect_impl(dialect).bind_processor(dialect)
-                if convert is not None and name in (state.positiontup or ()):
-                    processors.setdefault(name, convert)
-            self._plan = (state.statement, list(state.positiontup or ()), fixed, processors)
-        sql, order, fixed, processors = self._plan
+        plan = self._plan
+        if plan is None or plan[4] != params.keys():  # built for the names given (the values bound later)
+            plan = self._plan = self._build(params)
+        sql, order, fixed, processors, _ = plan
         values = {**fixed, **params}
         return sql, [processors[name](values[name]) if name in processors else values[name] for name in order]
+
+    def _build(self, params: dict[str, Any]) -> tuple[str, list[str], dict[str, Any], dict[str, Any], frozenset[str]]:
+        """The SQL, its parameters' order, the values the statement fixes and each parameter's conversion.
+
+        The statement's own IN lists expand the same way every time; one whose
+        values the caller gives could expand to another length at each call.
+        """
+        varying = sorted(n for n, bind in self._compiled.binds.items() if bind.expanding and n in params)
+        if varying:
+            raise TypeError(f"a driver statement cannot bind a list given per call ({', '.join(varying)})")
+        state = self._compiled.construct_expanded_state(params)
+        fixed = {k: v for k, v in state.parameters.items() if k not in params}
+        processors = dict(state.processors)  # the expanded IN lists'; then each parameter type's own
+        dialect = self._engine.dialect
+        for name, bind in self._compiled.binds.items():
+            convert = bind.type.dialect_impl(dialect).bind_processor(dialect)
+            if convert is not None and name in (state.positiontup or ()):
+                processors.setdefault(name, convert)
+        return state.statement, list(state.positiontup or ()), fixed, processors, frozenset(params)
 
     def run(self, params: dict[str, Any]) -> Any:
         """Execute with ``params`` on one of the engine's pooled connections; the first column of its first row."""
