@@ -927,6 +927,7 @@ def test_a_step_the_durable_tier_refuses_never_holds_back_the_steps_after_it(
             reg.publish("run", 4, make_state(4))  # a later step is not held back by the refused one either
             assert reg.wait_durable("run", 4, timeout=120).status == "verified"
             denied.clear()
+            reg.replicate("run")  # now, not at the end of its backoff (the thread may take it first)
             assert reg.wait_durable("run", 2, timeout=120).status == "verified"
             assert reg.replication_queue("run") == []
             assert_state_equal(reg.load("run@2", verify=True).state_dict, make_state(2))
