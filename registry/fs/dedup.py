@@ -304,14 +304,8 @@ def _tail_equal(path: Path, expect: os.stat_result, ours: HeldBytes) -> bool:
     buf = bytearray(ours.size - begin)
     view = memoryview(buf)
     try:
-        done = 0
-        while done < len(buf):
-            got = os.preadv(fd, [view[done:]], begin + done)
-            if got <= 0:
-                return False
-            done += got
         base = ctypes.addressof(ctypes.c_char.from_buffer(buf)) if buf else 0
-        return all(_same(view, base, offset, part) for offset, part in ours.span(begin, ours.size))
+        return _read_equal(fd, view, base, begin, ours.span(begin, ours.size))
     except OSError:
         return False
     finally:
@@ -350,23 +344,27 @@ def _compare_share(fd: int, ours: HeldBytes, share: range, differs: threading.Ev
                 return False
             begin = index * ours.piece_size
             n = min(ours.piece_size, ours.size - begin)
-            done = 0
-            while done < n:
-                got = os.preadv(fd, [view[done:n]], begin + done)
-                if got <= 0:
-                    differs.set()
-                    return False
-                done += got
-            for offset, part in ours.piece(index):
-                if not _same(view, base, offset, part):
-                    differs.set()
-                    return False
+            if not _read_equal(fd, view[:n], base, begin, ours.piece(index)):
+                differs.set()
+                return False
         return True
     except OSError:
         differs.set()
         return False
     finally:
         view.release()
+
+
+def _read_equal(fd: int, view: memoryview, base: int, begin: int, parts: list[tuple[int, memoryview]]) -> bool:
+    """Whether the ``len(view)`` bytes of ``fd`` from ``begin``, read into ``view`` (whose memory starts at
+    ``base``), are ``parts`` (each a buffer at its offset in ``view``); a file shorter than that is not."""
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], begin + done)
+        if got <= 0:
+            return False
+        done += got
+    return all(_same(view, base, offset, part) for offset, part in parts)
 
 
 def _same(view: memoryview, base: int, offset: int, part: memoryview) -> bool:
