@@ -255,6 +255,7 @@ def rank(r, port, out):
     full_m, full_o = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if r == 0:
         torch.save({"model": full_m, "optim": full_o, "step": 1}, out + "/full.pt")
+    dist.barrier()  # neither rank tears gloo down while the other still talks to it (SIGABRT at exit)
     dist.destroy_process_group()
 
 if __name__ == "__main__":
