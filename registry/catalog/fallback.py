@@ -26,6 +26,11 @@ class StepDir:
     status: str
 
 
+#: the steps a dedup candidate query leaves out: the new step and its neighbours (two on each side), as fixed
+#: parameters, so that the statement is the same whatever their number
+SKIP_SLOTS = 5
+
+
 def _statements() -> tuple[CompoundSelect, Select[Any]]:
     """The two prebuilt statements below (built once: building a statement costs more than running it)."""
     c, f = CheckpointRow.c, CheckpointFile.c
@@ -36,8 +41,9 @@ def _statements() -> tuple[CompoundSelect, Select[Any]]:
              for statuses in ((Status.VERIFIED,), HAS_PAYLOAD)
              for where, order in ((c.step < step, c.step.desc()), (c.step > step, c.step.asc()))]
     near = union_all(*(select(side.c.step, side.c.path, side.c.status) for side in sides))
+    skip = [bindparam(f"skip{i}", type_=BigInteger) for i in range(SKIP_SLOTS)]
     newest = (select(c.id, c.step, c.path, c.manifest_sha256)
-              .where(c.run_id == run_id, c.status == Status.VERIFIED, c.step.notin_(bindparam("skip", expanding=True)))
+              .where(c.run_id == run_id, c.status == Status.VERIFIED, c.step.notin_(skip))
               .order_by(c.step.desc()).limit(bindparam("steps", type_=Integer)).subquery())
     files = (select(newest.c.step, newest.c.path, newest.c.manifest_sha256, f.name, f.sha256)
              .join(CheckpointFile, f.checkpoint_id == newest.c.id).where(f.size == bindparam("size", type_=BigInteger))
@@ -51,7 +57,7 @@ _NEAR, _SAME_SIZE = _statements()
 def neighbours(catalog: Transactions, run: str, step: int) -> list[StepDir]:
     """The steps a new ``run@step`` must share no inode with: on each side, the nearest verified step and
     the nearest step with a payload (a corrupt one may be verified again once repaired). One statement."""
-    result: list[StepDir] = catalog.read(lambda conn: _neighbours(conn, run, step))
+    result: list[StepDir] = catalog.read_prebuilt(lambda conn: _neighbours(conn, run, step))
     return result
 
 
@@ -85,11 +91,13 @@ def same_size_files(catalog: Transactions, run: str, step: int, size: int, *,
     """
     def fn(conn: Connection) -> tuple[list[StepDir], list[SizedFile]]:
         near = _neighbours(conn, run, step)
-        rows = conn.execute(_SAME_SIZE, {"run": run, "skip": sorted({step, *(n.step for n in near)}),
+        skip = sorted({step, *(n.step for n in near)})
+        skip += [step] * (SKIP_SLOTS - len(skip))
+        rows = conn.execute(_SAME_SIZE, {"run": run, **{f"skip{i}": s for i, s in enumerate(skip)},
                                          "steps": steps, "size": size})
         return near, [SizedFile(step=int(r.step), path=r.path, name=r.name, sha256=r.sha256,
                                 manifest_sha256=r.manifest_sha256) for r in rows if r.manifest_sha256]
-    result: tuple[list[StepDir], list[SizedFile]] = catalog.read(fn)
+    result: tuple[list[StepDir], list[SizedFile]] = catalog.read_prebuilt(fn)
     return result
 
 

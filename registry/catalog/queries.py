@@ -176,6 +176,16 @@ class Catalog:
                 return fn(conn)
         return self._transaction(txn)
 
+    def read_prebuilt(self, fn: Any) -> Any:
+        """:meth:`read` for ``fn(conn)`` that runs only statements built once, each by ``conn.execute`` (its
+        rows iterated, ``.first()``, ``.all()``, columns by name): on a writable SQLite catalog, a
+        :class:`DriverRead` with none of SQLAlchemy's execution around them, for a publish that asks on
+        every call (dedup's candidates)."""
+        driver = self._driver_reads
+        if driver is None:
+            return self.read(fn)
+        return self._transaction(lambda: driver.run(fn))
+
     def _transaction(self, txn: Callable[[], Any]) -> Any:
         """Run ``txn`` with retries; a database error that outlasts them is a one-line ``CatalogError``."""
         if self._file is not None:

@@ -70,6 +70,11 @@ class Transactions(Protocol):
 
     def read(self, fn: Callable[[Connection], Any]) -> Any: ...
 
+    def read_prebuilt(self, fn: Callable[[Connection], Any]) -> Any:
+        """:meth:`read` for a reader whose statements are built once and run with ``conn.execute`` alone,
+        rows read by column name: a backend may run those straight on its driver."""
+        ...
+
     def write(self, fn: Callable[[Connection], Any], *, durable: bool = True) -> Any: ...
 
 
