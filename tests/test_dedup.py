@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -300,11 +301,11 @@ def test_held_bytes_pieces_are_the_writers() -> None:
             assert b"".join(bytes(p) for _, p in held.piece(i)) == whole[i * 4096:(i + 1) * 4096]
 
 
-def test_a_same_size_miss_is_told_by_the_files_end_before_a_piece_is_hashed(
+def test_a_same_size_miss_is_told_by_a_few_windows_of_the_file_before_a_piece_is_hashed(
         reg: Registry, monkeypatch: pytest.MonkeyPatch) -> None:
-    """An older step with the same shapes is the usual candidate: its end differs from the memory's, so
-    no piece of the memory is hashed for it. A file that differs only before its last 64 KiB is still a
-    miss, told by its pieces."""
+    """An older step with the same shapes is the usual candidate: its weights differ from the memory's in
+    the windows compared first (the start of its data, its end), so no piece of the memory is hashed for
+    it. A file that differs only between the windows is still a miss, told by its pieces."""
     from registry.format.pieces import HeldBytes
     hashed: list[int] = []
     real = HeldBytes.digest
@@ -316,12 +317,42 @@ def test_a_same_size_miss_is_told_by_the_files_end_before_a_piece_is_hashed(
     monkeypatch.setattr(HeldBytes, "digest", digest)
     four = reg.publish("run", 4, big_state(4))  # step 1 is a candidate (2 and 3 are its fallback): a miss
     assert hashed == [] and os.stat(four.path / "model.safetensors").st_nlink == 1
-    early = big_state(1)
-    early["base"][0] += 1  # differs from step 1 only at the start of its data
-    five = reg.publish("run", 5, early)
+    raw = (infos[0].path / "model.safetensors").read_bytes()
+    head = 8 + struct.unpack("<Q", raw[:8])[0]
+    begin, end = json.loads(raw[8:head])["base"]["data_offsets"]
+    windows = sample_windows(len(raw), head)
+    between = next(at for at in range(head + begin, head + end, 4) if not any(w <= at < w + n for w, n in windows))
+    middle = big_state(1)
+    middle["base"][(between - head - begin) // 4] += 1  # differs from step 1 only where no window looks
+    five = reg.publish("run", 5, middle)
     assert hashed and os.stat(five.path / "model.safetensors").st_nlink == 1
     hashed.clear()
     six = reg.publish("run", 6, big_state(1))  # a hit: the pieces, then the whole file, then the link
     assert hashed and inode(six.path, "model.safetensors") == inode(infos[0].path, "model.safetensors")
     assert [r.status for r in reg.verify("run")] == ["verified"] * 6
-    assert_state_equal(reg.load("run@5").state_dict, early)
+    assert_state_equal(reg.load("run@5").state_dict, middle)
+
+
+def sample_windows(size: int, data_start: int) -> list[tuple[int, int]]:
+    from registry.fs import dedup
+    n = min(dedup.SAMPLE, size - data_start)
+    return [(data_start + (size - n - data_start) * k // (dedup.SAMPLES - 1), n) for k in range(dedup.SAMPLES)]
+
+
+@pytest.mark.parametrize("where", ["first byte of the data", "last byte", "inside a middle window", "between windows"])
+def test_the_windows_compared_first_are_spread_from_the_datas_first_byte_to_the_files_last(
+        tmp_path: Path, where: str) -> None:
+    from registry.fs import dedup
+    from registry.format.pieces import HeldBytes
+    header, data = b"h" * 100, bytearray(os.urandom(3 << 20))
+    stored = tmp_path / "f"
+    stored.write_bytes(header + data)
+    windows = sample_windows(len(header) + len(data), len(header))
+    at = {"first byte of the data": len(header), "last byte": len(header) + len(data) - 1,
+          "inside a middle window": windows[3][0] + 5,
+          "between windows": windows[3][0] + windows[3][1] + 7}[where]
+    data[at - len(header)] ^= 1
+    buffers = [memoryview(header), memoryview(data)]
+    held = HeldBytes([len(b) for b in buffers], buffers.__getitem__, 1 << 20)
+    same = dedup._samples_equal(stored, os.stat(stored), held, data_start=len(header))
+    assert same is (where == "between windows")

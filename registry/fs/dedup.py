@@ -224,8 +224,8 @@ def link_held(staging: Path, name: str, lengths: Sequence[int], buffer: Callable
     step's manifest on disk is the one the catalog verified, records this
     file with the catalog's sha256 and xxh3 pieces equal to those of the
     memory, and the file's bytes then compare equal to the memory in full (a
-    miss is usually told by the file's last bytes, :func:`_tail_equal`, before
-    any of that);
+    miss is usually told by a few small windows of the file, :func:`_samples_equal`,
+    before any of that);
     the link must be the very inode compared. Only then does the new
     manifest entry, returned with the file linked to, take the source's
     sha256: it is the digest of exactly these bytes. ``None``: nothing was
@@ -235,13 +235,15 @@ def link_held(staging: Path, name: str, lengths: Sequence[int], buffer: Callable
     size = sum(lengths)
     cut = piece_format.PIECE_SIZE  # as the writer cuts them now
     held = {cut: HeldBytes(lengths, buffer, cut)}
+    data_start = lengths[0] if len(lengths) > 1 else 0  # past the header, which a same-shapes file shares
     for source in sources:
         path = source.step_dir / source.name
         try:
             theirs = os.lstat(path)
         except OSError:
             continue
-        if not _may_link(theirs, size, device, exclude) or not _tail_equal(path, theirs, held[cut]):
+        if not _may_link(theirs, size, device, exclude) or not _samples_equal(
+                path, theirs, held[cut], data_start=data_start):
             continue
         entry = _recorded(source, size, held[cut])
         if entry is None or entry.piece_size is None or entry.xxh3_128_pieces is None:
@@ -285,27 +287,34 @@ if _MEMCMP is not None:
     _MEMCMP.restype = ctypes.c_int
 
 
-TAIL = 64 << 10  # the bytes of a candidate compared before a piece of the memory is hashed
+SAMPLE = 16 << 10  # bytes of one window of a candidate compared before a piece of the memory is hashed
+SAMPLES = 8  # windows, spread evenly from the first byte after the header to the file's last
 
 
-def _tail_equal(path: Path, expect: os.stat_result, ours: HeldBytes) -> bool:
-    """Whether the last :data:`TAIL` bytes of ``path`` (still the inode ``expect``) are those of ``ours``.
+def _samples_equal(path: Path, expect: os.stat_result, ours: HeldBytes, *, data_start: int) -> bool:
+    """Whether :data:`SAMPLES` windows of ``path`` (still the inode ``expect``) spread over its data, the
+    first at ``data_start`` and the last at the file's end, hold the bytes of ``ours`` there.
 
-    A candidate of the same size usually is the same shapes a few steps
-    earlier: its header is ours, its weights are not, and a file's end is
-    weights. One small read tells that miss apart before its manifest is
-    read and a 16 MiB piece of the memory hashed; a match still goes through
-    the manifest, the pieces and the full comparison.
+    A candidate of the same size usually is the same shapes at another step:
+    its header is ours, its weights are not, and a training step changes
+    them everywhere; a partly frozen model still differs over whole tensors.
+    A few small reads tell that miss apart before its manifest is read and a
+    16 MiB piece of the memory hashed; a difference between the windows is
+    still found by the pieces, and a match goes through the manifest, the
+    pieces and the full comparison.
     """
     fd = _open_inode(path, expect, ours.size)
     if fd is None:
         return False
-    begin = max(0, ours.size - TAIL)
-    buf = bytearray(ours.size - begin)
+    data_start = min(max(0, data_start), ours.size)
+    n = min(SAMPLE, ours.size - data_start)
+    last = ours.size - n
+    begins = sorted({data_start + (last - data_start) * k // (SAMPLES - 1) for k in range(SAMPLES)})
+    buf = bytearray(n)
     view = memoryview(buf)
     try:
         base = ctypes.addressof(ctypes.c_char.from_buffer(buf)) if buf else 0
-        return _read_equal(fd, view, base, begin, ours.span(begin, ours.size))
+        return all(_read_equal(fd, view, base, begin, ours.span(begin, begin + n)) for begin in begins)
     except OSError:
         return False
     finally:
