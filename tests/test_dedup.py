@@ -356,3 +356,53 @@ def test_the_windows_compared_first_are_spread_from_the_datas_first_byte_to_the_
     held = HeldBytes([len(b) for b in buffers], buffers.__getitem__, 1 << 20)
     same = dedup._samples_equal(stored, os.stat(stored), held, data_start=len(header))
     assert same is (where == "between windows")
+
+
+def many_tensors(seed: int, *, count: int = 64) -> dict[str, torch.Tensor]:
+    """A state of ``count`` tensors of 32 KiB each, above the link threshold together."""
+    g = torch.Generator().manual_seed(seed)
+    return {f"layer{i:03d}": torch.randn(8192, generator=g) for i in range(count)}
+
+
+def test_a_miss_looks_only_at_the_tensors_its_windows_cover(reg: Registry, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whether a tensor is memory as it is costs Python per tensor: a miss told by the sampled windows asks
+    it of the few tensors under them, not of all; a hit asks it of every tensor before hashing them."""
+    from registry.format.safetensors import Encoded
+    asked: set[int] = set()
+    real = Encoded.held
+
+    def held(self: Encoded, index: int) -> memoryview:
+        asked.add(index)
+        return real(self, index)
+    monkeypatch.setattr(Encoded, "held", held)
+    one = reg.publish("run", 1, many_tensors(1))
+    reg.publish("run", 2, many_tensors(2))
+    reg.publish("run", 3, many_tensors(3))
+    asked.clear()
+    four = reg.publish("run", 4, many_tensors(4))  # step 1 is a candidate of the same size: a miss
+    assert os.stat(four.path / "model.safetensors").st_nlink == 1
+    assert asked and len(asked - {0}) <= dedup_samples()
+    asked.clear()
+    five = reg.publish("run", 5, many_tensors(1))  # a hit: every tensor is compared
+    assert inode(five.path, "model.safetensors") == inode(one.path, "model.safetensors")
+    assert asked >= set(range(1, 65))
+
+
+def dedup_samples() -> int:
+    from registry.fs import dedup
+    return dedup.SAMPLES * 2  # a window may straddle two tensors
+
+
+def test_a_tensor_to_copy_among_many_is_linked_after_the_write(reg: Registry) -> None:
+    """One tensor that is not memory as it is (a transposed view), in the middle of many that are: nothing
+    is linked before the write (its bytes would need a copy to be compared), and the written file is
+    linked after it, compared with the candidate's bytes in full."""
+    state = many_tensors(20)
+    square = torch.randn(256, 256, generator=torch.Generator().manual_seed(21))
+    state["layer032"] = square.t()
+    one = reg.publish("run", 1, state)
+    reg.publish("run", 2, many_tensors(22))
+    three = reg.publish("run", 3, state)
+    assert inode(three.path, "model.safetensors") == inode(one.path, "model.safetensors")
+    assert [r.status for r in reg.verify("run")] == ["verified"] * 3
+    assert_state_equal(reg.load("run@3").state_dict, {**state, "layer032": square.t().contiguous()})

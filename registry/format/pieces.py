@@ -83,6 +83,11 @@ def first_mismatch(data: memoryview | bytes | bytearray, piece_size: int,
     return None
 
 
+class NotHeld(Exception):
+    """Raised by a :class:`HeldBytes` ``buffer(i)`` whose bytes are not memory as they are (a tensor on
+    another device, or not contiguous): they cannot be looked at before they are written, only after."""
+
+
 class HeldBytes:
     """A file's bytes before it is written, held as consecutive buffers (a header, then each tensor's memory).
 
@@ -91,7 +96,8 @@ class HeldBytes:
     :meth:`matches` hashes pieces up to the first that differs from a
     manifest's (a miss is usually told by the first), :meth:`piece` gives the
     buffers that make up one piece. ``buffer(i)`` gives buffer ``i`` of
-    ``lengths``, asked only for the pieces looked at.
+    ``lengths``, asked only for the pieces looked at, or raises
+    :class:`NotHeld` on this thread.
     """
 
     def __init__(self, lengths: Sequence[int], buffer: Callable[[int], memoryview], piece_size: int) -> None:

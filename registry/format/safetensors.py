@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple, Protocol
 
 from registry.errors import InvalidStateError, SafetensorsFormatError
+from registry.format.pieces import NotHeld
 
 if TYPE_CHECKING:
     import torch
@@ -99,22 +100,24 @@ def _ordered(tensors: Mapping[str, torch.Tensor]) -> list[str]:
 
 
 def safetensors_header(tensors: Mapping[str, torch.Tensor],
-                       metadata: Mapping[str, str] | None = None) -> tuple[bytes, list[str]]:
+                       metadata: Mapping[str, str] | None = None) -> tuple[bytes, list[str], list[int]]:
+    """The file's first bytes (length prefix and header), its tensors' names in file order, and their sizes."""
     order = _ordered(tensors)
     header: dict[str, Any] = {}
     if metadata:
         header["__metadata__"] = dict(metadata)
     offset = 0
     names = dtype_names()
-    for name in order:
+    sizes = [0] * len(order)
+    for i, name in enumerate(order):
         t = tensors[name]
-        nbytes = t.numel() * t.element_size()
+        sizes[i] = nbytes = t.numel() * t.element_size()
         header[name] = {"dtype": names[t.dtype], "shape": list(t.shape),
                         "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    return struct.pack("<Q", len(raw)) + raw, order
+    return struct.pack("<Q", len(raw)) + raw, order, sizes
 
 
 def write_safetensors(out: Writer, tensors: Mapping[str, torch.Tensor],
@@ -136,28 +139,25 @@ class Encoded:
     """
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> None:
-        self.head, order = safetensors_header(tensors, metadata)
+        self.head, order, sizes = safetensors_header(tensors, metadata)
         self.tensors = [tensors[n] for n in order]
+        self.lengths = [len(self.head), *sizes]  # of each buffer
+        self.size = sum(self.lengths)
         self._views: dict[int, memoryview] = {0: memoryview(self.head)}
 
-    @functools.cached_property
-    def lengths(self) -> list[int]:
-        """The length of each buffer (asked only by whoever looks before writing)."""
-        return [len(self.head), *(t.nbytes for t in self.tensors)]
-
-    @property
-    def size(self) -> int:
-        return sum(self.lengths)
-
-    def in_memory(self) -> bool:
-        """Whether every tensor's bytes are its own CPU memory as they are (no copy to make)."""
-        return all(t.is_cpu and t.is_contiguous() and not t.is_conj() and not t.is_neg() for t in self.tensors)
-
-    def buffer(self, index: int) -> memoryview:
-        """Buffer ``index``; call only when :meth:`in_memory`."""
+    def held(self, index: int) -> memoryview:
+        """Buffer ``index`` over the memory it already is, without a copy: a
+        :class:`registry.format.pieces.HeldBytes` buffer. Raises
+        :class:`~registry.format.pieces.NotHeld` for a tensor that would need a
+        copy (on another device, not contiguous, a conjugate or negative view):
+        only the tensors looked at are asked, so a miss told by a few of them
+        never looks at the others."""
         view = self._views.get(index)
         if view is None:
-            view = self._views[index] = tensor_bytes(self.tensors[index - 1])
+            t = self.tensors[index - 1]
+            if not (t.is_cpu and t.is_contiguous() and not t.is_conj() and not t.is_neg()):
+                raise NotHeld(index)
+            view = self._views[index] = tensor_bytes(t)
         return view
 
     def write(self, out: Writer) -> None:

@@ -220,7 +220,8 @@ def link_held(staging: Path, name: str, lengths: Sequence[int], buffer: Callable
 
     The file's bytes are buffers of ``lengths`` in order (a safetensors
     header, then each tensor's memory), ``buffer(i)`` the ``i``-th, asked
-    for only as the pieces are looked at. A source is taken only when its
+    for only as the pieces are looked at; a :class:`~registry.format.pieces.NotHeld` it raises
+    propagates before anything is linked. A source is taken only when its
     step's manifest on disk is the one the catalog verified, records this
     file with the catalog's sha256 and xxh3 pieces equal to those of the
     memory, and the file's bytes then compare equal to the memory in full (a

@@ -39,6 +39,7 @@ from registry.format.layout import hidden_sibling
 from registry.records import CheckpointInfo, Status, human_bytes
 from registry.fs import dedup as dedup_files
 from registry.format.manifest import FileEntry
+from registry.format.pieces import NotHeld
 from registry.format.safetensors import Encoded
 from registry.fs.dedup import Inode, Linked, Source, link_held, link_identical, unshare
 from registry.fs.store import (FileProblem, Reuse, Written, check_written, discard, install, new_staging,
@@ -254,15 +255,16 @@ class HeldSources:
             return None
         if not files:
             return None
-        if not encoded.in_memory():  # asked last: it looks at every tensor
-            self.searched.discard(name)  # a tensor to copy first: linked after the write, if at all (link_duplicates)
-            return None
         if self._exclude is None:
             self._exclude = dedup_files.held(self._root / n.path for n in near)
-        found = link_held(staging, name, encoded.lengths, encoded.buffer,
-                          [Source(step_dir=self._root / f.path, name=f.name, sha256=f.sha256,
-                                  manifest_sha256=f.manifest_sha256) for f in files],
-                          exclude=self._exclude)
+        try:
+            found = link_held(staging, name, encoded.lengths, encoded.held,
+                              [Source(step_dir=self._root / f.path, name=f.name, sha256=f.sha256,
+                                      manifest_sha256=f.manifest_sha256) for f in files],
+                              exclude=self._exclude)
+        except NotHeld:
+            self.searched.discard(name)  # a tensor to copy first: linked after the write, if at all (link_duplicates)
+            return None
         if found is None:
             return None
         entry, path = found
