@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import logging
 import os
+import functools
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
@@ -34,7 +36,7 @@ from registry.fs.snapshot import Snapshotter
 from registry.fs.bounds import check_outside_root
 from registry.fs.objects import is_object_url
 from registry.fs.store import Payload, Store, Written, now_timestamp, write_payload
-from registry.ops.writers import writer_alive, writer_id
+from registry.ops.writers import close_writer, open_writer, writer_alive, writer_id
 from registry.format.safetensors import check_state_dict
 from registry.fs.validation import check_flags, check_metrics, check_tags, checked_payload
 
@@ -136,7 +138,12 @@ class Registry:
         self.url = url
         self.read_only = read_only
         self.lease_ttl = lease_ttl
-        self._attempts = Attempts(catalog, writer_id)
+        # this registry as a writer: its own token, so another registry of the process never takes over its
+        # live claims, and they may be taken over once it is closed (or collected unclosed)
+        self._writer_token = open_writer()
+        weakref.finalize(self, close_writer, self._writer_token)
+        self._writer = functools.partial(writer_id, self._writer_token)
+        self._attempts = Attempts(catalog, self._writer)
         self._queued: set[tuple[str, int]] = set()  # (run, step) of background publishes not yet finished
         self._closed = False
         self._lock = threading.Lock()  # the queued steps, shared with the background publisher
@@ -282,7 +289,7 @@ class Registry:
         if self._replicator is None:
             from registry.ops.replicator import Replicator
             self._replicator = Replicator(catalog=self.catalog, fast_root=self.tiers.fast.root,
-                                          durable=self.tiers.durable, writer=writer_id)
+                                          durable=self.tiers.durable, writer=self._writer)
         return self._replicator
 
     @property
@@ -323,6 +330,7 @@ class Registry:
                 self._replicator.close(wait=True)
             self._snapshots.clear()
             self.catalog.close()
+            close_writer(self._writer_token)
         self._background.raise_error()
 
     def __enter__(self) -> Registry:
@@ -335,8 +343,9 @@ class Registry:
 
     @property
     def writer(self) -> str:
-        """This process's writer identity: asked each time, so a forked child never claims as its parent."""
-        return writer_id()
+        """This registry's writer identity in this process: asked each time, so a forked child never claims as
+        its parent."""
+        return self._writer()
 
     # ------------------------------------------------------------------ publish
 

@@ -34,7 +34,7 @@ from registry.records import CheckpointInfo
 from registry.fs.removal import remove_checkpoint_dir
 from registry.retention import KeepLast, Policy, RetentionContext
 from registry.fs.store import new_staging
-from registry.ops.writers import STALE_AFTER, writer_alive, writer_id
+from registry.ops.writers import STALE_AFTER, close_writer, open_writer, writer_alive, writer_id
 from tests.helpers import assert_state_equal, fail_commits, make_state, write_hf_sharded
 
 
@@ -234,7 +234,13 @@ def test_writer_ids_do_not_repeat_and_say_who_is_alive(live_child: subprocess.Po
     assert me == writer_id() and len(me) <= 255
     assert writer_alive(me) and not writer_alive(predecessor(me))
     host, pid, boot, start, _ = me.split(":")
-    assert writer_alive(f"{host}:{pid}:{boot}:{start}:0123abcd")  # same process, whatever the token
+    # a writer of this process is alive while its token is open: a registry's, until it is closed
+    assert not writer_alive(f"{host}:{pid}:{boot}:{start}:0123abcd")
+    token = open_writer()
+    mine = writer_id(token)
+    assert mine != me and mine.rsplit(":", 1)[0] == me.rsplit(":", 1)[0] and writer_alive(mine)
+    close_writer(token)
+    assert not writer_alive(mine) and writer_alive(me)
     # another boot under our host name cannot be asked: its row decides, as for another host
     other_boot = ":".join((host, pid, "f" * 32, start, "0123abcd"))
     now = datetime.now(timezone.utc)

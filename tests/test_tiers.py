@@ -124,6 +124,29 @@ def test_plain_root_has_no_latest_durable_and_refuses_durable_calls(catalog_url:
             reg.publish("run", 2, make_state(), durable=True)
 
 
+def test_two_registries_of_one_process_never_take_over_each_others_live_claims(
+        catalog_url: str, fast: Path, durable: str) -> None:
+    """Each registry is a writer of its own: while one holds a step's durable claim, another registry of
+    the same process leaves the step alone, and takes the claim over once the first is closed."""
+    from registry.format.layout import attempt_relpath
+    from registry.ops.writers import writer_alive
+    with Registry.open(catalog_url, root=fast, durable=durable) as a, \
+            Registry.open(catalog_url, root=fast, durable=durable) as b:
+        assert a.writer != b.writer
+        replicas = ReplicaCatalog(a.catalog)
+        with b._replication()._drain_lock:  # a claims the step before b's replicator looks
+            b.publish("run", 1, make_state(1))
+            [item] = replicas.queue(run="run")
+            assert replicas.claim_durable(item, path=attempt_relpath("run", 1), writer=a.writer,
+                                          writer_alive=writer_alive) is not None
+        assert b.replicate("run") == 0 and durable_copy(b, "run", 1) is None  # a's claim, and a is open
+        a.close()
+        b.replicate("run", wait=True, timeout=120)
+        copy = durable_copy(b, "run", 1)
+        assert copy is not None and getattr(copy, "status") == "verified"
+        assert b.load("run@latest-durable").step == 1
+
+
 def test_durable_tier_is_not_a_root_of_its_own(catalog_url: str, fast: Path, durable: str,
                                                tmp_path: Path) -> None:
     with Registry.open(catalog_url, root=fast, durable=durable) as reg:

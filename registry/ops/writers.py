@@ -51,22 +51,43 @@ def _process_start(pid: int) -> str | None:
     return fields[19].decode()
 
 
-_IDENTITY: tuple[int, str] | None = None
+_IDENTITY: tuple[int, str, str] | None = None  # (pid, "host:pid:boot:start", the process's own token)
+_OPEN: set[str] = set()  # the tokens of this process's open writers (one per open Registry)
 
 
-def writer_id() -> str:
-    """This process as the writer of a claim: ``host:pid:boot:start:token``, a string that never repeats.
+def _identity() -> tuple[int, str, str]:
+    global _IDENTITY
+    pid = os.getpid()
+    if _IDENTITY is None or _IDENTITY[0] != pid:  # computed once per process, again in a forked child
+        _IDENTITY = (pid, f"{_HOST}:{pid}:{_boot_id()}:{_process_start(pid) or '-'}", secrets.token_hex(4))
+    return _IDENTITY
+
+
+def writer_id(token: str | None = None) -> str:
+    """A writer of a claim: ``host:pid:boot:start:token``, a string that never repeats.
 
     ``host:pid`` alone repeats: a restarted container has the same host name
     and the same low pid. The boot id and the process start time tell this
     process from any other that ever had its pid on this kernel, and the
-    random token from any process elsewhere. Computed once per process.
+    random token from any process elsewhere. ``token`` tells one writer
+    within the process from another (an open ``Registry``'s, from
+    :func:`open_writer`), so that two registries of one process never take
+    over each other's live claims; None is the process's own.
     """
-    global _IDENTITY
-    pid = os.getpid()
-    if _IDENTITY is None or _IDENTITY[0] != pid:
-        _IDENTITY = (pid, f"{_HOST}:{pid}:{_boot_id()}:{_process_start(pid) or '-'}:{secrets.token_hex(4)}")
-    return _IDENTITY[1]
+    _, process, own = _identity()
+    return f"{process}:{token or own}"
+
+
+def open_writer() -> str:
+    """A token for a new writer of this process (:func:`writer_id`), alive until :func:`close_writer`."""
+    token = secrets.token_hex(4)
+    _OPEN.add(token)
+    return token
+
+
+def close_writer(token: str) -> None:
+    """The writer ``token`` is done: its claims left behind may be taken over, as a dead process's are."""
+    _OPEN.discard(token)
 
 
 STALE_AFTER = timedelta(minutes=10)  # a staging row on another host not refreshed for this long is abandoned
@@ -83,7 +104,8 @@ def writer_alive(writer: str | None, updated_at: datetime | None = None) -> bool
     host name, cannot be asked, so its row decides: a publish refreshes its
     staging row while it writes (``registry.ops.protocol.HEARTBEAT``), and a row
     left unrefreshed for ``STALE_AFTER`` belongs to a writer that is gone,
-    such as a preempted node whose job resumed elsewhere. Without
+    such as a preempted node whose job resumed elsewhere. A writer of this
+    process is alive while its token is open (:func:`open_writer`). Without
     ``updated_at`` it is presumed alive. The row's time is the writer's clock
     and ``now`` is ours: hosts must agree to well within ``STALE_AFTER`` (NTP
     keeps them within milliseconds). Rows written as ``host:pid`` by earlier
@@ -104,7 +126,10 @@ def writer_alive(writer: str | None, updated_at: datetime | None = None) -> bool
     if started is None:
         return False
     if len(parts) == 5:
-        return started == "-" or parts[3] == "-" or started == parts[3]
+        same = started == "-" or parts[3] == "-" or started == parts[3]
+        if same and int(pid_text) == os.getpid():  # this process: that writer's registry must still be open
+            return parts[4] == _identity()[2] or parts[4] in _OPEN
+        return same
     return updated_at is None or not _started_after(started, _utc(updated_at))
 
 
@@ -126,4 +151,4 @@ def _started_after(started: str, moment: datetime) -> bool:
     return began > moment + _CLOCK_SLACK
 
 
-__all__ = ["STALE_AFTER", "writer_alive", "writer_id"]
+__all__ = ["STALE_AFTER", "close_writer", "open_writer", "writer_alive", "writer_id"]
