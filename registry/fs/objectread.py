@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -116,6 +117,21 @@ def _manifest(root: ObjectRoot, rel: str, expected_digest: str | None) -> tuple[
 def fetch(root: ObjectRoot, key: str, entry: FileEntry, *, verify: bool, directory: Path) -> torch.Tensor:
     """One object's bytes in a fresh CPU buffer, by concurrent ranged GETs of its pieces, checked as they land."""
     import torch
+    buf = torch.empty(entry.size, dtype=torch.uint8)
+    view = host_view(buf)
+
+    def land(start: int, data: Any) -> None:
+        view[start:start + len(data)] = data
+    checked = _get_pieces(root, key, entry, verify=verify, directory=directory, land=land)
+    if verify and not checked:
+        check_file_digest(directory, entry, view)
+    return buf
+
+
+def _get_pieces(root: ObjectRoot, key: str, entry: FileEntry, *, verify: bool, directory: Path,
+                land: Callable[[int, Any], None]) -> bool:
+    """Hand each piece of one object to ``land(offset, bytes)``, fetched by concurrent ranged GETs and, when
+    ``verify``, checked against the manifest's pieces first; whether they were (False: it records none)."""
     path = directory / entry.name
     head = root.head(key)
     if head is None:
@@ -123,11 +139,9 @@ def fetch(root: ObjectRoot, key: str, entry: FileEntry, *, verify: bool, directo
     if head.size != entry.size:
         raise CorruptCheckpointError(f"checkpoint file size mismatch: {path} is {head.size} bytes, "
                                      f"manifest says {entry.size}", path=path)
-    buf = torch.empty(entry.size, dtype=torch.uint8)
-    if entry.size == 0:
-        return buf
-    view = host_view(buf)
     pieces = entry.xxh3_128_pieces if entry.piece_size is not None else None
+    if entry.size == 0:
+        return pieces is not None
     step = entry.piece_size if pieces is not None and entry.piece_size else PIECE_SIZE
     starts = range(0, entry.size, step)
     if pieces is not None and len(pieces) != len(starts):
@@ -143,16 +157,14 @@ def fetch(root: ObjectRoot, key: str, entry: FileEntry, *, verify: bool, directo
         if verify and pieces is not None and xxhash.xxh3_128_hexdigest(data) != pieces[index]:
             raise CorruptCheckpointError(f"checkpoint file checksum mismatch: {path} (bytes {start}-{end - 1})",
                                          path=path)
-        view[start:end] = data
+        land(start, data)
 
     if len(starts) == 1:
         one(0)
     else:
         for _ in _POOL.map(one, range(len(starts))):
             pass
-    if verify and pieces is None:
-        check_file_digest(directory, entry, view)
-    return buf
+    return pieces is not None
 
 
 def download(root: ObjectRoot, rel: str, dest: Path, *, expected_digest: str | None) -> None:
@@ -172,8 +184,27 @@ def _download(root: ObjectRoot, rel: str, dest: Path, *, expected_digest: str | 
     raw, manifest = _manifest(root, rel, expected_digest)
     _write(dest / MANIFEST, memoryview(raw))
     for name in sorted(manifest.files):
-        buf = fetch(root, f"{rel}/{name}", manifest.files[name], verify=True, directory=directory)
-        _write(dest / name, host_view(buf))
+        entry = manifest.files[name]
+        if entry.xxh3_128_pieces is None:  # only a whole-file digest: checked in memory before it is written
+            _write(dest / name, host_view(fetch(root, f"{rel}/{name}", entry, verify=True, directory=directory)))
+        else:
+            _download_file(root, f"{rel}/{name}", entry, dest / name, directory=directory)
+
+
+def _download_file(root: ObjectRoot, key: str, entry: FileEntry, path: Path, *, directory: Path) -> None:
+    """Each checked piece written at its offset as it lands, then fsync'd: no buffer of the whole file, whose
+    fresh pages would cost as much again as the file's own (and as much memory)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        def land(start: int, data: Any) -> None:
+            view = memoryview(data).cast("B")
+            while view:
+                written = os.pwrite(fd, view, start)
+                view, start = view[written:], start + written
+        _get_pieces(root, key, entry, verify=True, directory=directory, land=land)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _write(path: Path, data: memoryview) -> None:
