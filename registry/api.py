@@ -35,12 +35,12 @@ from registry.format.refs import Ref, check_run_name, check_step, check_tag_name
 from registry.fs.snapshot import Snapshotter
 from registry.fs.bounds import check_outside_root
 from registry.fs.objects import is_object_url
-from registry.fs.store import Payload, Store, Written, now_timestamp, write_payload
+from registry.fs.store import Store, now_timestamp, write_payload
 from registry.ops.writers import close_writer, open_writer, writer_alive, writer_id
-from registry.format.safetensors import check_state_dict
 from registry.fs.validation import check_flags, check_metrics, check_tags, checked_payload
 
 if TYPE_CHECKING:  # and what only some methods use, imported there: a CLI listing never loads or publishes
+    from registry.fs.payloadfiles import Payload, Written
     from registry.checkpoint import Checkpoint
     from registry.ops import reading
     from registry.ops.protocol import CommitHooks, Target
@@ -463,6 +463,7 @@ class Registry:
         self._check_retention(retention)
         check_step(step)
         check_flags(overwrite=overwrite, verify=verify, blocking=blocking, trust_pickle=trust_pickle)
+        from registry.format.safetensors import check_state_dict
         state = check_state_dict(state_dict)
         tags = check_tags(tags)
         new_metrics = check_metrics(run, step, metrics)

@@ -19,18 +19,31 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from registry.crashpoints import crashpoint
 from registry.errors import CorruptCheckpointError, PublishError, RootError, SafetensorsFormatError
 from registry.format.layout import (CATALOG_FILE, REGISTRY_DIR, ROOT_MARKER, hidden_sibling, hidden_siblings,
                                     step_dirname)
-from registry.format.manifest import MANIFEST, FileEntry, Manifest, digest_bytes, read_manifest
 from registry.pools import Pool
-from registry.format.safetensors import Encoded, read_safetensors_header
-from registry.fs.hashing import HashingWriter, hash_file
-from registry.fs.payloadfiles import (MAX_JSON_DEPTH, Payload, Written, entry_of, json_bytes,  # noqa: F401
-                                      write_files)
+
+if TYPE_CHECKING:  # the writers' and the verifiers' modules, imported where they run: a listing opens a Store
+    from registry.format.manifest import FileEntry, Manifest
+    from registry.format.safetensors import Encoded
+    from registry.fs.payloadfiles import (MAX_JSON_DEPTH, Payload, Written, entry_of, json_bytes,  # noqa: F401
+                                          write_files)
+
+# what this module hands on from registry.fs.payloadfiles, imported on first use (see __getattr__)
+_PAYLOAD_FILES = frozenset({"MAX_JSON_DEPTH", "Payload", "Written", "entry_of", "json_bytes", "write_files"})
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _PAYLOAD_FILES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from registry.fs import payloadfiles
+    value = getattr(payloadfiles, name)
+    globals()[name] = value  # later lookups skip this function
+    return value
 
 
 def remove_stale_staging(final: Path) -> list[Path]:
@@ -85,6 +98,9 @@ def write_payload(staging: Path, payload: Payload, *, reuse: Reuse | None = None
 
 
 def _write_files(staging: Path, payload: Payload, syncing: list[Future[None]], reuse: Reuse | None) -> Written:
+    from registry.fs.hashing import HashingWriter
+    from registry.fs.payloadfiles import entry_of, write_files
+
     def put(name: str, writer_fn: Callable[[Any], object]) -> FileEntry:
         for done in syncing:  # an fsync already failed: stop writing, never retry it
             if done.done() and done.exception() is not None:
@@ -220,6 +236,9 @@ def verify_directory(directory: Path, manifest: Manifest | None = None, *,
     file cannot be split), each overlapping its reads with its hashing.
     ``on_bytes(n)`` hears of every piece hashed (from several threads).
     """
+    from registry.format.manifest import MANIFEST, read_manifest
+    from registry.fs.hashing import hash_file
+
     if manifest is None:
         try:
             manifest, _ = read_manifest(directory)
@@ -264,6 +283,9 @@ def check_written(directory: Path, written: Written) -> list[FileProblem]:
     just wrote, not the disk; the full scrub from storage is
     ``verify_directory`` (``registry verify``).
     """
+    from registry.format.manifest import MANIFEST, digest_bytes
+    from registry.format.safetensors import read_safetensors_header
+
     problems: list[FileProblem] = []
     for name, entry in sorted(written.manifest.files.items()):
         path = directory / name

@@ -32,12 +32,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from registry.errors import InvalidStateError, ManifestError, UnsafePathError, UnsafePickleError
-from registry.format.manifest import MANIFEST, META, FileEntry, Manifest, check_file_name, parse_manifest
 from registry.format.refs import MAX_STEP, check_metric_key, check_tag_name
-from registry.format.safetensors import check_state_dict
-from registry.fs.store import Payload, json_bytes, now_timestamp
+from registry.fs.store import now_timestamp
 
+# The manifest's, the safetensors writer's and the payload's modules are imported by the checks that use them:
+# check_flags is also what every Registry.open runs, and a listing never writes a payload.
 if TYPE_CHECKING:
+    from registry.fs.payloadfiles import Payload
     import torch
 
 RESERVED_META = ("epoch", "consumed_samples", "timestamp", "optimizer_step", "policy_version")
@@ -164,6 +165,8 @@ def check_manifest_fields(meta: Mapping[str, Any]) -> None:
     The writer copies ``timestamp``, ``optimizer_step`` and ``policy_version``
     from ``meta.json``'s document into the manifest (``registry.fs.store.write_payload``).
     """
+    from registry.format.manifest import MANIFEST, META, FileEntry, Manifest, parse_manifest
+
     probe = Manifest(files={META: FileEntry(name=META, size=0, sha256="0" * 64)},
                      created_at=meta.get("timestamp"), optimizer_step=meta.get("optimizer_step"),
                      policy_version=meta.get("policy_version"))
@@ -175,11 +178,15 @@ def check_manifest_fields(meta: Mapping[str, Any]) -> None:
 
 def encode_json(value: object, what: str) -> tuple[dict[str, Any], bytes]:
     """A shallow copy of the mapping ``value`` and the JSON bytes the writer will store for it."""
+    from registry.fs.payloadfiles import json_bytes
+
     doc = dict(_mapping(value, what))
     return doc, json_bytes(doc, what)
 
 
 def check_extra_names(extra: Mapping[Any, Any]) -> None:
+    from registry.format.manifest import check_file_name
+
     for key in extra:
         if not isinstance(key, str) or not key or key.startswith("."):
             raise InvalidStateError(f"invalid extra name {key!r}: it becomes the file name NAME.pt")
@@ -318,6 +325,8 @@ def checked_payload(*, step: int, state_dict: dict[str, torch.Tensor], extra: ob
                     policy_version: object, max_shard_size: object, trust_pickle: bool,
                     timestamp: str) -> Payload:
     """The ``Payload`` of a publish, with ``meta.json`` and ``config.json`` already encoded."""
+    from registry.fs.payloadfiles import Payload, json_bytes
+
     full_meta = publish_meta(meta, epoch=epoch, consumed_samples=consumed_samples,
                              optimizer_step=step if optimizer_step is None else optimizer_step,
                              policy_version=policy_version, timestamp=timestamp)
@@ -334,6 +343,9 @@ def saved_payload(state_dict: Mapping[str, torch.Tensor], *, epoch: int, consume
                   policy_version: int | None, max_shard_size: int | None) -> Payload:
     """The ``Payload`` of a catalog-free save (``Checkpoint.save``, an export): ``meta.json`` as the
     reference module writes it, stamped now and checked against what a manifest may hold."""
+    from registry.format.safetensors import check_state_dict
+    from registry.fs.payloadfiles import Payload
+
     full_meta = {"epoch": epoch, "consumed_samples": consumed_samples, "timestamp": now_timestamp(), **meta}
     if policy_version is not None:
         full_meta.setdefault("policy_version", policy_version)
