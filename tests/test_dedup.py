@@ -162,7 +162,6 @@ def test_kill_at_each_phase_of_dedup_and_retention(catalog_url: str, root: Path)
 def _published_hashing_writers(monkeypatch: pytest.MonkeyPatch) -> tuple[list[str], list[int]]:
     """The files a publish writes through ``HashingWriter``, and the bytes it hands to ``os.write``."""
     import registry.fs.hashing as hashing
-    import registry.fs.store as store_mod
     names: list[str] = []
     written: list[int] = []
     real_write = os.write
@@ -176,7 +175,7 @@ def _published_hashing_writers(monkeypatch: pytest.MonkeyPatch) -> tuple[list[st
         n = real_write(fd, data)  # type: ignore[arg-type]
         written.append(n)
         return n
-    monkeypatch.setattr(store_mod, "HashingWriter", Spy)
+    monkeypatch.setattr(hashing, "HashingWriter", Spy)  # the publish's writer takes it from there
     monkeypatch.setattr(os, "write", counting)
     return names, written
 
