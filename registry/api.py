@@ -32,7 +32,6 @@ from registry.format.layout import step_dirname
 from registry.ops.attempts import Attempts, Fork
 from registry.records import HAS_PAYLOAD, LIVE, CheckpointInfo, EventInfo, MetricPoint, RunInfo, Status
 from registry.format.refs import Ref, check_run_name, check_step, check_tag_name, parse_ref
-from registry.fs.snapshot import Snapshotter
 from registry.fs.bounds import check_outside_root
 from registry.fs.objects import is_object_url
 from registry.fs.store import Store, now_timestamp, write_payload
@@ -41,6 +40,7 @@ from registry.fs.validation import check_flags, check_metrics, check_tags, check
 
 if TYPE_CHECKING:  # and what only some methods use, imported there: a CLI listing never loads or publishes
     from registry.fs.payloadfiles import Payload, Written
+    from registry.fs.snapshot import Snapshotter
     from registry.checkpoint import Checkpoint
     from registry.ops import reading
     from registry.ops.protocol import CommitHooks, Target
@@ -146,9 +146,9 @@ class Registry:
         self._attempts = Attempts(catalog, self._writer)
         self._queued: set[tuple[str, int]] = set()  # (run, step) of background publishes not yet finished
         self._closed = False
-        self._lock = threading.Lock()  # the queued steps, shared with the background publisher
+        self._lock = threading.Lock()  # the queued steps, shared with the background publisher; _snapshots
         self._background = BackgroundPublisher()
-        self._snapshots = Snapshotter()
+        self._snapshotter: Snapshotter | None = None  # made by the first background publish: see _snapshots
         self._publish_groups: PublishGroups | None = None  # background sharded publishes' groups, made on first use
 
     @classmethod
@@ -328,10 +328,20 @@ class Registry:
             self._background.shutdown()
             if self._replicator is not None:
                 self._replicator.close(wait=True)
-            self._snapshots.clear()
+            if self._snapshotter is not None:
+                self._snapshotter.clear()
             self.catalog.close()
             close_writer(self._writer_token)
         self._background.raise_error()
+
+    @property
+    def _snapshots(self) -> Snapshotter:
+        """The arenas background publishes copy the state into (``registry.fs.snapshot``), made on first use."""
+        with self._lock:
+            if self._snapshotter is None:
+                from registry.fs.snapshot import Snapshotter
+                self._snapshotter = Snapshotter()
+            return self._snapshotter
 
     def __enter__(self) -> Registry:
         return self
