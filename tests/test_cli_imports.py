@@ -90,3 +90,39 @@ def test_a_listing_starts_no_child_process(tmp_path: Path) -> None:
                  "print('started', started)", str(tmp_path / "root"))
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().endswith("started []"), done.stdout
+
+
+# What a listing never needs: the other commands' modules, the writers' and verifiers' (manifest, safetensors,
+# hashing), the background publisher's copies, the migrations (Alembic, for a catalog already at head), the ORM
+# and torch. Each is imported by the command or the call that uses it.
+NOT_FOR_A_LISTING = ("registry.cli.maintenance", "registry.cli.transfer", "registry.cli.lineage", "registry.cli.ui",
+                     "registry.cli.terminal", "registry.format.manifest", "registry.format.safetensors",
+                     "registry.fs.hashing", "registry.fs.payloadfiles", "registry.fs.snapshot", "alembic",
+                     "sqlalchemy.orm", "torch", "numpy", "xxhash")
+
+
+@pytest.mark.parametrize("args", [["ls", "demo"], ["runs"], ["resolve", "demo"]], ids=" ".join)
+def test_a_listing_imports_only_what_it_uses(tmp_path: Path, args: list[str]) -> None:
+    done = fresh("import sys\n"
+                 "import torch\n"
+                 "from registry import Registry\n"
+                 "with Registry.open(root=sys.argv[1]) as reg:\n"
+                 "    reg.publish('demo', 1, {'w': torch.zeros(2)})\n", str(tmp_path / "root"))
+    assert done.returncode == 0, done.stderr
+    done = fresh("import sys\n"
+                 "from registry.cli import main\n"
+                 "try:\n"
+                 "    main(['--root', sys.argv[1], *sys.argv[2:]])\n"
+                 "except SystemExit as exc:\n"
+                 "    assert not exc.code, exc.code\n"
+                 "print('loaded', *sorted(sys.modules))", str(tmp_path / "root"), *args)
+    assert done.returncode == 0, done.stderr
+    loaded = set(done.stdout.split("loaded", 1)[1].split())
+    assert "registry.cli.runs" in loaded  # the probe works: the command's own module is there
+    assert sorted(m for m in loaded for heavy in NOT_FOR_A_LISTING
+                  if m == heavy or m.startswith(heavy + ".")) == []
+
+
+def test_every_command_is_found_under_its_own_name() -> None:
+    from registry.cli.main import COMMAND_HOMES, COMMANDS
+    assert [command.name for command in COMMANDS] == list(COMMAND_HOMES)

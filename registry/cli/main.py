@@ -5,12 +5,56 @@ The top group and its global options, and the one list that registers every comm
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import importlib
+from collections.abc import Iterator, MutableMapping, Sequence
 
 import click
 
-from registry.cli import lineage, maintenance, runs, transfer, ui
 from registry.cli.common import State
+
+# Every command, registered here and nowhere else (docs/cli.md is written from this list, in this order): its
+# name, and the module and attribute that define it. A module is imported when one of its commands is first
+# looked up, to run it or to list it in --help: ``registry ls`` imports the reading commands' module alone.
+COMMAND_HOMES: dict[str, str] = {
+    "runs": "registry.cli.runs:runs", "ls": "registry.cli.runs:ls", "show": "registry.cli.runs:show",
+    "resolve": "registry.cli.runs:resolve", "tag": "registry.cli.runs:tag", "untag": "registry.cli.runs:untag",
+    "metrics": "registry.cli.runs:metrics",
+    "db": "registry.cli.maintenance:db", "verify": "registry.cli.maintenance:verify",
+    "gc": "registry.cli.maintenance:gc", "fsck": "registry.cli.maintenance:fsck",
+    "replicate": "registry.cli.maintenance:replicate",
+    "import": "registry.cli.transfer:import_", "export": "registry.cli.transfer:export",
+    "checkout": "registry.cli.transfer:checkout",
+    "lineage": "registry.cli.lineage:lineage", "diff": "registry.cli.lineage:diff",
+    "ui": "registry.cli.ui:ui",
+}
+
+
+class Commands(MutableMapping[str, click.Command]):
+    """The top group's commands by name (click's ``Group.commands``), each imported from its home in
+    :data:`COMMAND_HOMES` on first lookup. Listing the names (``--help``'s order, "did you mean") imports
+    nothing; a command added with ``add_command`` is kept as given."""
+
+    def __init__(self, homes: dict[str, str]) -> None:
+        self._entries: dict[str, click.Command | str] = dict(homes)
+
+    def __getitem__(self, name: str) -> click.Command:
+        entry = self._entries[name]
+        if isinstance(entry, str):
+            module, _, attribute = entry.partition(":")
+            entry = self._entries[name] = getattr(importlib.import_module(module), attribute)
+        return entry
+
+    def __setitem__(self, name: str, command: click.Command) -> None:
+        self._entries[name] = command
+
+    def __delitem__(self, name: str) -> None:
+        del self._entries[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
 
 class Main(click.Group):
@@ -67,7 +111,8 @@ def _print_version(ctx: click.Context) -> None:
         ctx.exit()
 
 
-@click.group(cls=Main, epilog="Environment: REGISTRY_URL, REGISTRY_ROOT, REGISTRY_DURABLE and REGISTRY_READ_ONLY set "
+@click.group(cls=Main, commands=Commands(COMMAND_HOMES),
+             epilog="Environment: REGISTRY_URL, REGISTRY_ROOT, REGISTRY_DURABLE and REGISTRY_READ_ONLY set "
              "the options of the "
              "same names; REGISTRY_UI_TOKEN is registry ui's --token. Global options may follow the command.")
 @click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=lambda ctx, _, value:
@@ -98,14 +143,12 @@ def main(ctx: click.Context, url: str | None, root: str | None, durable: str | N
     ctx.call_on_close(state.close)
 
 
-# Every command, registered here and nowhere else (docs/cli.md is written from this list, in this order).
-COMMANDS: tuple[click.Command, ...] = (
-    runs.runs, runs.ls, runs.show, runs.resolve, runs.tag, runs.untag, runs.metrics,
-    maintenance.db, maintenance.verify, maintenance.gc, maintenance.fsck, maintenance.replicate,
-    transfer.import_, transfer.export, transfer.checkout, lineage.lineage, lineage.diff, ui.ui,
-)
-for command in COMMANDS:
-    main.add_command(command)
+def __getattr__(name: str) -> tuple[click.Command, ...]:
+    # COMMANDS: every command, in COMMAND_HOMES's order, each module imported (for docs/cli.md and the tests)
+    if name == "COMMANDS":
+        return tuple(main.commands[command] for command in COMMAND_HOMES)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 if __name__ == "__main__":  # pragma: no cover
     main()
