@@ -33,7 +33,6 @@ from registry.ops.attempts import Attempts, Fork
 from registry.records import HAS_PAYLOAD, LIVE, CheckpointInfo, EventInfo, MetricPoint, RunInfo, Status
 from registry.format.refs import Ref, check_run_name, check_step, check_tag_name, parse_ref
 from registry.fs.bounds import check_outside_root
-from registry.fs.objects import is_object_url
 from registry.fs.store import Store, now_timestamp, write_payload
 from registry.ops.writers import close_writer, open_writer, writer_alive, writer_id
 from registry.fs.validation import check_flags, check_metrics, check_tags, checked_payload
@@ -72,10 +71,19 @@ def locations(url: str | None, root: str | os.PathLike[str] | None) -> tuple[Pat
     A directory comes back as an absolute ``Path``, an ``s3://`` root as its URL (see :func:`object_locations`).
     """
     chosen = root if root is not None else os.environ.get("REGISTRY_ROOT", DEFAULT_ROOT)
-    if is_object_url(str(chosen)):
+    if _names_object_root(str(chosen)):
         return object_locations(url, str(chosen))
     root_path = Path(chosen).absolute()
     return root_path, url or os.environ.get("REGISTRY_URL") or f"sqlite:///{Store.default_catalog(root_path)}"
+
+
+def _names_object_root(text: str) -> bool:
+    """:func:`registry.fs.objects.is_object_url`, whose module (the object store's client side) is imported only
+    for a text that is a URL at all: a directory root never needs it."""
+    if "://" not in text:
+        return False
+    from registry.fs.objects import is_object_url
+    return is_object_url(text)
 
 
 def object_locations(url: str | None, root: str) -> tuple[str, str]:
@@ -256,7 +264,7 @@ class Registry:
         """:meth:`open` with a durable tier: the durable root bound to the catalog, the fast root its tier."""
         from registry.catalog.identity import read_identity
         from registry.catalog.session import cannot_write
-        from registry.fs.objects import ObjectRoot
+        from registry.fs.objects import ObjectRoot, is_object_url
         from registry.ops.tiers import Tiers, open_tier
 
         if isinstance(fast, str):

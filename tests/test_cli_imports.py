@@ -92,13 +92,13 @@ def test_a_listing_starts_no_child_process(tmp_path: Path) -> None:
     assert done.stdout.strip().endswith("started []"), done.stdout
 
 
-# What a listing never needs: the other commands' modules, the writers' and verifiers' (manifest, safetensors,
-# hashing), the background publisher's copies, the migrations (Alembic, for a catalog already at head), the ORM
-# and torch. Each is imported by the command or the call that uses it.
+# What a listing of a directory root never needs: the other commands' modules, the writers' and verifiers'
+# (manifest, safetensors, hashing), the object store's, the background publisher's copies, the migrations (Alembic,
+# for a catalog already at head), the ORM and torch. Each is imported by the command or the call that uses it.
 NOT_FOR_A_LISTING = ("registry.cli.maintenance", "registry.cli.transfer", "registry.cli.lineage", "registry.cli.ui",
                      "registry.cli.terminal", "registry.format.manifest", "registry.format.safetensors",
-                     "registry.fs.hashing", "registry.fs.payloadfiles", "registry.fs.snapshot", "alembic",
-                     "sqlalchemy.orm", "torch", "numpy", "xxhash")
+                     "registry.fs.hashing", "registry.fs.payloadfiles", "registry.fs.snapshot", "registry.fs.objects",
+                     "alembic", "sqlalchemy.orm", "torch", "numpy", "xxhash")
 
 
 @pytest.mark.parametrize("args", [["ls", "demo"], ["runs"], ["resolve", "demo"]], ids=" ".join)

@@ -24,27 +24,30 @@ the rules say: for a root restored without its ``.registry/`` directory.
 from __future__ import annotations
 
 import socket
+from typing import TYPE_CHECKING
 
 from registry.catalog.identity import Identity, live_paths, locked_identity, read_identity, record_binding
 from registry.catalog.queries import Catalog
 from registry.errors import RootMismatchError
 from registry.format.layout import REGISTRY_DIR, ROOT_MARKER
-from registry.fs.objects import ObjectRoot
 from registry.fs.store import Store
 
-Root = Store | ObjectRoot  # a directory, or an s3:// prefix (whose marker is written create-only)
+if TYPE_CHECKING:  # told apart from a Store by not being one: a directory root never imports the object store
+    from registry.fs.objects import ObjectRoot
+
+    Root = Store | ObjectRoot  # a directory, or an s3:// prefix (whose marker is written create-only)
 
 EVIDENCE_ROWS = 64  # how many of the newest live checkpoints an unbound catalog looks for under a new root
 
 
 def _where(store: Root) -> str:
-    return store.url() if isinstance(store, ObjectRoot) else str(store.root)
+    return str(store.root) if isinstance(store, Store) else store.url()
 
 
 def _holds(store: Root, relpath: str) -> bool:
-    if isinstance(store, ObjectRoot):
-        return store.head(f"{relpath}/manifest.json") is not None
-    return (store.root / relpath).is_dir()
+    if isinstance(store, Store):
+        return (store.root / relpath).is_dir()
+    return store.head(f"{relpath}/manifest.json") is not None
 
 
 def _mismatch(store: Root, url: str, identity: Identity, marker: str | None) -> RootMismatchError:
@@ -57,7 +60,7 @@ def _mismatch(store: Root, url: str, identity: Identity, marker: str | None) -> 
                f"(bound from {identity.root_hint}); a wrong or unmounted path? Each host passes its own mount "
                "of that root as --root")
     return RootMismatchError(f"checkpoint root {root} does not belong to the catalog: {why}",
-                             path=None if isinstance(store, ObjectRoot) else store.root)
+                             path=store.root if isinstance(store, Store) else None)
 
 
 def _no_evidence(store: Root, url: str, paths: list[str]) -> RootMismatchError | None:
@@ -67,7 +70,7 @@ def _no_evidence(store: Root, url: str, paths: list[str]) -> RootMismatchError |
     return RootMismatchError(
         f"checkpoint root {_where(store)} holds none of the newest {len(paths)} checkpoints of catalog {url} "
         f"(such as {paths[0]}): a wrong or unmounted path? If it is the right root, run "
-        "'registry db bind-root'", path=None if isinstance(store, ObjectRoot) else store.root)
+        "'registry db bind-root'", path=store.root if isinstance(store, Store) else None)
 
 
 def check_binding(catalog: Catalog, store: Root, *, url: str, bind: bool, rebind: bool = False) -> None:
@@ -104,10 +107,10 @@ def check_binding(catalog: Catalog, store: Root, *, url: str, bind: bool, rebind
                 refusal = _no_evidence(store, url, live_paths(conn, limit=EVIDENCE_ROWS))
                 if refusal is not None:
                     raise refusal
-            if isinstance(store, ObjectRoot):
-                store.write_marker(identity.catalog_id, bound_from=hint, overwrite=rebind)
-            else:
+            if isinstance(store, Store):
                 store.write_marker(identity.catalog_id, bound_from=hint)
+            else:
+                store.write_marker(identity.catalog_id, bound_from=hint, overwrite=rebind)
             wrote = marker != identity.catalog_id
             record_binding(conn, hint=hint)
     except BaseException:
