@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import os
 from collections.abc import Callable
+from concurrent.futures import wait
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -131,7 +132,8 @@ def fetch(root: ObjectRoot, key: str, entry: FileEntry, *, verify: bool, directo
 def _get_pieces(root: ObjectRoot, key: str, entry: FileEntry, *, verify: bool, directory: Path,
                 land: Callable[[int, Any], None]) -> bool:
     """Hand each piece of one object to ``land(offset, bytes)``, fetched by concurrent ranged GETs and, when
-    ``verify``, checked against the manifest's pieces first; whether they were (False: it records none)."""
+    ``verify``, checked against the manifest's pieces first; whether they were (False: it records none).
+    Returns or raises only once no piece is in flight."""
     path = directory / entry.name
     head = root.head(key)
     if head is None:
@@ -161,9 +163,16 @@ def _get_pieces(root: ObjectRoot, key: str, entry: FileEntry, *, verify: bool, d
 
     if len(starts) == 1:
         one(0)
-    else:
-        for _ in _POOL.map(one, range(len(starts))):
-            pass
+        return pieces is not None
+    futures = [_POOL.submit(one, index) for index in range(len(starts))]
+    try:
+        for future in futures:
+            future.result()
+    except BaseException:
+        for future in futures:
+            future.cancel()
+        wait(futures)  # no piece lands after this returns: the caller closes what they land in
+        raise
     return pieces is not None
 
 
