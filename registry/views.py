@@ -207,7 +207,7 @@ def step_view(reg: Registry, ref: str) -> StepView:
         if row is None or row.status not in NO_PAYLOAD:
             raise
         info = reg.placed(row)
-    from registry.fs.dedup import shared_bytes
+    from registry.fs.inodes import shared_bytes
     events = reg.events(info.run, step=info.step)
     shared = 0
     if info.status not in NO_PAYLOAD and reg.objects is None:  # objects are never hard-linked

@@ -43,7 +43,7 @@ import torch
 
 from registry import Registry
 from registry.errors import CheckpointNotFoundError, StepExistsError
-from registry.fs.dedup import inodes
+from registry.fs.inodes import inodes
 from tests.killharness import _exists as stored_exists
 from tests.killharness import _pg_url_factory, context, leftovers, settle, state, worker_url
 

@@ -14,7 +14,8 @@ import torch
 
 from registry import Registry
 from registry.crashpoints import arm
-from registry.fs.dedup import link_identical, shared_bytes
+from registry.fs.dedup import link_identical
+from registry.fs.inodes import shared_bytes
 from registry.retention import KeepLast
 from tests.helpers import assert_state_equal, make_state
 from tests.killharness import context, settle, worker_url

@@ -16,6 +16,7 @@ from registry.catalog.lineage import identical_files
 from registry.crashpoints import arm
 from registry.errors import PublishError
 from registry.fs import dedup
+from registry.fs.inodes import inodes
 from registry.retention import KeepTagged, MaxBytes, Policy, RetentionContext
 from registry.views import plan_shared_bytes, step_view
 from tests.helpers import assert_state_equal
@@ -59,7 +60,7 @@ def flip(path: Path) -> int:
 
 
 def inodes_of(directory: Path) -> set[tuple[int, int]]:
-    return set(dedup.inodes(directory))
+    return set(inodes(directory))
 
 
 def disk_bytes(root: Path) -> int:
@@ -249,7 +250,7 @@ def test_shared_bytes_count_only_what_kept_steps_hold(catalog_url: str, root: Pa
         assert sorted(plan.delete) == [1, 3]
         assert plan_shared_bytes(plan) == 0
         assert plan.bytes_freed == sum(s for d in (reg.resolve("run@1").path, three)
-                                       for s in dedup.inodes(d).values()) - shard.stat().st_size
+                                       for s in inodes(d).values()) - shard.stat().st_size
         outside = tmp_path / "checkout"
         outside.mkdir()
         four = reg.resolve("run@4").path

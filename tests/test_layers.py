@@ -57,7 +57,7 @@ TORCH_FREE = ("registry", "registry.catalog", "registry.catalog.queries", "regis
               "registry.fs.snapshot", "registry.fs.validation", "registry.fs.store", "registry.fs.filemaps",
               "registry.format.safetensors", "registry.fs.hashing", "registry.fs.mapping", "registry.cli.transfer",
               "registry.views", "registry.cli.ui",
-              "registry.web", "registry.catalog.lineage", "registry.fs.dedup", "registry.cli.lineage",
+              "registry.web", "registry.catalog.lineage", "registry.fs.dedup", "registry.fs.inodes", "registry.cli.lineage",
               "registry.cli.common", "registry.cli.runs", "registry.cli.maintenance", "registry.cli.main",
               "registry.cli.docs", "registry.fs.objects", "registry.fs.payloadfiles", "registry.fs.objectwrite",
               "registry.fs.objectread", "registry.ops.objectlanding",

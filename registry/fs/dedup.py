@@ -48,7 +48,7 @@ import os
 import secrets
 import stat
 import threading
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,6 +58,7 @@ from registry.format.manifest import MANIFEST, FileEntry, digest_bytes, manifest
 from registry.format import pieces as piece_format
 from registry.format.pieces import HeldBytes
 from registry.fs.hashing import libc_function
+from registry.fs.inodes import Inode, inodes
 from registry.fs.store import fsync_dir
 from registry.pools import Pool
 
@@ -68,9 +69,6 @@ CHUNK = 2 << 20  # two of these are all a confirmation holds: a publish stays a 
 MIN_LINK_BYTES = 1 << 20
 #: never linked whatever their size: small, per-step, and read by every load
 NEVER_LINKED = frozenset({MANIFEST, "meta.json", "config.json"})
-
-Inode = tuple[int, int]  # (st_dev, st_ino)
-
 
 def linkable(name: str, size: int) -> bool:
     """Whether dedup may store ``name`` (of ``size`` bytes) as a link at all."""
@@ -385,73 +383,6 @@ def _same(view: memoryview, base: int, offset: int, part: memoryview) -> bool:
     return bool(_MEMCMP(base + offset, address, len(part)) == 0)
 
 
-def _files(directories: Iterable[Path]) -> Iterator[os.stat_result]:
-    """The ``lstat`` of every regular file under ``directories`` (subdirectories too), one per name.
-
-    A directory that cannot be read has none: what it holds is unknown, never guessed.
-    """
-    pending = list(directories)
-    while pending:
-        try:
-            entries = list(os.scandir(pending.pop()))
-        except OSError:
-            continue
-        for entry in entries:
-            try:
-                st = entry.stat(follow_symlinks=False)
-            except OSError:
-                continue
-            if stat.S_ISDIR(st.st_mode):
-                pending.append(Path(entry.path))
-            elif stat.S_ISREG(st.st_mode):
-                yield st
-
-
-def inodes(directory: Path) -> dict[Inode, int]:
-    """The regular files under ``directory`` (subdirectories too), by inode, with their sizes."""
-    return held((directory,))
-
-
-def held(directories: Iterable[Path]) -> dict[Inode, int]:
-    """Every inode the ``directories`` hold between them, with its size."""
-    return {(st.st_dev, st.st_ino): st.st_size for st in _files(directories)}
-
-
-def names_per_inode(directories: Iterable[Path]) -> tuple[dict[Inode, int], dict[Inode, int]]:
-    """For the regular files under ``directories``: inode -> size, and inode -> how many of their names hold it.
-
-    An inode whose names here equal its ``st_nlink`` has no name anywhere else:
-    removing these directories frees its bytes.
-    """
-    sizes: dict[Inode, int] = {}
-    names: dict[Inode, int] = {}
-    nlink: dict[Inode, int] = {}
-    for st in _files(directories):
-        key = (st.st_dev, st.st_ino)
-        sizes[key] = st.st_size
-        names[key] = names.get(key, 0) + 1
-        nlink[key] = st.st_nlink
-    return sizes, {k: n for k, n in names.items() if n >= nlink[k]}
-
-
-def freed_bytes(doomed: Iterable[Path]) -> int:
-    """The bytes removing the ``doomed`` directories would actually free: inodes with no name elsewhere."""
-    sizes, only_here = names_per_inode(doomed)
-    return sum(sizes[k] for k in only_here)
-
-
-def shared_bytes(directory: Path, others: Iterable[Path]) -> int:
-    """Bytes of ``directory``'s files that one of the ``others`` (other steps' directories) also holds.
-
-    What linking saved; what deleting ``directory`` alone would not free
-    because those steps keep it. Links held by anything else (a checkout, a
-    copy elsewhere) are not "shared with other steps".
-    """
-    mine = inodes(directory)
-    theirs = held(o for o in others if o != directory)
-    return sum(size for key, size in mine.items() if key in theirs)
-
-
 def unshare(newer: Path, older: Path) -> list[str]:
     """Give ``newer`` its own copy of each file whose inode ``older`` also holds; the names copied.
 
@@ -526,5 +457,4 @@ def _copy_over(path: Path, st: os.stat_result, sha256: str) -> bool:
         os.close(src)
 
 
-__all__ = ["Inode", "Linked", "MIN_LINK_BYTES", "NEVER_LINKED", "Source", "freed_bytes", "held", "inodes",
-           "link_held", "link_identical", "linkable", "names_per_inode", "shared_bytes", "unshare"]
+__all__ = ["Linked", "MIN_LINK_BYTES", "NEVER_LINKED", "Source", "link_held", "link_identical", "linkable", "unshare"]

@@ -41,7 +41,8 @@ from registry.fs import dedup as dedup_files
 from registry.format.manifest import FileEntry
 from registry.format.pieces import NotHeld
 from registry.format.safetensors import Encoded
-from registry.fs.dedup import Inode, Linked, Source, link_held, link_identical, unshare
+from registry.fs.dedup import Linked, Source, link_held, link_identical, unshare
+from registry.fs.inodes import Inode, held
 from registry.fs.store import (FileProblem, Reuse, Written, check_written, discard, install, new_staging,
                                remove_stale_staging, uninstall)
 from registry.ops.writers import writer_alive
@@ -219,7 +220,7 @@ def link_duplicates(catalog: Catalog, staging: Path, root: Path, written: Writte
             paths.append(root / hit.path / hit.name)
     if not candidates:
         return []
-    exclude = dedup_files.held(root / n.path for n in near)
+    exclude = held(root / n.path for n in near)
     return link_identical(staging, candidates, exclude=exclude)
 
 
@@ -256,7 +257,7 @@ class HeldSources:
         if not files:
             return None
         if self._exclude is None:
-            self._exclude = dedup_files.held(self._root / n.path for n in near)
+            self._exclude = held(self._root / n.path for n in near)
         try:
             found = link_held(staging, name, encoded.lengths, encoded.held,
                               [Source(step_dir=self._root / f.path, name=f.name, sha256=f.sha256,

@@ -42,7 +42,7 @@ from registry.crashpoints import crashpoint
 from registry.errors import PolicyError
 from registry.format.layout import scan_run
 from registry.format.refs import check_run_name
-from registry.fs import dedup as dedup_files
+from registry.fs import inodes as inode_files
 from registry.fs.removal import remove_checkpoint_dir, remove_tree
 from registry.ops.checkouts import reclaim as reclaim_checkouts
 from registry.ops.protocol import keep_fallback_apart
@@ -98,17 +98,17 @@ class FileDeletion:
 
     def held(self, info: CheckpointInfo) -> Mapping[Any, int]:
         """What a candidate's directory holds on disk, for :class:`~registry.retention.MaxBytes`."""
-        return dedup_files.inodes(Path(info.path))
+        return inode_files.inodes(Path(info.path))
 
     def freed_bytes(self, doomed: Sequence[CheckpointInfo]) -> int:
-        return dedup_files.freed_bytes(Path(c.path) for c in doomed)
+        return inode_files.freed_bytes(Path(c.path) for c in doomed)
 
     def kept_bytes(self, kept: Sequence[CheckpointInfo]) -> int:
         """Bytes on disk of the steps' directories, each inode once (a catalog size where one cannot be read)."""
-        seen: dict[dedup_files.Inode, int] = {}
+        seen: dict[inode_files.Inode, int] = {}
         unread = 0
         for c in kept:
-            held = dedup_files.inodes(Path(c.path))
+            held = inode_files.inodes(Path(c.path))
             if not held:
                 unread += c.total_bytes
             seen.update(held)
@@ -117,8 +117,8 @@ class FileDeletion:
     def shared_bytes(self, doomed: Sequence[Path], kept: Sequence[Path]) -> int:
         """Counted per inode, and only what a *kept* step links: two deleted steps sharing a file between
         them free it, and a name elsewhere (a checkout) is not a step."""
-        held = dedup_files.held(doomed)
-        also = dedup_files.held(kept)
+        held = inode_files.held(doomed)
+        also = inode_files.held(kept)
         return sum(size for key, size in held.items() if key in also)
 
     def guard(self, catalog: Catalog, run: str, doomed: Sequence[int]) -> dict[int, str]:
