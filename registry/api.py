@@ -9,9 +9,9 @@ state has been copied (``registry.fs.snapshot``).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
-import functools
 import threading
 import warnings
 import weakref
