@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from registry.fs.filemaps import Loaded, check_extras, read_directory
-from registry.fs.store import Payload, save_directory
+from registry.fs.store import save_directory
+from registry.fs.payloadfiles import Payload
 from registry.fs.validation import saved_payload
 
 if TYPE_CHECKING:

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+import registry.fs.payloadfiles as payloadfiles
 import registry.fs.store as store_mod
 from registry import (AsyncPublishError, CheckpointInfo, CheckpointNotFoundError, InvalidNameError, PublishError,
                       Registry, StepExistsError)
@@ -92,7 +93,7 @@ class GatedWriter:
         self._monkeypatch = monkeypatch
         monkeypatch.setattr("registry.api.write_payload", self)
 
-    def __call__(self, staging: Path, payload: store_mod.Payload, **options: Any) -> store_mod.Written:
+    def __call__(self, staging: Path, payload: payloadfiles.Payload, **options: Any) -> payloadfiles.Written:
         self.entered.set()
         assert self.gate.wait(WAIT), "the test never released the held publish"
         return self.real(staging, payload, **options)

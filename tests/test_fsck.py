@@ -22,7 +22,8 @@ from registry.catalog import Claim
 from registry.cli import main
 from registry.ops.fsck import FsckReport
 from registry.records import CheckpointInfo
-from registry.fs.store import Payload, install, new_staging, now_timestamp, write_payload
+from registry.fs.store import install, new_staging, now_timestamp, write_payload
+from registry.fs.payloadfiles import Payload
 from tests.helpers import assert_state_equal, make_state
 
 DEAD = f"{socket.gethostname()}:4194399"  # above Linux's pid_max: provably not running

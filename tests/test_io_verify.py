@@ -17,7 +17,8 @@ import registry.format.pieces as pieces_mod
 from registry import CorruptCheckpointError, ManifestError, Registry
 from registry.format.manifest import MANIFEST, WEIGHTS, read_manifest
 from registry.fs.filemaps import read_directory
-from registry.fs.store import Payload, check_written, verify_directory, write_payload
+from registry.fs.store import check_written, verify_directory, write_payload
+from registry.fs.payloadfiles import Payload
 from tests.helpers import assert_state_equal, make_state
 
 

@@ -31,7 +31,8 @@ from registry.format.layout import hidden_sibling
 from registry.format.manifest import MANIFEST, WEIGHTS, WEIGHTS_INDEX
 from registry.format.refs import MAX_STEP, Ref, check_run_name, check_step, parse_ref
 from registry.fs.payloadfiles import json_bytes
-from registry.fs.store import Store, Written
+from registry.fs.store import Store
+from registry.fs.payloadfiles import Written
 from registry.ops.writers import writer_alive
 from tests.helpers import assert_state_equal, fail_commits, make_state
 
@@ -110,11 +111,11 @@ def test_json_that_would_not_read_back_as_written_is_refused(doc: dict[str, obje
 
 def test_json_nested_too_deeply_is_refused_with_one_line() -> None:
     shallow: object = []  # the dict is level 1, each list one more
-    for _ in range(store_mod.MAX_JSON_DEPTH - 2):
+    for _ in range(payloadfiles.MAX_JSON_DEPTH - 2):
         shallow = [shallow]
     json_bytes({"x": shallow}, "meta")
     too_deep: object = []
-    for _ in range(store_mod.MAX_JSON_DEPTH - 1):
+    for _ in range(payloadfiles.MAX_JSON_DEPTH - 1):
         too_deep = [too_deep]
     with pytest.raises(InvalidStateError, match="nested more than"):
         json_bytes({"x": too_deep}, "meta")

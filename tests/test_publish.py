@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 
+import registry.fs.payloadfiles as payloadfiles
 import registry.fs.store as store_mod
 from registry import (CheckpointNotFoundError, CorruptCheckpointError, InvalidStateError, PublishError,
                       Registry, StepExistsError)
@@ -58,7 +59,7 @@ def test_staging_is_invisible_until_publish(reg: Registry, monkeypatch: pytest.M
     seen: dict[str, object] = {}
     real_write = store_mod.write_payload
 
-    def spy(staging: Path, payload: store_mod.Payload, **options: Any) -> store_mod.Written:
+    def spy(staging: Path, payload: payloadfiles.Payload, **options: Any) -> payloadfiles.Written:
         written = real_write(staging, payload, **options)
         seen["latest"] = reg.resolve("run@latest-published").step
         seen["listing"] = sorted(p.name for p in (reg.store.root / "run").iterdir())

@@ -15,6 +15,7 @@ import pytest
 from sqlalchemy import select, update
 
 import registry.ops.protocol as protocol
+import registry.fs.payloadfiles as payloadfiles
 import registry.fs.store as store_mod
 from registry import Registry, StepExistsError
 from registry.catalog import Claim
@@ -97,7 +98,7 @@ def test_a_publish_refreshes_its_row_while_it_writes(sqlite_reg: Registry, monke
             claims.append(claim)
             beat.notify_all()
 
-    def slow_write(staging: Path, payload: store_mod.Payload, **options: Any) -> store_mod.Written:
+    def slow_write(staging: Path, payload: payloadfiles.Payload, **options: Any) -> payloadfiles.Written:
         gate.wait()  # a write that outlasts several beats
         return real_write(staging, payload, **options)
 

@@ -68,7 +68,8 @@ from registry.fs.dcpfiles import (check_share, checked_metadata, dcp_failures, h
                                   wanted, write_sharded_tail, write_threads)
 from registry.fs.filemaps import read_json
 from registry.fs.mapping import host_view, map_file, read_error
-from registry.fs.store import Payload, Written, now_timestamp
+from registry.fs.store import now_timestamp
+from registry.fs.payloadfiles import Payload, Written
 from registry.fs.validation import check_flags, check_tags, checked_payload
 from registry.format.refs import check_run_name, check_step
 from registry.ops.reading import Access, CatalogRead, check_digest, report

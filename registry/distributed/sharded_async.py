@@ -50,7 +50,7 @@ from registry.records import CheckpointInfo
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from registry.fs.store import Payload, Written
+    from registry.fs.payloadfiles import Payload, Written
 
 
 @dataclass(kw_only=True)

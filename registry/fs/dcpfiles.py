@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     import torch
     from torch.distributed.checkpoint.metadata import Metadata
 
-    from registry.fs.store import Written
+    from registry.fs.payloadfiles import Written
 
 
 def unpickle_metadata(raw: bytes, *, path: Path) -> Metadata:
@@ -149,7 +149,8 @@ def write_sharded_tail(staging: Path, *, entries: Mapping[str, FileEntry], layou
 
     ``entries`` are the DCP files every rank wrote, as their writers hashed them.
     """
-    from registry.fs.store import Written, fsync_dir
+    from registry.fs.store import fsync_dir
+    from registry.fs.payloadfiles import Written
     files = dict(entries)
     for name, raw in ((META, meta_raw), (CONFIG, config_raw)):
         files[name] = _write_small(staging / name, raw)

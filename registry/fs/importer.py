@@ -36,7 +36,8 @@ from registry.format.manifest import (CONFIG, MANIFEST, META, WEIGHTS, WEIGHTS_I
                                       check_file_name, digest_bytes, read_manifest)
 from registry.format.refs import MAX_STEP
 from registry.format.sharding import DCP_METADATA
-from registry.fs.store import Written, fsync_dir, now_timestamp
+from registry.fs.store import fsync_dir, now_timestamp
+from registry.fs.payloadfiles import Written
 from registry.fs.hashing import CHUNK, HashingWriter, sha256_file
 
 if TYPE_CHECKING:

@@ -1,6 +1,6 @@
 """A payload uploaded to an attempt prefix in a bucket, hashed on the way; and the check of what the server stored.
 
-The files are those :func:`registry.fs.store.write_files` writes on a
+The files are those :func:`registry.fs.payloadfiles.write_files` writes on a
 filesystem, each streamed from the tensors' memory through the same hashing
 writer (sha256 and xxh3-128 pieces computed while uploading, nothing read
 back), into parts uploaded concurrently. The small files (meta, config,

@@ -30,20 +30,7 @@ from registry.pools import Pool
 if TYPE_CHECKING:  # the writers' and the verifiers' modules, imported where they run: a listing opens a Store
     from registry.format.manifest import FileEntry, Manifest
     from registry.format.safetensors import Encoded
-    from registry.fs.payloadfiles import (MAX_JSON_DEPTH, Payload, Written, entry_of, json_bytes,  # noqa: F401
-                                          write_files)
-
-# what this module hands on from registry.fs.payloadfiles, imported on first use (see __getattr__)
-_PAYLOAD_FILES = frozenset({"MAX_JSON_DEPTH", "Payload", "Written", "entry_of", "json_bytes", "write_files"})
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _PAYLOAD_FILES:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from registry.fs import payloadfiles
-    value = getattr(payloadfiles, name)
-    globals()[name] = value  # later lookups skip this function
-    return value
+    from registry.fs.payloadfiles import Payload, Written
 
 
 def remove_stale_staging(final: Path) -> list[Path]:

@@ -5,7 +5,7 @@ row (and, with ``blocking=False``, an error that only shows on the future);
 one that succeeds with a value the reader refuses condemns the step at its
 first load. So every argument is checked here, on the caller's thread,
 against the rules of whatever will read it back: ``config`` and ``meta`` are
-encoded once to the JSON bytes the writer stores (``registry.fs.store.json_bytes``),
+encoded once to the JSON bytes the writer stores (``registry.fs.payloadfiles.json_bytes``),
 the fields that reach ``manifest.json`` go through the manifest's own parser,
 the numbers that reach the catalog must fit its 64-bit columns, and every
 ``extra`` must load under ``torch.load(weights_only=True)`` unless the caller

@@ -20,7 +20,8 @@ from registry.errors import PublishError, RegistryError, StorageError
 from registry.fs.objects import ObjectRoot
 from registry.fs.objectwrite import check_uploaded
 from registry.fs.prefixes import remove_prefix
-from registry.fs.store import FileProblem, Written
+from registry.fs.store import FileProblem
+from registry.fs.payloadfiles import Written
 from registry.records import HAS_PAYLOAD
 
 log = logging.getLogger(__name__)

@@ -43,8 +43,9 @@ from registry.format.pieces import NotHeld
 from registry.format.safetensors import Encoded
 from registry.fs.dedup import Linked, Source, link_held, link_identical, unshare
 from registry.fs.inodes import Inode, held
-from registry.fs.store import (FileProblem, Reuse, Written, check_written, discard, install, new_staging,
-                               remove_stale_staging, uninstall)
+from registry.fs.payloadfiles import Written
+from registry.fs.store import (FileProblem, Reuse, check_written, discard, install, new_staging, remove_stale_staging,
+                               uninstall)
 from registry.ops.writers import writer_alive
 
 log = logging.getLogger(__name__)
