@@ -106,8 +106,7 @@ def _bound_catalog(url: str, root: Store | ObjectRoot, *, migrate: bool, create:
     try:
         catalog = (ReadOnlyCatalog.open(url) if read_only
                    else Catalog(open_engine(url, migrate=migrate, create=create)))
-        check_binding(catalog, root, url=catalog.engine.url.render_as_string(hide_password=True),
-                      bind=create and not read_only, rebind=rebind and not read_only)
+        check_binding(catalog, root, bind=create and not read_only, rebind=rebind and not read_only)
     except BaseException:
         if catalog is not None:
             catalog.close()
@@ -1278,8 +1277,8 @@ class Registry:
             raise
 
     def __repr__(self) -> str:
-        url = self.catalog.engine.url.render_as_string(hide_password=True)
-        return f"Registry(url={url!r}, root={self.root_url!r})"
+        from registry.catalog.session import safe_url
+        return f"Registry(url={safe_url(self.catalog.engine.url)!r}, root={self.root_url!r})"
 
 
 __all__ = ["Registry", "RegistryError", "step_dirname"]

@@ -269,8 +269,8 @@ def load_snippets(info: CheckpointInfo, *, root: Any = None, url: str | None = N
         if url is not None and url == f"sqlite:///{Store.default_catalog(Path(root))}":
             url = None
         if url is not None:
-            from sqlalchemy.engine import make_url
-            url = make_url(url).render_as_string(hide_password=True)
+            from registry.catalog.session import safe_url
+            url = safe_url(url)
         options = f" --root {shlex.quote(str(root))}" + (f" --url {shlex.quote(url)}" if url else "")
         args = f"root={str(root)!r}" + (f", url={url!r}" if url else "")
     return {"shell": f"registry{options} show {ref}\nregistry{options} resolve {ref}",

@@ -15,7 +15,7 @@ from datetime import datetime, timezone
 from sqlalchemy import Connection, Engine, select, update
 
 from registry.catalog.models import CatalogIdentity, CheckpointRow
-from registry.catalog.session import retrying, write_connection
+from registry.catalog.session import retrying, safe_url, write_connection
 from registry.errors import CatalogError
 from registry.records import LIVE
 
@@ -33,8 +33,7 @@ def _select(conn: Connection, *, lock: bool) -> Identity:
         query = query.with_for_update()  # PostgreSQL; SQLite's BEGIN IMMEDIATE already serialises writers
     row = conn.execute(query).first()
     if row is None:
-        url = conn.engine.url.render_as_string(hide_password=True)
-        raise CatalogError(f"catalog {url} has no identity row; run 'registry db upgrade'")
+        raise CatalogError(f"catalog {safe_url(conn.engine.url)} has no identity row; run 'registry db upgrade'")
     return Identity(catalog_id=row.catalog_id, root_bound_at=row.root_bound_at, root_hint=row.root_hint)
 
 

@@ -31,7 +31,7 @@ from contextvars import ContextVar
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
-from urllib.parse import quote
+from urllib.parse import quote, quote_plus
 
 from sqlalchemy import URL, Connection, Engine, create_engine, event, text
 from sqlalchemy.engine import make_url
@@ -47,6 +47,7 @@ if TYPE_CHECKING:  # Alembic is imported under _quiet_alembic: its first import 
 
 BUSY_TIMEOUT_MS = 60_000
 _ADVISORY_KEY = 0x5E61_57E7  # "registry" migrations lock on PostgreSQL
+_SECRET_PARAMETERS = frozenset({"password", "sslpassword"})  # libpq's keywords that hold a secret
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 _hushed: ContextVar[bool] = ContextVar("registry_hush_alembic", default=False)
@@ -277,7 +278,7 @@ def cannot_write(url: str) -> bool:
     read-only copy or mount (it needs the file and, for ``-wal``/``-shm``, its directory)."""
     try:
         parsed = make_url(url)
-    except ArgumentError:
+    except (ArgumentError, ValueError):
         return False  # make_engine says what is wrong with it
     if parsed.get_backend_name() != "sqlite" or not parsed.database:
         return False
@@ -290,8 +291,8 @@ def make_engine(url: str, *, create: bool = True, read_only: bool = False) -> En
     of creating it; ``read_only=True`` opens a connection that cannot write (and implies it)."""
     try:
         parsed = make_url(url)
-    except ArgumentError:
-        raise CatalogError(f"invalid catalog URL {url!r}") from None
+    except (ArgumentError, ValueError):  # ValueError: a port that is not a number
+        raise CatalogError(f"invalid catalog URL {safe_url(url)!r}") from None
     backend = parsed.get_backend_name()
     options = {"registry_read_only": True} if read_only else {}
     if backend == "sqlite":
@@ -334,11 +335,42 @@ def make_engine(url: str, *, create: bool = True, read_only: bool = False) -> En
     raise CatalogError(f"unsupported catalog backend {backend!r}: use sqlite or postgresql")
 
 
-def catalog_name(url: URL) -> str:
-    """How messages name a catalog: the SQLite file (absolute), or the URL without its password."""
-    if url.get_backend_name() == "sqlite":
-        return str(Path(url.database or "").absolute())
-    return url.render_as_string(hide_password=True)
+def safe_url(url: URL | str) -> str:
+    """A catalog URL as a repr, a log line, an error, the CLI or a page shows it: every password hidden.
+
+    SQLAlchemy's ``hide_password`` hides the user-info's password only; libpq (under the PostgreSQL
+    driver) also takes one as a query parameter, hidden here whatever the case of its name. A string
+    SQLAlchemy cannot parse is shown with all before its last ``@`` hidden, but its scheme.
+    """
+    try:
+        parsed = make_url(url)
+    except (ArgumentError, ValueError):  # ValueError: a port that is not a number
+        return _scrubbed(str(url))
+    shown = parsed.set(query={}).render_as_string(hide_password=True)
+    if not parsed.query:
+        return shown
+    return shown + "?" + "&".join(
+        f"{quote_plus(key)}={'***' if key.lower() in _SECRET_PARAMETERS else quote_plus(value)}"
+        for key, values in sorted(parsed.query.items())
+        for value in ((values,) if isinstance(values, str) else values))
+
+
+def _scrubbed(text: str) -> str:
+    if "@" in text:
+        scheme = re.match(r"[\w+]+:/*", text)
+        text = (scheme.group(0) if scheme else "") + "***" + text[text.rindex("@"):]
+    return re.sub(r"(?i)((?:ssl)?password=)[^&\s]*", r"\1***", text)
+
+
+def catalog_name(url: URL | str) -> str:
+    """How messages name a catalog: the SQLite file (absolute), or the URL without its passwords."""
+    try:
+        parsed = make_url(url)
+    except (ArgumentError, ValueError):
+        return safe_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        return str(Path(parsed.database or "").absolute())
+    return safe_url(parsed)
 
 
 def missing_database(exc: BaseException, url: URL) -> CatalogError | None:
@@ -424,7 +456,7 @@ def write_connection(engine: Engine, *, durable: bool = True) -> Iterator[Connec
     engine opens a fresh connection per transaction, so the setting ends with it.
     """
     if engine.get_execution_options().get("registry_read_only"):
-        raise ReadOnlyError(f"catalog {engine.url.render_as_string(hide_password=True)} is open read-only")
+        raise ReadOnlyError(f"catalog {safe_url(engine.url)} is open read-only")
     with engine.connect() as conn:
         if not durable and conn.dialect.name == "sqlite":
             # on the driver's connection: SQLAlchemy would begin a transaction first, where SQLite refuses it
@@ -448,7 +480,7 @@ def _check_known(revision: str | None, url: str) -> None:
 
 def upgrade(engine: Engine, target: str = "head") -> tuple[str | None, str]:
     """Bring the schema to ``target``; returns (revision before, revision after)."""
-    url = engine.url.render_as_string(hide_password=True)
+    url = safe_url(engine.url)
 
     def run() -> tuple[str | None, str]:
         with write_connection(engine) as conn:
@@ -487,7 +519,7 @@ def open_engine(url: str, *, migrate: bool = True, create: bool = True, read_onl
     opening an existing one logs nothing.
     """
     engine = make_engine(url, create=create, read_only=read_only)
-    safe_url = engine.url.render_as_string(hide_password=True)
+    shown = safe_url(engine.url)
     name = catalog_name(engine.url)
     try:
         with engine.connect() as conn:
@@ -500,13 +532,13 @@ def open_engine(url: str, *, migrate: bool = True, create: bool = True, read_onl
         verb = "open" if engine.dialect.name == "sqlite" else "reach"
         raise CatalogError(f"cannot {verb} catalog {name}: {failure_reason(exc)}") from exc
     try:
-        _check_known(revision, safe_url)
+        _check_known(revision, shown)
         if revision is None and (read_only or not create):
             raise CatalogError(f"catalog {name} is empty: nothing was created; check --root/--url "
                                "(publish, import and 'registry db upgrade' create a catalog)")
         if revision != head_revision():
             if not migrate or read_only:
-                raise CatalogError(f"catalog {safe_url} is at revision {revision!r}, not "
+                raise CatalogError(f"catalog {shown} is at revision {revision!r}, not "
                                    f"{head_revision()!r}; run 'registry db upgrade'")
             before, _ = upgrade(engine)
             if before is None:

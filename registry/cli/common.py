@@ -106,12 +106,10 @@ def os_error_line(exc: OSError) -> str:
 
 
 def catalog_name(state: State) -> str:
-    """The catalog's database file (SQLite) or its URL without the password."""
-    from sqlalchemy.engine import make_url
-
+    """The catalog's database file (SQLite) or its URL without its passwords."""
     from registry.api import locations
-    url = make_url(locations(state.url, state.root)[1])
-    return str(url.database) if url.get_backend_name() == "sqlite" else url.render_as_string(hide_password=True)
+    from registry.catalog.session import catalog_name as named
+    return named(locations(state.url, state.root)[1])
 
 
 def cli_hints(message: str) -> str:

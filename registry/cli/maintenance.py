@@ -94,7 +94,8 @@ def db_bind_root(state: State) -> None:
         registry --root /mnt/restored/ckpt db bind-root
     """
     reg = state.registry(rebind_root=True)
-    click.echo(f"bound {reg.root_url} to {reg.catalog.engine.url.render_as_string(hide_password=True)}")
+    from registry.catalog.session import safe_url
+    click.echo(f"bound {reg.root_url} to {safe_url(reg.catalog.engine.url)}")
 
 
 @click.command()

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 from registry.catalog.identity import Identity, live_paths, locked_identity, read_identity, record_binding
 from registry.catalog.queries import Catalog
+from registry.catalog.session import safe_url
 from registry.errors import RootMismatchError
 from registry.format.layout import REGISTRY_DIR, ROOT_MARKER
 from registry.fs.store import Store
@@ -73,11 +74,12 @@ def _no_evidence(store: Root, url: str, paths: list[str]) -> RootMismatchError |
         "'registry db bind-root'", path=store.root if isinstance(store, Store) else None)
 
 
-def check_binding(catalog: Catalog, store: Root, *, url: str, bind: bool, rebind: bool = False) -> None:
+def check_binding(catalog: Catalog, store: Root, *, bind: bool, rebind: bool = False) -> None:
     """Accept, bind or refuse ``store``'s root for ``catalog`` (see the module's rules).
 
     ``bind=False`` (readers) checks the same rules and writes nothing.
     """
+    url = safe_url(catalog.engine.url)  # how a refusal names the catalog
     identity = read_identity(catalog.engine)
     marker = store.read_marker()
     if marker == identity.catalog_id and identity.root_bound_at is not None and not rebind:
