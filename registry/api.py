@@ -26,14 +26,15 @@ from registry.ops.background import BackgroundPublisher
 from registry.catalog import Catalog, CommitRecord, PayloadRecord
 from registry.catalog.lineage import LineageCatalog, LineageHop
 from registry.catalog.records import LineageRecord
-from registry.errors import (CheckpointNotFoundError, InvalidStateError, ReadOnlyError, RegistryError, RootError,
-                             StepExistsError)
+from registry.errors import CheckpointNotFoundError, InvalidStateError, ReadOnlyError, RegistryError, StepExistsError
 from registry.format.layout import step_dirname
 from registry.ops.attempts import Attempts, Fork
 from registry.records import HAS_PAYLOAD, LIVE, CheckpointInfo, EventInfo, MetricPoint, RunInfo, Status
 from registry.format.refs import Ref, check_run_name, check_step, check_tag_name, parse_ref
 from registry.fs.bounds import check_outside_root
 from registry.fs.store import Store, now_timestamp, write_payload
+from registry.roots.base import Root, refusal
+from registry.roots.open import locate, locations
 from registry.ops.writers import close_writer, open_writer, writer_alive, writer_id
 from registry.fs.validation import check_flags, check_metrics, check_tags, checked_payload
 
@@ -61,38 +62,7 @@ if TYPE_CHECKING:  # and what only some methods use, imported there: a CLI listi
     from registry.ops.retention import RetentionPlan, RetentionResult
     from registry.retention import Policy
 
-DEFAULT_ROOT = "checkpoints"
 log = logging.getLogger(__name__)
-
-
-def locations(url: str | None, root: str | os.PathLike[str] | None) -> tuple[Path | str, str]:
-    """The root and catalog URL after applying the environment and the defaults.
-
-    A directory comes back as an absolute ``Path``, an ``s3://`` root as its URL (see :func:`object_locations`).
-    """
-    chosen = root if root is not None else os.environ.get("REGISTRY_ROOT", DEFAULT_ROOT)
-    if _names_object_root(str(chosen)):
-        return object_locations(url, str(chosen))
-    root_path = Path(chosen).absolute()
-    return root_path, url or os.environ.get("REGISTRY_URL") or f"sqlite:///{Store.default_catalog(root_path)}"
-
-
-def _names_object_root(text: str) -> bool:
-    """:func:`registry.fs.objects.is_object_url`, whose module (the object store's client side) is imported only
-    for a text that is a URL at all: a directory root never needs it."""
-    if "://" not in text:
-        return False
-    from registry.fs.objects import is_object_url
-    return is_object_url(text)
-
-
-def object_locations(url: str | None, root: str) -> tuple[str, str]:
-    """An ``s3://`` root and its catalog URL, which must be given: a bucket holds no SQLite file."""
-    catalog = url or os.environ.get("REGISTRY_URL")
-    if not catalog:
-        raise RootError(f"an s3:// root ({root}) needs an explicit catalog URL (url=, $REGISTRY_URL or --url): "
-                        "a SQLite file on this machine for one machine, PostgreSQL for many")
-    return root, catalog
 
 
 def _bound_catalog(url: str, root: Store | ObjectRoot, *, migrate: bool, create: bool, read_only: bool,
@@ -133,15 +103,12 @@ class _PublishJob:
 class Registry:
     """A catalog plus a checkpoint root. Use :meth:`open`; close it (or use ``with``)."""
 
-    def __init__(self, *, catalog: Catalog, store: Store | None, url: str,
-                 lease_ttl: timedelta = timedelta(minutes=30), read_only: bool = False, dedup: bool = False,
-                 objects: ObjectRoot | None = None, tiers: Tiers | None = None) -> None:
+    def __init__(self, *, catalog: Catalog, root: Root, url: str,
+                 lease_ttl: timedelta = timedelta(minutes=30), read_only: bool = False, dedup: bool = False) -> None:
         self.catalog = catalog
-        self.tiers = tiers  # a fast root with a durable tier (registry.ops.tiers); None for a plain root
+        self.root = root  # where payloads live: a directory, s3://, or a fast directory over a durable tier
         self._replicator: Replicator | None = None
         self.dedup = dedup
-        self._store = store
-        self.objects = objects  # the object-store root (``s3://``); None for a filesystem root
         self.url = url
         self.read_only = read_only
         self.lease_ttl = lease_ttl
@@ -203,121 +170,86 @@ class Registry:
         check_flags(dedup=dedup)
         located, url = locations(url, root)
         durable = durable if durable is not None else (os.environ.get("REGISTRY_DURABLE") or None)
-        if durable is not None:
-            return cls._open_tiers(url, located, durable, storage_options=storage_options, migrate=migrate,
-                                   lease_ttl=lease_ttl, create=create, read_only=read_only,
-                                   rebind_root=rebind_root, dedup=dedup)
-        if isinstance(located, str):
-            return cls._open_objects(url, located, storage_options=storage_options, migrate=migrate,
-                                     lease_ttl=lease_ttl, create=create, read_only=read_only,
-                                     rebind_root=rebind_root, dedup=dedup)
-        if storage_options is not None:
-            raise RootError("storage_options apply to an s3:// root only")
-        root_path = located
         read_only = read_only or cannot_write(url)
-        created = [p for p in (root_path, *root_path.parents) if not p.exists()]
+        opening = locate(located, durable, storage_options=storage_options, create=create, read_only=read_only,
+                         dedup=bool(dedup))
+        catalog: Catalog | None = None
         try:
-            store = Store(root_path, create=create and not read_only)
-            catalog = _bound_catalog(url, store, migrate=migrate, create=create, read_only=read_only,
+            catalog = _bound_catalog(url, opening.bind_to, migrate=migrate, create=create, read_only=read_only,
                                      rebind=rebind_root)
+            opened = catalog
+            if opening.tiered:
+                from registry.catalog.identity import read_identity
+                from registry.ops.tiers import open_tier
+                catalog_id = read_identity(opened.engine).catalog_id
+                # a host new to a durable tier its catalog knows names its fast directory whenever it may write
+                built = opening.finish(lambda fast: open_tier(fast, catalog_id=catalog_id, create=not read_only))
+            else:
+                if opening.directory is None:
+                    from registry.ops.tiers import refuse_durable_as_root
+                    refuse_durable_as_root(opened, str(located))
+                built = opening.finish(lambda fast: "")
         except BaseException:
-            for directory in created:  # a refused open leaves no empty root behind (say, at a mistyped path)
-                try:
-                    directory.rmdir()
-                except OSError:
-                    break
+            if catalog is not None:
+                catalog.close()
+            opening.undo()
             raise
-        if root_path in created:
-            log.warning("created a new checkpoint root %s (where a root must already exist, "
-                        "Registry.open(create=False) refuses a missing one)", root_path)
-        return cls(catalog=catalog, store=store, url=url, lease_ttl=lease_ttl, read_only=read_only,
-                   dedup=bool(dedup))
-
-    @classmethod
-    def _open_objects(cls, url: str, root: str, *, storage_options: Mapping[str, Any] | None,
-                      migrate: bool, lease_ttl: timedelta, create: bool, read_only: bool, rebind_root: bool,
-                      dedup: bool) -> Registry:
-        """:meth:`open` of an ``s3://`` root: the bucket is checked, then the catalog opened and bound to it."""
-        from registry.catalog.session import cannot_write
-        from registry.fs.objects import ObjectRoot
-
-        if dedup:
-            raise RootError(f"dedup does not apply to an s3:// root ({root}): objects cannot be hard-linked")
-        objects = ObjectRoot.open(root, storage_options)
-        read_only = read_only or cannot_write(url)
-        catalog = _bound_catalog(url, objects, migrate=migrate, create=create, read_only=read_only,
-                                 rebind=rebind_root)
-        try:
-            from registry.ops.tiers import refuse_durable_as_root
-            refuse_durable_as_root(catalog, root)
-        except BaseException:
-            catalog.close()
-            raise
-        return cls(catalog=catalog, store=None, url=url, lease_ttl=lease_ttl, read_only=read_only,
-                   objects=objects)
-
-    @classmethod
-    def _open_tiers(cls, url: str, fast: Path | str, durable: str, *, storage_options: Mapping[str, Any] | None,
-                    migrate: bool, lease_ttl: timedelta, create: bool, read_only: bool, rebind_root: bool,
-                    dedup: bool) -> Registry:
-        """:meth:`open` with a durable tier: the durable root bound to the catalog, the fast root its tier."""
-        from registry.catalog.identity import read_identity
-        from registry.catalog.session import cannot_write
-        from registry.fs.objects import ObjectRoot, is_object_url
-        from registry.ops.tiers import Tiers, open_tier
-
-        if isinstance(fast, str):
-            raise RootError(f"the fast tier must be a filesystem root, not {fast}; pass the s3:// root as durable=")
-        if not is_object_url(durable):
-            raise RootError(f"durable={durable!r}: the durable tier must be an s3:// root (s3://BUCKET/PREFIX)")
-        objects = ObjectRoot.open(durable, storage_options)
-        read_only = read_only or cannot_write(url)
-        store = Store(fast, create=create and not read_only)
-        catalog = _bound_catalog(url, objects, migrate=migrate, create=create, read_only=read_only,
-                                 rebind=rebind_root)
-        try:
-            tier_id = open_tier(store, catalog_id=read_identity(catalog.engine).catalog_id,
-                                create=create and not read_only)
-        except BaseException:
-            catalog.close()
-            raise
-        reg = cls(catalog=catalog, store=store, url=url, lease_ttl=lease_ttl, read_only=read_only,
-                  dedup=bool(dedup), tiers=Tiers(fast=store, durable=objects, tier_id=tier_id))
-        if create and not read_only:
+        opening.announce()
+        reg = cls(catalog=catalog, root=built, url=url, lease_ttl=lease_ttl, read_only=read_only,
+                  dedup=bool(dedup))
+        if built.can.tiers and create and not read_only:
             reg._replication().kick()  # a queue left by an earlier process (killed, or its tier was down)
         return reg
 
     def _replication(self) -> Replicator:
         """The tiered root's replicator (made on first use); ``InvalidStateError`` without a durable tier."""
-        if self.tiers is None:
-            raise InvalidStateError(f"{self.root_url} has no durable tier: open it with durable=s3://...")
+        tiers = self._tiers("replication")
         if self.read_only:
             raise ReadOnlyError("this registry is read-only: it replicates nothing")
         if self._replicator is None:
             from registry.ops.replicator import Replicator
-            self._replicator = Replicator(catalog=self.catalog, fast_root=self.tiers.fast.root,
-                                          durable=self.tiers.durable, writer=self._writer)
+            self._replicator = Replicator(catalog=self.catalog, fast_root=tiers.fast.root,
+                                          durable=tiers.durable, writer=self._writer)
         return self._replicator
 
     @property
     def store(self) -> Store:
-        """The filesystem root's :class:`Store`; an ``s3://`` root has none (``RootError`` says so)."""
+        """The filesystem root's :class:`Store` (a tiered root's fast one); an ``s3://`` root has none
+        (``RootError`` says so)."""
         return self._directory_root("this")
 
     def _directory_root(self, what: str) -> Store:
-        if self._store is None:
-            raise RootError(f"{what} needs a filesystem checkpoint root; {self.root_url} is an object-store root")
-        return self._store
+        return self.root.local_store(what)
+
+    @property
+    def objects(self) -> ObjectRoot | None:
+        """The object-store root (``s3://``, or a tiered root's durable one); None for a directory root."""
+        return self.root.object_store()
+
+    @functools.cached_property
+    def tiers(self) -> Tiers | None:
+        """A tiered root's fast and durable roots (:class:`registry.ops.tiers.Tiers`); None for other roots."""
+        tiered = self.root.tiered()
+        if tiered is None:
+            return None
+        from registry.ops.tiers import Tiers
+        return Tiers(fast=tiered.store, durable=tiered.objects, tier_id=tiered.tier_id)
+
+    def _tiers(self, what: str) -> Tiers:
+        """:attr:`tiers`, or the root's one-line refusal of ``what``."""
+        tiers = self.tiers
+        if tiers is None:
+            raise refusal(self.root, "tiers", what)
+        return tiers
 
     @property
     def root_url(self) -> str:
         """The root as given to :meth:`open`: an absolute directory, or ``s3://BUCKET/PREFIX``."""
-        return self.objects.url() if self.objects is not None else str(self._directory_root("root_url").root)
+        return self.root.url
 
     def placed(self, info: CheckpointInfo) -> CheckpointInfo:
         """A catalog row as the API hands it out: its absolute path, or on an ``s3://`` root its URL."""
-        from registry.ops import reading
-        return reading.placed(self._reader(), info)
+        return self.root.place(info)
 
     def close(self) -> None:
         """Wait for background publishes, flush metrics, release everything.
@@ -458,14 +390,14 @@ class Registry:
         if dedup is not None:
             check_flags(dedup=dedup)
         check_flags(durable=durable)
-        if durable and (self.tiers is None or blocking is False or sharded is not False):
+        if durable and (not self.root.can.tiers or blocking is False or sharded is not False):
             raise InvalidStateError("publish(durable=True) needs a root with a durable tier and a blocking, "
                                     "unsharded publish; call wait_durable() after the future instead")
         dedup = self.dedup if dedup is None else bool(dedup)
-        if self.objects is not None and (sharded is not False or dedup):
-            what = "sharded publish" if sharded is not False else "dedup"
-            raise InvalidStateError(f"{what} is not supported on an s3:// root ({self.root_url}); publish a full "
-                                    "state dict, or use a filesystem root")
+        if sharded is not False:
+            self.root.require("sharded", "sharded publish")
+        if dedup:
+            self.root.require("links", "dedup")
         if sharded is not False:
             return self._publish_sharded(run, step, state_dict, group=group, timeout=timeout, parent=parent,
                                          extra=extra,
@@ -588,41 +520,46 @@ class Registry:
         """
         from registry.ops.protocol import publish_sequence
         target = self._target(job)
-        if self.objects is None:
+        objects = self.root.object_store()
+        if objects is None:
             info = publish_sequence(self.catalog, target,
                                     lambda staging, reuse: write_payload(staging, job.payload, reuse=reuse),
                                     self._hooks(job))
         else:
             from registry.fs.objectwrite import upload_payload
             from registry.ops.objectlanding import ObjectLanding
-            objects = self.objects
             info = publish_sequence(self.catalog, target,
                                     lambda prefix, _reuse: upload_payload(objects, prefix, job.payload),
                                     self._hooks(job), ObjectLanding(objects, target.relpath))
-        if self.tiers is not None and not self.read_only:
-            self._replication().kick()
+        self._kick_replication()
         if job.retention is not None:
             self._retention_after_publish(job.run, job.step, job.retention)
         return self.placed(info)
 
+    def _kick_replication(self) -> None:
+        """Wake the replicator for what was just published here (a root with a durable tier, opened to write)."""
+        if self.root.can.tiers and not self.read_only:
+            self._replication().kick()
+
     def _target(self, job: _PublishJob) -> Target:
         from registry.ops.protocol import Target
-        if self.objects is not None:
-            from registry.format.layout import attempt_relpath
-            root, relpath = Path(self.objects.url()), attempt_relpath(job.run, job.step)
-        else:
-            root, relpath = self.store.root, self.store.relpath(self.store.step_dir(job.run, job.step))
-        return Target(run=job.run, step=job.step, root=root, relpath=relpath, writer=self.writer,
+        return Target(run=job.run, step=job.step, root=Path(self.root.url),
+                      relpath=self.root.new_relpath(job.run, job.step), writer=self.writer,
                       overwrite=job.overwrite, verify=job.verify, dedup=job.dedup, epoch=job.payload.meta["epoch"],
                       consumed_samples=job.payload.meta["consumed_samples"])
 
     def _hooks(self, job: _PublishJob) -> CommitHooks:
         hooks = self._attempts.hooks(job.run, job.step, metrics=job.new_metrics, tags=job.tags, lineage=job.lineage)
-        if self.tiers is not None:
-            from registry.ops.tiers import FastCopyHooks
-            relpath = self.store.relpath(self.store.step_dir(job.run, job.step))
-            return FastCopyHooks(hooks, location=self.tiers.location, path=relpath)
-        return hooks
+        return self._copy_hooks(hooks, job.run, job.step)
+
+    def _copy_hooks(self, hooks: CommitHooks, run: str, step: int) -> CommitHooks:
+        """``hooks`` that also record the copy a publish leaves on this host's fast tier, on a tiered root: every
+        path that lands a payload here (publish, sharded publish, import) commits through this."""
+        tiers = self.tiers
+        if tiers is None:
+            return hooks
+        from registry.ops.tiers import FastCopyHooks
+        return FastCopyHooks(hooks, location=tiers.location, path=self.root.new_relpath(run, step))
 
     # ------------------------------------------------------------------ tiers
 
@@ -913,9 +850,13 @@ class Registry:
             self._attempts.note_resume(parsed, result.step, None)
         return result
 
+    def _local_root(self) -> Path:
+        """This host's root directory; ``Path()`` on an object-store root, whose readers never look at one."""
+        return Path() if self.objects is not None else self.store.root
+
     def _reader(self) -> reading.ReadAccess:
         from registry.ops import reading
-        return reading.ReadAccess(catalog=self.catalog, root=self._store.root if self._store is not None else Path(),
+        return reading.ReadAccess(catalog=self.catalog, root=self._local_root(),
                                   holder=self.writer, lease_ttl=self.lease_ttl, objects=self.objects,
                                   tiers=self.tiers)
 
@@ -1136,7 +1077,7 @@ class Registry:
         """
         from registry.fs.importer import int_field, provenance, remove_originals, scan, stage
         from registry.ops.protocol import RecordOnly, Target, publish_sequence
-        self._directory_root("import")
+        self.root.require("local_import", "import")
         check_run_name(run)
         check_step(step)
         check_flags(move=move, overwrite=overwrite)
@@ -1160,9 +1101,10 @@ class Registry:
             return CommitRecord(payload=payload, tags=tags, lineage=LineageRecord(how="imported", source=source))
         info = publish_sequence(self.catalog, target, lambda staging, _reuse: stage(foreign, staging, move=move,
                                                                                     progress=progress),
-                                RecordOnly(record))
+                                self._copy_hooks(RecordOnly(record), run, step))
         if move:
             remove_originals(foreign)
+        self._kick_replication()
         return self.placed(info)
 
     # ------------------------------------------------------------------ lineage and diff

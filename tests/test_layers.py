@@ -31,6 +31,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("registry.format", "registry.retention"),
     # siblings: neither of the store and the catalog imports the other (see SIBLINGS)
     ("registry.fs", "registry.catalog", "registry.migrations"),
+    # where payloads live: a directory, an object store, a fast directory over a durable tier (no SQL)
+    ("registry.roots",),
     ("registry.ops",),
     ("registry.distributed",),
     # the facades: they build what they hand out (``Checkpoint``) from what the layers below return
@@ -63,8 +65,8 @@ TORCH_FREE = ("registry", "registry.catalog", "registry.catalog.queries", "regis
               "registry.cli.docs", "registry.fs.objects", "registry.fs.payloadfiles", "registry.fs.objectwrite",
               "registry.fs.objectread", "registry.ops.objectlanding",
               "registry.fs.multipart", "registry.fs.prefixes", "registry.ops.objectgc", "registry.ops.objectfsck")
-# Every module of the format and filesystem folders.
-SQL_FREE = ("registry.retention", *(f"registry.{folder}.{path.stem}" for folder in ("format", "fs")
+# Every module of the format, filesystem and roots folders.
+SQL_FREE = ("registry.retention", *(f"registry.{folder}.{path.stem}" for folder in ("format", "fs", "roots")
                                     for path in sorted((PACKAGE / folder).glob("*.py")) if path.stem != "__init__"))
 
 

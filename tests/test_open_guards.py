@@ -91,7 +91,7 @@ def test_a_new_registry_shows_a_user_only_the_registrys_own_lines(tmp_path: Path
                           timeout=120)
     assert done.returncode == 0, done.stderr
     lines = done.stderr.splitlines()
-    assert [line.split(" ", 1)[0] for line in lines] == ["registry.catalog.session", "registry.api"], lines
+    assert [line.split(" ", 1)[0] for line in lines] == ["registry.catalog.session", "registry.roots.open"], lines
 
 
 def test_create_false_refuses_a_missing_root_and_creates_nothing(

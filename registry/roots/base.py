@@ -1,0 +1,115 @@
+"""The root interface: what every kind of root answers, and the one table of what a kind cannot do.
+
+A capability a root lacks is refused by :meth:`Root.require` with one line
+from :data:`REFUSALS`, never hidden behind a silent no-op; callers never ask
+which kind a root is, only whether it can.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Literal, Protocol
+
+from registry.errors import InvalidStateError, RootError
+from registry.records import CheckpointInfo
+
+if TYPE_CHECKING:
+    from registry.fs.objects import ObjectRoot
+    from registry.fs.store import Store
+
+Capability = Literal["links", "sharded", "local_import", "directories", "tiers"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Capabilities:
+    """What a kind of root can do.
+
+    ``links``: files of two steps may be one inode (dedup); ``sharded``: DCP
+    sharded publish and ``load_into``; ``local_import``: a local directory is
+    adopted by staging it beside the step; ``directories``: every step this
+    host reads is a directory of its filesystem (checkout, export, diff, the
+    shared-filesystem broadcast); ``tiers``: a durable tier that steps are
+    replicated to, with per-tier retention.
+    """
+
+    links: bool = False
+    sharded: bool = False
+    local_import: bool = False
+    directories: bool = False
+    tiers: bool = False
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(self) if getattr(self, f.name))
+
+
+# capability -> (error class, the line): "{what}" is the request, "{url}" the root, "{named}" the root with its kind
+REFUSALS: dict[Capability, tuple[type[Exception], str]] = {
+    "links": (InvalidStateError, "{what} is not supported on {named}: objects cannot be hard-linked"),
+    "sharded": (InvalidStateError, "{what} is not supported on {named}; publish a full state dict, or use a "
+                                   "filesystem root"),
+    "local_import": (RootError, "{what} needs a filesystem checkpoint root; {url} is an object-store root"),
+    "directories": (RootError, "{what} needs a filesystem checkpoint root; {url} is an object-store root"),
+    "tiers": (InvalidStateError, "{url} has no durable tier: {what} needs one (open it with durable=s3://...)"),
+}
+
+
+class Root(Protocol):
+    """A place payloads live. ``url`` is what users see: an absolute directory or ``s3://BUCKET/PREFIX``."""
+
+    @property
+    def url(self) -> str: ...
+
+    @property
+    def kind(self) -> str:
+        """How messages name the kind: ``directory``, ``s3`` or ``tiered``."""
+
+    @property
+    def can(self) -> Capabilities: ...
+
+    def place(self, info: CheckpointInfo) -> CheckpointInfo:
+        """A catalog row (its path relative to the root) as readers find it: an absolute path, or its URL set."""
+
+    def new_relpath(self, run: str, step: int) -> str:
+        """Where a new publish of ``run@step`` lands, relative to the root (what the catalog records)."""
+
+    def require(self, capability: Capability, what: str) -> None:
+        """Return if the root can do ``capability``; else raise the one-line refusal of :data:`REFUSALS`."""
+
+    def local_store(self, what: str) -> Store:
+        """This host's directory of the root (a tiered root's fast one); refused where there is none."""
+
+    def object_store(self) -> ObjectRoot | None:
+        """The object store the root is, or None (a tiered root's durable tier is not the root)."""
+
+    def tiered(self) -> Tiered | None:
+        """The root as a fast directory over a durable tier, or None."""
+
+
+class Tiered(Root, Protocol):
+    """A root that is a fast directory on this host (``store``) over a durable object store (``objects``);
+    ``tier_id`` names this host's fast directory among those sharing the durable one."""
+
+    @property
+    def store(self) -> Store: ...
+
+    @property
+    def objects(self) -> ObjectRoot: ...
+
+    @property
+    def tier_id(self) -> str: ...
+
+
+def refusal(root: Root, capability: Capability, what: str) -> Exception:
+    """The one-line error that refuses ``what``, which needs ``capability``, on ``root``."""
+    cls, text = REFUSALS[capability]
+    named = f"an s3:// root ({root.url})" if root.kind == "s3" else f"a {root.kind} root ({root.url})"
+    return cls(text.format(what=what, url=root.url, named=named))
+
+
+def refuse(root: Root, capability: Capability, what: str) -> None:
+    """:meth:`Root.require`, written once for every kind."""
+    if not getattr(root.can, capability):
+        raise refusal(root, capability, what)
+
+
+__all__ = ["Capabilities", "Capability", "REFUSALS", "Root", "Tiered", "refusal", "refuse"]

@@ -1,0 +1,71 @@
+"""A tiered root: a fast directory root on this host over a durable object-storage root.
+
+Publishes land on the fast root as on any directory root and are replicated
+to the durable root in the background; every copy is a replica row
+(``registry.catalog.replicas``) and loads read the nearest verified copy
+(``registry.ops.tiers``). The fast root's tier id (``<fast>/.registry/tier.json``)
+names this host's copies, so many hosts share one catalog and one durable root.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from registry.fs.objects import ObjectRoot
+from registry.fs.store import Store
+from registry.records import CheckpointInfo
+from registry.roots.base import Capabilities, Capability, Tiered, refuse
+from registry.roots.directory import DirectoryRoot
+from registry.roots.objectstore import ObjectStoreRoot
+
+TIERED = Capabilities(links=True, sharded=True, local_import=True, directories=True, tiers=True)
+
+
+@dataclass(frozen=True)
+class TieredRoot:
+    """A :class:`~registry.roots.base.Root` composed of a fast :class:`DirectoryRoot` and a durable
+    :class:`ObjectStoreRoot`; ``tier_id`` names the fast one among the hosts sharing the durable one."""
+
+    fast: DirectoryRoot
+    durable: ObjectStoreRoot
+    tier_id: str
+    kind: str = "tiered"
+    can: Capabilities = TIERED
+
+    @property
+    def url(self) -> str:
+        return self.fast.url
+
+    @property
+    def store(self) -> Store:
+        return self.fast.store
+
+    @property
+    def directory(self) -> Path:
+        return self.fast.directory
+
+    @property
+    def objects(self) -> ObjectRoot:
+        return self.durable.objects
+
+    def place(self, info: CheckpointInfo) -> CheckpointInfo:
+        return self.fast.place(info)
+
+    def new_relpath(self, run: str, step: int) -> str:
+        return self.fast.new_relpath(run, step)
+
+    def require(self, capability: Capability, what: str) -> None:
+        refuse(self, capability, what)
+
+    def local_store(self, what: str) -> Store:
+        return self.fast.store
+
+    def object_store(self) -> ObjectRoot | None:
+        return None
+
+    def tiered(self) -> Tiered | None:
+        return self
+
+
+__all__ = ["TIERED", "TieredRoot"]

@@ -1,0 +1,94 @@
+"""The one root interface: each kind says what it can do, refuses the rest in one line, and a host new to a
+durable tier is a first-class case. Real SeaweedFS, both catalog backends."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from registry import Registry
+from registry.errors import InvalidStateError, RegistryError, RootError
+from registry.roots.base import REFUSALS, Capabilities
+from tests.helpers import assert_state_equal, make_state
+
+
+def sqlite_url(tmp_path: Path, name: str) -> str:
+    return f"sqlite:///{tmp_path / name}.db"
+
+
+def exported(tmp_path: Path) -> Path:
+    """A checkpoint directory written by another registry, to import."""
+    source = tmp_path / "source"
+    with Registry.open(sqlite_url(tmp_path, "elsewhere"), root=tmp_path / "elsewhere") as local:
+        local.publish("src", 1, make_state(4))
+        local.export("src@1", source)
+    return source
+
+
+def test_each_kind_says_what_it_can_do(tmp_path: Path, s3_root: str) -> None:
+    with Registry.open(sqlite_url(tmp_path, "plain"), root=tmp_path / "plain") as plain:
+        assert plain.root.kind == "directory" and plain.root_url == str(tmp_path / "plain")
+        assert plain.root.can == Capabilities(links=True, sharded=True, local_import=True, directories=True)
+        assert plain.tiers is None and plain.objects is None
+    with Registry.open(sqlite_url(tmp_path, "objects"), root=s3_root) as objects:
+        assert objects.root.kind == "s3" and objects.root_url == s3_root
+        assert objects.root.can.names() == ()
+    with Registry.open(sqlite_url(tmp_path, "tiered"), root=tmp_path / "fast", durable=f"{s3_root}-tier") as tiered:
+        assert tiered.root.kind == "tiered" and tiered.root_url == str(tmp_path / "fast")
+        assert tiered.root.can.tiers and tiered.tiers is not None and tiered.objects is None
+
+
+def test_what_a_root_cannot_do_is_refused_in_one_line_before_anything_is_written(
+        catalog_url: str, s3_root: str, tmp_path: Path) -> None:
+    source = exported(tmp_path)
+    with Registry.open(catalog_url, root=s3_root) as reg:
+        refused: list[tuple[type[Exception], str]] = []
+        for call in (lambda: reg.publish("run", 1, make_state(1), sharded=True),
+                     lambda: reg.publish("run", 1, make_state(1), dedup=True),
+                     lambda: reg.import_checkpoint(source, run="run", step=1),
+                     lambda: reg.store,
+                     lambda: reg.replicate(),
+                     lambda: reg.plan_tier_retention("run", None)):  # type: ignore[arg-type]
+            with pytest.raises(RegistryError) as info:
+                call()
+            message = str(info.value)
+            assert "\n" not in message and s3_root in message, message
+            refused.append((type(info.value), message))
+        assert reg.runs() == []
+    assert {cls for cls, _ in refused} <= {cls for cls, _ in REFUSALS.values()} | {InvalidStateError, RootError}
+
+
+def test_a_new_host_joins_a_durable_tier_with_create_false(catalog_url: str, s3_root: str, tmp_path: Path,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    with Registry.open(catalog_url, root=tmp_path / "host-a", durable=s3_root) as a:
+        a.publish("run", 1, make_state(1), durable=True)
+    (tmp_path / "host-c").mkdir()  # an empty fast directory: a mount point made by the job's launcher
+    for host in ("host-b", "host-c"):
+        caplog.clear()
+        with (caplog.at_level(logging.WARNING, logger="registry"),
+              Registry.open(catalog_url, root=tmp_path / host, durable=s3_root, create=False) as reg):
+            assert_state_equal(reg.load("run@1").state_dict, make_state(1))
+            reg.publish("run", 2 if host == "host-b" else 3, make_state(2), durable=True)
+        made = [r.getMessage() for r in caplog.records if "created a new fast tier directory" in r.getMessage()]
+        assert len(made) == (1 if host == "host-b" else 0), made  # host-c's directory was there already
+
+
+def test_create_false_still_refuses_a_catalog_that_does_not_exist_and_leaves_no_directory(
+        s3_root: str, tmp_path: Path) -> None:
+    missing = f"sqlite:///{tmp_path / 'nowhere' / 'catalog.db'}"
+    with pytest.raises(RegistryError):
+        Registry.open(missing, root=tmp_path / "host-b", durable=s3_root, create=False)
+    assert not (tmp_path / "host-b").exists()
+
+
+def test_an_import_on_a_tiered_root_records_its_fast_copy_and_is_replicated(
+        catalog_url: str, s3_root: str, tmp_path: Path) -> None:
+    source = exported(tmp_path)
+    with Registry.open(catalog_url, root=tmp_path / "host-a", durable=s3_root) as reg:
+        info = reg.import_checkpoint(source, run="run", step=7)
+        assert reg.tiers is not None
+        here = [c for c in reg.replicas("run", 7) if c.location == reg.tiers.location]
+        assert [(c.path, c.manifest_sha256) for c in here] == [("run/step-00000007", info.manifest_sha256)]
+        assert reg.wait_durable("run", 7, timeout=60).manifest_sha256 == info.manifest_sha256
