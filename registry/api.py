@@ -29,10 +29,10 @@ from registry.catalog.records import LineageRecord
 from registry.errors import CheckpointNotFoundError, InvalidStateError, ReadOnlyError, RegistryError, StepExistsError
 from registry.format.layout import step_dirname
 from registry.ops.attempts import Attempts, Fork
-from registry.records import HAS_PAYLOAD, LIVE, CheckpointInfo, EventInfo, MetricPoint, RunInfo, Status
+from registry.records import HAS_PAYLOAD, CheckpointInfo, EventInfo, MetricPoint, RunInfo
 from registry.format.refs import Ref, check_run_name, check_step, check_tag_name, parse_ref
 from registry.fs.bounds import check_outside_root
-from registry.fs.store import Store, now_timestamp, write_payload
+from registry.fs.store import Store, now_timestamp
 from registry.roots.base import Root, refusal
 from registry.roots.open import locate, locations
 from registry.ops.writers import close_writer, open_writer, writer_alive, writer_id
@@ -490,11 +490,11 @@ class Registry:
         publish = None
         if job is not None:  # rank 0's path goes to every rank, as the one outcome
             from registry.ops.protocol import publish_sequence
-            target, hooks, root = self._target(job), self._hooks(job), self.store.root
+            target, hooks, root = self._target(job), self._hooks(job), self.root
 
             def publish(write: Callable[[Path], Written]) -> CheckpointInfo:
-                return publish_sequence(self.catalog, target, lambda staging, _reuse: write(staging),
-                                        hooks).under(root)
+                return root.place(publish_sequence(self.catalog, target, lambda staging, _reuse: write(staging),
+                                                   hooks, root.landing(target.relpath)))
         policy = options["retention"]
         # retention once every rank has the outcome (rank 0 only): no rank waits for a gc
         after = (lambda info: self._retention_after_publish(run, step, policy)) if job and policy is not None else None
@@ -515,22 +515,14 @@ class Registry:
     def _run_publish(self, job: _PublishJob) -> CheckpointInfo:
         """The publish sequence (on the caller's thread, or the background publisher's), then its retention.
 
-        A filesystem root writes a staging directory renamed into place; an
-        ``s3://`` root uploads to a fresh attempt prefix (:mod:`registry.ops.objectlanding`).
+        The root says where the payload lands and how it is written (:mod:`registry.roots.landing`): a staging
+        directory renamed into place, or a fresh attempt prefix on an object store.
         """
         from registry.ops.protocol import publish_sequence
         target = self._target(job)
-        objects = self.root.object_store()
-        if objects is None:
-            info = publish_sequence(self.catalog, target,
-                                    lambda staging, reuse: write_payload(staging, job.payload, reuse=reuse),
-                                    self._hooks(job))
-        else:
-            from registry.fs.objectwrite import upload_payload
-            from registry.ops.objectlanding import ObjectLanding
-            info = publish_sequence(self.catalog, target,
-                                    lambda prefix, _reuse: upload_payload(objects, prefix, job.payload),
-                                    self._hooks(job), ObjectLanding(objects, target.relpath))
+        root = self.root
+        info = publish_sequence(self.catalog, target, lambda dest, reuse: root.write(dest, job.payload, reuse),
+                                self._hooks(job), root.landing(target.relpath))
         self._kick_replication()
         if job.retention is not None:
             self._retention_after_publish(job.run, job.step, job.retention)
@@ -860,18 +852,6 @@ class Registry:
                                   holder=self.writer, lease_ttl=self.lease_ttl, objects=self.objects,
                                   tiers=self.tiers)
 
-    def read_checked(self, info: CheckpointInfo, *, verify: bool, map_location: Any,
-                     trust_pickle: bool) -> Any:
-        """Read ``info``'s directory under a reader lease and match it against the catalog."""
-        from registry.ops import reading
-        return reading.read_checked(self._reader(), info, verify=verify, map_location=map_location,
-                                    trust_pickle=trust_pickle)
-
-    def mark_corrupt(self, info: CheckpointInfo, reason: str) -> bool:
-        """Mark ``info`` corrupt if its row still holds the payload ``info`` describes; True when it did."""
-        return self.catalog.set_status(info.run, info.step, Status.CORRUPT, kind="corrupt", actor=self.writer,
-                                       only_from=LIVE, manifest_sha256=info.manifest_sha256, reason=reason)
-
     # ------------------------------------------------------------------ verify
 
     def verify(self, *refs: str, progress: ProgressFn | None = None) -> list[VerifyResult]:
@@ -1086,12 +1066,12 @@ class Registry:
             check_outside_root(Path(path), self.store.root, what="import --move source",
                                catalog=self._catalog_file())
         foreign = scan(Path(path).absolute())
-        final = self.store.step_dir(run, step)
-        if final.resolve() == foreign.directory.resolve():
+        relpath = self.root.new_relpath(run, step)
+        if (self.store.root / relpath).resolve() == foreign.directory.resolve():
             raise InvalidStateError(f"{foreign.directory} already is {run}@{step}'s directory; "
                                     "'registry fsck --repair' adopts directories written outside the catalog")
         meta = foreign.meta
-        target = Target(run=run, step=step, root=self.store.root, relpath=self.store.relpath(final),
+        target = Target(run=run, step=step, root=self.store.root, relpath=relpath,
                         writer=self.writer, overwrite=overwrite, dedup=self.dedup,
                         epoch=int_field(meta, "epoch", 0) or 0,
                         consumed_samples=int_field(meta, "consumed_samples", 0) or 0)
@@ -1101,7 +1081,7 @@ class Registry:
             return CommitRecord(payload=payload, tags=tags, lineage=LineageRecord(how="imported", source=source))
         info = publish_sequence(self.catalog, target, lambda staging, _reuse: stage(foreign, staging, move=move,
                                                                                     progress=progress),
-                                self._copy_hooks(RecordOnly(record), run, step))
+                                self._copy_hooks(RecordOnly(record), run, step), self.root.landing(relpath))
         if move:
             remove_originals(foreign)
         self._kick_replication()

@@ -222,3 +222,10 @@ def stored_steps(reg: Any, run: str) -> list[str]:
         assert len(steps) == len(set(steps)), f"a step with more than one attempt prefix: {attempts}"
         return steps
     return sorted(p.name for p in (reg.store.root / run).iterdir())
+
+
+def mark_corrupt(reg: Any, info: Any, reason: str) -> bool:
+    """Condemn ``info`` as a scrub would have: compare-and-set on the payload it describes."""
+    from registry.records import LIVE, Status
+    return bool(reg.catalog.set_status(info.run, info.step, Status.CORRUPT, kind="corrupt", actor=reg.writer,
+                                       only_from=LIVE, manifest_sha256=info.manifest_sha256, reason=reason))

@@ -68,7 +68,7 @@ def test_staging_is_invisible_until_publish(reg: Registry, monkeypatch: pytest.M
             reg.resolve("run@2")
         return written
 
-    monkeypatch.setattr("registry.api.write_payload", spy)
+    monkeypatch.setattr("registry.roots.directory.write_payload", spy)
     reg.publish("run", 2, make_state(2))
     assert seen["latest"] == 1
     visible = [n for n in seen["listing"] if not n.startswith(".")]  # type: ignore[union-attr]

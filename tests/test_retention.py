@@ -21,7 +21,8 @@ from registry.errors import CheckpointDeletedError, InvalidNameError
 from registry.records import CheckpointInfo
 from registry.retention import (AnyOf, KeepBest, KeepEvery, KeepLast, KeepNewerThan, KeepPolicyVersions,
                                 KeepTagged, MaxBytes, Policy, RetentionContext, RetentionWarning)
-from tests.helpers import assert_state_equal, child_env, make_state, pg_schema_url
+from registry.ops.reading import read_checked
+from tests.helpers import assert_state_equal, child_env, make_state, mark_corrupt, pg_schema_url
 
 
 
@@ -181,7 +182,7 @@ def test_invariants_hold_whatever_the_policy(any_reg: Registry) -> None:
     publish(reg, "run", [10, 20, 25, 30, 40, 50], metrics={"eval/loss": 0.5})
     reg.publish("run", 60, make_state(60), verify=False)            # newest, only published
     reg.tag("run", 30, "release")
-    reg.mark_corrupt(reg.resolve("run@40"), "test")                 # corrupt: a candidate
+    mark_corrupt(reg, reg.resolve("run@40"), "test")                 # corrupt: a candidate
     lease = reg.catalog.acquire_lease("run", 25, holder="reader", ttl=timedelta(hours=1))
     assert lease is not None
     reg.catalog.claim("run", 70, path="run/step-00000070", writer=reg.writer, overwrite=False)  # staging
@@ -329,7 +330,7 @@ def test_reader_resolves_again_when_gc_wins_the_race(catalog_url: str, root: Pat
         info = reader.resolve("run@30")
         trainer.publish("run", 40, make_state(40), retention=KeepLast(1))
         with pytest.raises(CheckpointDeletedError):
-            reader.read_checked(info, verify=True, map_location="cpu", trust_pickle=False)
+            read_checked(reader._reader(), info, verify=True, map_location="cpu", trust_pickle=False)
         with pytest.raises(CheckpointNotFoundError):
             reader.load("run@30")
 
@@ -502,7 +503,7 @@ def test_no_policy_can_break_the_invariants(any_reg: Registry) -> None:
         reg.publish("run", step, make_state(step), metrics={"eval/loss": 1.0 / step})
     reg.publish("run", steps[-1], make_state(0), verify=False)
     reg.tag("run", 30, "release")
-    reg.mark_corrupt(reg.resolve("run@50"), "test")
+    mark_corrupt(reg, reg.resolve("run@50"), "test")
     assert reg.catalog.acquire_lease("run", 70, holder="reader", ttl=timedelta(hours=1))
     reg.catalog.claim("run", 200, path="run/step-00000200", writer=reg.writer, overwrite=False)
     protected = {30, 70, 110, 120, 200}   # tagged, leased, @latest, @latest-published, staging

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from registry import Registry
 from registry.retention import KeepEvery, KeepLast
-from tests.helpers import make_state
+from tests.helpers import make_state, mark_corrupt
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
@@ -39,7 +39,7 @@ def build_site(reg: Registry) -> Site:
     reg.tag("alpha", 800, "release")
     reg.tag("alpha", 1200, "best-eval")
     reg.apply_retention("alpha", KeepEvery(400) | KeepLast(3))  # deletes 200, 600 and 1000
-    reg.mark_corrupt(next(i for i in reg.checkpoints("alpha") if i.step == 1200), "bit flip found by a scrub")
+    mark_corrupt(reg, next(i for i in reg.checkpoints("alpha") if i.step == 1200), "bit flip found by a scrub")
     claim = reg.catalog.claim("alpha", 1700, path="alpha/step-00001700", writer=reg.writer, overwrite=False)
     reg.catalog.abort_claim(claim, reason="out of disk while writing", old_payload_intact=False)
     for name, best in (("beta", 0.3), ("gamma", 0.7)):

@@ -35,7 +35,6 @@ from registry.catalog.fallback import neighbours, newest_verified, same_size_fil
 from registry.catalog.lineage import identical_files
 from registry.crashpoints import crashpoint
 from registry.errors import CatalogError, CorruptCheckpointError, PublishError, RegistryError, StorageError
-from registry.format.layout import hidden_sibling
 from registry.records import CheckpointInfo, Status, human_bytes
 from registry.fs import dedup as dedup_files
 from registry.format.manifest import FileEntry
@@ -44,9 +43,10 @@ from registry.format.safetensors import Encoded
 from registry.fs.dedup import Linked, Source, link_held, link_identical, unshare
 from registry.fs.inodes import Inode, held
 from registry.fs.payloadfiles import Written
-from registry.fs.store import (FileProblem, Reuse, check_written, discard, install, new_staging, remove_stale_staging,
-                               uninstall)
+from registry.fs.store import Reuse
 from registry.ops.writers import writer_alive
+from registry.roots.directory import DirectoryLanding
+from registry.roots.landing import Landing, os_cause
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ def publish_sequence(catalog: Catalog, target: Target, write: Callable[[Any, Reu
     """Phases 1-4: publish what ``write`` puts where ``landing`` says as ``target``'s step.
 
     ``landing`` defaults to a staging directory renamed to ``target.final``
-    (:class:`DirectoryLanding`); ``write(place, reuse)`` fills what the
+    (:class:`registry.roots.directory.DirectoryLanding`); ``write(place, reuse)`` fills what the
     landing prepared (the staging directory, or an object store's attempt
     prefix). ``reuse`` (dedup on, a verified publish to a directory) may store
     a file it is about to write as a link instead (:class:`HeldSources`), or
@@ -293,92 +293,6 @@ def keep_fallback_apart(catalog: Catalog, root: Path, run: str, *, excluding: Se
     return unshare(root / newest[0].path, root / newest[1].path)
 
 
-class Landing(Protocol):
-    """Where phases 2 and 3 put a payload: how it is prepared, checked, installed, discarded and retired.
-
-    ``prepare`` returns what ``write`` fills (a staging directory, an attempt
-    prefix); ``install`` makes it the step's payload and returns the retired
-    old one (or None), kept until the commit; ``undo`` reverses ``install``
-    after a failed commit, returning whether the old payload is back;
-    ``settle`` discards the retired payload once the commit happened.
-    ``links``: payloads may share inodes (dedup), so the fallback chain is kept apart.
-    """
-
-    links: bool
-
-    @property
-    def where(self) -> str: ...
-
-    @property
-    def path(self) -> Path | None: ...
-
-    def prepare(self, claim: Claim) -> Any: ...
-
-    def check(self, dest: Any, written: Written) -> list[FileProblem]: ...
-
-    def install(self, dest: Any) -> Any: ...
-
-    def discard(self, dest: Any) -> None: ...
-
-    def old_intact(self) -> bool: ...
-
-    def undo(self, dest: Any, retired: Any) -> bool: ...
-
-    def settle(self, retired: Any) -> None: ...
-
-    def failure(self, exc: OSError) -> RegistryError: ...
-
-
-@dataclass
-class DirectoryLanding:
-    """A filesystem root's landing: a hidden staging sibling, fsync'd, then renamed to ``final``."""
-
-    final: Path
-    links: bool = True
-
-    @property
-    def where(self) -> str:
-        return str(self.final)
-
-    @property
-    def path(self) -> Path:
-        return self.final
-
-    def prepare(self, claim: Claim) -> Path:
-        remove_stale_staging(self.final)
-        return new_staging(self.final)
-
-    def check(self, dest: Path, written: Written) -> list[FileProblem]:
-        return check_written(dest, written)
-
-    def install(self, dest: Path) -> Path | None:
-        return install(dest, self.final, keep_retired=True)
-
-    def discard(self, dest: Path) -> None:
-        discard(dest)
-
-    def old_intact(self) -> bool:
-        try:
-            return self.final.is_dir()
-        except OSError:
-            return False
-
-    def undo(self, dest: Path, retired: Path | None) -> bool:
-        parked = hidden_sibling(self.final, "tmp")  # a name only: making a directory can fail on a full disk
-        try:
-            uninstall(parked, self.final, retired)
-        finally:
-            discard(parked)
-        return retired is not None
-
-    def settle(self, retired: Path) -> None:
-        discard(retired)
-
-    def failure(self, exc: OSError) -> RegistryError:
-        return PublishError(f"could not publish {self.final}: {os_cause(exc, self.final)}",
-                            errno=exc.errno, path=self.final)
-
-
 def write_and_install(catalog: Catalog, claim: Claim, landing: Landing, write: Callable[[Any], Written], *,
                       verify: bool) -> tuple[Written, str, Any]:
     """Phases 2 and 3: ``write`` fills what ``landing`` prepared, which then becomes the step's payload.
@@ -415,14 +329,6 @@ def write_and_install(catalog: Catalog, claim: Claim, landing: Landing, write: C
         if isinstance(exc, OSError) and not isinstance(exc, StorageError):
             raise landing.failure(exc) from exc
         raise
-
-
-def os_cause(exc: OSError, path: Path) -> str:
-    """``exc``'s cause in words, and the file it concerns when that is not ``path``."""
-    cause = exc.strerror or str(exc) or type(exc).__name__
-    if exc.filename is not None and str(exc.filename) != str(path):
-        cause += f": {exc.filename}"
-    return cause
 
 
 @contextmanager

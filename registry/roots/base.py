@@ -8,14 +8,16 @@ which kind a root is, only whether it can.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from registry.errors import InvalidStateError, RootError
 from registry.records import CheckpointInfo
 
 if TYPE_CHECKING:
     from registry.fs.objects import ObjectRoot
-    from registry.fs.store import Store
+    from registry.fs.payloadfiles import Payload, Written
+    from registry.fs.store import Reuse, Store
+    from registry.roots.landing import Landing
 
 Capability = Literal["links", "sharded", "local_import", "directories", "tiers"]
 
@@ -71,6 +73,12 @@ class Root(Protocol):
 
     def new_relpath(self, run: str, step: int) -> str:
         """Where a new publish of ``run@step`` lands, relative to the root (what the catalog records)."""
+
+    def landing(self, relpath: str) -> Landing:
+        """Phases 2-3 of a publish to ``relpath`` (see :mod:`registry.roots.landing`)."""
+
+    def write(self, dest: Any, payload: Payload, reuse: Reuse | None) -> Written:
+        """Fill what :meth:`Landing.prepare` returned with ``payload``, hashing as it writes."""
 
     def require(self, capability: Capability, what: str) -> None:
         """Return if the root can do ``capability``; else raise the one-line refusal of :data:`REFUSALS`."""

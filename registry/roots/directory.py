@@ -6,12 +6,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from registry.fs.store import Store
+from registry.errors import PublishError, RegistryError
+from registry.format.layout import hidden_sibling
+from registry.fs.store import (FileProblem, Reuse, Store, check_written, discard, install, new_staging,
+                               remove_stale_staging, uninstall, write_payload)
 from registry.records import CheckpointInfo
 from registry.roots.base import Capabilities, Capability, Tiered, refuse
+from registry.roots.landing import Previous, os_cause
 
 if TYPE_CHECKING:
     from registry.fs.objects import ObjectRoot
+    from registry.fs.payloadfiles import Payload, Written
 
 DIRECTORY = Capabilities(links=True, sharded=True, local_import=True, directories=True)
 
@@ -39,6 +44,14 @@ class DirectoryRoot:
     def new_relpath(self, run: str, step: int) -> str:
         return self.store.relpath(self.store.step_dir(run, step))
 
+    def landing(self, relpath: str) -> DirectoryLanding:
+        """Phases 2-3 of a publish to ``relpath``: a hidden staging sibling renamed into place."""
+        return DirectoryLanding(self.store.root / relpath)
+
+    def write(self, dest: Path, payload: Payload, reuse: Reuse | None) -> Written:
+        """Fill the staging directory ``dest`` with ``payload`` (``reuse`` may link files a step holds)."""
+        return write_payload(dest, payload, reuse=reuse)
+
     def require(self, capability: Capability, what: str) -> None:
         refuse(self, capability, what)
 
@@ -52,4 +65,54 @@ class DirectoryRoot:
         return None
 
 
-__all__ = ["DIRECTORY", "DirectoryRoot"]
+@dataclass
+class DirectoryLanding:
+    """A filesystem root's landing: a hidden staging sibling, fsync'd, then renamed to ``final``."""
+
+    final: Path
+    links: bool = True
+
+    @property
+    def where(self) -> str:
+        return str(self.final)
+
+    @property
+    def path(self) -> Path:
+        return self.final
+
+    def prepare(self, claim: Previous) -> Path:
+        remove_stale_staging(self.final)
+        return new_staging(self.final)
+
+    def check(self, dest: Path, written: Written) -> list[FileProblem]:
+        return check_written(dest, written)
+
+    def install(self, dest: Path) -> Path | None:
+        return install(dest, self.final, keep_retired=True)
+
+    def discard(self, dest: Path) -> None:
+        discard(dest)
+
+    def old_intact(self) -> bool:
+        try:
+            return self.final.is_dir()
+        except OSError:
+            return False
+
+    def undo(self, dest: Path, retired: Path | None) -> bool:
+        parked = hidden_sibling(self.final, "tmp")  # a name only: making a directory can fail on a full disk
+        try:
+            uninstall(parked, self.final, retired)
+        finally:
+            discard(parked)
+        return retired is not None
+
+    def settle(self, retired: Path) -> None:
+        discard(retired)
+
+    def failure(self, exc: OSError) -> RegistryError:
+        return PublishError(f"could not publish {self.final}: {os_cause(exc, self.final)}",
+                            errno=exc.errno, path=self.final)
+
+
+__all__ = ["DIRECTORY", "DirectoryLanding", "DirectoryRoot"]

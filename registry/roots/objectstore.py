@@ -1,18 +1,37 @@
 """An object-storage root (``s3://BUCKET/PREFIX``): each publish uploads to a fresh attempt prefix, manifest last,
-and the catalog row that names the prefix is the commit (``registry.fs.objects``, ``registry.ops.objectlanding``)."""
+and the catalog row that names the prefix is the commit (``registry.fs.objects``, :class:`ObjectLanding`).
+
+A publish uploads to ``RUN/step-N/a-<16 hex>/``, a prefix no other attempt
+can use (:func:`registry.format.layout.attempt_relpath`); the claim names it, so fsck knows an
+in-flight attempt's keys. Nothing is installed: the catalog commit that
+names the prefix is what makes the step visible. An overwrite leaves the old
+prefix alone until the commit has happened and then deletes its keys; a
+failure before the commit deletes the new prefix's keys and the old payload
+was never touched. A crash in between leaves an orphan prefix for fsck.
+"""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+from registry.errors import PublishError, RegistryError, StorageError
 from registry.format.layout import attempt_relpath
 from registry.fs.objects import ObjectRoot
-from registry.records import CheckpointInfo
+from registry.fs.objectwrite import check_uploaded
+from registry.fs.prefixes import remove_prefix
+from registry.fs.store import FileProblem
+from registry.records import HAS_PAYLOAD, CheckpointInfo
 from registry.roots.base import Capabilities, Capability, Tiered, refusal, refuse
+from registry.roots.landing import Previous
 
 if TYPE_CHECKING:
-    from registry.fs.store import Store
+    from registry.fs.payloadfiles import Payload, Written
+    from registry.fs.store import Reuse, Store
+
+log = logging.getLogger(__name__)
 
 OBJECTS = Capabilities()
 
@@ -36,6 +55,15 @@ class ObjectStoreRoot:
         """A fresh attempt prefix: two attempts at one step never share a key."""
         return attempt_relpath(run, step)
 
+    def landing(self, relpath: str) -> ObjectLanding:
+        """Phases 2-3 of a publish to the attempt prefix ``relpath``: no rename, the commit names the prefix."""
+        return ObjectLanding(self.objects, relpath)
+
+    def write(self, dest: str, payload: Payload, reuse: Reuse | None) -> Written:
+        """Upload ``payload`` under the attempt prefix ``dest``, hashing as it goes (objects are never linked)."""
+        from registry.fs.objectwrite import upload_payload
+        return upload_payload(self.objects, dest, payload)
+
     def require(self, capability: Capability, what: str) -> None:
         refuse(self, capability, what)
 
@@ -49,4 +77,56 @@ class ObjectStoreRoot:
         return None
 
 
-__all__ = ["OBJECTS", "ObjectStoreRoot"]
+@dataclass
+class ObjectLanding:
+    """The :class:`registry.roots.landing.Landing` of an ``s3://`` root for one attempt prefix ``rel``."""
+
+    root: ObjectRoot
+    rel: str
+    links: bool = False  # objects share nothing: there is no dedup on an object store
+    _old: str | None = None
+
+    @property
+    def where(self) -> str:
+        return self.root.url(self.rel)
+
+    @property
+    def path(self) -> Path | None:
+        return None
+
+    def prepare(self, claim: Previous) -> str:
+        if claim.previous_status in HAS_PAYLOAD and claim.previous_path not in (None, self.rel):
+            self._old = claim.previous_path
+        return self.rel
+
+    def check(self, dest: str, written: Written) -> list[FileProblem]:
+        return check_uploaded(self.root, dest, written)
+
+    def install(self, dest: str) -> str | None:
+        return self._old  # retired once the commit has happened
+
+    def discard(self, dest: str) -> None:
+        self._delete(dest, "a failed attempt's")
+
+    def old_intact(self) -> bool:
+        return True  # an upload never touches the old prefix
+
+    def undo(self, dest: object, retired: str | None) -> bool:
+        self._delete(self.rel, "an uncommitted attempt's")
+        return retired is not None
+
+    def settle(self, retired: str) -> None:
+        self._delete(retired, "the overwritten payload's")
+
+    def failure(self, exc: OSError) -> RegistryError:
+        return PublishError(f"could not publish {self.where}: {exc.strerror or exc}", errno=exc.errno)
+
+    def _delete(self, rel: str, what: str) -> None:
+        try:
+            remove_prefix(self.root, rel)
+        except (StorageError, OSError) as exc:  # never masks the outcome: fsck finds the orphan prefix
+            log.warning("could not delete %s objects under %s: %s; 'registry fsck --repair' removes them",
+                        what, self.root.url(rel), exc)
+
+
+__all__ = ["OBJECTS", "ObjectLanding", "ObjectStoreRoot"]

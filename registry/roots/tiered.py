@@ -12,12 +12,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 from registry.fs.objects import ObjectRoot
 from registry.fs.store import Store
 from registry.records import CheckpointInfo
 from registry.roots.base import Capabilities, Capability, Tiered, refuse
-from registry.roots.directory import DirectoryRoot
+from registry.roots.directory import DirectoryLanding, DirectoryRoot
 from registry.roots.objectstore import ObjectStoreRoot
+
+if TYPE_CHECKING:
+    from registry.fs.payloadfiles import Payload, Written
+    from registry.fs.store import Reuse
 
 TIERED = Capabilities(links=True, sharded=True, local_import=True, directories=True, tiers=True)
 
@@ -54,6 +60,13 @@ class TieredRoot:
 
     def new_relpath(self, run: str, step: int) -> str:
         return self.fast.new_relpath(run, step)
+
+    def landing(self, relpath: str) -> DirectoryLanding:
+        """A publish lands on the fast directory; the durable copy is made by replication."""
+        return self.fast.landing(relpath)
+
+    def write(self, dest: Path, payload: Payload, reuse: Reuse | None) -> Written:
+        return self.fast.write(dest, payload, reuse)
 
     def require(self, capability: Capability, what: str) -> None:
         refuse(self, capability, what)
