@@ -65,7 +65,7 @@ if TYPE_CHECKING:  # and what only some methods use, imported there: a CLI listi
 log = logging.getLogger(__name__)
 
 
-def _bound_catalog(url: str, root: Store | ObjectRoot, *, migrate: bool, create: bool, read_only: bool,
+def _bound_catalog(url: str, root: Root, *, migrate: bool, create: bool, read_only: bool,
                    rebind: bool) -> Catalog:
     """The catalog at ``url``, checked (or bound) to ``root`` (see :mod:`registry.ops.binding`); closed if refused."""
     from registry.ops.binding import check_binding
@@ -844,7 +844,7 @@ class Registry:
 
     def _local_root(self) -> Path:
         """This host's root directory; ``Path()`` on an object-store root, whose readers never look at one."""
-        return Path() if self.objects is not None else self.store.root
+        return self.root.local_dir or Path()
 
     def _reader(self) -> reading.ReadAccess:
         from registry.ops import reading

@@ -31,28 +31,14 @@ from registry.catalog.queries import Catalog
 from registry.catalog.session import safe_url
 from registry.errors import RootMismatchError
 from registry.format.layout import REGISTRY_DIR, ROOT_MARKER
-from registry.fs.store import Store
 
-if TYPE_CHECKING:  # told apart from a Store by not being one: a directory root never imports the object store
-    from registry.fs.objects import ObjectRoot
-
-    Root = Store | ObjectRoot  # a directory, or an s3:// prefix (whose marker is written create-only)
+if TYPE_CHECKING:
+    from registry.roots.base import Root
 
 EVIDENCE_ROWS = 64  # how many of the newest live checkpoints an unbound catalog looks for under a new root
 
 
-def _where(store: Root) -> str:
-    return str(store.root) if isinstance(store, Store) else store.url()
-
-
-def _holds(store: Root, relpath: str) -> bool:
-    if isinstance(store, Store):
-        return (store.root / relpath).is_dir()
-    return store.head(f"{relpath}/manifest.json") is not None
-
-
 def _mismatch(store: Root, url: str, identity: Identity, marker: str | None) -> RootMismatchError:
-    root = _where(store)
     if marker is not None:
         why = (f"it is bound to another catalog (id {marker}), not to {url} (id {identity.catalog_id}); "
                "pass the --root and --url that belong together")
@@ -60,18 +46,18 @@ def _mismatch(store: Root, url: str, identity: Identity, marker: str | None) -> 
         why = (f"it has no {REGISTRY_DIR}/{ROOT_MARKER} but catalog {url} is bound to a root "
                f"(bound from {identity.root_hint}); a wrong or unmounted path? Each host passes its own mount "
                "of that root as --root")
-    return RootMismatchError(f"checkpoint root {root} does not belong to the catalog: {why}",
-                             path=store.root if isinstance(store, Store) else None)
+    return RootMismatchError(f"checkpoint root {store.url} does not belong to the catalog: {why}",
+                             path=store.local_dir)
 
 
 def _no_evidence(store: Root, url: str, paths: list[str]) -> RootMismatchError | None:
     """Refusal of a root that holds none of ``paths``, the catalog's newest live checkpoints (if it has any)."""
-    if not paths or any(_holds(store, p) for p in paths):
+    if not paths or any(store.holds(p) for p in paths):
         return None
     return RootMismatchError(
-        f"checkpoint root {_where(store)} holds none of the newest {len(paths)} checkpoints of catalog {url} "
+        f"checkpoint root {store.url} holds none of the newest {len(paths)} checkpoints of catalog {url} "
         f"(such as {paths[0]}): a wrong or unmounted path? If it is the right root, run "
-        "'registry db bind-root'", path=store.root if isinstance(store, Store) else None)
+        "'registry db bind-root'", path=store.local_dir)
 
 
 def check_binding(catalog: Catalog, store: Root, *, bind: bool, rebind: bool = False) -> None:
@@ -94,7 +80,7 @@ def check_binding(catalog: Catalog, store: Root, *, bind: bool, rebind: bool = F
             if refusal is not None:
                 raise refusal
         return
-    hint = f"{socket.gethostname()}:{_where(store)}"
+    hint = f"{socket.gethostname()}:{store.url}"
     wrote = False
     try:
         with locked_identity(catalog.engine) as (conn, identity):
@@ -109,10 +95,7 @@ def check_binding(catalog: Catalog, store: Root, *, bind: bool, rebind: bool = F
                 refusal = _no_evidence(store, url, live_paths(conn, limit=EVIDENCE_ROWS))
                 if refusal is not None:
                     raise refusal
-            if isinstance(store, Store):
-                store.write_marker(identity.catalog_id, bound_from=hint)
-            else:
-                store.write_marker(identity.catalog_id, bound_from=hint, overwrite=rebind)
+            store.write_marker(identity.catalog_id, bound_from=hint, overwrite=rebind)
             wrote = marker != identity.catalog_id
             record_binding(conn, hint=hint)
     except BaseException:

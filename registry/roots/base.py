@@ -8,6 +8,7 @@ which kind a root is, only whether it can.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from registry.errors import InvalidStateError, RootError
@@ -82,6 +83,22 @@ class Root(Protocol):
 
     def require(self, capability: Capability, what: str) -> None:
         """Return if the root can do ``capability``; else raise the one-line refusal of :data:`REFUSALS`."""
+
+    @property
+    def local_dir(self) -> Path | None:
+        """The root's directory on this host (a tiered root's fast one); None for an object store."""
+
+    def holds(self, relpath: str) -> bool:
+        """Whether a payload is at ``relpath`` (the binding's evidence that this is the catalog's root)."""
+
+    def read_marker(self) -> str | None:
+        """The id of the catalog the root is bound to (``.registry/root.json``), or None for an unbound root."""
+
+    def write_marker(self, catalog_id: str, *, bound_from: str, overwrite: bool = False) -> None:
+        """Bind the root to ``catalog_id``; ``overwrite`` rebinds a root bound to another catalog."""
+
+    def remove_marker(self) -> None:
+        """Undo :meth:`write_marker` (a binding the catalog did not record)."""
 
     def local_store(self, what: str) -> Store:
         """This host's directory of the root (a tiered root's fast one); refused where there is none."""

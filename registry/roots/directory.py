@@ -41,6 +41,22 @@ class DirectoryRoot:
     def place(self, info: CheckpointInfo) -> CheckpointInfo:
         return info.under(self.store.root)
 
+    @property
+    def local_dir(self) -> Path | None:
+        return self.store.root
+
+    def holds(self, relpath: str) -> bool:
+        return (self.store.root / relpath).is_dir()
+
+    def read_marker(self) -> str | None:
+        return self.store.read_marker()
+
+    def write_marker(self, catalog_id: str, *, bound_from: str, overwrite: bool = False) -> None:
+        self.store.write_marker(catalog_id, bound_from=bound_from)  # an atomic replace: it always overwrites
+
+    def remove_marker(self) -> None:
+        self.store.remove_marker()
+
     def new_relpath(self, run: str, step: int) -> str:
         return self.store.relpath(self.store.step_dir(run, step))
 

@@ -51,6 +51,23 @@ class ObjectStoreRoot:
     def place(self, info: CheckpointInfo) -> CheckpointInfo:
         return info.at(self.objects.url(info.path.as_posix()))
 
+    @property
+    def local_dir(self) -> Path | None:
+        return None
+
+    def holds(self, relpath: str) -> bool:
+        from registry.format.manifest import MANIFEST
+        return self.objects.head(f"{relpath}/{MANIFEST}") is not None
+
+    def read_marker(self) -> str | None:
+        return self.objects.read_marker()
+
+    def write_marker(self, catalog_id: str, *, bound_from: str, overwrite: bool = False) -> None:
+        self.objects.write_marker(catalog_id, bound_from=bound_from, overwrite=overwrite)
+
+    def remove_marker(self) -> None:
+        self.objects.remove_marker()
+
     def new_relpath(self, run: str, step: int) -> str:
         """A fresh attempt prefix: two attempts at one step never share a key."""
         return attempt_relpath(run, step)

@@ -58,7 +58,7 @@ def locations(url: str | None, root: str | os.PathLike[str] | None) -> tuple[Pat
 class Located:
     """A root whose storage is open and whose catalog is not yet: see the module's docstring."""
 
-    bind_to: Store | ObjectRoot  # what the catalog is bound to (a tiered root's durable root)
+    bind_to: Root  # what the catalog is bound to (a tiered root's durable root)
     directory: Store | None = None  # the directory root, or a tiered root's fast one
     objects: ObjectRoot | None = None  # the object-store root, or a tiered root's durable one
     tiered: bool = False
@@ -91,14 +91,12 @@ class Located:
         if self.tiered:
             log.warning("created a new fast tier directory %s for the durable tier %s (a host new to the tier: "
                         "steps it has no copy of are read from the durable tier)", self.directory.root,
-                        self.bind_to_url)
+                        self.bind_to.url)
         else:
             log.warning("created a new checkpoint root %s (where a root must already exist, "
                         "Registry.open(create=False) refuses a missing one)", self.directory.root)
 
-    @property
-    def bind_to_url(self) -> str:
-        return self.objects.url() if self.objects is not None else str(self.directory.root if self.directory else "")
+
 
 
 def locate(located: Path | str, durable: str | None, *, storage_options: Mapping[str, Any] | None,
@@ -117,21 +115,23 @@ def locate(located: Path | str, durable: str | None, *, storage_options: Mapping
                             "durable=")
         if not is_object_url(durable):
             raise RootError(f"durable={durable!r}: the durable tier must be an s3:// root (s3://BUCKET/PREFIX)")
+        from registry.roots.objectstore import ObjectStoreRoot
         objects = ObjectRoot.open(durable, storage_options)
         created = _missing(located)
         store = Store(located, create=not read_only)
-        return Located(bind_to=objects, directory=store, objects=objects, tiered=True, created=created)
+        return Located(bind_to=ObjectStoreRoot(objects), directory=store, objects=objects, tiered=True,
+                       created=created)
     if isinstance(located, str):
-        objects = ObjectRoot.open(located, storage_options)
+        from registry.roots.objectstore import ObjectStoreRoot
+        bound = ObjectStoreRoot(ObjectRoot.open(located, storage_options))
         if dedup:
-            from registry.roots.objectstore import ObjectStoreRoot
-            ObjectStoreRoot(objects).require("links", "dedup")
-        return Located(bind_to=objects, objects=objects)
+            bound.require("links", "dedup")
+        return Located(bind_to=bound, objects=bound.objects)
     if storage_options is not None:
         raise RootError("storage_options apply to an s3:// root only")
     created = _missing(located)
     store = Store(located, create=create and not read_only)
-    return Located(bind_to=store, directory=store, created=created)
+    return Located(bind_to=DirectoryRoot(store), directory=store, created=created)
 
 
 def _missing(path: Path) -> list[Path]:

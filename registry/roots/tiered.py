@@ -58,6 +58,23 @@ class TieredRoot:
     def place(self, info: CheckpointInfo) -> CheckpointInfo:
         return self.fast.place(info)
 
+    @property
+    def local_dir(self) -> Path | None:
+        return self.fast.local_dir
+
+    def holds(self, relpath: str) -> bool:
+        return self.durable.holds(relpath)
+
+    # the durable root is the one bound to the catalog: every host's fast directory serves the same catalog
+    def read_marker(self) -> str | None:
+        return self.durable.read_marker()
+
+    def write_marker(self, catalog_id: str, *, bound_from: str, overwrite: bool = False) -> None:
+        self.durable.write_marker(catalog_id, bound_from=bound_from, overwrite=overwrite)
+
+    def remove_marker(self) -> None:
+        self.durable.remove_marker()
+
     def new_relpath(self, run: str, step: int) -> str:
         return self.fast.new_relpath(run, step)
 
