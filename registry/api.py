@@ -976,16 +976,11 @@ class Registry:
         ``UnknownMetricError`` (a ``PolicyError``) unless ``allow_missing_metrics``.
         A step that a live fork names as its parent is kept unless ``keep_fork_parents=False``.
         """
-        from registry.ops.retention import Deletion, FileDeletion, RetentionScope, make_plan
-        if self.tiers is not None:
+        from registry.ops.retention import RetentionScope, RootDeletion, make_plan
+        if self.root.can.tiers:
             raise InvalidStateError(f"{self.root_url} has a durable tier: retention is per tier, "
                                     "plan_tier_retention(run, policy, tier='fast' or 'durable')")
-        if self.objects is not None:
-            from registry.ops.objectgc import ObjectDeletion
-            storage: Deletion = ObjectDeletion(self.objects)
-        else:
-            storage = FileDeletion(self.store.root)
-        scope = RetentionScope(catalog=self.catalog, storage=storage, actor=self.writer)
+        scope = RetentionScope(catalog=self.catalog, storage=RootDeletion(self.root), actor=self.writer)
         return make_plan(scope, run, policy, now=now, protect=protect or {},
                          allow_missing_metrics=allow_missing_metrics, keep_fork_parents=keep_fork_parents)
 

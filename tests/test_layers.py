@@ -64,7 +64,7 @@ TORCH_FREE = ("registry", "registry.catalog", "registry.catalog.queries", "regis
               "registry.cli.common", "registry.cli.runs", "registry.cli.maintenance", "registry.cli.main",
               "registry.cli.docs", "registry.fs.objects", "registry.fs.payloadfiles", "registry.fs.objectwrite",
               "registry.fs.objectread", "registry.roots.objectstore", "registry.roots.landing",
-              "registry.fs.multipart", "registry.fs.prefixes", "registry.ops.objectgc", "registry.ops.objectfsck")
+              "registry.fs.multipart", "registry.fs.prefixes", "registry.ops.retention", "registry.ops.objectfsck")
 # Every module of the format, filesystem and roots folders.
 SQL_FREE = ("registry.retention", *(f"registry.{folder}.{path.stem}" for folder in ("format", "fs", "roots")
                                     for path in sorted((PACKAGE / folder).glob("*.py")) if path.stem != "__init__"))

@@ -15,12 +15,12 @@ it vanishes from its final path at once; (3) the retired copy is removed
 (:mod:`registry.fs.removal`). ``execute`` first finishes any such interrupted
 deletion of the run, so running gc again (or ``fsck --repair``) completes the job.
 
-What a root does for steps (2) and (3), how it measures a step's bytes and
-which guards it needs is its :class:`Deletion`: :class:`FileDeletion` here for
-a directory root, ``registry.ops.objectgc.ObjectDeletion`` for an ``s3://``
-root (no rename there: the keys under the step's attempt prefix are deleted).
-The catalog side, the plan and the re-check inside the marking transaction are
-the same for both.
+What a root does for steps (2) and (3) and how it measures a step's bytes is
+its :class:`~registry.roots.base.Removal` (a directory root retires and
+removes; an ``s3://`` root deletes the keys under the step's attempt prefix);
+:class:`RootDeletion` adds the guards a root's capabilities call for. The
+catalog side, the plan and the re-check inside the marking transaction are
+the same for every root.
 
 The policies themselves are :mod:`registry.retention`.
 """
@@ -40,15 +40,13 @@ from registry.catalog.fallback import newest_verified
 from registry.catalog.retention import CANDIDATES, DeletedRow, RetentionCatalog, RunSnapshot
 from registry.crashpoints import crashpoint
 from registry.errors import PolicyError
-from registry.format.layout import scan_run
 from registry.format.refs import check_run_name
-from registry.fs import inodes as inode_files
-from registry.fs.removal import remove_checkpoint_dir, remove_tree
 from registry.ops.checkouts import reclaim as reclaim_checkouts
 from registry.ops.protocol import keep_fallback_apart
 from registry.progress import Counter, ProgressFn
 from registry.records import CheckpointInfo, Status
 from registry.retention import Policy, RetentionContext, evaluate
+from registry.roots.base import Root
 
 log = logging.getLogger(__name__)
 
@@ -88,76 +86,55 @@ class Deletion(Protocol):
 
 
 @dataclass(frozen=True)
-class FileDeletion:
-    """:class:`Deletion` for a directory root: retire, then remove (:mod:`registry.fs.removal`)."""
+class RootDeletion:
+    """:class:`Deletion` on any root: the root measures and removes what it stores (its
+    :class:`~registry.roots.base.Removal`); a root whose steps may share inodes keeps the fallback chain apart,
+    and one of directories reclaims the expired checkouts it owns first."""
 
-    root: Path
+    root: Root
 
     def locate(self, info: CheckpointInfo) -> CheckpointInfo:
-        return info.under(self.root)
+        return self.root.place(info)
 
     def held(self, info: CheckpointInfo) -> Mapping[Any, int]:
-        """What a candidate's directory holds on disk, for :class:`~registry.retention.MaxBytes`."""
-        return inode_files.inodes(Path(info.path))
+        return self.root.removal().held(info)
 
     def freed_bytes(self, doomed: Sequence[CheckpointInfo]) -> int:
-        return inode_files.freed_bytes(Path(c.path) for c in doomed)
+        return self.root.removal().freed_bytes(doomed)
 
     def kept_bytes(self, kept: Sequence[CheckpointInfo]) -> int:
-        """Bytes on disk of the steps' directories, each inode once (a catalog size where one cannot be read)."""
-        seen: dict[inode_files.Inode, int] = {}
-        unread = 0
-        for c in kept:
-            held = inode_files.inodes(Path(c.path))
-            if not held:
-                unread += c.total_bytes
-            seen.update(held)
-        return sum(seen.values()) + unread
+        return self.root.removal().kept_bytes(kept)
 
     def shared_bytes(self, doomed: Sequence[Path], kept: Sequence[Path]) -> int:
-        """Counted per inode, and only what a *kept* step links: two deleted steps sharing a file between
-        them free it, and a name elsewhere (a checkout) is not a step."""
-        held = inode_files.held(doomed)
-        also = inode_files.held(kept)
-        return sum(size for key, size in held.items() if key in also)
+        return self.root.removal().shared_bytes(doomed, kept)
 
     def guard(self, catalog: Catalog, run: str, doomed: Sequence[int]) -> dict[int, str]:
-        return guard_fallback(catalog, self.root, run, doomed)
+        directory = self.root.local_dir
+        if not self.root.can.links or directory is None:
+            return {}
+        return guard_fallback(catalog, directory, run, doomed)
 
     def after_mark(self, catalog: Catalog, run: str) -> None:
+        directory = self.root.local_dir
+        if not self.root.can.links or directory is None:
+            return
         try:  # whatever changed since the guard (a step published, verified or repaired meanwhile)
-            keep_fallback_apart(catalog, self.root, run)
+            keep_fallback_apart(catalog, directory, run)
         except OSError as exc:
             log.warning("retention of %s: could not give the newest verified step its own copy of a file it "
                         "shares with the next: %s", run, exc.strerror or exc)
 
     def reclaim(self, catalog: Catalog, run: str) -> tuple[Path, ...]:
-        return reclaim_checkouts(catalog, self.root, run=run)
+        directory = self.root.local_dir
+        if not self.root.can.directories or directory is None:
+            return ()
+        return reclaim_checkouts(catalog, directory, run=run)
 
     def remove(self, row: DeletedRow) -> bool:
-        return remove_checkpoint_dir(self.root / row.path, row.manifest_sha256)
+        return self.root.removal().remove(row)
 
     def finish(self, run: str, rows: Sequence[DeletedRow]) -> tuple[set[int], dict[int, str]]:
-        """Remove what a killed gc left of ``deleted`` rows: final or retired directories."""
-        deleted = {r.step for r in rows}
-        healed: set[int] = set()
-        errors: dict[int, str] = {}
-        for r in rows:
-            try:
-                if self.remove(r):
-                    healed.add(r.step)
-            except OSError as exc:
-                errors[r.step] = f"cannot remove {self.root / r.path}: {exc.strerror or exc}"
-        run_dir = self.root / run
-        if deleted and run_dir.is_dir():
-            for entry in scan_run(run_dir):
-                if entry.kind == "retired" and entry.step in deleted:
-                    try:
-                        remove_tree(entry.path)
-                        healed.add(entry.step)
-                    except OSError as exc:
-                        errors[entry.step] = f"cannot remove {entry.path}: {exc.strerror or exc}"
-        return healed, errors
+        return self.root.removal().finish(run, rows)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -435,5 +412,5 @@ def _deleted_info(run: str, row: DeletedRow) -> CheckpointInfo:
                           total_bytes=row.total_bytes, manifest_sha256=row.manifest_sha256)
 
 
-__all__ = ["Decision", "Deletion", "FileDeletion", "RetentionPlan", "RetentionResult", "RetentionScope",
+__all__ = ["Decision", "Deletion", "RootDeletion", "RetentionPlan", "RetentionResult", "RetentionScope",
            "finish_interrupted", "guard_fallback", "make_plan", "protections"]

@@ -7,6 +7,7 @@ which kind a root is, only whether it can.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
@@ -56,6 +57,41 @@ REFUSALS: dict[Capability, tuple[type[Exception], str]] = {
 }
 
 
+class Gone(Protocol):
+    """A step marked ``deleted`` whose payload is to be removed: where it was, and which payload."""
+
+    @property
+    def step(self) -> int: ...
+
+    @property
+    def path(self) -> str: ...
+
+    @property
+    def manifest_sha256(self) -> str | None: ...
+
+
+class Removal(Protocol):
+    """What retention needs of a root's storage: what located steps hold, and removing what a deletion left."""
+
+    def held(self, info: CheckpointInfo) -> Mapping[Any, int]:
+        """What a located step occupies, by storage unit (an inode), with sizes; empty: use its catalog size."""
+
+    def freed_bytes(self, doomed: Sequence[CheckpointInfo]) -> int:
+        """The bytes removing the located ``doomed`` steps would free."""
+
+    def kept_bytes(self, kept: Sequence[CheckpointInfo]) -> int:
+        """The bytes the located ``kept`` steps hold, each unit once."""
+
+    def shared_bytes(self, doomed: Sequence[Path], kept: Sequence[Path]) -> int:
+        """Of what the ``doomed`` steps hold, the bytes ``kept`` steps hold too (they stay)."""
+
+    def remove(self, gone: Gone) -> bool:
+        """Remove what ``gone`` left; False when nothing was there. Raises ``OSError``."""
+
+    def finish(self, run: str, gone: Sequence[Gone]) -> tuple[set[int], dict[int, str]]:
+        """Finish killed deletions of ``gone`` (the run's ``deleted`` rows): steps healed, and errors."""
+
+
 class Root(Protocol):
     """A place payloads live. ``url`` is what users see: an absolute directory or ``s3://BUCKET/PREFIX``."""
 
@@ -74,6 +110,9 @@ class Root(Protocol):
 
     def new_relpath(self, run: str, step: int) -> str:
         """Where a new publish of ``run@step`` lands, relative to the root (what the catalog records)."""
+
+    def removal(self) -> Removal:
+        """How retention measures and removes this root's payloads."""
 
     def landing(self, relpath: str) -> Landing:
         """Phases 2-3 of a publish to ``relpath`` (see :mod:`registry.roots.landing`)."""
@@ -137,4 +176,4 @@ def refuse(root: Root, capability: Capability, what: str) -> None:
         raise refusal(root, capability, what)
 
 
-__all__ = ["Capabilities", "Capability", "REFUSALS", "Root", "Tiered", "refusal", "refuse"]
+__all__ = ["Capabilities", "Capability", "Gone", "REFUSALS", "Removal", "Root", "Tiered", "refusal", "refuse"]

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from registry.errors import PublishError, RegistryError
-from registry.format.layout import hidden_sibling
+from registry.format.layout import hidden_sibling, scan_run
+from registry.fs import inodes as inode_files
+from registry.fs.removal import remove_checkpoint_dir, remove_tree
 from registry.fs.store import (FileProblem, Reuse, Store, check_written, discard, install, new_staging,
                                remove_stale_staging, uninstall, write_payload)
 from registry.records import CheckpointInfo
-from registry.roots.base import Capabilities, Capability, Tiered, refuse
+from registry.roots.base import Capabilities, Capability, Gone, Tiered, refuse
 from registry.roots.landing import Previous, os_cause
 
 if TYPE_CHECKING:
@@ -59,6 +62,9 @@ class DirectoryRoot:
 
     def new_relpath(self, run: str, step: int) -> str:
         return self.store.relpath(self.store.step_dir(run, step))
+
+    def removal(self) -> FileRemoval:
+        return FileRemoval(self.store.root)
 
     def landing(self, relpath: str) -> DirectoryLanding:
         """Phases 2-3 of a publish to ``relpath``: a hidden staging sibling renamed into place."""
@@ -131,4 +137,61 @@ class DirectoryLanding:
                             errno=exc.errno, path=self.final)
 
 
-__all__ = ["DIRECTORY", "DirectoryLanding", "DirectoryRoot"]
+@dataclass(frozen=True)
+class FileRemoval:
+    """:class:`~registry.roots.base.Removal` for a directory root: retire, then remove (:mod:`registry.fs.removal`)."""
+
+    root: Path
+
+    def held(self, info: CheckpointInfo) -> Mapping[Any, int]:
+        """What a candidate's directory holds on disk, for :class:`~registry.retention.MaxBytes`."""
+        return inode_files.inodes(Path(info.path))
+
+    def freed_bytes(self, doomed: Sequence[CheckpointInfo]) -> int:
+        return inode_files.freed_bytes(Path(c.path) for c in doomed)
+
+    def kept_bytes(self, kept: Sequence[CheckpointInfo]) -> int:
+        """Bytes on disk of the steps' directories, each inode once (a catalog size where one cannot be read)."""
+        seen: dict[inode_files.Inode, int] = {}
+        unread = 0
+        for c in kept:
+            held = inode_files.inodes(Path(c.path))
+            if not held:
+                unread += c.total_bytes
+            seen.update(held)
+        return sum(seen.values()) + unread
+
+    def shared_bytes(self, doomed: Sequence[Path], kept: Sequence[Path]) -> int:
+        """Counted per inode, and only what a *kept* step links: two deleted steps sharing a file between
+        them free it, and a name elsewhere (a checkout) is not a step."""
+        held = inode_files.held(doomed)
+        also = inode_files.held(kept)
+        return sum(size for key, size in held.items() if key in also)
+
+    def remove(self, gone: Gone) -> bool:
+        return remove_checkpoint_dir(self.root / gone.path, gone.manifest_sha256)
+
+    def finish(self, run: str, rows: Sequence[Gone]) -> tuple[set[int], dict[int, str]]:
+        """Remove what a killed gc left of ``deleted`` rows: final or retired directories."""
+        deleted = {r.step for r in rows}
+        healed: set[int] = set()
+        errors: dict[int, str] = {}
+        for r in rows:
+            try:
+                if self.remove(r):
+                    healed.add(r.step)
+            except OSError as exc:
+                errors[r.step] = f"cannot remove {self.root / r.path}: {exc.strerror or exc}"
+        run_dir = self.root / run
+        if deleted and run_dir.is_dir():
+            for entry in scan_run(run_dir):
+                if entry.kind == "retired" and entry.step in deleted:
+                    try:
+                        remove_tree(entry.path)
+                        healed.add(entry.step)
+                    except OSError as exc:
+                        errors[entry.step] = f"cannot remove {entry.path}: {exc.strerror or exc}"
+        return healed, errors
+
+
+__all__ = ["DIRECTORY", "DirectoryLanding", "DirectoryRoot", "FileRemoval"]

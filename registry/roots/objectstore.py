@@ -13,18 +13,19 @@ was never touched. A crash in between leaves an orphan prefix for fsck.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from registry.errors import PublishError, RegistryError, StorageError
 from registry.format.layout import attempt_relpath
 from registry.fs.objects import ObjectRoot
 from registry.fs.objectwrite import check_uploaded
-from registry.fs.prefixes import remove_prefix
+from registry.fs.prefixes import remove_prefix, scan
 from registry.fs.store import FileProblem
 from registry.records import HAS_PAYLOAD, CheckpointInfo
-from registry.roots.base import Capabilities, Capability, Tiered, refusal, refuse
+from registry.roots.base import Capabilities, Capability, Gone, Tiered, refusal, refuse
 from registry.roots.landing import Previous
 
 if TYPE_CHECKING:
@@ -71,6 +72,9 @@ class ObjectStoreRoot:
     def new_relpath(self, run: str, step: int) -> str:
         """A fresh attempt prefix: two attempts at one step never share a key."""
         return attempt_relpath(run, step)
+
+    def removal(self) -> ObjectRemoval:
+        return ObjectRemoval(self.objects)
 
     def landing(self, relpath: str) -> ObjectLanding:
         """Phases 2-3 of a publish to the attempt prefix ``relpath``: no rename, the commit names the prefix."""
@@ -146,4 +150,61 @@ class ObjectLanding:
                         what, self.root.url(rel), exc)
 
 
-__all__ = ["OBJECTS", "ObjectLanding", "ObjectStoreRoot"]
+@dataclass(frozen=True)
+class ObjectRemoval:
+    """:class:`~registry.roots.base.Removal` for an object-store root.
+
+    The plan, the re-check inside the marking transaction and the catalog states
+    are retention's own (:mod:`registry.ops.retention`); what differs is the
+    removal. There is no rename on object storage, so a ``deleted`` row's payload
+    goes by deleting the keys under its attempt prefix, manifest first
+    (:func:`registry.fs.prefixes.remove_prefix`). Attempt prefixes are never
+    reused (a re-publish of the step gets a fresh one), so a deleted row's prefix
+    holds only the payload it deleted and needs no digest check before it goes.
+    A gc killed after marking left a ``deleted`` row whose keys are still there:
+    the next gc (or ``fsck --repair``) lists the run once and deletes them.
+
+    No dedup on object storage: a step holds its own objects, and its bytes are
+    the catalog's sizes.
+    """
+
+    root: ObjectRoot
+
+    def held(self, info: CheckpointInfo) -> Mapping[Any, int]:
+        return {}  # no object is shared between steps: the catalog's size is the step's
+
+    def freed_bytes(self, doomed: Sequence[CheckpointInfo]) -> int:
+        return sum(c.total_bytes for c in doomed)
+
+    def kept_bytes(self, kept: Sequence[CheckpointInfo]) -> int:
+        return sum(c.total_bytes for c in kept)
+
+    def shared_bytes(self, doomed: Sequence[Path], kept: Sequence[Path]) -> int:
+        return 0
+
+    def remove(self, gone: Gone) -> bool:
+        return remove_prefix(self.root, gone.path, point="gc-after-retire")
+
+    def finish(self, run: str, rows: Sequence[Gone]) -> tuple[set[int], dict[int, str]]:
+        """One listing of the run; the keys of every ``deleted`` row's prefix still there are deleted."""
+        if not rows:
+            return set(), {}
+        healed: set[int] = set()
+        errors: dict[int, str] = {}
+        try:
+            present = scan(self.root, run)
+        except OSError as exc:
+            return set(), {r.step: f"cannot list {self.root.url(run)}: {exc}" for r in rows}
+        for row in rows:
+            found = present.get(row.path)
+            if found is None:
+                continue
+            try:
+                remove_prefix(self.root, row.path, [e.rel for e in found.entries], point="gc-after-retire")
+                healed.add(row.step)
+            except OSError as exc:
+                errors[row.step] = f"cannot delete {self.root.url(row.path)}: {exc}"
+        return healed, errors
+
+
+__all__ = ["OBJECTS", "ObjectLanding", "ObjectRemoval", "ObjectStoreRoot"]

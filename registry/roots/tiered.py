@@ -18,7 +18,7 @@ from registry.fs.objects import ObjectRoot
 from registry.fs.store import Store
 from registry.records import CheckpointInfo
 from registry.roots.base import Capabilities, Capability, Tiered, refuse
-from registry.roots.directory import DirectoryLanding, DirectoryRoot
+from registry.roots.directory import DirectoryLanding, DirectoryRoot, FileRemoval
 from registry.roots.objectstore import ObjectStoreRoot
 
 if TYPE_CHECKING:
@@ -77,6 +77,10 @@ class TieredRoot:
 
     def new_relpath(self, run: str, step: int) -> str:
         return self.fast.new_relpath(run, step)
+
+    def removal(self) -> FileRemoval:
+        """The fast directory's: tier retention removes copies on each tier (``registry.ops.tierretention``)."""
+        return self.fast.removal()
 
     def landing(self, relpath: str) -> DirectoryLanding:
         """A publish lands on the fast directory; the durable copy is made by replication."""
