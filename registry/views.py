@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, Literal
@@ -210,14 +210,14 @@ def step_view(reg: Registry, ref: str) -> StepView:
     from registry.fs.inodes import shared_bytes
     events = reg.events(info.run, step=info.step)
     shared = 0
-    if info.status not in NO_PAYLOAD and reg.objects is None:  # objects are never hard-linked
+    if info.status not in NO_PAYLOAD and reg.root.can.links:
         others = [i.path for i in reg.checkpoints(info.run, include_deleted=True)
                   if i.status in HAS_PAYLOAD and i.step != info.step]
         shared = shared_bytes(info.path, others)
-    copies = tuple(reg.replicas(info.run, info.step)) if reg.tiers is not None else ()
+    copies = tuple(reg.replicas(info.run, info.step)) if reg.root.can.tiers else ()
+    manifest = manifest_summary(lambda: reg.root.manifest_bytes(info))
     return StepView(ref=ref, info=info, files=tuple(reg.catalog.files(info.run, info.step)), events=tuple(events),
-                    ended=ending_event(info.status, events), manifest=manifest_summary(info.path, objects=reg.objects),
-                    shared_bytes=shared, copies=copies)
+                    ended=ending_event(info.status, events), manifest=manifest, shared_bytes=shared, copies=copies)
 
 
 def ending_event(status: str, events: Sequence[EventInfo]) -> EventInfo | None:
@@ -228,18 +228,15 @@ def ending_event(status: str, events: Sequence[EventInfo]) -> EventInfo | None:
                  if e.detail.get("status") == status or (status == Status.FAILED and e.kind == "publish-failed")), None)
 
 
-def manifest_summary(directory: Any, *, objects: Any = None) -> dict[str, Any]:
-    """What the manifest on disk (or in the bucket, given ``objects``) says, or why it cannot be read.
+def manifest_summary(read: Callable[[], tuple[bytes, Path]]) -> dict[str, Any]:
+    """What the manifest that ``read`` returns (its bytes, and where they were) says, or why it cannot be read.
 
     ``show`` must work on a corrupt step.
     """
-    from registry.format.manifest import MANIFEST, digest_bytes, parse_manifest, read_manifest
+    from registry.format.manifest import digest_bytes, parse_manifest
     try:
-        if objects is not None:
-            raw = bytes(objects.get(f"{Path(directory).as_posix()}/{MANIFEST}"))
-            manifest, digest = parse_manifest(raw, path=Path(directory) / MANIFEST), digest_bytes(raw)
-        else:
-            manifest, digest = read_manifest(directory)
+        raw, where = read()
+        manifest, digest = parse_manifest(raw, path=where), digest_bytes(raw)
     except (RegistryError, OSError) as exc:
         return {"error": str(exc)}
     layout = manifest.layout

@@ -1,8 +1,9 @@
 """Where the code decides which kind of root it is on: inside ``registry/roots/``, and as few places as possible
 elsewhere. A decision is an ``if``/``while``/conditional expression whose test asks for a kind of root or one of
-its parts (``objects is None``, ``isinstance(x, Store)``, ``root.tiered() is not None``, ``can.tiers``, an
-``s3://`` check ...). The goal is at most five outside ``registry/roots/`` (see docs/architecture.md); each change
-that moves decisions into a root lowers ``CEILING``, and a change that adds one outside fails here."""
+its parts (``objects is None``, ``isinstance(x, Store)``, ``root.tiered() is not None``, ``root.kind``, an
+``s3://`` check ...). Asking what a root can do (``root.can.links``) is the interface, not a decision on its kind.
+The goal is at most five outside ``registry/roots/`` (see docs/architecture.md); each change that moves decisions
+into a root lowers ``CEILING``, and a change that adds one outside fails here."""
 
 from __future__ import annotations
 
@@ -16,9 +17,9 @@ DECISION = re.compile(
     r"|is_object_url|_names_object_root|['\"]s3://['\"]\s+(not\s+)?in\b|\.startswith\(['\"]s3://"
     r"|isinstance\([^)]*\b(Store|ObjectRoot|Tiers|DirectoryRoot|ObjectStoreRoot|TieredRoot)\b"
     r"|\.links\b|\btier\s*==|\bremote\b"
-    r"|\b(object_store|tiered)\(\)\s+is\s+(not\s+)?None|\bcan\.\w+|\broot\.kind\b")
+    r"|\b(object_store|tiered)\(\)\s+is\s+(not\s+)?None|\broot\.kind\b")
 GOAL = 5
-CEILING = 51  # lower it as decisions move into registry/roots/; never raise it
+CEILING = 45  # lower it as decisions move into registry/roots/; never raise it
 
 
 def decisions() -> dict[str, list[str]]:
@@ -34,10 +35,11 @@ def decisions() -> dict[str, list[str]]:
 
 
 def test_the_pattern_sees_a_decision_of_each_shape() -> None:
-    for text in ("self.objects is not None", "tiers is None", "isinstance(store, Store)", "reg.root.can.tiers",
+    for text in ("self.objects is not None", "tiers is None", "isinstance(store, Store)", "reg.root.kind == 's3'",
                  "root.tiered() is None", "is_object_url(x)", "'s3://' in text", "plan.tier == 'fast'"):
         assert DECISION.search(text), text
-    assert not DECISION.search("parsed.kind == 'step'")
+    for text in ("parsed.kind == 'step'", "not self.root.can.links"):
+        assert not DECISION.search(text), text
 
 
 def test_backend_decisions_outside_the_roots_stay_under_the_ceiling() -> None:

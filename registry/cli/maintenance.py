@@ -175,7 +175,7 @@ def gc(state: State, run: str, keep_last: int | None, keep_best: tuple[str, ...]
         raise click.UsageError("say what to keep: --keep-last, --keep-best, --keep-every, --max-bytes "
                                "or --policy (gc never guesses)")
     reg = state.registry()
-    if reg.tiers is not None:
+    if reg.root.can.tiers:
         tier_gc(reg, run, policy, tier=tier, force=force, allow_missing_metric=allow_missing_metric,
                 dry_run=dry_run, yes=yes, as_json=as_json)
         return

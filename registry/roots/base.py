@@ -127,6 +127,9 @@ class Root(Protocol):
     def local_dir(self) -> Path | None:
         """The root's directory on this host (a tiered root's fast one); None for an object store."""
 
+    def manifest_bytes(self, info: CheckpointInfo) -> tuple[bytes, Path]:
+        """The stored manifest of the placed step ``info``, unparsed, and where it was read (for messages)."""
+
     def holds(self, relpath: str) -> bool:
         """Whether a payload is at ``relpath`` (the binding's evidence that this is the catalog's root)."""
 

@@ -51,6 +51,10 @@ class DirectoryRoot:
     def holds(self, relpath: str) -> bool:
         return (self.store.root / relpath).is_dir()
 
+    def manifest_bytes(self, info: CheckpointInfo) -> tuple[bytes, Path]:
+        from registry.format.manifest import MANIFEST, manifest_bytes
+        return manifest_bytes(Path(info.path)), Path(info.path) / MANIFEST
+
     def read_marker(self) -> str | None:
         return self.store.read_marker()
 

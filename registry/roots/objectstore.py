@@ -60,6 +60,10 @@ class ObjectStoreRoot:
         from registry.format.manifest import MANIFEST
         return self.objects.head(f"{relpath}/{MANIFEST}") is not None
 
+    def manifest_bytes(self, info: CheckpointInfo) -> tuple[bytes, Path]:
+        from registry.format.manifest import MANIFEST
+        return bytes(self.objects.get(f"{info.path.as_posix()}/{MANIFEST}")), Path(info.path) / MANIFEST
+
     def read_marker(self) -> str | None:
         return self.objects.read_marker()
 

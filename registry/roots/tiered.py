@@ -65,6 +65,9 @@ class TieredRoot:
     def holds(self, relpath: str) -> bool:
         return self.durable.holds(relpath)
 
+    def manifest_bytes(self, info: CheckpointInfo) -> tuple[bytes, Path]:
+        return self.fast.manifest_bytes(info)
+
     # the durable root is the one bound to the catalog: every host's fast directory serves the same catalog
     def read_marker(self) -> str | None:
         return self.durable.read_marker()
