@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, Any
 from registry.errors import PublishError, RegistryError
 from registry.format.layout import hidden_sibling, scan_run
 from registry.fs import inodes as inode_files
-from registry.fs.removal import remove_checkpoint_dir, remove_tree
 from registry.fs.store import (FileProblem, Reuse, Store, check_written, discard, install, new_staging,
                                remove_stale_staging, uninstall, write_payload)
 from registry.records import CheckpointInfo
@@ -173,6 +172,7 @@ class FileRemoval:
         return sum(size for key, size in held.items() if key in also)
 
     def remove(self, gone: Gone) -> bool:
+        from registry.fs.removal import remove_checkpoint_dir  # it reads manifests: what a listing never needs
         return remove_checkpoint_dir(self.root / gone.path, gone.manifest_sha256)
 
     def finish(self, run: str, rows: Sequence[Gone]) -> tuple[set[int], dict[int, str]]:
@@ -188,6 +188,7 @@ class FileRemoval:
                 errors[r.step] = f"cannot remove {self.root / r.path}: {exc.strerror or exc}"
         run_dir = self.root / run
         if deleted and run_dir.is_dir():
+            from registry.fs.removal import remove_tree
             for entry in scan_run(run_dir):
                 if entry.kind == "retired" and entry.step in deleted:
                     try:

@@ -10,11 +10,13 @@ prefix whose catalog row is the commit (``registry.roots.objectstore``).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from registry.errors import RegistryError
-from registry.fs.payloadfiles import Written
-from registry.fs.store import FileProblem
+
+if TYPE_CHECKING:  # a listing imports the roots and never writes: the writers' modules stay out
+    from registry.fs.payloadfiles import Written
+    from registry.fs.store import FileProblem
 
 
 class Previous(Protocol):

@@ -66,12 +66,12 @@ class Located:
 
     def finish(self, tier_id: Callable[[Store], str]) -> Root:
         """The root; ``tier_id`` names a tiered root's fast directory (asked of the catalog)."""
-        from registry.roots.objectstore import ObjectStoreRoot
-        from registry.roots.tiered import TieredRoot
         if self.objects is None and self.directory is not None:
-            return DirectoryRoot(self.directory)
+            return DirectoryRoot(self.directory)  # the object store's modules stay out of a directory root's process
+        from registry.roots.objectstore import ObjectStoreRoot
         if self.objects is not None and self.directory is None:
             return ObjectStoreRoot(self.objects)
+        from registry.roots.tiered import TieredRoot
         if self.objects is not None and self.directory is not None and self.tiered:
             return TieredRoot(DirectoryRoot(self.directory), ObjectStoreRoot(self.objects), tier_id(self.directory))
         raise RootError("a root is a directory, an object store, or a directory over a durable object store")
@@ -108,13 +108,13 @@ def locate(located: Path | str, durable: str | None, *, storage_options: Mapping
     included): a new host joins a durable tier its catalog already knows,
     and the catalog open that follows refuses a durable root it does not.
     """
-    from registry.fs.objects import ObjectRoot
     if durable is not None:
         if isinstance(located, str):
             raise RootError(f"the fast tier must be a filesystem root, not {located}; pass the s3:// root as "
                             "durable=")
         if not is_object_url(durable):
             raise RootError(f"durable={durable!r}: the durable tier must be an s3:// root (s3://BUCKET/PREFIX)")
+        from registry.fs.objects import ObjectRoot
         from registry.roots.objectstore import ObjectStoreRoot
         objects = ObjectRoot.open(durable, storage_options)
         created = _missing(located)
@@ -122,6 +122,7 @@ def locate(located: Path | str, durable: str | None, *, storage_options: Mapping
         return Located(bind_to=ObjectStoreRoot(objects), directory=store, objects=objects, tiered=True,
                        created=created)
     if isinstance(located, str):
+        from registry.fs.objects import ObjectRoot
         from registry.roots.objectstore import ObjectStoreRoot
         bound = ObjectStoreRoot(ObjectRoot.open(located, storage_options))
         if dedup:
