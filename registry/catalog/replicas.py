@@ -28,7 +28,7 @@ from sqlalchemy import Connection, and_, delete, insert, or_, select, update
 from registry.catalog.models import CheckpointRow, Lease, Replica, Run
 from registry.catalog.queries import DURABLE, Catalog, record_replica
 from registry.catalog.session import Transactions, aware, utcnow
-from registry.records import Status
+from registry.records import ENDED, Status
 
 PENDING, PUBLISHED, VERIFIED, CORRUPT, DELETED = "pending", "published", "verified", "corrupt", "deleted"
 
@@ -161,25 +161,30 @@ class ReplicaCatalog:
         return result
 
     def copy_deleted(self, run: str, step: int, *, location: str, path: str, manifest_sha256: str | None,
-                     require: str | None, actor: str | None) -> str | None:
+                     require: str | None, actor: str | None, condemned: bool = False) -> str | None:
         """Mark ``location``'s copy of ``run@step`` at ``path`` ``deleted`` (recorded if it had no row); None when
-        it was, else why not. Compare-and-set, in one transaction: the step still holds ``manifest_sha256``,
-        no reader holds a lease on it, this location's copy is still the one at ``path``, and ``require`` (a
-        location, or ``"fast:"`` for any fast tier's) still has a good copy of the same payload."""
+        it was, else why not. Compare-and-set on the step's set of copies, in one transaction: the step still
+        holds ``manifest_sha256``, no reader holds a lease on it, this location's copy is still the one at
+        ``path`` (still ``corrupt`` when ``condemned``), and ``require`` (a location, or ``"fast:"`` for any fast
+        tier's) still has a good copy of the same payload. The step's row is locked first, so two deletions of
+        its copies at once (two tiers' retention) never both see the other's copy as the one that stays."""
         def fn(conn: Connection) -> str | None:
             row = conn.execute(select(CheckpointRow.c.id, CheckpointRow.c.run_id, CheckpointRow.c.manifest_sha256)
                                .join(Run, Run.c.id == CheckpointRow.c.run_id)
-                               .where(Run.c.name == run, CheckpointRow.c.step == step)).first()
+                               .where(Run.c.name == run, CheckpointRow.c.step == step)
+                               .with_for_update(of=CheckpointRow)).first()
             if row is None or (manifest_sha256 is not None and row.manifest_sha256 != manifest_sha256):
                 return "the step changed since the plan"
             leased = conn.scalar(select(Lease.c.id)
                                  .where(Lease.c.checkpoint_id == row.id, Lease.c.expires_at > utcnow()).limit(1))
             if leased is not None:
                 return "leased by a reader"
-            held = conn.execute(select(Replica.c.path).where(Replica.c.checkpoint_id == row.id,
-                                                             Replica.c.location == location)).first()
+            held = conn.execute(select(Replica.c.path, Replica.c.status).where(Replica.c.checkpoint_id == row.id,
+                                                                               Replica.c.location == location)).first()
             if held is not None and held.path != path:  # a copy made since the plan (a re-replication) stays
                 return f"its {location} copy changed since the plan"
+            if condemned and (held is None or held.status != CORRUPT):
+                return f"its {location} copy is no longer marked corrupt"
             if require is not None:
                 # a fast tier's copy may be only published (verify=False); the durable one is verified or nothing
                 other = (Replica.c.location.startswith(require), Replica.c.status.in_((VERIFIED, PUBLISHED))) \
@@ -275,9 +280,16 @@ class ReplicaCatalog:
         return result
 
     def finish_durable(self, claim: DurableClaim, *, writer: str) -> bool:
-        """The upload under ``claim.path`` checked out: the durable copy is ``verified`` (compare-and-set)."""
+        """The upload under ``claim.path`` checked out: the durable copy is ``verified`` (compare-and-set); False
+        when the claim is no longer this writer's or the step has ended since (the caller deletes its upload)."""
         def fn(conn: Connection) -> bool:
             now = utcnow()
+            # locked as retention's marking locks it: a step deleted meanwhile (its claim marked deleted with it)
+            # is seen here, and a step deleted after this commit takes the new copy with it
+            step = conn.execute(select(CheckpointRow.c.status).where(CheckpointRow.c.id == claim.checkpoint_id)
+                                .with_for_update(read=True)).first()
+            if step is None or step.status in ENDED:
+                return False
             changed = conn.execute(update(Replica).where(
                 Replica.c.checkpoint_id == claim.checkpoint_id, Replica.c.location == DURABLE,
                 Replica.c.status == PENDING, Replica.c.path == claim.path, Replica.c.writer == writer).values(

@@ -8,7 +8,10 @@ step (statuses, ``@latest``, ``@latest-published``, tags, unexpired reader
 leases, metrics) *inside* the write transaction that marks, and asks the
 caller's ``decide`` function again there. That re-read includes the forks
 that name a step as their parent (``RunSnapshot.forks``), so a fork committed
-before the marking is seen by it.
+before the marking is seen by it. The same transaction marks every copy of
+a marked step (its ``checkpoint_replicas`` rows) ``deleted``: a deleted step
+has no copy a reader or a replication could still stand on, and a
+replication committing at that moment finds its claim gone.
 
 Why that is enough against a reader in another process: on SQLite every
 write transaction (``acquire_lease`` included) starts with ``BEGIN
@@ -29,7 +32,7 @@ from typing import Any
 from sqlalchemy import Connection, func, select, update
 
 from registry.catalog.lineage import fork_children
-from registry.catalog.models import CheckpointRow, Lease
+from registry.catalog.models import CheckpointRow, Lease, Replica
 from registry.catalog.queries import Catalog
 from registry.catalog.session import aware, utcnow
 from registry.records import HAS_PAYLOAD, LIVE, CheckpointInfo, Status
@@ -54,12 +57,23 @@ class RunSnapshot:
 
 
 @dataclass(frozen=True, kw_only=True)
+class GoneCopy:
+    """A copy of a step the marking took with it: where, and its status just before."""
+
+    location: str
+    path: str
+    status: str
+    manifest_sha256: str | None
+
+
+@dataclass(frozen=True, kw_only=True)
 class DeletedRow:
     step: int
     path: str          # relative to the checkpoint root
     total_bytes: int
     manifest_sha256: str | None = None
     reason: str = ""
+    copies: tuple[GoneCopy, ...] = ()
 
 
 class RetentionCatalog:
@@ -119,12 +133,14 @@ class RetentionCatalog:
                                        .values(status=Status.DELETED, deleted_at=now, updated_at=now)).rowcount
                 if not changed:
                     continue
+                copies = _end_copies(conn, run_id, step, now)
                 self.catalog.record_event(conn, run_id, step, "delete", actor=actor, status=Status.DELETED,
                                     previous_status=info.status, total_bytes=info.total_bytes,
                                     reason=doomed[step])
                 self.catalog.notify(conn, run_id, step, Status.DELETED)
                 marked.append(DeletedRow(step=step, path=info.path.as_posix(), total_bytes=info.total_bytes,
-                                         manifest_sha256=info.manifest_sha256, reason=doomed[step]))
+                                         manifest_sha256=info.manifest_sha256, reason=doomed[step],
+                                         copies=copies))
             return marked
         result: list[DeletedRow] = self.catalog.write(fn)
         return result
@@ -142,4 +158,17 @@ class RetentionCatalog:
         return result
 
 
-__all__ = ["CANDIDATES", "DeletedRow", "RetentionCatalog", "RunSnapshot"]
+def _end_copies(conn: Connection, run_id: int, step: int, now: datetime) -> tuple[GoneCopy, ...]:
+    """Mark every copy of ``run_id``'s ``step`` that is not ``deleted`` yet ``deleted``; the copies as they were."""
+    cid = select(CheckpointRow.c.id).where(CheckpointRow.c.run_id == run_id, CheckpointRow.c.step == step)
+    r = Replica.c
+    live = (r.checkpoint_id == cid.scalar_subquery(), r.status != "deleted")
+    copies = tuple(GoneCopy(location=x.location, path=x.path, status=x.status, manifest_sha256=x.manifest_sha256)
+                   for x in conn.execute(select(r.location, r.path, r.status, r.manifest_sha256).where(*live)
+                                         .order_by(r.location)))
+    if copies:
+        conn.execute(update(Replica).where(*live).values(status="deleted", updated_at=now))
+    return copies
+
+
+__all__ = ["CANDIDATES", "DeletedRow", "GoneCopy", "RetentionCatalog", "RunSnapshot"]

@@ -13,7 +13,9 @@ digest; another host's steps are that host's to replicate), and for each:
    uploaded and comparing it with the manifest (the same upload code as an
    ``s3://`` publish, :func:`registry.fs.objectwrite.upload_directory`), the
    manifest last; then checks what the server stored (sizes, headers);
-3. one compare-and-set commit makes the durable copy ``verified``.
+3. one compare-and-set commit makes the durable copy ``verified``, unless
+   the step was deleted meanwhile (retention marks the claim ``deleted`` with
+   the step): then the upload is removed again.
 
 A fast copy whose bytes differ from its manifest is never uploaded as good:
 its step is marked ``corrupt`` (compare-and-set on its digest) and the
@@ -311,7 +313,9 @@ class Replicator:
             self._fast_corrupt(claim, f"{first.name}: {first.problem}")
             return True
         if not self.replicas.finish_durable(claim, writer=writer):
-            self._remove(claim.path)  # taken over meanwhile (we looked dead): theirs stands
+            # taken over meanwhile (we looked dead): theirs stands; or the step was deleted meanwhile, its claim
+            # with it: nothing may stay durable of it
+            self._remove(claim.path)
             return False
         if claim.stale is not None:
             self._remove(claim.stale)

@@ -8,14 +8,20 @@ while another good copy of the step stays (a fast copy whose step is
 durable, a durable copy whose step is still on a fast tier) removes that
 copy only: the step stays live and loads from its other copy. Deleting the
 last copy of a step is the only deletion that ends the step (``deleted``,
-through the same marking transaction as plain retention). The fast tier
-never deletes a copy that is not yet durable unless told (``force=True``;
-a corrupt step may always go).
+through the same marking transaction as plain retention, which takes every
+copy of the step with it). The fast tier never deletes a copy that is not
+yet durable unless told (``force=True``; a corrupt step may always go); a
+step whose durable copy was deleted on purpose (durable retention) is not
+waiting for one, and goes with its fast copy when the policy says. A copy
+of this host marked ``corrupt`` (the step stands on another copy) serves no
+reader: the fast tier deletes it whatever the policy keeps.
 
-Execution is compare-and-set: a copy is marked ``deleted`` only if, in the
-same transaction, the step still holds that payload, no reader holds a lease
-on it, and (for a copy-only deletion) the other tier's copy is still
-verified; then its directory is retired and removed, or its prefix deleted.
+Execution is compare-and-set on the step's copies: a copy is marked
+``deleted`` only if, in the same transaction (with the step's row locked, so
+two tiers' retention at once never both take a copy), the step still holds
+that payload, no reader holds a lease on it, and (for a copy-only deletion)
+the other tier's copy is still good; then its directory is retired and
+removed, or its prefix deleted.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from typing import Any, Literal
 
 from registry.catalog import Catalog
 from registry.catalog.replicas import DURABLE, ReplicaCatalog, ReplicaInfo
-from registry.catalog.retention import CANDIDATES, RetentionCatalog, RunSnapshot
+from registry.catalog.retention import CANDIDATES, DeletedRow, RetentionCatalog, RunSnapshot
 from registry.errors import PolicyError, StorageError
 from registry.format.refs import check_run_name
 from registry.fs.prefixes import remove_prefix
@@ -55,10 +61,11 @@ class TierDecision:
     path: str               # the copy, relative to its tier's root
     total_bytes: int
     ends_step: bool = False
+    condemned: bool = False  # this host's copy is marked corrupt: deleted whatever the policy keeps
 
     def to_json(self) -> dict[str, Any]:
         return {"step": self.step, "action": self.action, "reasons": list(self.reasons), "path": self.path,
-                "total_bytes": self.total_bytes, "ends_step": self.ends_step}
+                "total_bytes": self.total_bytes, "ends_step": self.ends_step, "condemned": self.condemned}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,13 +112,22 @@ class TierPlan:
         return _execute(self)
 
 
-def _copies(tiers: Tiers, snap: RunSnapshot, copies: Sequence[ReplicaInfo]) -> tuple[
-        dict[int, str], dict[int, ReplicaInfo], dict[int, list[ReplicaInfo]]]:
-    """Per step: this fast root's copy (its path), the durable copy, and the good copies on other fast roots."""
+@dataclass(frozen=True)
+class _Copies:
+    fast: dict[int, str]                    # this fast root's good copy of each step (its path)
+    durable: dict[int, ReplicaInfo]         # the durable copy's row, whatever its status
+    others: dict[int, list[ReplicaInfo]]    # good copies on other fast roots
+    condemned: dict[int, str]               # this fast root's copy marked corrupt, still there (its path)
+
+
+def _copies(tiers: Tiers, snap: RunSnapshot, copies: Sequence[ReplicaInfo]) -> _Copies:
+    """Per step: this fast root's copy, the durable copy, the good copies on other fast roots, and this fast
+    root's condemned copy."""
     digest = {c.step: c.manifest_sha256 for c in snap.checkpoints}
     fast: dict[int, str] = {}
     durable: dict[int, ReplicaInfo] = {}
     others: dict[int, list[ReplicaInfo]] = {}
+    condemned: dict[int, str] = {}
     for r in copies:
         if r.manifest_sha256 != digest.get(r.step):
             continue
@@ -120,6 +136,8 @@ def _copies(tiers: Tiers, snap: RunSnapshot, copies: Sequence[ReplicaInfo]) -> t
         elif r.location == tiers.location:
             if r.status in GOOD and (tiers.fast.root / r.path).is_dir():
                 fast[r.step] = r.path
+            elif r.status == "corrupt" and (tiers.fast.root / r.path).is_dir():
+                condemned[r.step] = r.path
         elif r.status in GOOD:
             others.setdefault(r.step, []).append(r)
     for c in snap.checkpoints:  # the step's own directory here (a step published before its copies were recorded)
@@ -130,7 +148,7 @@ def _copies(tiers: Tiers, snap: RunSnapshot, copies: Sequence[ReplicaInfo]) -> t
                    and (r.status not in GOOD or r.manifest_sha256 != c.manifest_sha256) for r in copies)
         if c.step not in fast and not gone and (tiers.fast.root / rel).is_dir():
             fast[c.step] = rel
-    return fast, durable, others
+    return _Copies(fast=fast, durable=durable, others=others, condemned=condemned)
 
 
 def make_tier_plan(catalog: Catalog, tiers: Tiers, run: str, policy: Policy, *, tier: Tier, force: bool = False,
@@ -144,7 +162,9 @@ def make_tier_plan(catalog: Catalog, tiers: Tiers, run: str, policy: Policy, *, 
         raise PolicyError(f"tier must be 'fast' or 'durable', got {tier!r}")
     now = now or datetime.now(timezone.utc)
     snap = RetentionCatalog(catalog).snapshot(run)
-    fast, durable, others = _copies(tiers, snap, ReplicaCatalog(catalog).replicas(run))
+    found = _copies(tiers, snap, ReplicaCatalog(catalog).replicas(run))
+    fast, durable, others = found.fast, found.durable, found.others
+    condemned = found.condemned if tier == "fast" else {}
     protected = protections(snap, protect)
     if tier == "durable":
         good_durable = [s for s, r in durable.items() if r.status == "verified"]
@@ -157,27 +177,48 @@ def make_tier_plan(catalog: Catalog, tiers: Tiers, run: str, policy: Policy, *, 
     kept = evaluate(policy, [c.under(tiers.fast.root) for c in candidates],
                     RetentionContext(run=run, now=now, protected=protected,
                                      allow_missing_metrics=allow_missing_metrics))
-    decisions = []
+    decisions = [TierDecision(step=c.step, action="delete", reasons=("this host's copy is corrupt",),
+                              path=condemned[c.step], total_bytes=c.total_bytes, condemned=True)
+                 for c in snap.checkpoints if c.step in condemned and c.status in CANDIDATES]
     for c in candidates:
         other_good = bool(others.get(c.step)) or (
             c.step in durable and durable[c.step].status == "verified" if tier == "fast" else c.step in fast)
+        # a durable copy deleted on purpose is none the step waits for (the queue never takes it again)
+        waiting = c.step not in durable or durable[c.step].status != "deleted"
         reasons = tuple(r for r in (protected.get(c.step), kept.get(c.step)) if r)
         keep = c.step in protected or c.step in kept
-        if not keep and tier == "fast" and not other_good and not force and c.status != Status.CORRUPT:
+        if (not keep and tier == "fast" and not other_good and waiting and not force
+                and c.status != Status.CORRUPT):
             keep, reasons = True, ("not durable yet (force=True deletes it, and the step with it)",)
         decisions.append(TierDecision(step=c.step, action="keep" if keep else "delete",
                                       reasons=reasons or (("kept",) if keep else ("not kept by the policy",)),
                                       path=on_tier[c.step], total_bytes=c.total_bytes,
                                       ends_step=not keep and not other_good))
+    decisions.sort(key=lambda d: d.step)
     return TierPlan(run=run, tier=tier, decisions=tuple(decisions), catalog=catalog, tiers=tiers, actor=actor,
                     protect=MappingProxyType(dict(protect)))
 
 
-def _remove(plan: TierPlan, path: str, digest: str | None) -> None:
-    if plan.tier == "fast":
-        remove_checkpoint_dir(plan.tiers.fast.root / path, digest)
+def _remove(tiers: Tiers, durable: bool, path: str, digest: str | None) -> None:
+    if durable:
+        remove_prefix(tiers.durable, path)
     else:
-        remove_prefix(plan.tiers.durable, path)
+        remove_checkpoint_dir(tiers.fast.root / path, digest)
+
+
+def _removals(plan: TierPlan, d: TierDecision, ended: DeletedRow | None,
+              digest: str | None) -> list[tuple[bool, str, str | None]]:
+    """What to remove for ``d`` (durable or not, path, digest): its copy, and when it ended the step, the step's
+    other copies this host can reach (the durable one, this host's others). A claim still uploading is its
+    replicator's to remove: it finds the claim deleted when it commits (fsck removes it after a replicator that
+    died)."""
+    found = [(plan.tier == "durable", d.path, digest)]
+    for copy in ended.copies if ended is not None else ():
+        durable = copy.location == DURABLE
+        if (durable and copy.status != "pending" or copy.location == plan.tiers.location) \
+                and (durable, copy.path) not in [(x, p) for x, p, _ in found]:
+            found.append((durable, copy.path, copy.manifest_sha256))
+    return found
 
 
 def _execute(plan: TierPlan) -> TierResult:
@@ -185,43 +226,46 @@ def _execute(plan: TierPlan) -> TierResult:
     location = plan.tiers.location if plan.tier == "fast" else DURABLE
     other = DURABLE if plan.tier == "fast" else "fast:"  # a copy-only deletion needs the other tier's copy still there
     deleted: list[int] = []
-    ended: list[int] = []
+    ended: dict[int, DeletedRow] = {}
     skipped: dict[int, str] = {}
     errors: dict[int, str] = {}
     freed = 0
     doomed = [d for d in plan.decisions if d.action == "delete"]
-    by_step = {d.step: d for d in doomed}
     enders = {d.step: "; ".join(d.reasons) for d in doomed if d.ends_step}
 
     def decide(snap: RunSnapshot) -> dict[int, str]:
         protected = protections(snap, plan.protect)
         return {s: why for s, why in enders.items() if s not in protected}
-    if enders:
-        for row in RetentionCatalog(plan.catalog).mark_deleted(plan.run, decide, actor=plan.actor):
-            ended.append(row.step)
-            d = by_step[row.step]
-            replicas.copy_deleted(plan.run, row.step, location=location, path=d.path,
-                                  manifest_sha256=row.manifest_sha256, require=None, actor=plan.actor)
+    if enders:  # the marking takes every copy of each step it ends with it (RetentionCatalog.mark_deleted)
+        ended = {m.step: m for m in RetentionCatalog(plan.catalog).mark_deleted(plan.run, decide, actor=plan.actor)}
     digests = {c.step: c.manifest_sha256 for c in RetentionCatalog(plan.catalog).snapshot(plan.run).checkpoints}
     for d in doomed:
-        if d.ends_step and d.step not in ended:
-            skipped[d.step] = "protected, or changed since the plan"
-            continue
-        if not d.ends_step:
+        row = ended.get(d.step) if d.ends_step else None
+        if d.ends_step:
+            if row is None:
+                skipped[d.step] = "protected, or changed since the plan"
+                continue
+            # a copy with no row yet (a step published before its copies were recorded) is recorded deleted
+            replicas.copy_deleted(plan.run, d.step, location=location, path=d.path,
+                                  manifest_sha256=row.manifest_sha256, require=None, actor=plan.actor)
+        else:
             why = replicas.copy_deleted(plan.run, d.step, location=location, path=d.path,
-                                        manifest_sha256=digests.get(d.step), require=other, actor=plan.actor)
+                                        manifest_sha256=digests.get(d.step), require=None if d.condemned else other,
+                                        actor=plan.actor, condemned=d.condemned)
             if why is not None:
                 skipped[d.step] = why
                 continue
+        digest = row.manifest_sha256 if row is not None else digests.get(d.step)
         try:
-            _remove(plan, d.path, digests.get(d.step))
+            for durable, path, held in _removals(plan, d, row, digest):
+                _remove(plan.tiers, durable, path, held)
         except (OSError, StorageError) as exc:
             errors[d.step] = f"cannot remove {d.path}: {exc}"
             continue
         deleted.append(d.step)
         freed += d.total_bytes
-    return TierResult(tier=plan.tier, deleted=tuple(deleted), ended=tuple(ended), skipped=skipped, errors=errors,
-                      bytes_freed=freed)
+    return TierResult(tier=plan.tier, deleted=tuple(deleted), ended=tuple(sorted(ended)), skipped=skipped,
+                      errors=errors, bytes_freed=freed)
 
 
 __all__ = ["TierDecision", "TierPlan", "TierResult", "make_tier_plan"]

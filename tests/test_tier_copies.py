@@ -1,0 +1,265 @@
+"""The copies of a step on a root with tiers: the last verified copy goes only as the deletion of the step.
+
+Fast-tier and durable-tier retention at once, a forced fast gc during replication, a durable copy deleted on
+purpose, and a condemned fast copy. Real SeaweedFS, both catalog backends, real threads.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from registry import Registry
+from registry.catalog.replicas import DURABLE
+from registry.format.manifest import MANIFEST, digest_bytes
+from registry.ops.tierretention import TierPlan, TierResult
+from registry.records import CheckpointInfo, Status
+from registry.retention import KeepLast
+from tests.helpers import assert_state_equal, make_state, pg_connect
+
+
+@pytest.fixture
+def durable(s3_root: str) -> str:
+    return s3_root
+
+
+@pytest.fixture
+def fast(tmp_path: Path) -> Path:
+    return tmp_path / "fast-a"
+
+
+@pytest.fixture
+def treg(catalog_url: str, fast: Path, durable: str) -> Iterator[Registry]:
+    with Registry.open(catalog_url, root=fast, durable=durable) as reg:
+        yield reg
+
+
+def real_copies(reg: Registry, run: str, step: int) -> list[str]:
+    """The locations of ``run@step``'s verified copies of its payload that are really on storage."""
+    info = reg.catalog.get(run, step)
+    assert info is not None and reg.tiers is not None
+    found = []
+    for r in reg.replicas(run, step):
+        if r.status != "verified" or r.manifest_sha256 != info.manifest_sha256:
+            continue
+        try:
+            if r.location == DURABLE:
+                raw = bytes(reg.tiers.durable.get(f"{r.path}/{MANIFEST}"))
+            else:
+                raw = (reg.tiers.fast.root / r.path / MANIFEST).read_bytes()
+        except Exception:  # noqa: BLE001 - not on storage, whatever the tier says
+            continue
+        if digest_bytes(raw) == info.manifest_sha256:
+            found.append(r.location)
+    return found
+
+
+def assert_deleted_or_readable(reg: Registry, run: str, step: int) -> None:
+    """The step is ``deleted``, or has a verified copy on storage that loads."""
+    info = reg.catalog.get(run, step)
+    assert info is not None
+    if info.status == Status.DELETED:
+        return
+    assert info.status == Status.VERIFIED
+    assert real_copies(reg, run, step), reg.replicas(run, step)
+    assert_state_equal(reg.load(f"{run}@{step}").state_dict, make_state(step))
+
+
+def durable_keys(reg: Registry, prefix: str) -> list[str]:
+    assert reg.tiers is not None
+    return sorted(e.rel for e in reg.tiers.durable.list(prefix))
+
+
+def damage(path: Path) -> None:
+    weights = path / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-5] ^= 0xFF
+    weights.write_bytes(bytes(data))
+
+
+def copy_plans(a: Registry, b: Registry) -> tuple[TierPlan, TierPlan]:
+    """Steps 1 and 2 durable; a fast-tier plan on ``a`` and a durable-tier plan on ``b``, both deleting step 1's
+    copy only (each sees the other tier's copy), both made before either runs."""
+    for step in (1, 2):
+        a.publish("run", step, make_state(step), durable=True)
+    fast_plan = a.plan_tier_retention("run", KeepLast(1), tier="fast")
+    durable_plan = b.plan_tier_retention("run", KeepLast(1), tier="durable")
+    for plan in (fast_plan, durable_plan):
+        assert [(d.step, d.ends_step) for d in plan.decisions if d.action == "delete"] == [(1, False)]
+    return fast_plan, durable_plan
+
+
+# --------------------------------------------------------------------------- two retentions at once
+
+
+def test_fast_and_durable_retention_one_after_the_other_leave_a_copy(catalog_url: str, fast: Path,
+                                                                      durable: str) -> None:
+    with Registry.open(catalog_url, root=fast, durable=durable) as a, \
+            Registry.open(catalog_url, root=fast, durable=durable) as b:
+        fast_plan, durable_plan = copy_plans(a, b)
+        assert fast_plan.execute().deleted == (1,)
+        result = durable_plan.execute()
+        assert result.deleted == () and "no other good copy" in result.skipped[1], result
+        assert real_copies(a, "run", 1) == [DURABLE]
+        assert_deleted_or_readable(a, "run", 1)
+        assert a.fsck().clean
+
+
+@contextmanager
+def overlapping(catalog_url: str) -> Iterator[threading.Event]:
+    """On PostgreSQL, hold every write to the events table (each marking ends with one) until two transactions
+    wait on a lock: both retentions are then inside their marking transactions at once, whichever of them
+    checks first. Set the event yielded once the threads are started. On SQLite the write lock serialises."""
+    started = threading.Event()
+    if not catalog_url.startswith("postgresql"):
+        yield started
+        return
+    dsn, _, options = catalog_url.replace("postgresql+psycopg://", "postgresql://").partition("?")
+    schema = options.rpartition("%3D")[2]
+    with pg_connect(dsn) as conn, conn.transaction():
+        conn.execute(f'LOCK TABLE "{schema}".events IN EXCLUSIVE MODE')
+        yield started
+        assert started.wait(60)
+        deadline = time.monotonic() + 120  # a bound on a hang, not a timing the outcome depends on
+        while conn.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                           "AND wait_event_type = 'Lock' AND pid <> pg_backend_pid()").fetchone()[0] < 2:
+            assert time.monotonic() < deadline, "the two retentions never both waited"
+            time.sleep(0.01)
+
+
+def test_fast_and_durable_retention_at_once_never_take_both_copies(catalog_url: str, fast: Path,
+                                                                   durable: str) -> None:
+    with Registry.open(catalog_url, root=fast, durable=durable) as a, \
+            Registry.open(catalog_url, root=fast, durable=durable) as b:
+        fast_plan, durable_plan = copy_plans(a, b)
+        barrier = threading.Barrier(2)
+
+        def execute(plan: TierPlan) -> TierResult:
+            barrier.wait(timeout=60)
+            return plan.execute()
+        with ThreadPoolExecutor(2) as pool:
+            with overlapping(catalog_url) as started:
+                futures = [pool.submit(execute, p) for p in (fast_plan, durable_plan)]
+                started.set()
+            results = [f.result(timeout=120) for f in futures]
+        assert sorted(s for r in results for s in r.deleted) == [1]  # exactly one of the two copies went
+        assert [s for r in results for s in r.skipped] == [1]
+        assert len(real_copies(a, "run", 1)) == 1
+        assert_deleted_or_readable(a, "run", 1)
+        assert a.fsck().clean
+
+
+# --------------------------------------------------------------------------- forced fast gc during replication
+
+
+def test_a_step_deleted_while_it_replicates_leaves_no_durable_copy(treg: Registry,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from registry.ops import replicator
+
+    uploaded, proceed = threading.Event(), threading.Event()
+    real_upload = replicator.upload_directory
+
+    def upload_then_wait(*args: object, **kwargs: object) -> object:
+        out = real_upload(*args, **kwargs)  # type: ignore[arg-type]
+        uploaded.set()
+        assert proceed.wait(60)
+        return out
+
+    monkeypatch.setattr(replicator, "upload_directory", upload_then_wait)
+    treg.publish("run", 1, make_state(1))
+    assert uploaded.wait(60)  # step 1's objects are on the durable tier, its copy still pending
+    monkeypatch.setattr(replicator, "upload_directory", real_upload)
+    treg.publish("run", 2, make_state(2))
+    plan = treg.plan_tier_retention("run", KeepLast(1), tier="fast", force=True)
+    assert [(d.step, d.ends_step) for d in plan.decisions if d.action == "delete"] == [(1, True)]
+    assert plan.execute().ended == (1,)
+    proceed.set()
+    treg.wait_durable("run", 2, timeout=60)
+    treg._replication().idle(timeout=60)
+    assert treg.catalog.get("run", 1).status == Status.DELETED  # type: ignore[union-attr]
+    assert [r.status for r in treg.replicas("run", 1) if r.location == DURABLE] in ([], ["deleted"])
+    assert durable_keys(treg, "run/step-00000001") == []
+    assert treg.fsck().clean
+
+
+def test_a_step_deleted_just_after_it_became_durable_takes_its_durable_copy_with_it(treg: Registry) -> None:
+    """The other order: the plan saw no durable copy (force), the replication committed before the plan ran."""
+    with treg._replication()._drain_lock:
+        treg.publish("run", 1, make_state(1))
+        treg.publish("run", 2, make_state(2))
+        plan = treg.plan_tier_retention("run", KeepLast(1), tier="fast", force=True)
+    assert [(d.step, d.ends_step) for d in plan.decisions if d.action == "delete"] == [(1, True)]
+    treg.wait_durable("run", 1, timeout=60)
+    assert plan.execute().ended == (1,)
+    assert treg.catalog.get("run", 1).status == Status.DELETED  # type: ignore[union-attr]
+    assert [r.status for r in treg.replicas("run", 1) if r.status != "deleted"] == []
+    assert durable_keys(treg, "run/step-00000001") == []
+    assert treg.fsck().clean
+
+
+# --------------------------------------------------------------------------- a durable copy deleted on purpose
+
+
+def test_a_step_whose_durable_copy_was_deleted_is_not_waiting_for_replication(treg: Registry) -> None:
+    for step in (1, 2, 3):
+        treg.publish("run", step, make_state(step), durable=True)
+    assert treg.plan_tier_retention("run", KeepLast(1), tier="durable").execute().deleted == (1, 2)
+    plan = treg.plan_tier_retention("run", KeepLast(1), tier="fast")
+    assert [(d.step, d.ends_step) for d in plan.decisions if d.action == "delete"] == [(1, True), (2, True)], plan
+    result = plan.execute()
+    assert result.ended == (1, 2) and result.deleted == (1, 2)
+    for step in (1, 2):
+        assert treg.catalog.get("run", step).status == Status.DELETED  # type: ignore[union-attr]
+        assert not (treg.store.root / "run" / f"step-{step:08d}").exists()
+    assert_deleted_or_readable(treg, "run", 3)
+    assert treg.fsck().clean
+
+
+# --------------------------------------------------------------------------- a condemned fast copy
+
+
+def test_fsck_repair_removes_a_corrupt_fast_copy_and_copies_it_again(treg: Registry) -> None:
+    info = treg.publish("run", 1, make_state(1), durable=True)
+    damage(info.path)
+    first = treg.fsck(repair=True, checksums=True)
+    assert [p.kind for p in first.problems] == ["damaged-payload"] and first.repaired, first
+    second = treg.fsck(repair=True, checksums=True)
+    assert second.clean and not second.repaired, second
+    assert treg.catalog.get("run", 1).status == Status.VERIFIED  # type: ignore[union-attr]
+    assert sorted(real_copies(treg, "run", 1)) == sorted([DURABLE, treg.tiers.location])  # type: ignore[union-attr]
+    assert_state_equal(treg.load("run@1").state_dict, make_state(1))
+
+
+def condemn(reg: Registry, info: CheckpointInfo) -> None:
+    """Damage this host's copy of ``info``; verify marks the copy corrupt, the step stands on its durable copy."""
+    damage(info.path)
+    assert [r.status for r in reg.verify(f"{info.run}@{info.step}")] == ["corrupt-copy"]
+    assert [r.status for r in reg.replicas(info.run, info.step) if r.location != DURABLE] == ["corrupt"]
+
+
+def test_fsck_repair_removes_a_fast_copy_verify_condemned(treg: Registry) -> None:
+    info = treg.publish("run", 1, make_state(1), durable=True)
+    condemn(treg, info)
+    first = treg.fsck(repair=True)
+    assert [p.kind for p in first.problems] == ["corrupt-fast-copy"] and first.repaired, first
+    assert treg.fsck(repair=True, checksums=True).clean
+    assert treg.tiers is not None and treg.tiers.location in real_copies(treg, "run", 1)
+
+
+def test_gc_removes_a_corrupt_fast_copy_whatever_the_policy_keeps(treg: Registry) -> None:
+    info = treg.publish("run", 1, make_state(1), durable=True)
+    treg.publish("run", 2, make_state(2), durable=True)
+    condemn(treg, info)
+    plan = treg.plan_tier_retention("run", KeepLast(5), tier="fast")
+    assert [(d.step, d.ends_step) for d in plan.decisions if d.action == "delete"] == [(1, False)], plan
+    assert plan.execute().deleted == (1,)
+    assert not info.path.exists()
+    assert treg.catalog.get("run", 1).status == Status.VERIFIED  # type: ignore[union-attr]
+    assert_state_equal(treg.load("run@1").state_dict, make_state(1))
+    assert treg.fsck(repair=True, checksums=True).clean
