@@ -870,7 +870,7 @@ class Registry:
                                if i.status in HAS_PAYLOAD)
         from registry.ops.scrub import scrub
         return scrub(self.catalog, targets, actor=self.writer, progress=progress, objects=self.objects,
-                     tiers=self.tiers)
+                     tiers=self.tiers, root=self.root.local_dir)
 
     # ------------------------------------------------------------------ followers
 

@@ -44,6 +44,7 @@ class Proxy:
     wrong_signature: bool = False                   # forward with the signature spoilt: the server refuses (403)
     flip_put_bodies: int = 0                        # flip one byte in the body of the next N PUTs (bad wire)
     flip_put_suffix: str = ""                        # flip one byte in the next PUT to a key ending so (once)
+    flip_get_suffix: str = ""                        # flip one byte in the next GET answer from a key ending so (once)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def take(self, request: Seen) -> bool:
@@ -112,6 +113,13 @@ def _handler(proxy: Proxy) -> type[BaseHTTPRequestHandler]:
                 return
             finally:
                 conn.close()
+            if self.command == "GET" and response.status in (200, 206) and len(data) > 1:
+                with proxy.lock:
+                    flip = bool(proxy.flip_get_suffix) and split.path.endswith(proxy.flip_get_suffix)
+                    if flip:
+                        proxy.flip_get_suffix = ""
+                if flip:  # the bytes as received, never as stored
+                    data = data[: len(data) // 2] + bytes([data[len(data) // 2] ^ 0xFF]) + data[len(data) // 2 + 1:]
             self.send_response(response.status)
             head = self.command == "HEAD"  # no body: the upstream's content-length is the object's size
             for name, value in response.getheaders():

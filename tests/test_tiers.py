@@ -450,8 +450,9 @@ def test_verify_on_another_host_condemns_only_a_damaged_durable_copy_while_the_f
         assert result.status == "corrupt-copy" and not result.ok and "durable copy" in result.problems[0]
         assert b.catalog.get("run", 1).status == Status.VERIFIED  # type: ignore[union-attr]
         assert [r.status for r in b.replicas("run", 1) if r.location == DURABLE] == ["corrupt"]
-        [again] = b.verify("run@1")  # no verified durable copy left to read, and none here: nothing to say
-        assert again.status == "unreadable" and "no verified durable copy" in again.problems[0]
+        [again] = b.verify("run@1")  # the copy marked corrupt is read again: still damaged, it stays so
+        assert again.status == "corrupt-copy" and "durable copy" in again.problems[0]
+        assert [r.status for r in b.replicas("run", 1) if r.location == DURABLE] == ["corrupt"]
     with Registry.open(catalog_url, root=tmp_path / "host-a", durable=durable) as a:
         assert [r.status for r in a.verify("run@1")] == [Status.VERIFIED]  # host A's own copy is good
 
@@ -791,7 +792,7 @@ def test_fsck_repairs_a_damaged_fast_copy_by_marking_the_copy_when_a_durable_cop
     assert [p.kind for p in report.problems] == ["damaged-payload"] and report.repaired
     assert treg.catalog.get("run", 1).status == Status.VERIFIED  # type: ignore[union-attr]
     fast = [r for r in treg.replicas("run", 1) if r.location != DURABLE]
-    assert [r.status for r in fast] == ["corrupt"]
+    assert [r.status for r in fast] == ["verified"] and not info.path.exists()  # condemned, removed, copied again
     assert_state_equal(treg.load("run@latest").state_dict, make_state(1))
 
 

@@ -19,7 +19,7 @@ from sqlalchemy.exc import IntegrityError
 
 from registry.catalog.lineage import record_lineage
 from registry.catalog.models import Attempt, CheckpointFile, CheckpointRow, Run
-from registry.catalog.queries import Catalog, replace_files
+from registry.catalog.queries import Catalog, record_replica, replace_files
 from registry.catalog.records import PayloadRecord
 from registry.catalog.session import aware, utcnow
 from registry.records import Status
@@ -85,10 +85,12 @@ def unchanged(catalog: Catalog, seen: RowState) -> bool:
 
 
 def record_payload(catalog: Catalog, seen: RowState | None, *, run: str, step: int, path: str,
-                   payload: PayloadRecord, kind: str, actor: str, **detail: Any) -> bool:
+                   payload: PayloadRecord, kind: str, actor: str, copy_at: str | None = None, **detail: Any) -> bool:
     """Roll a row forward (or adopt a directory with no row) to a payload found on disk.
 
-    Returns False, changing nothing, when the row is no longer as ``seen``.
+    ``copy_at``: the replica location the payload was found at (a tiered root's fast tier), recorded as that
+    location's copy in the same transaction, as a publish's commit records it. Returns False, changing nothing,
+    when the row is no longer as ``seen``.
     """
     def fn(conn: Connection) -> bool:
         now = utcnow()
@@ -109,6 +111,9 @@ def record_payload(catalog: Catalog, seen: RowState | None, *, run: str, step: i
             run_id, cid = row.run_id, row.id
             conn.execute(update(CheckpointRow).where(CheckpointRow.c.id == cid).values(**values))
         replace_files(conn, cid, payload.files)
+        if copy_at is not None:
+            record_replica(conn, cid, location=copy_at, status=payload.status, path=path,
+                           manifest_sha256=payload.manifest_sha256, writer=None)
         assert run_id is not None, "lookup_run(create=True) returns an id"
         _record_lineage(conn, run_id, cid, row.writer if row is not None else None)
         Catalog.record_event(conn, run_id, step, "repair", actor=actor, problem=kind, status=payload.status, **detail)

@@ -185,6 +185,7 @@ class _Source:
     objects: ObjectRoot | None = None
     tiers: Tiers | None = None  # a fast root with a durable tier: a step not here is read from this host's cache
     fast_bad: set[int] = field(default_factory=set)  # steps whose fast copy here failed: read their durable copy
+    fast_reread: set[int] = field(default_factory=set)  # steps whose fast copy here was read again after a mismatch
 
     def next(self) -> tuple[Path, CheckpointInfo | None]:
         if self.read is None:
@@ -207,6 +208,21 @@ class _Source:
         if (self.tiers is not None and info is not None and where is not None and info.manifest_sha256 is not None
                 and (where == info.path or info.path in where.parents) and info.step not in self.fast_bad):
             from registry.ops.tiers import mark_fast_copy
+            if info.step not in self.fast_reread:  # read the stored bytes again before any verdict on them
+                self.fast_reread.add(info.step)
+                from registry.ops.scrub import recheck
+                from registry.ops.verdicts import read_again
+                try:
+                    read_again(exc, lambda: recheck(info, objects=None),
+                               what=f"{info.run}@{info.step}: this host's copy {info.path}")
+                except CorruptCheckpointError:
+                    pass  # the mismatch stands: this copy is condemned below
+                except RegistryError:
+                    self.read.judge(exc)  # the re-read itself failed: no verdict on the copy can rest on it
+                    return
+                else:
+                    self.read.release()  # intact as stored: the same step is read once more
+                    return
             if mark_fast_copy(self.tiers, self.read.access.catalog, info.run, info.step, info.path,
                               info.manifest_sha256, str(exc), actor=self.read.access.holder):
                 self.fast_bad.add(info.step)

@@ -218,7 +218,10 @@ def _download_file(root: ObjectRoot, key: str, entry: FileEntry, path: Path, *, 
 
 def _write(path: Path, data: memoryview) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        view = data.cast("B")
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -81,7 +81,7 @@ from registry.ops.checkouts import expired as expired_checkouts, remove_owned
 from registry.fs.removal import manifest_digest, remove_tree, retire_and_remove
 from registry.fs.store import fsync_dir, verify_directory
 from registry.ops.verdicts import (REPAIRS, REPORTED, CopyOnly, FsckPass, FsckReport, Problem, one_line, _RootVanished,
-                                   found_payload, iter_lines, meta_numbers)
+                                   condemned, damage_again, found_payload, iter_lines, meta_numbers)
 from registry.ops.writers import writer_alive
 
 
@@ -212,9 +212,12 @@ class Fsck(FsckPass):
 
     def __init__(self, *, catalog: Catalog, root: Path, repair: bool, checksums: bool, actor: str,
                  progress: ProgressFn | None = None, elsewhere: Collection[tuple[str, int]] = (),
-                 copy_only: CopyOnly | None = None, superseded: Collection[tuple[str, int]] = ()) -> None:
+                 copy_only: CopyOnly | None = None, superseded: Collection[tuple[str, int]] = (),
+                 copy_at: str | None = None) -> None:
         super().__init__(catalog=catalog, repair=repair, checksums=checksums, actor=actor, progress=progress)
         self.root = root
+        # on a root with tiers: this host's fast tier, where a payload rolled forward or adopted is a copy
+        self.copy_at = copy_at
         # steps whose copy is on another tier (a durable tier, another host's fast root): no directory here
         # is no missing payload
         self.elsewhere = frozenset(elsewhere)
@@ -323,19 +326,28 @@ class Fsck(FsckPass):
             if payload_dir is None:
                 p = self._found("missing-payload", run, step, final, f"{row.status} step has no directory", row=row,
                                 still=lambda: not _is_dir(final))
-                self._fix(p, lambda: set_status_if(self.catalog, row, Status.CORRUPT, kind="missing-payload",
-                                                   actor=self.actor, reason=f"{row.status} step has no directory"))
+                self._fix(p, lambda: self._condemned(set_status_if(
+                    self.catalog, row, Status.CORRUPT, kind="missing-payload", actor=self.actor,
+                    reason=f"{row.status} step has no directory"), run))
                 return
             checked = manifest_digest(payload_dir)
             why = _matches_catalog(payload_dir, row, checksums=self.checksums,
                                    on_bytes=lambda n: self.counter.advance(n, item=f"{run}@{step}"))
             if why:
+                why = damage_again(why, lambda: _matches_catalog(payload_dir, row, checksums=self.checksums),
+                                   what=f"{run}@{step}")
+            if why:
                 p = self._found("damaged-payload", run, step, payload_dir, why, row=row,
                                 still=lambda: manifest_digest(payload_dir) == checked)
                 self._fix(p, lambda: (self.copy_only is not None and row.manifest_sha256 is not None
                                       and self.copy_only(run, step, payload_dir, row.manifest_sha256, why))
-                          or set_status_if(self.catalog, row, Status.CORRUPT, kind="damaged-payload",
-                                           actor=self.actor, reason=why))
+                          or self._condemned(set_status_if(self.catalog, row, Status.CORRUPT, kind="damaged-payload",
+                                                           actor=self.actor, reason=why), run))
+
+    def _condemned(self, marked: bool, run: str) -> bool:
+        if marked:
+            condemned(self.catalog, self.root, run)
+        return marked
 
     def _restore(self, retired: Path, final: Path) -> None:
         os.replace(retired, final)
@@ -369,7 +381,7 @@ class Fsck(FsckPass):
                         f"payload in place but writer {row.writer} died before the catalog commit", row=row)
         self._fix(p, lambda: record_payload(self.catalog, row, run=row.run, step=row.step, path=row.path,
                                             payload=record, kind="uncommitted-publish", actor=self.actor,
-                                            dead_writer=row.writer))
+                                            copy_at=self.copy_at, dead_writer=row.writer))
 
     def _unregistered(self, run: str, step: int, row: RowState | None, payload_dir: Path) -> None:
         what = "no catalog row" if row is None else "a failed catalog row"
@@ -388,13 +400,14 @@ class Fsck(FsckPass):
         p = self._found("unregistered-checkpoint", run, step, payload_dir, f"valid checkpoint with {what}", row=row)
         self._fix(p, lambda: record_payload(self.catalog, row, run=run, step=step,
                                             path=payload_dir.relative_to(self.root).as_posix(),
-                                            payload=record, kind="unregistered-checkpoint", actor=self.actor))
+                                            payload=record, kind="unregistered-checkpoint", actor=self.actor,
+                                            copy_at=self.copy_at))
 
 
 def run_fsck(*, catalog: Catalog, root: Path, repair: bool = False, checksums: bool = False,
              actor: str, progress: ProgressFn | None = None,
              elsewhere: Collection[tuple[str, int]] = (), copy_only: CopyOnly | None = None,
-             superseded: Collection[tuple[str, int]] = ()) -> FsckReport:
+             superseded: Collection[tuple[str, int]] = (), copy_at: str | None = None) -> FsckReport:
     """Check (and with ``repair`` fix) every step under ``root`` against ``catalog``.
 
     ``checksums`` re-hashes every live step's files instead of checking sizes
@@ -402,7 +415,8 @@ def run_fsck(*, catalog: Catalog, root: Path, repair: bool = False, checksums: b
     hears of the bytes that ``checksums`` re-hashes (the total is not known ahead).
     """
     return Fsck(catalog=catalog, root=root, repair=repair, checksums=checksums, actor=actor,
-                progress=progress, elsewhere=elsewhere, copy_only=copy_only, superseded=superseded).run()
+                progress=progress, elsewhere=elsewhere, copy_only=copy_only, superseded=superseded,
+                copy_at=copy_at).run()
 
 
 __all__ = ["FsckReport", "Problem", "REPAIRS", "REPORTED", "iter_lines", "run_fsck"]  # verdicts' names, re-exported

@@ -42,7 +42,7 @@ from registry.fs import multipart
 from registry.fs.objects import ObjectRoot
 from registry.fs.prefixes import AttemptPrefix, check_objects, read_manifest, remove_prefix, scan
 from registry.fs.store import FileProblem
-from registry.ops.verdicts import FsckPass, FsckReport, Problem, one_line, found_payload, meta_numbers
+from registry.ops.verdicts import FsckPass, FsckReport, Problem, damage_again, one_line, found_payload, meta_numbers
 from registry.ops.writers import writer_alive
 from registry.progress import ProgressFn
 from registry.records import LIVE, Status
@@ -169,11 +169,16 @@ class ObjectFsck(FsckPass):
             self._fix(p, lambda: set_status_if(self.catalog, row, Status.CORRUPT, kind="missing-payload",
                                                actor=self.actor, reason=why))
             return
-        record, why, digest = self._payload(own, checksums=self.checksums)
-        if record is not None and record.manifest_sha256 != row.manifest_sha256:
-            why = "manifest does not match the catalog's digest"
-        elif record is not None and row.files and {f.name: (f.size, f.sha256) for f in record.files} != row.files:
-            why = "file table does not match the catalog's"
+        def look() -> tuple[str, str | None]:
+            record, why, digest = self._payload(own, checksums=self.checksums)
+            if record is not None and record.manifest_sha256 != row.manifest_sha256:
+                why = "manifest does not match the catalog's digest"
+            elif record is not None and row.files and {f.name: (f.size, f.sha256) for f in record.files} != row.files:
+                why = "file table does not match the catalog's"
+            return why, digest
+        why, digest = look()
+        if why:
+            why = damage_again(why, lambda: look()[0], what=f"{row.run}@{row.step}")
         if why:
             p = self._found("damaged-payload", row.run, row.step, Path(row.path), why, row=row, url=url,
                             still=lambda: self._manifest_digest(row.path) == digest)

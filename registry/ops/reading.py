@@ -8,8 +8,12 @@ the bytes. The judging is the same for both:
 - The step is read under a reader lease. No lease for a step that resolved
   as live means retention deleted it in between: resolve again.
 - Bytes that do not match (a checksum, a size, a format, a manifest that is
-  not the catalog's) condemn the step, by compare-and-set on the manifest
-  digest the read was checked against. If the row changed since it was
+  not the catalog's) are read again from storage first
+  (:func:`registry.ops.verdicts.read_again`): intact there, the mismatch was
+  this host's or the wire's, nothing is marked and the same step is read
+  again; differing there too (or on that second read), they condemn the
+  step, by compare-and-set on the manifest digest the read was checked
+  against. If the row changed since it was
   resolved (another writer overwrote the step, gc deleted it), the set does
   not happen and the ref is resolved again: a race is not corruption.
 - Trouble of this process (:class:`CheckpointReadError`: an unmounted root,
@@ -138,6 +142,7 @@ class CatalogRead:
         self.skipped: list[Skipped] = []
         self.notes: list[str] = []  # fall-backs not yet told to the user
         self._races = 0
+        self._reread: set[tuple[int, str | None]] = set()  # steps (with their payload) read again from storage
 
     def candidate(self) -> CheckpointInfo:
         """Release the previous step, resolve the ref and lease what it names (its path made absolute)."""
@@ -183,13 +188,20 @@ class CatalogRead:
             self.below = info.step
             return
         if isinstance(exc, CheckpointReadError):
-            now = self.access.catalog.get(info.run, info.step)
-            if now is None or (now.status, now.manifest_sha256) != (info.status, info.manifest_sha256):
-                self._raced(exc)  # replaced or deleted while we read it: resolve again
-                return
-            raise self._local_trouble(info, exc) from exc
+            return self._unreadable(info, exc)
         if not isinstance(exc, CorruptCheckpointError):
             raise exc
+        from registry.ops.verdicts import condemned, read_again  # what only a failed read needs
+        if (info.step, info.manifest_sha256) not in self._reread:
+            self._reread.add((info.step, info.manifest_sha256))
+            try:
+                read_again(exc, lambda: self._recheck(info), what=f"{info.run}@{info.step}")
+            except CorruptCheckpointError:
+                pass  # the mismatch stands: the verdict below, told in the load's own words
+            except CheckpointReadError as trouble:
+                return self._unreadable(info, trouble)
+            else:
+                return  # intact as stored: the next candidate is this step again, read once more
         marked = self.access.catalog.set_status(
             info.run, info.step, Status.CORRUPT, kind="corrupt", actor=self.access.holder, only_from=LIVE,
             manifest_sha256=info.manifest_sha256, reason=str(exc))
@@ -201,12 +213,25 @@ class CatalogRead:
                 return
             # the same payload: another reader condemned it first, or the catalog records nothing
             # (opened read-only); either way the verdict stands, go on from it
+        else:
+            condemned(self.access.catalog, None if self.access.objects is not None else self.access.root, info.run)
         log.error("%s@%s is corrupt (marked so unless the catalog is read-only): %s", info.run, info.step, exc)
         if self.ref.names_one_step or not self.fallback:
             raise exc
         self.skipped.append(Skipped(step=info.step, reason=str(exc), created_at=info.created_at))
         self.notes.append(f"{info.run}@{info.step} is corrupt ({exc}); falling back to an older step")
         self.below = info.step
+
+    def _recheck(self, info: CheckpointInfo) -> None:
+        from registry.ops.scrub import recheck  # hashing: only once a read went wrong
+        recheck(info, objects=self.access.objects)
+
+    def _unreadable(self, info: CheckpointInfo, exc: CheckpointReadError) -> None:
+        now = self.access.catalog.get(info.run, info.step)
+        if now is None or (now.status, now.manifest_sha256) != (info.status, info.manifest_sha256):
+            self._raced(exc)  # replaced or deleted while we read it: resolve again
+            return
+        raise self._local_trouble(info, exc) from exc
 
     def record(self, info: CheckpointInfo) -> Fallback | None:
         """How far this load fell back to reach ``info``, or None when it did not."""

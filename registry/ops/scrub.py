@@ -9,8 +9,11 @@ A verdict is about the payload that was read, so it is recorded only by a
 compare-and-set on that payload's manifest digest: a step that another writer
 overwrote, deleted or re-published meanwhile keeps whatever that writer made
 of it, and the result says ``changed``. Only bytes that were read and did not
-match condemn a step; a read that failed here (a missing mount, a wrong root,
+match condemn a step, and only when a second read from storage differs too
+(:func:`registry.ops.verdicts.read_again`: a mismatch of one read is this
+host's or the wire's); a read that failed here (a missing mount, a wrong root,
 no permission, no file descriptors left) is ``unreadable`` and records nothing.
+A step or copy marked corrupt whose bytes read intact now is verified again.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ from registry.fs.objects import ObjectRoot
 from registry.fs.prefixes import check_objects, read_manifest as read_manifest_object
 from registry.fs.store import verify_directory
 from registry.progress import Counter, ProgressFn
-from registry.ops.tiers import Tiers, mark_fast_copy, older_payload_here
+from registry.ops.tiers import Tiers, mark_fast_copy, older_payload_here, restore_fast_copy
+from registry.ops.verdicts import condemned, read_again
 
 VERDICT_FROM = HAS_PAYLOAD
 MISMATCH = "manifest does not match the catalog"
@@ -61,6 +65,31 @@ class _Read:
     digest: str | None  # sha256 of the manifest read; None when there was no valid manifest
     files: dict[str, tuple[int, str]]  # name -> (size, sha256) as the manifest lists them
     problems: tuple[str, ...]
+
+
+class _Damaged(CorruptCheckpointError):
+    """A re-read that still found ``found.problems``."""
+
+    def __init__(self, found: _Read) -> None:
+        super().__init__("; ".join(found.problems))
+        self.found = found
+
+
+def _intact(found: _Read) -> _Read:
+    if found.problems:
+        raise _Damaged(found)
+    return found
+
+
+def _confirmed(info: CheckpointInfo, found: _Read, again: Callable[[], _Read], *, where: str = "") -> _Read:
+    """``found`` if intact; else what a second read from storage finds (:func:`registry.ops.verdicts.read_again`)."""
+    if not found.problems:
+        return found
+    try:
+        return read_again("; ".join(found.problems), lambda: _intact(again()),
+                          what=f"{info.run}@{info.step}{where}")
+    except _Damaged as exc:
+        return exc.found
 
 
 def _manifest(info: CheckpointInfo) -> tuple[Manifest | None, str]:
@@ -131,9 +160,32 @@ def _object_read(root: ObjectRoot, info: CheckpointInfo, counter: Counter) -> _R
                  problems=tuple(f"{p.name}: {p.problem}" for p in damaged))
 
 
+def recheck(info: CheckpointInfo, *, objects: ObjectRoot | None) -> None:
+    """Re-hash ``info``'s payload as stored now against the catalog's manifest digest: the second read from storage
+    a load's verdict waits for (``objects``: the root is that object store). Returns when it is intact; raises
+    ``CorruptCheckpointError`` naming what differs, ``CheckpointReadError`` when this host cannot read it."""
+    counter = Counter(None, task="verify", total=None)
+    try:  # the manifest first: one that is not the catalog's says enough, no other file is opened
+        manifest, digest = _manifest(info) if objects is None else _object_manifest(objects, info)
+        if manifest is None:
+            problems: tuple[str, ...] = (digest,)
+        elif digest != info.manifest_sha256:
+            problems = (f"{MANIFEST}: not the one the catalog records",)
+        else:
+            found = _read(info, counter) if objects is None else _object_read(objects, info, counter)
+            problems = found.problems or (() if found.digest == info.manifest_sha256
+                                          else (f"{MANIFEST}: not the one the catalog records",))
+    except _Unreadable as exc:
+        raise CheckpointReadError(f"cannot read {info.run}@{info.step} again: {exc}", path=info.path,
+                                  run=info.run, step=info.step) from None
+    if problems:
+        raise CorruptCheckpointError(f"{info.run}@{info.step} read again from storage: {'; '.join(problems)}",
+                                     path=info.path, run=info.run, step=info.step)
+
+
 def scrub(catalog: Catalog, infos: Sequence[CheckpointInfo], *, actor: str,
           progress: ProgressFn | None = None, objects: ObjectRoot | None = None,
-          tiers: Tiers | None = None) -> list[VerifyResult]:
+          tiers: Tiers | None = None, root: Path | None = None) -> list[VerifyResult]:
     """Re-hash each checkpoint (a few in parallel); intact ones become ``verified``, damaged ``corrupt``.
 
     A corrupt step that hashes clean again (restored from a backup) is verified again.
@@ -141,7 +193,9 @@ def scrub(catalog: Catalog, infos: Sequence[CheckpointInfo], *, actor: str,
     ``objects``: the root is that object store (``infos``' paths are relative to it), not a directory.
     ``tiers``: the root has a durable tier. A damaged fast copy of a step with a verified durable copy is this
     host's copy's fault (``corrupt-copy``); a step this host holds no copy of (its directory is gone, or holds
-    an older payload of it) is verified on its durable copy instead.
+    an older payload of it) is verified on its durable copy instead, a durable copy marked corrupt included.
+    ``root``: the root's directory on this host (a tiered root's fast one; None for an object store): after a
+    step is condemned, the two newest verified steps left must share no inode (:func:`registry.ops.verdicts.condemned`).
     """
     manifest_of: Callable[[CheckpointInfo], tuple[Manifest | None, str]] = (
         _manifest if objects is None else functools.partial(_object_manifest, objects))
@@ -166,6 +220,10 @@ def scrub(catalog: Catalog, infos: Sequence[CheckpointInfo], *, actor: str,
                 info.run, info.step, status, kind="corrupt" if problems else "verify", actor=actor,
                 only_from=VERDICT_FROM, manifest_sha256=digest, problems=list(problems)):
             return changed(info)
+        if problems:
+            condemned(catalog, root, info.run)
+        elif copy_only and tiers is not None:
+            restore_fast_copy(tiers, catalog, info.run, info.step, info.path, digest, actor=actor)
         return result(info, status, *problems)
 
     def current(info: CheckpointInfo) -> CheckpointInfo | None:
@@ -190,22 +248,32 @@ def scrub(catalog: Catalog, infos: Sequence[CheckpointInfo], *, actor: str,
         and the step only when no other copy of its payload stands: a fast copy's row is taken at its word,
         since a directory missing here may be a disk not mounted, never proof of lost bytes."""
         replicas = ReplicaCatalog(catalog)
-        copy = replicas.copy(info.run, info.step, DURABLE, manifest_sha256=info.manifest_sha256)
+        copy = next((r for r in replicas.replicas(info.run, info.step) if r.location == DURABLE
+                     and r.manifest_sha256 == info.manifest_sha256 and r.status in ("verified", "corrupt")), None)
         if copy is None:
             return unreadable(info, f"this host holds no copy of its payload ({info.path}) and it has no verified "
                                     "durable copy: verify it on the host that holds it")
-        found = _object_read(tiers.durable, replace(info, path=Path(copy.path)), counter)
-        problems = found.problems
-        if found.digest is not None and found.digest != info.manifest_sha256:
-            problems = (f"{MANIFEST}: not the one the catalog records",)
-        elif not problems and (files := recorded(info)) and files != found.files:
-            problems = (MISMATCH,)
+        at = replace(info, path=Path(copy.path))
+
+        def hashed() -> _Read:
+            found = _object_read(tiers.durable, at, counter)
+            if found.digest is not None and found.digest != info.manifest_sha256:
+                return replace(found, problems=(f"{MANIFEST}: not the one the catalog records",))
+            if not found.problems and (files := recorded(info)) and files != found.files:
+                return replace(found, problems=(MISMATCH,))
+            return found
+        problems = _confirmed(info, hashed(), hashed, where=f": its durable copy {tiers.durable.url(copy.path)}"
+                              ).problems
         if not problems:
-            return record(info, info.manifest_sha256, ())
+            if copy.status == "corrupt" and not replicas.set_replica_status(
+                    info.run, info.step, DURABLE, "verified", path=copy.path, manifest_sha256=info.manifest_sha256,
+                    only_from=("corrupt",), actor=actor, reason="its bytes read intact again"):
+                return changed(info)
+            return record(info, info.manifest_sha256, (), copy_only=False)
         where = tuple(f"durable copy {tiers.durable.url(copy.path)}: {p}" for p in problems)
-        if not replicas.set_replica_status(info.run, info.step, DURABLE, "corrupt", path=copy.path,
-                                           manifest_sha256=info.manifest_sha256, only_from=("verified",),
-                                           actor=actor, reason="; ".join(problems)):
+        if copy.status == "verified" and not replicas.set_replica_status(
+                info.run, info.step, DURABLE, "corrupt", path=copy.path, manifest_sha256=info.manifest_sha256,
+                only_from=("verified",), actor=actor, reason="; ".join(problems)):
             return changed(info)
         if any(r.location != DURABLE and r.status in ("published", "verified")
                and r.manifest_sha256 == info.manifest_sha256 for r in replicas.replicas(info.run, info.step)):
@@ -221,7 +289,8 @@ def scrub(catalog: Catalog, infos: Sequence[CheckpointInfo], *, actor: str,
         try:
             if tiers is not None and not here(tiers, info):
                 return durable(tiers, info)
-            found = read(info, counter)
+            first = info
+            found = _confirmed(info, read(info, counter), lambda: read(first, counter))
             if found.digest is not None and found.digest != info.manifest_sha256:
                 now = current(info)  # re-published since it was listed?
                 if now is not None and now.manifest_sha256 == found.digest:

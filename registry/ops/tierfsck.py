@@ -13,6 +13,12 @@ root): that is how tiers work. Then, from the replica rows:
   corrupt and, where a fast copy is here, replicates the step again;
 * ``corrupt-durable-copy``: a copy marked corrupt (by a load); ``--repair``
   deletes its objects and replicates again from a fast copy here;
+* ``corrupt-fast-copy``: this host's copy of a live step marked corrupt (by
+  verify, a load or fsck) whose directory is still here; ``--repair`` marks it
+  ``deleted``, removes it (digest-checked) and copies the step again from its
+  verified durable copy into this host's cache, so a second ``--repair``
+  finds nothing. A ``damaged-payload`` the fast root's checks find, with a
+  verified durable copy standing, is repaired the same way at once;
 * ``superseded-fast-copy``: this host's directory of a live step holds an
   older payload of it (the step was published again on another host since):
   never damage to the step; ``--repair`` removes that directory (digest-checked)
@@ -43,17 +49,17 @@ from pathlib import Path
 
 from registry.catalog import Catalog
 from registry.catalog.replicas import DURABLE, ReplicaCatalog, ReplicaInfo
-from registry.errors import CorruptCheckpointError, ObjectNotFoundError
+from registry.errors import CorruptCheckpointError, ObjectNotFoundError, RegistryError
 from registry.format.manifest import MANIFEST, digest_bytes
 from registry.format.layout import parse_attempt_key, parse_hidden
 from registry.fs import multipart
 from registry.fs.prefixes import AttemptPrefix, check_objects, read_manifest, remove_prefix, scan
-from registry.fs.removal import remove_checkpoint_dir
+from registry.fs.removal import manifest_digest, remove_checkpoint_dir
 from registry.ops.fsck import run_fsck
 from registry.ops.replicator import Replicator
-from registry.ops.tiers import (Tiers, abandoned_downloads, evict_cached_copy, mark_fast_copy,
-                                remove_abandoned_download, stale_cached_copies)
-from registry.ops.verdicts import FsckPass, FsckReport, one_line
+from registry.ops.tiers import (Tiers, abandoned_downloads, cache_relpath, evict_cached_copy, mark_fast_copy,
+                                read_local, remove_abandoned_download, stale_cached_copies)
+from registry.ops.verdicts import FsckPass, FsckReport, damage_again, one_line
 from registry.ops.writers import writer_alive
 from registry.progress import ProgressFn
 from registry.records import LIVE, Status
@@ -93,6 +99,62 @@ class TierFsck(FsckPass):
                     and self._fast_here(copy.run, copy.step, path, copy.manifest_sha256)):
                 found[(copy.run, copy.step)] = copy
         return found
+
+    def condemned(self) -> dict[tuple[str, int], tuple[ReplicaInfo, bool]]:
+        """This tier's copies of live steps marked corrupt whose directory is still here, each with whether it is
+        the step's own directory: the step stands on another copy, so these are never a verdict on the step."""
+        return {(copy.run, copy.step): (copy, copy.path == path) for copy, status, digest, path in self._before
+                if copy.location == self.tiers.location and copy.status == "corrupt" and status in LIVE
+                and copy.manifest_sha256 == digest and (self.tiers.fast.root / copy.path).is_dir()}
+
+    def condemned_copies(self, condemned: dict[tuple[str, int], tuple[ReplicaInfo, bool]]) -> None:
+        durable = {(c.run, c.step) for c, status, digest, _path in self._before
+                   if c.location == DURABLE and c.status == "verified" and c.manifest_sha256 == digest}
+        for key, (copy, _own) in condemned.items():
+            where = self.tiers.fast.root / copy.path
+            good = key in durable
+            p = self._found("corrupt-fast-copy", copy.run, copy.step, where, "this host's copy is marked corrupt" + (
+                "; the step stands on its durable copy" if good else
+                f"; no verified durable copy to copy it from ('registry verify {copy.run}@{copy.step}' judges "
+                "the step)"), repairable=good)
+            self._fix(p, functools.partial(self._replace_copy, copy.run, copy.step, where,
+                                           copy.manifest_sha256 or ""))
+
+    def copy_only(self, run: str, step: int, directory: Path, digest: str, reason: str) -> bool:
+        """The fast root's checks found this host's copy damaged: with a verified durable copy standing, the copy
+        is condemned (not the step), then replaced at once (:meth:`_replace_copy`); False when no durable copy
+        stands and the step's verdict is the caller's."""
+        if not mark_fast_copy(self.tiers, self.catalog, run, step, directory, digest, reason, actor=self.actor):
+            return False
+        if manifest_digest(directory) not in (None, digest):
+            return True  # an older payload of the step: superseded-fast-copy's to remove
+        try:
+            done = self._replace_copy(run, step, directory, digest)
+        except (OSError, RegistryError) as exc:
+            done = one_line(exc)
+        if done is not True:
+            self.failures.append(f"{run}@{step}: this host's copy {directory} was marked corrupt, not replaced: "
+                                 f"{done}")
+        return True
+
+    def _replace_copy(self, run: str, step: int, directory: Path, digest: str) -> bool | str:
+        """Remove this host's condemned copy at ``directory`` and copy the step again from its durable copy."""
+        here, rel = self.tiers.location, self.tiers.fast.relpath(directory)
+        if not self.replicas.set_replica_status(run, step, here, "deleted", path=rel, manifest_sha256=digest,
+                                                only_from=("corrupt",), actor=self.actor,
+                                                reason="corrupt; copied again from the durable copy") and any(
+                r.location == here and r.path == rel for r in self.replicas.replicas(run, step)):
+            return "the copy's row changed meanwhile"
+        remove_checkpoint_dir(directory, digest)
+        info = self.catalog.get(run, step)
+        if info is None or info.status not in LIVE or info.manifest_sha256 != digest:
+            return True  # the step moved on: nothing to copy again
+        read_local(self.tiers, self.catalog, info, lambda cached, _check: cached, verify=False, holder=self.actor,
+                   fast=False)
+        if self.replicas.copy(run, step, here, manifest_sha256=digest) is None:  # a cached copy from before
+            self.replicas.record(run, step, location=here, status="verified", path=cache_relpath(info),
+                                 manifest_sha256=digest, writer=self.actor, event="cached")
+        return True
 
     def older_payloads(self, superseded: dict[tuple[str, int], ReplicaInfo]) -> None:
         for copy in superseded.values():
@@ -251,25 +313,28 @@ class TierFsck(FsckPass):
             return
         if copy.status != "verified":
             return
-        why = None
-        try:
-            manifest, found_digest = read_manifest(durable, copy.path)
+        def look() -> str:
+            """Why the stored copy differs from its record, or '' when it does not."""
+            try:
+                manifest, found_digest = read_manifest(durable, copy.path)
+            except CorruptCheckpointError as exc:
+                return str(exc)
             if found_digest != copy.manifest_sha256:
-                why = "its manifest is not the one the catalog records"
-            else:
-                listed = {e.rel[len(copy.path) + 1:]: e for e in durable.list(copy.path)}
-                problems = check_objects(durable, copy.path, manifest, listed, checksums=self.checksums,
-                                         on_bytes=lambda n: self.counter.advance(n, item=f"{copy.run}@{copy.step}"))
-                if problems:
-                    why = f"{problems[0].name}: {problems[0].problem}"
+                return "its manifest is not the one the catalog records"
+            listed = {e.rel[len(copy.path) + 1:]: e for e in durable.list(copy.path)}
+            problems = check_objects(durable, copy.path, manifest, listed, checksums=self.checksums,
+                                     on_bytes=lambda n: self.counter.advance(n, item=f"{copy.run}@{copy.step}"))
+            return f"{problems[0].name}: {problems[0].problem}" if problems else ""
+        try:
+            why = look()
+            if why:  # bytes that differ as received are read again before the copy is condemned
+                why = damage_again(why, look, what=f"{copy.run}@{copy.step}'s durable copy {durable.url(copy.path)}")
         except ObjectNotFoundError:
             p = self._found("missing-durable-copy", copy.run, copy.step, where, "its manifest is gone from the "
                             "durable tier", url=durable.url(copy.path))
             self._fix(p, lambda: self._condemn(copy, "manifest missing", requeue=local))
             return
-        except CorruptCheckpointError as exc:
-            why = str(exc)
-        if why is not None:
+        if why:
             p = self._found("damaged-durable-copy", copy.run, copy.step, where, why, url=durable.url(copy.path))
             self._fix(p, lambda: self._condemn(copy, why or "", requeue=local))
 
@@ -298,9 +363,13 @@ def run_tier_fsck(*, catalog: Catalog, tiers: Tiers, replicator: Replicator | No
     tier = TierFsck(catalog=catalog, tiers=tiers, replicator=replicator, repair=repair, checksums=checksums,
                     actor=actor, progress=progress)
     superseded = tier.superseded()
+    condemned = tier.condemned()
+    # the fast root's checks leave these alone: this pass reports them, never as damage to the step
+    skip = set(superseded) | {key for key, (_copy, own) in condemned.items() if own}
     fast = run_fsck(catalog=catalog, root=tiers.fast.root, repair=repair, checksums=checksums, actor=actor,
-                    progress=progress, elsewhere=tier.elsewhere(), superseded=superseded,
-                    copy_only=functools.partial(mark_fast_copy, tiers, catalog, actor=actor))
+                    progress=progress, elsewhere=tier.elsewhere(), superseded=skip, copy_only=tier.copy_only,
+                    copy_at=tiers.location)
+    tier.condemned_copies(condemned)
     tier.older_payloads(superseded)
     tier.downloads()
     tier.fast_deletions()

@@ -14,7 +14,8 @@ copy when it is there and good; else the durable copy, downloaded once per
 host into ``<fast>/.registry/cache/`` under an ``fcntl`` lock that every
 process of the host shares, then recorded as this tier's copy. A corrupt
 fast copy falls back to the durable copy of the same step before the
-loader goes on to any older step.
+loader goes on to any older step. A copy is marked corrupt only when a second
+read from storage differs too (:func:`registry.ops.verdicts.read_again`).
 """
 
 from __future__ import annotations
@@ -34,11 +35,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from registry.catalog import CommitRecord, PayloadRecord
 from registry.catalog.replicas import DURABLE, ReplicaCatalog, fast_location
 from registry.crashpoints import crashpoint
-from registry.errors import CatalogError, CorruptCheckpointError, NoCopyError, RootError, RootMismatchError
+from registry.errors import (CatalogError, CorruptCheckpointError, NoCopyError, RegistryError, RootError,
+                             RootMismatchError, StorageError)
 from registry.format.layout import REGISTRY_DIR, hidden_sibling, parse_hidden, parse_step_dirname, step_dirname
 from registry.fs.filemaps import Extras, Loaded, read_directory
 from registry.fs.removal import manifest_digest, remove_checkpoint_dir
 from registry.fs.store import Store, fsync_dir
+from registry.ops.verdicts import read_again
 from registry.records import ENDED, CheckpointInfo
 
 if TYPE_CHECKING:
@@ -299,9 +302,10 @@ def read_nearest(tiers: Tiers, catalog: Catalog, info: CheckpointInfo, *, verify
     """Read ``info`` (placed under the fast root) from the nearest verified copy (see the module's docstring).
 
     Raises ``NoCopyError`` when neither this fast tier nor the durable tier
-    holds its payload, ``CorruptCheckpointError`` when the fast copy is bad
-    and there is no durable one, and ``StorageError`` when the durable tier
-    cannot be reached (nothing is marked).
+    holds its payload (or its durable copy is corrupt), ``CorruptCheckpointError``
+    when the fast copy is bad and there is no durable one (the step's only copy:
+    the load's judge reads it again before any verdict), and ``StorageError``
+    when the durable tier cannot be reached (nothing is marked).
     """
     def read(directory: Path, check: bool) -> Loaded:
         return read_directory(directory, verify=check, trust_pickle=trust_pickle, map_location=map_location,
@@ -314,27 +318,36 @@ def read_nearest(tiers: Tiers, catalog: Catalog, info: CheckpointInfo, *, verify
             return read(info.path, verify)
         except CorruptCheckpointError as exc:
             if not older_payload_here(tiers, replicas, info.run, info.step, info.path, info.manifest_sha256):
-                fast_bad = exc
-    durable = replicas.copy(info.run, info.step, DURABLE, manifest_sha256=info.manifest_sha256)
-    if durable is None:
-        if fast_bad is not None:
-            raise fast_bad
-        raise _not_durable_yet(tiers, info)
+                if replicas.copy(info.run, info.step, DURABLE, manifest_sha256=info.manifest_sha256) is None:
+                    raise
+                try:
+                    return read_again(exc, lambda: read(info.path, verify),
+                                      what=f"{info.run}@{info.step}: this host's copy {info.path}")
+                except CorruptCheckpointError as stable:
+                    fast_bad = stable
     if fast_bad is not None:
         log.warning("%s@%s: the fast copy is corrupt (%s); reading the durable copy of the same step",
                     info.run, info.step, fast_bad)
         relpath = tiers.fast.relpath(info.path)
+        why = str(fast_bad)
         _note("the corrupt fast copy", lambda: replicas.set_replica_status(
             info.run, info.step, tiers.location, "corrupt", path=relpath, manifest_sha256=info.manifest_sha256,
-            only_from=("published", "verified"), actor=holder, reason=str(fast_bad)))
+            only_from=("published", "verified"), actor=holder, reason=why))
+    return _from_durable(tiers, catalog, info, read, verify=verify, holder=holder, fast_bad=fast_bad)
+
+
+def _from_durable(tiers: Tiers, catalog: Catalog, info: CheckpointInfo, read: Callable[[Path, bool], T], *,
+                  verify: bool, holder: str, fast_bad: CorruptCheckpointError | None = None) -> T:
+    """``read`` of this host's cached copy of ``info``'s verified durable copy; ``NoCopyError`` when it has none,
+    or when that copy proved corrupt (marked so by :func:`_read_cached`), unless the fast copy was bad too."""
+    durable = ReplicaCatalog(catalog).copy(info.run, info.step, DURABLE, manifest_sha256=info.manifest_sha256)
+    if durable is None:
+        if fast_bad is not None:
+            raise fast_bad
+        raise _not_durable_yet(tiers, info)
     try:
         return _read_cached(tiers, catalog, durable.path, info, read, verify=verify, holder=holder)
     except CorruptCheckpointError as exc:
-        why = str(exc)
-        _note("the corrupt durable copy", lambda: replicas.set_replica_status(
-            info.run, info.step, DURABLE, "corrupt", path=durable.path, manifest_sha256=info.manifest_sha256,
-            only_from=("verified",), actor=holder, reason=why))
-        log.error("%s@%s: its durable copy is corrupt (%s); marked so", info.run, info.step, exc)
         if fast_bad is not None:
             raise fast_bad from exc
         raise NoCopyError(f"{info.run}@{info.step} has no copy this host can read: not on the fast tier "
@@ -378,6 +391,22 @@ def mark_fast_copy(tiers: Tiers, catalog: Catalog, run: str, step: int, director
     return True
 
 
+def restore_fast_copy(tiers: Tiers, catalog: Catalog, run: str, step: int, directory: Path, digest: str, *,
+                      actor: str) -> bool:
+    """Record this host's copy of ``run@step`` at ``directory``, marked corrupt, ``verified`` again: its bytes
+    (payload ``digest``) read intact now. Compare-and-set on the copy's path, digest and ``corrupt`` status; a
+    catalog that cannot record it is logged. Whether it was restored."""
+    restored = False
+
+    def restore() -> None:
+        nonlocal restored
+        restored = ReplicaCatalog(catalog).set_replica_status(
+            run, step, tiers.location, "verified", path=tiers.fast.relpath(directory), manifest_sha256=digest,
+            only_from=("corrupt",), actor=actor, reason="its bytes read intact again")
+    _note("the restored fast copy", restore)
+    return restored
+
+
 def _note(what: str, record: Callable[[], object]) -> None:
     """Record what a load found about a copy; a catalog that cannot record it (read-only, or down) does not fail
     the load, which has its bytes."""
@@ -396,36 +425,50 @@ def read_local(tiers: Tiers, catalog: Catalog, info: CheckpointInfo, read: Calla
     is no durable copy). ``fast`` False: the fast copy was found damaged, read the durable copy."""
     if fast and info.path.is_dir():
         return read(info.path, False)
-    replicas = ReplicaCatalog(catalog)
-    durable = replicas.copy(info.run, info.step, DURABLE, manifest_sha256=info.manifest_sha256)
-    if durable is None:
-        raise _not_durable_yet(tiers, info)
-    return _read_cached(tiers, catalog, durable.path, info, read, verify=verify, holder=holder)
+    return _from_durable(tiers, catalog, info, read, verify=verify, holder=holder)
 
 
 def _read_cached(tiers: Tiers, catalog: Catalog, prefix: str, info: CheckpointInfo,
                  read: Callable[[Path, bool], T], *, verify: bool, holder: str) -> T:
     """This host's cached copy of ``info``, downloaded from ``prefix`` on the durable tier if it has none yet; a
-    download then evicts the run's cached copies no load will read again (:func:`stale_cached_copies`)."""
+    download then evicts the run's cached copies no load will read again (:func:`stale_cached_copies`).
+
+    Bytes of the durable copy that differ as they land are downloaded again
+    before anything is marked; when they differ again, the durable copy is
+    marked ``corrupt`` (compare-and-set on its path and the step's digest) and
+    the ``CorruptCheckpointError`` raised."""
     replicas = ReplicaCatalog(catalog)
     cached = tiers.fast.root / cache_relpath(info)
+
+    def fetch() -> T:
+        shutil.rmtree(cached, ignore_errors=True)
+        _download(tiers, prefix, cached, info)
+        return read(cached, False)  # bytes just downloaded were checked piece by piece as they landed
+
     with _host_lock(_lock_path(cached)):
-        fresh = False
-        if not (cached / "manifest.json").is_file():
-            _download(tiers, prefix, cached, info)
-            fresh = True
+        fresh = True
         try:
-            # bytes just downloaded were checked piece by piece as they landed
-            loaded = read(cached, verify and not fresh)
+            if (cached / "manifest.json").is_file():
+                try:
+                    fresh, loaded = False, read(cached, verify)
+                except CorruptCheckpointError as exc:  # this host's disk: its cache's to repair, never a verdict
+                    log.warning("%s@%s: this host's cached copy %s is damaged (%s); downloading it again",
+                                info.run, info.step, cached, exc)
+                    fresh, loaded = True, fetch()
+            else:
+                loaded = fetch()
         except CorruptCheckpointError as exc:
-            if fresh:
+            try:
+                loaded = read_again(exc, fetch, what=f"{info.run}@{info.step}: its durable copy "
+                                                     f"{tiers.durable.url(prefix)}")
+            except CorruptCheckpointError as stable:
+                shutil.rmtree(cached, ignore_errors=True)
+                why = str(stable)
+                _note("the corrupt durable copy", lambda: replicas.set_replica_status(
+                    info.run, info.step, DURABLE, "corrupt", path=prefix, manifest_sha256=info.manifest_sha256,
+                    only_from=("verified",), actor=holder, reason=why))
+                log.error("%s@%s: its durable copy is corrupt (%s); marked so", info.run, info.step, stable)
                 raise
-            log.warning("%s@%s: this host's cached copy %s is damaged (%s); downloading it again",
-                        info.run, info.step, cached, exc)
-            shutil.rmtree(cached, ignore_errors=True)
-            _download(tiers, prefix, cached, info)
-            fresh = True
-            loaded = read(cached, False)
         if fresh:
             _note("this host's cached copy", lambda: replicas.record(
                 info.run, info.step, location=tiers.location, status="verified", path=cache_relpath(info),
@@ -439,14 +482,18 @@ def _download(tiers: Tiers, prefix: str, dest: Path, info: CheckpointInfo) -> No
     """The durable copy under ``prefix`` into ``dest``, through a hidden sibling renamed into place."""
     from registry.fs.objectread import download
     staging = hidden_sibling(dest, "tmp")
-    staging.mkdir(parents=True)
     try:
+        staging.mkdir(parents=True)
         download(tiers.durable, prefix, staging, expected_digest=info.manifest_sha256)
         fsync_dir(staging)
         crashpoint("cache-after-download")
         shutil.rmtree(dest, ignore_errors=True)
         os.replace(staging, dest)
         fsync_dir(dest.parent)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(exc, OSError) and not isinstance(exc, RegistryError):  # a full disk: this host's, not the copy's
+            raise StorageError(f"cannot download {info.run}@{info.step}'s durable copy into this host's cache "
+                               f"{dest.parent}: {exc.strerror or exc}; nothing was kept",
+                               path=dest.parent, run=info.run, step=info.step) from None
         raise

@@ -9,22 +9,71 @@ pass is :mod:`registry.ops.fsck`, the object store's :mod:`registry.ops.objectfs
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from registry.catalog import Catalog, FileRecord
 from registry.catalog.fsck import RowState, unchanged
 from registry.catalog.records import PayloadRecord
+from registry.errors import CorruptCheckpointError
 from registry.format.manifest import Manifest
 from registry.format.refs import MAX_STEP
 from registry.progress import Counter, ProgressFn
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # On a root with tiers, asked before a step is condemned for this host's copy at ``directory``:
 # (run, step, directory, the payload's manifest digest, why) -> True when the damage was recorded against that
 # copy alone, another good copy of the same payload standing (see registry.ops.tiers.mark_fast_copy).
 CopyOnly = Callable[[str, int, Path, str, str], bool]
+
+
+def read_again(first: BaseException | str, read: Callable[[], T], *, what: str) -> T:
+    """The rule before every verdict on bytes: ``what`` differed as received (``first`` says how), so it is read
+    once more from storage before anything is marked.
+
+    Returns the re-read's result when it is intact: the first mismatch was this host's or the wire's, not
+    corruption, and nothing is marked. Raises the re-read's ``CorruptCheckpointError`` when the mismatch stands:
+    that is corruption, for the caller to record by compare-and-set on the digest it read. Any other failure of
+    the re-read (the server's, this host's) is raised as it is: no verdict can rest on it.
+    """
+    log.warning("%s: %s; reading it again from storage before marking anything", what, first)
+    result = read()
+    log.warning("%s read intact from storage again: the mismatch was local or in transit, nothing was marked", what)
+    return result
+
+
+def damage_again(first: str, look: Callable[[], str], *, what: str) -> str:
+    """:func:`read_again` for a check that says why the bytes differ instead of raising (``look()``: '' when they
+    do not): why the re-read still differs, or '' when it read intact."""
+    def again() -> None:
+        why = look()
+        if why:
+            raise CorruptCheckpointError(why)
+    try:
+        read_again(first, again, what=what)
+    except CorruptCheckpointError as exc:
+        return str(exc)
+    return ""
+
+
+def condemned(catalog: Catalog, root: Path | None, run: str) -> None:
+    """A step of ``run`` was just condemned and left the verified chain: the two newest verified steps now must
+    share no inode, as after a deletion (:func:`registry.ops.protocol.keep_fallback_apart`). ``root`` None (an
+    object store) holds no links. Never raises: a copy that cannot be made is logged, the next publish or gc
+    tries again."""
+    if root is None:
+        return
+    from registry.ops.protocol import keep_fallback_apart  # the dedup machinery, only once a step is condemned
+    try:
+        keep_fallback_apart(catalog, root, run)
+    except OSError as exc:
+        log.warning("%s: a step was condemned, but the newest verified step could not get its own copy of a file "
+                    "it shares with the next: %s; the next publish or gc tries again", run, exc.strerror or exc)
 
 
 REPAIRS = {
@@ -46,6 +95,7 @@ REPAIRS = {
     "missing-durable-copy": "mark the copy corrupt, replicate again from the fast copy",
     "damaged-durable-copy": "mark the copy corrupt, replicate again from the fast copy",
     "corrupt-durable-copy": "replicate again from the fast copy",
+    "corrupt-fast-copy": "remove it, copy it again from the durable copy",
     "orphan-durable-prefix": "delete its objects",
     "superseded-fast-copy": "remove the older payload",
     "abandoned-download": "remove it",
@@ -229,5 +279,5 @@ def iter_lines(report: FsckReport) -> Iterator[str]:
 
 
 
-__all__ = ["REPAIRS", "REPORTED", "FsckPass", "FsckReport", "Problem", "Repair", "found_payload", "iter_lines",
-           "meta_numbers", "one_line"]
+__all__ = ["REPAIRS", "REPORTED", "FsckPass", "FsckReport", "Problem", "Repair", "condemned", "damage_again",
+           "found_payload", "iter_lines", "meta_numbers", "one_line", "read_again"]
