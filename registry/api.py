@@ -663,9 +663,15 @@ class Registry:
     def resolve(self, ref: str | Ref) -> CheckpointInfo:
         """The live checkpoint that ``ref`` (``RUN@latest``, ``@STEP``, ``@TAG``, ``@best:METRIC``) names.
 
-        Raises ``CheckpointNotFoundError`` where it names none; reads nothing from the root.
+        Raises ``CheckpointNotFoundError`` where it names none; reads no payload. On a tiered root its ``path``
+        (or ``url``) is where this host finds the step: its fast copy, its cached copy, or its durable copy.
         """
-        return self.placed(self.catalog.resolve(parse_ref(ref)))
+        info = self.placed(self.catalog.resolve(parse_ref(ref)))
+        tiers = self.tiers
+        if tiers is None:
+            return info
+        from registry.ops.tiers import located_here
+        return located_here(tiers, self.catalog, info)
 
     def checkpoints(self, run: str, include_deleted: bool = False, *,
                     policy_version: int | None = None) -> list[CheckpointInfo]:

@@ -250,12 +250,13 @@ def manifest_summary(read: Callable[[], tuple[bytes, Path]]) -> dict[str, Any]:
                 "bytes": sum(manifest.files[n].size for n in layout.data_files)}}
 
 
-def load_snippets(info: CheckpointInfo, *, root: Any = None, url: str | None = None) -> dict[str, str]:
+def load_snippets(info: CheckpointInfo, *, root: Any = None, url: str | None = None,
+                  durable: str | None = None) -> dict[str, str]:
     """The exact lines that load this step, from a shell and from Python.
 
-    ``root`` and ``url`` (the registry's, e.g. the ones ``registry ui`` was started with) are spelled
-    out, so the lines work from any directory; ``url`` only where it is not the root's default
-    catalog, its password hidden.
+    ``root``, ``url`` and ``durable`` (the registry's, e.g. the ones ``registry ui`` was started with) are
+    spelled out, so the lines work from any directory and any host of a tiered root; ``url`` only where it is
+    not the root's default catalog, its password hidden.
     """
     ref = f"{info.run}@{info.step}"
     options, args = "", ""
@@ -268,8 +269,9 @@ def load_snippets(info: CheckpointInfo, *, root: Any = None, url: str | None = N
         if url is not None:
             from registry.catalog.session import safe_url
             url = safe_url(url)
-        options = f" --root {shlex.quote(str(root))}" + (f" --url {shlex.quote(url)}" if url else "")
-        args = f"root={str(root)!r}" + (f", url={url!r}" if url else "")
+        options = (f" --root {shlex.quote(str(root))}" + (f" --url {shlex.quote(url)}" if url else "")
+                   + (f" --durable {shlex.quote(durable)}" if durable else ""))
+        args = f"root={str(root)!r}" + (f", url={url!r}" if url else "") + (f", durable={durable!r}" if durable else "")
     return {"shell": f"registry{options} show {ref}\nregistry{options} resolve {ref}",
             "python": ("from registry import Registry\n\n"
                        f"with Registry.open({args}) as reg:\n"

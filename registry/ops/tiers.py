@@ -497,3 +497,19 @@ def _download(tiers: Tiers, prefix: str, dest: Path, info: CheckpointInfo) -> No
                                f"{dest.parent}: {exc.strerror or exc}; nothing was kept",
                                path=dest.parent, run=info.run, step=info.step) from None
         raise
+
+
+def located_here(tiers: Tiers, catalog: Catalog, info: CheckpointInfo) -> CheckpointInfo:
+    """Where this host finds the placed step ``info``: its fast copy when that holds the step's payload, else
+    this host's cached copy of it, else the URL of its verified durable copy (what a load downloads). A step
+    with none of these comes back as placed: ``show`` and ``resolve`` name no directory that is not there."""
+    digest = info.manifest_sha256
+    if digest is not None and manifest_digest(info.path) == digest:
+        return info
+    cached = tiers.fast.root / cache_relpath(info)
+    if digest is not None and manifest_digest(cached) == digest:
+        return replace(info, path=cached)
+    copy = ReplicaCatalog(catalog).copy(info.run, info.step, DURABLE, manifest_sha256=digest)
+    if copy is not None and copy.status == "verified":
+        return info.at(tiers.durable.url(copy.path))
+    return info

@@ -108,6 +108,10 @@ class Root(Protocol):
     def place(self, info: CheckpointInfo) -> CheckpointInfo:
         """A catalog row (its path relative to the root) as readers find it: an absolute path, or its URL set."""
 
+    def reopen(self) -> dict[str, str]:
+        """The ``Registry.open`` arguments (besides the catalog's ``url``) that open this root again, as a user
+        writes them: ``root``, and ``durable`` for a tiered root."""
+
     def new_relpath(self, run: str, step: int) -> str:
         """Where a new publish of ``run@step`` lands, relative to the root (what the catalog records)."""
 

@@ -63,6 +63,9 @@ class DirectoryRoot:
     def remove_marker(self) -> None:
         self.store.remove_marker()
 
+    def reopen(self) -> dict[str, str]:
+        return {"root": self.url}
+
     def new_relpath(self, run: str, step: int) -> str:
         return self.store.relpath(self.store.step_dir(run, step))
 

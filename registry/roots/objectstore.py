@@ -73,6 +73,9 @@ class ObjectStoreRoot:
     def remove_marker(self) -> None:
         self.objects.remove_marker()
 
+    def reopen(self) -> dict[str, str]:
+        return {"root": self.url}
+
     def new_relpath(self, run: str, step: int) -> str:
         """A fresh attempt prefix: two attempts at one step never share a key."""
         return attempt_relpath(run, step)

@@ -9,7 +9,7 @@ names this host's copies, so many hosts share one catalog and one durable root.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from typing import TYPE_CHECKING
@@ -66,6 +66,10 @@ class TieredRoot:
         return self.durable.holds(relpath)
 
     def manifest_bytes(self, info: CheckpointInfo) -> tuple[bytes, Path]:
+        """From the copy ``info`` names: a directory of this host, or the durable copy its ``url`` names."""
+        prefix = f"{self.durable.url}/"
+        if info.url is not None and info.url.startswith(prefix):
+            return self.durable.manifest_bytes(replace(info, path=Path(info.url[len(prefix):])))
         return self.fast.manifest_bytes(info)
 
     # the durable root is the one bound to the catalog: every host's fast directory serves the same catalog
@@ -77,6 +81,9 @@ class TieredRoot:
 
     def remove_marker(self) -> None:
         self.durable.remove_marker()
+
+    def reopen(self) -> dict[str, str]:
+        return {"root": self.url, "durable": self.durable.url}
 
     def new_relpath(self, run: str, step: int) -> str:
         return self.fast.new_relpath(run, step)

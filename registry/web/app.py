@@ -180,7 +180,8 @@ def step_page(reg: Registry, request: Request, step: int) -> str:
     others = [m[0] for m in reg.catalog.checkpoint_marks(view.info.run) if m[1] in HAS_PAYLOAD and m[0] != step]
     nearest = sorted(sorted(others, key=lambda s: abs(s - step))[:DIFF_CHOICES])  # what a diff is usually against
     return pages.step_page(view, lineage=lineage_of(reg, request), contents=data.step_contents(view.info),
-                           root=reg.root_url, url=reg.url, others=nearest)
+                           root=reg.root_url, url=reg.url, durable=reg.root.reopen().get("durable"),
+                           others=nearest)
 
 
 def lineage_of(reg: Registry, request: Request) -> Any:

@@ -136,7 +136,8 @@ def _table(table_id: str, heads: Sequence[str], rows: Sequence[Sequence[str]], *
 
 
 def step_page(view: StepView, *, lineage: Any = None, contents: dict[str, Any] | None = None,
-              root: Any = None, url: str | None = None, others: Sequence[int] = ()) -> str:
+              root: Any = None, url: str | None = None, durable: str | None = None,
+              others: Sequence[int] = ()) -> str:
     """One step: its facts, how to load it (or, for a step that cannot be loaded, what to do instead), its
     tensors and config, a diff against another step, files, metrics, lineage if recorded, events in words."""
     from registry.web.data import events_in_words, remedy
@@ -153,7 +154,7 @@ def step_page(view: StepView, *, lineage: Any = None, contents: dict[str, Any] |
              "manifest sha256": (info.manifest_sha256 or "-")[:16], "tags": ", ".join(info.tags) or "-"}
     if view.ended is not None:
         facts["ended by"] = f"{view.ended.kind} at {format_time(view.ended.created_at)}"
-    snippets = load_snippets(info, root=root, url=url)
+    snippets = load_snippets(info, root=root, url=url, durable=durable)
     cli = snippets["shell"].split(" show ", 1)[0]
     fixes = remedy(info, cli=cli)
     if fixes:
