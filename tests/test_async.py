@@ -91,7 +91,7 @@ class GatedWriter:
         self.gate, self.entered = threading.Event(), threading.Event()
         self.real = store_mod.write_payload
         self._monkeypatch = monkeypatch
-        monkeypatch.setattr("registry.api.write_payload", self)
+        monkeypatch.setattr("registry.roots.directory.write_payload", self)
 
     def __call__(self, staging: Path, payload: payloadfiles.Payload, **options: Any) -> payloadfiles.Written:
         self.entered.set()
@@ -103,7 +103,7 @@ class GatedWriter:
 
     def ungated(self) -> None:
         """Later publishes write at once (the one held stays held until ``gate`` is set)."""
-        self._monkeypatch.setattr("registry.api.write_payload", self.real)
+        self._monkeypatch.setattr("registry.roots.directory.write_payload", self.real)
 
 
 def test_pending_publish_is_invisible_until_committed(sqlite_reg: Registry,

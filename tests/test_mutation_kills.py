@@ -22,6 +22,7 @@ import torch
 import registry.fs.payloadfiles as payloadfiles
 import registry.fs.store as store_mod
 import registry.ops.protocol as protocol
+import registry.roots.directory as directory_root
 from registry import CatalogError, CorruptCheckpointError, PublishError, Registry
 from registry.checkpoint import Checkpoint
 from registry.ops.retention import Decision, RetentionPlan, RetentionResult
@@ -178,14 +179,14 @@ def test_a_root_marker_that_cannot_be_read_is_a_root_error(tmp_path: Path) -> No
 def test_a_failed_read_back_names_the_file_and_publishes_nothing(reg: Registry,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """The filesystem loses the tail of the weights between the write and the read-back check."""
-    real_check = protocol.check_written
+    real_check = directory_root.check_written
 
     def truncate_then_check(directory: Path, written: Written) -> list[store_mod.FileProblem]:
         victim = directory / WEIGHTS
         with open(victim, "r+b") as f:
             f.truncate(victim.stat().st_size - 1)
         return real_check(directory, written)
-    monkeypatch.setattr(protocol, "check_written", truncate_then_check)
+    monkeypatch.setattr(directory_root, "check_written", truncate_then_check)
     with pytest.raises(CorruptCheckpointError, match=f"read-back of .* failed: {WEIGHTS}: "):
         reg.publish("run", 1, make_state(1))
     info = reg.catalog.get("run", 1)

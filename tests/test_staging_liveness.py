@@ -103,7 +103,7 @@ def test_a_publish_refreshes_its_row_while_it_writes(sqlite_reg: Registry, monke
         return real_write(staging, payload, **options)
 
     monkeypatch.setattr(reg.catalog, "touch_claim", touch)
-    monkeypatch.setattr("registry.api.write_payload", slow_write)
+    monkeypatch.setattr("registry.roots.directory.write_payload", slow_write)
     future = reg.publish("run", 1, make_state(1), blocking=False)
     try:
         with beat:
