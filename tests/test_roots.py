@@ -92,3 +92,68 @@ def test_an_import_on_a_tiered_root_records_its_fast_copy_and_is_replicated(
         here = [c for c in reg.replicas("run", 7) if c.location == reg.tiers.location]
         assert [(c.path, c.manifest_sha256) for c in here] == [("run/step-00000007", info.manifest_sha256)]
         assert reg.wait_durable("run", 7, timeout=60).manifest_sha256 == info.manifest_sha256
+
+
+ROLL_FORWARD_CHILD = """
+import sys, torch
+from registry import Registry
+with Registry.open(sys.argv[1], root=sys.argv[2], durable=sys.argv[3]) as reg:
+    reg.publish("run", 1, {"w": torch.full((8,), 1.0)})
+"""
+
+
+def test_fsck_rolls_a_killed_publish_forward_with_its_fast_copy_on_record_and_it_is_replicated(
+        catalog_url: str, s3_root: str, tmp_path: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    import torch
+
+    from tests.helpers import child_env
+    host_a = tmp_path / "host-a"
+    done = subprocess.run([sys.executable, "-c", ROLL_FORWARD_CHILD, catalog_url, str(host_a), s3_root],
+                          capture_output=True, text=True, env={**child_env(), "REGISTRY_CRASH_AT": "after-rename"},
+                          timeout=120)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    with Registry.open(catalog_url, root=host_a, durable=s3_root, create=False) as a:
+        report = a.fsck(repair=True)
+        assert "uncommitted-publish" in [p.kind for p in report.problems]
+        info = a.resolve("run@1")
+        assert a.tiers is not None
+        here = [c for c in a.replicas("run", 1) if c.location == a.tiers.location]
+        assert [(c.path, c.manifest_sha256) for c in here] == [("run/step-00000001", info.manifest_sha256)]
+        a.wait_durable("run", 1, timeout=60)
+    with Registry.open(catalog_url, root=tmp_path / "host-b", durable=s3_root) as b:  # another host overwrites it
+        b.publish("run", 1, {"w": torch.full((8,), 2.0)}, overwrite=True, durable=True)
+    with Registry.open(catalog_url, root=host_a, durable=s3_root, create=False) as a:
+        assert torch.equal(a.load("run@1").state_dict["w"], torch.full((8,), 2.0))  # B's payload, from durable
+        assert a.catalog.get("run", 1).status == "verified"  # type: ignore[union-attr]
+        a.fsck(repair=True)
+        assert a.fsck().problems == () and a.catalog.get("run", 1).status == "verified"  # type: ignore[union-attr]
+
+
+def test_a_new_host_is_told_where_it_finds_a_step_and_how_to_load_it(catalog_url: str, s3_root: str,
+                                                                     tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from registry.cli import main
+    from registry.views import load_snippets
+    with Registry.open(catalog_url, root=tmp_path / "host-a", durable=s3_root) as a:
+        a.publish("run", 1, make_state(1), durable=True)
+        here = a.resolve("run@1")
+        assert here.url is None and here.path == tmp_path / "host-a" / "run" / "step-00000001"
+    with Registry.open(catalog_url, root=tmp_path / "host-b", durable=s3_root) as b:
+        durable = b.replicas("run", 1)
+        far = b.resolve("run@1")  # no copy on this host: the durable copy, where a load reads it
+        assert far.url is not None and far.url.startswith(s3_root + "/run/step-00000001/")
+        assert [c.path for c in durable if c.location == "durable"] == [far.url[len(s3_root) + 1:]]
+        shown = CliRunner().invoke(main, ["--url", catalog_url, "--root", str(tmp_path / "host-b"),
+                                          "--durable", s3_root, "show", "run@1", "--json"])
+        assert shown.exit_code == 0, shown.output
+        assert '"error"' not in shown.output and '"tensors": ' in shown.output  # the manifest, read from s3
+        b.load("run@1")
+        cached = b.resolve("run@1")  # now this host's cached copy
+        assert cached.url is None and cached.path.is_dir() and ".registry/cache" in cached.path.as_posix()
+        lines = load_snippets(cached, root=b.root_url, url=catalog_url, durable=b.root.reopen().get("durable"))
+        assert f"--durable {s3_root}" in lines["shell"] and f"durable={s3_root!r}" in lines["python"]

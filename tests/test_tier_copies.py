@@ -232,7 +232,7 @@ def test_fsck_repair_removes_a_corrupt_fast_copy_and_copies_it_again(treg: Regis
     second = treg.fsck(repair=True, checksums=True)
     assert second.clean and not second.repaired, second
     assert treg.catalog.get("run", 1).status == Status.VERIFIED  # type: ignore[union-attr]
-    assert sorted(real_copies(treg, "run", 1)) == sorted([DURABLE, treg.tiers.location])  # type: ignore[union-attr]
+    assert sorted(real_copies(treg, "run", 1)) == sorted([DURABLE, treg.tiers.cache_location])  # type: ignore[union-attr]
     assert_state_equal(treg.load("run@1").state_dict, make_state(1))
 
 
@@ -249,7 +249,7 @@ def test_fsck_repair_removes_a_fast_copy_verify_condemned(treg: Registry) -> Non
     first = treg.fsck(repair=True)
     assert [p.kind for p in first.problems] == ["corrupt-fast-copy"] and first.repaired, first
     assert treg.fsck(repair=True, checksums=True).clean
-    assert treg.tiers is not None and treg.tiers.location in real_copies(treg, "run", 1)
+    assert treg.tiers is not None and treg.tiers.cache_location in real_copies(treg, "run", 1)
 
 
 def test_gc_removes_a_corrupt_fast_copy_whatever_the_policy_keeps(treg: Registry) -> None:

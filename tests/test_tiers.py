@@ -283,7 +283,7 @@ def test_a_download_evicts_the_cached_copies_no_load_reads_again(catalog_url: st
             assert_state_equal(b.load("run@3").state_dict, make_state(3))  # a download: evicts the stale copy
             assert not stale.exists() and kept.is_dir() and b.fsck().clean
             assert b.tiers is not None
-            rows = {r.path: r.status for r in b.replicas("run") if r.location == b.tiers.location}
+            rows = {r.path: r.status for r in b.replicas("run") if r.location == b.tiers.cache_location}
             assert rows[str(stale.relative_to(host_b))] == "deleted"
             assert rows[str(kept.relative_to(host_b))] == "verified"
             assert_state_equal(b.load("run@1").state_dict, make_state(11))  # the new payload, downloaded anew
@@ -317,6 +317,7 @@ def test_a_kill_mid_eviction_leaves_a_marked_copy_fsck_removes(catalog_url: str,
 
 
 def test_a_corrupt_fast_copy_loads_the_same_step_from_the_durable_tier(treg: Registry) -> None:
+    from registry.ops.tiers import cache_relpath
     treg.publish("run", 1, make_state(1), durable=True)
     sd = make_state(2)
     info = treg.publish("run", 2, sd, durable=True)
@@ -329,8 +330,10 @@ def test_a_corrupt_fast_copy_loads_the_same_step_from_the_durable_tier(treg: Reg
     assert_state_equal(ck.state_dict, sd)
     assert treg.catalog.get("run", 2).status == Status.VERIFIED  # the step is fine: one copy of it is not
     assert "replica-corrupt" in [e.kind for e in treg.events("run", step=2)]
-    fast_rows = [r for r in treg.replicas("run", 2) if r.location.startswith("fast:")]
-    assert [(r.status, r.path.startswith(".registry/cache/")) for r in fast_rows] == [("verified", True)]
+    assert treg.tiers is not None  # the fast copy stays marked corrupt; the cached copy has a row of its own
+    rows = {r.location: (r.status, r.path) for r in treg.replicas("run", 2) if r.location != DURABLE}
+    assert rows == {treg.tiers.location: ("corrupt", "run/step-00000002"),
+                    treg.tiers.cache_location: ("verified", cache_relpath(info))}
     assert treg.load("run@latest").step == 2  # this host's good copy is the cached one now
 
 
@@ -348,7 +351,7 @@ def test_a_fresh_disk_resumes_from_the_durable_tier(catalog_url: str, fast: Path
         again = reg.load("run@latest")  # from this host's cache now
         assert_state_equal(again.state_dict, sd)
         assert reg.tiers is not None
-        cached = [r for r in reg.replicas("run", 5) if r.location == reg.tiers.location]
+        cached = [r for r in reg.replicas("run", 5) if r.location == reg.tiers.cache_location]
         assert [r.status for r in cached] == ["verified"] and cached[0].path.startswith(".registry/cache/")
 
 
@@ -404,7 +407,7 @@ def test_two_hosts_a_step_from_a_resumes_on_b_downloaded_once_for_two_ranks(
     with Registry.open(catalog_url, root=host_b, durable=durable) as b:
         assert b.tiers is not None
         assert len([e for e in b.events("run", step=7) if e.kind == "cached"]) == 1  # one download, two ranks
-        rows = [r for r in b.replicas("run", 7) if r.location == b.tiers.location]
+        rows = [r for r in b.replicas("run", 7) if r.location == b.tiers.cache_location]
         assert len(rows) == 1 and rows[0].status == "verified"
     assert not (host_a / ".registry" / "cache").exists()
 
@@ -791,8 +794,10 @@ def test_fsck_repairs_a_damaged_fast_copy_by_marking_the_copy_when_a_durable_cop
     report = treg.fsck(repair=True, checksums=True)
     assert [p.kind for p in report.problems] == ["damaged-payload"] and report.repaired
     assert treg.catalog.get("run", 1).status == Status.VERIFIED  # type: ignore[union-attr]
-    fast = [r for r in treg.replicas("run", 1) if r.location != DURABLE]
-    assert [r.status for r in fast] == ["verified"] and not info.path.exists()  # condemned, removed, copied again
+    assert treg.tiers is not None
+    copies = {r.location: r.status for r in treg.replicas("run", 1) if r.location != DURABLE}
+    assert copies == {treg.tiers.location: "deleted", treg.tiers.cache_location: "verified"}
+    assert not info.path.exists()  # condemned, removed, copied again into this host's cache
     assert_state_equal(treg.load("run@latest").state_dict, make_state(1))
 
 

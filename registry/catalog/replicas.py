@@ -1,11 +1,23 @@
 """Replicas in the catalog: each copy of a step on a storage tier, and the durable tier's replication queue.
 
-A step (its ``checkpoints`` row) may have copies on several tiers, one
-``checkpoint_replicas`` row each: ``fast:<tier id>`` for a fast root (the
-one it was published to, or a host's cache of a download) and ``durable``
+A step (its ``checkpoints`` row) may have copies in several places, one
+``checkpoint_replicas`` row each: ``fast:<tier id>`` for the step's
+directory under a fast root, ``cache:<tier id>`` for that host's cached
+download of the durable copy (``<fast>/.registry/cache/``), and ``durable``
 for the durable root. Each copy has its own status and the digest of the
 manifest it holds; a copy whose digest is not the step's is a copy of an
-earlier payload of the step and never stands for it.
+earlier payload of the step and never stands for it. So a host holding an
+older payload in its fast directory and the step's new payload in its cache
+has two rows, neither overwriting the other.
+
+A cache copy is disposable: a load reads it only while the step has a
+verified durable copy, and any host may evict it. It is therefore never a
+copy that keeps a step alive: a deletion that needs another good copy to
+stay (``ReplicaCatalog.copy_deleted``'s ``require``) counts fast and durable
+copies only, and deleting a durable copy whose step is left with cache
+copies alone ends the step. Its bytes are still the step's, so a verdict
+that spares a step while another copy of its payload stands (verify of a
+damaged durable copy, fsck of a missing directory) counts it.
 
 The replication queue is a query, so it survives every process: the
 ``verified`` steps with no durable copy of their payload yet, in step order.
@@ -35,9 +47,18 @@ PENDING, PUBLISHED, VERIFIED, CORRUPT, DELETED = "pending", "published", "verifi
 WriterAlive = Callable[[str | None, datetime | None], bool]
 
 
+FAST, CACHE = "fast:", "cache:"  # the prefixes of every fast tier's location, and of every host cache's
+
+
 def fast_location(tier_id: str) -> str:
-    """The replica location of the fast tier whose id is ``tier_id``."""
-    return f"fast:{tier_id}"
+    """The replica location of the fast tier whose id is ``tier_id``: the steps' directories under its root."""
+    return f"{FAST}{tier_id}"
+
+
+def cache_location(tier_id: str) -> str:
+    """The replica location of the cache of the fast tier whose id is ``tier_id``: its downloads of durable
+    copies, a location of its own so that a host's cached copy never overwrites the row of its fast copy."""
+    return f"{CACHE}{tier_id}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -165,9 +186,10 @@ class ReplicaCatalog:
         """Mark ``location``'s copy of ``run@step`` at ``path`` ``deleted`` (recorded if it had no row); None when
         it was, else why not. Compare-and-set on the step's set of copies, in one transaction: the step still
         holds ``manifest_sha256``, no reader holds a lease on it, this location's copy is still the one at
-        ``path`` (still ``corrupt`` when ``condemned``), and ``require`` (a location, or ``"fast:"`` for any fast
-        tier's) still has a good copy of the same payload. The step's row is locked first, so two deletions of
-        its copies at once (two tiers' retention) never both see the other's copy as the one that stays."""
+        ``path`` (still ``corrupt`` when ``condemned``), and ``require`` (a location, or :data:`FAST` for any fast
+        tier's, never a host's cache: see the module's docstring) still has a good copy of the same payload. The
+        step's row is locked first, so two deletions of its copies at once (two tiers' retention) never both see
+        the other's copy as the one that stays."""
         def fn(conn: Connection) -> str | None:
             row = conn.execute(select(CheckpointRow.c.id, CheckpointRow.c.run_id, CheckpointRow.c.manifest_sha256)
                                .join(Run, Run.c.id == CheckpointRow.c.run_id)
@@ -364,4 +386,5 @@ class ReplicaCatalog:
         return result
 
 
-__all__ = ["DURABLE", "DurableClaim", "Queued", "ReplicaCatalog", "ReplicaInfo", "fast_location", "record_replica"]
+__all__ = ["CACHE", "DURABLE", "FAST", "DurableClaim", "Queued", "ReplicaCatalog", "ReplicaInfo", "cache_location",
+           "fast_location", "record_replica"]

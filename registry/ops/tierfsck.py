@@ -16,16 +16,19 @@ root): that is how tiers work. Then, from the replica rows:
 * ``corrupt-fast-copy``: this host's copy of a live step marked corrupt (by
   verify, a load or fsck) whose directory is still here; ``--repair`` marks it
   ``deleted``, removes it (digest-checked) and copies the step again from its
-  verified durable copy into this host's cache, so a second ``--repair``
+  verified durable copy into this host's cache (recorded as this host's cache
+  copy, a row apart from the fast copy's), so a second ``--repair``
   finds nothing. A ``damaged-payload`` the fast root's checks find, with a
   verified durable copy standing, is repaired the same way at once;
 * ``superseded-fast-copy``: this host's directory of a live step holds an
   older payload of it (the step was published again on another host since):
-  never damage to the step; ``--repair`` removes that directory (digest-checked)
-  and marks this host's copy ``deleted``;
-* ``unfinished-copy-deletion``: a copy retention marked ``deleted`` whose
-  files are still there (their removal failed, or the process was killed
-  after the mark); ``--repair`` removes them if the row still says so;
+  never damage to the step, even when this host holds the step's new payload in
+  its cache (that copy has a row of its own); ``--repair`` removes that
+  directory (digest-checked) and marks this host's fast copy ``deleted``;
+* ``unfinished-copy-deletion``: a copy (durable, fast, or in this host's
+  cache) marked ``deleted`` whose files are still there (their removal failed,
+  or the process was killed after the mark); ``--repair`` removes them if the
+  row still says so;
 * ``abandoned-download``: a staging directory in this host's cache that no
   download is filling (a process killed mid-download); ``--repair`` removes
   it unless a download took that copy's host lock meanwhile;
@@ -57,8 +60,8 @@ from registry.fs.prefixes import AttemptPrefix, check_objects, read_manifest, re
 from registry.fs.removal import manifest_digest, remove_checkpoint_dir
 from registry.ops.fsck import run_fsck
 from registry.ops.replicator import Replicator
-from registry.ops.tiers import (Tiers, abandoned_downloads, cache_relpath, evict_cached_copy, mark_fast_copy,
-                                read_local, remove_abandoned_download, stale_cached_copies)
+from registry.ops.tiers import (Tiers, abandoned_downloads, evict_cached_copy, mark_fast_copy, read_local,
+                                record_cached_copy, remove_abandoned_download, stale_cached_copies)
 from registry.ops.verdicts import FsckPass, FsckReport, damage_again, one_line
 from registry.ops.writers import writer_alive
 from registry.progress import ProgressFn
@@ -151,9 +154,9 @@ class TierFsck(FsckPass):
             return True  # the step moved on: nothing to copy again
         read_local(self.tiers, self.catalog, info, lambda cached, _check: cached, verify=False, holder=self.actor,
                    fast=False)
-        if self.replicas.copy(run, step, here, manifest_sha256=digest) is None:  # a cached copy from before
-            self.replicas.record(run, step, location=here, status="verified", path=cache_relpath(info),
-                                 manifest_sha256=digest, writer=self.actor, event="cached")
+        # a cached copy from before (not downloaded now) whose row a catalog that could not record it then lacks
+        if self.replicas.copy(run, step, self.tiers.cache_location, manifest_sha256=digest) is None:
+            record_cached_copy(self.tiers, self.catalog, info, writer=self.actor)
         return True
 
     def older_payloads(self, superseded: dict[tuple[str, int], ReplicaInfo]) -> None:
@@ -177,7 +180,7 @@ class TierFsck(FsckPass):
                             f"a download into this host's cache that no process is making (for {cached.name})")
             self._fix(p, functools.partial(remove_abandoned_download, staging, cached))
         marked = {self.tiers.fast.root / c.path for c, *_ in self._before  # unfinished-copy-deletion's to finish
-                  if c.location == self.tiers.location and c.status == "deleted"}
+                  if c.location == self.tiers.cache_location and c.status == "deleted"}
         for run, step, cached in stale_cached_copies(self.tiers, self.catalog):
             if cached in marked:
                 continue
@@ -268,11 +271,12 @@ class TierFsck(FsckPass):
         return True
 
     def fast_deletions(self) -> None:
-        """This tier's copies marked deleted whose directory still holds that payload (the removal failed, or
-        its process was killed after the mark)."""
+        """This host's copies (fast, or in its cache) marked deleted whose directory still holds that payload (the
+        removal failed, or its process was killed after the mark)."""
+        mine = (self.tiers.location, self.tiers.cache_location)
         for copy, status, _digest, path in self._before:
             where = self.tiers.fast.root / copy.path
-            if (copy.location != self.tiers.location or copy.status != "deleted" or copy.manifest_sha256 is None
+            if (copy.location not in mine or copy.status != "deleted" or copy.manifest_sha256 is None
                     or status not in LIVE and copy.path == path  # the step's own directory: fsck's gc finishing
                     or not self._fast_here(copy.run, copy.step, copy.path, copy.manifest_sha256)):
                 continue

@@ -1,12 +1,18 @@
 """Retention per tier on a root with a durable tier: a policy for the fast copies, another for the durable ones.
 
 A plan is for one tier. Its candidates are the steps with a copy on that
-tier (on the fast tier: the step's directory under this fast root, or this
-host's cached download of it). The invariants of :func:`protections` hold
+tier (on the fast tier: the step's directory under this fast root, else
+this host's cached download of it; one copy per step and plan, so a step
+with both goes in two plans). The invariants of :func:`protections` hold
 on both tiers (``@latest``, tags, readers' leases...). Deleting a copy
 while another good copy of the step stays (a fast copy whose step is
 durable, a durable copy whose step is still on a fast tier) removes that
-copy only: the step stays live and loads from its other copy. Deleting the
+copy only: the step stays live and loads from its other copy. A host's
+cached download is never the copy that stays (it is disposable, and read
+only through the durable copy: see :mod:`registry.catalog.replicas`), so
+deleting a durable copy whose step has no fast copy left ends the step,
+whatever caches hold it; its removal takes this host's cached copy with it.
+Deleting the
 last copy of a step is the only deletion that ends the step (``deleted``,
 through the same marking transaction as plain retention, which takes every
 copy of the step with it). The fast tier never deletes a copy that is not
@@ -34,7 +40,7 @@ from types import MappingProxyType
 from typing import Any, Literal
 
 from registry.catalog import Catalog
-from registry.catalog.replicas import DURABLE, ReplicaCatalog, ReplicaInfo
+from registry.catalog.replicas import DURABLE, FAST, ReplicaCatalog, ReplicaInfo
 from registry.catalog.retention import CANDIDATES, DeletedRow, RetentionCatalog, RunSnapshot
 from registry.errors import PolicyError, StorageError
 from registry.format.refs import check_run_name
@@ -59,13 +65,15 @@ class TierDecision:
     action: Literal["keep", "delete"]
     reasons: tuple[str, ...]
     path: str               # the copy, relative to its tier's root
+    location: str           # the copy's replica location: the durable tier, this fast tier, or this host's cache
     total_bytes: int
     ends_step: bool = False
     condemned: bool = False  # this host's copy is marked corrupt: deleted whatever the policy keeps
 
     def to_json(self) -> dict[str, Any]:
         return {"step": self.step, "action": self.action, "reasons": list(self.reasons), "path": self.path,
-                "total_bytes": self.total_bytes, "ends_step": self.ends_step, "condemned": self.condemned}
+                "location": self.location, "total_bytes": self.total_bytes, "ends_step": self.ends_step,
+                "condemned": self.condemned}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -115,16 +123,18 @@ class TierPlan:
 @dataclass(frozen=True)
 class _Copies:
     fast: dict[int, str]                    # this fast root's good copy of each step (its path)
+    cached: dict[int, str]                  # this host's good cached copy of each step (its path)
     durable: dict[int, ReplicaInfo]         # the durable copy's row, whatever its status
-    others: dict[int, list[ReplicaInfo]]    # good copies on other fast roots
+    others: dict[int, list[ReplicaInfo]]    # good copies on other fast roots (never a host's cache)
     condemned: dict[int, str]               # this fast root's copy marked corrupt, still there (its path)
 
 
 def _copies(tiers: Tiers, snap: RunSnapshot, copies: Sequence[ReplicaInfo]) -> _Copies:
-    """Per step: this fast root's copy, the durable copy, the good copies on other fast roots, and this fast
-    root's condemned copy."""
+    """Per step: this fast root's copy, this host's cached copy, the durable copy, the good copies on other fast
+    roots, and this fast root's condemned copy."""
     digest = {c.step: c.manifest_sha256 for c in snap.checkpoints}
     fast: dict[int, str] = {}
+    cached: dict[int, str] = {}
     durable: dict[int, ReplicaInfo] = {}
     others: dict[int, list[ReplicaInfo]] = {}
     condemned: dict[int, str] = {}
@@ -138,7 +148,10 @@ def _copies(tiers: Tiers, snap: RunSnapshot, copies: Sequence[ReplicaInfo]) -> _
                 fast[r.step] = r.path
             elif r.status == "corrupt" and (tiers.fast.root / r.path).is_dir():
                 condemned[r.step] = r.path
-        elif r.status in GOOD:
+        elif r.location == tiers.cache_location:
+            if r.status in GOOD and (tiers.fast.root / r.path).is_dir():
+                cached[r.step] = r.path
+        elif r.status in GOOD and r.location.startswith(FAST):
             others.setdefault(r.step, []).append(r)
     for c in snap.checkpoints:  # the step's own directory here (a step published before its copies were recorded)
         rel = c.path.as_posix()
@@ -148,7 +161,7 @@ def _copies(tiers: Tiers, snap: RunSnapshot, copies: Sequence[ReplicaInfo]) -> _
                    and (r.status not in GOOD or r.manifest_sha256 != c.manifest_sha256) for r in copies)
         if c.step not in fast and not gone and (tiers.fast.root / rel).is_dir():
             fast[c.step] = rel
-    return _Copies(fast=fast, durable=durable, others=others, condemned=condemned)
+    return _Copies(fast=fast, cached=cached, durable=durable, others=others, condemned=condemned)
 
 
 def make_tier_plan(catalog: Catalog, tiers: Tiers, run: str, policy: Policy, *, tier: Tier, force: bool = False,
@@ -171,17 +184,24 @@ def make_tier_plan(catalog: Catalog, tiers: Tiers, run: str, policy: Policy, *, 
         if good_durable:
             newest = max(good_durable)
             protected[newest] = "; ".join(r for r in (protected.get(newest), "@latest-durable") if r)
-    on_tier = fast if tier == "fast" else {s: r.path for s, r in durable.items() if r.status in ("verified",
-                                                                                                   "corrupt")}
+    on_tier: dict[int, tuple[str, str]]  # step -> the copy's location and path
+    if tier == "fast":
+        on_tier = {**{s: (tiers.cache_location, p) for s, p in found.cached.items()},
+                   **{s: (tiers.location, p) for s, p in fast.items()}}
+    else:
+        on_tier = {s: (DURABLE, r.path) for s, r in durable.items() if r.status in ("verified", "corrupt")}
     candidates = [c for c in snap.checkpoints if c.step in on_tier and c.status in CANDIDATES]
     kept = evaluate(policy, [c.under(tiers.fast.root) for c in candidates],
                     RetentionContext(run=run, now=now, protected=protected,
                                      allow_missing_metrics=allow_missing_metrics))
     decisions = [TierDecision(step=c.step, action="delete", reasons=("this host's copy is corrupt",),
-                              path=condemned[c.step], total_bytes=c.total_bytes, condemned=True)
+                              path=condemned[c.step], location=tiers.location, total_bytes=c.total_bytes,
+                              condemned=True)
                  for c in snap.checkpoints if c.step in condemned and c.status in CANDIDATES]
     for c in candidates:
-        other_good = bool(others.get(c.step)) or (
+        # a cached copy is disposable: its deletion needs no other copy and never ends the step
+        disposable = on_tier[c.step][0] == tiers.cache_location
+        other_good = disposable or bool(others.get(c.step)) or (
             c.step in durable and durable[c.step].status == "verified" if tier == "fast" else c.step in fast)
         # a durable copy deleted on purpose is none the step waits for (the queue never takes it again)
         waiting = c.step not in durable or durable[c.step].status != "deleted"
@@ -192,7 +212,8 @@ def make_tier_plan(catalog: Catalog, tiers: Tiers, run: str, policy: Policy, *, 
             keep, reasons = True, ("not durable yet (force=True deletes it, and the step with it)",)
         decisions.append(TierDecision(step=c.step, action="keep" if keep else "delete",
                                       reasons=reasons or (("kept",) if keep else ("not kept by the policy",)),
-                                      path=on_tier[c.step], total_bytes=c.total_bytes,
+                                      location=on_tier[c.step][0], path=on_tier[c.step][1],
+                                      total_bytes=c.total_bytes,
                                       ends_step=not keep and not other_good))
     decisions.sort(key=lambda d: d.step)
     return TierPlan(run=run, tier=tier, decisions=tuple(decisions), catalog=catalog, tiers=tiers, actor=actor,
@@ -215,7 +236,8 @@ def _removals(plan: TierPlan, d: TierDecision, ended: DeletedRow | None,
     found = [(plan.tier == "durable", d.path, digest)]
     for copy in ended.copies if ended is not None else ():
         durable = copy.location == DURABLE
-        if (durable and copy.status != "pending" or copy.location == plan.tiers.location) \
+        if (durable and copy.status != "pending" or copy.location in (plan.tiers.location,
+                                                                       plan.tiers.cache_location)) \
                 and (durable, copy.path) not in [(x, p) for x, p, _ in found]:
             found.append((durable, copy.path, copy.manifest_sha256))
     return found
@@ -223,8 +245,8 @@ def _removals(plan: TierPlan, d: TierDecision, ended: DeletedRow | None,
 
 def _execute(plan: TierPlan) -> TierResult:
     replicas = ReplicaCatalog(plan.catalog)
-    location = plan.tiers.location if plan.tier == "fast" else DURABLE
-    other = DURABLE if plan.tier == "fast" else "fast:"  # a copy-only deletion needs the other tier's copy still there
+    # a copy-only deletion needs the other tier's copy still there (a fast one: any fast tier's, no host's cache)
+    other = DURABLE if plan.tier == "fast" else FAST
     deleted: list[int] = []
     ended: dict[int, DeletedRow] = {}
     skipped: dict[int, str] = {}
@@ -246,11 +268,12 @@ def _execute(plan: TierPlan) -> TierResult:
                 skipped[d.step] = "protected, or changed since the plan"
                 continue
             # a copy with no row yet (a step published before its copies were recorded) is recorded deleted
-            replicas.copy_deleted(plan.run, d.step, location=location, path=d.path,
+            replicas.copy_deleted(plan.run, d.step, location=d.location, path=d.path,
                                   manifest_sha256=row.manifest_sha256, require=None, actor=plan.actor)
         else:
-            why = replicas.copy_deleted(plan.run, d.step, location=location, path=d.path,
-                                        manifest_sha256=digests.get(d.step), require=None if d.condemned else other,
+            disposable = d.condemned or d.location == plan.tiers.cache_location
+            why = replicas.copy_deleted(plan.run, d.step, location=d.location, path=d.path,
+                                        manifest_sha256=digests.get(d.step), require=None if disposable else other,
                                         actor=plan.actor, condemned=d.condemned)
             if why is not None:
                 skipped[d.step] = why

@@ -6,13 +6,17 @@ each step's durable copy under an attempt prefix of its own. Each fast root
 carries a random tier id in ``<fast>/.registry/tier.json`` (written
 create-only, with the catalog's id), so several hosts with fast directories
 of their own share one catalog and one durable root; the catalog records
-each copy as a replica (``registry.catalog.replicas``) at ``fast:<tier id>``
-or ``durable``.
+each copy as a replica (``registry.catalog.replicas``): a step's directory
+under the fast root at ``fast:<tier id>``, this host's cached download of it
+at ``cache:<tier id>``, its durable copy at ``durable``.
 
 Loads take the nearest verified copy (:func:`read_nearest`): the fast
 copy when it is there and good; else the durable copy, downloaded once per
 host into ``<fast>/.registry/cache/`` under an ``fcntl`` lock that every
-process of the host shares, then recorded as this tier's copy. A corrupt
+process of the host shares, then recorded as this host's cache copy
+(:func:`record_cached_copy`), a row apart from its fast copy's: a host that
+holds an older payload of the step in its fast directory keeps that row, so
+fsck finds the directory superseded, never damaged. A corrupt
 fast copy falls back to the durable copy of the same step before the
 loader goes on to any older step. A copy is marked corrupt only when a second
 read from storage differs too (:func:`registry.ops.verdicts.read_again`).
@@ -33,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from registry.catalog import CommitRecord, PayloadRecord
-from registry.catalog.replicas import DURABLE, ReplicaCatalog, fast_location
+from registry.catalog.replicas import DURABLE, ReplicaCatalog, cache_location, fast_location
 from registry.crashpoints import crashpoint
 from registry.errors import (CatalogError, CorruptCheckpointError, NoCopyError, RegistryError, RootError,
                              RootMismatchError, StorageError)
@@ -66,8 +70,13 @@ class Tiers:
 
     @property
     def location(self) -> str:
-        """This fast tier's replica location (``fast:<tier id>``)."""
+        """This fast tier's replica location (``fast:<tier id>``): the steps' directories under its root."""
         return fast_location(self.tier_id)
+
+    @property
+    def cache_location(self) -> str:
+        """This host's cache's replica location (``cache:<tier id>``): its downloads of durable copies."""
+        return cache_location(self.tier_id)
 
 
 def _marker(store: Store) -> Path:
@@ -273,7 +282,7 @@ def evict_cached_copy(tiers: Tiers, catalog: Catalog, run: str, step: int, cache
         digest = manifest_digest(cached)
         if digest is not None:  # a catalog that cannot record it (read-only) leaves a row no load reads
             _note("the evicted cached copy", lambda: ReplicaCatalog(catalog).set_replica_status(
-                run, step, tiers.location, "deleted", path=tiers.fast.relpath(cached), manifest_sha256=digest,
+                run, step, tiers.cache_location, "deleted", path=tiers.fast.relpath(cached), manifest_sha256=digest,
                 only_from=("published", "verified"), actor=actor, reason="its step ended or holds another payload"))
         crashpoint("cache-evict-after-mark")
         remove_checkpoint_dir(cached)
@@ -470,12 +479,18 @@ def _read_cached(tiers: Tiers, catalog: Catalog, prefix: str, info: CheckpointIn
                 log.error("%s@%s: its durable copy is corrupt (%s); marked so", info.run, info.step, stable)
                 raise
         if fresh:
-            _note("this host's cached copy", lambda: replicas.record(
-                info.run, info.step, location=tiers.location, status="verified", path=cache_relpath(info),
-                manifest_sha256=info.manifest_sha256 or "", writer=holder, event="cached"))
+            _note("this host's cached copy", lambda: record_cached_copy(tiers, catalog, info, writer=holder))
     if fresh:
         _evict_stale(tiers, catalog, info.run, actor=holder)
     return loaded
+
+
+def record_cached_copy(tiers: Tiers, catalog: Catalog, info: CheckpointInfo, *, writer: str | None) -> bool:
+    """Record this host's cached copy of ``info``'s payload (:func:`cache_relpath`) ``verified`` at its cache's
+    location, only while the step still holds that payload; whether it was recorded."""
+    return ReplicaCatalog(catalog).record(info.run, info.step, location=tiers.cache_location, status="verified",
+                                          path=cache_relpath(info), manifest_sha256=info.manifest_sha256 or "",
+                                          writer=writer, event="cached")
 
 
 def _download(tiers: Tiers, prefix: str, dest: Path, info: CheckpointInfo) -> None:
