@@ -1113,8 +1113,13 @@ class Registry:
         :mod:`registry.ops.diff`). Unchanged tensors are found from the manifests' piece digests
         without reading them; ``values`` adds the size of each content change."""
         from registry.ops.diff import diff_checkpoints
-        self._directory_root("diff")  # it reads directories
-        return diff_checkpoints(self._reader(), self.resolve(ref_a), self.resolve(ref_b), values=values)
+        self.root.require("directories", "diff")  # it reads directories
+        a, b = self.resolve(ref_a), self.resolve(ref_b)
+        tiers = self.tiers
+        if tiers is not None:  # a step with no copy on this host is downloaded into its cache first
+            from registry.ops.tiers import local_copy
+            a, b = (local_copy(tiers, self.catalog, info, holder=self.writer) for info in (a, b))
+        return diff_checkpoints(self._reader(), a, b, values=values)
 
     # ------------------------------------------------------------------ fsck
 

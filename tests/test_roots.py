@@ -157,3 +157,19 @@ def test_a_new_host_is_told_where_it_finds_a_step_and_how_to_load_it(catalog_url
         assert cached.url is None and cached.path.is_dir() and ".registry/cache" in cached.path.as_posix()
         lines = load_snippets(cached, root=b.root_url, url=catalog_url, durable=b.root.reopen().get("durable"))
         assert f"--durable {s3_root}" in lines["shell"] and f"durable={s3_root!r}" in lines["python"]
+
+
+def test_a_new_host_checks_out_diffs_and_resumes_from_the_durable_tier(catalog_url: str, s3_root: str,
+                                                                       tmp_path: Path) -> None:
+    from registry.integrations.transformers import RegistryCallback
+    with Registry.open(catalog_url, root=tmp_path / "host-a", durable=s3_root) as a:
+        a.publish("run", 1, make_state(1), config={"lr": 0.1}, durable=True)
+        a.publish("run", 2, make_state(2), config={"lr": 0.2}, durable=True)
+    with Registry.open(catalog_url, root=tmp_path / "host-b", durable=s3_root) as b:
+        with b.checkout("run@1", tmp_path / "out") as out:  # no copy here: downloaded, then copied out
+            assert (out.path / "model.safetensors").is_file() and out.info.step == 1
+        change = b.diff("run@1", "run@2")
+        assert change.a.step == 1 and change.b.step == 2 and change.config
+        resumed = RegistryCallback(b, "run").resume_from()
+        assert resumed is not None and (Path(resumed) / "model.safetensors").is_file()
+        assert b.catalog.get("run", 2).status == "verified"  # type: ignore[union-attr]

@@ -29,6 +29,7 @@ registry-owned checkouts directory.
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import shutil
 import warnings
@@ -213,25 +214,14 @@ def checkout(access: ReadAccess, ref: Ref, dest: Path | None = None, *, ttl: tim
                     lease, read.lease = read.lease, None
                     return _hand_out(Checkout(access=handed, info=info, path=target, lease=lease, kind="copy",
                                               owned=dest is None, recorded=recorded), access)
-                manifest_files = _listed(info.path)
                 target, made, recorded = _target(access, info, dest, read.lease)
-                try:
-                    if link is None:
-                        kind = checkouts.copy_step(info.path, target, expected_digest=info.manifest_sha256,
-                                                   verify=verify)
-                    else:
-                        kind = checkouts.link_step(info.path, manifest_files, target, link,
-                                                   drop_write_bits=not isinstance(access.catalog, ReadOnlyCatalog))
-                except FileNotFoundError as exc:
-                    if not info.path.is_dir():  # the directory went (an unmounted root): this reader's trouble
-                        raise read_error(info.path, exc) from exc
-                    # a file the manifest lists is gone from a directory still there: the step is damaged
-                    raise CorruptCheckpointError(f"checkpoint file is missing: {exc.filename}",
-                                                 path=info.path) from exc
-                except OSError as exc:
-                    raise read_error(info.path, exc) from exc
-                if link is not None:
-                    map_directory(info.path, extras=True, verify=verify, expected_digest=info.manifest_sha256)
+                fill = functools.partial(_fill, target=target, info=info, link=link,
+                                         drop_write_bits=not isinstance(access.catalog, ReadOnlyCatalog))
+                if access.tiers is not None:  # the nearest verified copy: fast, cached, or downloaded now
+                    from registry.ops.tiers import nearest
+                    kind = nearest(access.tiers, access.catalog, info, fill, verify=verify, holder=access.holder)
+                else:
+                    kind = fill(info.path, verify)
             except RegistryError as exc:
                 if target is not None:
                     _undo(target, made, recorded)
@@ -278,6 +268,28 @@ def _listed(directory: Path) -> list[str]:
     except FileNotFoundError as exc:
         raise read_error(directory, exc) from exc
     return [MANIFEST, *sorted(manifest.files)]
+
+
+def _fill(source: Path, verify: bool, *, target: Path, info: CheckpointInfo, link: Link | None,
+          drop_write_bits: bool) -> Kind:
+    """Copy (or link) the step's files from the directory ``source`` into the empty-or-refilled ``target``,
+    checked against the catalog's manifest digest; a file missing from a directory still there is damage."""
+    names = _listed(source)
+    for child in target.iterdir():  # what an earlier copy of the step left, when that copy proved bad
+        shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
+    try:
+        if link is None:
+            return checkouts.copy_step(source, target, expected_digest=info.manifest_sha256, verify=verify)
+        kind = checkouts.link_step(source, names, target, link, drop_write_bits=drop_write_bits)
+    except FileNotFoundError as exc:
+        if not source.is_dir():  # the directory went (an unmounted root): this reader's trouble
+            raise read_error(source, exc) from exc
+        # a file the manifest lists is gone from a directory still there: the step is damaged
+        raise CorruptCheckpointError(f"checkpoint file is missing: {exc.filename}", path=source) from exc
+    except OSError as exc:
+        raise read_error(source, exc) from exc
+    map_directory(source, extras=True, verify=verify, expected_digest=info.manifest_sha256)
+    return kind
 
 
 def _undo(target: Path, made: bool, recorded: bool) -> None:

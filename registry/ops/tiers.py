@@ -308,7 +308,20 @@ def _not_durable_yet(tiers: Tiers, info: CheckpointInfo) -> NoCopyError:
 
 def read_nearest(tiers: Tiers, catalog: Catalog, info: CheckpointInfo, *, verify: bool, map_location: Any,
                  trust_pickle: bool, extras: Extras, holder: str) -> Loaded:
-    """Read ``info`` (placed under the fast root) from the nearest verified copy (see the module's docstring).
+    """Read ``info`` (placed under the fast root) from the nearest verified copy (see :func:`nearest`)."""
+    def read(directory: Path, check: bool) -> Loaded:
+        return read_directory(directory, verify=check, trust_pickle=trust_pickle, map_location=map_location,
+                              extras=extras, expected_digest=info.manifest_sha256)
+
+    return nearest(tiers, catalog, info, read, verify=verify, holder=holder)
+
+
+def nearest(tiers: Tiers, catalog: Catalog, info: CheckpointInfo, read: Callable[[Path, bool], T], *,
+            verify: bool, holder: str) -> T:
+    """``read(directory, check)`` of the nearest verified copy of ``info`` on this host: its fast copy, else
+    this host's cached download of the durable copy (see the module's docstring). Every reader of a tiered
+    root's bytes (a load, a checkout, a diff) comes here. ``read`` must raise ``CorruptCheckpointError`` on
+    bytes that do not match, and may be called again on another copy after it raised.
 
     Raises ``NoCopyError`` when neither this fast tier nor the durable tier
     holds its payload (or its durable copy is corrupt), ``CorruptCheckpointError``
@@ -316,10 +329,6 @@ def read_nearest(tiers: Tiers, catalog: Catalog, info: CheckpointInfo, *, verify
     the load's judge reads it again before any verdict), and ``StorageError``
     when the durable tier cannot be reached (nothing is marked).
     """
-    def read(directory: Path, check: bool) -> Loaded:
-        return read_directory(directory, verify=check, trust_pickle=trust_pickle, map_location=map_location,
-                              extras=extras, expected_digest=info.manifest_sha256)
-
     replicas = ReplicaCatalog(catalog)
     fast_bad: CorruptCheckpointError | None = None
     if info.path.is_dir():
@@ -528,3 +537,15 @@ def located_here(tiers: Tiers, catalog: Catalog, info: CheckpointInfo) -> Checkp
     if copy is not None and copy.status == "verified":
         return info.at(tiers.durable.url(copy.path))
     return info
+
+
+def local_copy(tiers: Tiers, catalog: Catalog, info: CheckpointInfo, *, holder: str) -> CheckpointInfo:
+    """``info`` placed at a directory of this host that holds its payload: the fast copy, or this host's cached
+    copy of the durable one, downloaded now if it has none (for readers of directories: diff)."""
+    from registry.fs.filemaps import check_manifest_digest
+
+    def here(directory: Path, _check: bool) -> Path:
+        check_manifest_digest(directory, manifest_digest(directory), info.manifest_sha256, run=info.run,
+                              step=info.step)
+        return directory
+    return replace(info, path=nearest(tiers, catalog, info, here, verify=False, holder=holder), url=None)
