@@ -181,9 +181,12 @@ class Registry:
             if opening.tiered:
                 from registry.catalog.identity import read_identity
                 from registry.ops.tiers import open_tier
+                from registry.ops.tiers import known_tier
                 catalog_id = read_identity(opened.engine).catalog_id
-                # a host new to a durable tier its catalog knows names its fast directory whenever it may write
-                built = opening.finish(lambda fast: open_tier(fast, catalog_id=catalog_id, create=not read_only))
+                # a host new to a durable tier its catalog knows names its fast directory whenever it may write;
+                # a read-only open there writes nothing and keeps no cache
+                built = opening.finish(lambda fast: known_tier(fast, catalog_id=catalog_id) if read_only
+                                       else open_tier(fast, catalog_id=catalog_id, create=True))
             else:
                 if opening.directory is None:
                     from registry.ops.tiers import refuse_durable_as_root
@@ -233,7 +236,7 @@ class Registry:
         if tiered is None:
             return None
         from registry.ops.tiers import Tiers
-        return Tiers(fast=tiered.store, durable=tiered.objects, tier_id=tiered.tier_id)
+        return Tiers(fast=tiered.store, durable=tiered.objects, tier_id=tiered.tier_id, cached=tiered.cached)
 
     def _tiers(self, what: str) -> Tiers:
         """:attr:`tiers`, or the root's one-line refusal of ``what``."""

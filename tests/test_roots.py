@@ -173,3 +173,26 @@ def test_a_new_host_checks_out_diffs_and_resumes_from_the_durable_tier(catalog_u
         resumed = RegistryCallback(b, "run").resume_from()
         assert resumed is not None and (Path(resumed) / "model.safetensors").is_file()
         assert b.catalog.get("run", 2).status == "verified"  # type: ignore[union-attr]
+
+
+def test_a_read_only_open_on_a_new_host_reads_and_writes_nothing_there(catalog_url: str, s3_root: str,
+                                                                       tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from registry.cli import main
+    from registry.errors import ReadOnlyError
+    with Registry.open(catalog_url, root=tmp_path / "host-a", durable=s3_root) as a:
+        a.publish("run", 1, make_state(1), durable=True)
+        a.publish("run", 2, make_state(2), durable=True)
+    (tmp_path / "host-c").mkdir()  # an empty mount point: no tier marker yet
+    for host in (tmp_path / "host-b", tmp_path / "host-c"):
+        listed = CliRunner().invoke(main, ["--url", catalog_url, "--root", str(host), "--durable", s3_root,
+                                           "--read-only", "ls", "run"])
+        assert listed.exit_code == 0 and "verified" in listed.output, listed.output
+        with Registry.open(catalog_url, root=host, durable=s3_root, read_only=True) as b:
+            assert_state_equal(b.load("run@latest").state_dict, make_state(2))
+            with b.checkout("run@1", tmp_path / f"out-{host.name}") as out:
+                assert (out.path / "model.safetensors").is_file()
+            with pytest.raises(ReadOnlyError, match="read-only"):
+                b.diff("run@1", "run@2")
+        assert not host.exists() or list(host.iterdir()) == []  # nothing written on this host's fast tier

@@ -313,13 +313,15 @@ class Store:
     """Where a run's checkpoints live under the root, and how they are named.
 
     ``create=False`` is for readers: a root that does not exist is an error
-    (a mistyped or unmounted path), never an empty new root.
+    (a mistyped or unmounted path), never an empty new root; ``missing_ok``
+    accepts one that does not exist yet without making it (a read-only
+    registry's fast directory on a host new to a durable tier).
     """
 
-    def __init__(self, root: Path, *, create: bool = True) -> None:
+    def __init__(self, root: Path, *, create: bool = True, missing_ok: bool = False) -> None:
         if root.exists() and not root.is_dir():
             raise RootError(f"checkpoint root is not a directory: {root}", path=root)
-        if not create:
+        if not create and not (missing_ok and not root.exists()):
             if not root.is_dir():
                 raise RootError(f"checkpoint root {root} does not exist: nothing was created; check --root "
                                 "(publish and import create a root)", path=root)

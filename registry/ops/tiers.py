@@ -39,8 +39,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from registry.catalog import CommitRecord, PayloadRecord
 from registry.catalog.replicas import DURABLE, ReplicaCatalog, cache_location, fast_location
 from registry.crashpoints import crashpoint
-from registry.errors import (CatalogError, CorruptCheckpointError, NoCopyError, RegistryError, RootError,
-                             RootMismatchError, StorageError)
+from registry.errors import (CatalogError, CorruptCheckpointError, NoCopyError, ReadOnlyError, RegistryError,
+                             RootError, RootMismatchError, StorageError)
 from registry.format.layout import REGISTRY_DIR, hidden_sibling, parse_hidden, parse_step_dirname, step_dirname
 from registry.fs.filemaps import Extras, Loaded, read_directory
 from registry.fs.removal import manifest_digest, remove_checkpoint_dir
@@ -67,6 +67,9 @@ class Tiers:
     fast: Store
     durable: ObjectRoot
     tier_id: str
+    # False for a read-only registry on a host the tier does not know yet (no fast directory or no marker):
+    # nothing is written there, and each read of a durable copy downloads it into a temporary directory
+    cached: bool = True
 
     @property
     def location(self) -> str:
@@ -137,6 +140,20 @@ def open_tier(store: Store, *, catalog_id: str, create: bool) -> str:
                                 f"not of this one (id {catalog_id}); pass the --root, --durable and --url that "
                                 "belong together", path=store.root)
     return str(doc["tier_id"])
+
+
+def known_tier(store: Store, *, catalog_id: str) -> str | None:
+    """The tier id of the fast root ``store`` if a writer ever named it, else None; writes nothing (a read-only
+    registry on a host new to the tier). A marker of another catalog is refused as by :func:`open_tier`."""
+    try:
+        doc = _read_tier(store)
+    except RootError:
+        if not store.root.exists():
+            return None
+        raise
+    if doc is None:
+        return None
+    return open_tier(store, catalog_id=catalog_id, create=False)
 
 
 def refuse_durable_as_root(catalog: Catalog, root: str) -> None:
@@ -364,6 +381,8 @@ def _from_durable(tiers: Tiers, catalog: Catalog, info: CheckpointInfo, read: Ca
             raise fast_bad
         raise _not_durable_yet(tiers, info)
     try:
+        if not tiers.cached:
+            return _read_uncached(tiers, durable.path, info, read)
         return _read_cached(tiers, catalog, durable.path, info, read, verify=verify, holder=holder)
     except CorruptCheckpointError as exc:
         if fast_bad is not None:
@@ -444,6 +463,23 @@ def read_local(tiers: Tiers, catalog: Catalog, info: CheckpointInfo, read: Calla
     if fast and info.path.is_dir():
         return read(info.path, False)
     return _from_durable(tiers, catalog, info, read, verify=verify, holder=holder)
+
+
+def _read_uncached(tiers: Tiers, prefix: str, info: CheckpointInfo, read: Callable[[Path, bool], T]) -> T:
+    """``read`` of a download of the durable copy into a temporary directory, removed once read (a read-only
+    registry on a host with no fast tier of its own writes nothing there). Bytes that differ as they land are
+    downloaded again; nothing is marked (a read-only catalog records nothing)."""
+    import tempfile
+
+    def fetch() -> T:
+        with tempfile.TemporaryDirectory(prefix="registry-download-") as tmp:
+            where = Path(tmp) / step_dirname(info.step)
+            _download(tiers, prefix, where, info)
+            return read(where, False)
+    try:
+        return fetch()
+    except CorruptCheckpointError as exc:
+        return read_again(exc, fetch, what=f"{info.run}@{info.step}: its durable copy {tiers.durable.url(prefix)}")
 
 
 def _read_cached(tiers: Tiers, catalog: Catalog, prefix: str, info: CheckpointInfo,
@@ -543,6 +579,9 @@ def local_copy(tiers: Tiers, catalog: Catalog, info: CheckpointInfo, *, holder: 
     """``info`` placed at a directory of this host that holds its payload: the fast copy, or this host's cached
     copy of the durable one, downloaded now if it has none (for readers of directories: diff)."""
     from registry.fs.filemaps import check_manifest_digest
+    if not tiers.cached and manifest_digest(info.path) != info.manifest_sha256:
+        raise ReadOnlyError(f"{info.run}@{info.step} has no copy on this host, and a read-only registry keeps "
+                            f"none in {tiers.fast.root}: open it writable once, or load the step instead")
 
     def here(directory: Path, _check: bool) -> Path:
         check_manifest_digest(directory, manifest_digest(directory), info.manifest_sha256, run=info.run,

@@ -169,6 +169,9 @@ class Tiered(Root, Protocol):
     @property
     def tier_id(self) -> str: ...
 
+    @property
+    def cached(self) -> bool: ...
+
 
 def refusal(root: Root, capability: Capability, what: str) -> Exception:
     """The one-line error that refuses ``what``, which needs ``capability``, on ``root``."""

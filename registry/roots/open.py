@@ -64,8 +64,9 @@ class Located:
     tiered: bool = False
     created: list[Path] = field(default_factory=list)  # directories this open made, newest first
 
-    def finish(self, tier_id: Callable[[Store], str]) -> Root:
-        """The root; ``tier_id`` names a tiered root's fast directory (asked of the catalog)."""
+    def finish(self, tier_id: Callable[[Store], str | None]) -> Root:
+        """The root; ``tier_id`` names a tiered root's fast directory (asked of the catalog), None for one no
+        writer has named yet (a read-only open on a host new to the tier: it keeps no cache there)."""
         if self.objects is None and self.directory is not None:
             return DirectoryRoot(self.directory)  # the object store's modules stay out of a directory root's process
         from registry.roots.objectstore import ObjectStoreRoot
@@ -73,7 +74,12 @@ class Located:
             return ObjectStoreRoot(self.objects)
         from registry.roots.tiered import TieredRoot
         if self.objects is not None and self.directory is not None and self.tiered:
-            return TieredRoot(DirectoryRoot(self.directory), ObjectStoreRoot(self.objects), tier_id(self.directory))
+            named = tier_id(self.directory)
+            if named is None:
+                import secrets
+                return TieredRoot(DirectoryRoot(self.directory), ObjectStoreRoot(self.objects),
+                                  f"unnamed-{secrets.token_hex(4)}", cached=False)
+            return TieredRoot(DirectoryRoot(self.directory), ObjectStoreRoot(self.objects), named)
         raise RootError("a root is a directory, an object store, or a directory over a durable object store")
 
     def undo(self) -> None:
@@ -117,8 +123,8 @@ def locate(located: Path | str, durable: str | None, *, storage_options: Mapping
         from registry.fs.objects import ObjectRoot
         from registry.roots.objectstore import ObjectStoreRoot
         objects = ObjectRoot.open(durable, storage_options)
-        created = _missing(located)
-        store = Store(located, create=not read_only)
+        created = [] if read_only else _missing(located)
+        store = Store(located, create=not read_only, missing_ok=read_only)
         return Located(bind_to=ObjectStoreRoot(objects), directory=store, objects=objects, tiered=True,
                        created=created)
     if isinstance(located, str):

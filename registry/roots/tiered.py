@@ -36,6 +36,7 @@ class TieredRoot:
     fast: DirectoryRoot
     durable: ObjectStoreRoot
     tier_id: str
+    cached: bool = True  # False: a read-only open on a host no writer named, which keeps no cache there
     kind: str = "tiered"
     can: Capabilities = TIERED
 
