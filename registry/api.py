@@ -857,7 +857,7 @@ class Registry:
 
     def _reader(self) -> reading.ReadAccess:
         from registry.ops import reading
-        return reading.ReadAccess(catalog=self.catalog, root=self._local_root(),
+        return reading.ReadAccess(catalog=self.catalog, home=self.root, root=self._local_root(),
                                   holder=self.writer, lease_ttl=self.lease_ttl, objects=self.objects,
                                   tiers=self.tiers)
 

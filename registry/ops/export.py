@@ -155,7 +155,7 @@ class Checkout(os.PathLike[str]):
 
 def check_checkout_dest(access: ReadAccess, dest: Path) -> None:
     """A caller's checkout directory: outside the root (or in the registry-owned checkouts), empty or absent."""
-    if access.objects is None:
+    if access.home.local_dir is not None:
         check_outside_root(dest, access.root, what="checkout destination", allowed=checkouts.home(access.root))
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise InvalidStateError(f"checkout destination {dest} exists and is not an empty directory")
@@ -168,7 +168,7 @@ def _target(access: ReadAccess, info: CheckpointInfo, dest: Path | None, lease: 
         created = not dest.exists()
         dest.mkdir(parents=True, exist_ok=True)
         return dest, created, False
-    if isinstance(access.catalog, ReadOnlyCatalog) or access.objects is not None:  # not into the root
+    if isinstance(access.catalog, ReadOnlyCatalog) or not access.home.can.directories:  # not into the root
         return checkouts.temp_dir(info.run, info.step), True, False
     try:
         return checkouts.new_owned(access.root, run=info.run, step=info.step, lease=lease,
@@ -190,7 +190,7 @@ def checkout(access: ReadAccess, ref: Ref, dest: Path | None = None, *, ttl: tim
     registry's step (see :mod:`registry.ops.checkouts`).
     """
     link = checkouts.check_link(link)
-    if access.objects is not None and link is not None:
+    if link is not None and not access.home.can.directories:
         raise InvalidStateError(f"link={link!r} needs a filesystem root; an s3:// root's checkout downloads copies")
     if dest is not None:
         check_checkout_dest(access, dest)  # before anything is resolved or leased

@@ -39,6 +39,7 @@ from registry.records import LIVE, CheckpointInfo, Fallback, Skipped, Status
 from registry.format.refs import Ref
 
 if TYPE_CHECKING:
+    from registry.roots.base import Root
     from registry.fs.filemaps import Extras, Loaded
     from registry.catalog import Catalog
     from registry.fs.objects import ObjectRoot
@@ -66,16 +67,21 @@ class Access(Protocol):
     @property
     def objects(self) -> ObjectRoot | None: ...
 
+    @property
+    def home(self) -> Root: ...
+
 
 @dataclass(frozen=True, kw_only=True)
 class ReadAccess:
     """A plain :class:`Access`: the catalog, the root, who holds the leases, for how long.
 
-    ``objects``: the object-store root when the root is ``s3://`` (``root`` is then unused);
+    ``home``: the root the steps live in, which places and reads them; ``root``: its directory on this host
+    (``Path()`` on an object store); ``objects``: the object-store root when the root is ``s3://``;
     ``tiers``: the fast root's durable tier, when it has one (loads then read the nearest copy).
     """
 
     catalog: Catalog
+    home: Root
     root: Path
     holder: str
     lease_ttl: timedelta
@@ -85,9 +91,7 @@ class ReadAccess:
 
 def placed(access: Access, info: CheckpointInfo) -> CheckpointInfo:
     """A catalog row where readers find it: its path made absolute, or on an object store its ``url`` set."""
-    if access.objects is not None:
-        return info.at(access.objects.url(info.path.as_posix()))
-    return info.under(access.root)
+    return access.home.place(info)
 
 
 def read_step(access: Access, info: CheckpointInfo, *, verify: bool, map_location: Any, trust_pickle: bool,
@@ -98,13 +102,8 @@ def read_step(access: Access, info: CheckpointInfo, *, verify: bool, map_locatio
         from registry.ops.tiers import read_nearest
         return read_nearest(tiers, access.catalog, info, verify=verify, map_location=map_location,
                             trust_pickle=trust_pickle, extras=extras, holder=access.holder)
-    if access.objects is not None:
-        from registry.fs.objectread import read_objects
-        return read_objects(access.objects, info.path.as_posix(), verify=verify, trust_pickle=trust_pickle,
-                            map_location=map_location, extras=extras, expected_digest=info.manifest_sha256)
-    from registry.fs.filemaps import read_directory  # the parsers: what a listing never needs
-    return read_directory(info.path, verify=verify, trust_pickle=trust_pickle, map_location=map_location,
-                          extras=extras, expected_digest=info.manifest_sha256)
+    return access.home.read(info, verify=verify, trust_pickle=trust_pickle, map_location=map_location,
+                            extras=extras)
 
 
 def acquire_lease(access: Access, info: CheckpointInfo) -> int:
@@ -251,7 +250,7 @@ class CatalogRead:
     def _local_trouble(self, info: CheckpointInfo, exc: CheckpointReadError) -> CheckpointReadError:
         root = self.access.root
         where = f"{info.run}@{info.step}"
-        if self.access.objects is not None:
+        if self.access.home.local_dir is None:  # an object store: the server's trouble, said as it said it
             why = f"cannot read {where}: {exc}"
         elif not root.is_dir():
             why = (f"cannot read {where}: the checkpoint root {root} is not there on this host "

@@ -17,6 +17,7 @@ from registry.records import CheckpointInfo
 
 if TYPE_CHECKING:
     from registry.fs.objects import ObjectRoot
+    from registry.fs.filemaps import Extras, Loaded
     from registry.fs.payloadfiles import Payload, Written
     from registry.fs.store import Reuse, Store
     from registry.roots.landing import Landing
@@ -133,6 +134,11 @@ class Root(Protocol):
 
     def manifest_bytes(self, info: CheckpointInfo) -> tuple[bytes, Path]:
         """The stored manifest of the placed step ``info``, unparsed, and where it was read (for messages)."""
+
+    def read(self, info: CheckpointInfo, *, verify: bool, trust_pickle: bool, map_location: Any,
+             extras: Extras = True) -> Loaded:
+        """The placed step's payload as stored here, matched against the catalog's manifest digest (a tiered
+        root's fast copy; its nearest copy is ``registry.ops.tiers.nearest``'s to find)."""
 
     def holds(self, relpath: str) -> bool:
         """Whether a payload is at ``relpath`` (the binding's evidence that this is the catalog's root)."""

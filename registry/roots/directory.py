@@ -18,6 +18,7 @@ from registry.roots.landing import Previous, os_cause
 
 if TYPE_CHECKING:
     from registry.fs.objects import ObjectRoot
+    from registry.fs.filemaps import Extras, Loaded
     from registry.fs.payloadfiles import Payload, Written
 
 DIRECTORY = Capabilities(links=True, sharded=True, local_import=True, directories=True)
@@ -49,6 +50,12 @@ class DirectoryRoot:
 
     def holds(self, relpath: str) -> bool:
         return (self.store.root / relpath).is_dir()
+
+    def read(self, info: CheckpointInfo, *, verify: bool, trust_pickle: bool, map_location: Any,
+             extras: Extras = True) -> Loaded:
+        from registry.fs.filemaps import read_directory  # the parsers: what a listing never needs
+        return read_directory(Path(info.path), verify=verify, trust_pickle=trust_pickle, map_location=map_location,
+                              extras=extras, expected_digest=info.manifest_sha256)
 
     def manifest_bytes(self, info: CheckpointInfo) -> tuple[bytes, Path]:
         from registry.format.manifest import MANIFEST, manifest_bytes

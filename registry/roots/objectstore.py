@@ -29,6 +29,7 @@ from registry.roots.base import Capabilities, Capability, Gone, Tiered, refusal,
 from registry.roots.landing import Previous
 
 if TYPE_CHECKING:
+    from registry.fs.filemaps import Extras, Loaded
     from registry.fs.payloadfiles import Payload, Written
     from registry.fs.store import Reuse, Store
 
@@ -59,6 +60,12 @@ class ObjectStoreRoot:
     def holds(self, relpath: str) -> bool:
         from registry.format.manifest import MANIFEST
         return self.objects.head(f"{relpath}/{MANIFEST}") is not None
+
+    def read(self, info: CheckpointInfo, *, verify: bool, trust_pickle: bool, map_location: Any,
+             extras: Extras = True) -> Loaded:
+        from registry.fs.objectread import read_objects
+        return read_objects(self.objects, info.path.as_posix(), verify=verify, trust_pickle=trust_pickle,
+                            map_location=map_location, extras=extras, expected_digest=info.manifest_sha256)
 
     def manifest_bytes(self, info: CheckpointInfo) -> tuple[bytes, Path]:
         from registry.format.manifest import MANIFEST

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from registry.fs.objects import ObjectRoot
 from registry.fs.store import Store
@@ -22,6 +22,7 @@ from registry.roots.directory import DirectoryLanding, DirectoryRoot, FileRemova
 from registry.roots.objectstore import ObjectStoreRoot
 
 if TYPE_CHECKING:
+    from registry.fs.filemaps import Extras, Loaded
     from registry.fs.payloadfiles import Payload, Written
     from registry.fs.store import Reuse
 
@@ -65,6 +66,11 @@ class TieredRoot:
 
     def holds(self, relpath: str) -> bool:
         return self.durable.holds(relpath)
+
+    def read(self, info: CheckpointInfo, *, verify: bool, trust_pickle: bool, map_location: Any,
+             extras: Extras = True) -> Loaded:
+        return self.fast.read(info, verify=verify, trust_pickle=trust_pickle, map_location=map_location,
+                              extras=extras)
 
     def manifest_bytes(self, info: CheckpointInfo) -> tuple[bytes, Path]:
         """From the copy ``info`` names: a directory of this host, or the durable copy its ``url`` names."""
