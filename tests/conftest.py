@@ -156,6 +156,25 @@ def any_reg(catalog_url: str, any_root: str) -> Iterator[Registry]:
 
 
 @pytest.fixture
+def durable(s3_root: str) -> str:
+    """A durable tier (``durable=``) of its own for this test."""
+    return s3_root
+
+
+@pytest.fixture
+def fast(tmp_path: Path) -> Path:
+    """The fast tier's directory of this test's first host."""
+    return tmp_path / "fast-a"
+
+
+@pytest.fixture
+def treg(catalog_url: str, fast: Path, durable: str) -> Iterator[Registry]:
+    """``reg`` on a tiered root: a fast directory over a durable ``s3://`` tier."""
+    with Registry.open(catalog_url, root=fast, durable=durable) as registry:
+        yield registry
+
+
+@pytest.fixture
 def sqlite_reg(tmp_path: Path) -> Iterator[Registry]:
     with Registry.open(url=f"sqlite:///{tmp_path / 'catalog.db'}", root=tmp_path / "ckpt") as registry:
         yield registry

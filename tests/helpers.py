@@ -229,3 +229,9 @@ def mark_corrupt(reg: Any, info: Any, reason: str) -> bool:
     from registry.records import LIVE, Status
     return bool(reg.catalog.set_status(info.run, info.step, Status.CORRUPT, kind="corrupt", actor=reg.writer,
                                        only_from=LIVE, manifest_sha256=info.manifest_sha256, reason=reason))
+
+
+def durable_keys(reg: Any, prefix: str = "") -> list[str]:
+    """Every key under ``prefix`` of a tiered registry's durable tier."""
+    assert reg.tiers is not None
+    return sorted(e.rel for e in reg.tiers.durable.list(prefix))

@@ -21,23 +21,7 @@ from registry.format.manifest import MANIFEST, digest_bytes
 from registry.ops.tierretention import TierPlan, TierResult
 from registry.records import CheckpointInfo, Status
 from registry.retention import KeepLast
-from tests.helpers import assert_state_equal, make_state, pg_connect
-
-
-@pytest.fixture
-def durable(s3_root: str) -> str:
-    return s3_root
-
-
-@pytest.fixture
-def fast(tmp_path: Path) -> Path:
-    return tmp_path / "fast-a"
-
-
-@pytest.fixture
-def treg(catalog_url: str, fast: Path, durable: str) -> Iterator[Registry]:
-    with Registry.open(catalog_url, root=fast, durable=durable) as reg:
-        yield reg
+from tests.helpers import assert_state_equal, durable_keys, make_state, pg_connect
 
 
 def real_copies(reg: Registry, run: str, step: int) -> list[str]:
@@ -69,11 +53,6 @@ def assert_deleted_or_readable(reg: Registry, run: str, step: int) -> None:
     assert info.status == Status.VERIFIED
     assert real_copies(reg, run, step), reg.replicas(run, step)
     assert_state_equal(reg.load(f"{run}@{step}").state_dict, make_state(step))
-
-
-def durable_keys(reg: Registry, prefix: str) -> list[str]:
-    assert reg.tiers is not None
-    return sorted(e.rel for e in reg.tiers.durable.list(prefix))
 
 
 def damage(path: Path) -> None:

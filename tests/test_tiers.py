@@ -10,7 +10,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -24,34 +23,13 @@ from registry.errors import CheckpointNotFoundError, InvalidStateError, RootErro
 from registry.format.manifest import MANIFEST
 from registry.records import Status
 from tests import s3proxy, s3server
-from tests.helpers import assert_state_equal, child_env, make_state
-
-
-@pytest.fixture
-def durable(s3_root: str) -> str:
-    return s3_root
-
-
-@pytest.fixture
-def fast(tmp_path: Path) -> Path:
-    return tmp_path / "fast-a"
-
-
-@pytest.fixture
-def treg(catalog_url: str, fast: Path, durable: str) -> Iterator[Registry]:
-    with Registry.open(catalog_url, root=fast, durable=durable) as reg:
-        yield reg
+from tests.helpers import assert_state_equal, child_env, durable_keys, make_state
 
 
 def durable_copy(reg: Registry, run: str, step: int) -> object:
     info = reg.catalog.get(run, step)
     assert info is not None
     return ReplicaCatalog(reg.catalog).copy(run, step, DURABLE, manifest_sha256=info.manifest_sha256)
-
-
-def durable_keys(reg: Registry, prefix: str = "") -> list[str]:
-    assert reg.tiers is not None
-    return sorted(e.rel for e in reg.tiers.durable.list(prefix))
 
 
 def damage_durable(reg: Registry, run: str, step: int) -> str:
