@@ -1,10 +1,13 @@
 from __future__ import annotations
 
+import re
+
 import pytest
 
-from registry import InvalidRefError
-from registry.errors import InvalidNameError
+from registry import InvalidRefError, Registry
+from registry.errors import CheckpointNotFoundError, InvalidNameError
 from registry.format.refs import check_run_name, check_step, check_tag_name, parse_ref
+from tests.helpers import make_state
 
 
 @pytest.mark.parametrize("text,kind,extra", [
@@ -51,3 +54,18 @@ def test_run_names_and_steps() -> None:
     for bad in (-1, 1.5, True, "3"):
         with pytest.raises(InvalidNameError):
             check_step(bad)
+
+
+@pytest.mark.parametrize(("ref", "intent"), [("run@lastest", "run@latest"), ("run@best", "run@best:METRIC"),
+                                             ("run@latest-publish", "run@latest-published"),
+                                             ("run@Latest", "run@latest"), ("new@lastest", "new@latest")])
+def test_a_misspelt_keyword_is_an_invalid_ref_never_nothing_yet(reg: Registry, ref: str, intent: str) -> None:
+    """A trainer that resumes with ``except CheckpointNotFoundError: start fresh`` must not start over on a typo."""
+    reg.publish("run", 1, make_state(1))
+    for call in (reg.load, reg.resolve):
+        with pytest.raises(InvalidRefError, match=f"did you mean {re.escape(intent)}") as info:
+            call(ref)
+        assert not isinstance(info.value, CheckpointNotFoundError) and "\n" not in str(info.value)
+    if ref == "run@best":  # a tag of that name is a tag like any other
+        reg.tag("run", 1, "best")
+        assert reg.resolve("run@best").step == 1

@@ -28,7 +28,7 @@ from registry.catalog.records import Claim, CommitRecord, FileRecord
 from registry.catalog.driver import DriverRead, DriverStatement
 from registry.catalog.session import (aware, catalog_name, failure_reason, head_revision,
                                       open_engine, read_engine, retrying, utcnow, write_connection)
-from registry.errors import CatalogError, CheckpointNotFoundError, StepExistsError
+from registry.errors import CatalogError, CheckpointNotFoundError, InvalidRefError, StepExistsError
 from registry.records import ENDED, HAS_PAYLOAD, LIVE, RANKABLE, CheckpointInfo, EventInfo, MetricPoint, RunInfo, Status
 from registry.format.refs import Ref, did_you_mean, selector_hint
 
@@ -671,6 +671,9 @@ class Catalog:
             if not explain:
                 return None
             if row is None:
+                keyword = selector_hint(ref.run, ref.tag) if ref.kind == "tag" and ref.tag is not None else None
+                if keyword is not None:  # a misspelt keyword, never "nothing yet": a trainer must not start over
+                    raise InvalidRefError(f"invalid ref {str(ref)!r}: no tag {ref.tag!r}; {keyword}")
                 hint = self._not_found_hint(conn, ref)
                 raise CheckpointNotFoundError(f"{ref}: {what}{hint}", run=ref.run, step=ref.step)
             raise CheckpointNotFoundError(f"{ref}: step {row.step} is {row.status}", run=ref.run, step=row.step)
