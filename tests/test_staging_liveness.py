@@ -63,9 +63,15 @@ def test_a_stale_foreign_staging_row_is_taken_over_by_the_next_publish(reg: Regi
     with pytest.raises(StepExistsError, match=ELSEWHERE):
         reg.publish("run", 2, make_state(2), blocking=False)
     age(reg, claim, STALE_AFTER + timedelta(minutes=1))  # the node was preempted mid-publish
+    with reg.catalog.engine.begin() as conn:  # and its claim was made long ago
+        conn.execute(update(CheckpointRow).where(CheckpointRow.c.id == claim.checkpoint_id)
+                     .values(created_at=datetime.now(timezone.utc) - timedelta(days=1)))
+    before = datetime.now(timezone.utc) - timedelta(minutes=5)
     info = reg.publish("run", 2, make_state(2))
     assert info.status == "verified" and info.writer == reg.writer
     assert [e.kind for e in reg.events("run") if e.step == 2][-2:] == ["takeover", "publish"]
+    created = info.created_at if info.created_at.tzinfo else info.created_at.replace(tzinfo=timezone.utc)
+    assert created > before  # the step is this writer's, created now, not when the dead writer claimed it
 
 
 def test_fsck_repairs_a_stale_foreign_staging_row_and_leaves_a_fresh_one(reg: Registry) -> None:

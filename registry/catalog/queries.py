@@ -322,8 +322,10 @@ class Catalog:
                                        writer_alive=writer_alive)
             if conflict is not None:
                 raise conflict
+            # a staging row taken over from a dead writer is this writer's step from now: its time, not the dead one's
+            taken = {"created_at": now} if row.status == Status.STAGING else {}
             conn.execute(update(CheckpointRow).where(CheckpointRow.c.id == row.id)
-                         .values(status=Status.STAGING, writer=writer, path=path, updated_at=now))
+                         .values(status=Status.STAGING, writer=writer, path=path, updated_at=now, **taken))
             previous = row.status if row.status != Status.STAGING else None
             if row.status == Status.STAGING:
                 self.record_event(conn, run_id, step, "takeover", actor=writer, dead_writer=row.writer)
