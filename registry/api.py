@@ -550,11 +550,11 @@ class Registry:
     def _copy_hooks(self, hooks: CommitHooks, run: str, step: int) -> CommitHooks:
         """``hooks`` that also record the copy a publish leaves on this host's fast tier, on a tiered root: every
         path that lands a payload here (publish, sharded publish, import) commits through this."""
-        tiers = self.tiers
-        if tiers is None:
+        if not self.root.can.tiers:
             return hooks
         from registry.ops.tiers import FastCopyHooks
-        return FastCopyHooks(hooks, location=tiers.location, path=self.root.new_relpath(run, step))
+        return FastCopyHooks(hooks, location=self._tiers("a fast copy").location,
+                             path=self.root.new_relpath(run, step))
 
     # ------------------------------------------------------------------ tiers
 
@@ -670,11 +670,10 @@ class Registry:
         (or ``url``) is where this host finds the step: its fast copy, its cached copy, or its durable copy.
         """
         info = self.placed(self.catalog.resolve(parse_ref(ref)))
-        tiers = self.tiers
-        if tiers is None:
+        if not self.root.can.tiers:
             return info
         from registry.ops.tiers import located_here
-        return located_here(tiers, self.catalog, info)
+        return located_here(self._tiers("resolve"), self.catalog, info)
 
     def checkpoints(self, run: str, include_deleted: bool = False, *,
                     policy_version: int | None = None) -> list[CheckpointInfo]:
@@ -1003,10 +1002,9 @@ class Registry:
         ends it. The fast tier keeps what is not yet durable unless ``force``.
         """
         from registry.ops.tierretention import make_tier_plan
-        if self.tiers is None:
-            raise InvalidStateError(f"{self.root_url} has no durable tier: use plan_retention")
+        tiers = self._tiers("plan_tier_retention (use plan_retention)")
         check_flags(force=force, allow_missing_metrics=allow_missing_metrics)
-        return make_tier_plan(self.catalog, self.tiers, run, policy, tier=tier, force=force,  # type: ignore[arg-type]
+        return make_tier_plan(self.catalog, tiers, run, policy, tier=tier, force=force,  # type: ignore[arg-type]
                               now=now, protect=protect or {}, allow_missing_metrics=allow_missing_metrics,
                               actor=self.writer)
 
@@ -1034,7 +1032,7 @@ class Registry:
         """
         from registry.retention import RetentionWarning
         try:
-            if self.tiers is not None:  # a trainer's policy is its fast tier's
+            if self.root.can.tiers:  # a trainer's policy is its fast tier's
                 self.plan_tier_retention(run, policy, protect={step: "just published"}).execute()
                 return None
             return self.apply_retention(run, policy, protect={step: "just published"})
@@ -1118,9 +1116,9 @@ class Registry:
         from registry.ops.diff import diff_checkpoints
         self.root.require("directories", "diff")  # it reads directories
         a, b = self.resolve(ref_a), self.resolve(ref_b)
-        tiers = self.tiers
-        if tiers is not None:  # a step with no copy on this host is downloaded into its cache first
+        if self.root.can.tiers:  # a step with no copy on this host is downloaded into its cache first
             from registry.ops.tiers import local_copy
+            tiers = self._tiers("diff")
             a, b = (local_copy(tiers, self.catalog, info, holder=self.writer) for info in (a, b))
         return diff_checkpoints(self._reader(), a, b, values=values)
 
@@ -1136,9 +1134,9 @@ class Registry:
         ``progress`` hears of the bytes re-hashed.
         """
         from registry.ops.fsck import run_fsck
-        if self.tiers is not None:
+        if self.root.can.tiers:
             from registry.ops.tierfsck import run_tier_fsck
-            return run_tier_fsck(catalog=self.catalog, tiers=self.tiers,
+            return run_tier_fsck(catalog=self.catalog, tiers=self._tiers("fsck"),
                                  replicator=None if self.read_only else self._replication(), repair=repair,
                                  checksums=checksums, actor=self.writer, progress=progress)
         if self.objects is not None:
