@@ -16,6 +16,24 @@ from registry import Registry
 from tests.roots.kinds import KINDS, Kind
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "kinds(*names): the kinds of root a case applies to (the others never run it)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A case marked ``kinds(...)`` is not collected for the other kinds: it does not apply there (say, a rename
+    on an object store), which is no skip to report."""
+    kept, dropped = [], []
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        kind = callspec.params.get("kind") if callspec is not None else None
+        applies = [m.args for m in item.iter_markers("kinds")]
+        (dropped if kind is not None and any(kind not in names for names in applies) else kept).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+
+
 @pytest.fixture(params=KINDS)
 def kind(request: pytest.FixtureRequest, catalog_url: str, tmp_path: Path) -> Kind:
     if request.param == "directory":

@@ -167,6 +167,45 @@ def one_line_registry_error(exc: BaseException) -> str:
     return text
 
 
+def publish_then_die(url: str, root: str, durable: str | None, env: dict[str, str]) -> None:
+    """The body of a writer that dies at a crash point (run in a child process, see ``killed_publishing``):
+    publish ``run@1`` (and, on a root with tiers, wait for its durable copy) with no crash point armed, then arm
+    ``env["REGISTRY_CRASH_AT"]`` and publish ``run@2``, waiting for its durable copy too: the point is on one of
+    the two paths, and the process SIGKILLs itself there. Returns only when the point was never reached."""
+    from registry.crashpoints import arm
+    from tests.helpers import make_state
+    os.environ.update(env)  # a forkserver's child inherits the server's environment, not the test's of the moment
+    arm(None)
+    with Registry.open(url, root=root, durable=durable) as reg:
+        reg.publish("run", 1, make_state(1))
+        if reg.root.can.tiers:
+            reg.wait_durable("run", 1, timeout=60)
+        arm(env["REGISTRY_CRASH_AT"])
+        reg.publish("run", 2, make_state(2))
+        if reg.root.can.tiers:
+            reg.wait_durable("run", 2, timeout=60)
+
+
+def killed_publishing(kind: Kind, point: str) -> int | None:
+    """Run :func:`publish_then_die` on ``kind`` in a child process with ``REGISTRY_CRASH_AT=point``; its exit code
+    (``-SIGKILL`` when it died there). On PostgreSQL, returns once the dead child's sessions are gone."""
+    from tests import killharness
+    from tests.helpers import child_env
+    ctx = killharness.context()  # forked from a server that imported torch and the registry once
+    proc = ctx.Process(target=publish_then_die, daemon=True,
+                       args=(killharness.worker_url(kind.url), kind.root, kind.durable,
+                             {**child_env(), "REGISTRY_CRASH_AT": point}))
+    proc.start()
+    proc.join(120)
+    if proc.exitcode is None:
+        proc.kill()
+        proc.join()
+        pytest.fail(f"the writer to be killed at {point} hung")
+    with kind.open() as reg:
+        killharness.settle(reg)
+    return proc.exitcode
+
+
 @contextmanager
 def failing_weights_write(reg: Registry, monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
     """On a root with a local directory (a directory root, a tiered root's fast tier): every ``os.write`` into a
@@ -190,4 +229,30 @@ def failing_weights_write(reg: Registry, monkeypatch: pytest.MonkeyPatch) -> Ite
 
     with monkeypatch.context() as patched:
         patched.setattr(os, "write", write)
+        yield hit
+
+
+@contextmanager
+def failing_reads(path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """Every ``os.read``, ``os.readv``, ``os.pread`` and ``os.preadv`` of the file ``path`` (of a file under it, for
+    a directory) fails with EIO: a disk that cannot read a sector back. Yields the files hit."""
+    import errno
+    under = str(path.resolve())
+    hit: list[str] = []
+
+    def failing(real: Any) -> Any:
+        def call(fd: int, *args: Any) -> Any:
+            try:
+                target = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                target = ""
+            if target == under or target.startswith(under + os.sep):
+                hit.append(target)
+                raise OSError(errno.EIO, os.strerror(errno.EIO), target)
+            return real(fd, *args)
+        return call
+
+    with monkeypatch.context() as patched:
+        for name in ("read", "readv", "pread", "preadv"):
+            patched.setattr(os, name, failing(getattr(os, name)))
         yield hit
