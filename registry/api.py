@@ -180,8 +180,7 @@ class Registry:
             opened = catalog
             if opening.tiered:
                 from registry.catalog.identity import read_identity
-                from registry.ops.tiers import open_tier
-                from registry.ops.tiers import known_tier
+                from registry.ops.tiers import known_tier, open_tier
                 catalog_id = read_identity(opened.engine).catalog_id
                 # a host new to a durable tier its catalog knows names its fast directory whenever it may write;
                 # a read-only open there writes nothing and keeps no cache
@@ -191,7 +190,7 @@ class Registry:
                 if opening.directory is None:
                     from registry.ops.tiers import refuse_durable_as_root
                     refuse_durable_as_root(opened, str(located))
-                built = opening.finish(lambda fast: "")
+                built = opening.finish()
         except BaseException:
             if catalog is not None:
                 catalog.close()

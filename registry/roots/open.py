@@ -64,7 +64,7 @@ class Located:
     tiered: bool = False
     created: list[Path] = field(default_factory=list)  # directories this open made, newest first
 
-    def finish(self, tier_id: Callable[[Store], str | None]) -> Root:
+    def finish(self, tier_id: Callable[[Store], str | None] | None = None) -> Root:
         """The root; ``tier_id`` names a tiered root's fast directory (asked of the catalog), None for one no
         writer has named yet (a read-only open on a host new to the tier: it keeps no cache there)."""
         if self.objects is None and self.directory is not None:
@@ -73,7 +73,7 @@ class Located:
         if self.objects is not None and self.directory is None:
             return ObjectStoreRoot(self.objects)
         from registry.roots.tiered import TieredRoot
-        if self.objects is not None and self.directory is not None and self.tiered:
+        if self.objects is not None and self.directory is not None and self.tiered and tier_id is not None:
             named = tier_id(self.directory)
             if named is None:
                 import secrets
