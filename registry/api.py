@@ -871,7 +871,7 @@ class Registry:
         for ref in refs:
             parsed = parse_ref(ref)
             if "@" in ref:
-                targets.append(self.resolve(parsed))
+                targets.append(self.placed(self.catalog.resolve(parsed)))  # the row, not where this host reads it
             else:
                 targets.extend(i for i in self.checkpoints(parsed.run)
                                if i.status in HAS_PAYLOAD)
@@ -1114,7 +1114,7 @@ class Registry:
         without reading them; ``values`` adds the size of each content change."""
         from registry.ops.diff import diff_checkpoints
         self.root.require("directories", "diff")  # it reads directories
-        a, b = self.resolve(ref_a), self.resolve(ref_b)
+        a, b = (self.placed(self.catalog.resolve(parse_ref(ref))) for ref in (ref_a, ref_b))
         if self.root.can.tiers:  # a step with no copy on this host is downloaded into its cache first
             from registry.ops.tiers import local_copy
             tiers = self._tiers("diff")

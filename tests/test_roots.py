@@ -196,3 +196,22 @@ def test_a_read_only_open_on_a_new_host_reads_and_writes_nothing_there(catalog_u
             with pytest.raises(ReadOnlyError, match="read-only"):
                 b.diff("run@1", "run@2")
         assert not host.exists() or list(host.iterdir()) == []  # nothing written on this host's fast tier
+
+
+def test_verify_on_a_host_holding_only_a_cached_copy_judges_the_durable_copy_not_the_cache(
+        catalog_url: str, s3_root: str, tmp_path: Path) -> None:
+    with Registry.open(catalog_url, root=tmp_path / "host-a", durable=s3_root) as a:
+        a.publish("run", 1, make_state(1), durable=True)
+    with Registry.open(catalog_url, root=tmp_path / "host-b", durable=s3_root) as b:
+        b.load("run@1")  # this host now holds a cached copy, and no fast copy
+        cached = b.resolve("run@1").path
+        assert ".registry/cache" in cached.as_posix()
+        data = bytearray((cached / "model.safetensors").read_bytes())
+        data[-3] ^= 0xFF  # this host's cache is damaged; the step's stored copies are not
+        (cached / "model.safetensors").write_bytes(bytes(data))
+        [result] = b.verify("run@1")
+        assert result.ok, result  # the durable copy was re-hashed, and it is intact
+        assert b.catalog.get("run", 1).status == "verified"  # type: ignore[union-attr]
+        assert not [c for c in b.replicas("run", 1) if c.status == "corrupt"]
+        change = b.diff("run@1", "run@1")
+        assert change.a.step == change.b.step == 1
