@@ -876,8 +876,7 @@ class Registry:
                 targets.extend(i for i in self.checkpoints(parsed.run)
                                if i.status in HAS_PAYLOAD)
         from registry.ops.scrub import scrub
-        return scrub(self.catalog, targets, actor=self.writer, progress=progress, objects=self.objects,
-                     tiers=self.tiers, root=self.root.local_dir)
+        return scrub(self.catalog, targets, actor=self.writer, progress=progress, home=self.root, tiers=self.tiers)
 
     # ------------------------------------------------------------------ followers
 

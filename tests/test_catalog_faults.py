@@ -17,6 +17,7 @@ from click.testing import CliRunner
 from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
 
+import registry.fs.store
 import registry.ops.scrub
 from registry import CatalogError, Registry
 from registry.cli import main
@@ -43,7 +44,7 @@ def once(action: Any) -> Any:
 def test_verify_records_nothing_about_a_step_overwritten_while_it_hashed(
         reg: Registry, catalog_url: str, root: Path, monkeypatch: pytest.MonkeyPatch, moment: str) -> None:
     reg.publish("run", 1, make_state(1), verify=moment == "before-hashing")
-    real = registry.ops.scrub.verify_directory
+    real = registry.fs.store.verify_directory
     with Registry.open(url=catalog_url, root=root) as other:
         # the new payload is left unhashed (published) so that a verdict on the old one could promote it
         overwrite = once(lambda: other.publish("run", 1, make_state(2), overwrite=True, verify=False))
@@ -56,9 +57,9 @@ def test_verify_records_nothing_about_a_step_overwritten_while_it_hashed(
                 overwrite()
             return found
 
-        monkeypatch.setattr(registry.ops.scrub, "verify_directory", hashing)
+        monkeypatch.setattr(registry.fs.store, "verify_directory", hashing)
         [result] = reg.verify("run@1")
-        monkeypatch.setattr(registry.ops.scrub, "verify_directory", real)
+        monkeypatch.setattr(registry.fs.store, "verify_directory", real)
         new_digest = other.resolve("run@1").manifest_sha256
     info = reg.resolve("run@1")
     assert not [e for e in reg.events("run", step=1) if e.kind == "corrupt"]  # the old payload: no verdict
@@ -84,7 +85,7 @@ def test_verify_follows_a_step_re_published_before_its_manifest_was_read(
     listed = reg.resolve("run@1")
     with Registry.open(url=catalog_url, root=root) as other:
         other.publish("run", 1, make_state(2), overwrite=True, verify=False)
-    [result] = scrub(reg.catalog, [listed], actor="test")  # the listing predates the overwrite
+    [result] = scrub(reg.catalog, [listed], actor="test", home=reg.root)  # the listing predates the overwrite
     assert result.status == "verified", result
     assert reg.resolve("run@1").status == "verified"
 
@@ -112,7 +113,7 @@ def test_a_wrong_root_is_unreadable_not_corrupt(reg: Registry, root: Path, tmp_p
     empty = tmp_path / "empty-mount-point"
     empty.mkdir()
     elsewhere = [replace(i, path=empty / i.path.relative_to(root)) for i in reg.checkpoints("run")]
-    results = scrub(reg.catalog, elsewhere, actor="test")
+    results = scrub(reg.catalog, elsewhere, actor="test", home=reg.root)
     assert [(r.status, r.ok) for r in results] == [("unreadable", False)] * 2
     assert all("directory missing" in r.problems[0] for r in results)
     assert [i.status for i in reg.checkpoints("run")] == ["verified", "verified"]

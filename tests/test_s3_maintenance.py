@@ -265,6 +265,6 @@ def test_verify_of_a_step_overwritten_meanwhile_condemns_nothing(s3reg: Registry
     s3reg.publish("run", 1, make_state(1))
     listed = s3reg.resolve("run@1")
     s3reg.publish("run", 1, make_state(11), overwrite=True)
-    (result,) = scrub(s3reg.catalog, [listed], actor="test", objects=s3reg.objects)
+    (result,) = scrub(s3reg.catalog, [listed], actor="test", home=s3reg.root)
     assert result.status == "changed" and status(s3reg, "run", 1) == "verified"
     assert_state_equal(s3reg.load("run@1").state_dict, make_state(11))

@@ -212,8 +212,9 @@ class _Source:
                 self.fast_reread.add(info.step)
                 from registry.ops.scrub import recheck
                 from registry.ops.verdicts import read_again
+                home = self.read.access.home
                 try:
-                    read_again(exc, lambda: recheck(info, objects=None),
+                    read_again(exc, lambda: recheck(info, home=home),
                                what=f"{info.run}@{info.step}: this host's copy {info.path}")
                 except CorruptCheckpointError:
                     pass  # the mismatch stands: this copy is condemned below

@@ -223,7 +223,7 @@ class CatalogRead:
 
     def _recheck(self, info: CheckpointInfo) -> None:
         from registry.ops.scrub import recheck  # hashing: only once a read went wrong
-        recheck(info, objects=self.access.objects)
+        recheck(info, home=self.access.home)
 
     def _unreadable(self, info: CheckpointInfo, exc: CheckpointReadError) -> None:
         now = self.access.catalog.get(info.run, info.step)

@@ -19,8 +19,6 @@ A step or copy marked corrupt whose bytes read intact now is verified again.
 from __future__ import annotations
 
 import functools
-import os
-import stat
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -28,12 +26,10 @@ from pathlib import Path
 
 from registry.catalog import Catalog
 from registry.catalog.replicas import DURABLE, ReplicaCatalog
-from registry.errors import CheckpointReadError, CorruptCheckpointError, ObjectNotFoundError
-from registry.format.manifest import MANIFEST, Manifest, read_manifest
+from registry.errors import CheckpointReadError, CorruptCheckpointError
+from registry.format.manifest import MANIFEST, Manifest
 from registry.records import HAS_PAYLOAD, CheckpointInfo, Status
-from registry.fs.objects import ObjectRoot
-from registry.fs.prefixes import check_objects, read_manifest as read_manifest_object
-from registry.fs.store import verify_directory
+from registry.roots.base import Root
 from registry.progress import Counter, ProgressFn
 from registry.ops.tiers import Tiers, mark_fast_copy, older_payload_here, restore_fast_copy
 from registry.ops.verdicts import condemned, read_again
@@ -92,87 +88,40 @@ def _confirmed(info: CheckpointInfo, found: _Read, again: Callable[[], _Read], *
         return exc.found
 
 
-def _manifest(info: CheckpointInfo) -> tuple[Manifest | None, str]:
+def _manifest(home: Root, info: CheckpointInfo) -> tuple[Manifest | None, str]:
     """The step's manifest as stored now and its digest, or None and why it is not a valid one."""
     try:
-        st = os.stat(info.path)
-    except (FileNotFoundError, NotADirectoryError):
-        raise _Unreadable(f"directory missing: {info.path}") from None
-    except OSError as exc:
-        raise _Unreadable(f"cannot read {info.path}: {exc.strerror}") from None
-    if not stat.S_ISDIR(st.st_mode):
-        return None, f"{info.path} is not a directory"
-    try:
-        return read_manifest(info.path)
+        return home.stored_manifest(info)
     except CheckpointReadError as exc:
         raise _Unreadable(str(exc)) from None
-    except CorruptCheckpointError as exc:  # missing, a symlink, not a file, or not a valid manifest
-        return None, f"{MANIFEST}: {exc}"
 
 
-def _read(info: CheckpointInfo, counter: Counter) -> _Read:
-    """Read and re-hash the step as stored now; raises ``_Unreadable`` when this host cannot."""
-    manifest, digest = _manifest(info)
+def _read(home: Root, info: CheckpointInfo, counter: Counter) -> _Read:
+    """Read and re-hash the step as stored now (through its root); raises ``_Unreadable`` when this host cannot."""
+    manifest, digest = _manifest(home, info)
     if manifest is None:
         return _Read(digest=None, files={}, problems=(digest,))
     try:
-        damaged = verify_directory(info.path, manifest,
-                                   on_bytes=lambda n: counter.advance(n, item=f"{info.run}@{info.step}"))
-    except OSError as exc:
-        raise _Unreadable(f"cannot read {exc.filename or info.path}: {exc.strerror or exc}") from None
-    if damaged and not info.path.is_dir():  # vanished while being read: gc, or the mount went away
-        raise _Unreadable(f"directory disappeared while being read: {info.path}")
-    return _Read(digest=digest, files={n: (e.size, e.sha256) for n, e in manifest.files.items()},
-                 problems=tuple(f"{p.name}: {p.problem}" for p in damaged))
-
-
-def _object_manifest(root: ObjectRoot, info: CheckpointInfo) -> tuple[Manifest | None, str]:
-    """:func:`_manifest` on an object-store root: the bucket answered, so a missing manifest is the step's."""
-    try:
-        return read_manifest_object(root, info.path.as_posix())
-    except ObjectNotFoundError:
-        try:  # a missing bucket answers GET like a missing key: only a bucket that is there condemns
-            root.check_bucket()
-        except OSError as exc:
-            raise _Unreadable(str(exc)) from None
-        return None, f"{MANIFEST}: missing on the server"
-    except CorruptCheckpointError as exc:
-        return None, f"{MANIFEST}: {exc}"
-    except OSError as exc:  # StorageError: the server's trouble, never the step's
-        raise _Unreadable(str(exc)) from None
-
-
-def _object_read(root: ObjectRoot, info: CheckpointInfo, counter: Counter) -> _Read:
-    """:func:`_read` on an object-store root: every object re-read by ranged GETs and hashed."""
-    manifest, digest = _object_manifest(root, info)
-    if manifest is None:
-        return _Read(digest=None, files={}, problems=(digest,))
-    rel = info.path.as_posix()
-    try:
-        listed = {e.rel[len(rel) + 1:]: e for e in root.list(rel)}
-        damaged = check_objects(root, rel, manifest, listed, checksums=True,
-                                on_bytes=lambda n: counter.advance(n, item=f"{info.run}@{info.step}"))
-        if damaged and root.head(f"{rel}/{MANIFEST}") is None:  # deleted while being read (gc)
-            raise _Unreadable(f"objects deleted while being read: {root.url(rel)}")
-    except OSError as exc:
+        damaged = home.rehash(info, manifest, on_bytes=lambda n: counter.advance(n, item=f"{info.run}@{info.step}"))
+    except CheckpointReadError as exc:
         raise _Unreadable(str(exc)) from None
     return _Read(digest=digest, files={n: (e.size, e.sha256) for n, e in manifest.files.items()},
                  problems=tuple(f"{p.name}: {p.problem}" for p in damaged))
 
 
-def recheck(info: CheckpointInfo, *, objects: ObjectRoot | None) -> None:
-    """Re-hash ``info``'s payload as stored now against the catalog's manifest digest: the second read from storage
-    a load's verdict waits for (``objects``: the root is that object store). Returns when it is intact; raises
-    ``CorruptCheckpointError`` naming what differs, ``CheckpointReadError`` when this host cannot read it."""
+def recheck(info: CheckpointInfo, *, home: Root) -> None:
+    """Re-hash ``info``'s payload as stored in ``home`` now against the catalog's manifest digest: the second read
+    from storage a load's verdict waits for. Returns when it is intact; raises ``CorruptCheckpointError`` naming
+    what differs, ``CheckpointReadError`` when this host cannot read it."""
     counter = Counter(None, task="verify", total=None)
     try:  # the manifest first: one that is not the catalog's says enough, no other file is opened
-        manifest, digest = _manifest(info) if objects is None else _object_manifest(objects, info)
+        manifest, digest = _manifest(home, info)
         if manifest is None:
             problems: tuple[str, ...] = (digest,)
         elif digest != info.manifest_sha256:
             problems = (f"{MANIFEST}: not the one the catalog records",)
         else:
-            found = _read(info, counter) if objects is None else _object_read(objects, info, counter)
+            found = _read(home, info, counter)
             problems = found.problems or (() if found.digest == info.manifest_sha256
                                           else (f"{MANIFEST}: not the one the catalog records",))
     except _Unreadable as exc:
@@ -184,23 +133,20 @@ def recheck(info: CheckpointInfo, *, objects: ObjectRoot | None) -> None:
 
 
 def scrub(catalog: Catalog, infos: Sequence[CheckpointInfo], *, actor: str,
-          progress: ProgressFn | None = None, objects: ObjectRoot | None = None,
-          tiers: Tiers | None = None, root: Path | None = None) -> list[VerifyResult]:
+          home: Root, progress: ProgressFn | None = None, tiers: Tiers | None = None) -> list[VerifyResult]:
     """Re-hash each checkpoint (a few in parallel); intact ones become ``verified``, damaged ``corrupt``.
 
     A corrupt step that hashes clean again (restored from a backup) is verified again.
     ``progress`` hears of the bytes hashed, of the sum of the steps' sizes (``registry.progress``).
-    ``objects``: the root is that object store (``infos``' paths are relative to it), not a directory.
+    ``home``: the root the steps live in, which reads and re-hashes them (``infos`` placed by it).
     ``tiers``: the root has a durable tier. A damaged fast copy of a step with a verified durable copy is this
     host's copy's fault (``corrupt-copy``); a step this host holds no copy of (its directory is gone, or holds
     an older payload of it) is verified on its durable copy instead, a durable copy marked corrupt included.
-    ``root``: the root's directory on this host (a tiered root's fast one; None for an object store): after a
-    step is condemned, the two newest verified steps left must share no inode (:func:`registry.ops.verdicts.condemned`).
+    After a step is condemned, the two newest verified steps left must share no inode
+    (:func:`registry.ops.verdicts.condemned`, on the root's directory here).
     """
-    manifest_of: Callable[[CheckpointInfo], tuple[Manifest | None, str]] = (
-        _manifest if objects is None else functools.partial(_object_manifest, objects))
-    read: Callable[[CheckpointInfo, Counter], _Read] = (
-        _read if objects is None else functools.partial(_object_read, objects))
+    manifest_of = functools.partial(_manifest, home)
+    read = functools.partial(_read, home)
 
     def result(info: CheckpointInfo, status: str, *problems: str) -> VerifyResult:
         return VerifyResult(run=info.run, step=info.step, ok=status == Status.VERIFIED, status=status,
@@ -221,18 +167,16 @@ def scrub(catalog: Catalog, infos: Sequence[CheckpointInfo], *, actor: str,
                 only_from=VERDICT_FROM, manifest_sha256=digest, problems=list(problems)):
             return changed(info)
         if problems:
-            condemned(catalog, root, info.run)
+            condemned(catalog, home.local_dir, info.run)
         elif copy_only and tiers is not None:
             restore_fast_copy(tiers, catalog, info.run, info.step, info.path, digest, actor=actor)
         return result(info, status, *problems)
 
     def current(info: CheckpointInfo) -> CheckpointInfo | None:
-        """The step's row now. A directory root keeps the caller's absolute path (every incarnation of a
-        step lives there); on an object store each has its own prefix, so the row's own path is the one."""
+        """The step's row now, placed as its root places it (on an object store each incarnation has a prefix of
+        its own, so the row's own path is the one read)."""
         now = catalog.get(info.run, info.step)
-        if now is None or objects is not None:
-            return now
-        return replace(now, path=info.path)
+        return None if now is None else home.place(now)
 
     def unreadable(info: CheckpointInfo, reason: str) -> VerifyResult:
         now = current(info)
@@ -256,7 +200,8 @@ def scrub(catalog: Catalog, infos: Sequence[CheckpointInfo], *, actor: str,
         at = replace(info, path=Path(copy.path))
 
         def hashed() -> _Read:
-            found = _object_read(tiers.durable, at, counter)
+            from registry.roots.objectstore import ObjectStoreRoot  # the object store's modules: a tiered root's
+            found = _read(ObjectStoreRoot(tiers.durable), at, counter)
             if found.digest is not None and found.digest != info.manifest_sha256:
                 return replace(found, problems=(f"{MANIFEST}: not the one the catalog records",))
             if not found.problems and (files := recorded(info)) and files != found.files:

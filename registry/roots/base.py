@@ -7,7 +7,7 @@ which kind a root is, only whether it can.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
@@ -17,9 +17,10 @@ from registry.records import CheckpointInfo
 
 if TYPE_CHECKING:
     from registry.fs.objects import ObjectRoot
+    from registry.format.manifest import Manifest
     from registry.fs.filemaps import Extras, Loaded
     from registry.fs.payloadfiles import Payload, Written
-    from registry.fs.store import Reuse, Store
+    from registry.fs.store import FileProblem, Reuse, Store
     from registry.roots.landing import Landing
 
 Capability = Literal["links", "sharded", "local_import", "directories", "tiers"]
@@ -134,6 +135,14 @@ class Root(Protocol):
 
     def manifest_bytes(self, info: CheckpointInfo) -> tuple[bytes, Path]:
         """The stored manifest of the placed step ``info``, unparsed, and where it was read (for messages)."""
+
+    def stored_manifest(self, info: CheckpointInfo) -> tuple[Manifest | None, str]:
+        """The placed step's manifest as stored now and the sha256 of its bytes, or None and why it is not a
+        valid one (the step's fault); ``CheckpointReadError`` when this host cannot read it (never the step's)."""
+
+    def rehash(self, info: CheckpointInfo, manifest: Manifest, *, on_bytes: Callable[[int], None]) -> list[FileProblem]:
+        """Re-read and hash every file ``manifest`` lists as stored now: what differs. ``CheckpointReadError``
+        when this host cannot read them (gone while being read included)."""
 
     def read(self, info: CheckpointInfo, *, verify: bool, trust_pickle: bool, map_location: Any,
              extras: Extras = True) -> Loaded:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -18,6 +18,7 @@ from registry.roots.landing import Previous, os_cause
 
 if TYPE_CHECKING:
     from registry.fs.objects import ObjectRoot
+    from registry.format.manifest import Manifest
     from registry.fs.filemaps import Extras, Loaded
     from registry.fs.payloadfiles import Payload, Written
 
@@ -50,6 +51,43 @@ class DirectoryRoot:
 
     def holds(self, relpath: str) -> bool:
         return (self.store.root / relpath).is_dir()
+
+    def stored_manifest(self, info: CheckpointInfo) -> tuple[Manifest | None, str]:
+        import errno
+        import os
+        import stat
+
+        from registry.errors import CheckpointReadError, CorruptCheckpointError
+        from registry.format.manifest import MANIFEST, read_manifest
+        directory = Path(info.path)
+        try:
+            st = os.stat(directory)
+        except (FileNotFoundError, NotADirectoryError):
+            raise CheckpointReadError(f"directory missing: {directory}", errno=errno.ENOENT, path=directory) from None
+        except OSError as exc:
+            raise CheckpointReadError(f"cannot read {directory}: {exc.strerror}", errno=exc.errno,
+                                      path=directory) from None
+        if not stat.S_ISDIR(st.st_mode):
+            return None, f"{directory} is not a directory"
+        try:
+            return read_manifest(directory)
+        except CheckpointReadError:
+            raise
+        except CorruptCheckpointError as exc:  # missing, a symlink, not a file, or not a valid manifest
+            return None, f"{MANIFEST}: {exc}"
+
+    def rehash(self, info: CheckpointInfo, manifest: Manifest, *, on_bytes: Callable[[int], None]) -> list[FileProblem]:
+        from registry.errors import CheckpointReadError
+        from registry.fs.store import verify_directory
+        directory = Path(info.path)
+        try:
+            damaged = verify_directory(directory, manifest, on_bytes=on_bytes)
+        except OSError as exc:
+            raise CheckpointReadError(f"cannot read {exc.filename or directory}: {exc.strerror or exc}",
+                                      errno=exc.errno, path=directory) from None
+        if damaged and not directory.is_dir():  # vanished while being read: gc, or the mount went away
+            raise CheckpointReadError(f"directory disappeared while being read: {directory}", path=directory)
+        return damaged
 
     def read(self, info: CheckpointInfo, *, verify: bool, trust_pickle: bool, map_location: Any,
              extras: Extras = True) -> Loaded:

@@ -13,7 +13,7 @@ was never touched. A crash in between leaves an orphan prefix for fsck.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,6 +29,7 @@ from registry.roots.base import Capabilities, Capability, Gone, Tiered, refusal,
 from registry.roots.landing import Previous
 
 if TYPE_CHECKING:
+    from registry.format.manifest import Manifest
     from registry.fs.filemaps import Extras, Loaded
     from registry.fs.payloadfiles import Payload, Written
     from registry.fs.store import Reuse, Store
@@ -60,6 +61,39 @@ class ObjectStoreRoot:
     def holds(self, relpath: str) -> bool:
         from registry.format.manifest import MANIFEST
         return self.objects.head(f"{relpath}/{MANIFEST}") is not None
+
+    def stored_manifest(self, info: CheckpointInfo) -> tuple[Manifest | None, str]:
+        """The bucket answered, so a missing manifest is the step's; the server's trouble never is."""
+        from registry.errors import CheckpointReadError, CorruptCheckpointError, ObjectNotFoundError
+        from registry.format.manifest import MANIFEST
+        from registry.fs.prefixes import read_manifest
+        try:
+            return read_manifest(self.objects, info.path.as_posix())
+        except ObjectNotFoundError:
+            try:  # a missing bucket answers GET like a missing key: only a bucket that is there condemns
+                self.objects.check_bucket()
+            except OSError as exc:
+                raise CheckpointReadError(str(exc)) from None
+            return None, f"{MANIFEST}: missing on the server"
+        except CorruptCheckpointError as exc:
+            return None, f"{MANIFEST}: {exc}"
+        except OSError as exc:  # StorageError: the server's trouble, never the step's
+            raise CheckpointReadError(str(exc)) from None
+
+    def rehash(self, info: CheckpointInfo, manifest: Manifest, *, on_bytes: Callable[[int], None]) -> list[FileProblem]:
+        """Every object re-read by ranged GETs and hashed."""
+        from registry.errors import CheckpointReadError
+        from registry.format.manifest import MANIFEST
+        from registry.fs.prefixes import check_objects
+        rel = info.path.as_posix()
+        try:
+            listed = {e.rel[len(rel) + 1:]: e for e in self.objects.list(rel)}
+            damaged = check_objects(self.objects, rel, manifest, listed, checksums=True, on_bytes=on_bytes)
+            if damaged and self.objects.head(f"{rel}/{MANIFEST}") is None:  # deleted while being read (gc)
+                raise CheckpointReadError(f"objects deleted while being read: {self.objects.url(rel)}")
+        except OSError as exc:
+            raise CheckpointReadError(str(exc)) from None
+        return damaged
 
     def read(self, info: CheckpointInfo, *, verify: bool, trust_pickle: bool, map_location: Any,
              extras: Extras = True) -> Loaded:

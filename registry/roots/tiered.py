@@ -9,6 +9,7 @@ names this host's copies, so many hosts share one catalog and one durable root.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -22,9 +23,10 @@ from registry.roots.directory import DirectoryLanding, DirectoryRoot, FileRemova
 from registry.roots.objectstore import ObjectStoreRoot
 
 if TYPE_CHECKING:
+    from registry.format.manifest import Manifest
     from registry.fs.filemaps import Extras, Loaded
     from registry.fs.payloadfiles import Payload, Written
-    from registry.fs.store import Reuse
+    from registry.fs.store import FileProblem, Reuse
 
 TIERED = Capabilities(links=True, sharded=True, local_import=True, directories=True, tiers=True)
 
@@ -66,6 +68,12 @@ class TieredRoot:
 
     def holds(self, relpath: str) -> bool:
         return self.durable.holds(relpath)
+
+    def stored_manifest(self, info: CheckpointInfo) -> tuple[Manifest | None, str]:
+        return self.fast.stored_manifest(info)
+
+    def rehash(self, info: CheckpointInfo, manifest: Manifest, *, on_bytes: Callable[[int], None]) -> list[FileProblem]:
+        return self.fast.rehash(info, manifest, on_bytes=on_bytes)
 
     def read(self, info: CheckpointInfo, *, verify: bool, trust_pickle: bool, map_location: Any,
              extras: Extras = True) -> Loaded:
