@@ -225,7 +225,7 @@ class Registry:
 
     @property
     def objects(self) -> ObjectRoot | None:
-        """The object-store root (``s3://``, or a tiered root's durable one); None for a directory root."""
+        """The object-store root when the root is ``s3://``; None for a directory or a tiered root."""
         return self.root.object_store()
 
     @functools.cached_property
@@ -537,7 +537,7 @@ class Registry:
 
     def _target(self, job: _PublishJob) -> Target:
         from registry.ops.protocol import Target
-        return Target(run=job.run, step=job.step, root=Path(self.root.url),
+        return Target(run=job.run, step=job.step, root=self._local_root(),
                       relpath=self.root.new_relpath(job.run, job.step), writer=self.writer,
                       overwrite=job.overwrite, verify=job.verify, dedup=job.dedup, epoch=job.payload.meta["epoch"],
                       consumed_samples=job.payload.meta["consumed_samples"])

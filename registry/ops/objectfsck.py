@@ -177,8 +177,12 @@ class ObjectFsck(FsckPass):
                 why = "file table does not match the catalog's"
             return why, digest
         why, digest = look()
-        if why:
-            why = damage_again(why, lambda: look()[0], what=f"{row.run}@{row.step}")
+        if why:  # read again before any verdict; the verdict then rests on the manifest that re-read saw
+            def again() -> str:
+                nonlocal digest
+                found, digest = look()
+                return found
+            why = damage_again(why, again, what=f"{row.run}@{row.step}")
         if why:
             p = self._found("damaged-payload", row.run, row.step, Path(row.path), why, row=row, url=url,
                             still=lambda: self._manifest_digest(row.path) == digest)

@@ -55,9 +55,10 @@ HEARTBEAT = timedelta(seconds=30)  # well inside writers.STALE_AFTER, so a slow 
 
 @dataclass(frozen=True, kw_only=True)
 class Target:
-    """Where and how a publish lands: ``run@step`` at ``root / relpath`` (the catalog records ``relpath``).
+    """Where and how a publish lands: ``run@step`` at ``relpath`` under the root (the catalog records ``relpath``).
 
-    ``dedup``: store files a verified step of the run already holds as links
+    ``root``: the root's directory on this host, where dedup looks for links (``Path()`` on an object store,
+    whose landing names its own prefix). ``dedup``: store files a verified step of the run already holds as links
     (:func:`link_duplicates`); only a verified publish links.
     """
 

@@ -213,7 +213,7 @@ class CatalogRead:
             # the same payload: another reader condemned it first, or the catalog records nothing
             # (opened read-only); either way the verdict stands, go on from it
         else:
-            condemned(self.access.catalog, None if self.access.objects is not None else self.access.root, info.run)
+            condemned(self.access.catalog, self.access.home.local_dir, info.run)
         log.error("%s@%s is corrupt (marked so unless the catalog is read-only): %s", info.run, info.step, exc)
         if self.ref.names_one_step or not self.fallback:
             raise exc

@@ -120,10 +120,12 @@ def recheck(info: CheckpointInfo, *, home: Root) -> None:
             problems: tuple[str, ...] = (digest,)
         elif digest != info.manifest_sha256:
             problems = (f"{MANIFEST}: not the one the catalog records",)
-        else:
-            found = _read(home, info, counter)
-            problems = found.problems or (() if found.digest == info.manifest_sha256
-                                          else (f"{MANIFEST}: not the one the catalog records",))
+        else:  # the files against the manifest just read: it is the catalog's
+            problems = tuple(f"{p.name}: {p.problem}" for p in home.rehash(
+                info, manifest, on_bytes=lambda n: counter.advance(n, item=f"{info.run}@{info.step}")))
+    except CheckpointReadError as exc:
+        raise CheckpointReadError(f"cannot read {info.run}@{info.step} again: {exc}", path=info.path,
+                                  run=info.run, step=info.step) from None
     except _Unreadable as exc:
         raise CheckpointReadError(f"cannot read {info.run}@{info.step} again: {exc}", path=info.path,
                                   run=info.run, step=info.step) from None

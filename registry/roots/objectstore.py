@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from registry.errors import PublishError, RegistryError, StorageError
+from registry.errors import (CheckpointReadError, CorruptCheckpointError, ObjectNotFoundError, PublishError,
+                             RegistryError, StorageError)
 from registry.format.layout import attempt_relpath
 from registry.fs.objects import ObjectRoot
 from registry.fs.objectwrite import check_uploaded
@@ -64,7 +65,6 @@ class ObjectStoreRoot:
 
     def stored_manifest(self, info: CheckpointInfo) -> tuple[Manifest | None, str]:
         """The bucket answered, so a missing manifest is the step's; the server's trouble never is."""
-        from registry.errors import CheckpointReadError, CorruptCheckpointError, ObjectNotFoundError
         from registry.format.manifest import MANIFEST
         from registry.fs.prefixes import read_manifest
         try:
@@ -82,7 +82,6 @@ class ObjectStoreRoot:
 
     def rehash(self, info: CheckpointInfo, manifest: Manifest, *, on_bytes: Callable[[int], None]) -> list[FileProblem]:
         """Every object re-read by ranged GETs and hashed."""
-        from registry.errors import CheckpointReadError
         from registry.format.manifest import MANIFEST
         from registry.fs.prefixes import check_objects
         rel = info.path.as_posix()
