@@ -33,7 +33,7 @@ from registry.records import HAS_PAYLOAD, CheckpointInfo, EventInfo, MetricPoint
 from registry.format.refs import Ref, check_run_name, check_step, check_tag_name, parse_ref
 from registry.fs.bounds import check_outside_root
 from registry.fs.store import Store, now_timestamp
-from registry.roots.base import Root, refusal
+from registry.roots.base import Root
 from registry.roots.open import locate, locations
 from registry.ops.writers import close_writer, open_writer, writer_alive, writer_id
 from registry.fs.validation import check_flags, check_metrics, check_tags, checked_payload
@@ -51,6 +51,7 @@ if TYPE_CHECKING:  # and what only some methods use, imported there: a CLI listi
     from registry.fs.objects import ObjectRoot
     from registry.ops.replicator import Replicator
     from registry.ops.tierretention import TierPlan
+    from registry.ops.copies import Copies
     from registry.ops.tiers import Tiers
 
     from registry.distributed.sharded import ShardedLoad
@@ -169,7 +170,6 @@ class Registry:
 
         check_flags(dedup=dedup)
         located, url = locations(url, root)
-        durable = durable if durable is not None else (os.environ.get("REGISTRY_DURABLE") or None)
         read_only = read_only or cannot_write(url)
         opening = locate(located, durable, storage_options=storage_options, create=create, read_only=read_only,
                          dedup=bool(dedup))
@@ -228,21 +228,19 @@ class Registry:
         """The object-store root when the root is ``s3://``; None for a directory or a tiered root."""
         return self.root.object_store()
 
-    @functools.cached_property
+    @property
     def tiers(self) -> Tiers | None:
         """A tiered root's fast and durable roots (:class:`registry.ops.tiers.Tiers`); None for other roots."""
-        tiered = self.root.tiered()
-        if tiered is None:
-            return None
-        from registry.ops.tiers import Tiers
-        return Tiers(fast=tiered.store, durable=tiered.objects, tier_id=tiered.tier_id, cached=tiered.cached)
+        return self._copies().tiers
 
     def _tiers(self, what: str) -> Tiers:
         """:attr:`tiers`, or the root's one-line refusal of ``what``."""
-        tiers = self.tiers
-        if tiers is None:
-            raise refusal(self.root, "tiers", what)
-        return tiers
+        return self._copies().tiered(what)
+
+    def _copies(self) -> Copies:
+        """The root's copies as this process reads and judges them (:mod:`registry.ops.copies`)."""
+        from registry.ops.copies import copies_of
+        return copies_of(self.root, self.catalog, holder=self.writer)
 
     @property
     def root_url(self) -> str:
@@ -668,11 +666,7 @@ class Registry:
         Raises ``CheckpointNotFoundError`` where it names none; reads no payload. On a tiered root its ``path``
         (or ``url``) is where this host finds the step: its fast copy, its cached copy, or its durable copy.
         """
-        info = self.placed(self.catalog.resolve(parse_ref(ref)))
-        if not self.root.can.tiers:
-            return info
-        from registry.ops.tiers import located_here
-        return located_here(self._tiers("resolve"), self.catalog, info)
+        return self._copies().located(self.placed(self.catalog.resolve(parse_ref(ref))))
 
     def checkpoints(self, run: str, include_deleted: bool = False, *,
                     policy_version: int | None = None) -> list[CheckpointInfo]:
@@ -856,8 +850,7 @@ class Registry:
     def _reader(self) -> reading.ReadAccess:
         from registry.ops import reading
         return reading.ReadAccess(catalog=self.catalog, home=self.root, root=self._local_root(),
-                                  holder=self.writer, lease_ttl=self.lease_ttl, objects=self.objects,
-                                  tiers=self.tiers)
+                                  holder=self.writer, lease_ttl=self.lease_ttl, copies=self._copies())
 
     # ------------------------------------------------------------------ verify
 
@@ -876,7 +869,8 @@ class Registry:
                 targets.extend(i for i in self.checkpoints(parsed.run)
                                if i.status in HAS_PAYLOAD)
         from registry.ops.scrub import scrub
-        return scrub(self.catalog, targets, actor=self.writer, progress=progress, home=self.root, tiers=self.tiers)
+        return scrub(self.catalog, targets, actor=self.writer, progress=progress, home=self.root,
+                     copies=self._copies())
 
     # ------------------------------------------------------------------ followers
 
@@ -1113,18 +1107,15 @@ class Registry:
         without reading them; ``values`` adds the size of each content change."""
         from registry.ops.diff import diff_checkpoints
         self.root.require("directories", "diff")  # it reads directories
-        a, b = (self.placed(self.catalog.resolve(parse_ref(ref))) for ref in (ref_a, ref_b))
-        if self.root.can.tiers:  # a step with no copy on this host is downloaded into its cache first
-            from registry.ops.tiers import local_copy
-            tiers = self._tiers("diff")
-            a, b = (local_copy(tiers, self.catalog, info, holder=self.writer) for info in (a, b))
+        copies = self._copies()  # a step with no copy on this host is fetched into its cache first
+        a, b = (copies.local(self.placed(self.catalog.resolve(parse_ref(ref)))) for ref in (ref_a, ref_b))
         return diff_checkpoints(self._reader(), a, b, values=values)
 
     # ------------------------------------------------------------------ fsck
 
     def fsck(self, repair: bool = False, *, checksums: bool = False,
              progress: ProgressFn | None = None) -> FsckReport:
-        """Reconcile the catalog with the root (docs/protocol.md); ``repair`` fixes what it finds.
+        """Reconcile the catalog with the root (docs/reference/protocol.md); ``repair`` fixes what it finds.
 
         Never called implicitly: :meth:`open` does not repair, and publish and
         load stay correct while problems are pending. ``checksums`` re-hashes
@@ -1137,7 +1128,7 @@ class Registry:
             return run_tier_fsck(catalog=self.catalog, tiers=self._tiers("fsck"),
                                  replicator=None if self.read_only else self._replication(), repair=repair,
                                  checksums=checksums, actor=self.writer, progress=progress)
-        if self.objects is not None:
+        if self.objects is not None:  # three passes until one fsck judges what each root's scan reports
             from registry.ops.objectfsck import run_object_fsck
             return run_object_fsck(catalog=self.catalog, root=self.objects, repair=repair, checksums=checksums,
                                    progress=progress, actor=self.writer)

@@ -222,21 +222,22 @@ def tier_gc(reg: Any, run: str, policy: Any, *, tier: str | None, force: bool, a
             dry_run: bool, yes: bool, as_json: bool) -> None:
     """``gc`` on a root with a durable tier: the plan of each tier shown, the policy's tier executed."""
     chosen = tier or "fast"
-    plans = [reg.plan_tier_retention(run, policy, tier=t, force=force, allow_missing_metrics=allow_missing_metric)
-             for t in ((chosen,) if tier is not None else ("fast", "durable"))]
+    plans = {t: reg.plan_tier_retention(run, policy, tier=t, force=force, allow_missing_metrics=allow_missing_metric)
+             for t in ((chosen,) if tier is not None else ("fast", "durable"))}
     if as_json:
-        emit_json({"run": run, "tiers": [p.to_json() for p in plans], "dry_run": dry_run, "executed": chosen})
+        emit_json({"run": run, "tiers": [p.to_json() for p in plans.values()], "dry_run": dry_run,
+                   "executed": chosen})
     else:
-        for plan in plans:
-            click.echo(f"{run} ({plan.tier} tier): {policy!r}" + ("" if plan.tier == chosen else
-                                                                 " (shown only: pass --tier durable to apply)"))
+        for name, plan in plans.items():
+            shown = "" if name == chosen else " (shown only: pass --tier durable to apply)"
+            click.echo(f"{run} ({name} tier): {policy!r}{shown}")
             table(["STEP", "ACTION", "SIZE", "REASON"],
                   [[d.step, (d.action.upper() if d.action == "delete" else d.action)
                     + (" (last copy)" if d.ends_step else ""), human_bytes(d.total_bytes), "; ".join(d.reasons)]
                    for d in plan.decisions])
     if dry_run:
         return
-    plan = next(p for p in plans if p.tier == chosen)
+    plan = plans[chosen]
     if plan.delete and not (yes or as_json) and stdin_is_terminal() and not click.confirm(
             f"delete {plural(len(plan.delete), 'copy', 'copies')} on the {chosen} tier?", default=False):
         fail("nothing deleted")

@@ -73,7 +73,6 @@ from registry.format.refs import Ref
 
 if TYPE_CHECKING:
     from registry.fs.objects import ObjectRoot
-    from registry.ops.tiers import Tiers
 
 log = logging.getLogger(__name__)
 STRATEGIES = ("auto", "broadcast", "shared-fs")
@@ -114,7 +113,7 @@ class Plan:
     info: CheckpointInfo | None = None
     warnings: tuple[str, ...] = ()
     fallback: Fallback | None = None
-    remote: bool = False  # fetched from an object store: no other rank can map it, the bytes must be sent
+    fetched: bool = False  # downloaded and checked as it landed: no other rank can map it, the bytes are sent
 
 
 def fingerprint(directory: Path, names: list[str], manifest_raw: bytes | None) -> str:
@@ -182,8 +181,6 @@ class _Source:
 
     read: CatalogRead | None = None
     directory: Path | None = None
-    objects: ObjectRoot | None = None
-    tiers: Tiers | None = None  # a fast root with a durable tier: a step not here is read from this host's cache
     fast_bad: set[int] = field(default_factory=set)  # steps whose fast copy here failed: read their durable copy
     fast_reread: set[int] = field(default_factory=set)  # steps whose fast copy here was read again after a mismatch
 
@@ -205,9 +202,9 @@ class _Source:
             raise exc
         info = self.read.info
         where = exc.path if isinstance(exc, CorruptCheckpointError) else None
-        if (self.tiers is not None and info is not None and where is not None and info.manifest_sha256 is not None
+        copies = self.read.access.copies
+        if (copies.several and info is not None and where is not None and info.manifest_sha256 is not None
                 and (where == info.path or info.path in where.parents) and info.step not in self.fast_bad):
-            from registry.ops.tiers import mark_fast_copy
             if info.step not in self.fast_reread:  # read the stored bytes again before any verdict on them
                 self.fast_reread.add(info.step)
                 from registry.ops.scrub import recheck
@@ -224,8 +221,7 @@ class _Source:
                 else:
                     self.read.release()  # intact as stored: the same step is read once more
                     return
-            if mark_fast_copy(self.tiers, self.read.access.catalog, info.run, info.step, info.path,
-                              info.manifest_sha256, str(exc), actor=self.read.access.holder):
+            if copies.condemn(info, info.manifest_sha256, str(exc)):
                 self.fast_bad.add(info.step)
                 self.read.release()
                 self.read.notes.append(f"{info.run}@{info.step}: this host's fast copy is not the step's good "
@@ -251,7 +247,7 @@ class _Source:
 def collective_load(*, request: tuple[Any, ...], source: Callable[[], _Source], verify: bool,
                     map_location: Any, trust_pickle: bool, strategy: str,
                     timeout: float | timedelta | None, bucket_bytes: int | None,
-                    extras: Extras = True, remote: bool = False) -> tuple[Loaded, Plan]:
+                    extras: Extras = True, fetched: bool = False) -> tuple[Loaded, Plan]:
     comm = Comm(timeout=None)
     local: RegistryError | None = None
     device: torch.device | None = None
@@ -259,7 +255,7 @@ def collective_load(*, request: tuple[Any, ...], source: Callable[[], _Source], 
         comm.timeout = as_timedelta(timeout)
         if strategy not in STRATEGIES:
             raise InvalidStateError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
-        if remote and strategy == "shared-fs":
+        if fetched and strategy == "shared-fs":
             raise InvalidStateError("strategy='shared-fs' needs a filesystem root every rank mounts; an s3:// "
                                     "root is read by rank 0 and broadcast: use strategy='broadcast' or 'auto'")
         if bucket_bytes is not None and (isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int)
@@ -293,23 +289,23 @@ def _one_round(comm: Comm, src: _Source | None, *, verify: bool, device: torch.d
             try:
                 path, info = src.next()
                 try:
-                    if src.objects is not None and info is not None:
-                        mapped = fetch_checkpoint(src.objects, info, verify=verify, extras=extras)
-                    elif src.tiers is not None and info is not None and src.read is not None:
-                        from registry.ops.tiers import read_local
-
+                    home = src.read.access.home if src.read is not None else None
+                    fetched = home is not None and not home.can.directories
+                    if fetched and info is not None and home is not None:
+                        objects = home.object_store()
+                        assert objects is not None, "a root of no directories is an object store"
+                        mapped = fetch_checkpoint(objects, info, verify=verify, extras=extras)
+                    elif info is not None and src.read is not None:
                         def mapped_at(directory: Path, check: bool, info: CheckpointInfo = info
                                       ) -> tuple[Path, Mapped]:
                             got = map_checkpoint(directory, expected_digest=info.manifest_sha256, extras=extras)
                             if check:  # this host's cached download: a damaged one is fetched again
                                 check_mapped(got)
                             return directory, got
-                        path, mapped = read_local(src.tiers, src.read.access.catalog, info, mapped_at,
-                                                  verify=verify, holder=src.read.access.holder,
-                                                  fast=info.step not in src.fast_bad)
-                    else:
-                        mapped = map_checkpoint(path, expected_digest=info.manifest_sha256 if info else None,
-                                                extras=extras)
+                        path, mapped = src.read.access.copies.mapped(info, mapped_at, verify=verify,
+                                                                     fast=info.step not in src.fast_bad)
+                    else:  # one directory, no catalog row (Checkpoint.load(dir, broadcast=True))
+                        mapped = map_checkpoint(path, expected_digest=None, extras=extras)
                 except RegistryError as exc:
                     src.judge(exc)  # returns when another candidate should be tried
                     continue
@@ -318,7 +314,7 @@ def _one_round(comm: Comm, src: _Source | None, *, verify: bool, device: torch.d
                                manifest_sha256=mapped.files.manifest_sha256, fingerprint=mapped.fingerprint,
                                bucket_bytes=limit, step=info.step if info else None, info=info,
                                warnings=tuple(src.notes), fallback=src.fallback(info),
-                               remote=src.objects is not None)
+                               fetched=fetched)
                 break
             except Exception as exc:  # whatever it is, every rank must hear of it, not wait for a plan
                 outcome = Failure.of(exc, 0)
@@ -336,7 +332,7 @@ def _one_round(comm: Comm, src: _Source | None, *, verify: bool, device: torch.d
     sizes = [s for _, s in plan.files]
     directory = Path(plan.path)
 
-    chosen = "broadcast" if plan.remote else strategy
+    chosen = "broadcast" if plan.fetched else strategy
     if chosen == "auto":
         def sees_same() -> bool:
             if comm.rank == 0:
@@ -379,7 +375,7 @@ def _one_round(comm: Comm, src: _Source | None, *, verify: bool, device: torch.d
         cuts = [layout(n, b) for n, b in zip(names, sources)] if sources is not None else None
         layouts = comm.broadcast_object(cuts, "sending the files' layout")
         pieces, digests = transfer(comm, layouts, sources, limit=plan.bucket_bytes,
-                                   hash_files=(verify and not plan.remote and mapped is not None
+                                   hash_files=(verify and not plan.fetched and mapped is not None
                                                and mapped.files.manifest is not None))
         files = {n: got[0] if len(got) == 1 else tuple(got) for n, got in zip(names, pieces)}
         mine = None
@@ -416,10 +412,9 @@ def distributed_load(access: Access, ref: Ref, *, verify: bool, map_location: An
                           extras=extras, fallback=fallback)
     loaded, plan = collective_load(
         request=("ref", str(ref), verify, trust_pickle, strategy, bucket_bytes, extras, fallback),
-        source=lambda: _Source(read=CatalogRead(access, ref, fallback=fallback), objects=access.objects,
-                               tiers=getattr(access, "tiers", None)),
+        source=lambda: _Source(read=CatalogRead(access, ref, fallback=fallback)),
         verify=verify, map_location=map_location, trust_pickle=trust_pickle, strategy=strategy, timeout=timeout,
-        bucket_bytes=bucket_bytes, extras=extras, remote=access.objects is not None)
+        bucket_bytes=bucket_bytes, extras=extras, fetched=not access.home.can.directories)
     if dist.get_rank() == 0:
         report(plan.fallback)
     assert plan.info is not None, "a plan for a ref names the step's row"

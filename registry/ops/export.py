@@ -206,10 +206,12 @@ def checkout(access: ReadAccess, ref: Ref, dest: Path | None = None, *, ttl: tim
             target: Path | None = None
             made = recorded = False
             try:
-                if access.objects is not None:  # an s3:// root: download, each file checked as it lands
+                if not access.home.can.directories:  # an s3:// root: download, each file checked as it lands
                     from registry.fs.objectread import download
+                    objects = access.home.object_store()
+                    assert objects is not None, "a root of no directories is an object store"
                     target, made, recorded = _target(access, info, dest, read.lease)
-                    download(access.objects, info.path.as_posix(), target, expected_digest=info.manifest_sha256)
+                    download(objects, info.path.as_posix(), target, expected_digest=info.manifest_sha256)
                     report(read.record(info))
                     lease, read.lease = read.lease, None
                     return _hand_out(Checkout(access=handed, info=info, path=target, lease=lease, kind="copy",
@@ -217,11 +219,7 @@ def checkout(access: ReadAccess, ref: Ref, dest: Path | None = None, *, ttl: tim
                 target, made, recorded = _target(access, info, dest, read.lease)
                 fill = functools.partial(_fill, target=target, info=info, link=link,
                                          drop_write_bits=not isinstance(access.catalog, ReadOnlyCatalog))
-                if access.tiers is not None:  # the nearest verified copy: fast, cached, or downloaded now
-                    from registry.ops.tiers import nearest
-                    kind = nearest(access.tiers, access.catalog, info, fill, verify=verify, holder=access.holder)
-                else:
-                    kind = fill(info.path, verify)
+                kind = access.copies.nearest(info, fill, verify=verify)  # fast, cached, or downloaded now
             except RegistryError as exc:
                 if target is not None:
                     _undo(target, made, recorded)

@@ -1,4 +1,4 @@
-"""The publish sequence (docs/protocol.md), the one place that talks to both the catalog and the store.
+"""The publish sequence (docs/reference/protocol.md), the one place that talks to both the catalog and the store.
 
 A publish and an import both run :func:`publish_sequence` for a :class:`Target`, with
 :class:`CommitHooks` that make the commit record:
@@ -124,7 +124,7 @@ def publish_sequence(catalog: Catalog, target: Target, write: Callable[[Any, Reu
     run, step, final, root, writer = target.run, target.step, target.final, target.root, target.writer
     verify, dedup = target.verify, target.dedup
     landing = landing if landing is not None else DirectoryLanding(final)
-    if target.overwrite and not verify and landing.links:
+    if target.overwrite and not verify and landing.shares_inodes:
         # the step leaves the verified chain while it is replaced: the two verified steps that then are the
         # newest must not share an inode, before the old payload goes
         keep_fallback_apart(catalog, root, run, excluding=(step,))

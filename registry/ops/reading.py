@@ -42,8 +42,7 @@ if TYPE_CHECKING:
     from registry.roots.base import Root
     from registry.fs.filemaps import Extras, Loaded
     from registry.catalog import Catalog
-    from registry.fs.objects import ObjectRoot
-    from registry.ops.tiers import Tiers
+    from registry.ops.copies import Copies
 
 log = logging.getLogger(__name__)
 MAX_RACES = 8  # resolves in a row that lost a race to a writer or gc before giving up
@@ -65,10 +64,10 @@ class Access(Protocol):
     def lease_ttl(self) -> timedelta: ...
 
     @property
-    def objects(self) -> ObjectRoot | None: ...
+    def home(self) -> Root: ...
 
     @property
-    def home(self) -> Root: ...
+    def copies(self) -> Copies: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,8 +75,8 @@ class ReadAccess:
     """A plain :class:`Access`: the catalog, the root, who holds the leases, for how long.
 
     ``home``: the root the steps live in, which places and reads them; ``root``: its directory on this host
-    (``Path()`` on an object store); ``objects``: the object-store root when the root is ``s3://``;
-    ``tiers``: the fast root's durable tier, when it has one (loads then read the nearest copy).
+    (``Path()`` on an object store); ``copies``: which copy of a step this host reads and what a bad one
+    condemns (:mod:`registry.ops.copies`).
     """
 
     catalog: Catalog
@@ -85,8 +84,7 @@ class ReadAccess:
     root: Path
     holder: str
     lease_ttl: timedelta
-    objects: ObjectRoot | None = None
-    tiers: Tiers | None = None
+    copies: Copies
 
 
 def placed(access: Access, info: CheckpointInfo) -> CheckpointInfo:
@@ -96,14 +94,9 @@ def placed(access: Access, info: CheckpointInfo) -> CheckpointInfo:
 
 def read_step(access: Access, info: CheckpointInfo, *, verify: bool, map_location: Any, trust_pickle: bool,
               extras: Extras = True) -> Loaded:
-    """Read a placed step's payload from its directory or its attempt prefix, matched against the catalog's digest."""
-    tiers = getattr(access, "tiers", None)
-    if tiers is not None:
-        from registry.ops.tiers import read_nearest
-        return read_nearest(tiers, access.catalog, info, verify=verify, map_location=map_location,
-                            trust_pickle=trust_pickle, extras=extras, holder=access.holder)
-    return access.home.read(info, verify=verify, trust_pickle=trust_pickle, map_location=map_location,
-                            extras=extras)
+    """Read a placed step's payload from its nearest copy, matched against the catalog's digest."""
+    return access.copies.load(info, verify=verify, map_location=map_location, trust_pickle=trust_pickle,
+                              extras=extras)
 
 
 def acquire_lease(access: Access, info: CheckpointInfo) -> int:

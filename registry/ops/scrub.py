@@ -31,7 +31,7 @@ from registry.format.manifest import MANIFEST, Manifest
 from registry.records import HAS_PAYLOAD, CheckpointInfo, Status
 from registry.roots.base import Root
 from registry.progress import Counter, ProgressFn
-from registry.ops.tiers import Tiers, mark_fast_copy, older_payload_here, restore_fast_copy
+from registry.ops.copies import Copies, OneCopy
 from registry.ops.verdicts import condemned, read_again
 
 VERDICT_FROM = HAS_PAYLOAD
@@ -135,18 +135,20 @@ def recheck(info: CheckpointInfo, *, home: Root) -> None:
 
 
 def scrub(catalog: Catalog, infos: Sequence[CheckpointInfo], *, actor: str,
-          home: Root, progress: ProgressFn | None = None, tiers: Tiers | None = None) -> list[VerifyResult]:
+          home: Root, progress: ProgressFn | None = None, copies: Copies | None = None) -> list[VerifyResult]:
     """Re-hash each checkpoint (a few in parallel); intact ones become ``verified``, damaged ``corrupt``.
 
     A corrupt step that hashes clean again (restored from a backup) is verified again.
     ``progress`` hears of the bytes hashed, of the sum of the steps' sizes (``registry.progress``).
     ``home``: the root the steps live in, which reads and re-hashes them (``infos`` placed by it).
-    ``tiers``: the root has a durable tier. A damaged fast copy of a step with a verified durable copy is this
+    ``copies``: the root's copies as this host judges them (:mod:`registry.ops.copies`; the root's only copy
+    by default). On a root with a durable tier a damaged fast copy of a step with a verified durable copy is this
     host's copy's fault (``corrupt-copy``); a step this host holds no copy of (its directory is gone, or holds
     an older payload of it) is verified on its durable copy instead, a durable copy marked corrupt included.
     After a step is condemned, the two newest verified steps left must share no inode
     (:func:`registry.ops.verdicts.condemned`, on the root's directory here).
     """
+    copies = copies if copies is not None else OneCopy(home)
     manifest_of = functools.partial(_manifest, home)
     read = functools.partial(_read, home)
 
@@ -161,8 +163,7 @@ def scrub(catalog: Catalog, infos: Sequence[CheckpointInfo], *, actor: str,
     def record(info: CheckpointInfo, digest: str | None, problems: tuple[str, ...], *,
                copy_only: bool = True) -> VerifyResult:
         status = Status.CORRUPT if problems else Status.VERIFIED
-        if problems and digest is not None and copy_only and tiers is not None and mark_fast_copy(
-                tiers, catalog, info.run, info.step, info.path, digest, "; ".join(problems), actor=actor):
+        if problems and digest is not None and copy_only and copies.condemn(info, digest, "; ".join(problems)):
             return result(info, "corrupt-copy", *problems)
         if digest is None or not catalog.set_status(
                 info.run, info.step, status, kind="corrupt" if problems else "verify", actor=actor,
@@ -170,8 +171,8 @@ def scrub(catalog: Catalog, infos: Sequence[CheckpointInfo], *, actor: str,
             return changed(info)
         if problems:
             condemned(catalog, home.local_dir, info.run)
-        elif copy_only and tiers is not None:
-            restore_fast_copy(tiers, catalog, info.run, info.step, info.path, digest, actor=actor)
+        elif copy_only:
+            copies.restore(info, digest)
         return result(info, status, *problems)
 
     def current(info: CheckpointInfo) -> CheckpointInfo | None:
@@ -189,10 +190,11 @@ def scrub(catalog: Catalog, infos: Sequence[CheckpointInfo], *, actor: str,
     def recorded(info: CheckpointInfo) -> dict[str, tuple[int, str]]:
         return {f.name: (f.size, f.sha256) for f in catalog.files(info.run, info.step)}
 
-    def durable(tiers: Tiers, info: CheckpointInfo) -> VerifyResult:
+    def durable(info: CheckpointInfo) -> VerifyResult:
         """Re-hash the verified durable copy of a step this host holds no copy of. Damage condemns that copy,
         and the step only when no other copy of its payload stands: a fast copy's row is taken at its word,
         since a directory missing here may be a disk not mounted, never proof of lost bytes."""
+        tiers = copies.tiered("verifying a durable copy")
         replicas = ReplicaCatalog(catalog)
         copy = next((r for r in replicas.replicas(info.run, info.step) if r.location == DURABLE
                      and r.manifest_sha256 == info.manifest_sha256 and r.status in ("verified", "corrupt")), None)
@@ -227,15 +229,10 @@ def scrub(catalog: Catalog, infos: Sequence[CheckpointInfo], *, actor: str,
             return result(info, "corrupt-copy", *where)
         return record(info, info.manifest_sha256, where, copy_only=False)
 
-    def here(tiers: Tiers, info: CheckpointInfo) -> bool:
-        """Whether this host's fast directory of the step is its copy (a damaged one included)."""
-        return info.path.is_dir() and not older_payload_here(tiers, ReplicaCatalog(catalog), info.run, info.step,
-                                                             info.path, info.manifest_sha256)
-
     def check(info: CheckpointInfo) -> VerifyResult:
         try:
-            if tiers is not None and not here(tiers, info):
-                return durable(tiers, info)
+            if not copies.holds(info):  # this host holds no copy of it: its durable copy is verified
+                return durable(info)
             first = info
             found = _confirmed(info, read(info, counter), lambda: read(first, counter))
             if found.digest is not None and found.digest != info.manifest_sha256:

@@ -164,6 +164,44 @@ def _copies(tiers: Tiers, snap: RunSnapshot, copies: Sequence[ReplicaInfo]) -> _
     return _Copies(fast=fast, cached=cached, durable=durable, others=others, condemned=condemned)
 
 
+@dataclass(frozen=True)
+class _Side:
+    """What differs between the tiers a plan decides for: which copies are its candidates, which copy must
+    stand for one of them to go alone, and what it keeps whatever the policy says."""
+
+    name: Tier
+    other: str              # the location whose good copy lets one of this tier's copies go alone
+    durable: bool           # its copies are prefixes on the durable tier (else directories under this fast root)
+    keeps_unreplicated: bool  # a copy with no durable copy yet stays unless forced
+
+    def on_tier(self, tiers: Tiers, found: _Copies) -> dict[int, tuple[str, str]]:
+        """step -> the location and path of its copy on this tier."""
+        if self.durable:
+            return {s: (DURABLE, r.path) for s, r in found.durable.items() if r.status in ("verified", "corrupt")}
+        return {**{s: (tiers.cache_location, p) for s, p in found.cached.items()},
+                **{s: (tiers.location, p) for s, p in found.fast.items()}}
+
+    def condemned(self, found: _Copies) -> dict[int, str]:
+        """This host's copies marked corrupt, which go whatever the policy keeps (only fast copies are judged so
+        here: a durable copy marked corrupt is retention's like any other)."""
+        return {} if self.durable else found.condemned
+
+    def protections(self, found: _Copies) -> dict[int, str]:
+        """What this tier keeps besides the run's invariants: the newest verified durable copy."""
+        good = [s for s, r in found.durable.items() if r.status == "verified"] if self.durable else []
+        return {max(good): "@latest-durable"} if good else {}
+
+    def other_good(self, step: int, found: _Copies) -> bool:
+        """Whether another good copy of ``step`` stands on the other tier."""
+        if self.durable:
+            return step in found.fast
+        return step in found.durable and found.durable[step].status == "verified"
+
+
+SIDES = {"fast": _Side(name="fast", other=DURABLE, durable=False, keeps_unreplicated=True),
+         "durable": _Side(name="durable", other=FAST, durable=True, keeps_unreplicated=False)}
+
+
 def make_tier_plan(catalog: Catalog, tiers: Tiers, run: str, policy: Policy, *, tier: Tier, force: bool = False,
                    now: datetime | None = None, protect: Mapping[int, str] = MappingProxyType({}),
                    allow_missing_metrics: bool = False, actor: str | None = None) -> TierPlan:
@@ -171,25 +209,19 @@ def make_tier_plan(catalog: Catalog, tiers: Tiers, run: str, policy: Policy, *, 
     check_run_name(run)
     if not isinstance(policy, Policy):
         raise PolicyError(f"a retention policy must be a registry.retention.Policy, got {policy!r}")
-    if tier not in ("fast", "durable"):
+    if tier not in SIDES:
         raise PolicyError(f"tier must be 'fast' or 'durable', got {tier!r}")
+    side = SIDES[tier]
     now = now or datetime.now(timezone.utc)
     snap = RetentionCatalog(catalog).snapshot(run)
     found = _copies(tiers, snap, ReplicaCatalog(catalog).replicas(run))
-    fast, durable, others = found.fast, found.durable, found.others
-    condemned = found.condemned if tier == "fast" else {}
-    protected = protections(snap, protect)
-    if tier == "durable":
-        good_durable = [s for s, r in durable.items() if r.status == "verified"]
-        if good_durable:
-            newest = max(good_durable)
-            protected[newest] = "; ".join(r for r in (protected.get(newest), "@latest-durable") if r)
-    on_tier: dict[int, tuple[str, str]]  # step -> the copy's location and path
-    if tier == "fast":
-        on_tier = {**{s: (tiers.cache_location, p) for s, p in found.cached.items()},
-                   **{s: (tiers.location, p) for s, p in fast.items()}}
-    else:
-        on_tier = {s: (DURABLE, r.path) for s, r in durable.items() if r.status in ("verified", "corrupt")}
+    durable, others = found.durable, found.others
+    condemned = side.condemned(found)
+    extra = dict(protect)
+    for step, why in side.protections(found).items():
+        extra[step] = "; ".join(r for r in (extra.get(step), why) if r)
+    protected = protections(snap, extra)
+    on_tier = side.on_tier(tiers, found)
     candidates = [c for c in snap.checkpoints if c.step in on_tier and c.status in CANDIDATES]
     kept = evaluate(policy, [c.under(tiers.fast.root) for c in candidates],
                     RetentionContext(run=run, now=now, protected=protected,
@@ -201,13 +233,12 @@ def make_tier_plan(catalog: Catalog, tiers: Tiers, run: str, policy: Policy, *, 
     for c in candidates:
         # a cached copy is disposable: its deletion needs no other copy and never ends the step
         disposable = on_tier[c.step][0] == tiers.cache_location
-        other_good = disposable or bool(others.get(c.step)) or (
-            c.step in durable and durable[c.step].status == "verified" if tier == "fast" else c.step in fast)
+        other_good = disposable or bool(others.get(c.step)) or side.other_good(c.step, found)
         # a durable copy deleted on purpose is none the step waits for (the queue never takes it again)
         waiting = c.step not in durable or durable[c.step].status != "deleted"
         reasons = tuple(r for r in (protected.get(c.step), kept.get(c.step)) if r)
         keep = c.step in protected or c.step in kept
-        if (not keep and tier == "fast" and not other_good and waiting and not force
+        if (not keep and side.keeps_unreplicated and not other_good and waiting and not force
                 and c.status != Status.CORRUPT):
             keep, reasons = True, ("not durable yet (force=True deletes it, and the step with it)",)
         decisions.append(TierDecision(step=c.step, action="keep" if keep else "delete",
@@ -233,7 +264,7 @@ def _removals(plan: TierPlan, d: TierDecision, ended: DeletedRow | None,
     other copies this host can reach (the durable one, this host's others). A claim still uploading is its
     replicator's to remove: it finds the claim deleted when it commits (fsck removes it after a replicator that
     died)."""
-    found = [(plan.tier == "durable", d.path, digest)]
+    found = [(SIDES[plan.tier].durable, d.path, digest)]
     for copy in ended.copies if ended is not None else ():
         durable = copy.location == DURABLE
         if (durable and copy.status != "pending" or copy.location in (plan.tiers.location,
@@ -246,7 +277,7 @@ def _removals(plan: TierPlan, d: TierDecision, ended: DeletedRow | None,
 def _execute(plan: TierPlan) -> TierResult:
     replicas = ReplicaCatalog(plan.catalog)
     # a copy-only deletion needs the other tier's copy still there (a fast one: any fast tier's, no host's cache)
-    other = DURABLE if plan.tier == "fast" else FAST
+    other = SIDES[plan.tier].other
     deleted: list[int] = []
     ended: dict[int, DeletedRow] = {}
     skipped: dict[int, str] = {}

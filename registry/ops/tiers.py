@@ -375,15 +375,15 @@ def _from_durable(tiers: Tiers, catalog: Catalog, info: CheckpointInfo, read: Ca
                   verify: bool, holder: str, fast_bad: CorruptCheckpointError | None = None) -> T:
     """``read`` of this host's cached copy of ``info``'s verified durable copy; ``NoCopyError`` when it has none,
     or when that copy proved corrupt (marked so by :func:`_read_cached`), unless the fast copy was bad too."""
-    durable = ReplicaCatalog(catalog).copy(info.run, info.step, DURABLE, manifest_sha256=info.manifest_sha256)
-    if durable is None:
+    stored = ReplicaCatalog(catalog).copy(info.run, info.step, DURABLE, manifest_sha256=info.manifest_sha256)
+    if stored is None:
         if fast_bad is not None:
             raise fast_bad
         raise _not_durable_yet(tiers, info)
     try:
         if not tiers.cached:
-            return _read_uncached(tiers, durable.path, info, read)
-        return _read_cached(tiers, catalog, durable.path, info, read, verify=verify, holder=holder)
+            return _read_uncached(tiers, stored.path, info, read)
+        return _read_cached(tiers, catalog, stored.path, info, read, verify=verify, holder=holder)
     except CorruptCheckpointError as exc:
         if fast_bad is not None:
             raise fast_bad from exc

@@ -140,7 +140,7 @@ class DirectoryLanding:
     """A filesystem root's landing: a hidden staging sibling, fsync'd, then renamed to ``final``."""
 
     final: Path
-    links: bool = True
+    shares_inodes: bool = True
 
     @property
     def where(self) -> str:

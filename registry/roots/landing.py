@@ -37,10 +37,10 @@ class Landing(Protocol):
     old one (or None), kept until the commit; ``undo`` reverses ``install``
     after a failed commit, returning whether the old payload is back;
     ``settle`` discards the retired payload once the commit happened.
-    ``links``: payloads may share inodes (dedup), so the fallback chain is kept apart.
+    ``shares_inodes``: payloads may share inodes (dedup), so the fallback chain is kept apart.
     """
 
-    links: bool
+    shares_inodes: bool
 
     @property
     def where(self) -> str: ...

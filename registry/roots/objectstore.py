@@ -151,7 +151,7 @@ class ObjectLanding:
 
     root: ObjectRoot
     rel: str
-    links: bool = False  # objects share nothing: there is no dedup on an object store
+    shares_inodes: bool = False  # objects share nothing: there is no dedup on an object store
     _old: str | None = None
 
     @property

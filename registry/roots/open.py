@@ -113,7 +113,9 @@ def locate(located: Path | str, durable: str | None, *, storage_options: Mapping
     is made whenever it is missing and the open may write (``create=False``
     included): a new host joins a durable tier its catalog already knows,
     and the catalog open that follows refuses a durable root it does not.
+    ``durable`` None takes ``$REGISTRY_DURABLE``.
     """
+    durable = durable if durable is not None else (os.environ.get("REGISTRY_DURABLE") or None)
     if durable is not None:
         if isinstance(located, str):
             raise RootError(f"the fast tier must be a filesystem root, not {located}; pass the s3:// root as "
