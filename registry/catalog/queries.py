@@ -30,7 +30,7 @@ from registry.catalog.session import (aware, catalog_name, failure_reason, head_
                                       open_engine, read_engine, retrying, utcnow, write_connection)
 from registry.errors import CatalogError, CheckpointNotFoundError, InvalidRefError, StepExistsError
 from registry.records import ENDED, HAS_PAYLOAD, LIVE, RANKABLE, CheckpointInfo, EventInfo, MetricPoint, RunInfo, Status
-from registry.format.refs import Ref, did_you_mean, selector_hint
+from registry.format.refs import Ref, did_you_mean, missing_tag
 
 NOTIFY_CHANNEL = "registry_checkpoints"
 
@@ -233,10 +233,8 @@ class Catalog:
                 .distinct().order_by(Metric.c.key))
 
     def _not_found_hint(self, conn: Connection, ref: Ref) -> str:
-        """What a tag or ``best:`` ref that found nothing probably meant, from the run's own names."""
+        """What a ``best:`` ref that found nothing probably meant, from the run's own metric keys."""
         run_id = self.require_run(conn, ref.run)
-        if ref.kind == "tag" and ref.tag is not None and not selector_hint(ref.run, ref.tag):
-            return did_you_mean(ref.tag, self.tag_names(conn, run_id), shown=f"{ref.run}@{{}}")
         if ref.kind == "best" and ref.metric is not None:
             keys = list(conn.scalars(self._metric_key_query(run_id)))
             if ref.metric not in keys:
@@ -608,7 +606,7 @@ class Catalog:
         return query.params(params), what
 
     def resolve(self, ref: Ref, *, below: int | None = None, min_policy_version: int | None = None) -> CheckpointInfo:
-        """The checkpoint a ref names now (the grammar is in docs/refs.md).
+        """The checkpoint a ref names now (the grammar is in docs/reference/refs.md).
 
         - ``latest``: the newest ``verified`` step; ``latest-published``: the
           newest ``published`` or ``verified`` one; ``latest-durable``: the newest
@@ -673,13 +671,24 @@ class Catalog:
             if not explain:
                 return None
             if row is None:
-                keyword = selector_hint(ref.run, ref.tag) if ref.kind == "tag" and ref.tag is not None else None
-                if keyword is not None:  # a misspelt keyword, never "nothing yet": a trainer must not start over
-                    raise InvalidRefError(f"invalid ref {str(ref)!r}: no tag {ref.tag!r}; {keyword}")
+                if ref.kind == "tag" and ref.tag is not None:
+                    raise self._missing_tag_error(conn, ref, ref.tag, what)
                 hint = self._not_found_hint(conn, ref)
                 raise CheckpointNotFoundError(f"{ref}: {what}{hint}", run=ref.run, step=ref.step)
             raise CheckpointNotFoundError(f"{ref}: step {row.step} is {row.status}", run=ref.run, step=row.step)
         return self.checkpoint_infos(conn, ref.run, [row])[0]
+
+    def _missing_tag_error(self, conn: Connection, ref: Ref, tag: str,
+                           what: str) -> InvalidRefError | CheckpointNotFoundError:
+        """A tag ref that names no tag: a misspelt keyword is an ``InvalidRefError``, never "nothing yet" (a
+        trainer whose resume starts fresh on ``CheckpointNotFoundError`` must not start over on a typo)."""
+        run_id = self.lookup_run(conn, ref.run)
+        keyword, hint = missing_tag(ref.run, tag, self.tag_names(conn, run_id) if run_id is not None else ())
+        if keyword:
+            return InvalidRefError(f"invalid ref {str(ref)!r}: no tag {tag!r}; {hint}", run=ref.run)
+        if run_id is None:
+            self.require_run(conn, ref.run)  # raises, naming the closest run
+        return CheckpointNotFoundError(f"{ref}: {what}{f'; {hint}' if hint else ''}", run=ref.run)
 
     def resolve_each(self, refs: Sequence[Ref]) -> list[CheckpointInfo | None]:
         """:meth:`resolve` of many refs in one read transaction; None where one names no step (a runs table)."""
@@ -915,8 +924,7 @@ def _resolve_statement(ref: Ref, *, below: int | None = None,
     elif ref.kind == "step":
         what = f"no checkpoint at step {ref.step}"
     elif ref.kind == "tag":
-        hint = selector_hint(ref.run, ref.tag or "")
-        what = f"no tag {ref.tag!r}" + (f"; {hint}" if hint else "")
+        what = f"no tag {ref.tag!r}"
     else:
         what = f"no published or verified checkpoint has a current value of {ref.metric!r}"
     return query, {k: v for k, v in params.items() if v is not None}, what

@@ -1,4 +1,4 @@
-"""Names and references: the grammar of the public contract (docs/refs.md).
+"""Names and references: the grammar of the public contract (docs/reference/refs.md).
 
 Everything here is pure string handling so it can be used by the CLI, the
 loader and the catalog alike without importing torch or SQL.
@@ -118,20 +118,63 @@ def did_you_mean(name: str, candidates: Iterable[str], *, shown: str = "{}") -> 
     return f"; did you mean {shown.format(match)}?" if match is not None else ""
 
 
-def selector_hint(run: str, selector: str) -> str | None:
-    """``did you mean RUN@...?`` for a selector that looks like a misspelt keyword, else None.
+def _folded_ratio(a: str, b: str) -> float:
+    import difflib  # only an error message needs it
+    return difflib.SequenceMatcher(None, a.lower(), b.lower()).ratio()
 
-    ``RUN@best`` and ``RUN@lastest`` are legal tag refs, so the catalog calls
-    this too when such a tag does not exist.
-    """
+
+# What people write for a keyword that has another name here: ``@latest`` is already the newest verified step.
+_KEYWORD_ALIASES = {"latest-verified": "latest", "latest_verified": "latest"}
+
+
+def _keyword_intent(selector: str, *, cutoff: float = 0.75) -> tuple[str, float] | None:
+    """The keyword selector that ``selector`` most likely misspells (``latest``, ``best:METRIC``...) and how
+    close it is (0 to 1), or None. A transposition (``lastet``) counts as close, whatever difflib makes of it."""
     lowered = selector.lower()
     if lowered.startswith("best") and (lowered == "best" or ":" in lowered):
         body = selector[len("best"):].lstrip("-_./:")
-        return f"did you mean {run}@best:{body or 'METRIC'}?"
-    close = close_match(selector, _SELECTOR_WORDS, cutoff=0.75)
-    if close is not None:
-        return f"did you mean {run}@{close if close != 'best' else 'best:METRIC'}?"
-    return None
+        return f"best:{body or 'METRIC'}", 1.0
+    if lowered in _KEYWORD_ALIASES:
+        return _KEYWORD_ALIASES[lowered], 1.0
+    score, word = max((_folded_ratio(lowered, word), word) for word in _SELECTOR_WORDS)
+    swapped = next((w for w in _SELECTOR_WORDS if sorted(w) == sorted(lowered) and w[0] == lowered[0]), None)
+    if swapped is not None and score < 0.9:
+        score, word = 0.9, swapped
+    if score < cutoff:
+        return None
+    return (word if word != "best" else "best:METRIC"), score
+
+
+def selector_hint(run: str, selector: str) -> str | None:
+    """``did you mean RUN@...?`` for a selector that looks like a misspelt keyword, else None.
+
+    ``RUN@best`` and ``RUN@lastest`` are legal tag refs, so the catalog asks
+    :func:`missing_tag` too when such a tag does not exist.
+    """
+    intent = _keyword_intent(selector)
+    return f"did you mean {run}@{intent[0]}?" if intent is not None else None
+
+
+def missing_tag(run: str, tag: str, tags: Iterable[str]) -> tuple[bool, str | None]:
+    """What ``RUN@TAG`` meant when ``run`` has no tag ``tag`` (``tags`` are the ones it has).
+
+    Returns whether it is a misspelt keyword (an ``InvalidRefError``, never
+    "nothing yet": a trainer whose resume starts fresh when nothing is found
+    must not start over on a typo), and ``did you mean RUN@...?`` or None.
+    An existing tag closer than the keyword wins (``RUN@Test`` with a tag
+    ``test`` means that tag); a tag further from a keyword than a misspelling
+    still says which keyword it is near.
+    """
+    keyword = _keyword_intent(tag)
+    near = close_match(tag, tags)
+    if keyword is not None and (near is None or keyword[1] >= _folded_ratio(tag, near)):
+        return True, f"did you mean {run}@{keyword[0]}?"
+    if near is not None:
+        return False, f"did you mean {run}@{near}?"
+    if tag.lower().startswith("best") and len(tag) > len("best"):  # best-loss, bestloss
+        return False, f"did you mean {run}@best:{tag[len('best'):].lstrip('-_./') or 'METRIC'}?"
+    weak = _keyword_intent(tag, cutoff=0.65)
+    return False, f"did you mean {run}@{weak[0]}?" if weak is not None else None
 
 
 def _best_hint(run: str, body: str) -> str | None:

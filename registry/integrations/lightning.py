@@ -272,6 +272,8 @@ class RegistryCheckpoint(pl.Callback):
         """``registry:RUN@latest`` (or ``ref``) for ``ckpt_path``; None when the run has no step yet.
 
         ``create=False`` (a restart, which must resume) raises ``CheckpointNotFoundError`` instead of None.
+        A ``ref`` given is resolved here, before ``fit`` starts: a malformed or misspelt one (``RUN@lastest``)
+        raises ``InvalidRefError``, one that names no step ``CheckpointNotFoundError``.
         """
         if ref is None:
             if has_checkpoint(self.registry, self.run):
@@ -279,7 +281,9 @@ class RegistryCheckpoint(pl.Callback):
             if not create:
                 raise nothing_to_resume(self.registry, self.run)
             return None
-        return ref if ref.startswith(PREFIX) else PREFIX + ref
+        target = ref[len(PREFIX):] if isinstance(ref, str) and ref.startswith(PREFIX) else ref
+        self.registry.resolve(target)
+        return PREFIX + target
 
     # ------------------------------------------------------------------ hooks
 

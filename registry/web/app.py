@@ -12,7 +12,7 @@ from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.base import BaseHTTPMiddleware
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
+from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, RedirectResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -137,10 +137,23 @@ def create_app(reg: Registry, *, token: str | None = None) -> Starlette:
     def step_of(request: Request) -> int:
         return parse_int(str(request.path_params["step"]), what="step", maximum=MAX_STEP)
 
+    run_page = page(lambda r: pages.run_page(run_of(r), reg.catalog.metric_keys(run_of(r))))
+
+    def run_or_ref(request: Request) -> Response:
+        """A run's page; a whole ref in the run's place (``/runs/toy@release``) goes to the step it names,
+        and a malformed or misspelt one answers its one-line error."""
+        if "@" not in run_of(request):
+            return run_page(request)
+        try:
+            info = reg.resolve(run_of(request))
+        except RegistryError as exc:
+            return HTMLResponse(pages.error_page(str(exc)), status_code=_status_of(exc))
+        return RedirectResponse(step_url(info.run, info.step), status_code=303)
+
     routes = [
         Route("/", page(lambda r: pages.runs_page(data.health_doc(reg, sort_by=r.query_params.get("metric") or None),
                                                    metric=r.query_params.get("metric", "")))),
-        Route("/runs/{run}", page(lambda r: pages.run_page(run_of(r), reg.catalog.metric_keys(run_of(r))))),
+        Route("/runs/{run}", run_or_ref),
         Route("/runs/{run}/steps/{step}", page(lambda r: step_page(reg, r, step_of(r)))),
         Route("/compare", page(lambda r: pages.compare_page(r.query_params.getlist("run"),
                                                             r.query_params.getlist("key")))),
