@@ -35,9 +35,10 @@ import shutil
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -123,20 +124,20 @@ def rank_main(rank: int, port: int, args: dict[str, Any]) -> None:
             repeats = args["repeats"]
             model = {k: v.clone().zero_() for k, v in plain_mmap_load(path).items()}
 
-            def consume(state: dict[str, torch.Tensor]) -> None:
+            def consume(state: dict[str, torch.Tensor], model: dict[str, torch.Tensor] = model) -> None:
                 for k, v in state.items():
                     model[k].copy_(v)
 
             variants: dict[str, Callable[[], Any]] = {
-                "ours/broadcast": lambda: reg.load(ref, broadcast=True, strategy="broadcast", verify=False),
-                "ours/broadcast+verify": lambda: reg.load(ref, broadcast=True, strategy="broadcast"),
-                "reference (per tensor)": lambda: reference_load(path),
-                "floor (flat broadcast)": lambda: floor_load(path),
-                "ours/shared-fs": lambda: consume(reg.load(ref, broadcast=True, strategy="shared-fs",
-                                                           verify=False).state_dict),
-                "ours/shared-fs+verify": lambda: consume(reg.load(ref, broadcast=True,
-                                                                  strategy="shared-fs").state_dict),
-                "plain local mmap": lambda: consume(plain_mmap_load(path)),
+                "ours/broadcast": lambda ref=ref: reg.load(ref, broadcast=True, strategy="broadcast", verify=False),
+                "ours/broadcast+verify": lambda ref=ref: reg.load(ref, broadcast=True, strategy="broadcast"),
+                "reference (per tensor)": lambda path=path: reference_load(path),
+                "floor (flat broadcast)": lambda path=path: floor_load(path),
+                "ours/shared-fs": lambda ref=ref, consume=consume: consume(
+                    reg.load(ref, broadcast=True, strategy="shared-fs", verify=False).state_dict),
+                "ours/shared-fs+verify": lambda ref=ref, consume=consume: consume(
+                    reg.load(ref, broadcast=True, strategy="shared-fs").state_dict),
+                "plain local mmap": lambda path=path, consume=consume: consume(plain_mmap_load(path)),
             }
             # round-robin over the variants, so that load from other users of the machine
             # falls on all of them alike rather than on whichever ran during a busy spell

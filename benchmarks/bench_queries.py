@@ -109,7 +109,7 @@ def build(catalog: Catalog, *, checkpoints: int, runs: int, metrics: int, seed: 
         counts["metrics"] += len(points)
     with write_connection(catalog.engine) as conn:
         tags = []
-        for name, run_id in run_ids.items():
+        for run_id in run_ids.values():
             ids = conn.scalars(select(CheckpointRow.c.id).where(CheckpointRow.c.run_id == run_id,
                                                               CheckpointRow.c.status == "verified")).all()
             for t, cid in enumerate(rng.sample(list(ids), min(5, len(ids)))):
@@ -174,7 +174,7 @@ def follower_wakeups(catalog: Catalog, samples: int) -> list[tuple[float, float]
     with Follower(catalog, run) as follower:
         for i in range(samples):
             woke: list[float] = []
-            waiter = threading.Thread(target=lambda after=(i - 1 if i else None): (
+            waiter = threading.Thread(target=lambda after=(i - 1 if i else None), woke=woke: (
                 follower.wait(after, timeout=60), woke.append(time.perf_counter())))
             waiter.start()
             time.sleep(rng.uniform(0.05, 0.3))
@@ -242,7 +242,7 @@ def main() -> None:
                 for label, selector in refs.items():
                     parsed = [parse_ref(f"{run}@{selector}") for run in run_names]
                     it = iter(range(10**12))
-                    def call() -> None:
+                    def call(catalog: Catalog = catalog, parsed: list[Ref] = parsed, it: Iterator[int] = it) -> None:
                         try:
                             catalog.resolve(parsed[next(it) % len(parsed)])
                         except CheckpointNotFoundError:

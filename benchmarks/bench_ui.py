@@ -75,7 +75,7 @@ def main() -> None:
                     doc = response.json() if path.startswith("/api/") else None
                     shown = (f"{len(doc['curve']['points'])}/{doc['curve']['total_points']}"
                              if isinstance(doc, dict) and "curve" in doc else "")
-                    median, low, high = timed(lambda p=path: client.get(p), rounds=args.rounds,
+                    median, low, high = timed(lambda p=path, c=client: c.get(p), rounds=args.rounds,
                                               iterations=args.iterations)
                     print(f"{name:<11} {label:<34} {median:8.1f} {low:8.1f} {high:8.1f} {shown:>14} "
                           f"{len(response.content) / 1024:7.0f}")

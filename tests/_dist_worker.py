@@ -129,8 +129,8 @@ def main() -> None:
             if injected:  # a bug (not a RegistryError) on rank 0 at one named place in the protocol
                 real = getattr(loader, injected)
 
-                def bug(*args: Any, **kwargs: Any) -> Any:
-                    raise RuntimeError(f"injected fault in {injected}")
+                def bug(*args: Any, _injected: str = injected, **kwargs: Any) -> Any:
+                    raise RuntimeError(f"injected fault in {_injected}")
                 setattr(loader, injected, bug)
             if str(rank) in sc.get("swap", {}):
                 swap["from"] = sc["swap"][str(rank)]

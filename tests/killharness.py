@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
@@ -712,10 +712,12 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="killtest-") as tmp:
             base = Path(tmp)
             counter = iter(range(1 << 30))
-            drop: Callable[[], None] = lambda: None
             if backend == "sqlite":
-                def make() -> str:
+                def make(base: Path = base, counter: Iterator[int] = counter) -> str:
                     return f"sqlite:///{base / f'c{next(counter)}.db'}"
+
+                def drop() -> None:
+                    """Nothing to drop: the catalog files go with the temporary directory."""
             else:
                 make, drop = _pg_url_factory(args.pg)
             try:

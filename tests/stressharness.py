@@ -363,9 +363,11 @@ def main(argv: list[str] | None = None) -> int:
     failed = False
     for backend in ("sqlite", "postgresql") if args.backend == "both" else (args.backend,):
         with tempfile.TemporaryDirectory(prefix="stresstest-") as tmp:
-            drop: Callable[[], None] = lambda: None
             if backend == "sqlite":
                 url = f"sqlite:///{Path(tmp) / 'catalog.db'}"
+
+                def drop() -> None:
+                    """Nothing to drop: the catalog file goes with the temporary directory."""
             else:
                 make, drop = _pg_url_factory(args.pg)
                 url = make()

@@ -48,7 +48,8 @@ def test_connections_switching_a_fresh_file_to_wal_at_once_all_succeed(tmp_path:
         barrier = threading.Barrier(threads)
         failures: list[BaseException] = []
 
-        def connect() -> None:
+        def connect(path: Path = path, barrier: threading.Barrier = barrier,
+                    failures: list[BaseException] = failures) -> None:
             conn = sqlite3.connect(path, check_same_thread=False)
             try:
                 barrier.wait()

@@ -16,9 +16,9 @@ def test_error_hierarchy() -> None:
     from registry import errors
     for name in dir(errors):
         cls = getattr(errors, name)
-        if isinstance(cls, type) and issubclass(cls, Exception) and cls is not errors.RegistryError:
-            if cls.__module__ == errors.__name__:
-                assert issubclass(cls, errors.RegistryError), name
+        if (isinstance(cls, type) and issubclass(cls, Exception) and cls is not errors.RegistryError
+                and cls.__module__ == errors.__name__):
+            assert issubclass(cls, errors.RegistryError), name
     assert issubclass(errors.CheckpointNotFoundError, LookupError)
     assert issubclass(errors.StepExistsError, FileExistsError)
 

@@ -106,7 +106,7 @@ def test_unsafe_directories_are_refused_before_anything_is_touched(sqlite_reg: R
     os.symlink(outside, cases["symlink"] / "extra.safetensors")
     (cases["subdir"] / ".cache").mkdir()
     (cases["name"] / "~weights").write_text("x")
-    for case, d in cases.items():
+    for d in cases.values():
         with pytest.raises(UnsafePathError):
             sqlite_reg.import_checkpoint(d, run="u", step=1)
     with pytest.raises(UnsafePathError):

@@ -21,7 +21,6 @@ import torch
 
 import registry.fs.payloadfiles as payloadfiles
 import registry.fs.store as store_mod
-import registry.ops.protocol as protocol
 import registry.roots.directory as directory_root
 from registry import CatalogError, CorruptCheckpointError, PublishError, Registry
 from registry.checkpoint import Checkpoint

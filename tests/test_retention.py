@@ -542,7 +542,8 @@ def test_retention_and_fsck_do_not_import_the_facade() -> None:
 
     import registry
     package = Path(registry.__file__).parent
-    for module in ("retention.py", "ops/retention.py", "fs/removal.py", "ops/fsck.py", "format/layout.py", "catalog/retention.py", "catalog/fsck.py"):
+    for module in ("retention.py", "ops/retention.py", "fs/removal.py", "ops/fsck.py", "format/layout.py",
+                   "catalog/retention.py", "catalog/fsck.py"):
         tree = ast.parse((package / module).read_text())
         imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
         imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}

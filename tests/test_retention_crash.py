@@ -72,7 +72,8 @@ CHILD = textwrap.dedent("""
 def cases() -> list[tuple[str, int]]:
     rng = random.Random(SEED)
     # 4 deletions of ~7 filesystem operations each: k past the end lets the child finish
-    return [("in-transaction", -1), ("gc-after-mark", 0), ("gc-after-retire", 0)] + [("random", rng.randint(1, 32)) for _ in range(KILLS)]
+    return ([("in-transaction", -1), ("gc-after-mark", 0), ("gc-after-retire", 0)]
+            + [("random", rng.randint(1, 32)) for _ in range(KILLS)])
 
 
 def populate(reg: Registry, run: str) -> None:

@@ -84,7 +84,8 @@ def mapped_ranges(path: Path) -> list[tuple[int, int]]:
     return ranges
 
 
-def assert_inside_mapping(tensors: dict[str, torch.Tensor], path: Path, *, copied: frozenset[str] = frozenset()) -> None:
+def assert_inside_mapping(tensors: dict[str, torch.Tensor], path: Path, *,
+                          copied: frozenset[str] = frozenset()) -> None:
     """Zero-copy: every non-empty tensor's bytes lie inside a mapping of ``path``, except those named."""
     ranges = mapped_ranges(path)
     assert ranges, f"{path} is not mapped"

@@ -165,10 +165,9 @@ def test_truncated_file_is_a_format_error(tmp_path: Path) -> None:
 
 def test_aborted_writer_leaves_no_digest(tmp_path: Path) -> None:
     path = tmp_path / "f.bin"
-    with pytest.raises(RuntimeError):
-        with HashingWriter(path) as out:
-            out.write(b"x" * 5000)
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError), HashingWriter(path) as out:
+        out.write(b"x" * 5000)
+        raise RuntimeError("boom")
     assert out.sha256 is None
 
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from registry import Registry
-from registry.catalog.replicas import DURABLE, ReplicaCatalog
+from registry.catalog.replicas import DURABLE, ReplicaCatalog, ReplicaInfo
 from registry.errors import CheckpointNotFoundError, InvalidStateError, RootError, RootMismatchError
 from registry.format.manifest import MANIFEST
 from registry.records import Status
@@ -26,7 +26,7 @@ from tests import s3proxy, s3server
 from tests.helpers import assert_state_equal, child_env, durable_keys, make_state
 
 
-def durable_copy(reg: Registry, run: str, step: int) -> object:
+def durable_copy(reg: Registry, run: str, step: int) -> ReplicaInfo | None:
     info = reg.catalog.get(run, step)
     assert info is not None
     return ReplicaCatalog(reg.catalog).copy(run, step, DURABLE, manifest_sha256=info.manifest_sha256)
@@ -121,7 +121,7 @@ def test_two_registries_of_one_process_never_take_over_each_others_live_claims(
         a.close()
         b.replicate("run", wait=True, timeout=120)
         copy = durable_copy(b, "run", 1)
-        assert copy is not None and getattr(copy, "status") == "verified"
+        assert copy is not None and copy.status == "verified"
         assert b.load("run@latest-durable").step == 1
 
 
