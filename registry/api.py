@@ -101,6 +101,54 @@ class _PublishJob:
     dedup: bool = False
 
 
+@dataclass(frozen=True)
+class _Publishing:
+    """A registry as :class:`registry.distributed.driver.Publisher`: what every publish from it goes through."""
+
+    reg: Registry
+
+    @property
+    def groups(self) -> PublishGroups:
+        if self.reg._publish_groups is None:
+            from registry.distributed.sharded_async import PublishGroups
+            self.reg._publish_groups = PublishGroups()
+        return self.reg._publish_groups
+
+    @property
+    def snapshots(self) -> Snapshotter:
+        return self.reg._snapshots
+
+    def check_retention(self, retention: object) -> None:
+        self.reg._check_retention(retention)
+
+    def settle_queue(self, *, wait: bool) -> None:
+        if wait:
+            self.reg._background.wait()
+        self.reg._background.raise_error()
+
+    def job(self, run: str, step: int, payload: Payload, tags: tuple[str, ...], *, overwrite: bool, verify: bool,
+            metrics: Mapping[str, Any] | None, parent: str | Ref | None, dedup: bool) -> _PublishJob:
+        lineage = self.reg._parent_lineage(parent)
+        return _PublishJob(run=run, step=step, overwrite=overwrite, payload=payload, verify=verify,
+                           new_metrics=tuple(check_metrics(run, step, metrics)), tags=tags, lineage=lineage,
+                           dedup=dedup)
+
+    def reserve(self, run: str, step: int, job: _PublishJob) -> Callable[[], None]:
+        return self.reg._reserve(job)
+
+    def commit(self, job: _PublishJob, write: Callable[[Path], Written]) -> CheckpointInfo:
+        from registry.ops.protocol import publish_sequence
+        reg, target = self.reg, self.reg._target(job)
+        return reg.root.place(publish_sequence(reg.catalog, target, lambda staging, _reuse: write(staging),
+                                               reg._hooks(job), reg.root.landing(target.relpath)))
+
+    def retain(self, run: str, step: int, policy: Policy) -> object:
+        return self.reg._retention_after_publish(run, step, policy)
+
+    def submit(self, name: str, fn: Callable[[], CheckpointInfo]) -> Future[CheckpointInfo]:
+        return self.reg._background.submit(name, fn)
+
+
 class Registry:
     """A catalog plus a checkpoint root. Use :meth:`open`; close it (or use ``with``)."""
 
@@ -443,74 +491,31 @@ class Registry:
     def _publish_sharded(self, run: str, step: int, state_dict: Any, *, group: Any, timeout: float | None,
                          parent: str | Ref | None, dedup: bool = False,
                          **options: Any) -> CheckpointInfo | Future[CheckpointInfo]:
-        """``publish(..., sharded=True)``: checks on every rank, then the collective publish, here or queued.
+        """``publish(..., sharded=True)``: the driver in :mod:`registry.distributed.driver`, publishing through
+        this registry's checks, queue and publish sequence (:class:`_Publishing`)."""
+        from registry.distributed.driver import publish_sharded_call
+        return publish_sharded_call(_Publishing(self), run, step, state_dict, group=group, timeout=timeout,
+                                    parent=parent, dedup=dedup, **options)
 
-        Every rank waits for (blocking) or checks (``blocking=False``) its own
-        background queue first, and its failure goes through the agreement,
-        so every rank raises it alike.
-        """
-        from registry.distributed.sharded import comm_for, publish_sharded, set_timeout, sharded_job
-        from registry.distributed.sharded_async import PublishGroups, publish_in_background, snapshot_sharded
-        comm = comm_for(group)
-        if self._publish_groups is None:
-            self._publish_groups = PublishGroups()
-        background = options["blocking"] is False
-        job: _PublishJob | None = None
-        error: BaseException | None = None
-        snap = None
-        key = (run, step)
-        queued = False
+    def _reserve(self, job: _PublishJob) -> Callable[[], None]:
+        """Queue ``job``'s step for a background publish: refused when it is queued already or cannot be claimed
+        (a read, no commit). Returns what takes it off the queue again."""
+        key = (job.run, job.step)
+        with self._lock:
+            if key in self._queued:
+                raise StepExistsError(f"{job.run}@{job.step} is already queued for publishing",
+                                      run=job.run, step=job.step)
+            self._queued.add(key)
+
+        def unqueue() -> None:
+            with self._lock:
+                self._queued.discard(key)
         try:
-            set_timeout(comm, timeout)
-            payload, tags = sharded_job(run, step, state_dict, rank=comm.rank, **options)
-            self._check_retention(options["retention"])
-            if not background:
-                self._background.wait()
-            self._background.raise_error()
-            if payload is not None:
-                job = _PublishJob(run=run, step=step, overwrite=options["overwrite"],
-                                  payload=payload, verify=options["verify"],
-                                  new_metrics=tuple(check_metrics(run, step, options["metrics"])),
-                                  tags=tags, lineage=self._parent_lineage(parent), dedup=dedup)
-                if background:
-                    with self._lock:
-                        if key in self._queued:
-                            raise StepExistsError(f"{run}@{step} is already queued for publishing", run=run, step=step)
-                        self._queued.add(key)
-                        queued = True
-                    self.catalog.check_claimable(run, step, overwrite=job.overwrite, writer_alive=writer_alive)
-            if background:
-                snap = snapshot_sharded(self._snapshots, state_dict)
-        except RegistryError as exc:
-            error = exc
-        except Exception as exc:  # noqa: BLE001 - a failed copy (out of memory): every rank hears of it
-            error = exc
-        request = ("publish", repr(run), repr(step), repr(options["overwrite"]), repr(options["verify"]),
-                   repr(options["blocking"]))
-        publish = None
-        if job is not None:  # rank 0's path goes to every rank, as the one outcome
-            from registry.ops.protocol import publish_sequence
-            target, hooks, root = self._target(job), self._hooks(job), self.root
-
-            def publish(write: Callable[[Path], Written]) -> CheckpointInfo:
-                return root.place(publish_sequence(self.catalog, target, lambda staging, _reuse: write(staging),
-                                                   hooks, root.landing(target.relpath)))
-        policy = options["retention"]
-        # retention once every rank has the outcome (rank 0 only): no rank waits for a gc
-        after = (lambda info: self._retention_after_publish(run, step, policy)) if job and policy is not None else None
-        if background:
-            def finished() -> None:
-                if queued:
-                    with self._lock:
-                        self._queued.discard(key)
-            return publish_in_background(comm, self._publish_groups, run=run, step=step, request=request,
-                                         local_error=error, snap=snap, run_publish=publish,
-                                         payload=job.payload if job else None, after=after,
-                                         submit=self._background.submit, finished=finished)
-        return publish_sharded(
-            comm, run=run, step=step, state=state_dict if isinstance(state_dict, Mapping) else {},
-            request=request, local_error=error, run_publish=publish, payload=job.payload if job else None,
-            after=after)
+            self.catalog.check_claimable(job.run, job.step, overwrite=job.overwrite, writer_alive=writer_alive)
+        except BaseException:
+            unqueue()
+            raise
+        return unqueue
 
     def _run_publish(self, job: _PublishJob) -> CheckpointInfo:
         """The publish sequence (on the caller's thread, or the background publisher's), then its retention.
@@ -1161,18 +1166,8 @@ class Registry:
         return self._background.pending()
 
     def _submit_publish(self, job: _PublishJob) -> Future[CheckpointInfo]:
-        key = (job.run, job.step)
-        with self._lock:
-            if key in self._queued:
-                raise StepExistsError(f"{job.run}@{job.step} is already queued for publishing",
-                                      run=job.run, step=job.step)
-            self._queued.add(key)
-
-        def unqueue() -> None:
-            with self._lock:
-                self._queued.discard(key)
+        unqueue = self._reserve(job)
         try:
-            self.catalog.check_claimable(job.run, job.step, overwrite=job.overwrite, writer_alive=writer_alive)
             snap = self._snapshots.take(job.payload.state_dict, job.payload.extra)
         except BaseException:
             unqueue()
