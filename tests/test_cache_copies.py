@@ -13,7 +13,7 @@ from sqlalchemy import text
 from registry import Registry
 from registry.catalog.replicas import DURABLE
 from registry.catalog.session import alembic_config, head_revision, make_engine, upgrade
-from registry.ops.tiers import cache_relpath
+from registry.ops.tiercache import cache_relpath
 from registry.records import Status
 from registry.retention import KeepLast
 from tests.helpers import assert_state_equal, make_state

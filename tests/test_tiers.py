@@ -214,7 +214,7 @@ def test_a_kill_mid_replication_and_the_next_process_finishes_the_queue(
 
 def test_a_kill_mid_download_leaves_a_staging_directory_fsck_removes(catalog_url: str, fast: Path, durable: str,
                                                                      tmp_path: Path) -> None:
-    from registry.ops.tiers import _host_lock, _lock_path, abandoned_downloads, cache_relpath
+    from registry.ops.tiercache import abandoned_downloads, cache_relpath, host_lock, lock_path
     with Registry.open(catalog_url, root=fast, durable=durable) as reg:
         info = reg.publish("run", 4, {"w": torch.arange(1000.0)}, durable=True)
     host_b = tmp_path / "host-b"
@@ -230,7 +230,7 @@ def test_a_kill_mid_download_leaves_a_staging_directory_fsck_removes(catalog_url
     assert len(leftovers) == 1 and not cached.exists()
     with Registry.open(catalog_url, root=host_b, durable=durable) as b:
         assert b.tiers is not None
-        with _host_lock(_lock_path(cached)):  # a download under way holds this lock: its staging is not abandoned
+        with host_lock(lock_path(cached)):  # a download under way holds this lock: its staging is not abandoned
             assert abandoned_downloads(b.tiers) == []
         report = b.fsck()
         assert [(p.kind, p.step, p.path) for p in report.problems] == [("abandoned-download", 4, leftovers[0])]
@@ -242,7 +242,7 @@ def test_a_download_evicts_the_cached_copies_no_load_reads_again(catalog_url: st
                                                                   tmp_path: Path) -> None:
     """Host B cached step 1; host A published step 1 again: B's cached copy holds a payload nobody reads any more.
     fsck on B reports it; B's next download evicts it (its row marked deleted) and keeps the copies still live."""
-    from registry.ops.tiers import cache_relpath
+    from registry.ops.tiercache import cache_relpath
     host_a, host_b = tmp_path / "host-a", tmp_path / "host-b"
     with Registry.open(catalog_url, root=host_a, durable=durable) as a:
         old = a.publish("run", 1, make_state(1), durable=True)
@@ -270,7 +270,7 @@ def test_a_download_evicts_the_cached_copies_no_load_reads_again(catalog_url: st
 
 def test_a_kill_mid_eviction_leaves_a_marked_copy_fsck_removes(catalog_url: str, durable: str,
                                                                 tmp_path: Path) -> None:
-    from registry.ops.tiers import cache_relpath
+    from registry.ops.tiercache import cache_relpath
     host_a, host_b = tmp_path / "host-a", tmp_path / "host-b"
     with Registry.open(catalog_url, root=host_a, durable=durable) as a:
         old = a.publish("run", 1, {"w": torch.arange(10.0)}, durable=True)
@@ -295,7 +295,7 @@ def test_a_kill_mid_eviction_leaves_a_marked_copy_fsck_removes(catalog_url: str,
 
 
 def test_a_corrupt_fast_copy_loads_the_same_step_from_the_durable_tier(treg: Registry) -> None:
-    from registry.ops.tiers import cache_relpath
+    from registry.ops.tiercache import cache_relpath
     treg.publish("run", 1, make_state(1), durable=True)
     sd = make_state(2)
     info = treg.publish("run", 2, sd, durable=True)

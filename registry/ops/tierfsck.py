@@ -60,8 +60,9 @@ from registry.fs.prefixes import AttemptPrefix, check_objects, read_manifest, re
 from registry.fs.removal import manifest_digest, remove_checkpoint_dir
 from registry.ops.fsck import run_fsck
 from registry.ops.replicator import Replicator
-from registry.ops.tiers import (Tiers, abandoned_downloads, evict_cached_copy, mark_fast_copy, read_local,
-                                record_cached_copy, remove_abandoned_download, stale_cached_copies)
+from registry.ops.tiercache import (abandoned_downloads, evict_cached_copy, record_cached_copy,
+                                    remove_abandoned_download, stale_cached_copies)
+from registry.ops.tiers import Tiers, mark_fast_copy, read_local
 from registry.ops.verdicts import FsckPass, FsckReport, damage_again, one_line
 from registry.ops.writers import writer_alive
 from registry.progress import ProgressFn

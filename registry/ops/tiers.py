@@ -12,9 +12,9 @@ at ``cache:<tier id>``, its durable copy at ``durable``.
 
 Loads take the nearest verified copy (:func:`read_nearest`): the fast
 copy when it is there and good; else the durable copy, downloaded once per
-host into ``<fast>/.registry/cache/`` under an ``fcntl`` lock that every
-process of the host shares, then recorded as this host's cache copy
-(:func:`record_cached_copy`), a row apart from its fast copy's: a host that
+host into ``<fast>/.registry/cache/`` (:mod:`registry.ops.tiercache`), under
+an ``fcntl`` lock that every process of the host shares, then recorded as this
+host's cache copy, a row apart from its fast copy's: a host that
 holds an older payload of the step in its fast directory keeps that row, so
 fsck finds the directory superseded, never damaged. A corrupt
 fast copy falls back to the durable copy of the same step before the
@@ -24,29 +24,25 @@ read from storage differs too (:func:`registry.ops.verdicts.read_again`).
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
 import secrets
-import shutil
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from registry.catalog import CommitRecord, PayloadRecord
 from registry.catalog.replicas import DURABLE, ReplicaCatalog, cache_location, fast_location
-from registry.crashpoints import crashpoint
-from registry.errors import (CatalogError, CorruptCheckpointError, NoCopyError, ReadOnlyError, RegistryError,
-                             RootError, RootMismatchError, StorageError)
-from registry.format.layout import REGISTRY_DIR, hidden_sibling, parse_hidden, parse_step_dirname, step_dirname
+from registry.errors import CorruptCheckpointError, NoCopyError, ReadOnlyError, RootError, RootMismatchError
+from registry.format.layout import REGISTRY_DIR
 from registry.fs.filemaps import Extras, Loaded, read_directory
-from registry.fs.removal import manifest_digest, remove_checkpoint_dir
+from registry.fs.removal import manifest_digest
 from registry.fs.store import Store, fsync_dir
+from registry.ops.tiercache import cache_relpath, note, read_cached, read_uncached
 from registry.ops.verdicts import read_again
-from registry.records import ENDED, CheckpointInfo
+from registry.records import CheckpointInfo
 
 if TYPE_CHECKING:
     from registry.catalog import Catalog
@@ -56,7 +52,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 TIER_MARKER = "tier.json"
-CACHE_DIR = f"{REGISTRY_DIR}/cache"
 T = TypeVar("T")
 
 
@@ -185,138 +180,6 @@ class FastCopyHooks:
 # --------------------------------------------------------------------------- reading the nearest copy
 
 
-def cache_relpath(info: CheckpointInfo) -> str:
-    """Where this host's cache keeps the durable copy of ``info``'s payload, relative to the fast root."""
-    digest = (info.manifest_sha256 or "none")[:16]
-    return f"{CACHE_DIR}/{info.run}/{step_dirname(info.step)}-{digest}"
-
-
-def _parse_cached(name: str) -> tuple[int, str] | None:
-    """The step and the digest prefix a cached copy's name (:func:`cache_relpath`) holds; None for other names."""
-    stem, _, digest = name.rpartition("-")
-    parsed = parse_step_dirname(stem)
-    if parsed is None or parsed[1] != "final" or not digest:
-        return None
-    return parsed[0], digest
-
-
-def _cache_runs(tiers: Tiers) -> list[Path]:
-    try:
-        return [d for d in (tiers.fast.root / CACHE_DIR).iterdir() if d.is_dir() and not d.is_symlink()]
-    except FileNotFoundError:
-        return []
-
-
-def _lock_path(cached: Path) -> Path:
-    return cached.parent / f".{cached.name}.lock"
-
-
-@contextmanager
-def _host_lock(path: Path, *, wait: bool = True) -> Iterator[bool]:
-    """An exclusive ``fcntl`` lock on ``path`` (created), shared by every process of this host; with ``wait``
-    False, yields False at once when another process holds it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-        except BlockingIOError:
-            yield False
-            return
-        yield True
-    finally:
-        os.close(fd)
-
-
-def abandoned_downloads(tiers: Tiers) -> list[tuple[Path, int, Path]]:
-    """This host's cache's staging directories that no download is filling now (its process was killed mid-way),
-    each with its step and the cached copy it was for: a download holds the copy's host lock from start to rename."""
-    found = []
-    for run_dir in _cache_runs(tiers):
-        for entry in run_dir.iterdir():
-            hidden = parse_hidden(entry.name)
-            copy = _parse_cached(hidden[0]) if hidden is not None and hidden[1] == "tmp" else None
-            if copy is None or hidden is None or not entry.is_dir() or entry.is_symlink():
-                continue
-            cached = run_dir / hidden[0]
-            with _host_lock(_lock_path(cached), wait=False) as free:
-                if free:
-                    found.append((entry, copy[0], cached))
-    return found
-
-
-def remove_abandoned_download(staging: Path, cached: Path) -> bool | str:
-    """Remove a staging directory :func:`abandoned_downloads` found, unless a download took the lock since."""
-    with _host_lock(_lock_path(cached), wait=False) as free:
-        if not free:
-            return "a download of that copy is under way"
-        shutil.rmtree(staging)
-    return True
-
-
-def _stale(catalog: Catalog, run: str, step: int, digest: str) -> bool:
-    """Whether nothing will read a cached copy of ``run@step`` whose payload's digest starts with ``digest``: the
-    step has ended, or holds another payload now."""
-    row = catalog.get(run, step)
-    return row is None or row.status in ENDED or (
-        row.manifest_sha256 is not None and not row.manifest_sha256.startswith(digest))
-
-
-def stale_cached_copies(tiers: Tiers, catalog: Catalog, *, run: str | None = None) -> list[tuple[str, int, Path]]:
-    """This host's cached downloads (of one ``run``) whose step has ended or was published again since, and the
-    leftovers of their removal: no load reads them again, and nothing else frees their space."""
-    found = []
-    for run_dir in _cache_runs(tiers):
-        if run is not None and run_dir.name != run:
-            continue
-        for entry in sorted(run_dir.iterdir()):
-            hidden = parse_hidden(entry.name)
-            copy = _parse_cached(hidden[0] if hidden is not None else entry.name)
-            if copy is None or not entry.is_dir() or entry.is_symlink() or hidden is not None and hidden[1] == "tmp":
-                continue
-            if hidden is not None or _stale(catalog, run_dir.name, copy[0], copy[1]):
-                found.append((run_dir.name, copy[0], entry))
-    return found
-
-
-def evict_cached_copy(tiers: Tiers, catalog: Catalog, run: str, step: int, cached: Path, *,
-                      actor: str) -> bool | str:
-    """Remove a copy :func:`stale_cached_copies` found, under its host lock and only if it is still stale then (a
-    load downloading or reading it holds that lock); this host's row naming it is marked ``deleted`` first."""
-    hidden = parse_hidden(cached.name)
-    name = hidden[0] if hidden is not None else cached.name
-    copy = _parse_cached(name)
-    if copy is None:
-        return "not a cached copy"
-    with _host_lock(_lock_path(cached.parent / name), wait=False) as free:
-        if not free:
-            return "a load of that copy is under way"
-        if hidden is not None:  # a removal's leftover
-            shutil.rmtree(cached)
-            return True
-        if not _stale(catalog, run, step, copy[1]):
-            return "its step holds that payload again"
-        digest = manifest_digest(cached)
-        if digest is not None:  # a catalog that cannot record it (read-only) leaves a row no load reads
-            _note("the evicted cached copy", lambda: ReplicaCatalog(catalog).set_replica_status(
-                run, step, tiers.cache_location, "deleted", path=tiers.fast.relpath(cached), manifest_sha256=digest,
-                only_from=("published", "verified"), actor=actor, reason="its step ended or holds another payload"))
-        crashpoint("cache-evict-after-mark")
-        remove_checkpoint_dir(cached)
-    return True
-
-
-def _evict_stale(tiers: Tiers, catalog: Catalog, run: str, *, actor: str) -> None:
-    """Evict this host's stale cached copies of ``run`` after a download; a failure is logged, never the load's."""
-    try:
-        for stale_run, step, cached in stale_cached_copies(tiers, catalog, run=run):
-            if evict_cached_copy(tiers, catalog, stale_run, step, cached, actor=actor) is True:
-                log.info("%s@%s: evicted this host's cached copy %s (its step ended or holds another payload)",
-                         stale_run, step, cached)
-    except (CatalogError, OSError) as exc:
-        log.warning("this host's stale cached copies of %s were not evicted: %s", run, exc)
-
-
 def _not_durable_yet(tiers: Tiers, info: CheckpointInfo) -> NoCopyError:
     return NoCopyError(f"{info.run}@{info.step} has no copy this host can read: it is not on the fast tier "
                        f"{tiers.fast.root} and has no verified durable copy yet (its writer's host holds it until "
@@ -365,7 +228,7 @@ def nearest(tiers: Tiers, catalog: Catalog, info: CheckpointInfo, read: Callable
                     info.run, info.step, fast_bad)
         relpath = tiers.fast.relpath(info.path)
         why = str(fast_bad)
-        _note("the corrupt fast copy", lambda: replicas.set_replica_status(
+        note("the corrupt fast copy", lambda: replicas.set_replica_status(
             info.run, info.step, tiers.location, "corrupt", path=relpath, manifest_sha256=info.manifest_sha256,
             only_from=("published", "verified"), actor=holder, reason=why))
     return _from_durable(tiers, catalog, info, read, verify=verify, holder=holder, fast_bad=fast_bad)
@@ -374,7 +237,7 @@ def nearest(tiers: Tiers, catalog: Catalog, info: CheckpointInfo, read: Callable
 def _from_durable(tiers: Tiers, catalog: Catalog, info: CheckpointInfo, read: Callable[[Path, bool], T], *,
                   verify: bool, holder: str, fast_bad: CorruptCheckpointError | None = None) -> T:
     """``read`` of this host's cached copy of ``info``'s verified durable copy; ``NoCopyError`` when it has none,
-    or when that copy proved corrupt (marked so by :func:`_read_cached`), unless the fast copy was bad too."""
+    or when that copy proved corrupt (marked so by :func:`read_cached`), unless the fast copy was bad too."""
     stored = ReplicaCatalog(catalog).copy(info.run, info.step, DURABLE, manifest_sha256=info.manifest_sha256)
     if stored is None:
         if fast_bad is not None:
@@ -382,8 +245,8 @@ def _from_durable(tiers: Tiers, catalog: Catalog, info: CheckpointInfo, read: Ca
         raise _not_durable_yet(tiers, info)
     try:
         if not tiers.cached:
-            return _read_uncached(tiers, stored.path, info, read)
-        return _read_cached(tiers, catalog, stored.path, info, read, verify=verify, holder=holder)
+            return read_uncached(tiers, stored.path, info, read)
+        return read_cached(tiers, catalog, stored.path, info, read, verify=verify, holder=holder)
     except CorruptCheckpointError as exc:
         if fast_bad is not None:
             raise fast_bad from exc
@@ -440,17 +303,8 @@ def restore_fast_copy(tiers: Tiers, catalog: Catalog, run: str, step: int, direc
         restored = ReplicaCatalog(catalog).set_replica_status(
             run, step, tiers.location, "verified", path=tiers.fast.relpath(directory), manifest_sha256=digest,
             only_from=("corrupt",), actor=actor, reason="its bytes read intact again")
-    _note("the restored fast copy", restore)
+    note("the restored fast copy", restore)
     return restored
-
-
-def _note(what: str, record: Callable[[], object]) -> None:
-    """Record what a load found about a copy; a catalog that cannot record it (read-only, or down) does not fail
-    the load, which has its bytes."""
-    try:
-        record()
-    except CatalogError as exc:
-        log.warning("%s was not recorded in the catalog: %s", what, exc)
 
 
 def read_local(tiers: Tiers, catalog: Catalog, info: CheckpointInfo, read: Callable[[Path, bool], T], *,
@@ -463,100 +317,6 @@ def read_local(tiers: Tiers, catalog: Catalog, info: CheckpointInfo, read: Calla
     if fast and info.path.is_dir():
         return read(info.path, False)
     return _from_durable(tiers, catalog, info, read, verify=verify, holder=holder)
-
-
-def _read_uncached(tiers: Tiers, prefix: str, info: CheckpointInfo, read: Callable[[Path, bool], T]) -> T:
-    """``read`` of a download of the durable copy into a temporary directory, removed once read (a read-only
-    registry on a host with no fast tier of its own writes nothing there). Bytes that differ as they land are
-    downloaded again; nothing is marked (a read-only catalog records nothing)."""
-    import tempfile
-
-    def fetch() -> T:
-        with tempfile.TemporaryDirectory(prefix="registry-download-") as tmp:
-            where = Path(tmp) / step_dirname(info.step)
-            _download(tiers, prefix, where, info)
-            return read(where, False)
-    try:
-        return fetch()
-    except CorruptCheckpointError as exc:
-        return read_again(exc, fetch, what=f"{info.run}@{info.step}: its durable copy {tiers.durable.url(prefix)}")
-
-
-def _read_cached(tiers: Tiers, catalog: Catalog, prefix: str, info: CheckpointInfo,
-                 read: Callable[[Path, bool], T], *, verify: bool, holder: str) -> T:
-    """This host's cached copy of ``info``, downloaded from ``prefix`` on the durable tier if it has none yet; a
-    download then evicts the run's cached copies no load will read again (:func:`stale_cached_copies`).
-
-    Bytes of the durable copy that differ as they land are downloaded again
-    before anything is marked; when they differ again, the durable copy is
-    marked ``corrupt`` (compare-and-set on its path and the step's digest) and
-    the ``CorruptCheckpointError`` raised."""
-    replicas = ReplicaCatalog(catalog)
-    cached = tiers.fast.root / cache_relpath(info)
-
-    def fetch() -> T:
-        shutil.rmtree(cached, ignore_errors=True)
-        _download(tiers, prefix, cached, info)
-        return read(cached, False)  # bytes just downloaded were checked piece by piece as they landed
-
-    with _host_lock(_lock_path(cached)):
-        fresh = True
-        try:
-            if (cached / "manifest.json").is_file():
-                try:
-                    fresh, loaded = False, read(cached, verify)
-                except CorruptCheckpointError as exc:  # this host's disk: its cache's to repair, never a verdict
-                    log.warning("%s@%s: this host's cached copy %s is damaged (%s); downloading it again",
-                                info.run, info.step, cached, exc)
-                    fresh, loaded = True, fetch()
-            else:
-                loaded = fetch()
-        except CorruptCheckpointError as exc:
-            try:
-                loaded = read_again(exc, fetch, what=f"{info.run}@{info.step}: its durable copy "
-                                                     f"{tiers.durable.url(prefix)}")
-            except CorruptCheckpointError as stable:
-                shutil.rmtree(cached, ignore_errors=True)
-                why = str(stable)
-                _note("the corrupt durable copy", lambda: replicas.set_replica_status(
-                    info.run, info.step, DURABLE, "corrupt", path=prefix, manifest_sha256=info.manifest_sha256,
-                    only_from=("verified",), actor=holder, reason=why))
-                log.error("%s@%s: its durable copy is corrupt (%s); marked so", info.run, info.step, stable)
-                raise
-        if fresh:
-            _note("this host's cached copy", lambda: record_cached_copy(tiers, catalog, info, writer=holder))
-    if fresh:
-        _evict_stale(tiers, catalog, info.run, actor=holder)
-    return loaded
-
-
-def record_cached_copy(tiers: Tiers, catalog: Catalog, info: CheckpointInfo, *, writer: str | None) -> bool:
-    """Record this host's cached copy of ``info``'s payload (:func:`cache_relpath`) ``verified`` at its cache's
-    location, only while the step still holds that payload; whether it was recorded."""
-    return ReplicaCatalog(catalog).record(info.run, info.step, location=tiers.cache_location, status="verified",
-                                          path=cache_relpath(info), manifest_sha256=info.manifest_sha256 or "",
-                                          writer=writer, event="cached")
-
-
-def _download(tiers: Tiers, prefix: str, dest: Path, info: CheckpointInfo) -> None:
-    """The durable copy under ``prefix`` into ``dest``, through a hidden sibling renamed into place."""
-    from registry.fs.objectread import download
-    staging = hidden_sibling(dest, "tmp")
-    try:
-        staging.mkdir(parents=True)
-        download(tiers.durable, prefix, staging, expected_digest=info.manifest_sha256)
-        fsync_dir(staging)
-        crashpoint("cache-after-download")
-        shutil.rmtree(dest, ignore_errors=True)
-        os.replace(staging, dest)
-        fsync_dir(dest.parent)
-    except BaseException as exc:
-        shutil.rmtree(staging, ignore_errors=True)
-        if isinstance(exc, OSError) and not isinstance(exc, RegistryError):  # a full disk: this host's, not the copy's
-            raise StorageError(f"cannot download {info.run}@{info.step}'s durable copy into this host's cache "
-                               f"{dest.parent}: {exc.strerror or exc}; nothing was kept",
-                               path=dest.parent, run=info.run, step=info.step) from None
-        raise
 
 
 def located_here(tiers: Tiers, catalog: Catalog, info: CheckpointInfo) -> CheckpointInfo:
