@@ -1,4 +1,5 @@
-"""Every command documents itself, with an example that runs, and docs/cli.md is what the commands say today."""
+"""Every command documents itself, with an example that runs, and docs/reference/cli.md is what the commands say
+today."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from registry.cli import main
 from registry.cli.docs import render, walk
 from registry.cli.main import COMMANDS, GLOBAL_FLAGS, GLOBAL_VALUED, hoist_global_options
 
-DOCS = Path(__file__).resolve().parent.parent / "docs" / "cli.md"
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "reference" / "cli.md"
 SHOWN = [(ctx.command_path, ctx, command) for ctx, command in walk()]
 
 
@@ -104,4 +105,5 @@ def test_examples_are_checked() -> None:
 
 
 def test_docs_cli_md_is_current() -> None:
-    assert DOCS.read_text() == render(), "docs/cli.md is stale: run python -m registry.cli.docs > docs/cli.md"
+    assert DOCS.read_text() == render(), \
+        "docs/reference/cli.md is stale: run python -m registry.cli.docs > docs/reference/cli.md"

@@ -1,4 +1,4 @@
-"""fsck: every row of the recovery table in docs/protocol.md, on SQLite and PostgreSQL.
+"""fsck: every row of the recovery table in docs/reference/protocol.md, on SQLite and PostgreSQL.
 
 Each crash state is built with the store's own functions exactly as an
 interrupted publish or retention run leaves it (a staging row owned by a dead

@@ -1,4 +1,4 @@
-"""Both directions of compatibility with the reference module (docs/format.md)."""
+"""Both directions of compatibility with the reference module (docs/reference/format.md)."""
 
 from __future__ import annotations
 

@@ -98,6 +98,7 @@ def test_missing_bucket_and_wrong_secret_are_one_line_storage_errors(s3_env: s3s
     with pytest.raises(StorageError) as info:
         ObjectRoot.open("s3://no-such-bucket-here/x", {"max_retries": 0})
     assert "does not exist" in str(info.value) and "\n" not in str(info.value)
+    assert "never creates one" in str(info.value) and "aws s3 mb" in str(info.value)  # says how to make it
     bucket = s3server.new_bucket(s3_env)
     with pytest.raises(StorageError) as info:
         ObjectRoot.open(f"s3://{bucket}/x", {"secret_access_key": "wrong-secret-value", "max_retries": 0})

@@ -1,4 +1,4 @@
-"""Every ref form, tags and policy versions, on SQLite and PostgreSQL (docs/refs.md)."""
+"""Every ref form, tags and policy versions, on SQLite and PostgreSQL (docs/reference/refs.md)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""docs/cli.md, written from the command list: every command's ``--help``, in the order ``main`` registers them.
+"""docs/reference/cli.md, written from the command list: every command's ``--help``, in the order ``main`` registers
+them.
 
-``python -m registry.cli.docs > docs/cli.md`` rewrites it; ``tests/test_cli_docs.py`` fails while it is stale.
+``python -m registry.cli.docs > docs/reference/cli.md`` rewrites it; ``tests/test_cli_docs.py`` fails while it is stale.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ WIDTH = 100  # help is wrapped to a fixed width here, whatever the terminal that
 HEADER = """# Command line reference
 
 Every command's `--help`, generated from the command list in `registry/cli/main.py` by
-`python -m registry.cli.docs > docs/cli.md` (`tests/test_cli_docs.py` fails while this page is stale). The
-README's [Command line](../README.md#command-line) section is the overview.
+`python -m registry.cli.docs > docs/reference/cli.md` (`tests/test_cli_docs.py` fails while this page is stale). The
+README's [command line at a glance](../../README.md#command-line-at-a-glance) is the overview.
 """
 
 

@@ -33,6 +33,8 @@ if TYPE_CHECKING:
     from typing_extensions import Buffer
 
 SCHEME = "s3://"
+NO_BUCKET = ("the bucket does not exist on the server; the registry never creates one: make it with your "
+             "storage's own tool (e.g. 'aws s3 mb s3://BUCKET' or 'mc mb ALIAS/BUCKET'; see docs/guide/s3.md)")
 PART_SIZE = 8 << 20  # multipart part size; S3 wants at least 5 MiB for every part but the last
 UPLOAD_CONCURRENCY = 8  # parts of one object in flight at once
 MARKER = f"{REGISTRY_DIR}/{ROOT_MARKER}"
@@ -232,8 +234,7 @@ def storage_error(exc: BaseException, *, url: str, action: str,
     code = code_match.group(1) if code_match else ""
     status = int(status_match.group(1)) if status_match else 0
     if code == "NoSuchBucket":
-        return StorageError(f"cannot {action} {url}: the bucket does not exist on the server (create it first)",
-                            url=url)
+        return StorageError(f"cannot {action} {url}: {NO_BUCKET}", url=url)
     if isinstance(exc, (ox.NotFoundError, FileNotFoundError)) or code == "NoSuchKey" or status == 404:
         return ObjectNotFoundError(f"cannot {action} {url}: no such object", url=url)
     if (isinstance(exc, (ox.AlreadyExistsError, ox.PreconditionError, FileExistsError))
@@ -324,8 +325,7 @@ class ObjectRoot:
         except Exception as exc:  # noqa: BLE001 - translated
             err = self.error(exc, "", "open")
             if isinstance(err, ObjectNotFoundError):
-                err = StorageError(f"cannot open {self.url()}: the bucket does not exist on the server "
-                                   "(create it first)", url=self.url())
+                err = StorageError(f"cannot open {self.url()}: {NO_BUCKET}", url=self.url())
             raise err from None
 
     def put(self, rel: str, data: bytes | Buffer, *, create_only: bool = True) -> None:

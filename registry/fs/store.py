@@ -339,7 +339,7 @@ class Store:
         A root made before the catalog moved there keeps ``<root>/catalog.db``
         while no ``.registry/catalog.db`` exists: moving a live SQLite file and
         its ``-wal``/``-shm`` is safe only while nobody has it open, so an
-        operator does it (see the README), never an ``open``.
+        operator does it (see docs/guide/one-machine.md), never an ``open``.
         """
         new = root / REGISTRY_DIR / CATALOG_FILE
         legacy = root / CATALOG_FILE

@@ -1,6 +1,6 @@
 """``fsck``: reconcile the catalog with the checkpoint root after any crash.
 
-The publish protocol (docs/protocol.md) is a two-phase commit between the
+The publish protocol (docs/reference/protocol.md) is a two-phase commit between the
 catalog and the filesystem, and retention is a mark-then-delete; a process
 killed at any moment leaves one of a handful of states. fsck looks at both
 sides, names each state it finds with one of the kinds below, and with
