@@ -23,7 +23,7 @@ if TYPE_CHECKING:
                                  ObjectNotFoundError, PolicyError,
                                  PublishError, ReadOnlyError, RegistryError, RootError, RootMismatchError,
                                  SafetensorsFormatError, SchemaTooNewError, StepExistsError, StorageError,
-                                 UnknownMetricError, UnsafePathError, UnsafePickleError)
+                                 UnknownMetricError, UnsafePathError, UnsafePickleError, WebhookError)
     from registry.ops.diff import CheckpointDiff
     from registry.ops.export import Checkout, Exported
     from registry.ops.scrub import VerifyResult
@@ -39,7 +39,7 @@ _ERRORS = (
     "InvalidRefError", "InvalidStateError", "ManifestError", "NoCopyError", "ObjectExistsError", "ObjectNotFoundError",
     "PolicyError", "PublishError", "ReadOnlyError",
     "RegistryError", "RootError", "RootMismatchError", "SafetensorsFormatError", "SchemaTooNewError", "StepExistsError",
-    "StorageError", "UnknownMetricError", "UnsafePathError", "UnsafePickleError",
+    "StorageError", "UnknownMetricError", "UnsafePathError", "UnsafePickleError", "WebhookError",
 )
 
 # public name -> the module that defines it
@@ -65,7 +65,7 @@ __all__ = [
     "ReadOnlyError", "Ref", "Registry", "RegistryError", "RootError", "RootMismatchError", "RunInfo",
     "SafetensorsFormatError", "SchemaTooNewError", "ShardedLoad", "StepExistsError", "StorageError",
     "UnknownMetricError",
-    "UnsafePathError", "UnsafePickleError", "VerifyResult", "parse_ref",
+    "UnsafePathError", "UnsafePickleError", "VerifyResult", "WebhookError", "parse_ref",
 ]
 
 

@@ -53,6 +53,8 @@ if TYPE_CHECKING:  # and what only some methods use, imported there: a CLI listi
     from registry.ops.tierretention import TierPlan
     from registry.ops.copies import Copies
     from registry.ops.tiers import Tiers
+    from registry.catalog.outbox import OutboxEntry, WebhookInfo
+    from registry.ops.webhooks import BackgroundDelivery, DeliveryReport, WebhookOptions
 
     from registry.distributed.sharded import ShardedLoad
     from registry.distributed.sharded_async import PublishGroups
@@ -173,6 +175,18 @@ class Registry:
         self._background = BackgroundPublisher()
         self._snapshotter: Snapshotter | None = None  # made by the first background publish: see _snapshots
         self._publish_groups: PublishGroups | None = None  # background sharded publishes' groups, made on first use
+        # how webhooks are delivered (None: the defaults of registry.ops.webhooks.WebhookOptions), and this
+        # process's background deliverer, started by the first commit that owes a webhook an event
+        self.webhook_options: WebhookOptions | None = None
+        self._webhook_delivery: BackgroundDelivery | None = None
+        if not read_only:
+            me = weakref.ref(self)
+
+            def outbox_written() -> None:
+                reg = me()
+                if reg is not None:
+                    reg._deliver_in_background()
+            catalog.on_outbox = outbox_written
 
     @classmethod
     def open(cls, url: str | None = None, root: str | os.PathLike[str] | None = None, *,
@@ -313,6 +327,8 @@ class Registry:
         finally:
             self._closed = True
             self._background.shutdown()
+            if self._webhook_delivery is not None:
+                self._webhook_delivery.close()
             if self._replicator is not None:
                 self._replicator.close(wait=True)
             if self._snapshotter is not None:
@@ -701,6 +717,57 @@ class Registry:
         """Remove tag ``name`` from ``run`` (``CheckpointNotFoundError`` if unset); the step is untouched."""
         check_run_name(run)
         self.catalog.untag(run, check_tag_name(name), actor=self.writer)
+
+    # ------------------------------------------------------------------ webhooks
+
+    def add_webhook(self, url: str, events: Iterable[str] | str | None = None, *, secret: str | None = None,
+                    max_attempts: int = 8, allow_hosts: Iterable[str] = ()) -> WebhookInfo:
+        """POST each of ``events`` (default every one: ``step.published``, ``step.verified``, ``step.condemned``,
+        ``step.deleted``, ``step.durable``, ``tag.set``, ``tag.moved``, ``tag.removed``) to ``url`` from now on,
+        signed with ``secret``, at least once and in order per run, dead-lettered after ``max_attempts``.
+
+        Only a loopback host is allowed, unless the host is in ``allow_hosts`` or
+        ``$REGISTRY_WEBHOOK_ALLOW_HOSTS``: ``WebhookError`` otherwise. See :mod:`registry.ops.webhooks`.
+        """
+        from registry.ops.webhooks import add_webhook
+        return add_webhook(self.catalog, url, events, secret=secret, max_attempts=max_attempts,
+                           allow_hosts=allow_hosts)
+
+    def webhooks(self) -> list[WebhookInfo]:
+        """Every webhook (its URL without credentials), with how many deliveries are pending and dead."""
+        from registry.catalog.outbox import WebhookCatalog
+        return WebhookCatalog(self.catalog).webhooks()
+
+    def remove_webhook(self, webhook_id: int) -> None:
+        """Forget a webhook, its pending deliveries and its log (``WebhookError`` if there is no such id)."""
+        from registry.ops.webhooks import remove_webhook
+        remove_webhook(self.catalog, webhook_id)
+
+    def webhook_log(self, webhook_id: int | None = None, *, run: str | None = None,
+                    limit: int = 50) -> list[OutboxEntry]:
+        """The newest ``limit`` events owed to webhooks (to one, of one run), oldest first, each with its status
+        (pending, delivered, dead) and every attempt at delivering it."""
+        from registry.catalog.outbox import WebhookCatalog
+        return WebhookCatalog(self.catalog).log(webhook_id, run=run, limit=limit)
+
+    def deliver_webhooks(self, *, follow: bool = False, max_seconds: float | None = None,
+                         poll: float = 1.0) -> DeliveryReport:
+        """Deliver the events due now, for every process (each run's in order); with ``follow``, keep delivering
+        until ``max_seconds`` have passed (or forever), asking the outbox every ``poll`` seconds."""
+        from registry.ops.webhooks import WebhookOptions, deliver
+        return deliver(self.catalog, name=self.writer, options=self.webhook_options or WebhookOptions(),
+                       follow=follow, max_seconds=max_seconds, poll=poll)
+
+    def _deliver_in_background(self) -> None:
+        """A commit owes webhooks events: the background deliverer (started on first use) delivers them."""
+        from registry.ops.webhooks import BackgroundDelivery, WebhookOptions
+        options = self.webhook_options or WebhookOptions()
+        if not options.background or self._closed:
+            return
+        with self._lock:
+            if self._webhook_delivery is None:
+                self._webhook_delivery = BackgroundDelivery(self.catalog, name=self.writer, options=options)
+        self._webhook_delivery.kick()
 
     # ------------------------------------------------------------------ load
 

@@ -32,6 +32,7 @@ POINTS = (
     "cache-after-download",    # tiers: a durable copy downloaded into this host's cache, not yet renamed into place
     "cache-evict-after-mark",  # tiers: a stale cached copy's row marked deleted, its directory still in place
     "migrate-before-commit",  # schema migration: every revision applied, its transaction not yet committed
+    "outbox-after-commit",    # webhooks: a transaction that wrote outbox rows committed, no deliverer told yet
 )
 
 

@@ -189,3 +189,8 @@ class ObjectExistsError(RegistryError, FileExistsError):
     def __init__(self, message: str, *, url: str | None = None, **kwargs: object) -> None:
         super().__init__(message, **kwargs)  # type: ignore[arg-type]
         self.url = url
+
+
+class WebhookError(RegistryError, ValueError):
+    """A webhook refused: a URL that is not http(s), a host not allowed (only loopback by default), an unknown
+    event name, or a webhook id that does not exist. The message never shows the URL's credentials."""

@@ -188,3 +188,58 @@ CatalogIdentity = Table(
     Column("root_bound_at", DateTime(timezone=True)),
     Column("root_hint", String(1024)),
 )
+
+
+WEBHOOK_STATES = ("pending", "delivered", "dead")
+WEBHOOK_STATE_SQL = "status IN (" + ", ".join(f"'{s}'" for s in WEBHOOK_STATES) + ")"
+
+
+# A receiver of the catalog's events (see ``registry.catalog.outbox``). ``events`` is a comma-separated list of
+# event names, or ``*`` for every event. The URL may hold credentials: it is never shown as stored.
+Webhook = Table(
+    "webhooks", metadata,
+    Column("id", Integer, primary_key=True),
+    Column("url", String(2048), nullable=False),
+    Column("secret", String(255)),
+    Column("events", Text, nullable=False),
+    Column("max_attempts", Integer, nullable=False),
+    Column("created_at", DateTime(timezone=True), nullable=False),
+)
+
+
+# One event for one webhook, written in the transaction that commits what it reports. ``uid`` is the id its
+# receiver sees (the same on every attempt); ``claimed_by``/``claimed_until`` are a deliverer's lease on it.
+WebhookOutbox = Table(
+    "webhook_outbox", metadata,
+    Column("id", Integer, primary_key=True),
+    Column("uid", String(32), nullable=False),
+    Column("webhook_id", Integer, ForeignKey("webhooks.id", ondelete="CASCADE"), nullable=False),
+    Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
+    Column("event", String(32), nullable=False),
+    Column("body", Text, nullable=False),
+    Column("status", String(16), nullable=False),
+    Column("attempts", Integer, nullable=False),
+    Column("next_attempt_at", DateTime(timezone=True), nullable=False),
+    Column("claimed_by", String(255)),
+    Column("claimed_until", DateTime(timezone=True)),
+    Column("created_at", DateTime(timezone=True), nullable=False),
+    Column("finished_at", DateTime(timezone=True)),
+    CheckConstraint(WEBHOOK_STATE_SQL, name="status"),
+    # a deliverer's question: each (webhook, run)'s oldest pending row
+    Index("ix_webhook_outbox_status_webhook_id_run_id_id", "status", "webhook_id", "run_id", "id"),
+    Index("ix_webhook_outbox_webhook_id_id", "webhook_id", "id"),
+)
+
+
+# Every attempt at delivering an outbox row: when, by whom, and what came back.
+WebhookDelivery = Table(
+    "webhook_deliveries", metadata,
+    Column("id", Integer, primary_key=True),
+    Column("outbox_id", Integer, ForeignKey("webhook_outbox.id", ondelete="CASCADE"), nullable=False),
+    Column("attempt", Integer, nullable=False),
+    Column("status_code", Integer),
+    Column("error", Text),
+    Column("deliverer", String(255)),
+    Column("attempted_at", DateTime(timezone=True), nullable=False),
+    Index("ix_webhook_deliveries_outbox_id", "outbox_id"),
+)

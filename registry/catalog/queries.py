@@ -22,12 +22,14 @@ from sqlalchemy import (Connection, Engine, and_, bindparam, delete, func, inser
 from sqlalchemy.exc import DBAPIError, IntegrityError
 
 from registry.catalog.lineage import record_lineage
+from registry.catalog.outbox import forget_written, record_outbox, took_written
 from registry.catalog.models import (Attempt, CheckpointFile, CheckpointRow, Event, Lease, Metric, Replica,
                                      Run, Tag)
 from registry.catalog.records import Claim, CommitRecord, FileRecord
 from registry.catalog.driver import DriverRead, DriverStatement
 from registry.catalog.session import (aware, catalog_name, failure_reason, head_revision,
                                       open_engine, read_engine, retrying, utcnow, write_connection)
+from registry.crashpoints import crashpoint
 from registry.errors import CatalogError, CheckpointNotFoundError, InvalidRefError, StepExistsError
 from registry.records import ENDED, HAS_PAYLOAD, LIVE, RANKABLE, CheckpointInfo, EventInfo, MetricPoint, RunInfo, Status
 from registry.format.refs import Ref, did_you_mean, missing_tag
@@ -116,6 +118,8 @@ log = logging.getLogger(__name__)
 class Catalog:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        # called after a commit that wrote webhook outbox rows (the registry's background deliverer)
+        self.on_outbox: Callable[[], None] | None = None
         self._read_engine = read_engine(engine) if engine.dialect.name == "sqlite" else engine
         self._file = _SqliteFile(str(engine.url.database)) if engine.dialect.name == "sqlite" else None
 
@@ -134,10 +138,21 @@ class Catalog:
 
     def write(self, fn: Any, *, durable: bool = True) -> Any:
         """``fn(conn)`` in one write transaction, retried on lock timeouts (so ``fn`` must not keep state)."""
+        wrote: list[bool] = []
+
         def txn() -> Any:
+            wrote.clear()
             with write_connection(self.engine, durable=durable) as conn:
-                return fn(conn)
-        return self._transaction(txn)
+                forget_written(conn)
+                result = fn(conn)
+                wrote.append(took_written(conn))
+            return result
+        result = self._transaction(txn)
+        if wrote and wrote[-1]:
+            crashpoint("outbox-after-commit")
+            if self.on_outbox is not None:
+                self.on_outbox()
+        return result
 
     @functools.cached_property
     def _driver_leases(self) -> tuple[DriverStatement, DriverStatement] | None:
@@ -245,9 +260,11 @@ class Catalog:
     @staticmethod
     def record_event(conn: Connection, run_id: int | None, step: int | None, kind: str,
                      actor: str | None = None, **detail: Any) -> None:
-        """Append an event to the audit log, in the caller's transaction."""
+        """Append an event to the audit log, in the caller's transaction, and to the webhook outbox of each
+        webhook that subscribes to it."""
         conn.execute(insert(Event).values(run_id=run_id, step=step, kind=kind, actor=actor,
                                           detail=json.dumps(detail, sort_keys=True), created_at=utcnow()))
+        record_outbox(conn, run_id, step, kind, detail)
 
     def checkpoint_infos(self, conn: Connection, run: str, rows: Sequence[Any]) -> list[CheckpointInfo]:
         """Checkpoint rows of one run as records, with their current metrics and tags."""
@@ -511,7 +528,7 @@ class Catalog:
     def set_status(self, run: str, step: int, status: str, *, kind: str, actor: str | None = None,
                    only_from: Sequence[str] | None = None, manifest_sha256: str | None = None,
                    **detail: Any) -> bool:
-        """Move a step to ``status`` (when it is in ``only_from``) and record an event.
+        """Move a step to ``status`` (when it is in ``only_from``) and record an event, with the status it left.
 
         ``manifest_sha256``: compare-and-set on the digest of the manifest the
         caller actually read. A verdict (verified, corrupt, deleted) is about
@@ -525,6 +542,9 @@ class Catalog:
                 cond.append(CheckpointRow.c.status.in_(only_from))
             if manifest_sha256 is not None:
                 cond.append(CheckpointRow.c.manifest_sha256 == manifest_sha256)
+            before = conn.scalar(select(CheckpointRow.c.status).where(*cond).with_for_update())
+            if before is None:
+                return False
             now = utcnow()
             values: dict[str, Any] = {"status": status, "updated_at": now}
             if status == Status.VERIFIED:
@@ -533,7 +553,8 @@ class Catalog:
                 values["deleted_at"] = now
             changed = conn.execute(update(CheckpointRow).where(*cond).values(**values)).rowcount
             if changed:
-                self.record_event(conn, run_id, step, kind, actor=actor, status=status, **detail)
+                self.record_event(conn, run_id, step, kind, actor=actor, status=status,
+                                  previous_status=str(before), **detail)
                 if status == Status.VERIFIED:
                     self.notify(conn, run_id, step, status)  # followers wait for verified steps
             return bool(changed)
@@ -798,6 +819,43 @@ class Catalog:
                     if when is not None and (seen is None or when > seen):
                         last[name] = when
             return {name: (counts.get(name, {}), last.get(name)) for name in {*counts, *last}}
+        return self.read(fn)
+
+    def run_activity(self, run: str | None = None) -> dict[str, tuple[datetime | None, datetime | None]]:
+        """Per run (or just ``run``): ``(active, ended)``, when a trainer last wrote to it and when its newest
+        attempt ended.
+
+        ``active`` is the latest of a claim (a publish in flight, or one that failed), a commit, and the
+        newest metric point at the run's highest step; tags, verifies and deletions are not training.
+        ``ended`` is None unless attempts record an ``ended_at``. Runs with neither are absent."""
+        def fn(conn: Connection) -> dict[str, tuple[datetime | None, datetime | None]]:
+            def only(query: Any) -> Any:
+                return query if run is None else query.where(Run.c.name == run)
+            c = CheckpointRow.c
+            top = only(select(Metric.c.run_id, func.max(Metric.c.step).label("step"))
+                       .join(Run, Run.c.id == Metric.c.run_id)).group_by(Metric.c.run_id).subquery()
+            queries = [only(select(Run.c.name, func.max(c.created_at), func.max(c.published_at))
+                            .join(CheckpointRow, c.run_id == Run.c.id)).group_by(Run.c.name),
+                       select(Run.c.name, func.max(Metric.c.logged_at), literal_column("NULL"))
+                       .join(top, top.c.run_id == Run.c.id)
+                       .join(Metric, and_(Metric.c.run_id == top.c.run_id, Metric.c.step == top.c.step))
+                       .group_by(Run.c.name)]
+            active: dict[str, datetime | None] = {}
+            for query in queries:
+                for name, *raw in conn.execute(query):
+                    for when in map(aware, raw):
+                        seen = active.get(name)
+                        if when is not None and (seen is None or when > seen):
+                            active[name] = when
+            ended: dict[str, datetime | None] = {}
+            if "ended_at" in Attempt.c:  # an attempt that records its clean end
+                newest = only(select(Attempt.c.run_id, func.max(Attempt.c.id).label("id"))
+                              .join(Run, Run.c.id == Attempt.c.run_id)).group_by(Attempt.c.run_id).subquery()
+                for name, when in conn.execute(select(Run.c.name, Attempt.c.ended_at)
+                                               .join(newest, newest.c.run_id == Run.c.id)
+                                               .join(Attempt, Attempt.c.id == newest.c.id)):
+                    ended[name] = aware(when)
+            return {name: (active.get(name), ended.get(name)) for name in {*active, *ended}}
         return self.read(fn)
 
     def metrics(self, run: str, *, key: str | None = None, history: bool = False) -> list[MetricPoint]:

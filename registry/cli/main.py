@@ -12,7 +12,7 @@ import click
 
 from registry.cli.common import State
 
-# Every command, registered here and nowhere else (docs/cli.md is written from this list, in this order): its
+# Every command, registered here and nowhere else (docs/reference/cli.md is written from this list, in this order): its
 # name, and the module and attribute that define it. A module is imported when one of its commands is first
 # looked up, to run it or to list it in --help: ``registry ls`` imports the reading commands' module alone.
 COMMAND_HOMES: dict[str, str] = {
@@ -26,6 +26,7 @@ COMMAND_HOMES: dict[str, str] = {
     "checkout": "registry.cli.transfer:checkout",
     "lineage": "registry.cli.lineage:lineage", "diff": "registry.cli.lineage:diff",
     "ui": "registry.cli.ui:ui",
+    "hooks": "registry.cli.hooks:hooks",
 }
 
 
@@ -144,7 +145,7 @@ def main(ctx: click.Context, url: str | None, root: str | None, durable: str | N
 
 
 def __getattr__(name: str) -> tuple[click.Command, ...]:
-    # COMMANDS: every command, in COMMAND_HOMES's order, each module imported (for docs/cli.md and the tests)
+    # COMMANDS: every command, in COMMAND_HOMES's order, each module imported (for docs/reference/cli.md and the tests)
     if name == "COMMANDS":
         return tuple(main.commands[command] for command in COMMAND_HOMES)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
