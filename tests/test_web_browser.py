@@ -258,6 +258,103 @@ def test_log_scale_and_smoothing_redraw_the_curve(page: dict[str, Any]) -> None:
     assert spread(lambda v: v, smoothed, ema) < 1 < spread(lambda v: v, smoothed)
 
 
+def test_runs_table_sorts_by_a_metric_column_and_keeps_the_order_in_the_url(page: dict[str, Any]) -> None:
+    from urllib.parse import parse_qs, urlparse
+
+    from selenium.webdriver.support.ui import Select
+    driver = page["driver"]
+    driver.get(page["base"] + "/?columns=eval/loss, eval/acc:max")
+
+    def heads() -> dict[str, Any]:
+        return {th.get_attribute("data-spec"): th
+                for th in driver.find_elements(By.CSS_SELECTOR, "#runs th[data-spec]")}
+
+    def order() -> list[str]:
+        return [r.get_attribute("data-run") for r in driver.find_elements(By.CSS_SELECTOR, "#runs tbody tr")]
+
+    def sort_in_url() -> list[str]:
+        return parse_qs(urlparse(driver.current_url).query).get("sort", [])
+
+    acc = heads()["eval/acc:max"]
+    assert list(heads()) == ["eval/loss:min", "eval/acc:max"] and acc.text == "best eval/acc (max)"
+    assert "RUN@best:eval/acc:max" in acc.get_attribute("title")
+    ranked = [r["name"] for r in cli_json(page, "runs", "--sort-by", "eval/acc:max")]
+    acc.click()  # a best-value column sorts best first: the highest eval/acc
+    assert order() == ranked and sort_in_url() == ["eval/acc:max"]
+    acc.click()
+    assert order() == ranked[::-1] and sort_in_url() == ["-eval/acc:max"]
+    driver.get(driver.current_url)  # the server repeats the order the URL says
+    assert order() == ranked[::-1] and heads()["eval/acc:max"].get_attribute("data-dir") == "asc"
+    for row in driver.find_elements(By.CSS_SELECTOR, "#runs tbody tr"):
+        run = row.get_attribute("data-run")
+        best = cli_json(page, "show", f"{run}@best:eval/acc:max")
+        cell = row.find_element(By.CSS_SELECTOR, 'td[data-spec="eval/acc:max"]')
+        assert cell.text == f"{best['metrics']['eval/acc']:.6g} @{best['step']}"
+    badges = {r.get_attribute("data-run"): r.find_element(By.CSS_SELECTOR, ".state")
+              for r in driver.find_elements(By.CSS_SELECTOR, "#runs tbody tr")}
+    states = {r["name"]: r["state"] for r in json.loads(driver.execute_script(
+        "const x = new XMLHttpRequest(); x.open('GET', '/api/health', false); x.send(); return x.responseText;"))}
+    assert {run: b.text for run, b in badges.items()} == states and states["gamma"] == "idle"
+    assert "10 minutes" in badges["gamma"].get_attribute("title")
+
+    Select(driver.find_element(By.ID, "add-column")).select_by_value("train/loss")  # adds it and reloads
+    wait_for(driver, "document.querySelector('#runs th[data-spec=\"train/loss:min\"]') !== null")
+    best = cli_json(page, "show", "alpha@best:train/loss")
+    alpha = driver.find_element(By.CSS_SELECTOR, '#runs tr[data-run="alpha"] td[data-spec="train/loss:min"]')
+    assert alpha.text == f"{best['metrics']['train/loss']:.6g} @{best['step']}"
+    assert driver.find_element(By.CSS_SELECTOR, '#runs tr[data-run="beta"] td[data-spec="train/loss:min"]').text == "-"
+    driver.find_element(By.ID, "where").send_keys("eval/loss < 0.5")
+    driver.find_element(By.CSS_SELECTOR, "#table-form button").click()
+    wait_for(driver, "document.getElementById('filtered') !== null")
+    assert order() == ["beta", "alpha"]  # gamma's best eval/loss is 0.7; still sorted as the URL said
+    assert list(heads()) == ["eval/loss:min", "eval/acc:max", "train/loss:min"] and sort_in_url() == ["-eval/acc:max"]
+    driver.save_screenshot(str(page["shots"] / "runs-columns.png"))
+
+
+def test_compare_page_shows_where_the_configs_differ(page: dict[str, Any]) -> None:
+    from tests.ui_site import CONFIG, CONFIGS, screenshot_compare_page
+    driver = page["driver"]
+    screenshot_compare_page(driver, page["base"], page["shots"] / "compare-config.png")
+    rows = driver.find_elements(By.CSS_SELECTOR, "#compare-config tbody tr")
+    configs = [CONFIG, CONFIGS["beta"], CONFIGS["gamma"]]
+    assert [r.get_attribute("data-key") for r in rows] == ["hidden", "optimizer.lr", "optimizer.momentum",
+                                                           "optimizer.name"]
+    lr = rows[1].find_elements(By.TAG_NAME, "td")
+    assert [td.text for td in lr] == ["optimizer.lr"] + [json.dumps(c["optimizer"]["lr"]) for c in configs]
+    same, differs = lr[1], lr[2]  # alpha is the baseline; beta's lr differs from it
+    assert differs.value_of_css_property("background-color") != same.value_of_css_property("background-color")
+    assert [td.text for td in rows[2].find_elements(By.TAG_NAME, "td")][1:] == ["not set", "not set", "0.9"]
+    heads = [th.text for th in driver.find_elements(By.CSS_SELECTOR, "#compare-config th")]
+    latest = [cli_json(page, "show", f"{r}@latest")["step"] for r in ("alpha", "beta", "gamma")]
+    assert heads == ["key"] + [f"{r}@{s}" for r, s in zip(("alpha", "beta", "gamma"), latest)]
+    driver.find_element(By.LINK_TEXT, f"beta@{latest[1]}").click()
+    wait_for(driver, "document.getElementById('step') !== null")
+    assert '"hidden": 16' in driver.find_element(By.ID, "config").text
+
+
+def test_step_and_run_pages_show_only_what_was_given(page: dict[str, Any]) -> None:
+    driver = page["driver"]
+
+    def facts(step: int) -> dict[str, str]:
+        driver.get(f"{page['base']}/runs/alpha/steps/{step}")
+        terms = driver.find_elements(By.CSS_SELECTOR, "main > dl:first-of-type dt")
+        return {dt.text: dt.find_element(By.XPATH, "following-sibling::dd[1]").text for dt in terms}
+
+    shown = cli_json(page, "show", "alpha@400")
+    assert (shown["epoch"], shown["policy_version"]) == (0, None)  # defaulted: never given
+    first = facts(400)
+    assert "epoch" not in first and "policy version" not in first and "None" not in first.values()
+    assert first["consumed samples"] == str(shown["consumed_samples"])
+    assert facts(800)["epoch"] == "1"
+    driver.save_screenshot(str(page["shots"] / "step-facts.png"))
+
+    driver.get(page["base"] + "/runs/gamma")  # trained a day ago
+    wait_for(driver, "document.getElementById('live-state').dataset.state !== undefined")
+    state = driver.find_element(By.ID, "live-state")
+    assert state.text.startswith("idle · updated ") and "10 minutes" in state.get_attribute("title")
+    assert not driver.find_element(By.ID, "refresh").is_selected()
+
+
 def test_auto_refresh_picks_up_a_step_published_while_the_page_is_open(page: dict[str, Any]) -> None:
     """Runs last: it adds a run to the shared catalog."""
     driver = page["driver"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 from registry import Registry
@@ -19,6 +20,9 @@ from tests.helpers import make_state, mark_corrupt
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
 CONFIG = {"model": "toy-mlp", "hidden": 8, "optimizer": {"name": "adamw", "lr": 0.0003}}  # alpha's config.json
+CONFIGS = {"beta": {"model": "toy-mlp", "hidden": 16, "optimizer": {"name": "adamw", "lr": 0.001}},
+           "gamma": {"model": "toy-mlp", "hidden": 8, "optimizer": {"name": "sgd", "lr": 0.01, "momentum": 0.9}}}
+IDLE_FOR = timedelta(days=1)  # gamma was trained this long ago: idle, where alpha and beta are training
 BROWSER_MISSING = "chromium not installed (/usr/bin/chromium, /usr/bin/chromedriver); browser tests skipped"
 
 
@@ -35,7 +39,7 @@ def build_site(reg: Registry) -> Site:
     for i, step in enumerate(range(200, 1601, 200)):
         reg.publish("alpha", step, make_state(i), metrics={"eval/loss": 1.5 * math.exp(-step / 700) + 0.1,
                                                             "eval/acc": 1 - math.exp(-step / 500)},
-                    config=CONFIG, verify=step % 400 == 0)
+                    config=CONFIG, verify=step % 400 == 0, epoch=step // 800, consumed_samples=step * 32)
     reg.tag("alpha", 800, "release")
     reg.tag("alpha", 1200, "best-eval")
     reg.apply_retention("alpha", KeepEvery(400) | KeepLast(3))  # deletes 200, 600 and 1000
@@ -45,10 +49,30 @@ def build_site(reg: Registry) -> Site:
     for name, best in (("beta", 0.3), ("gamma", 0.7)):
         for i, step in enumerate((100, 200)):
             reg.publish(name, step, make_state(10 + i), metrics={"eval/loss": best + 0.1 * (1 - i),
-                                                                  "eval/acc": 1 - best})
+                                                                  "eval/acc": 1 - best}, config=CONFIGS[name])
     reg.flush()
+    age_run(reg, "gamma", IDLE_FOR)
     return Site(runs=("alpha", "beta", "gamma"), checkpoints=len(reg.checkpoints("alpha", include_deleted=True)),
                 dense_points=len(reg.metrics("alpha", "train/loss")))
+
+
+def age_run(reg: Registry, run: str, by: timedelta) -> None:
+    """Move every time ``run`` recorded (checkpoints, metric points, events, attempts) ``by`` into the past, as
+    if it had been trained that long ago."""
+    from sqlalchemy import select, update
+
+    from registry.catalog.models import Attempt, CheckpointRow, Event, Metric, Run
+
+    def fn(conn):  # type: ignore[no-untyped-def]
+        run_id = conn.scalar(select(Run.c.id).where(Run.c.name == run))
+        for table, columns in ((CheckpointRow, ("created_at", "updated_at", "published_at", "verified_at")),
+                               (Metric, ("logged_at",)), (Event, ("created_at",)), (Attempt, ("started_at",)),
+                               (Run, ("created_at",))):
+            owned = table.c.id == run_id if table is Run else table.c.run_id == run_id
+            for row in conn.execute(select(table.c.id, *(table.c[c] for c in columns)).where(owned)).all():
+                moved = {c: getattr(row, c) - by for c in columns if getattr(row, c) is not None}
+                conn.execute(update(table).where(table.c.id == row.id).values(moved))
+    reg.catalog.write(fn)
 
 
 def browser(scratch: Path):  # type: ignore[no-untyped-def]
@@ -94,10 +118,31 @@ def screenshot_run_page(driver, base_url: str, out: Path, *, run: str = "alpha",
 
 def screenshot_compare_page(driver, base_url: str, out: Path, *,  # type: ignore[no-untyped-def]
                             runs: tuple[str, ...] = ("alpha", "beta", "gamma"), key: str = "eval/loss") -> Path:
-    """The README's second picture: several runs overlaid, with their comparison table."""
+    """The web view guide's picture (docs/guide/web-ui.md): several runs overlaid, with their comparison table
+    and where their configs differ."""
     query = "&".join(f"run={r}" for r in runs)
     driver.get(f"{base_url}/compare?{query}&key={key}")
     wait_for(driver, "document.body.dataset.ready === '1'")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    driver.save_screenshot(str(out))
+    return whole_page(driver, out)
+
+
+def screenshot_runs_page(driver, base_url: str, out: Path, *,  # type: ignore[no-untyped-def]
+                         query: str = "columns=eval/loss, eval/acc:max&sort=eval/loss") -> Path:
+    """The runs table with two metric columns, sorted by the first, each run's state and health."""
+    driver.get(f"{base_url}/?{query}")
+    wait_for(driver, "document.getElementById('runs') !== null")
+    return whole_page(driver, out)
+
+
+def whole_page(driver, out: Path, *, height: int | None = None) -> Path:  # type: ignore[no-untyped-def]
+    """Save the page down to its end (or ``height`` pixels) in one picture; the window is put back after."""
+    size = driver.get_window_size()
+    tall = height or int(driver.execute_script("return document.querySelector('main').getBoundingClientRect().bottom"
+                                               " + window.outerHeight - window.innerHeight;"))
+    driver.set_window_size(size["width"], max(tall, 200))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        driver.save_screenshot(str(out))
+    finally:
+        driver.set_window_size(size["width"], size["height"])
     return out

@@ -18,7 +18,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from registry import views
-from registry.errors import CheckpointNotFoundError, RegistryError
+from registry.errors import CheckpointNotFoundError, InvalidNameError, RegistryError
 from registry.format.numbers import parse_int, shown
 from registry.format.refs import MAX_STEP
 from registry.records import HAS_PAYLOAD
@@ -151,12 +151,12 @@ def create_app(reg: Registry, *, token: str | None = None) -> Starlette:
         return RedirectResponse(step_url(info.run, info.step), status_code=303)
 
     routes = [
-        Route("/", page(lambda r: pages.runs_page(data.health_doc(reg, sort_by=r.query_params.get("metric") or None),
-                                                   metric=r.query_params.get("metric", "")))),
+        Route("/", page(lambda r: runs_page(reg, r))),
         Route("/runs/{run}", run_or_ref),
         Route("/runs/{run}/steps/{step}", page(lambda r: step_page(reg, r, step_of(r)))),
-        Route("/compare", page(lambda r: pages.compare_page(r.query_params.getlist("run"),
-                                                            r.query_params.getlist("key")))),
+        Route("/compare", page(lambda r: pages.compare_page(
+            r.query_params.getlist("run"), r.query_params.getlist("key"),
+            data.compare_config(reg, r.query_params.getlist("run")) if r.query_params.getlist("run") else None))),
         Route("/diff", page(lambda r: pages.diff_page(data.diff_of(reg, r.query_params.get("a", ""),
                                                                    r.query_params.get("b", ""))))),
         Route("/api/runs", api(lambda r: views.runs_doc(reg, sort_by=r.query_params.get("sort_by") or None))),
@@ -175,6 +175,8 @@ def create_app(reg: Registry, *, token: str | None = None) -> Starlette:
         Route("/api/compare", api(lambda r: data.compare_doc(
             reg, r.query_params.getlist("run"), r.query_params.getlist("key"),
             mode=r.query_params.get("mode", "min"), max_points=points(r)))),
+        Route("/api/table", api(lambda r: data.table_doc(reg, **table_query(r)))),
+        Route("/api/compare/config", api(lambda r: data.compare_config(reg, r.query_params.getlist("run")))),
         Route("/api/runs/{run}/stamp", api(lambda r: data.stamp_doc(reg, run_of(r)))),
         Route("/api/runs/{run}/timeline", api(lambda r: data.events_in_words(reg.events(run_of(r))))),
         Route("/api/runs/{run}/steps/{step}/contents", api(lambda r: data.step_contents(
@@ -185,6 +187,25 @@ def create_app(reg: Registry, *, token: str | None = None) -> Starlette:
     ]
     middleware = [Middleware(TokenGate, token=token)] if token else [Middleware(LoopbackHostGate)]
     return Starlette(routes=routes, middleware=middleware)
+
+
+def table_query(request: Request) -> dict[str, Any]:
+    """The runs table's ``columns``, ``where`` and ``sort`` as the URL writes them (``metric``: one column)."""
+    query = request.query_params
+    columns = query.getlist("columns") or query.getlist("metric")
+    return {"columns": [c for c in columns if c.strip()], "where": [w for w in query.getlist("where") if w.strip()],
+            "sort": query.get("sort") or None}
+
+
+def runs_page(reg: Registry, request: Request) -> str:
+    """The runs table as asked; a malformed column, condition or sort is said above the table as it is
+    unasked, so the form to fix it stays at hand."""
+    asked = table_query(request)
+    text = {"columns": ", ".join(asked["columns"]), "where": ", ".join(asked["where"])}
+    try:
+        return pages.runs_page(data.table_doc(reg, **asked), **text)
+    except InvalidNameError as exc:
+        return pages.runs_page(data.table_doc(reg), error=str(exc), **text)
 
 
 def step_page(reg: Registry, request: Request, step: int) -> str:
@@ -210,4 +231,4 @@ def step_url(run: str, step: int) -> str:
     return f"/runs/{quote(run)}/steps/{step}"
 
 
-__all__ = ["create_app", "step_url"]
+__all__ = ["create_app", "runs_page", "step_url", "table_query"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -16,7 +17,8 @@ from registry.errors import InvalidNameError, RegistryError
 from registry.format.refs import check_metric_key, check_run_name, parse_ref
 from registry.ops.reading import check_digest
 from registry.records import CheckpointInfo, EventInfo, Status
-from registry.views import DEFAULT_CURVE_POINTS, downsample, format_time, runs_doc
+from registry.views import (DEFAULT_CURVE_POINTS, downsample, format_time, parse_columns, parse_table_sort,
+                            parse_where, run_state, runs_doc, runs_table, value_at, TRAINING_WINDOW)
 
 if TYPE_CHECKING:
     from registry.api import Registry
@@ -24,10 +26,8 @@ if TYPE_CHECKING:
 MAX_COMPARED = 12  # runs or keys on one chart: more is not readable
 
 
-def health_doc(reg: Registry, *, sort_by: str | None = None) -> list[dict[str, Any]]:
-    """``runs_doc`` with each run's checkpoints by status, its damage and when it last changed."""
+def _with_health(reg: Registry, docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     health = reg.catalog.run_health()
-    docs = runs_doc(reg, sort_by=sort_by)
     for doc in docs:
         counts, last = health.get(doc["name"], ({}, None))
         doc["statuses"] = {s.value: counts.get(s.value, 0) for s in Status if counts.get(s.value)}
@@ -35,6 +35,28 @@ def health_doc(reg: Registry, *, sort_by: str | None = None) -> list[dict[str, A
         doc["failed"] = counts.get(Status.FAILED, 0)
         doc["last_updated"] = last.isoformat() if last is not None else None
     return docs
+
+
+def health_doc(reg: Registry, *, sort_by: str | None = None, now: datetime | None = None) -> list[dict[str, Any]]:
+    """``runs_doc`` with each run's checkpoints by status, its damage, when it last changed and its state
+    (:func:`~registry.views.run_state`)."""
+    docs = _with_health(reg, runs_doc(reg, sort_by=sort_by))
+    activity = reg.catalog.run_activity()
+    for doc in docs:
+        active, ended = activity.get(doc["name"], (None, None))
+        doc["state"] = run_state(active, ended, now=now)
+        doc["active_at"] = active.isoformat() if active is not None else None
+    return docs
+
+
+def table_doc(reg: Registry, *, columns: Sequence[str] = (), where: Sequence[str] = (), sort: str | None = None,
+              now: datetime | None = None) -> dict[str, Any]:
+    """The runs page: :func:`~registry.views.runs_table` of the query's ``columns``, ``where`` and ``sort``
+    (as written in the URL), each run with its health as :func:`health_doc` has it."""
+    table = runs_table(reg, columns=parse_columns(columns), where=parse_where(where), sort=parse_table_sort(sort),
+                       now=now)
+    _with_health(reg, table["runs"])
+    return table
 
 
 def _names(values: Sequence[str], what: str) -> list[str]:
@@ -92,6 +114,72 @@ def compare_doc(reg: Registry, runs: Sequence[str], keys: Sequence[str], *, mode
             "table": table}
 
 
+def differing_keys(docs: Sequence[dict[str, Any] | None]) -> list[dict[str, Any]]:
+    """Where JSON documents (one per run; None where unknown) differ, key by key as
+    :func:`registry.ops.diff.json_diff` names them, each against the first known one: per key, each
+    document's value (``{"value": V}``, ``{"absent": true}``, or None where unknown) and whether it differs
+    from the first's."""
+    from registry.ops.diff import json_diff
+    known = [d for d in docs if d is not None]
+    if len(known) < 2:
+        return []
+    keys = sorted({c.key for d in known[1:] for c in json_diff(known[0], d)})
+    rows = []
+    for key in keys:
+        cells = [None if d is None else dict(zip(("found", "value"), value_at(d, "" if key == "$" else key)))
+                 for d in docs]
+        first = next(c for c in cells if c is not None)
+        rows.append({"key": key,
+                     "values": [None if c is None else {"value": c["value"]} if c["found"] else {"absent": True}
+                                for c in cells],
+                     "differs": [c is not None and _same(c) != _same(first) for c in cells]})
+    return rows
+
+
+def _same(cell: dict[str, Any]) -> tuple[bool, str]:
+    """What two cells share when they hold the same JSON: ``1`` is not ``1.0`` nor ``true``."""
+    import json
+    return cell["found"], json.dumps(cell["value"], sort_keys=True, default=str)
+
+
+def compare_config(reg: Registry, runs: Sequence[str]) -> dict[str, Any]:
+    """The config (and, where the registry records them, the parameters) of each run's newest live step
+    (``@latest``, else ``@latest-published``), diffed key by key: what differs, not what all share."""
+    runs = [check_run_name(r) for r in _names(runs, "runs")]
+    found = reg.catalog.resolve_each([parse_ref(f"{r}@{kind}") for kind in ("latest", "latest-published")
+                                      for r in runs])
+    steps: list[int | None] = []
+    configs: list[dict[str, Any] | None] = []
+    notes: dict[str, str] = {}
+    for i, run in enumerate(runs):
+        info = found[i] or found[len(runs) + i]
+        steps.append(info.step if info is not None else None)
+        if info is None:
+            reg.catalog.read(lambda conn, run=run: reg.catalog.require_run(conn, run))  # no such run: say so
+            configs.append(None)
+            notes[run] = "no live checkpoint"
+            continue
+        config, error = step_config(reg.placed(info))
+        configs.append(config if error is None else None)
+        if error is not None:
+            notes[run] = error
+        elif not config:
+            notes[run] = f"{run}@{info.step} has no config.json"
+    params_of = getattr(reg, "params", None)
+    params = [dict(params_of(r) or {}) for r in runs] if params_of is not None else []
+    return {"runs": runs, "steps": steps, "config": differing_keys(configs), "notes": notes,
+            "shared_keys": _leaf_count(next((c for c in configs if c), {})),
+            "params": differing_keys(params) if params else None}
+
+
+def _leaf_count(doc: Any) -> int:
+    if isinstance(doc, dict):
+        return sum(_leaf_count(v) for v in doc.values())
+    if isinstance(doc, list) and doc:
+        return sum(_leaf_count(v) for v in doc)
+    return 1
+
+
 def diff_of(reg: Registry, a: str, b: str) -> Any:
     """:meth:`Registry.diff` of the two refs a diff page or ``/api/diff`` names."""
     if not a or not b:
@@ -99,15 +187,19 @@ def diff_of(reg: Registry, a: str, b: str) -> Any:
     return reg.diff(a, b)
 
 
-def stamp_doc(reg: Registry, run: str) -> dict[str, Any]:
-    """What changes when a run moves on (a new checkpoint, event or metric point): the run page polls it."""
+def stamp_doc(reg: Registry, run: str, *, now: datetime | None = None) -> dict[str, Any]:
+    """What changes when a run moves on (a new checkpoint, event or metric point), and whether it is training
+    (:func:`~registry.views.run_state`): the run page polls it."""
     check_run_name(run)
     marks = reg.catalog.checkpoint_marks(run)
     events = reg.catalog.events(run, limit=1)
     counts, last = reg.catalog.run_health(run).get(run, ({}, None))
+    active, ended = reg.catalog.run_activity(run).get(run, (None, None))
     return {"run": run, "checkpoints": len(marks), "latest_step": marks[-1][0] if marks else None,
             "last_event": events[-1].id if events else None, "statuses": counts,
-            "last_updated": last.isoformat() if last is not None else None}
+            "last_updated": last.isoformat() if last is not None else None,
+            "state": run_state(active, ended, now=now), "active_at": active.isoformat() if active else None,
+            "training_window_s": int(TRAINING_WINDOW.total_seconds())}
 
 
 # ---------------------------------------------------------------------- one step
@@ -136,6 +228,20 @@ def step_contents(info: CheckpointInfo) -> dict[str, Any]:
     except (RegistryError, OSError) as exc:
         doc["error"] = str(exc)
     return doc
+
+
+def step_config(info: CheckpointInfo) -> tuple[dict[str, Any], str | None]:
+    """The step's ``config.json`` (``{}`` without one) read as :func:`step_contents` reads it, and why it
+    cannot be read (None when it can)."""
+    from registry.format.manifest import CONFIG, read_manifest
+    from registry.fs.filemaps import read_json
+    directory = Path(info.path)
+    try:
+        manifest, digest = read_manifest(directory)
+        check_digest(info, digest)
+        return (read_json(directory, CONFIG) if CONFIG in manifest.files else {}), None
+    except (RegistryError, OSError) as exc:
+        return {}, str(exc)
 
 
 def _safetensors_tensors(directory: Path, files: dict[str, Any]) -> list[dict[str, Any]]:
@@ -230,5 +336,5 @@ def events_in_words(events: Sequence[EventInfo]) -> list[dict[str, Any]]:
             for e in reversed(events)]
 
 
-__all__ = ["compare_doc", "describe_event", "diff_of", "events_in_words", "health_doc", "remedy", "stamp_doc",
-           "step_contents"]
+__all__ = ["compare_config", "compare_doc", "describe_event", "diff_of", "differing_keys", "events_in_words",
+           "health_doc", "remedy", "stamp_doc", "step_config", "step_contents", "table_doc"]

@@ -12,7 +12,7 @@ from typing import Any
 from urllib.parse import quote
 
 from registry.records import human_bytes
-from registry.views import StepView, format_age, format_time, load_snippets
+from registry.views import PARAMS, TRAINING_WINDOW, StepView, format_age, format_time, load_snippets
 
 
 LOCAL_TIME = "(writer's local time; no zone recorded)"  # the manifest's format predates zones
@@ -43,39 +43,107 @@ def _health(r: dict[str, Any]) -> str:
             f'{escape(", ".join(damaged) if damaged else "healthy")}</td>')
 
 
-def runs_page(runs: Sequence[dict[str, Any]], *, metric: str) -> str:
-    """Every run: health (corrupt and failed steps), live checkpoints, last and latest verified step, best value
-    of ``metric``, size, last update; sortable and filterable; tick runs to compare them."""
+def state_help(window_s: int) -> str:
+    """What the run states mean: the tooltip on every state badge."""
+    return (f"training: a checkpoint was published (or its publish began) or a metric arrived in the last "
+            f"{window_s // 60} minutes; finished: its last attempt ended cleanly; idle: neither")
+
+
+def _state(state: str, window_s: int) -> str:
+    return (f'<span class="state st-{escape(state)}" data-state="{escape(state)}" '
+            f'title="{escape(state_help(window_s))}">{escape(state)}</span>')
+
+
+def _value(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def _column_head(spec: str) -> tuple[str, str]:
+    """A column's header and its tooltip."""
+    if spec.startswith(PARAMS):
+        return spec, f"the run parameter {spec[len(PARAMS):]}"
+    key, _, mode = spec.partition(":")
+    ref = f"RUN@best:{key}" + (":max" if mode == "max" else "")
+    return (f"best {key}" + (" (max)" if mode == "max" else ""),
+            f"the {'highest' if mode == 'max' else 'lowest'} {key} at a live checkpoint, and its step "
+            f"(the step {ref} loads)")
+
+
+def _column_cell(run: str, spec: str, cell: dict[str, Any]) -> str:
+    value, step = cell.get("value"), cell.get("step")
+    sort = value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    key = f' data-sort="{escape(str(sort if sort is not None else _value(value)))}"' if value is not None else ""
+    at = f' <a class="at" href="/runs/{quote(run)}/steps/{step}">@{step}</a>' if step is not None else ""
+    shown = "-" if value is None else escape(_value(value))
+    return f'<td class="col" data-spec="{escape(spec)}"{key}>{shown}{at}</td>'
+
+
+def runs_page(table: dict[str, Any], *, error: str | None = None, columns: str = "", where: str = "") -> str:
+    """Every run: its state, health (corrupt and failed steps), live checkpoints, last and latest verified step,
+    a column per chosen metric (its best value and step) or parameter, size, last update; filtered by ``where``,
+    sorted by a column; tick runs to compare them."""
     from datetime import datetime
+    runs, specs, window = table["runs"], table["columns"], table["training_window_s"]
     rows = []
     for r in runs:
         updated = datetime.fromisoformat(r["last_updated"]) if r.get("last_updated") else None
         stamp = updated.timestamp() if updated else None
-        best = r.get("best") or {}
-        value = best.get("value")
         name = escape(r["name"])
         rows.append(
-            f'<tr data-run="{name}"><td><input type="checkbox" name="run" value="{name}" form="compare-form" '
-            f'aria-label="compare {name}"></td><td><a href="/runs/{quote(r["name"])}">{name}</a></td>'
+            f'<tr data-run="{name}" data-state="{escape(r["state"])}"><td><input type="checkbox" name="run" '
+            f'value="{name}" form="compare-form" aria-label="compare {name}"></td>'
+            f'<td class="name" data-sort="{name}"><a href="/runs/{quote(r["name"])}">{name}</a> '
+            f'{_state(r["state"], window)}</td>'
             + _health(r) + _cell(r["checkpoints"], r["checkpoints"]) + _cell(r["latest_step"], r["latest_step"])
             + _cell(r["latest_verified_step"], r["latest_verified_step"])
-            + _cell(None if value is None else f"{value:.6g}", value)
+            + "".join(_column_cell(r["name"], spec, r["values"][spec]) for spec in specs)
             + _cell(human_bytes(r["total_bytes"]), r["total_bytes"])
             + _cell(format_time(updated), stamp)
             + _cell(format_age(updated) + " ago" if updated else None, -stamp if stamp is not None else None)
             + "</tr>")
-    heads = ["", "run", "health", "live checkpoints", "last step", "latest verified",
-             f"best {metric}" if metric else "best", "size", "last updated", "age"]
-    header = "".join(f'<th data-col="{i}" tabindex="0">{escape(h)}</th>' for i, h in enumerate(heads))
+    sort = table.get("sort") or ""
+    heads: list[tuple[str, str, dict[str, str]]] = [
+        (text, "", {}) for text in ("", "run", "health", "live checkpoints", "last step", "latest verified")]
+    for spec in specs:
+        text, tip = _column_head(spec)
+        attrs = {"spec": spec, "best": "max" if spec.endswith(":max") else "min"}
+        if sort.removeprefix("-") == spec:
+            attrs["dir"] = ("desc" if spec.endswith(":max") else "asc") if not sort.startswith("-") else \
+                ("asc" if spec.endswith(":max") else "desc")
+        heads.append((text, tip, attrs))
+    heads += [("size", "", {}), ("last updated", "", {}), ("age", "", {})]
+    header = "".join(f'<th data-col="{i}" tabindex="0"' + (f' title="{escape(tip)}"' if tip else "")
+                     + "".join(f' data-{k}="{escape(v)}"' for k, v in attrs.items()) + f">{escape(text)}</th>"
+                     for i, (text, tip, attrs) in enumerate(heads))
+    offered = "".join(f'<option value="{escape(k)}">{escape(k)}</option>'
+                      + f'<option value="{escape(k)}:max">{escape(k)} (max)</option>' for k in table["metric_keys"])
+    shown = columns or ", ".join(specs)
+    default = table.get("default_column")
+    note = (f'<p class="note" id="default-column">best of {escape(default)}, picked from the metrics the runs log; '
+            "name others in columns</p>" if default and not columns else "")
+    filtered = (f'<p class="note" id="filtered">{len(runs)} runs where {escape(" and ".join(table["where"]))}</p>'
+                if table["where"] else "")
     body = (f'<h1>Runs <small>{len(runs)}</small></h1>'
-            '<form class="bar" method="get" action="/">'
+            + (f'<p class="error" id="table-error">{escape(error)}</p>' if error else "")
+            + '<form class="bar" id="table-form" method="get" action="/">'
             '<input id="filter" type="search" placeholder="filter by name" autocomplete="off">'
-            f'<label>best of <input id="metric" name="metric" value="{escape(metric)}" '
-            'placeholder="eval/loss or eval/acc:max"></label><button>show</button></form>'
+            f'<label>columns <input id="columns" name="columns" size="34" value="{escape(shown)}" '
+            'placeholder="eval/loss, eval/acc:max, params.lr"></label>'
+            f'<select id="add-column" aria-label="add a column"><option value="">+ metric</option>{offered}</select>'
+            f'<label>where <input id="where" name="where" size="26" value="{escape(where)}" '
+            'placeholder="eval/loss < 0.5, params.lr <= 1e-3"></label>'
+            f'<input type="hidden" id="sort" name="sort" value="{escape(sort)}">'
+            '<button>show</button></form>'
+            + note + filtered +
             '<form id="compare-form" class="bar" method="get" action="/compare">'
             '<button id="compare">compare ticked runs</button>'
-            '<span class="note">live = published or verified; health counts corrupt and failed steps</span></form>'
-            f'<table id="runs" class="sortable"><thead><tr>{header}</tr></thead><tbody>{"".join(rows)}</tbody></table>')
+            '<span class="note">live = published or verified; health counts corrupt and failed steps; '
+            f'<span title="{escape(state_help(window))}">training, idle or finished</span> says whether a trainer '
+            'is writing to it</span></form>'
+            f'<div class="wide"><table id="runs" class="sortable"><thead><tr>{header}</tr></thead>'
+            f'<tbody>{"".join(rows)}</tbody></table></div>')
     return layout("runs", body, scripts=["runs.js"])
 
 
@@ -98,7 +166,7 @@ def run_page(run: str, keys: Sequence[str]) -> str:
     options = "".join(f'<option value="{escape(k)}"{" selected" if k == default else ""}>{escape(k)}</option>'
                       for k in keys)
     body = (f'<h1 id="run" data-run="{escape(run)}">{escape(run)} '
-            '<small id="live-state"></small></h1>'
+            f'<small id="live-state" title="{escape(state_help(int(TRAINING_WINDOW.total_seconds())))}"></small></h1>'
             f'<div class="bar"><label>metric <select id="key">{options}</select></label>'
             '<label><input type="checkbox" id="refresh"> auto-refresh</label></div>'
             + _chart_controls("also plot") +
@@ -113,15 +181,54 @@ def run_page(run: str, keys: Sequence[str]) -> str:
     return layout(run, body, scripts=["chart.js", "run.js"])
 
 
-def compare_page(runs: Sequence[str], keys: Sequence[str]) -> str:
-    """Several runs on one chart, and a table of their newest, latest verified, best and last values."""
+def compare_page(runs: Sequence[str], keys: Sequence[str], config: dict[str, Any] | None = None) -> str:
+    """Several runs on one chart, a table of their newest, latest verified, best and last values, and where
+    their configs (and parameters) differ."""
     data = escape(json.dumps({"runs": list(runs), "keys": list(keys)}))
     links = ", ".join(f'<a href="/runs/{quote(r)}">{escape(r)}</a>' for r in runs)
     body = (f'<h1 id="compare-page" data-query="{data}">Compare <small>{links}</small></h1>'
             + _chart_controls("metrics") +
             '<table id="compare-table"><thead></thead>'
-            '<tbody><tr class="loading"><td>loading…</td></tr></tbody></table>')
+            '<tbody><tr class="loading"><td>loading…</td></tr></tbody></table>'
+            + (_config_diff(config) if config is not None else ""))
     return layout("compare", body, scripts=["chart.js", "compare.js"])
+
+
+def _diff_cell(cell: dict[str, Any] | None, differs: bool) -> str:
+    if cell is None:
+        return '<td class="unknown">?</td>'
+    cls = "differs" if differs else "same"
+    if cell.get("absent"):
+        return f'<td class="{cls} absent" title="not set in this run">not set</td>'
+    return f'<td class="{cls}"><code>{escape(json.dumps(cell["value"]))}</code></td>'
+
+
+def _diff_table(table_id: str, heads: Sequence[str], rows: Sequence[dict[str, Any]], prefix: str = "") -> str:
+    head = "".join(f"<th>{h}</th>" for h in heads)
+    body = "".join(f'<tr data-key="{escape(prefix + r["key"])}"><td><code>{escape(prefix + r["key"])}</code></td>'
+                   + "".join(_diff_cell(c, d) for c, d in zip(r["values"], r["differs"])) + "</tr>" for r in rows)
+    return f'<table id="{table_id}" class="config-diff"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+
+
+def _config_diff(doc: dict[str, Any]) -> str:
+    """The configs of the compared runs' newest live steps, only the keys where they differ."""
+    runs, steps = doc["runs"], doc["steps"]
+    heads = ["key"] + [f'<a href="/runs/{quote(r)}/steps/{s}">{escape(r)}@{s}</a>' if s is not None
+                       else escape(r) for r, s in zip(runs, steps)]
+    notes = "".join(f'<li data-run="{escape(r)}">{escape(r)}: {escape(n)}</li>' for r, n in doc["notes"].items())
+    out = ('<h2>Config <small>config.json of each run\'s newest live step; only what differs, the first run '
+           'is the baseline</small></h2>' + (f'<ul class="note" id="config-notes">{notes}</ul>' if notes else ""))
+    if len(runs) < 2:
+        out += '<p class="note">tick two runs or more to see where their configs differ</p>'
+    elif doc["config"]:
+        out += _diff_table("compare-config", heads, doc["config"])
+    else:
+        out += (f'<p class="note" id="config-same">the same config in every run '
+                f'({doc["shared_keys"]} values)</p>')
+    if doc.get("params") is not None and len(runs) > 1:
+        out += "<h2>Parameters</h2>" + (_diff_table("compare-params", heads, doc["params"], PARAMS)
+                                        if doc["params"] else '<p class="note">the same parameters in every run</p>')
+    return out
 
 
 def _pre(text: str, cls: str) -> str:
@@ -146,12 +253,18 @@ def step_page(view: StepView, *, lineage: Any = None, contents: dict[str, Any] |
     summary = (f'<p class="error">manifest unreadable: {escape(manifest["error"])}</p>' if "error" in manifest else
                "<dl>" + "".join(f"<dt>{escape(k)}</dt><dd>{escape(str(v))}"
                                 + (f" <small>{LOCAL_TIME}</small>" if k == "created_at" else "")
-                                + "</dd>" for k, v in manifest.items() if k != "sha256")
+                                + "</dd>" for k, v in manifest.items() if k != "sha256" and v is not None)
                + "</dl>")
+    # a publish writes epoch and consumed_samples as 0 when not given (meta.json and the catalog alike), so a 0
+    # is not told from "never given": only a value that says something is shown, and None never is
+    given = {"epoch": info.epoch or None, "consumed samples": info.consumed_samples or None,
+             "policy version": info.policy_version, "optimizer step": info.optimizer_step,
+             "created": info.created_at and format_time(info.created_at),
+             "verified": info.verified_at and format_time(info.verified_at),
+             "manifest sha256": info.manifest_sha256 and info.manifest_sha256[:16],
+             "tags": ", ".join(info.tags) or None}
     facts = {"status": str(info.status), "path": str(info.path), "size": human_bytes(info.total_bytes),
-             "epoch": info.epoch, "consumed samples": info.consumed_samples, "policy version": info.policy_version,
-             "created": format_time(info.created_at), "verified": format_time(info.verified_at),
-             "manifest sha256": (info.manifest_sha256 or "-")[:16], "tags": ", ".join(info.tags) or "-"}
+             **{k: v for k, v in given.items() if v is not None}}
     if view.ended is not None:
         facts["ended by"] = f"{view.ended.kind} at {format_time(view.ended.created_at)}"
     snippets = load_snippets(info, root=root, url=url, durable=durable)

@@ -6,7 +6,6 @@ const base = "/api/runs/" + encodeURIComponent(runName);
 const stepUrl = step => "/runs/" + encodeURIComponent(runName) + "/steps/" + step;
 const params = new URLSearchParams(location.search);
 const pollEvery = Math.max(1, +(params.get("refresh") || 5)) * 1000;
-const TRAINING_WITHIN = 10 * 60 * 1000;  // a run changed this recently is taken to be training
 let metricKeys = [];
 
 async function load() {
@@ -64,19 +63,29 @@ async function load() {
   document.body.dataset.ready = "1";
 }
 
+// The server says whether the run is training (a publish or metric within its window), idle or finished.
 function showLiveState(stamp) {
   const age = stamp.last_updated ? Date.now() - new Date(stamp.last_updated).getTime() : Infinity;
-  const training = (stamp.statuses.staging || 0) > 0 || age < TRAINING_WITHIN;
-  const ago = isFinite(age) ? `${Math.max(0, Math.round(age / 1000))}s ago` : "never";
-  document.getElementById("live-state").textContent = (training ? "training · " : "idle · ") + "updated " + ago;
-  return training;
+  const ago = isFinite(age) ? `${fmtAge(age)} ago` : "never";
+  const state = document.getElementById("live-state");
+  state.textContent = `${stamp.state} · updated ${ago}`;
+  state.dataset.state = stamp.state;
+  return stamp.state === "training";
+}
+
+function fmtAge(ms) {
+  const s = Math.max(0, Math.round(ms / 1000));
+  if (s < 120) return `${s}s`;
+  if (s < 7200) return `${Math.round(s / 60)}m`;
+  if (s < 172800) return `${Math.round(s / 3600)}h`;
+  return `${Math.round(s / 86400)}d`;
 }
 
 let lastStamp = null;
 async function poll() {
   try {
     const stamp = await getJSON(`${base}/stamp`);
-    const text = JSON.stringify({...stamp, last_updated: null}) + stamp.last_updated;
+    const text = JSON.stringify({...stamp, last_updated: null, state: null}) + stamp.last_updated;
     const training = showLiveState(stamp);
     const on = document.getElementById("refresh");
     if (lastStamp === null) on.checked = training;
