@@ -38,7 +38,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # the facades: they build what they hand out (``Checkpoint``) from what the layers below return
     ("registry.checkpoint", "registry.api", "registry.views"),
     # the web view sits beside the command line: it may import the api; nothing but ``registry ui`` imports it
-    ("registry.cli", "registry.web", "registry.__main__", "registry"),
+    # the tracker exports sit here too: the commands that drive them (mirror, metrics --tensorboard) import them
+    ("registry.cli", "registry.web", "registry.__main__", "registry", "registry.integrations.mlflow",
+     "registry.integrations.tensorboard"),
     # the trainers' integrations: they call the public API; nothing in the package imports them
     ("registry.integrations",),
 )

@@ -27,6 +27,7 @@ COMMAND_HOMES: dict[str, str] = {
     "lineage": "registry.cli.lineage:lineage", "diff": "registry.cli.lineage:diff",
     "ui": "registry.cli.ui:ui",
     "hooks": "registry.cli.hooks:hooks",
+    "mirror": "registry.cli.mirror:mirror",
 }
 
 

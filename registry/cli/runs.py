@@ -209,20 +209,33 @@ def untag(state: State, run: str, name: str) -> None:
 @click.option("--plot", is_flag=True, help="Draw the curve in the terminal with every checkpoint marked on it.")
 @click.option("--wide", is_flag=True, help="One row per step, one column per key.")
 @click.option("--csv", "as_csv", is_flag=True, help="Print CSV (for spreadsheets); with --wide, steps x keys.")
+@click.option("--tensorboard", "tensorboard_dir", type=click.Path(file_okay=False, path_type=str), default=None,
+              metavar="DIR", help="Write the points as a TensorBoard event file in DIR/RUN, checkpoint steps marked "
+                                  "(tensorboard --logdir DIR).")
+@click.option("--import-tensorboard", "import_dir", type=click.Path(exists=True, file_okay=False, path_type=str),
+              default=None, metavar="DIR", help="Log the scalars of the TensorBoard event files under DIR as "
+                                                "RUN's metric points (a subdirectory's path prefixes its tags).")
 @json_option
 @click.pass_obj
 @command
 def metrics(state: State, run: str, key: str | None, history: bool, plot: bool, wide: bool, as_csv: bool,
-            as_json: bool) -> None:
-    """List the metric points of RUN, or draw them (--plot).
+            tensorboard_dir: str | None, import_dir: str | None, as_json: bool) -> None:
+    """List or draw (--plot) the metric points of RUN, or move them to or from TensorBoard.
 
     \b
     Examples:
         registry metrics demo --key eval/loss
         registry metrics demo --wide --csv > metrics.csv
         registry metrics demo --plot
+        registry metrics demo --tensorboard tb && tensorboard --logdir tb
+        registry metrics demo --import-tensorboard lightning_logs/version_0
     """
     from registry.views import metrics_doc
+    if tensorboard_dir is not None or import_dir is not None:
+        tensorboard_metrics(state, run, key, tensorboard_dir, import_dir, as_json=as_json,
+                            other=[flag for flag, on in (("--history", history), ("--plot", plot), ("--wide", wide),
+                                                         ("--csv", as_csv)) if on])
+        return
     reg = state.registry()
     if plot:
         plot_metrics(reg, run, key)
@@ -248,6 +261,32 @@ def metrics(state: State, run: str, key: str | None, history: bool, plot: bool, 
     table(["STEP", "KEY", "VALUE"] + (["CURRENT", "ATTEMPT"] if history else []),
           [[p.step, p.key, f"{p.value:.6g}"] + (["yes" if p.current else "no", p.attempt] if history else [])
            for p in points])
+
+
+def tensorboard_metrics(state: State, run: str, key: str | None, export_dir: str | None, import_dir: str | None, *,
+                        as_json: bool, other: Sequence[str]) -> None:
+    """``metrics --tensorboard DIR`` and ``--import-tensorboard DIR``: one of them, alone."""
+    if (export_dir is not None and import_dir is not None) or other:
+        given = ["--tensorboard"] * (export_dir is not None) + ["--import-tensorboard"] * (import_dir is not None)
+        raise click.UsageError(f"{' and '.join(given + list(other))} cannot be combined")
+    from registry.integrations.tensorboard import export_tensorboard, import_tensorboard
+    reg = state.registry()
+    if export_dir is not None:
+        written = export_tensorboard(reg, run, export_dir, key=key)
+        if as_json:
+            emit_json(written.to_json())
+            return
+        click.echo(f"wrote {written.points} points and {written.checkpoints} checkpoint marks to {written.path}")
+        return
+    assert import_dir is not None
+    imported = import_tensorboard(reg, run, import_dir, key=key)
+    if as_json:
+        emit_json(imported.to_json())
+        return
+    click.echo(f"imported {imported.points} points into {run} ({imported.unchanged} already there) "
+               f"from {len(imported.keys)} keys")
+    for name, why in sorted(imported.skipped.items()):
+        click.echo(f"  skipped {name}: {why}")
 
 
 def no_metric_error(run: str, key: str, keys: Sequence[str]) -> RegistryError:
