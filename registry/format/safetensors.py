@@ -18,6 +18,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple, Protocol
 
 from registry.errors import InvalidStateError, SafetensorsFormatError
@@ -27,6 +28,8 @@ if TYPE_CHECKING:
     import torch
 
 MAX_HEADER = 100 << 20    # the safetensors reference implementation's own limit
+# a publish's model.safetensors carries this __metadata__ (transformers checks it when loading)
+PUBLISH_METADATA: Mapping[str, str] = MappingProxyType({"format": "pt"})
 
 if sys.byteorder != "little":  # safetensors is little-endian; we write tensor memory as is
     raise ImportError("registry.format.safetensors supports little-endian machines only")

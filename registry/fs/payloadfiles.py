@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from registry.errors import InvalidStateError
 from registry.format.manifest import (CONFIG, MANIFEST, MAX_JSON_BYTES, META, WEIGHTS, WEIGHTS_INDEX, FileEntry,
                                       Manifest, check_file_name)
-from registry.format.safetensors import Encoded
+from registry.format.safetensors import PUBLISH_METADATA, Encoded
 from registry.fs.hashing import HashingWriter
 
 if TYPE_CHECKING:
@@ -121,7 +121,7 @@ def write_files(payload: Payload, put: Callable[[str, Callable[[Any], object]], 
         return entries[name].sha256
 
     def add_tensors(name: str, tensors: Mapping[str, torch.Tensor]) -> None:
-        encoded = Encoded(tensors, {"format": "pt"})
+        encoded = Encoded(tensors, PUBLISH_METADATA)
         heads[name] = encoded.head
         entry = reuse(name, encoded) if reuse is not None else None
         if entry is not None:
