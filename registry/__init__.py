@@ -17,9 +17,10 @@ if TYPE_CHECKING:
     from registry.checkpoint import Checkpoint
     from registry.distributed.sharded import ShardedLoad
     from registry.errors import (AsyncPublishError, CatalogError, CheckpointDeletedError, CheckpointNotFoundError,
-                                 CheckpointReadError, CorruptCheckpointError, DcpMetadataError, DistributedError,
-                                 ExtraNotFoundError, InvalidNameError, InvalidNumberError, InvalidRefError,
-                                 InvalidStateError, ManifestError, NoCopyError, ObjectExistsError,
+                                 CheckpointReadError, CorruptCheckpointError, DcpMetadataError, DeltaBaseError,
+                                 DistributedError,
+                                 ExtraNotFoundError, InvalidNameError, InvalidNumberError, InvalidQueryError,
+                                 InvalidRefError, InvalidStateError, ManifestError, NoCopyError, ObjectExistsError,
                                  ObjectNotFoundError, PolicyError,
                                  PublishError, ReadOnlyError, RegistryError, RootError, RootMismatchError,
                                  SafetensorsFormatError, SchemaTooNewError, StepExistsError, StorageError,
@@ -34,8 +35,9 @@ __version__ = "0.1.0"
 
 _ERRORS = (
     "AsyncPublishError", "CatalogError", "CheckpointDeletedError", "CheckpointNotFoundError", "CheckpointReadError",
-    "CorruptCheckpointError", "DcpMetadataError", "DistributedError", "ExtraNotFoundError", "InvalidNameError",
-    "InvalidNumberError",
+    "CorruptCheckpointError", "DcpMetadataError", "DeltaBaseError", "DistributedError", "ExtraNotFoundError",
+    "InvalidNameError",
+    "InvalidNumberError", "InvalidQueryError",
     "InvalidRefError", "InvalidStateError", "ManifestError", "NoCopyError", "ObjectExistsError", "ObjectNotFoundError",
     "PolicyError", "PublishError", "ReadOnlyError",
     "RegistryError", "RootError", "RootMismatchError", "SafetensorsFormatError", "SchemaTooNewError", "StepExistsError",
@@ -58,8 +60,9 @@ _HOMES: dict[str, str] = {
 __all__ = [
     "AsyncPublishError", "CatalogError", "Checkpoint", "CheckpointDeletedError", "CheckpointDiff", "CheckpointInfo",
     "CheckpointNotFoundError", "CheckpointReadError", "Checkout", "CorruptCheckpointError", "DcpMetadataError",
+    "DeltaBaseError",
     "DistributedError", "EventInfo", "Exported", "ExtraNotFoundError", "InvalidNameError", "InvalidNumberError",
-    "InvalidRefError",
+    "InvalidQueryError", "InvalidRefError",
     "InvalidStateError", "LineageHop", "ManifestError", "MetricPoint", "NoCopyError", "ObjectExistsError",
     "ObjectNotFoundError", "PolicyError", "PublishError",
     "ReadOnlyError", "Ref", "Registry", "RegistryError", "RootError", "RootMismatchError", "RunInfo",

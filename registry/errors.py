@@ -40,6 +40,10 @@ class InvalidNumberError(RegistryError, ValueError):
     """A count or size typed as text (an option, a query, a policy clause) that does not parse or is out of range."""
 
 
+class InvalidQueryError(RegistryError, ValueError):
+    """A search of runs (``--where``, ``--sort``, ``--columns``) that does not parse: the message names the part."""
+
+
 class InvalidStateError(RegistryError, TypeError):
     """A state dict, metric or option that cannot be published."""
 
@@ -66,6 +70,15 @@ class UnsafePathError(CorruptCheckpointError):
 
 class SafetensorsFormatError(CorruptCheckpointError):
     """A safetensors file whose header or offsets are malformed."""
+
+
+class DeltaBaseError(RegistryError, ValueError):
+    """A delta and a base that do not belong together.
+
+    Encoding: the target's tensor names, shapes or dtypes differ from the
+    base's, so only a full publish can store it. Decoding: the base is not
+    the one the delta was made against.
+    """
 
 
 class UnsafePickleError(RegistryError, ValueError):

@@ -118,6 +118,60 @@ class MetricPoint:
 
 
 @dataclass(frozen=True, kw_only=True)
+class TagInfo:
+    """A tag of a run: the step it points at, when it was set there, and the note given with it."""
+
+    run: str
+    name: str
+    step: int
+    updated_at: datetime | None = None
+    note: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"run": self.run, "name": self.name, "step": self.step, "note": self.note,
+                "updated_at": self.updated_at.isoformat() if self.updated_at else None}
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttemptInfo:
+    """One process's stint at a run (``Registry.begin_attempt``), and the code and environment it ran in.
+
+    ``environment`` (empty for an attempt recorded before environments were): ``git`` (``commit``, ``branch``,
+    ``dirty``; None outside a repository), ``host``, ``python``, ``torch``, ``registry``, ``argv``, ``cwd``,
+    ``packages`` and ``packages_sha256`` (see :mod:`registry.ops.environment`).
+    """
+
+    id: int
+    run: str
+    writer: str
+    started_at: datetime | None = None
+    resumed_from: int | None = None
+    fork_run: str | None = None
+    fork_step: int | None = None
+    environment: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "run": self.run, "writer": self.writer, "resumed_from": self.resumed_from,
+                "fork": None if self.fork_run is None else {"run": self.fork_run, "step": self.fork_step},
+                "started_at": self.started_at.isoformat() if self.started_at else None,
+                "environment": dict(self.environment)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class FoundRun:
+    """A run a search found (``Registry.search_runs``), with the value of each column asked for (None where the
+    run has none): ``params.KEY`` as set, ``KEY:min``/``:max``/``:last`` of its current metric points."""
+
+    name: str
+    created_at: datetime | None = None
+    values: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "values": dict(self.values),
+                "created_at": self.created_at.isoformat() if self.created_at else None}
+
+
+@dataclass(frozen=True, kw_only=True)
 class EventInfo:
     id: int
     run: str | None

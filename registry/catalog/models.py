@@ -128,6 +128,7 @@ Tag = Table(
     Column("name", String(128), primary_key=True),
     Column("checkpoint_id", Integer, ForeignKey("checkpoints.id", ondelete="CASCADE"), index=True, nullable=False),
     Column("updated_at", DateTime(timezone=True), nullable=False),
+    Column("note", Text),  # what the person who set the tag said about it
 )
 
 
@@ -242,4 +243,27 @@ WebhookDelivery = Table(
     Column("deliverer", String(255)),
     Column("attempted_at", DateTime(timezone=True), nullable=False),
     Index("ix_webhook_deliveries_outbox_id", "outbox_id"),
+)
+
+
+# A run's parameters (``Registry.set_params``; see ``registry.catalog.params``), one row per flattened key
+# (``optimizer.lr``): the value as JSON, and as a number where it is one (not a boolean) so that a search compares
+# numbers in SQL.
+RunParam = Table(
+    "run_params", metadata,
+    Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True),
+    Column("key", String(255), primary_key=True),
+    Column("value", Text, nullable=False),
+    Column("number", Float),
+    Column("updated_at", DateTime(timezone=True), nullable=False),
+    # a search's question: the runs whose parameter KEY compares so with a number
+    Index("ix_run_params_key_number_run_id", "key", "number", "run_id"),
+)
+
+
+# The code and environment an attempt ran in, captured once when it started (``registry.ops.environment``), as JSON.
+AttemptEnvironment = Table(
+    "attempt_environments", metadata,
+    Column("attempt_id", Integer, ForeignKey("attempts.id", ondelete="CASCADE"), primary_key=True),
+    Column("environment", Text, nullable=False),
 )

@@ -23,8 +23,8 @@ from sqlalchemy.exc import DBAPIError, IntegrityError
 
 from registry.catalog.lineage import record_lineage
 from registry.catalog.outbox import forget_written, record_outbox, took_written
-from registry.catalog.models import (Attempt, CheckpointFile, CheckpointRow, Event, Lease, Metric, Replica,
-                                     Run, Tag)
+from registry.catalog.models import (Attempt, AttemptEnvironment, CheckpointFile, CheckpointRow, Event, Lease, Metric,
+                                     Replica, Run, Tag)
 from registry.catalog.records import Claim, CommitRecord, FileRecord
 from registry.catalog.driver import DriverRead, DriverStatement
 from registry.catalog.session import (aware, catalog_name, failure_reason, head_revision,
@@ -402,15 +402,20 @@ class Catalog:
         self.write(fn)
 
     def start_attempt(self, run: str, *, writer: str, resumed_from: int | None,
-                      fork: tuple[str, int, str | None] | None = None) -> int:
-        """A new attempt; ``fork`` is the (run, step, manifest digest) of the checkpoint it was forked from."""
+                      fork: tuple[str, int, str | None] | None = None, environment: str | None = None) -> int:
+        """A new attempt; ``fork`` is the (run, step, manifest digest) of the checkpoint it was forked from,
+        ``environment`` the JSON of the code and environment it runs in (``registry.ops.environment``)."""
         def fn(conn: Connection) -> int:
             run_id = self.lookup_run(conn, run, create=True)
             forked = {} if fork is None else {"fork_run": fork[0], "fork_step": fork[1],
                                               "fork_manifest_sha256": fork[2]}
-            return conn.execute(insert(Attempt).values(run_id=run_id, writer=writer, resumed_from=resumed_from,
-                                                       started_at=utcnow(), **forked)
-                                .returning(Attempt.c.id)).scalar_one()
+            attempt_id: int = conn.execute(insert(Attempt).values(run_id=run_id, writer=writer,
+                                                                  resumed_from=resumed_from, started_at=utcnow(),
+                                                                  **forked)
+                                           .returning(Attempt.c.id)).scalar_one()
+            if environment is not None:
+                conn.execute(insert(AttemptEnvironment).values(attempt_id=attempt_id, environment=environment))
+            return attempt_id
         return self.write(fn)
 
     def commit_publish(self, claim: Claim, record: CommitRecord, *, writer: str) -> CheckpointInfo:
@@ -565,32 +570,38 @@ class Catalog:
     @staticmethod
     def _tagged(conn: Connection, run_id: int, name: str) -> Any:
         """The checkpoint id and step the tag ``name`` points to now, or None."""
-        return conn.execute(select(Tag.c.checkpoint_id, CheckpointRow.c.step)
+        return conn.execute(select(Tag.c.checkpoint_id, CheckpointRow.c.step, Tag.c.note)
                             .join(CheckpointRow, CheckpointRow.c.id == Tag.c.checkpoint_id)
                             .where(Tag.c.run_id == run_id, Tag.c.name == name)).first()
 
     def _set_tag(self, conn: Connection, run_id: int, step: int, checkpoint_id: int, name: str,
-                 actor: str | None) -> None:
+                 actor: str | None, note: str | None = None) -> None:
+        """Point the tag at the step with ``note``; a tag moved without a note loses the one it had, and one
+        set again where it is keeps it unless a note is given (``""`` removes it)."""
         old = self._tagged(conn, run_id, name)
         now = utcnow()
+        noted = {} if note is None else {"note": note}
         if old is None:
             try:  # another writer may create the same name first (PostgreSQL): then move theirs
                 with conn.begin_nested():
                     conn.execute(insert(Tag).values(run_id=run_id, name=name, checkpoint_id=checkpoint_id,
-                                                    updated_at=now))
+                                                    updated_at=now, note=note or None))
             except IntegrityError:
                 old = self._tagged(conn, run_id, name)
                 if old is None:
                     raise
         if old is not None and old.checkpoint_id == checkpoint_id:
+            if note is not None and (note or None) != old.note:
+                conn.execute(update(Tag).where(Tag.c.run_id == run_id, Tag.c.name == name).values(note=note or None))
+                self.record_event(conn, run_id, step, "tag-note", actor=actor, tag=name, note=note)
             return
         if old is not None:
             conn.execute(update(Tag).where(Tag.c.run_id == run_id, Tag.c.name == name)
-                         .values(checkpoint_id=checkpoint_id, updated_at=now))
+                         .values(checkpoint_id=checkpoint_id, updated_at=now, note=note or None))
         self.record_event(conn, run_id, step, "tag", actor=actor, tag=name,
-                    old_step=old.step if old is not None else None, new_step=step)
+                    old_step=old.step if old is not None else None, new_step=step, **noted)
 
-    def tag(self, run: str, step: int, name: str, *, actor: str | None = None) -> None:
+    def tag(self, run: str, step: int, name: str, *, actor: str | None = None, note: str | None = None) -> None:
         def fn(conn: Connection) -> None:
             run_id = self.require_run(conn, run)
             query = select(CheckpointRow.c.id, CheckpointRow.c.status).where(CheckpointRow.c.run_id == run_id,
@@ -601,7 +612,7 @@ class Catalog:
             if row is None or row.status not in LIVE:
                 raise CheckpointNotFoundError(
                     f"cannot tag {run}@{step}: no published checkpoint at that step", run=run, step=step)
-            self._set_tag(conn, run_id, step, row.id, name, actor)
+            self._set_tag(conn, run_id, step, row.id, name, actor, note)
         self.write(fn)
 
     def untag(self, run: str, name: str, *, actor: str | None = None) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 import sys
 from collections.abc import Sequence
@@ -19,17 +20,33 @@ from registry.records import NO_PAYLOAD, human_bytes
 @click.command()
 @click.option("--sort-by", default=None, metavar="METRIC[:max]",
               help="Order runs by their best value of METRIC (lowest first; ':max' for highest), as RUN@best ranks.")
+@click.option("--where", "where", multiple=True, metavar="EXPR",
+              help="Only runs that meet EXPR: conditions FIELD OP VALUE joined by 'and', OP one of < <= > >= = != "
+                   "(repeatable). A FIELD is params.KEY or METRIC:min, :max or :last.")
+@click.option("--sort", "sort", default=None, metavar="FIELD[,FIELD...]",
+              help="Order runs by these fields, best first (METRIC:max highest first, others lowest first; a "
+                   "leading '-' turns one round); runs without a value last.")
+@click.option("--columns", default=None, metavar="FIELD[,FIELD...]",
+              help="Show these fields (default: the ones --where and --sort name).")
 @json_option
 @click.pass_obj
 @command
-def runs(state: State, sort_by: str | None, as_json: bool) -> None:
-    """List runs, with when each was created.
+def runs(state: State, sort_by: str | None, where: tuple[str, ...], sort: str | None, columns: str | None,
+         as_json: bool) -> None:
+    """List runs, with when each was created; or search them by parameters and metrics.
 
     \b
     Examples:
         registry runs
         registry runs --sort-by eval/accuracy:max --json
+        registry runs --where 'params.lr < 1e-3' --sort eval/loss:min --columns params.lr,eval/loss:min
     """
+    if where or sort or columns:
+        if sort_by:
+            raise click.UsageError("--sort-by cannot be combined with --where, --sort or --columns "
+                                   "(use --sort METRIC:min or --sort METRIC:max)")
+        search_runs(state, where, sort, columns, as_json=as_json)
+        return
     from registry.views import format_age, format_time, runs_doc
     docs = runs_doc(state.registry(), sort_by=sort_by)
     if as_json:
@@ -40,6 +57,25 @@ def runs(state: State, sort_by: str | None, as_json: bool) -> None:
           [[d["name"], d["checkpoints"], d["latest_step"], d["latest_verified_step"], human_bytes(d["total_bytes"]),
             *([_number(d["best"]["value"]), d["best"]["step"]] if sort_by else []),
             format_time(_time(d["created_at"])), format_age(_time(d["created_at"]))] for d in docs])
+
+
+def search_runs(state: State, where: Sequence[str], sort: str | None, columns: str | None, *, as_json: bool) -> None:
+    """``runs --where/--sort/--columns``: one search, a run per row, a column per field."""
+    found = state.registry().search_runs(list(where), sort=sort, columns=columns)
+    if as_json:
+        emit_json([f.to_json() for f in found])
+        return
+    from registry.format.search import parse_search
+    fields = [f.spec for f in parse_search(list(where), sort, columns).columns]
+    table(["RUN", *fields], [[f.name, *(_cell(f.values.get(k)) for k in fields)] for f in found])
+
+
+def _cell(value: Any) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return json.dumps(value)
 
 
 def _number(value: float | None) -> str | None:
@@ -96,9 +132,15 @@ def show(state: State, ref: str, as_json: bool) -> None:
         registry show demo@best:eval/loss --json
     """
     from registry.views import format_time, step_view
-    view = step_view(state.registry(), ref)
+    reg = state.registry()
+    view = step_view(reg, ref)
+    run_step = (view.info.run, view.info.step)
+    notes = {t.name: t.note for t in reg.tags(run_step[0]) if t.step == run_step[1] and t.note}
+    params = reg.params(run_step[0])
+    attempt = next(iter(reg.attempts(run_step[0], step=run_step[1])), None)
     if as_json:
-        emit_json(view.to_json())
+        emit_json({**view.to_json(), "tag_notes": notes, "params": params,
+                   "attempt": attempt.to_json() if attempt is not None else None})
         return
     info, files, events, ended, manifest = view.info, view.files, view.events, view.ended, view.manifest
     shared = view.shared_bytes
@@ -125,6 +167,15 @@ def show(state: State, ref: str, as_json: bool) -> None:
     click.echo(f"epoch:    {info.epoch}  consumed_samples: {info.consumed_samples}  "
                f"policy_version: {info.policy_version}")
     click.echo(f"tags:     {', '.join(info.tags) or '-'}")
+    for name, note in sorted(notes.items()):
+        click.echo(f"  {name}: {' '.join(note.split())}")
+    if params:
+        click.echo(f"params:   {' '.join(f'{k}={_cell(v)}' for k, v in params.items())}")
+    if attempt is not None and attempt.environment:
+        click.echo(f"code:     {_code(attempt.environment)}")
+        argv = attempt.environment.get("argv") or []
+        if argv:
+            click.echo(f"command:  {' '.join(shlex.quote(str(a)) for a in argv)}")
     click.echo(f"metrics:  {', '.join(f'{k}={v:.6g}' for k, v in sorted(info.metrics.items())) or '-'}")
     click.echo(f"created:  {format_time(info.created_at)}  verified: {format_time(info.verified_at)}")
     click.echo(f"manifest: {info.manifest_sha256}")
@@ -134,6 +185,18 @@ def show(state: State, ref: str, as_json: bool) -> None:
         click.echo(f"  {f.name:<40} {human_bytes(f.size):>10}  {f.sha256[:16]}")
     for e in events:
         click.echo(f"  {format_time(e.created_at)}  {e.kind:<14} {json.dumps(e.detail, sort_keys=True)}")
+
+
+def _code(env: dict[str, Any]) -> str:
+    """``git 1d6feaa (main, dirty)  python 3.11.7  torch 2.6.0  registry 0.1.0  on HOST``."""
+    git = env.get("git")
+    if isinstance(git, dict) and git.get("commit"):
+        where = ", ".join(x for x in (git.get("branch"), "dirty" if git.get("dirty") else None) if x)
+        code = f"git {str(git['commit'])[:12]}" + (f" ({where})" if where else "")
+    else:
+        code = "no git repository"
+    versions = "  ".join(f"{name} {env[name]}" for name in ("python", "torch", "registry") if env.get(name))
+    return f"{code}  {versions}  on {env.get('host') or '-'}"
 
 
 @click.command()
@@ -156,9 +219,12 @@ def resolve(state: State, ref: str) -> None:
 @click.argument("target", metavar="REF|RUN")
 @click.argument("step_or_name", metavar="[STEP] NAME")
 @click.argument("name", required=False, metavar="")
+@click.option("--note", default=None, metavar="TEXT",
+              help="Say why, kept with the tag ('registry show' prints it). A tag moved without a note loses its "
+                   "old one.")
 @click.pass_obj
 @command
-def tag(state: State, target: str, step_or_name: str, name: str | None) -> None:
+def tag(state: State, target: str, step_or_name: str, name: str | None, note: str | None) -> None:
     """Point tag NAME at the step REF names (tag run@best:eval/loss release), or at RUN STEP.
 
     The tag moves if it exists.
@@ -166,7 +232,7 @@ def tag(state: State, target: str, step_or_name: str, name: str | None) -> None:
     \b
     Examples:
         registry tag demo@best:eval/loss release
-        registry tag demo 1200 baseline
+        registry tag demo 1200 baseline --note "before the lr change"
     """
     if name is not None:
         try:
@@ -181,7 +247,7 @@ def tag(state: State, target: str, step_or_name: str, name: str | None) -> None:
         run, step = info.run, info.step
     else:
         run = target
-    reg.tag(run, step, name)
+    reg.tag(run, step, name, note=note)
     click.echo(f"{run}@{name} -> {step}")
 
 

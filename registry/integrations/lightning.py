@@ -15,7 +15,9 @@ step was published are logged as late metrics. ``keep`` (a retention
 policy) replaces ``save_top_k``, and never deletes the newest step, a
 tagged step, or one being read. It also saves the RNG states (torch, numpy,
 Python) in its own callback state, so a resumed run draws what the
-uninterrupted one would have.
+uninterrupted one would have. When training starts it records the
+LightningModule's ``hparams`` as the run's parameters (``Registry.set_params``;
+what JSON cannot hold is left out).
 
 :class:`RegistryCheckpointIO` (installed by the callback at ``setup``, or
 passed as ``plugins=[...]``) writes ``registry:RUN@STEP`` targets to the
@@ -314,6 +316,11 @@ class RegistryCheckpoint(pl.Callback):
             self.resumed_at = step
             if trainer.is_global_zero:
                 self.registry.begin_attempt(self.run, resumed_from=step)
+        if trainer.is_global_zero:
+            from registry.format.params import json_params
+            hparams = json_params(getattr(pl_module, "hparams", None))
+            if hparams:
+                self.registry.set_params(self.run, hparams)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:

@@ -10,11 +10,13 @@ thread, hence the lock.
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from registry.catalog import Catalog, CommitRecord, PayloadRecord
+from registry.ops.environment import environment
 
 if TYPE_CHECKING:
     from registry.catalog.lineage import LineageRecord
@@ -37,13 +39,15 @@ class Attempts:
         self._forks: dict[str, Fork] = {}  # run -> the checkpoint its attempt forked from
         self._published: set[str] = set()  # runs the current attempt has published to
         self._pending: dict[str, list[Point]] = {}
+        self._last_step: dict[str, int] = {}  # the highest step this process logged or published at, per run
 
     def attempt(self, run: str) -> int:
         """This process's attempt at ``run``, started at the first call."""
         with self._lock:
             if run not in self._ids:
                 self._ids[run] = self._catalog.start_attempt(
-                    run, writer=self._writer(), resumed_from=self._resumed_from.get(run), fork=self._forks.get(run))
+                    run, writer=self._writer(), resumed_from=self._resumed_from.get(run), fork=self._forks.get(run),
+                    environment=json.dumps(environment(), sort_keys=True))
             return self._ids[run]
 
     def begin(self, run: str, *, resumed_from: int | None, fork: Fork | None) -> int:
@@ -76,6 +80,17 @@ class Attempts:
     def buffer(self, run: str, points: Sequence[Point]) -> None:
         with self._lock:
             self._pending.setdefault(run, []).extend(points)
+            if points:
+                self.saw_step(run, max(p[0] for p in points))
+
+    def saw_step(self, run: str, step: int) -> None:
+        with self._lock:
+            self._last_step[run] = max(step, self._last_step.get(run, step))
+
+    def last_step(self, run: str) -> int:
+        """The highest step this process logged a metric or published at for ``run``; 0 before any."""
+        with self._lock:
+            return self._last_step.get(run, 0)
 
     def flush(self, run: str | None = None) -> None:
         """Make every buffered point (of ``run``, or of every run) durable, under its run's attempt."""
@@ -121,6 +136,7 @@ class _PublishHooks:
     def done(self) -> None:
         with self.attempts._lock:
             self.attempts._published.add(self.run)
+            self.attempts.saw_step(self.run, self.step)
 
 
 __all__ = ["Attempts", "Fork", "Point"]
