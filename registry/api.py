@@ -15,7 +15,7 @@ import os
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
@@ -30,6 +30,7 @@ from registry.errors import CheckpointNotFoundError, InvalidStateError, ReadOnly
 from registry.format.layout import step_dirname
 from registry.ops.attempts import Attempts, Fork
 from registry.records import HAS_PAYLOAD, CheckpointInfo, EventInfo, MetricPoint, RunInfo
+from registry.records import AttemptInfo, FoundRun, TagInfo
 from registry.format.refs import Ref, check_run_name, check_step, check_tag_name, parse_ref
 from registry.fs.bounds import check_outside_root
 from registry.fs.store import Store, now_timestamp
@@ -55,6 +56,7 @@ if TYPE_CHECKING:  # and what only some methods use, imported there: a CLI listi
     from registry.ops.tiers import Tiers
     from registry.catalog.outbox import OutboxEntry, WebhookInfo
     from registry.ops.webhooks import BackgroundDelivery, DeliveryReport, WebhookOptions
+    from registry.ops.sysmetrics import SystemSampler
 
     from registry.distributed.sharded import ShardedLoad
     from registry.distributed.sharded_async import PublishGroups
@@ -66,6 +68,8 @@ if TYPE_CHECKING:  # and what only some methods use, imported there: a CLI listi
     from registry.retention import Policy
 
 log = logging.getLogger(__name__)
+
+MAX_NOTE = 4096  # characters of a tag's note
 
 
 def _bound_catalog(url: str, root: Root, *, migrate: bool, create: bool, read_only: bool,
@@ -179,6 +183,7 @@ class Registry:
         # process's background deliverer, started by the first commit that owes a webhook an event
         self.webhook_options: WebhookOptions | None = None
         self._webhook_delivery: BackgroundDelivery | None = None
+        self._samplers: dict[str, SystemSampler] = {}  # run -> its system-metrics sampler (sample_system_metrics)
         if not read_only:
             me = weakref.ref(self)
 
@@ -322,6 +327,8 @@ class Registry:
         if self._closed:
             return
         try:
+            for sampler in list(self._samplers.values()):
+                sampler.stop()  # before the flush, which then takes their last samples
             self._background.wait()
             self.flush()
         finally:
@@ -707,11 +714,105 @@ class Registry:
         """The newest 1000 events (publishes, tags, deletions, repairs) of a run or step, or of all, oldest first."""
         return self.catalog.events(run, step=step)
 
-    def tag(self, run: str, step: int, name: str) -> None:
-        """Point tag ``name`` of ``run`` at the live ``step`` (moving it if set), so ``run@name`` resolves there."""
+    def tag(self, run: str, step: int, name: str, *, note: str | None = None) -> None:
+        """Point tag ``name`` of ``run`` at the live ``step`` (moving it if set), so ``run@name`` resolves there.
+
+        ``note``: what to say about it, kept with the tag (see :meth:`tags`) and in its event. A tag moved
+        without a note loses the one it had; one set again where it is keeps it unless a note is given
+        (``""`` removes it).
+        """
         check_run_name(run)
         check_step(step)
-        self.catalog.tag(run, step, check_tag_name(name), actor=self.writer)
+        if note is not None and (not isinstance(note, str) or len(note) > MAX_NOTE):
+            got = f"{len(note)} characters" if isinstance(note, str) else type(note).__name__
+            raise InvalidStateError(f"a tag's note is text of at most {MAX_NOTE} characters, got {got}")
+        self.catalog.tag(run, step, check_tag_name(name), actor=self.writer, note=note)
+
+    def tags(self, run: str) -> list[TagInfo]:
+        """Every tag of ``run`` by name, with the step it points at, when it was set there and its note."""
+        from registry.catalog.params import ParamsCatalog
+        check_run_name(run)
+        return ParamsCatalog(self.catalog).tags(run)
+
+    # ------------------------------------------------------------------ runs as experiments
+
+    def set_params(self, run: str, params: Mapping[str, Any]) -> None:
+        """Merge ``params`` into ``run``'s parameters (its hyperparameters; the run is created if need be).
+
+        Nested mappings are flattened with dots (``{"optimizer": {"lr": 1e-3}}`` is ``optimizer.lr``), which is
+        how :meth:`params` returns them and a search names them (``params.optimizer.lr``); a key set again
+        takes the new value. Values are what JSON holds (None, booleans, finite numbers, text, lists and
+        mappings of those); anything else raises ``InvalidStateError`` and nothing of the call is kept.
+        """
+        from registry.catalog.params import ParamsCatalog
+        from registry.format.params import flatten_params
+        check_run_name(run)
+        ParamsCatalog(self.catalog).set_params(run, flatten_params(params))
+
+    def params(self, run: str) -> dict[str, Any]:
+        """``run``'s parameters by flattened key (``{"optimizer.lr": 0.001, ...}``), sorted; ``{}`` for a run
+        that has none, ``CheckpointNotFoundError`` for an unknown run."""
+        from registry.catalog.params import ParamsCatalog
+        check_run_name(run)
+        return ParamsCatalog(self.catalog).params(run)
+
+    def search_runs(self, where: str | Sequence[str] | None = None, *, sort: str | Sequence[str] | None = None,
+                    columns: str | Sequence[str] | None = None) -> list[FoundRun]:
+        """The runs that meet ``where``, ordered by ``sort``, each with the value of every column.
+
+        ``where``: conditions on parameters and metric summaries joined by ``and``
+        (``"params.lr < 1e-3 and eval/loss:min <= 0.5"``); ``sort``: fields best first
+        (``"eval/loss:min"``; ``KEY:max`` is highest first, a leading ``-`` turns one round); ``columns``:
+        fields separated by commas (default: those that ``where`` and ``sort`` name). A field is
+        ``params.KEY`` or a metric at the run's live checkpoints: ``KEY:min``/``KEY:max`` the best value, at
+        the step ``RUN@best:KEY[:max]`` loads (``KEY`` alone is ``KEY:min``), ``KEY:last`` the value at the
+        newest live checkpoint that has one; each found run's ``steps`` says where. The grammar is in
+        :mod:`registry.format.search`; what does not parse raises ``InvalidQueryError``. The filtering and the
+        order are one SQL query; the web view's runs table is this search too.
+        """
+        from registry.catalog.params import ParamsCatalog
+        from registry.format.search import parse_search
+        return ParamsCatalog(self.catalog).search(parse_search(where, sort, columns))
+
+    def attempts(self, run: str, *, step: int | None = None) -> list[AttemptInfo]:
+        """Every attempt at ``run`` (see :meth:`begin_attempt`), oldest first, each with the code and
+        environment it ran in (``environment``: git commit and dirty flag, host, versions, command line,
+        packages digest; see :mod:`registry.ops.environment`). With ``step``: the attempt that published it."""
+        from registry.catalog.params import ParamsCatalog
+        check_run_name(run)
+        if step is not None:
+            check_step(step)
+        return ParamsCatalog(self.catalog).attempts(run, step)
+
+    def sample_system_metrics(self, run: str, *, every: float = 10.0,
+                              step: Callable[[], int] | None = None) -> SystemSampler:
+        """Log ``sys/*`` metrics of this machine for ``run`` every ``every`` seconds, on a daemon thread, until
+        the returned sampler's ``stop()`` or :meth:`close`.
+
+        CPU, memory, disk and network I/O, and CUDA memory where torch uses it (the keys are in
+        :mod:`registry.ops.sysmetrics`), through :meth:`log_metrics` at ``step()`` (default: the highest step
+        this registry logged or published at for ``run``), so they become durable with the next publish or
+        :meth:`flush`, as every metric does. Uses psutil (extra ``system``), else Linux's ``/proc``.
+        """
+        from registry.ops.sysmetrics import SystemSampler
+        check_run_name(run)
+        if self.read_only:
+            raise ReadOnlyError("this registry is read-only: it logs no metrics")
+        current = self._samplers.get(run)
+        if current is not None and current.running:
+            raise InvalidStateError(f"system metrics of {run!r} are sampled already: stop() that sampler first")
+        at = step if step is not None else functools.partial(self._attempts.last_step, run)
+        me = weakref.ref(self)  # a registry dropped unclosed is not kept alive by its sampler
+
+        def log_values(values: Mapping[str, float]) -> None:
+            reg = me()
+            if reg is None or reg._closed:
+                sampler.stop()
+                return
+            reg.log_metrics(run, at(), values)
+        sampler = SystemSampler(log_values, every=every, name=f"registry-sys-metrics-{run}")
+        self._samplers[run] = sampler
+        return sampler
 
     def untag(self, run: str, name: str) -> None:
         """Remove tag ``name`` from ``run`` (``CheckpointNotFoundError`` if unset); the step is untouched."""
@@ -1151,6 +1252,62 @@ class Registry:
         if move:
             remove_originals(foreign)
         self._kick_replication()
+        return self.placed(info)
+
+    def publish_files(self, path: str | os.PathLike[str], *, run: str, step: int, files: Collection[str],
+                      meta: Mapping[str, Any] | None = None, extra: Mapping[str, Any] | None = None,
+                      epoch: int = 0, optimizer_step: int | None = None, tags: Iterable[str] = (),
+                      retention: Policy | None = None, overwrite: bool = False, adopt: bool = False,
+                      trust_pickle: bool = False) -> CheckpointInfo:
+        """Publish ``files`` of a directory a trainer just saved (its weights among them) as ``run@step``.
+
+        As :meth:`publish` does (the run's buffered metrics in the same
+        commit, ``retention`` after it), but the files go in as they are, each
+        read once to hash it; ``meta`` and ``extra`` are written beside them
+        as a publish writes them, and every ``NAME.pt`` among the files must
+        load with ``weights_only`` unless ``trust_pickle``. With ``adopt``
+        the files are hard-linked into the step when the directory is on the
+        root's filesystem (copied otherwise): write them no more, and remove
+        the directory once this returns. A crash leaves the directory as it was.
+        """
+        from registry.fs.importer import Hashing, Own, check_pickles, scan, stage
+        from registry.ops.protocol import Target, publish_sequence
+        self.root.require("local_import", "publish_files")
+        self._background.raise_error()
+        check_run_name(run)
+        check_step(step)
+        check_flags(overwrite=overwrite, adopt=adopt, trust_pickle=trust_pickle)
+        self._check_retention(retention)
+        tags = check_tags(tags)
+        if adopt:  # the step will share the files' inodes: never a published checkpoint's
+            check_outside_root(Path(path), self.store.root, what="publish_files(adopt=True) source",
+                               catalog=self._catalog_file())
+        foreign = scan(Path(path).absolute(), files)
+        # on one filesystem the files are read (hashed) from now on: the checks and the claim overlap the reads
+        hashing = Hashing(foreign) if adopt and os.stat(foreign.directory).st_dev == os.stat(
+            self.store.root).st_dev else None
+        try:
+            own = Own.checked(meta=meta, extra=extra, epoch=epoch, trust_pickle=trust_pickle,
+                              optimizer_step=step if optimizer_step is None else optimizer_step,
+                              timestamp=now_timestamp())
+            own.check_beside(foreign)
+            check_pickles(foreign, trust_pickle=trust_pickle)
+            relpath = self.root.new_relpath(run, step)
+            target = Target(run=run, step=step, root=self._local_root(), relpath=relpath, writer=self.writer,
+                            overwrite=overwrite, epoch=own.meta["epoch"])
+            hooks = self._copy_hooks(self._attempts.hooks(run, step, metrics=(), tags=tags, lineage=None), run,
+                                     step)
+            self._background.wait()  # publishes commit in call order, background ones first
+            self._background.raise_error()
+            info = publish_sequence(self.catalog, target, lambda staging, _reuse: stage(
+                foreign, staging, move=adopt, own=own, copy_across=True, hashing=hashing), hooks,
+                self.root.landing(relpath))
+        finally:
+            if hashing is not None:
+                hashing.wait()
+        self._kick_replication()
+        if retention is not None:
+            self._retention_after_publish(run, step, retention)
         return self.placed(info)
 
     # ------------------------------------------------------------------ lineage and diff

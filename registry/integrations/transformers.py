@@ -11,11 +11,16 @@ publishes what it wrote (the model's safetensors and ``config.json``, the
 optimizer, scheduler and scaler state, the RNG states and the trainer state)
 as ``run@N`` with the evaluation metrics of step N in the same transaction,
 then removes ``checkpoint-N`` (the registry's copy is the checkpoint now;
-``remove_trainer_checkpoints=False`` keeps it). An evaluation after step N
+``remove_trainer_checkpoints=False`` keeps it). On a filesystem root the
+files are adopted, not rewritten (``Registry.publish_files``): hard-linked
+into the step and read once to hash them, so a save costs the Trainer's
+write, one read and the fsync. An evaluation after step N
 was published lands as a late metric, so ``run@best:eval_loss`` re-ranks at
 once. ``save_total_limit`` is replaced by ``keep``, a retention policy
 applied after each publish (which never deletes the newest step, a tagged
-one or one being read).
+one or one being read). When training starts the main process records the
+``TrainingArguments`` (``to_dict()``, the JSON scalars) as the run's
+parameters (``Registry.set_params``).
 
 Resuming goes through :meth:`registry.Registry.checkout`: the newest
 verified step (falling back past a corrupt one with a warning) as a
@@ -57,6 +62,7 @@ TRAINER_STATE = "trainer_state.json"  # the Trainer's names for what it reads ba
 RNG_FILE = "rng_state.pth"
 RNG_EXTRA = "rng_state"  # published as rng_state.pt: extras are NAME.pt
 PUBLISHED_EXTRAS = ("optimizer", "scheduler", "scaler")  # the Trainer's NAME.pt files, kept under their names
+WEIGHTS, WEIGHTS_INDEX, CONFIG = "model.safetensors", "model.safetensors.index.json", "config.json"
 META_KEY = "hf_trainer_state"
 # what the Trainer's speed_metrics() adds to every evaluation: timings of this machine, not of the model
 SPEED_SUFFIXES = ("_runtime", "_samples_per_second", "_steps_per_second", "_tokens_per_second")
@@ -162,8 +168,12 @@ class RegistryCallback(TrainerCallback):
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        **kwargs: Any) -> None:
+        if state.is_world_process_zero:
+            self.registry.set_params(self.run, training_params(args))
         if not self.remove_trainer_checkpoints:
             return
+        if state.is_world_process_zero:
+            self.remove_adopted_leftovers(Path(args.output_dir or "."))
         if args.load_best_model_at_end:
             raise InvalidStateError("load_best_model_at_end needs the Trainer's checkpoint-N directories: pass "
                                     "RegistryCallback(..., remove_trainer_checkpoints=False), or load "
@@ -205,28 +215,95 @@ class RegistryCallback(TrainerCallback):
     def publish_directory(self, folder: Path, *, step: int, epoch: int) -> None:
         """Publish a ``checkpoint-N`` directory the ``Trainer`` wrote as ``run@step``, then remove it.
 
-        Read through the registry's own directory reader (weights mapped, not
-        copied; ``NAME.pt`` files with ``weights_only=True``). In the
-        background mode the directory is removed once its publish committed.
+        A blocking publish to a filesystem root (without a durable tier or
+        dedup) adopts the Trainer's files: the weights, ``config.json`` and
+        the optimizer, scheduler and scaler states become the step's own,
+        each read once to hash it, hard-linked when the output directory is on
+        the root's filesystem (copied when not, or when the directory is
+        kept). Otherwise they are read through the registry's directory reader
+        (weights mapped, not copied; ``NAME.pt`` files with
+        ``weights_only=True``) and published. In the background mode the
+        directory is removed once its publish committed.
         """
-        from registry.checkpoint import Checkpoint
-        names = [n for n in PUBLISHED_EXTRAS if (folder / f"{n}.pt").is_file()]
-        ckpt = Checkpoint.load(folder, trust_pickle=self.trust_pickle, extras=names)
-        extra = dict(ckpt.extra)
+        extra: dict[str, Any] = {}
         rng = _read_rng(folder / RNG_FILE)
         if rng is not None:
             extra[RNG_EXTRA] = rng
         meta: dict[str, Any] = {}
         if (folder / TRAINER_STATE).is_file():
             meta[META_KEY] = json.loads((folder / TRAINER_STATE).read_text())
-        result = self.registry.publish(
-            self.run, step, ckpt.state_dict, extra=extra, config=ckpt.config, meta=meta, epoch=epoch,
-            optimizer_step=step, retention=self.keep, tags=self.tags, blocking=self.blocking,
-            trust_pickle=self.trust_pickle, overwrite=self.resumed_at is not None and step > self.resumed_at)
+        overwrite = self.resumed_at is not None and step > self.resumed_at
+        files = self._adoptable(folder)
+        result: Any
+        if files is not None:
+            result = self.registry.publish_files(
+                folder, run=self.run, step=step, files=files, meta=meta, extra=extra, epoch=epoch,
+                optimizer_step=step, retention=self.keep, tags=self.tags, overwrite=overwrite,
+                adopt=self.remove_trainer_checkpoints, trust_pickle=self.trust_pickle)
+        else:
+            from registry.checkpoint import Checkpoint
+            names = [n for n in PUBLISHED_EXTRAS if (folder / f"{n}.pt").is_file()]
+            ckpt = Checkpoint.load(folder, trust_pickle=self.trust_pickle, extras=names)
+            result = self.registry.publish(
+                self.run, step, ckpt.state_dict, extra={**ckpt.extra, **extra}, config=ckpt.config, meta=meta,
+                epoch=epoch, optimizer_step=step, retention=self.keep, tags=self.tags, blocking=self.blocking,
+                trust_pickle=self.trust_pickle, overwrite=overwrite)
         self.published.add(step)
         if self.remove_trainer_checkpoints:
             self._pending.append((result, folder))
         self._remove_published()
+
+    def _adoptable(self, folder: Path) -> list[str] | None:
+        """The files of ``folder`` a publish adopts as they are, or None where it reads and republishes them.
+
+        Adopting needs the root's filesystem on this host and a publish that
+        returns once committed: a background publish must not depend on files
+        the Trainer may rotate away meanwhile. The weights are one
+        ``model.safetensors`` or an index and its shards.
+        """
+        root = self.registry.root
+        if not (self.blocking and root.can.local_import) or root.can.tiers or self.registry.dedup:
+            return None
+        if (folder / WEIGHTS).is_file():
+            weights = [WEIGHTS]
+        elif (folder / WEIGHTS_INDEX).is_file():
+            try:
+                shards = json.loads((folder / WEIGHTS_INDEX).read_text())["weight_map"].values()
+                weights = [WEIGHTS_INDEX, *sorted({str(name) for name in shards})]
+            except (ValueError, KeyError, TypeError, AttributeError):
+                return None  # the reader's error, as the registry words it
+        else:
+            return None  # no safetensors weights: the reader's error, as the registry words it
+        present = [name for name in (CONFIG, *(f"{n}.pt" for n in PUBLISHED_EXTRAS)) if (folder / name).is_file()]
+        return [*weights, *present]
+
+    def remove_adopted_leftovers(self, output_dir: Path) -> list[Path]:
+        """Remove the ``checkpoint-N`` folders of ``output_dir`` that share their files with the published step N.
+
+        A process killed between a publish's commit and the removal of the
+        folder it adopted leaves that folder holding hard links to the step's
+        files. A ``Trainer`` that saves ``checkpoint-N`` again (resumed at an
+        earlier step) rewrites those files in place, and with them the
+        published step's bytes: the leftovers go before training starts. A
+        folder whose step is not published, or whose files are its own, is
+        the ``Trainer``'s and stays. Returns what was removed.
+        """
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+        removed = []
+        for folder in sorted(output_dir.glob(f"{PREFIX_CHECKPOINT_DIR}-*")):
+            suffix = folder.name[len(PREFIX_CHECKPOINT_DIR) + 1:]
+            if not suffix.isdigit() or not folder.is_dir() or folder.is_symlink():
+                continue
+            try:
+                info = self.registry.resolve(f"{self.run}@{int(suffix)}")
+            except CheckpointNotFoundError:
+                continue
+            if _shares_files(folder, Path(info.path)):
+                log.warning("removing %s: a leftover of %s@%s's publish (killed before it was removed), whose "
+                            "files are the step's own", folder, self.run, suffix)
+                shutil.rmtree(folder)
+                removed.append(folder)
+        return removed
 
     def _remove_published(self, *, wait: bool = False) -> None:
         """Remove the ``checkpoint-N`` directories whose publish committed; a failed one is kept."""
@@ -242,6 +319,29 @@ class RegistryCallback(TrainerCallback):
                     continue
             shutil.rmtree(folder, ignore_errors=True)
         self._pending = left
+
+
+def _shares_files(folder: Path, step_dir: Path) -> bool:
+    """Whether a file of ``folder`` is the very file (same inode) of the same name in ``step_dir``."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return False
+    for name in names:
+        try:
+            mine, theirs = os.stat(folder / name), os.stat(step_dir / name)
+        except OSError:
+            continue
+        if (mine.st_dev, mine.st_ino) == (theirs.st_dev, theirs.st_ino):
+            return True
+    return False
+
+
+def training_params(args: TrainingArguments) -> dict[str, Any]:
+    """The ``TrainingArguments`` as run parameters: its JSON scalars (None, booleans, finite numbers, text);
+    lists and mappings (``report_to``, ``fsdp_config``) and what JSON cannot hold are left out."""
+    from registry.format.params import json_params
+    return json_params({k: v for k, v in args.to_dict().items() if v is None or isinstance(v, (bool, int, float, str))})
 
 
 def restore_trainer_files(directory: Path) -> None:
