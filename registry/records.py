@@ -160,14 +160,17 @@ class AttemptInfo:
 @dataclass(frozen=True, kw_only=True)
 class FoundRun:
     """A run a search found (``Registry.search_runs``), with the value of each column asked for (None where the
-    run has none): ``params.KEY`` as set, ``KEY:min``/``:max``/``:last`` of its current metric points."""
+    run has none): ``params.KEY`` as set; ``KEY:min``/``:max``, the best value at a live checkpoint (the step
+    ``RUN@best:KEY[:max]`` names), ``KEY:last`` the value at the newest live checkpoint that has one. ``steps``:
+    the step of each metric column's value."""
 
     name: str
     created_at: datetime | None = None
     values: dict[str, Any] = field(default_factory=dict)
+    steps: dict[str, int | None] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "values": dict(self.values),
+        return {"name": self.name, "values": dict(self.values), "steps": dict(self.steps),
                 "created_at": self.created_at.isoformat() if self.created_at else None}
 
 

@@ -9,15 +9,16 @@ nothing, which is what lets the web view run on a read-only catalog.
 from __future__ import annotations
 
 import math
-import re
 from pathlib import Path
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any, Literal
 
-from registry.errors import CheckpointNotFoundError, InvalidNameError, RegistryError
+from registry.errors import CheckpointNotFoundError, InvalidQueryError, RegistryError
 from registry.format.refs import check_metric_key, check_run_name, parse_ref
+from registry.format.search import PARAMS, Field, Search, parse_columns, parse_field, parse_where
+from registry.format.search import parse_sort as parse_sort_keys
 from registry.records import ENDED, HAS_PAYLOAD, NO_PAYLOAD, CheckpointInfo, EventInfo, MetricPoint, Status
 
 if TYPE_CHECKING:
@@ -59,13 +60,14 @@ def format_age(value: datetime | None, *, now: datetime | None = None) -> str:
 
 
 def parse_sort(spec: str | None) -> tuple[str, Literal["min", "max"]] | None:
-    """``eval/loss`` or ``eval/acc:max`` -> (metric, mode); None for no sort."""
+    """``eval/loss`` or ``eval/acc:max`` (a field of :mod:`registry.format.search` that ``RUN@best`` ranks)
+    -> (metric, mode); None for no sort."""
     if not spec:
         return None
-    metric, _, mode = spec.partition(":")
-    if mode not in ("", "min", "max"):
-        raise InvalidNameError(f"cannot sort by {spec!r}: expected METRIC or METRIC:max")
-    return check_metric_key(metric), "max" if mode == "max" else "min"
+    field = parse_field(spec)
+    if field.summary not in ("min", "max"):
+        raise InvalidQueryError(f"cannot sort by {spec!r}: expected METRIC, METRIC:min or METRIC:max")
+    return field.key, "max" if field.summary == "max" else "min"
 
 
 # ---------------------------------------------------------------------- runs
@@ -103,55 +105,13 @@ def runs_doc(reg: Registry, *, sort_by: str | None = None) -> list[dict[str, Any
 
 # ---------------------------------------------------------------------- runs as a table
 
-PARAMS = "params."  # a column or condition on a run parameter, not a metric
-MAX_COLUMNS = 12
 # a metric whose name holds one of these is ranked highest first when it is picked as the default column
 HIGHER_IS_BETTER = ("acc", "auc", "f1", "precision", "recall", "reward", "return", "score", "bleu", "rouge", "iou")
 EVAL_PREFIXES = ("eval", "val", "valid", "test")
 TRAINING_WINDOW = timedelta(minutes=10)  # a run a trainer wrote to this recently is "training"
 
 
-@dataclass(frozen=True)
-class Column:
-    """A column of the runs table: a metric's best value at a live checkpoint, as ``RUN@best:KEY[:max]``
-    ranks it (``eval/loss``, ``eval/acc:max``), or a run parameter (``params.lr``, ``params.optim.betas[0]``)."""
-
-    key: str
-    mode: Literal["min", "max"] | None = None  # None for a parameter
-
-    @property
-    def is_param(self) -> bool:
-        return self.mode is None
-
-    @property
-    def spec(self) -> str:
-        """How the column is written in ``?columns=`` and ``--columns``."""
-        return f"{PARAMS}{self.key}" if self.mode is None else f"{self.key}:{self.mode}"
-
-
-def parse_column(text: str) -> Column:
-    """``eval/loss`` (best is lowest), ``eval/acc:max``, ``eval/loss:min`` or ``params.NAME``."""
-    text = text.strip()
-    if text.startswith(PARAMS):
-        name = text[len(PARAMS):]
-        if not name or any(ch.isspace() or ch in ",<>=!" for ch in name):
-            raise InvalidNameError(f"invalid parameter column {text!r}: expected params.NAME")
-        return Column(name)
-    key, _, mode = text.partition(":")
-    if mode not in ("", "min", "max"):
-        raise InvalidNameError(f"invalid column {text!r}: expected METRIC, METRIC:min, METRIC:max or params.NAME")
-    return Column(check_metric_key(key), "max" if mode == "max" else "min")
-
-
-def parse_columns(texts: Iterable[str]) -> list[Column]:
-    """Columns written one per text or separated by commas, each once, in order."""
-    columns = list(dict.fromkeys(parse_column(t) for text in texts for t in text.split(",") if t.strip()))
-    if len(columns) > MAX_COLUMNS:
-        raise InvalidNameError(f"at most {MAX_COLUMNS} columns (asked for {len(columns)})")
-    return columns
-
-
-def default_column(metric_keys: Iterable[Iterable[str]]) -> Column | None:
+def default_column(metric_keys: Iterable[Iterable[str]]) -> Field | None:
     """The column a runs table shows unasked, from each run's metric keys: the loss most runs log (an
     evaluation one first), lowest best; without a loss, the metric most runs log, highest best where its name
     says higher is better (``acc``, ``f1``, ``reward``, ...)."""
@@ -167,7 +127,7 @@ def default_column(metric_keys: Iterable[Iterable[str]]) -> Column | None:
         return ("loss" not in words, not words.startswith(EVAL_PREFIXES), -counts[key], key)
     key = min(counts, key=rank)
     higher = "loss" not in key.lower() and any(w in key.lower() for w in HIGHER_IS_BETTER)
-    return Column(key, "max" if higher else "min")
+    return Field(key, "max" if higher else "min")
 
 
 def value_at(doc: Any, path: str) -> tuple[bool, Any]:
@@ -190,74 +150,6 @@ def value_at(doc: Any, path: str) -> tuple[bool, Any]:
     return False, None
 
 
-_OPERATORS = ("<=", ">=", "!=", "==", "=", "<", ">")
-_CLAUSE = re.compile(r"\s*(?P<column>[^<>=!\s]+)\s*(?P<op><=|>=|!=|==|=|<|>)\s*(?P<value>.*?)\s*")
-
-
-@dataclass(frozen=True)
-class Condition:
-    """``COLUMN OP VALUE``: a metric's best value (``eval/loss < 0.5``) or a parameter (``params.lr <= 1e-3``).
-    A run without the value does not match."""
-
-    column: Column
-    op: str
-    value: float | str | bool
-
-    def holds(self, value: Any) -> bool:
-        if value is None:
-            return False
-        want = self.value
-        numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (value, want))
-        if self.op in ("=", "=="):
-            return value == want if numbers or type(value) is type(want) else False
-        if self.op == "!=":
-            return not (value == want if numbers or type(value) is type(want) else False)
-        if not (numbers or (isinstance(value, str) and isinstance(want, str))):
-            return False
-        return {"<": value < want, "<=": value <= want, ">": value > want, ">=": value >= want}[self.op]
-
-
-def _condition_value(text: str, column: Column, clause: str) -> float | str | bool:
-    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
-        if not column.is_param:
-            raise InvalidNameError(f"cannot filter by {clause!r}: a metric is compared with a number")
-        return text[1:-1]
-    try:
-        return float(text)
-    except ValueError:
-        pass
-    if not column.is_param or not text:
-        raise InvalidNameError(f"cannot filter by {clause!r}: expected a number after {column.spec}")
-    return {"true": True, "false": False}.get(text.lower(), text)
-
-
-def parse_where(texts: Iterable[str]) -> list[Condition]:
-    """Conditions separated by commas or ``and``: ``eval/loss < 0.5, params.optimizer = adamw``."""
-    out = []
-    for text in texts:
-        for clause in re.split(r",|\s+and\s+", text, flags=re.IGNORECASE):
-            if not clause.strip():
-                continue
-            match = _CLAUSE.fullmatch(clause)
-            if match is None:
-                raise InvalidNameError(f"cannot filter by {clause.strip()!r}: expected COLUMN OP VALUE with OP one "
-                                       f"of {' '.join(_OPERATORS)}, e.g. 'eval/loss < 0.5' or 'params.lr <= 1e-3'")
-            column = parse_column(match["column"])
-            out.append(Condition(column, match["op"], _condition_value(match["value"], column, clause.strip())))
-    return out
-
-
-def parse_table_sort(text: str | None) -> tuple[Column, bool] | None:
-    """``eval/loss`` (best first: lowest; ``:max``, highest), ``params.lr`` (lowest first), or either with a
-    leading ``-`` for the other way round: ``(column, descending)``."""
-    if not text or not text.strip():
-        return None
-    text = text.strip()
-    reverse = text.startswith("-")
-    column = parse_column(text.removeprefix("-"))
-    return column, (column.mode == "max") != reverse
-
-
 def run_state(active: datetime | None, ended: datetime | None, *, now: datetime | None = None) -> str:
     """``training`` while a publish or metric arrived within :data:`TRAINING_WINDOW`; ``finished`` once the
     newest attempt ended after its last write; else ``idle``."""
@@ -268,73 +160,48 @@ def run_state(active: datetime | None, ended: datetime | None, *, now: datetime 
     return "idle"
 
 
-def runs_table(reg: Registry, *, columns: Sequence[Column] = (), where: Sequence[Condition] = (),
-               sort: tuple[Column, bool] | None = None, now: datetime | None = None) -> dict[str, Any]:
-    """Every run as ``runs_doc`` has it, with its state and the value of each column, filtered and sorted.
+def runs_table(reg: Registry, *, columns: Sequence[str] = (), where: Sequence[str] = (), sort: str | None = None,
+               now: datetime | None = None) -> dict[str, Any]:
+    """The runs that :meth:`Registry.search_runs` finds for ``where`` and ``sort`` (its grammar,
+    :mod:`registry.format.search`, and its one SELECT), each as ``runs_doc`` has it, with its state and the
+    value of each of ``columns``: a metric's ``{"value", "step"}`` (``KEY:min``: the best at a live checkpoint,
+    the step ``RUN@best:KEY`` loads), a parameter's ``{"value"}`` with no step.
 
-    Without ``columns``, one: :func:`default_column` of the metrics the runs' newest live steps carry. A metric
-    column's value is the best at a live checkpoint and its step (what ``RUN@best:KEY[:max]`` loads); a
-    parameter's comes from ``reg.params(run)`` where this registry records them. Runs without a value sort
-    last either way; ties go by name.
+    Without ``columns``, one: :func:`default_column` of the metrics the runs' newest live steps carry.
     """
-    runs = reg.runs()
-    newest = reg.catalog.resolve_each([parse_ref(f"{r.name}@{kind}") for kind in ("latest", "latest-published")
-                                       for r in runs])
-    verified, live = newest[:len(runs)], newest[len(runs):]
-    chosen = list(columns)
+    from registry.catalog.params import ParamsCatalog
+    shown = parse_columns(columns) if columns else ()
+    search = Search(where=parse_where(where) if where else (), sort=parse_sort_keys(sort) if sort else (),
+                    columns=shown)
+    runs = {r.name: r for r in reg.runs()}
+    newest = reg.catalog.resolve_each([parse_ref(f"{name}@{kind}") for kind in ("latest", "latest-published")
+                                       for name in runs])
+    verified, live = dict(zip(runs, newest[:len(runs)])), newest[len(runs):]
     default = None
-    if not chosen:
+    if not shown:
         default = default_column(i.metrics for i in live if i is not None)
-        chosen = [default] if default is not None else []
-    needed = list(dict.fromkeys([*chosen, *(c.column for c in where), *([sort[0]] if sort else [])]))
-    metrics = [c for c in needed if not c.is_param]
-    best = reg.catalog.resolve_each([parse_ref(f"{r.name}@best:{c.key}:{c.mode}") for r in runs for c in metrics])
-    params_of = getattr(reg, "params", None)
-    if any(c.is_param for c in needed) and params_of is None:
-        raise InvalidNameError("this registry records no run parameters: columns and conditions name metrics")
+        search = replace(search, columns=(default,) if default is not None else ())
+    found = ParamsCatalog(reg.catalog).search(search)
     activity = reg.catalog.run_activity()
     docs = []
-    for i, run in enumerate(runs):
+    for f in found:
+        run = runs.get(f.name)
+        if run is None:  # created since the runs were listed
+            continue
         doc = run.to_json()
-        latest = verified[i]
+        latest = verified[f.name]
         doc["latest_verified_step"] = latest.step if latest is not None else None
-        active, ended = activity.get(run.name, (None, None))
+        active, ended = activity.get(f.name, (None, None))
         doc["state"] = run_state(active, ended, now=now)
         doc["active_at"] = active.isoformat() if active else None
         doc["ended_at"] = ended.isoformat() if ended else None
-        params = dict(params_of(run.name) or {}) if params_of is not None else {}
-        values: dict[str, dict[str, Any]] = {}
-        for j, column in enumerate(metrics):
-            found = best[i * len(metrics) + j]
-            values[column.spec] = {"value": found.metrics.get(column.key) if found else None,
-                                   "step": found.step if found else None}
-        for column in needed:
-            if column.is_param:
-                present, value = value_at(params, column.key)
-                values[column.spec] = {"value": value if present else None, "step": None}
-        if all(c.holds(values[c.column.spec]["value"]) for c in where):
-            doc["values"] = {c.spec: values[c.spec] for c in chosen}
-            doc["_sort"] = values[sort[0].spec]["value"] if sort else None
-            docs.append(doc)
-    if sort is not None:
-        docs.sort(key=lambda d: d["name"])
-        valued = [d for d in docs if d["_sort"] is not None]
-        valued.sort(key=lambda d: _sortable(d["_sort"]), reverse=sort[1])
-        docs = valued + [d for d in docs if d["_sort"] is None]
-    for d in docs:
-        del d["_sort"]
-    return {"columns": [c.spec for c in chosen], "default_column": default.spec if default else None,
-            "where": [f"{c.column.spec} {c.op} {c.value}" for c in where],
-            "sort": None if sort is None else ("-" if sort[1] != (sort[0].mode == "max") else "") + sort[0].spec,
+        doc["values"] = {c.spec: {"value": f.values.get(c.spec), "step": f.steps.get(c.spec)}
+                         for c in search.columns}
+        docs.append(doc)
+    return {"columns": [c.spec for c in search.columns], "default_column": default.spec if default else None,
+            "where": [str(c) for c in search.where], "sort": ",".join(str(k) for k in search.sort) or None,
             "metric_keys": sorted({k for i in live if i is not None for k in i.metrics}),
             "training_window_s": int(TRAINING_WINDOW.total_seconds()), "runs": docs}
-
-
-def _sortable(value: Any) -> tuple[int, Any]:
-    """Numbers before text, each in its own order: a column may mix them (a parameter given both ways)."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return 0, value
-    return 1, str(value)
 
 
 def checkpoints_doc(infos: Iterable[CheckpointInfo]) -> list[dict[str, Any]]:
@@ -585,7 +452,6 @@ def run_view(reg: Registry, run: str, *, key: str | None = None,
     }
 
 
-__all__ = ["Column", "Condition", "StepView", "checkpoints_doc", "default_column", "downsample", "events_doc",
-           "format_age", "format_time", "gc_doc", "load_snippets", "metrics_doc", "parse_column", "parse_columns",
-           "parse_table_sort", "parse_where", "retention_preview", "run_state", "run_view", "runs_doc", "runs_table",
-           "step_view", "value_at", "verify_doc"]
+__all__ = ["PARAMS", "StepView", "checkpoints_doc", "default_column", "downsample", "events_doc", "format_age",
+           "format_time", "gc_doc", "load_snippets", "metrics_doc", "retention_preview", "run_state", "run_view",
+           "runs_doc", "runs_table", "step_view", "value_at", "verify_doc"]

@@ -22,7 +22,8 @@ from sqlalchemy import inspect, text
 from registry import CheckpointNotFoundError, InvalidQueryError, InvalidStateError, Registry
 from registry.ops.environment import git_state, hide_credentials, packages
 from registry.ops.sysmetrics import SystemSampler, proc_counters, psutil_counters
-from tests.helpers import IN_CI, make_state
+from registry.retention import KeepLast
+from tests.helpers import IN_CI, make_state, mark_corrupt
 from tests.test_hot_path_counts import statements
 
 WAIT = 60.0  # the longest a condition is waited for; never reached when things work
@@ -71,15 +72,21 @@ def test_params_refuse_a_non_mapping(reg: Registry) -> None:
 
 
 def experiments(reg: Registry) -> None:
-    """Four runs: three with an optimizer, learning rate and eval/loss curve, one with neither."""
-    for run, lr, opt, losses in (("a", 1e-4, "adamw", [0.9, 0.5, 0.7]), ("b", 3e-3, "sgd", [0.8, 0.6]),
+    """Four runs: three with an optimizer, learning rate and an eval/loss at each checkpoint, one with neither.
+
+    Only the current points at live checkpoints count, as for ``RUN@best``: b's first step (0.95, its highest)
+    is deleted by retention, a's lowest and newest point (0.1) is at a step without a checkpoint, and c's 0.4
+    was superseded by 0.45.
+    """
+    for run, lr, opt, losses in (("a", 1e-4, "adamw", [0.9, 0.5, 0.7]), ("b", 3e-3, "sgd", [0.95, 0.8, 0.6]),
                                  ("c", 1e-3, "adamw", [0.4])):
         reg.set_params(run, {"lr": lr, "optimizer": {"name": opt}, "ema": run == "a", "note": None})
         for step, loss in enumerate(losses, 1):
-            reg.log_metrics(run, step, {"eval/loss": loss})
-        reg.flush(run)
+            reg.publish(run, step, make_state(step), metrics={"eval/loss": loss}, verify=False)
+    reg.apply_retention("b", KeepLast(2))
+    reg.log_metrics("a", 4, {"eval/loss": 0.1}, flush=True)
     reg.set_params("d", {"lr": "auto"})
-    reg.log_metrics("c", 1, {"eval/loss": 0.45}, flush=True)  # supersedes 0.4: only current points count
+    reg.log_metrics("c", 1, {"eval/loss": 0.45}, flush=True)
 
 
 @pytest.mark.parametrize("where, sort, names", [
@@ -93,8 +100,10 @@ def experiments(reg: Registry) -> None:
     ("params.lr != 1e-3", "params.lr", ["a", "b", "d"]),  # a run without the parameter matches no condition on it
     ("params.optimizer.name != sgd", None, ["a", "c"]),
     ("eval/loss:min < 0.55", "eval/loss:min", ["c", "a"]),  # c's 0.4 was superseded by 0.45
+    ("eval/loss < 0.55", "eval/loss", ["c", "a"]),  # a metric alone is KEY:min, as in RUN@best:KEY
     ("eval/loss:last > 0.5", "eval/loss:last", ["b", "a"]),
     ("eval/loss:max >= 0.8", "eval/loss:max", ["a", "b"]),  # :max sorts highest first
+    ("eval/loss:min < 0.2", None, []),  # a's 0.1 is at no checkpoint
     (None, "params.lr", ["a", "c", "b", "d"]),  # numbers first, then text
     (None, "-eval/loss:min", ["b", "a", "c", "d"]),  # no value: last either way
     (None, "params.ema,params.lr", ["c", "b", "a", "d"]),  # false before true (as text), then by lr
@@ -112,21 +121,51 @@ def test_a_search_is_one_query_and_returns_its_columns(reg: Registry) -> None:
                                 columns="params.lr, eval/loss:min,eval/loss:last,params.optimizer.name,params.x")
     work = [s for s in seen if not s.startswith(("BEGIN", "SET", "SELECT pg_", "COMMIT", "ROLLBACK", "PRAGMA"))]
     assert len(work) == 1 and work[0].startswith("SELECT"), seen
-    assert [(f.name, f.values) for f in found] == [
+    assert [(f.name, f.values, f.steps) for f in found] == [
         ("c", {"params.lr": 1e-3, "eval/loss:min": 0.45, "eval/loss:last": 0.45, "params.optimizer.name": "adamw",
-               "params.x": None}),
+               "params.x": None}, {"eval/loss:min": 1, "eval/loss:last": 1}),
         ("a", {"params.lr": 1e-4, "eval/loss:min": 0.5, "eval/loss:last": 0.7, "params.optimizer.name": "adamw",
-               "params.x": None}),
+               "params.x": None}, {"eval/loss:min": 2, "eval/loss:last": 3}),
         ("b", {"params.lr": 3e-3, "eval/loss:min": 0.6, "eval/loss:last": 0.6, "params.optimizer.name": "sgd",
-               "params.x": None})]
-    assert found[0].to_json()["values"]["params.lr"] == 1e-3
+               "params.x": None}, {"eval/loss:min": 3, "eval/loss:last": 3})]
+    assert found[0].to_json()["values"]["params.lr"] == 1e-3 and found[0].to_json()["steps"]["eval/loss:min"] == 1
     # without columns: the fields the conditions and the sort name
     assert list(reg.search_runs("params.lr < 1", sort="eval/loss:max")[0].values) == ["params.lr", "eval/loss:max"]
     assert [r.name for r in reg.search_runs()] == ["a", "b", "c", "d"]
 
 
+def test_a_metric_field_is_what_best_refs_resolve(reg: Registry) -> None:
+    """``KEY:min``/``KEY:max`` are the value and step ``RUN@best:KEY[:max]`` resolves to, whatever happens to the
+    run's steps; ``KEY:last`` the newest live step that has the metric."""
+    experiments(reg)
+    reg.publish("a", 5, make_state(5), verify=False)  # newer, without eval/loss: :last stays at step 3
+    assert mark_corrupt(reg, reg.resolve("c@1"), "a scrub found other bytes")  # c has no live step left
+    columns = "eval/loss:min,eval/loss:max,eval/loss:last"
+    found = {f.name: f for f in reg.search_runs(columns=columns)}
+    for run in ("a", "b"):
+        for mode in ("min", "max"):
+            best = reg.resolve(f"{run}@best:eval/loss:{mode}")
+            spec = f"eval/loss:{mode}"
+            assert (found[run].values[spec], found[run].steps[spec]) == (best.metrics["eval/loss"], best.step)
+    assert (found["a"].values["eval/loss:last"], found["a"].steps["eval/loss:last"]) == (0.7, 3)
+    assert found["c"].values == dict.fromkeys(columns.split(","))
+    assert found["c"].steps == dict.fromkeys(columns.split(","))
+    assert found["d"].values == dict.fromkeys(columns.split(","))
+
+
+@pytest.mark.parametrize("where, sort, names", [
+    ("lr < 1", None, []),  # the metric lr, which no run logs; the parameter is params.lr
+    ("eval/loss <= 0.6", "-eval/loss", ["b", "a", "c"]),
+])
+def test_a_metric_without_a_summary_is_its_min(reg: Registry, where: str, sort: str, names: list[str]) -> None:
+    experiments(reg)
+    found = reg.search_runs(where, sort=sort)
+    assert [r.name for r in found] == names
+    assert all(list(r.values) == [where.split()[0] + ":min"] for r in found)
+
+
 @pytest.mark.parametrize("where", [
-    "params.lr <", "lr < 1", "params.lr < abc", "eval/loss:min = low", "eval/loss < 1", "eval/loss:avg < 1",
+    "params.lr <", "params.lr < abc", "eval/loss:min = low", "eval/loss:avg < 1", "eval loss < 1",
     "params.x = 1 or params.y = 2", "(params.x = 1)", "params.x = 'unclosed", "params. = 1", "params.lr < 1e999",
     "params.a = 1 and", "and params.a = 1", "params.a = 1 params.b = 2", "params.a = = 1", "= 1", "\x00",
     "params.a = 1; DROP TABLE runs", "params.lr < 1 -- comment", "x" * 5000, "params.lr < nan", "params.lr ~ 1",
@@ -138,7 +177,7 @@ def test_a_bad_expression_is_one_line_naming_it(sqlite_reg: Registry, where: str
     assert "\n" not in str(caught.value) and len(str(caught.value)) < 300
 
 
-@pytest.mark.parametrize("kwargs", [{"sort": "eval/loss"}, {"sort": "--params.lr"}, {"columns": "lr"},
+@pytest.mark.parametrize("kwargs", [{"sort": "eval/loss:median"}, {"sort": "--params.lr"}, {"columns": "l r"},
                                     {"columns": ",".join(f"params.p{i}" for i in range(40))},
                                     {"sort": "params.a b"}, {"columns": "eval/loss:min:max"}])
 def test_bad_sort_keys_and_columns_are_refused(sqlite_reg: Registry, kwargs: dict[str, str]) -> None:

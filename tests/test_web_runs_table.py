@@ -25,11 +25,11 @@ from starlette.testclient import TestClient  # noqa: E402
 from registry import Registry  # noqa: E402
 from registry.catalog.models import Attempt  # noqa: E402
 from registry.cli import main  # noqa: E402
-from registry.errors import InvalidNameError  # noqa: E402
+from registry.errors import InvalidQueryError  # noqa: E402
+from registry.format.search import Field, parse_columns, parse_sort, parse_where  # noqa: E402
 from registry.ops.diff import json_diff  # noqa: E402
 from registry.retention import KeepLast  # noqa: E402
-from registry.views import (TRAINING_WINDOW, Column, default_column, parse_columns, parse_table_sort,  # noqa: E402
-                            parse_where, run_state, value_at)
+from registry.views import TRAINING_WINDOW, default_column, run_state, value_at  # noqa: E402
 from registry.web import create_app, data  # noqa: E402
 from tests.helpers import make_state  # noqa: E402
 from tests import test_web  # noqa: E402
@@ -110,10 +110,32 @@ def test_where_keeps_the_runs_whose_best_value_matches(client: TestClient, ro: R
     assert 'id="filtered"' in html and 'data-run="gamma"' not in html and 'data-run="beta"' in html
 
 
+def test_the_table_is_the_search_of_registry_runs(client: TestClient, site: tuple[str, Path, Site],
+                                                  ro: Registry) -> None:
+    """The same where, sort and columns give the same runs, order, values and steps on the page, in
+    ``Registry.search_runs`` and in ``registry runs --json``."""
+    columns, where, sort = "eval/loss,eval/acc:max,eval/loss:last", "eval/acc:max > 0.1", "-eval/loss:last"
+    table = get(client, "/api/table", columns=columns, where=where, sort=sort)
+    found = ro.search_runs(where, sort=sort, columns=columns)
+    specs = ["eval/loss:min", "eval/acc:max", "eval/loss:last"]
+    assert table["columns"] == specs and table["where"] == ["eval/acc:max > 0.1"] and table["sort"] == sort
+    assert [(r["name"], r["values"]) for r in table["runs"]] == \
+        [(f.name, {s: {"value": f.values[s], "step": f.steps[s]} for s in specs}) for f in found]
+    assert [(d["name"], d["values"], d["steps"]) for d in cli_json(site, "runs", "--where", where, "--sort", sort,
+                                                                   "--columns", columns)] == \
+        [(f.name, f.values, f.steps) for f in found]
+    assert len(found) >= 2
+    for f in found:
+        last = max((i for i in ro.checkpoints(f.name) if "eval/loss" in i.metrics), key=lambda i: i.step)
+        assert (f.values["eval/loss:last"], f.steps["eval/loss:last"]) == (last.metrics["eval/loss"], last.step)
+    html = client.get("/", params={"columns": columns, "where": where, "sort": sort}).text
+    assert "last eval/loss</th>" in html and 'id="table-error"' not in html
+
+
 def test_a_malformed_column_condition_or_sort_is_said_above_the_table(client: TestClient) -> None:
-    for query, words in ((("where", "eval/loss < oops"), "expected a number"), (("where", "eval/loss"), "COLUMN OP"),
-                         (("columns", "eval/loss:median"), "METRIC:max"),
-                         (("sort", "eval loss"), "invalid metric key")):
+    for query, words in ((("where", "eval/loss < oops"), "compares with a number"),
+                         (("where", "eval/loss"), "FIELD OP VALUE"), (("columns", "eval/loss:median"), "eval/loss:max"),
+                         (("sort", "eval loss"), "invalid field")):
         assert words in get(client, "/api/table", 400, **dict([query]))["error"], query
         page = client.get("/", params=dict([query]))
         assert page.status_code == 200 and words in unescape(page.text.split('id="table-error">', 1)[1])
@@ -121,30 +143,29 @@ def test_a_malformed_column_condition_or_sort_is_said_above_the_table(client: Te
 
 
 def test_the_default_column_prefers_an_evaluation_loss() -> None:
-    assert default_column([["train/loss", "eval/loss", "eval/acc"], ["eval/loss"]]) == Column("eval/loss", "min")
-    assert default_column([["train/loss"], ["train/loss", "val/loss"]]) == Column("val/loss", "min")
-    assert default_column([["train/loss", "lr"], ["train/loss"]]) == Column("train/loss", "min")
-    assert default_column([["eval/acc", "lr"], ["eval/acc"]]) == Column("eval/acc", "max")
-    assert default_column([["lr"]]) == Column("lr", "min") and default_column([[], []]) is None
+    assert default_column([["train/loss", "eval/loss", "eval/acc"], ["eval/loss"]]) == Field("eval/loss", "min")
+    assert default_column([["train/loss"], ["train/loss", "val/loss"]]) == Field("val/loss", "min")
+    assert default_column([["train/loss", "lr"], ["train/loss"]]) == Field("train/loss", "min")
+    assert default_column([["eval/acc", "lr"], ["eval/acc"]]) == Field("eval/acc", "max")
+    assert default_column([["lr"]]) == Field("lr", "min") and default_column([[], []]) is None
 
 
-def test_columns_conditions_and_sorts_parse_as_written() -> None:
+def test_the_table_reads_the_grammar_of_registry_runs() -> None:
+    """One grammar: a metric without a summary is ``KEY:min``, as ``RUN@best:KEY`` ranks."""
     assert [c.spec for c in parse_columns(["eval/loss, eval/acc:max", "params.lr", "eval/loss:min"])] == \
         ["eval/loss:min", "eval/acc:max", "params.lr"]
-    assert parse_table_sort("eval/acc:max") == (Column("eval/acc", "max"), True)
-    assert parse_table_sort("-eval/loss") == (Column("eval/loss", "min"), True)
-    assert parse_table_sort("-params.lr") == (Column("lr"), True) and parse_table_sort("") is None
-    lr, opt, flag = parse_where(["params.lr <= 1e-3 and params.optimizer = 'adamw', params.ema=true"])
-    assert (lr.op, lr.value, opt.value, flag.value) == ("<=", 1e-3, "adamw", True)
-    assert lr.holds(1e-4) and not lr.holds(1e-2) and not lr.holds(None) and not lr.holds("small")
-    assert opt.holds("adamw") and not opt.holds("sgd") and flag.holds(True) and not flag.holds(1.0)
-    (ne,) = parse_where(["params.optimizer != sgd"])
-    assert ne.holds("adamw") and ne.holds(3) and not ne.holds("sgd") and not ne.holds(None)
+    assert [str(k) for k in parse_sort("eval/acc:max")] == ["eval/acc:max"] and parse_sort("eval/acc:max")[0].descending
+    (loss,) = parse_sort("-eval/loss")
+    assert (loss.field, loss.descending, str(loss)) == (Field("eval/loss", "min"), True, "-eval/loss:min")
+    (lr,) = parse_sort("-params.lr")
+    assert (lr.field, lr.descending) == (Field("lr"), True) and parse_sort("") == ()
+    lr_, opt, flag = parse_where(["params.lr <= 1e-3 and params.optimizer = 'adamw', params.ema=true"])
+    assert (lr_.op, lr_.value, opt.value, flag.value) == ("<=", 1e-3, "adamw", True)
+    (metric,) = parse_where(["eval/loss == 0.5"])
+    assert (metric.field, metric.op, str(metric)) == (Field("eval/loss", "min"), "=", "eval/loss:min = 0.5")
     for bad in ("eval/loss < 'low'", "eval/loss ~ 1", "params. = 1", "eval/loss <"):
-        with pytest.raises(InvalidNameError):
+        with pytest.raises(InvalidQueryError):
             parse_where([bad])
-    with pytest.raises(InvalidNameError, match="at most 12"):
-        parse_columns([",".join(f"m{i}" for i in range(13))])
 
 
 def test_value_at_reads_the_paths_json_diff_writes() -> None:

@@ -3,10 +3,12 @@
 A run's parameters are rows of ``run_params`` (one per flattened key, see
 :mod:`registry.format.params`), merged by an upsert. A search
 (:mod:`registry.format.search`) is one SELECT over ``runs``: each parameter
-and metric summary it names is a correlated subquery served by an index
+and metric field it names is a correlated subquery served by an index
 (``run_params``' primary key and ``(key, number)``; ``ix_metrics_best`` for a
-metric's min and max), and every condition is a WHERE clause with bound
-values. Knows SQL and nothing of torch or files.
+metric), and every condition is a WHERE clause with bound values. A metric
+field is ranked as ``RUN@best:KEY`` resolves (:func:`ranked_by_metric`): the
+command line and the web view's runs table both search through here. Knows SQL
+and nothing of torch or files.
 """
 
 from __future__ import annotations
@@ -15,11 +17,11 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from sqlalchemy import ColumnElement, Connection, exists, func, or_, select
+from sqlalchemy import ColumnElement, Connection, exists, or_, select
 from sqlalchemy.dialects import postgresql, sqlite
 
 from registry.catalog.models import Attempt, AttemptEnvironment, CheckpointRow, Metric, Run, RunParam, Tag
-from registry.catalog.queries import Catalog
+from registry.catalog.queries import Catalog, ranked_by_metric
 from registry.catalog.session import aware, utcnow
 from registry.format.params import encode, number_of
 from registry.format.search import Clause, Field, Search
@@ -64,21 +66,23 @@ class ParamsCatalog:
     # ------------------------------------------------------------------ search
 
     def search(self, search: Search) -> list[FoundRun]:
-        """The runs that meet every condition of ``search``, in its order, with its columns' values."""
-        fields = search.fields
-        values = {field: _value(field) for field in fields}
-        query = select(Run.c.name, Run.c.created_at, *(values[f].label(f"c{i}") for i, f in enumerate(fields)))
+        """The runs that meet every condition of ``search``, in its order, with its columns' values (and, for a
+        metric, the step of the value)."""
+        shown = search.columns
+        metrics = [f for f in shown if not f.is_param]
+        query = select(Run.c.name, Run.c.created_at, *(_value(f).label(f"v{i}") for i, f in enumerate(shown)),
+                       *(_metric(f, Metric.c.step).label(f"s{i}") for i, f in enumerate(metrics)))
         for clause in search.where:
             query = query.where(_condition(clause))
         for key in search.sort:
             for expr in _order(key.field):
                 query = query.order_by(expr.is_(None), expr.desc() if key.descending else expr.asc())
         query = query.order_by(Run.c.name)
-        columns = {f: f"c{i}" for i, f in enumerate(fields)}
 
         def fn(conn: Connection) -> list[FoundRun]:
             return [FoundRun(name=row.name, created_at=aware(row.created_at),
-                             values={f.spec: _decoded(f, row._mapping[columns[f]]) for f in search.columns})
+                             values={f.spec: _decoded(f, row._mapping[f"v{i}"]) for i, f in enumerate(shown)},
+                             steps={f.spec: row._mapping[f"s{i}"] for i, f in enumerate(metrics)})
                     for row in conn.execute(query)]
         result: list[FoundRun] = self.catalog.read(fn)
         return result
@@ -132,14 +136,12 @@ def _param(column: Any, key: str) -> Any:
     return select(column).where(RunParam.c.run_id == Run.c.id, RunParam.c.key == key).scalar_subquery()
 
 
-def _metric(field: Field) -> Any:
-    """The summary of a metric's current points for the run of the enclosing row."""
-    m = Metric.c
-    of_run = (m.run_id == Run.c.id, m.key == field.key, m.superseded.is_(False))
-    if field.summary == "last":
-        return select(m.value).where(*of_run).order_by(m.step.desc(), m.id.desc()).limit(1).scalar_subquery()
-    summary = func.min(m.value) if field.summary == "min" else func.max(m.value)
-    return select(summary).where(*of_run).scalar_subquery()
+def _metric(field: Field, column: Any = Metric.c.value) -> Any:
+    """``column`` (the value, or the step) of the metric point that ``field`` picks among the run's live
+    checkpoints, for the run of the enclosing row: the very ranking of ``RUN@best:KEY``."""
+    assert field.summary is not None
+    return ranked_by_metric(select(column).select_from(CheckpointRow), Run.c.id, field.key,
+                            field.summary).scalar_subquery()
 
 
 def _value(field: Field) -> Any:

@@ -1026,13 +1026,22 @@ def _resolve_shape(kind: str, mode: str | None, below: bool, min_policy_version:
     if kind == "tag":
         return (query.join(Tag, and_(Tag.c.checkpoint_id == c.id, Tag.c.run_id == c.run_id))
                 .where(Tag.c.run_id == run_id, Tag.c.name == bindparam("tag", type_=Tag.c.name.type)))
-    m = Metric.c
+    return ranked_by_metric(query, run_id, bindparam("metric", type_=Metric.c.key.type),
+                            "max" if mode == "max" else "min")
+
+
+def ranked_by_metric(query: Any, run_id: Any, metric: Any, mode: Literal["min", "max", "last"]) -> Any:
+    """``query`` (a SELECT from ``checkpoints``, joined here to ``metrics``) narrowed to the one step that
+    ``RUN@best:METRIC[:min|max]`` names: among the run's published or verified steps, the one whose current
+    point of ``metric`` at its own step is lowest (``min``) or highest (``max``), ties to the newest step;
+    ``last``: the newest such step. The resolver and the search of runs both rank by it."""
+    c, m = CheckpointRow.c, Metric.c
     # ORDER BY the index's own columns (m.step, not c.step) so the
     # planner walks ix_metrics_best and stops at the first live step.
-    order = (m.value.asc(), m.step.desc()) if mode == "min" else (m.value.desc(), m.step.desc())
+    order = {"min": (m.value.asc(), m.step.desc()), "max": (m.value.desc(), m.step.desc()),
+             "last": (m.step.desc(),)}[mode]
     return (query.join(Metric, and_(m.run_id == c.run_id, m.step == c.step))
-            .where(m.run_id == run_id, m.key == bindparam("metric", type_=m.key.type), m.superseded.is_(False),
-                   c.status.in_(RANKABLE))
+            .where(m.run_id == run_id, m.key == metric, m.superseded.is_(False), c.status.in_(RANKABLE))
             .order_by(*order).limit(1))
 
 
@@ -1063,4 +1072,4 @@ _METRICS_AND_TAGS: Any = union_all(
 _RELEASE_LEASE = delete(Lease).where(Lease.c.id == bindparam("lease"))
 
 
-__all__ = ["Catalog", "NOTIFY_CHANNEL", "replace_files"]
+__all__ = ["Catalog", "NOTIFY_CHANNEL", "ranked_by_metric", "replace_files"]

@@ -22,7 +22,9 @@ from registry.records import NO_PAYLOAD, human_bytes
               help="Order runs by their best value of METRIC (lowest first; ':max' for highest), as RUN@best ranks.")
 @click.option("--where", "where", multiple=True, metavar="EXPR",
               help="Only runs that meet EXPR: conditions FIELD OP VALUE joined by 'and', OP one of < <= > >= = != "
-                   "(repeatable). A FIELD is params.KEY or METRIC:min, :max or :last.")
+                   "(repeatable). A FIELD is params.KEY or a metric at the run's live checkpoints: METRIC:min or "
+                   ":max, the best value (the step RUN@best:METRIC loads; METRIC alone is METRIC:min), or "
+                   "METRIC:last, the value at the newest one that has it.")
 @click.option("--sort", "sort", default=None, metavar="FIELD[,FIELD...]",
               help="Order runs by these fields, best first (METRIC:max highest first, others lowest first; a "
                    "leading '-' turns one round); runs without a value last.")

@@ -1,8 +1,13 @@
 """The grammar of a search of runs: conditions, sort keys and columns over parameters and metrics.
 
-A field is a run parameter, ``params.KEY`` (a flattened key such as
-``params.optimizer.lr``), or a summary of a metric's current points,
-``KEY:min``, ``KEY:max`` or ``KEY:last`` (the value at the highest step).
+The command line (``registry runs --where/--sort/--columns``), :meth:`Registry.search_runs` and the web
+view's runs table all read it. A field is a run parameter, ``params.KEY`` (a flattened key such as
+``params.optimizer.lr``), or a metric of the run's live (published or verified) checkpoints:
+
+- ``KEY:min`` / ``KEY:max``: the lowest (highest) value at a live checkpoint, and that step: the step
+  ``RUN@best:KEY[:max]`` names. A point logged at a step without a live checkpoint does not count.
+- ``KEY:last``: the value at the newest live checkpoint that has one, and that step.
+- ``KEY`` alone is ``KEY:min``, as ``RUN@best:KEY`` is.
 
 - ``where``: conditions ``FIELD OP VALUE`` joined by ``and`` (or commas), with OP one of
   ``< <= > >= = !=``. VALUE is a number, ``true``, ``false``, ``null``, a
@@ -47,7 +52,7 @@ _PARAM_KEY = re.compile(r"[^\s<>=!'\",]+")
 
 @dataclass(frozen=True)
 class Field:
-    """``params.KEY`` (``summary`` None) or ``KEY:min|max|last`` of a metric."""
+    """``params.KEY`` (``summary`` None) or ``KEY:min|max|last`` of a metric at the run's live checkpoints."""
 
     key: str
     summary: Summary | None = None
@@ -91,12 +96,6 @@ class Search:
     sort: tuple[SortKey, ...] = ()
     columns: tuple[Field, ...] = ()
 
-    @property
-    def fields(self) -> tuple[Field, ...]:
-        """Every field the search names, each once: the columns first."""
-        named = [*self.columns, *(c.field for c in self.where), *(s.field for s in self.sort)]
-        return tuple(dict.fromkeys(named))
-
 
 def parse_search(where: str | Sequence[str] | None = None, sort: str | Sequence[str] | None = None,
                  columns: str | Sequence[str] | None = None) -> Search:
@@ -113,7 +112,7 @@ def parse_search(where: str | Sequence[str] | None = None, sort: str | Sequence[
 
 
 def parse_field(text: str) -> Field:
-    """``params.KEY`` or ``KEY:min|max|last``."""
+    """``params.KEY``, ``KEY:min|max|last``, or ``KEY`` (read as ``KEY:min``, as ``RUN@best:KEY`` ranks)."""
     text = text.strip()
     if text.startswith(PARAMS):
         key = text[len(PARAMS):]
@@ -128,9 +127,9 @@ def parse_field(text: str) -> Field:
         raise InvalidQueryError(f"invalid field {_shown(text)}: a metric is summarised as {key}:min, {key}:max "
                                 f"or {key}:last")
     if METRIC_KEY_RE.fullmatch(text):
-        raise InvalidQueryError(f"invalid field {_shown(text)}: write params.{text} for a parameter, or {text}:min, "
-                                f"{text}:max or {text}:last for a metric")
-    raise InvalidQueryError(f"invalid field {_shown(text)}: expected params.KEY or METRIC:min, :max or :last")
+        return Field(text, "min")
+    raise InvalidQueryError(f"invalid field {_shown(text)}: expected params.KEY or METRIC[:min|:max|:last], "
+                            "a METRIC of letters, digits, '_', '.', '/' or '-'")
 
 
 def parse_columns(texts: str | Sequence[str]) -> tuple[Field, ...]:

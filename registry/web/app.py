@@ -18,7 +18,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from registry import views
-from registry.errors import CheckpointNotFoundError, InvalidNameError, RegistryError
+from registry.errors import CheckpointNotFoundError, InvalidNameError, InvalidQueryError, RegistryError
 from registry.format.numbers import parse_int, shown
 from registry.format.refs import MAX_STEP
 from registry.records import HAS_PAYLOAD
@@ -204,7 +204,7 @@ def runs_page(reg: Registry, request: Request) -> str:
     text = {"columns": ", ".join(asked["columns"]), "where": ", ".join(asked["where"])}
     try:
         return pages.runs_page(data.table_doc(reg, **asked), **text)
-    except InvalidNameError as exc:
+    except (InvalidNameError, InvalidQueryError) as exc:
         return pages.runs_page(data.table_doc(reg), error=str(exc), **text)
 
 

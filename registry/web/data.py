@@ -17,8 +17,8 @@ from registry.errors import InvalidNameError, RegistryError
 from registry.format.refs import check_metric_key, check_run_name, parse_ref
 from registry.ops.reading import check_digest
 from registry.records import CheckpointInfo, EventInfo, Status
-from registry.views import (DEFAULT_CURVE_POINTS, downsample, format_time, parse_columns, parse_table_sort,
-                            parse_where, run_state, runs_doc, runs_table, value_at, TRAINING_WINDOW)
+from registry.views import (DEFAULT_CURVE_POINTS, downsample, format_time, run_state, runs_doc, runs_table, value_at,
+                            TRAINING_WINDOW)
 
 if TYPE_CHECKING:
     from registry.api import Registry
@@ -52,9 +52,9 @@ def health_doc(reg: Registry, *, sort_by: str | None = None, now: datetime | Non
 def table_doc(reg: Registry, *, columns: Sequence[str] = (), where: Sequence[str] = (), sort: str | None = None,
               now: datetime | None = None) -> dict[str, Any]:
     """The runs page: :func:`~registry.views.runs_table` of the query's ``columns``, ``where`` and ``sort``
-    (as written in the URL), each run with its health as :func:`health_doc` has it."""
-    table = runs_table(reg, columns=parse_columns(columns), where=parse_where(where), sort=parse_table_sort(sort),
-                       now=now)
+    (as written in the URL, in the grammar of ``registry runs``), each run with its health as :func:`health_doc`
+    has it."""
+    table = runs_table(reg, columns=columns, where=where, sort=sort, now=now)
     _with_health(reg, table["runs"])
     return table
 

@@ -65,6 +65,8 @@ def _column_head(spec: str) -> tuple[str, str]:
     if spec.startswith(PARAMS):
         return spec, f"the run parameter {spec[len(PARAMS):]}"
     key, _, mode = spec.partition(":")
+    if mode == "last":
+        return f"last {key}", f"{key} at the newest live checkpoint that has it, and its step"
     ref = f"RUN@best:{key}" + (":max" if mode == "max" else "")
     return (f"best {key}" + (" (max)" if mode == "max" else ""),
             f"the {'highest' if mode == 'max' else 'lowest'} {key} at a live checkpoint, and its step "
