@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -19,7 +19,8 @@ from registry.errors import CheckpointNotFoundError, InvalidQueryError, Registry
 from registry.format.refs import check_metric_key, check_run_name, parse_ref
 from registry.format.search import PARAMS, Field, Search, parse_columns, parse_field, parse_where
 from registry.format.search import parse_sort as parse_sort_keys
-from registry.records import ENDED, HAS_PAYLOAD, NO_PAYLOAD, CheckpointInfo, EventInfo, MetricPoint, Status
+from registry.records import (ENDED, HAS_PAYLOAD, NO_PAYLOAD, AttemptInfo, CheckpointInfo, EventInfo, MetricPoint,
+                              Status)
 
 if TYPE_CHECKING:
     from registry.catalog.lineage import LineageHop
@@ -285,6 +286,9 @@ class StepView:
     manifest: dict[str, Any]
     shared_bytes: int = 0  # stored once with other steps of the run (hard links made by dedup)
     copies: tuple[Any, ...] = ()  # on a root with a durable tier: each tier's copy (registry.catalog.replicas)
+    tag_notes: Mapping[str, str] = field(default_factory=dict)  # the step's tags that carry a note
+    params: Mapping[str, Any] = field(default_factory=dict)  # the run's parameters
+    attempt: AttemptInfo | None = None  # the attempt that wrote the step, with its code and environment
 
     def to_json(self) -> dict[str, Any]:
         doc = self.info.to_json()
@@ -298,7 +302,23 @@ class StepView:
                           "manifest_sha256": c.manifest_sha256,
                           "durable_at": c.durable_at.isoformat() if c.durable_at else None}
                          for c in self.copies]
+        doc["tag_notes"] = dict(self.tag_notes)
+        doc["params"] = dict(self.params)
+        doc["attempt"] = self.attempt.to_json() if self.attempt is not None else None
         return doc
+
+
+def code_summary(env: Mapping[str, Any]) -> str:
+    """The code and environment an attempt ran in, in one line:
+    ``git 1d6feaa (main, dirty)  python 3.11.7  torch 2.6.0  registry 0.1.0  on HOST``."""
+    git = env.get("git")
+    if isinstance(git, dict) and git.get("commit"):
+        where = ", ".join(x for x in (git.get("branch"), "dirty" if git.get("dirty") else None) if x)
+        code = f"git {str(git['commit'])[:12]}" + (f" ({where})" if where else "")
+    else:
+        code = "no git repository"
+    versions = "  ".join(f"{name} {env[name]}" for name in ("python", "torch", "registry") if env.get(name))
+    return f"{code}  {versions}  on {env.get('host') or '-'}"
 
 
 def step_view(reg: Registry, ref: str) -> StepView:
@@ -320,8 +340,11 @@ def step_view(reg: Registry, ref: str) -> StepView:
         shared = shared_bytes(info.path, others)
     copies = tuple(reg.replicas(info.run, info.step)) if reg.root.can.tiers else ()
     manifest = manifest_summary(lambda: reg.root.manifest_bytes(info))
+    notes = {t.name: t.note for t in reg.tags(info.run) if t.step == info.step and t.note}
+    attempt = next(iter(reg.attempts(info.run, step=info.step)), None)
     return StepView(ref=ref, info=info, files=tuple(reg.catalog.files(info.run, info.step)), events=tuple(events),
-                    ended=ending_event(info.status, events), manifest=manifest, shared_bytes=shared, copies=copies)
+                    ended=ending_event(info.status, events), manifest=manifest, shared_bytes=shared, copies=copies,
+                    tag_notes=notes, params=reg.params(info.run), attempt=attempt)
 
 
 def ending_event(status: str, events: Sequence[EventInfo]) -> EventInfo | None:

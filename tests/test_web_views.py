@@ -215,3 +215,20 @@ def test_pages_show_a_loading_state_until_their_data_arrives(client: TestClient)
     run = client.get("/runs/alpha").text
     assert run.count("loading…") == 3  # the chart, the checkpoint table, the events: never an empty table
     assert "loading…" in client.get("/compare?run=alpha").text
+
+
+def test_a_steps_tag_notes_params_and_code_are_the_same_on_the_page_the_api_and_show(reg: Registry) -> None:
+    reg.begin_attempt("noted")
+    reg.publish("noted", 1, make_state(1), metrics={"eval/loss": 1.0})
+    reg.tag("noted", 1, "release", note="passed the eval gate")
+    reg.set_params("noted", {"lr": 0.001})
+    with Registry.open(url=reg.url, root=reg.store.root, read_only=True, create=False) as ro:
+        client = TestClient(create_app(ro), base_url="http://127.0.0.1")
+        page = client.get("/runs/noted/steps/1").text
+        api = get(client, "/api/show?ref=noted@1")
+    shown = json.loads(CliRunner().invoke(main, ["--url", reg.url, "--root", str(reg.store.root), "show", "noted@1",
+                                                 "--json"]).output)
+    assert "release (passed the eval gate)" in page and "python" in page  # the attempt's environment line
+    assert api["tag_notes"] == shown["tag_notes"] == {"release": "passed the eval gate"}
+    assert api["params"] == shown["params"] == {"lr": 0.001}
+    assert api["attempt"] == shown["attempt"] and api["attempt"]["environment"]["python"]

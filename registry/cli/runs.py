@@ -133,16 +133,12 @@ def show(state: State, ref: str, as_json: bool) -> None:
         registry show demo@latest
         registry show demo@best:eval/loss --json
     """
-    from registry.views import format_time, step_view
+    from registry.views import code_summary, format_time, step_view
     reg = state.registry()
     view = step_view(reg, ref)
-    run_step = (view.info.run, view.info.step)
-    notes = {t.name: t.note for t in reg.tags(run_step[0]) if t.step == run_step[1] and t.note}
-    params = reg.params(run_step[0])
-    attempt = next(iter(reg.attempts(run_step[0], step=run_step[1])), None)
+    notes, params, attempt = view.tag_notes, view.params, view.attempt
     if as_json:
-        emit_json({**view.to_json(), "tag_notes": notes, "params": params,
-                   "attempt": attempt.to_json() if attempt is not None else None})
+        emit_json(view.to_json())
         return
     info, files, events, ended, manifest = view.info, view.files, view.events, view.ended, view.manifest
     shared = view.shared_bytes
@@ -174,7 +170,7 @@ def show(state: State, ref: str, as_json: bool) -> None:
     if params:
         click.echo(f"params:   {' '.join(f'{k}={_cell(v)}' for k, v in params.items())}")
     if attempt is not None and attempt.environment:
-        click.echo(f"code:     {_code(attempt.environment)}")
+        click.echo(f"code:     {code_summary(attempt.environment)}")
         argv = attempt.environment.get("argv") or []
         if argv:
             click.echo(f"command:  {' '.join(shlex.quote(str(a)) for a in argv)}")
@@ -187,18 +183,6 @@ def show(state: State, ref: str, as_json: bool) -> None:
         click.echo(f"  {f.name:<40} {human_bytes(f.size):>10}  {f.sha256[:16]}")
     for e in events:
         click.echo(f"  {format_time(e.created_at)}  {e.kind:<14} {json.dumps(e.detail, sort_keys=True)}")
-
-
-def _code(env: dict[str, Any]) -> str:
-    """``git 1d6feaa (main, dirty)  python 3.11.7  torch 2.6.0  registry 0.1.0  on HOST``."""
-    git = env.get("git")
-    if isinstance(git, dict) and git.get("commit"):
-        where = ", ".join(x for x in (git.get("branch"), "dirty" if git.get("dirty") else None) if x)
-        code = f"git {str(git['commit'])[:12]}" + (f" ({where})" if where else "")
-    else:
-        code = "no git repository"
-    versions = "  ".join(f"{name} {env[name]}" for name in ("python", "torch", "registry") if env.get(name))
-    return f"{code}  {versions}  on {env.get('host') or '-'}"
 
 
 @click.command()

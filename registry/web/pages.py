@@ -12,7 +12,8 @@ from typing import Any
 from urllib.parse import quote
 
 from registry.records import human_bytes
-from registry.views import PARAMS, TRAINING_WINDOW, StepView, format_age, format_time, load_snippets
+from registry.views import (PARAMS, TRAINING_WINDOW, StepView, code_summary, format_age, format_time,
+                            load_snippets)
 
 
 LOCAL_TIME = "(writer's local time; no zone recorded)"  # the manifest's format predates zones
@@ -264,7 +265,8 @@ def step_page(view: StepView, *, lineage: Any = None, contents: dict[str, Any] |
              "created": info.created_at and format_time(info.created_at),
              "verified": info.verified_at and format_time(info.verified_at),
              "manifest sha256": info.manifest_sha256 and info.manifest_sha256[:16],
-             "tags": ", ".join(info.tags) or None}
+             "tags": ", ".join(f"{t} ({view.tag_notes[t]})" if t in view.tag_notes else t for t in info.tags) or None,
+             "code": code_summary(view.attempt.environment) if view.attempt and view.attempt.environment else None}
     facts = {"status": str(info.status), "path": str(info.path), "size": human_bytes(info.total_bytes),
              **{k: v for k, v in given.items() if v is not None}}
     if view.ended is not None:
