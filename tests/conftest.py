@@ -13,11 +13,17 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
+import sqlite3
+import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
+from contextlib import closing
 from pathlib import Path
 from types import ModuleType
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
@@ -37,7 +43,9 @@ SLOW_MODULES = frozenset({
 
 # The longest files start first: the suite runs on two workers, each file whole on one, and a long file drawn
 # last leaves the other worker idle for its length.
-LONG_FIRST = SLOW_MODULES | {"test_tiers", "test_s3_faults", "test_s3_root", "test_load_faults"}
+LONG_FIRST = SLOW_MODULES | {"test_tiers", "test_s3_faults", "test_s3_root", "test_load_faults", "test_async",
+                             "test_dedup_fate", "test_conformance_crashes", "test_bench_scripts", "test_open_guards",
+                             "test_publish_faults", "test_cli_imports"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -61,8 +69,15 @@ def pg_database() -> Iterator[str]:
         admin.execute(f'CREATE DATABASE "{name}"')
     base = PG_ADMIN.rsplit("/", 1)[0] + f"/{name}"
     yield base
-    with pg_connect(PG_ADMIN) as admin:
-        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    # Dropping a database of a few hundred schemas takes the server seconds (a file per table and index, and
+    # a checkpoint) that no test waits for: a process of its own drops it while this one finishes the run.
+    drop = (f"import psycopg; psycopg.connect({PG_ADMIN!r}, autocommit=True, connect_timeout=5).execute("
+            f"'DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)')")
+    _DROPPING.append(subprocess.Popen([sys.executable, "-c", drop], start_new_session=True,
+                                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+
+
+_DROPPING: list[subprocess.Popen[bytes]] = []  # held, not waited for: collected now it would warn "still running"
 
 
 @pytest.fixture(scope="session")
@@ -124,9 +139,101 @@ def s3_root(s3_env: s3server.Server, s3_bucket: str) -> str:
 
 @pytest.fixture(params=["sqlite", "postgresql"])
 def catalog_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """An empty catalog of this test's own (no file yet, or an empty schema)."""
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'catalog.db'}"
     return pg_schema_url(request.getfixturevalue("pg_database"))
+
+
+class CatalogTemplates:
+    """The session's catalogs at head, copied into a test's own catalog by the fixtures that open one at once.
+
+    Migrating a catalog runs Alembic, a few dozen statements, for every test: here it runs once per
+    backend. On SQLite the migrated file is copied; on PostgreSQL the statements that migration sent are
+    sent again into the test's own schema. Either way the copy then gets a catalog id of its own, the one
+    value a migration draws.
+    """
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.sqlite: Path | None = None
+        self.postgresql: list[tuple[str, Any, bool]] | None = None
+
+    def fill(self, url: str, request: pytest.FixtureRequest) -> None:
+        """Bring the empty catalog at ``url`` (a ``catalog_url``) to head."""
+        if url.startswith("sqlite:///"):
+            self._fill_sqlite(Path(url.removeprefix("sqlite:///")))
+        else:
+            self._fill_postgresql(url, request.getfixturevalue("pg_database"))
+
+    def _fill_sqlite(self, path: Path) -> None:
+        if self.sqlite is None:
+            from registry.catalog.session import open_engine
+            template = self.directory / "template.db"
+            open_engine(f"sqlite:///{template}").dispose()
+            with closing(sqlite3.connect(template)) as conn:  # everything in the file itself, none in its WAL
+                conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            self.sqlite = template
+        if path.exists():  # made by the test's other fixtures already; opening it migrates it as usual
+            return
+        shutil.copyfile(self.sqlite, path)
+        with closing(sqlite3.connect(path)) as conn:
+            conn.execute("PRAGMA synchronous = OFF")  # a copy made for one test: no fsync is owed
+            _new_identity(conn)
+            conn.commit()
+
+    def _fill_postgresql(self, url: str, database: str) -> None:
+        if self.postgresql is None:
+            from sqlalchemy import Engine, event
+
+            from registry.catalog.session import open_engine
+            sent: list[tuple[str, Any, bool]] = []
+            template_url = pg_schema_url(database)
+            template = _schema(template_url)
+
+            def record(conn: Any, _cursor: Any, statement: str, parameters: Any, _context: Any,
+                       executemany: bool) -> None:
+                # the template's own writes (reads change nothing), not those of another test's leftover thread
+                if template in str(conn.engine.url) and not statement.lstrip().upper().startswith("SELECT"):
+                    sent.append((statement, parameters, executemany))
+            event.listen(Engine, "before_cursor_execute", record)
+            try:
+                open_engine(template_url).dispose()
+            finally:
+                event.remove(Engine, "before_cursor_execute", record)
+            self.postgresql = sent
+        schema = _schema(url)
+        with pg_connect(database) as conn, conn.transaction(), conn.cursor() as cur:
+            cur.execute(f'SET LOCAL search_path TO "{schema}"')
+            if cur.execute("SELECT to_regclass('alembic_version')").fetchone() != (None,):
+                return  # migrated by the test's other fixtures already
+            for statement, parameters, many in self.postgresql:  # as SQLAlchemy's psycopg dialect sent them
+                if many:
+                    cur.executemany(statement, [dict(p) for p in parameters])
+                else:
+                    cur.execute(statement, dict(parameters))
+            _new_identity(cur, placeholder="%s")
+
+
+def _schema(url: str) -> str:
+    """The schema of a URL made by ``pg_schema_url``."""
+    return parse_qs(urlsplit(url).query)["options"][0].removeprefix("-csearch_path=")
+
+
+def _new_identity(conn: Any, *, placeholder: str = "?") -> None:
+    conn.execute(f"UPDATE catalog_identity SET catalog_id = {placeholder}", (uuid.uuid4().hex,))
+
+
+@pytest.fixture(scope="session")
+def catalog_templates(tmp_path_factory: pytest.TempPathFactory) -> CatalogTemplates:
+    return CatalogTemplates(tmp_path_factory.mktemp("catalog-templates"))
+
+
+@pytest.fixture
+def migrated_url(catalog_url: str, catalog_templates: CatalogTemplates, request: pytest.FixtureRequest) -> str:
+    """``catalog_url`` with its schema already at head, for the fixtures that open it at once anyway."""
+    catalog_templates.fill(catalog_url, request)
+    return catalog_url
 
 
 @pytest.fixture
@@ -135,8 +242,8 @@ def root(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def reg(catalog_url: str, root: Path) -> Iterator[Registry]:
-    with Registry.open(url=catalog_url, root=root) as registry:
+def reg(migrated_url: str, root: Path) -> Iterator[Registry]:
+    with Registry.open(url=migrated_url, root=root) as registry:
         yield registry
 
 
@@ -149,9 +256,9 @@ def any_root(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 
 @pytest.fixture
-def any_reg(catalog_url: str, any_root: str) -> Iterator[Registry]:
+def any_reg(migrated_url: str, any_root: str) -> Iterator[Registry]:
     """``reg`` on either kind of root (the tests that take it hold for both)."""
-    with Registry.open(url=catalog_url, root=any_root) as registry:
+    with Registry.open(url=migrated_url, root=any_root) as registry:
         yield registry
 
 
@@ -168,15 +275,18 @@ def fast(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def treg(catalog_url: str, fast: Path, durable: str) -> Iterator[Registry]:
+def treg(migrated_url: str, fast: Path, durable: str) -> Iterator[Registry]:
     """``reg`` on a tiered root: a fast directory over a durable ``s3://`` tier."""
-    with Registry.open(catalog_url, root=fast, durable=durable) as registry:
+    with Registry.open(migrated_url, root=fast, durable=durable) as registry:
         yield registry
 
 
 @pytest.fixture
-def sqlite_reg(tmp_path: Path) -> Iterator[Registry]:
-    with Registry.open(url=f"sqlite:///{tmp_path / 'catalog.db'}", root=tmp_path / "ckpt") as registry:
+def sqlite_reg(tmp_path: Path, catalog_templates: CatalogTemplates, request: pytest.FixtureRequest,
+               ) -> Iterator[Registry]:
+    url = f"sqlite:///{tmp_path / 'catalog.db'}"
+    catalog_templates.fill(url, request)
+    with Registry.open(url=url, root=tmp_path / "ckpt") as registry:
         yield registry
 
 

@@ -534,15 +534,41 @@ def _child_main(name: str, workdir: str, rich: bool = False) -> None:
         pickle.dump(recorder.recording(), f)
 
 
+def _forked_child(name: str, workdir: str, rich: bool, env: dict[str, str], log: str) -> None:
+    """``_child_main`` in a child of the kill harness's forkserver, with the caller's environment and its
+    stderr in ``log``."""
+    from registry.crashpoints import arm
+    from tests.helpers import REPO
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(REPO)
+    out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    arm(env.get("REGISTRY_CRASH_AT"))  # read from the forkserver's environment when it imported the registry
+    _child_main(name, workdir, rich)
+
+
 def record(name: str, workdir: Path, *, rich: bool = False) -> Recording:
-    """Run scenario ``name`` in a child process that records it and exits; its recording."""
-    from tests.helpers import REPO, child_env
+    """Run scenario ``name`` in a child process that records it and exits; its recording.
+
+    The child is forked from the kill harness's forkserver (torch and the registry already imported): the
+    recorder patches ``os`` for the whole process, so it gets one of its own, without seconds of imports.
+    """
+    from tests.helpers import child_env
+    from tests.killharness import context
     workdir.mkdir(parents=True, exist_ok=True)
-    code = f"from tests.crashstates import _child_main; _child_main({name!r}, {str(workdir)!r}, {rich!r})"
-    proc = subprocess.run([sys.executable, "-c", code], env=child_env(), cwd=str(REPO), capture_output=True,
-                          timeout=300)
-    if proc.returncode != 0:
-        raise RuntimeError(f"recording {name} failed: {proc.stderr.decode()[-3000:]}")
+    log = workdir / "child.log"
+    proc = context().Process(target=_forked_child, args=(name, str(workdir), rich, child_env(), str(log)),
+                             daemon=True)
+    proc.start()
+    proc.join(300)
+    if proc.exitcode is None:
+        proc.kill()
+        proc.join()
+    if proc.exitcode != 0:
+        stderr = log.read_text(errors="replace") if log.exists() else ""
+        raise RuntimeError(f"recording {name} failed (exit code {proc.exitcode}): {stderr[-3000:]}")
     with open(workdir / "recording.pkl", "rb") as f:
         rec: Recording = pickle.load(f)
     return rec

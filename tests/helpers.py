@@ -39,28 +39,77 @@ def run_ranks(module: str, world: int, spec_path: Path, *, deadline_s: float,
 
     ``deadline_s`` is a hang detector for the whole group: past it the test fails
     and every rank still running is killed. ``wrap`` prefixes one rank's command
-    line; ``quiet`` drops the ranks' stderr.
+    line; ``quiet`` drops the ranks' stderr. A rank without ``wrap`` is forked from
+    the kill harness's forkserver, which imported torch once: a fresh interpreter
+    spends seconds importing it, per rank and per group.
     """
     import pytest
+
+    from tests.killharness import context
     port = free_port()
     env = {**child_env(), "OMP_NUM_THREADS": "1"}
     env.pop("REGISTRY_CRASH_AT", None)
-    procs = [subprocess.Popen([*(wrap or {}).get(r, []), sys.executable, "-m", module, str(r), str(world), str(port),
-                               str(spec_path)], cwd=REPO, env=env,
-                              stderr=subprocess.DEVNULL if quiet else None) for r in range(world)]
+    logs = spec_path.parent / f"ranks-{time.monotonic_ns()}"
+    logs.mkdir()
+    procs: list[Any] = []
+    for r in range(world):
+        argv = [str(r), str(world), str(port), str(spec_path)]
+        if r in (wrap or {}):
+            procs.append(subprocess.Popen([*(wrap or {})[r], sys.executable, "-m", module, *argv], cwd=REPO, env=env,
+                                          stderr=subprocess.DEVNULL if quiet else None))
+        else:
+            log = None if quiet else str(logs / f"rank{r}.log")
+            proc = context().Process(target=_forked_rank, args=(module, argv, env, log), daemon=True)
+            proc.start()
+            procs.append(proc)
     end = time.monotonic() + deadline_s
     codes: list[int] = []
     try:
         for p in procs:
-            codes.append(p.wait(timeout=max(1.0, end - time.monotonic())))
+            codes.append(_wait(p, max(1.0, end - time.monotonic())))
     except subprocess.TimeoutExpired:
         pytest.fail(f"a {world}-rank group was still running after {deadline_s}s: a rank hung")
     finally:
         for p in procs:
-            if p.poll() is None:
+            if _running(p):
                 p.kill()
-                p.wait()
+                _wait(p, None)
+        for log_path in sorted(logs.iterdir()):  # what the ranks wrote, into this test's captured stderr
+            sys.stderr.write(log_path.read_text(errors="replace"))
     return codes
+
+
+def _wait(proc: subprocess.Popen[bytes] | Any, timeout: float | None) -> int:
+    """A rank's exit code (negative: the signal that ended it); ``subprocess.TimeoutExpired`` past ``timeout``."""
+    if isinstance(proc, subprocess.Popen):
+        return proc.wait(timeout=timeout)
+    proc.join(timeout)
+    if proc.exitcode is None:
+        raise subprocess.TimeoutExpired(str(proc), timeout or 0)
+    return int(proc.exitcode)
+
+
+def _running(proc: subprocess.Popen[bytes] | Any) -> bool:
+    return proc.poll() is None if isinstance(proc, subprocess.Popen) else bool(proc.is_alive())
+
+
+def _forked_rank(module: str, argv: list[str], env: dict[str, str], log: str | None) -> None:
+    """In a child of the forkserver: become ``python -m module *argv`` started with ``env`` in the checkout."""
+    import random
+    import runpy
+
+    from registry.crashpoints import arm
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(REPO)
+    out = os.open(log or os.devnull, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    random.seed()  # every child of the forkserver starts from its state; a fresh interpreter would not
+    torch.set_num_threads(int(env["OMP_NUM_THREADS"]))  # read when torch was imported, in the forkserver
+    arm(env.get("REGISTRY_CRASH_AT"))  # likewise
+    sys.argv = [module, *argv]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 
 def child_env() -> dict[str, str]:

@@ -36,6 +36,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(params=KINDS)
 def kind(request: pytest.FixtureRequest, catalog_url: str, tmp_path: Path) -> Kind:
+    request.getfixturevalue("migrated_url")  # every case opens the catalog at once: start it at head
     if request.param == "directory":
         return Kind(name="directory", url=catalog_url, root=str(tmp_path / "ckpt"))
     s3_root = str(request.getfixturevalue("s3_root"))
