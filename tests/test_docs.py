@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
@@ -21,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import REPO, child_env, free_port, pg_schema_url
+from tests.killharness import context
 from tests.test_architecture_doc import FENCE, LINK, broken_links
 
 README = REPO / "README.md"
@@ -58,17 +58,6 @@ def blocks(page: Path) -> list[Block]:
         marker = NO_RUN.search(before[-300:])
         found.append(Block(page, before.count("\n") + 2, match.group(1), marker.group(1).strip() if marker else None))
     return found
-
-
-RUNNER = """
-import json, sys
-blocks = json.load(open(sys.argv[1]))
-namespace = {"__name__": "__main__"}
-for block in blocks:
-    # padded so a traceback names the Markdown file and its line
-    code = compile("\\n" * (block["line"] - 1) + block["code"], block["page"], "exec")
-    exec(code, namespace)
-"""
 
 
 def stand_ins(text: str, request: pytest.FixtureRequest, tmp_path: Path) -> tuple[dict[str, str], dict[str, str]]:
@@ -114,10 +103,48 @@ def test_every_python_block_runs_as_written(page: Path, request: pytest.FixtureR
     # what torchrun sets for one process, so a page may call init_process_group() as a launched script does
     launched = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "LOCAL_RANK": "0",
                 "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-c", RUNNER, str(spec)], cwd=work, env={**base, **launched, **env},
-                          capture_output=True, text=True, timeout=280)
-    print(done.stdout)  # what the page's comments say it prints, for a reader running with -s
-    assert done.returncode == 0, f"{page_id(page)}: a block failed\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    # a child of the kill harness's forkserver, which imported torch and the registry once: a fresh interpreter
+    # per page spent seconds importing them
+    out = tmp_path / "output.txt"
+    child = context().Process(target=run_page, args=(str(spec), str(work), {**base, **launched, **env}, str(out)))
+    child.start()
+    child.join(280)
+    if child.exitcode is None:
+        child.kill()
+        child.join()
+    printed = out.read_text(errors="replace") if out.exists() else ""
+    print(printed)  # what the page's comments say it prints, for a reader running with -s
+    assert child.exitcode == 0, f"{page_id(page)}: a block failed (exit {child.exitcode})\n{printed[-8000:]}"
+
+
+def run_page(spec: str, cwd: str, env: dict[str, str], out: str) -> None:
+    """In a forkserver child: run a page's blocks in ``cwd`` with exactly ``env``, printing into ``out``."""
+    import os
+    import traceback
+
+    import torch
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    torch.set_num_threads(1)
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    namespace: dict[str, object] = {"__name__": "__main__"}
+    try:
+        for block in json.loads(Path(spec).read_text()):
+            # padded so a traceback names the Markdown file and its line
+            exec(compile("\n" * (block["line"] - 1) + block["code"], block["page"], "exec"), namespace)
+    except BaseException:
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def test_no_run_markers_are_few_and_each_stands_before_a_python_block() -> None:
