@@ -61,6 +61,9 @@ def settle(reg: Registry, run: str) -> None:
     for info in reg.checkpoints(run):
         if info.status == "verified":
             reg.wait_durable(run, info.step, timeout=60)
+    # a durable copy is verified at its commit, and the copy it replaced is removed just after: draining here takes
+    # the replicator's drain lock, so the background drain that committed has finished, removal included
+    reg.replicate(run, wait=True, timeout=60)
 
 
 def copies(reg: Registry, info: CheckpointInfo) -> list[Copy]:
