@@ -135,12 +135,10 @@ def mirror_event(reg: Registry, event: Mapping[str, Any] | EventInfo, *, trackin
 
 
 def run_params(reg: Registry, run: str, checkpoints: Sequence[CheckpointInfo]) -> dict[str, Any]:
-    """The run's params: its run-level params where the registry keeps them, else the newest step's config."""
-    params = getattr(reg, "params", None)
-    if callable(params):
-        found = params(run)
-        if found:
-            return dict(found)
+    """The run's params: its run-level params (``Registry.set_params``), else the newest step's config."""
+    found = reg.params(run)
+    if found:
+        return dict(found)
     for info in reversed(checkpoints):
         if info.status in (Status.PUBLISHED, Status.VERIFIED):
             return step_config(info)

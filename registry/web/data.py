@@ -165,11 +165,10 @@ def compare_config(reg: Registry, runs: Sequence[str]) -> dict[str, Any]:
             notes[run] = error
         elif not config:
             notes[run] = f"{run}@{info.step} has no config.json"
-    params_of = getattr(reg, "params", None)
-    params = [dict(params_of(r) or {}) for r in runs] if params_of is not None else []
+    params = [reg.params(r) for r in runs]
     return {"runs": runs, "steps": steps, "config": differing_keys(configs), "notes": notes,
             "shared_keys": _leaf_count(next((c for c in configs if c), {})),
-            "params": differing_keys(params) if params else None}
+            "params": differing_keys(params) if any(params) else None}
 
 
 def _leaf_count(doc: Any) -> int:
