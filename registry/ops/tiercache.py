@@ -45,8 +45,8 @@ CACHE_DIR = f"{REGISTRY_DIR}/cache"
 T = TypeVar("T")
 
 
-class Tiers(Protocol):
-    """What the cache needs of a root with tiers (:class:`registry.ops.tiers.Tiers`)."""
+class CacheHost(Protocol):
+    """What the cache needs of a root with tiers (a :class:`registry.ops.tiers.Tiers`)."""
 
     @property
     def fast(self) -> Store: ...
@@ -76,7 +76,7 @@ def _parse_cached(name: str) -> tuple[int, str] | None:
     return parsed[0], digest
 
 
-def _cache_runs(tiers: Tiers) -> list[Path]:
+def _cache_runs(tiers: CacheHost) -> list[Path]:
     try:
         return [d for d in (tiers.fast.root / CACHE_DIR).iterdir() if d.is_dir() and not d.is_symlink()]
     except FileNotFoundError:
@@ -104,7 +104,7 @@ def host_lock(path: Path, *, wait: bool = True) -> Iterator[bool]:
         os.close(fd)
 
 
-def abandoned_downloads(tiers: Tiers) -> list[tuple[Path, int, Path]]:
+def abandoned_downloads(tiers: CacheHost) -> list[tuple[Path, int, Path]]:
     """This host's cache's staging directories that no download is filling now (its process was killed mid-way),
     each with its step and the cached copy it was for: a download holds the copy's host lock from start to rename."""
     found = []
@@ -138,7 +138,7 @@ def _stale(catalog: Catalog, run: str, step: int, digest: str) -> bool:
         row.manifest_sha256 is not None and not row.manifest_sha256.startswith(digest))
 
 
-def stale_cached_copies(tiers: Tiers, catalog: Catalog, *, run: str | None = None) -> list[tuple[str, int, Path]]:
+def stale_cached_copies(tiers: CacheHost, catalog: Catalog, *, run: str | None = None) -> list[tuple[str, int, Path]]:
     """This host's cached downloads (of one ``run``) whose step has ended or was published again since, and the
     leftovers of their removal: no load reads them again, and nothing else frees their space."""
     found = []
@@ -155,7 +155,7 @@ def stale_cached_copies(tiers: Tiers, catalog: Catalog, *, run: str | None = Non
     return found
 
 
-def evict_cached_copy(tiers: Tiers, catalog: Catalog, run: str, step: int, cached: Path, *,
+def evict_cached_copy(tiers: CacheHost, catalog: Catalog, run: str, step: int, cached: Path, *,
                       actor: str) -> bool | str:
     """Remove a copy :func:`stale_cached_copies` found, under its host lock and only if it is still stale then (a
     load downloading or reading it holds that lock); this host's row naming it is marked ``deleted`` first."""
@@ -182,7 +182,7 @@ def evict_cached_copy(tiers: Tiers, catalog: Catalog, run: str, step: int, cache
     return True
 
 
-def _evict_stale(tiers: Tiers, catalog: Catalog, run: str, *, actor: str) -> None:
+def _evict_stale(tiers: CacheHost, catalog: Catalog, run: str, *, actor: str) -> None:
     """Evict this host's stale cached copies of ``run`` after a download; a failure is logged, never the load's."""
     try:
         for stale_run, step, cached in stale_cached_copies(tiers, catalog, run=run):
@@ -202,7 +202,7 @@ def note(what: str, record: Callable[[], object]) -> None:
         log.warning("%s was not recorded in the catalog: %s", what, exc)
 
 
-def read_uncached(tiers: Tiers, prefix: str, info: CheckpointInfo, read: Callable[[Path, bool], T]) -> T:
+def read_uncached(tiers: CacheHost, prefix: str, info: CheckpointInfo, read: Callable[[Path, bool], T]) -> T:
     """``read`` of a download of the durable copy into a temporary directory, removed once read (a read-only
     registry on a host with no fast tier of its own writes nothing there). Bytes that differ as they land are
     downloaded again; nothing is marked (a read-only catalog records nothing)."""
@@ -219,7 +219,7 @@ def read_uncached(tiers: Tiers, prefix: str, info: CheckpointInfo, read: Callabl
         return read_again(exc, fetch, what=f"{info.run}@{info.step}: its durable copy {tiers.durable.url(prefix)}")
 
 
-def read_cached(tiers: Tiers, catalog: Catalog, prefix: str, info: CheckpointInfo,
+def read_cached(tiers: CacheHost, catalog: Catalog, prefix: str, info: CheckpointInfo,
                  read: Callable[[Path, bool], T], *, verify: bool, holder: str) -> T:
     """This host's cached copy of ``info``, downloaded from ``prefix`` on the durable tier if it has none yet; a
     download then evicts the run's cached copies no load will read again (:func:`stale_cached_copies`).
@@ -267,7 +267,7 @@ def read_cached(tiers: Tiers, catalog: Catalog, prefix: str, info: CheckpointInf
     return loaded
 
 
-def record_cached_copy(tiers: Tiers, catalog: Catalog, info: CheckpointInfo, *, writer: str | None) -> bool:
+def record_cached_copy(tiers: CacheHost, catalog: Catalog, info: CheckpointInfo, *, writer: str | None) -> bool:
     """Record this host's cached copy of ``info``'s payload (:func:`cache_relpath`) ``verified`` at its cache's
     location, only while the step still holds that payload; whether it was recorded."""
     return ReplicaCatalog(catalog).record(info.run, info.step, location=tiers.cache_location, status="verified",
@@ -275,7 +275,7 @@ def record_cached_copy(tiers: Tiers, catalog: Catalog, info: CheckpointInfo, *, 
                                           writer=writer, event="cached")
 
 
-def _download(tiers: Tiers, prefix: str, dest: Path, info: CheckpointInfo) -> None:
+def _download(tiers: CacheHost, prefix: str, dest: Path, info: CheckpointInfo) -> None:
     """The durable copy under ``prefix`` into ``dest``, through a hidden sibling renamed into place."""
     from registry.fs.objectread import download
     staging = hidden_sibling(dest, "tmp")
