@@ -356,7 +356,8 @@ def test_a_tag_keeps_its_note_until_it_moves(reg: Registry) -> None:
 def test_the_revision_downgrades_with_data_in_place_and_upgrades_again(catalog_url: str, root: Path) -> None:
     from alembic import command
 
-    from registry.catalog.session import alembic_config, current_revision, open_engine, upgrade, write_connection
+    from registry.catalog.session import (alembic_config, current_revision, head_revision, open_engine, upgrade,
+                                          write_connection)
     with Registry.open(url=catalog_url, root=root) as reg:
         reg.set_params("r", {"lr": 0.1})
         reg.publish("r", 1, make_state(), metrics={"loss": 1.0})
@@ -374,9 +375,9 @@ def test_the_revision_downgrades_with_data_in_place_and_upgrades_again(catalog_u
             # the attempt that wrote the step and its metric point are still named
             assert conn.execute(text("SELECT count(*) FROM checkpoints WHERE attempt_id IS NOT NULL")).scalar() == 1
             assert conn.execute(text("SELECT count(*) FROM metrics WHERE attempt_id IS NOT NULL")).scalar() == 1
-        assert upgrade(engine) == ("0008", "0009")
+        assert upgrade(engine)[0] == "0008"
         with engine.connect() as conn:
-            assert current_revision(conn) == "0009"
+            assert current_revision(conn) == head_revision()
     finally:
         engine.dispose()
     with Registry.open(url=catalog_url, root=root) as reg:

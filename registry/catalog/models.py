@@ -267,3 +267,98 @@ AttemptEnvironment = Table(
     Column("attempt_id", Integer, ForeignKey("attempts.id", ondelete="CASCADE"), primary_key=True),
     Column("environment", Text, nullable=False),
 )
+
+
+POLICY_KINDS = ("full", "delta")
+FOLD_STATUSES = ("verified", "corrupt", "deleted")
+
+
+# How a step that carries a policy version stores it (see ``registry.catalog.policy``): its own full
+# ``model.safetensors``, or a ``delta.safetensors`` against the step ``base_step`` (row ``base_checkpoint_id``, a
+# plain id as in ``checkpoint_lineage``); ``full_sha256`` is the digest of the ``model.safetensors`` a full publish
+# of the version writes.
+PolicyStep = Table(
+    "policy_steps", metadata,
+    Column("checkpoint_id", Integer, ForeignKey("checkpoints.id", ondelete="CASCADE"), primary_key=True),
+    Column("kind", String(8), nullable=False),
+    Column("base_checkpoint_id", Integer, index=True),
+    Column("base_step", BigInteger),
+    Column("full_sha256", String(64), nullable=False),
+    CheckConstraint("kind IN ('full', 'delta')", name="kind"),
+)
+
+
+# A version whose bytes moved outside the registry (``Registry.publish_policy_marker``).
+PolicyMarker = Table(
+    "policy_markers", metadata,
+    Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True),
+    Column("version", BigInteger, primary_key=True),
+    Column("full_sha256", String(64)),
+    Column("note", Text),
+    Column("writer", String(255)),
+    Column("created_at", DateTime(timezone=True), nullable=False),
+)
+
+
+# A derived delta from one policy step to a later one (``Registry.fold``), for consumers that lag.
+PolicyFold = Table(
+    "policy_folds", metadata,
+    Column("id", Integer, primary_key=True),
+    Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
+    Column("from_step", BigInteger, nullable=False),
+    Column("to_step", BigInteger, nullable=False),
+    Column("path", String(1024), nullable=False),
+    Column("size", BigInteger, nullable=False),
+    Column("sha256", String(64), nullable=False),
+    Column("status", String(16), nullable=False),
+    Column("created_at", DateTime(timezone=True), nullable=False),
+    UniqueConstraint("run_id", "from_step", "to_step"),
+    CheckConstraint("status IN ('verified', 'corrupt', 'deleted')", name="status"),
+)
+
+
+# One registered consumer of a run's policy versions (``Registry.subscribe``).
+PolicyConsumer = Table(
+    "policy_consumers", metadata,
+    Column("id", Integer, primary_key=True),
+    Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
+    Column("name", String(255), nullable=False),
+    Column("host", String(255), nullable=False),
+    Column("pid", Integer),
+    Column("ttl", Float, nullable=False),
+    Column("registered_at", DateTime(timezone=True), nullable=False),
+    Column("heartbeat_at", DateTime(timezone=True), nullable=False),
+    Column("expires_at", DateTime(timezone=True), nullable=False),
+    Column("applied_version", BigInteger),
+    Column("applied_step", BigInteger),
+    Column("applied_at", DateTime(timezone=True)),
+    Column("ended_at", DateTime(timezone=True)),
+    UniqueConstraint("run_id", "name"),
+    Index("ix_policy_consumers_run_id_expires_at", "run_id", "expires_at"),
+)
+
+
+# One lease of one version by one consumer, and the audit of that load. An unreleased load of a consumer that has
+# not expired keeps its version from retention.
+PolicyLoad = Table(
+    "policy_loads", metadata,
+    Column("id", Integer, primary_key=True),
+    Column("consumer_id", Integer, ForeignKey("policy_consumers.id", ondelete="CASCADE"), nullable=False),
+    Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
+    Column("version", BigInteger, nullable=False),
+    Column("step", BigInteger, nullable=False),
+    Column("source", String(255)),
+    Column("bytes_fetched", BigInteger, nullable=False),
+    Column("verified", Boolean, nullable=False),
+    Column("error", Text),
+    Column("committed_at", DateTime(timezone=True)),
+    Column("notified_at", DateTime(timezone=True)),
+    Column("leased_at", DateTime(timezone=True), nullable=False),
+    Column("fetched_at", DateTime(timezone=True)),
+    Column("verified_at", DateTime(timezone=True)),
+    Column("applied_at", DateTime(timezone=True)),
+    Column("released_at", DateTime(timezone=True)),
+    Index("ix_policy_loads_run_id_released_at_version", "run_id", "released_at", "version"),
+    Index("ix_policy_loads_run_id_version", "run_id", "version"),
+    Index("ix_policy_loads_consumer_id_id", "consumer_id", "id"),
+)
