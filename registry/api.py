@@ -851,6 +851,17 @@ class Registry:
         from registry.catalog.outbox import WebhookCatalog
         return WebhookCatalog(self.catalog).log(webhook_id, run=run, limit=limit)
 
+    def prune_webhook_log(self, *, older_than: timedelta = timedelta(days=30)) -> int:
+        """Forget the events delivered or dead-lettered more than ``older_than`` ago, with their attempts (a
+        deliverer does this itself, at most hourly, for ``WebhookOptions.keep_days``); pending events stay.
+        How many were forgotten."""
+        from registry.catalog.outbox import WebhookCatalog
+        from registry.catalog.session import utcnow
+        from registry.errors import WebhookError
+        if not (isinstance(older_than, timedelta) and older_than >= timedelta(0)):
+            raise WebhookError(f"older_than must be a timedelta >= 0, got {older_than!r}")
+        return WebhookCatalog(self.catalog).prune(finished_before=utcnow() - older_than)
+
     def deliver_webhooks(self, *, follow: bool = False, max_seconds: float | None = None,
                          poll: float = 1.0) -> DeliveryReport:
         """Deliver the events due now, for every process (each run's in order); with ``follow``, keep delivering

@@ -206,6 +206,34 @@ def test_a_wrong_secret_is_rejected_by_the_receiver_retried_then_dead_lettered(r
     assert reg.webhooks()[0].dead == 2 and reg.deliver_webhooks().dead == 0
 
 
+def test_finished_events_are_forgotten_after_keep_days_and_pending_ones_never(reg: Registry, receiver: Receiver,
+                                                                            cli) -> None:  # type: ignore[no-untyped-def]
+    from datetime import timedelta
+    quiet(reg)
+    hook = reg.add_webhook(receiver.url, events=["step.published"], secret=SECRET, max_attempts=1)
+    receiver.script[:] = [500]
+    reg.publish("run", 1, make_state())
+    reg.publish("run", 2, make_state())
+    assert reg.deliver_webhooks().to_json() == {"delivered": 1, "retried": 0, "dead": 1}
+    other = reg.add_webhook(receiver.url.replace("/hook", "/other"), events=["step.published"], secret=SECRET)
+    reg.publish("run", 3, make_state())  # pending for both webhooks
+    assert reg.prune_webhook_log() == 0  # the default keeps 30 days
+    assert reg.prune_webhook_log(older_than=timedelta(0)) == 2
+    assert [(e.webhook, e.step, e.status) for e in reg.webhook_log()] == [(hook.id, 3, "pending"),
+                                                                         (other.id, 3, "pending")]
+    with pytest.raises(WebhookError, match="older_than"):
+        reg.prune_webhook_log(older_than=timedelta(days=-1))
+    # a deliverer forgets by itself what finished more than keep_days ago
+    quiet(reg, keep_days=0.0)
+    assert reg.deliver_webhooks().delivered == 2 and reg.webhook_log() == []
+    assert reg.webhooks()[0].pending == 0
+    reg.publish("run", 4, make_state())
+    quiet(reg).deliver_webhooks()
+    pruned = cli("hooks", "prune", "--older-than-days", "0", "--json")
+    assert pruned.exit_code == 0 and json.loads(pruned.output) == {"forgotten": 2}
+    assert cli("hooks", "prune", "--older-than-days", "-1").exit_code != 0
+
+
 def test_a_500_storm_then_success_sends_the_same_bytes_with_the_same_id(reg: Registry, receiver: Receiver) -> None:
     quiet(reg)
     reg.add_webhook(receiver.url, events=["step.published"], secret=SECRET)

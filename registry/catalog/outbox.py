@@ -361,6 +361,17 @@ class WebhookCatalog:
         result: str = self.catalog.write(fn)
         return result
 
+    def prune(self, *, finished_before: datetime) -> int:
+        """Forget the events delivered or dead-lettered before ``finished_before``, with their attempts; a
+        pending event is never forgotten (its run's later events wait on it). How many were forgotten."""
+        def fn(conn: Connection) -> int:
+            o = WebhookOutbox.c
+            done = select(o.id).where(o.status.in_((DELIVERED, DEAD)), o.finished_at < finished_before)
+            conn.execute(delete(WebhookDelivery).where(WebhookDelivery.c.outbox_id.in_(done)))
+            return int(conn.execute(delete(WebhookOutbox).where(o.id.in_(done))).rowcount)
+        result: int = self.catalog.write(fn)
+        return result
+
 
 __all__ = ["ALL", "DEAD", "DELIVERED", "EVENTS", "PENDING", "Claimed", "DeliveryAttempt", "OutboxEntry",
            "WebhookCatalog", "WebhookInfo", "events_of", "forget_written", "record_outbox", "shown_url",

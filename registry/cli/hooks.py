@@ -124,6 +124,31 @@ def hooks_log(state: State, webhook_id: int | None, run: str | None, limit: int,
             format_time(e.attempts[-1].at if e.attempts else e.created_at)] for e in entries])
 
 
+@hooks.command("prune")
+@click.option("--older-than-days", "days", type=float, default=30.0, show_default=True,
+              help="Forget events finished (delivered or dead-lettered) more than this many days ago.")
+@json_option
+@click.pass_obj
+@command
+def hooks_prune(state: State, days: float, as_json: bool) -> None:
+    """Forget old delivered and dead-lettered events, with their attempts; pending events stay.
+
+    A deliverer does this itself at most once an hour, for events older than 30 days.
+
+    \b
+    Example:
+        registry hooks prune --older-than-days 7
+    """
+    from datetime import timedelta
+    if not days >= 0:
+        raise click.BadParameter(f"must be >= 0, got {days!r}", param_hint="--older-than-days")
+    forgotten = state.registry().prune_webhook_log(older_than=timedelta(days=days))
+    if as_json:
+        emit_json({"forgotten": forgotten})
+    else:
+        click.echo(f"forgot {forgotten} finished events")
+
+
 @hooks.command("deliver")
 @click.option("--follow", is_flag=True, help="Keep delivering (for every process) until interrupted.")
 @click.option("--max-seconds", type=float, default=None, help="With --follow: stop after this many seconds.")

@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 
 ALLOW_HOSTS_ENV = "REGISTRY_WEBHOOK_ALLOW_HOSTS"
 DEFAULT_MAX_ATTEMPTS = 8
+PRUNE_EVERY = 3600.0  # seconds between a deliverer's passes over the log's old events
 _RESPONSE_READ = 64 * 1024  # of a receiver's answer, read so the connection ends cleanly; the rest is ignored
 
 
@@ -56,16 +57,21 @@ _RESPONSE_READ = 64 * 1024  # of a receiver's answer, read so the connection end
 class WebhookOptions:
     """How a deliverer works: ``timeout`` per request (seconds), the first retry's ``backoff``, doubled on
     each failed attempt up to ``backoff_max``; ``background``: whether a publishing process delivers on a
-    thread of its own (off: only ``deliver_webhooks`` and ``registry hooks deliver`` deliver)."""
+    thread of its own (off: only ``deliver_webhooks`` and ``registry hooks deliver`` deliver); ``keep_days``:
+    how long a delivered or dead-lettered event stays in the log (a deliverer forgets older ones, at most once
+    an hour; pending events are never forgotten)."""
 
     timeout: float = 5.0
     backoff: float = 1.0
     backoff_max: float = 600.0
     background: bool = True
+    keep_days: float = 30.0
 
     def __post_init__(self) -> None:
         if not (self.timeout > 0 and self.backoff >= 0 and self.backoff_max >= self.backoff):
             raise WebhookError(f"webhook options need timeout > 0 and 0 <= backoff <= backoff_max, got {self}")
+        if not self.keep_days >= 0:
+            raise WebhookError(f"webhook options need keep_days >= 0, got {self.keep_days!r}")
 
     def retry_in(self, attempt: int) -> timedelta:
         """How long after failed attempt number ``attempt`` (from 1) the next one is due."""
@@ -200,6 +206,7 @@ class Deliverer:
         self.hooks = WebhookCatalog(catalog)
         self.name = name
         self.options = options or WebhookOptions()
+        self._pruned_at: float | None = None
 
     def deliver(self, claimed: Claimed) -> DeliveryReport:
         """One attempt at one claimed row, recorded."""
@@ -237,7 +244,19 @@ class Deliverer:
                     total += self.deliver(claimed)
             if not progressed:
                 break
+        self._prune_now_and_then()
         return total
+
+    def _prune_now_and_then(self) -> None:
+        """Keep the log from growing without end: forget old finished events, once an hour per deliverer."""
+        now = time.monotonic()
+        if self._pruned_at is not None and now - self._pruned_at < PRUNE_EVERY:
+            return
+        self._pruned_at = now
+        forgotten = self.hooks.prune(finished_before=utcnow() - timedelta(days=self.options.keep_days))
+        if forgotten:
+            log.info("webhook log: forgot %d events finished more than %g days ago", forgotten,
+                     self.options.keep_days)
 
     def seconds_to_next(self) -> float | None:
         """Seconds until a pending row may be claimed (0 when one may be now); None when none is pending."""
