@@ -60,6 +60,7 @@ if TYPE_CHECKING:  # and what only some methods use, imported there: a CLI listi
 
     from registry.distributed.sharded import ShardedLoad
     from registry.distributed.sharded_async import PublishGroups
+    from registry.roots.shards import Shards
     from registry.ops.diff import CheckpointDiff
     from registry.ops.export import Checkout, Exported
     from registry.ops.fsck import FsckReport
@@ -123,6 +124,10 @@ class _Publishing:
     @property
     def snapshots(self) -> Snapshotter:
         return self.reg._snapshots
+
+    @property
+    def shards(self) -> Shards:
+        return self.reg.root.shards()
 
     def check_retention(self, retention: object) -> None:
         self.reg._check_retention(retention)
@@ -1021,8 +1026,8 @@ class Registry:
         except RegistryError as exc:
             error = exc
         result = load_sharded(comm, self._reader() if comm.rank == 0 else None, parsed, str(ref), state,
-                              keys=keys, strict=strict, verify=verify, trust_pickle=trust_pickle, fallback=fallback,
-                              local_error=error)
+                              shards=self.root.shards(), keys=keys, strict=strict, verify=verify,
+                              trust_pickle=trust_pickle, fallback=fallback, local_error=error)
         if comm.rank == 0 and parsed is not None and result.step is not None:
             self._attempts.note_resume(parsed, result.step, None)
         return result

@@ -27,6 +27,8 @@ POINTS = (
     "sharded-rank-after-write",   # sharded publish, a rank other than 0: its DCP files written and fsync'd,
                                   # digests not yet sent
     "sharded-after-gather",  # sharded publish, rank 0: every rank's digests in hand, manifest not yet written
+    "sharded-upload-midway",  # sharded publish on s3://, any rank: a part of a data file uploaded, the multipart
+                              # upload not completed
     "replicate-after-claim",   # tiers: the durable copy's attempt prefix claimed (pending), nothing uploaded
     "replicate-after-upload",  # tiers: every file of the durable copy uploaded, the manifest not yet
     "cache-after-download",    # tiers: a durable copy downloaded into this host's cache, not yet renamed into place
@@ -40,6 +42,11 @@ def arm(name: str | None) -> None:
     """Die at ``name`` from now on (or never, with None); for demos and in-process harnesses."""
     global _TARGET
     _TARGET = name
+
+
+def armed(name: str) -> bool:
+    """Whether this process dies at ``name`` (a point that must first make its window real, e.g. wait for an upload)."""
+    return _TARGET is not None and name == _TARGET
 
 
 def crashpoint(name: str) -> None:

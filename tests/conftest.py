@@ -45,7 +45,7 @@ SLOW_MODULES = frozenset({
 # last leaves the other worker idle for its length.
 LONG_FIRST = SLOW_MODULES | {"test_tiers", "test_s3_faults", "test_s3_root", "test_load_faults", "test_async",
                              "test_dedup_fate", "test_conformance_crashes", "test_bench_scripts", "test_open_guards",
-                             "test_publish_faults", "test_cli_imports"}
+                             "test_publish_faults", "test_cli_imports", "test_s3_sharded"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -34,7 +34,7 @@ def test_each_kind_says_what_it_can_do(tmp_path: Path, s3_root: str) -> None:
         assert plain.tiers is None and plain.objects is None
     with Registry.open(sqlite_url(tmp_path, "objects"), root=s3_root) as objects:
         assert objects.root.kind == "s3" and objects.root_url == s3_root
-        assert objects.root.can.names() == ()
+        assert objects.root.can.names() == ("sharded",)
     with Registry.open(sqlite_url(tmp_path, "tiered"), root=tmp_path / "fast", durable=f"{s3_root}-tier") as tiered:
         assert tiered.root.kind == "tiered" and tiered.root_url == str(tmp_path / "fast")
         assert tiered.root.can.tiers and tiered.tiers is not None and tiered.objects is None
@@ -45,8 +45,7 @@ def test_what_a_root_cannot_do_is_refused_in_one_line_before_anything_is_written
     source = exported(tmp_path)
     with Registry.open(catalog_url, root=s3_root) as reg:
         refused: list[tuple[type[Exception], str]] = []
-        for call in (lambda: reg.publish("run", 1, make_state(1), sharded=True),
-                     lambda: reg.publish("run", 1, make_state(1), dedup=True),
+        for call in (lambda: reg.publish("run", 1, make_state(1), dedup=True),
                      lambda: reg.import_checkpoint(source, run="run", step=1),
                      lambda: reg.store,
                      lambda: reg.replicate(),

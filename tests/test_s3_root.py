@@ -113,10 +113,7 @@ def test_background_publish(s3reg: Registry) -> None:
     assert s3reg.load("run@latest").step == 3
 
 
-def test_sharded_publish_and_dedup_are_refused_in_one_line(s3reg: Registry, catalog_url: str,
-                                                           s3_root: str) -> None:
-    with pytest.raises(InvalidStateError, match="sharded publish is not supported on an s3:// root"):
-        s3reg.publish("run", 1, state(), sharded=True)
+def test_dedup_is_refused_in_one_line(s3reg: Registry, catalog_url: str, s3_root: str) -> None:
     with pytest.raises(InvalidStateError, match="dedup is not supported"):
         s3reg.publish("run", 1, state(), dedup=True)
     with pytest.raises(InvalidStateError, match="dedup is not supported on an s3:// root"):

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from registry.errors import RegistryError
@@ -29,6 +28,7 @@ if TYPE_CHECKING:
     from registry.format.refs import Ref
     from registry.fs.payloadfiles import Payload, Written
     from registry.retention import Policy
+    from registry.roots.shards import Shards
 
 
 class Job(Protocol):
@@ -52,6 +52,10 @@ class Publisher(Protocol[J]):
     def snapshots(self) -> Snapshotter:
         """The arenas a background publish copies the state into."""
 
+    @property
+    def shards(self) -> Shards:
+        """How this process's root writes a rank's DCP files and the tail (its root's ``shards()``)."""
+
     def check_retention(self, retention: object) -> None:
         """Refuse a ``retention=`` that is not a policy, before anything is written."""
 
@@ -66,8 +70,9 @@ class Publisher(Protocol[J]):
         """Queue ``run@step`` for a background publish (refused if it is queued already or cannot be claimed);
         returns what takes it off the queue again."""
 
-    def commit(self, job: J, write: Callable[[Path], Written]) -> CheckpointInfo:
-        """The publish sequence for ``job`` with ``write`` filling its staging directory; the placed step."""
+    def commit(self, job: J, write: Callable[[Any], Written]) -> CheckpointInfo:
+        """The publish sequence for ``job`` with ``write`` filling what the root's landing prepared; the placed
+        step."""
 
     def retain(self, run: str, step: int, policy: Policy) -> object:
         """Retention after a commit (rank 0 only, once every rank has the outcome)."""
@@ -110,7 +115,7 @@ def publish_sharded_call(publisher: Publisher[J], run: str, step: int, state_dic
     if job is not None:  # rank 0's path goes to every rank, as the one outcome
         committing = job
 
-        def publish(write: Callable[[Path], Written]) -> CheckpointInfo:
+        def publish(write: Callable[[Any], Written]) -> CheckpointInfo:
             return publisher.commit(committing, write)
     policy = options["retention"]
     # retention once every rank has the outcome (rank 0 only): no rank waits for a gc
@@ -121,12 +126,12 @@ def publish_sharded_call(publisher: Publisher[J], run: str, step: int, state_dic
                 release()
         return publish_in_background(comm, publisher.groups, run=run, step=step, request=request,
                                      local_error=error, snap=snap, run_publish=publish,
-                                     payload=job.payload if job else None, after=after,
+                                     payload=job.payload if job else None, shards=publisher.shards, after=after,
                                      submit=publisher.submit, finished=finished)
     return publish_sharded(
         comm, run=run, step=step, state=state_dict if isinstance(state_dict, Mapping) else {},
         request=request, local_error=error, run_publish=publish, payload=job.payload if job else None,
-        after=after)
+        shards=publisher.shards, after=after)
 
 
 __all__ = ["Job", "Publisher", "publish_sharded_call"]

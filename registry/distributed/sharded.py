@@ -21,6 +21,12 @@ Publish (``Registry.publish(..., sharded=True)``), called by every rank of the g
    long cannot make a committed step look failed, and its failure is rank
    0's ``RetentionWarning``.
 
+Where the files go and how they are read back is the root's
+(:mod:`registry.roots.shards`, ``Registry.root.shards()``): a staging directory
+of DCP files written hashed and fsync'd, or, on ``s3://``, the claim's attempt
+prefix, to which every rank uploads its own files hashed while uploading
+(:mod:`registry.fs.dcpobjects`); the sequence here is the same for both.
+
 A failure on any rank is raised on every rank as the same ``RegistryError``
 subclass (a failed write as ``PublishError``), after rank 0 removed the
 staging directory and released the row: nothing becomes visible. A rank
@@ -35,7 +41,9 @@ reshards into the templates from whatever world size and layout the step
 was saved with, while every rank checks its share of the data files' xxh3
 pieces on a thread beside it (the whole step is checked once, spread over the
 ranks; with ``trust_pickle=True`` the check finishes before any byte is
-read, since a full unpickler must never see bytes not yet checked). The load
+read, since a full unpickler must never see bytes not yet checked). On
+``s3://`` each rank fetches only the byte ranges its plan names, and checks
+every piece it fetches before DCP sees it. The load
 succeeds only when every share checked out; otherwise the templates hold
 whatever was read and the load fails, or a corrupt ``@latest`` falls back to
 an older step on every rank alike. Without a process group the same runs in
@@ -59,15 +67,14 @@ import torch.distributed as dist
 from registry.crashpoints import crashpoint
 from registry.distributed.collectives import Comm, Failure, Solo, as_timedelta, first_failure, settle, status
 from registry.distributed.collectives import agree as agree_on
-from registry.errors import (CorruptCheckpointError, DistributedError, InvalidStateError, ManifestError,
-                             PublishError, RegistryError)
+from registry.errors import (CorruptCheckpointError, DistributedError, InvalidStateError, PublishError,
+                             RegistryError)
 from registry.format.manifest import CONFIG, MANIFEST, META, Manifest, digest_bytes, parse_manifest
 from registry.format.sharding import DCP_METADATA, layout_of
-from registry.format.dcp_metadata import RestrictedFileSystemReader, dcp_failure
-from registry.fs.dcpfiles import (check_share, checked_metadata, dcp_failures, hashing_writer, piece_share, quiet,
-                                  wanted, write_sharded_tail, write_threads)
-from registry.fs.filemaps import read_json
-from registry.fs.mapping import host_view, map_file, read_error
+from registry.format.dcp_metadata import dcp_failure
+from registry.fs.dcpfiles import checked_metadata, dcp_failures, quiet, wanted, write_threads
+from registry.fs.filemaps import json_object
+from registry.fs.mapping import host_view, read_error
 from registry.fs.store import now_timestamp
 from registry.fs.payloadfiles import Payload, Written
 from registry.fs.validation import check_flags, check_tags, checked_payload
@@ -76,6 +83,7 @@ from registry.ops.reading import Access, CatalogRead, check_digest, report
 from registry.pools import Pool
 from registry.records import CheckpointInfo, Fallback
 from registry.format.refs import Ref
+from registry.roots.shards import Shards
 
 
 _CHECKS = Pool(1, "registry-sharded-check")
@@ -113,12 +121,12 @@ class _Wrote:
     failure: Failure | None = None
 
 
-def _save_rank(comm: Comm | Solo, staging: Path, state: Mapping[str, Any], *, where: str) -> _Wrote:
+def _save_rank(comm: Comm | Solo, shards: Shards, staging: str, state: Mapping[str, Any], *, where: str) -> _Wrote:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     # ranks on this host: torchrun says so; otherwise assume the whole group shares it (never oversubscribe)
     here = os.environ.get("LOCAL_WORLD_SIZE", "")
-    writer = hashing_writer(staging, threads=write_threads(int(here) if here.isdigit() else comm.world))
+    writer = shards.writer(staging, threads=write_threads(int(here) if here.isdigit() else comm.world))
     try:
         with quiet():
             md = dcp.save(dict(state), storage_writer=writer, process_group=comm.group,
@@ -129,19 +137,20 @@ def _save_rank(comm: Comm | Solo, staging: Path, state: Mapping[str, Any], *, wh
         return _Wrote(files=None, failure=Failure.of(PublishError(
             f"sharded write of {where} failed on rank {comm.rank if failed is None else failed}: "
             f"{type(cause).__name__}: {text}",
-            path=staging), comm.rank))
+            path=Path(staging)), comm.rank))
     tensors = tuple(k for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata))
     return _Wrote(files=writer.written, tensors=tensors)
 
 
 def publish_sharded(comm: Comm | Solo, *, run: str, step: int, state: Mapping[str, Any],
                     request: tuple[Any, ...], local_error: BaseException | None,
-                    run_publish: Callable[[Callable[[Path], Written]], CheckpointInfo] | None,
-                    payload: Payload | None,
+                    run_publish: Callable[[Callable[[Any], Written]], CheckpointInfo] | None,
+                    payload: Payload | None, shards: Shards,
                     after: Callable[[CheckpointInfo], object] | None = None) -> CheckpointInfo:
     """One sharded publish, on every rank (see the module docstring); ``run_publish`` etc. matter on rank 0 only.
 
-    ``run_publish(write)`` runs the publish sequence with ``write`` filling the staging directory;
+    ``run_publish(write)`` runs the publish sequence with ``write`` filling what the root's landing prepared
+    (a staging directory, an attempt prefix), through ``shards``, this rank's root's;
     ``after(info)`` runs once every rank has been sent the committed outcome.
     """
     agree(comm, request, local_error)
@@ -150,7 +159,7 @@ def publish_sharded(comm: Comm | Solo, *, run: str, step: int, state: Mapping[st
         start = comm.broadcast_object(None, "waiting for the staging directory")
         if isinstance(start, Failure):
             raise start.error()
-        wrote = _save_rank(comm, Path(start), state, where=where)
+        wrote = _save_rank(comm, shards, str(start), state, where=where)
         if wrote.failure is None:
             crashpoint("sharded-rank-after-write")
         comm.all_gather_object(wrote, "gathering the files' digests")
@@ -164,11 +173,11 @@ def publish_sharded(comm: Comm | Solo, *, run: str, step: int, state: Mapping[st
     meta_raw, config_raw = payload.meta_json, payload.config_json
     started = False
 
-    def write(staging: Path) -> Written:
+    def write(staging: Any) -> Written:
         nonlocal started
         comm.broadcast_object(str(staging), "sending the staging directory")
         started = True
-        wrote = _save_rank(comm, staging, state, where=where)
+        wrote = _save_rank(comm, shards, str(staging), state, where=where)
         gathered: list[_Wrote] = comm.all_gather_object(wrote, "gathering the files' digests")
         failure = first_failure([w.failure for w in gathered])
         if failure is not None:
@@ -179,12 +188,12 @@ def publish_sharded(comm: Comm | Solo, *, run: str, step: int, state: Mapping[st
             assert w.files is not None
             for name, entry in w.files.items():
                 if name in entries:
-                    raise PublishError(f"two ranks wrote {name} for {where}", path=staging)
+                    raise PublishError(f"two ranks wrote {name} for {where}", path=Path(staging))
                 entries[name] = entry
         if DCP_METADATA not in entries:
-            raise PublishError(f"the sharded write of {where} left no {DCP_METADATA}", path=staging)
-        return write_sharded_tail(staging, entries=entries, layout=layout_of(entries, comm.world),
-                                  tensors=wrote.tensors, meta=payload.meta, meta_raw=meta_raw, config_raw=config_raw)
+            raise PublishError(f"the sharded write of {where} left no {DCP_METADATA}", path=Path(staging))
+        return shards.tail(str(staging), entries=entries, layout=layout_of(entries, comm.world),
+                           tensors=wrote.tensors, meta=payload.meta, meta_raw=meta_raw, config_raw=config_raw)
 
     outcome: CheckpointInfo | Failure
     error: BaseException | None = None
@@ -241,21 +250,22 @@ class _Plan:
     fallback: Fallback | None
 
 
-def _read_plan(read: CatalogRead) -> _Plan:
+def _read_plan(read: CatalogRead, shards: Shards) -> _Plan:
     """Rank 0: resolve and lease the next candidate, and read its manifest and ``.metadata``, both checked."""
     while True:
         info = read.candidate()
         try:
-            manifest_raw = _read_small(info.path, MANIFEST)
+            manifest_raw = bytes(host_view(shards.read(info.path, MANIFEST)))
             manifest = parse_manifest(manifest_raw, path=info.path / MANIFEST)
             check_digest(info, digest_bytes(manifest_raw))
             if manifest.layout is None:
                 raise InvalidStateError(f"{info.run}@{info.step} is not a sharded checkpoint; load it with "
                                         "Registry.load", run=info.run, step=info.step, path=info.path)
-            metadata_raw = _read_small(info.path, DCP_METADATA)
+            metadata_raw = bytes(host_view(shards.read(info.path, DCP_METADATA)))
             checked_metadata(info.path, manifest, metadata_raw)  # the sha256 check, before anyone unpickles
-            meta = read_json(info.path, META) if META in manifest.files else {}
-            config = read_json(info.path, CONFIG) if CONFIG in manifest.files else {}
+            meta = json_object(shards.read(info.path, META), info.path / META) if META in manifest.files else {}
+            config = (json_object(shards.read(info.path, CONFIG), info.path / CONFIG) if CONFIG in manifest.files
+                      else {})
         except RegistryError as exc:
             read.judge(exc)
             continue
@@ -265,16 +275,12 @@ def _read_plan(read: CatalogRead) -> _Plan:
                      notes=notes, fallback=read.record(info))
 
 
-def _read_small(directory: Path, name: str) -> bytes:
-    error = ManifestError if name == MANIFEST else CorruptCheckpointError
-    return bytes(host_view(map_file(directory, name, error=error)))
-
-
 def load_sharded(comm: Comm | Solo, access: Access | None, ref: Ref | None, asked_for: str, state: Any, *,
-                 keys: Collection[str] | None,
+                 shards: Shards, keys: Collection[str] | None,
                  strict: bool, verify: bool, trust_pickle: bool, fallback: bool,
                  local_error: BaseException | None = None) -> ShardedLoad:
-    """Load ``ref`` into every rank's ``state`` in place (see the module docstring); ``access`` is rank 0's."""
+    """Load ``ref`` into every rank's ``state`` in place (see the module docstring); ``access`` is rank 0's,
+    ``shards`` this rank's root's."""
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
     agree(comm, ("load", asked_for, tuple(sorted(keys)) if keys is not None else None, strict, verify,
                  trust_pickle, fallback), local_error)
@@ -285,7 +291,7 @@ def load_sharded(comm: Comm | Solo, access: Access | None, ref: Ref | None, aske
             plan: Any = None
             if read is not None:
                 try:
-                    plan = _read_plan(read)
+                    plan = _read_plan(read, shards)
                 except Exception as exc:  # noqa: BLE001 - every rank must hear of it
                     plan = Failure.of(exc, 0)
             plan = comm.broadcast_object(plan, "sending the plan")
@@ -296,11 +302,11 @@ def load_sharded(comm: Comm | Solo, access: Access | None, ref: Ref | None, aske
             directory = plan.info.path
             manifest: Manifest = parse_manifest(plan.manifest_raw, path=directory / MANIFEST)
 
-            share = piece_share(manifest, comm.rank, comm.world) if verify else []
+            share = shards.share(manifest, comm.rank, comm.world) if verify else []
             # the check runs while DCP reads, unless a full unpickler would meet bytes not yet checked
             overlap = bool(share) and not trust_pickle
 
-            md, mine = status(partial(_check_plan, directory, manifest, plan.metadata_raw,
+            md, mine = status(partial(_check_plan, shards, directory, manifest, plan.metadata_raw,
                                        share if not overlap else []), comm.rank)
             if settle(comm, read, mine, "agreeing on the checksums"):
                 continue
@@ -309,8 +315,9 @@ def load_sharded(comm: Comm | Solo, access: Access | None, ref: Ref | None, aske
             missing, unexpected = tuple(sorted(asked - saved)), tuple(sorted(saved - asked))
 
             mismatch = (missing, unexpected) if strict and (missing or unexpected) else None
-            _, mine = status(partial(_load_checked, comm, plan.info, md, flat, asked & saved, mismatch=mismatch,
-                                      trust_pickle=trust_pickle, pending_check=(manifest, share) if overlap else None),
+            _, mine = status(partial(_load_checked, comm, shards, plan.info, md, flat, asked & saved,
+                                      mismatch=mismatch, manifest=manifest, verify=verify, trust_pickle=trust_pickle,
+                                      pending_check=share if overlap else None),
                               comm.rank)
             if settle(comm, read, mine, "agreeing on the loaded state"):
                 continue
@@ -328,17 +335,18 @@ def load_sharded(comm: Comm | Solo, access: Access | None, ref: Ref | None, aske
 
 
 
-def _check_plan(directory: Path, manifest: Manifest, metadata_raw: bytes, share: list[tuple[str, int]]) -> Any:
+def _check_plan(shards: Shards, directory: Path, manifest: Manifest, metadata_raw: bytes,
+                share: list[tuple[str, int]]) -> Any:
     """The step's checked ``.metadata``, and this rank's share of the pieces when they are checked up front."""
     md = checked_metadata(directory, manifest, metadata_raw)
     if share:
-        check_share(directory, manifest, share)
+        shards.check(directory, manifest, share)
     return md
 
 
-def _load_checked(comm: Comm | Solo, info: CheckpointInfo, md: Any, flat: dict[str, Any], keys: set[str], *,
-                  mismatch: tuple[Sequence[str], Sequence[str]] | None, trust_pickle: bool,
-                  pending_check: tuple[Manifest, list[tuple[str, int]]] | None) -> None:
+def _load_checked(comm: Comm | Solo, shards: Shards, info: CheckpointInfo, md: Any, flat: dict[str, Any],
+                  keys: set[str], *, mismatch: tuple[Sequence[str], Sequence[str]] | None, manifest: Manifest,
+                  verify: bool, trust_pickle: bool, pending_check: list[tuple[str, int]] | None) -> None:
     """DCP reads ``keys`` of ``flat`` from ``info``'s step while this rank's share of the pieces is checked beside it
     (``pending_check``); ``mismatch`` (missing, unexpected keys) refuses a strict load first."""
     if mismatch is not None:
@@ -349,10 +357,11 @@ def _load_checked(comm: Comm | Solo, info: CheckpointInfo, md: Any, flat: dict[s
             f"{len(missing)} missing, {len(unexpected)} unexpected keys); pass strict=False "
             "to load the keys both have", run=info.run, step=info.step)
     directory = info.path
-    pending = _CHECKS.submit(check_share, directory, *pending_check) if pending_check is not None else None
+    pending = _CHECKS.submit(shards.check, directory, manifest, pending_check) if pending_check is not None else None
     try:
         subset = {k: flat[k] for k in keys}
-        _dcp_load(comm, directory, md, subset, trust_pickle=trust_pickle)
+        reader = shards.reader(directory, md, manifest=manifest, verify=verify, trust_pickle=trust_pickle)
+        _dcp_load(comm, directory, reader, subset)
         flat.update(subset)  # DCP puts non-tensor values into the dict it was given
     except BaseException:
         if pending is not None:
@@ -362,12 +371,11 @@ def _load_checked(comm: Comm | Solo, info: CheckpointInfo, md: Any, flat: dict[s
         pending.result()
 
 
-def _dcp_load(comm: Comm | Solo, directory: Path, md: Any, flat: dict[str, Any], *, trust_pickle: bool) -> None:
+def _dcp_load(comm: Comm | Solo, directory: Path, reader: Any, flat: dict[str, Any]) -> None:
     import torch.distributed.checkpoint as dcp
     try:
         with quiet():
-            dcp.load(flat, storage_reader=RestrictedFileSystemReader(directory, metadata=md, trust_pickle=trust_pickle),
-                     process_group=comm.group,
+            dcp.load(flat, storage_reader=reader, process_group=comm.group,
                      no_dist=isinstance(comm, Solo))
     except dcp_failures() as exc:
         _, cause = dcp_failure(exc)

@@ -48,9 +48,8 @@ from registry.fs.snapshot import Snapshotter
 from registry.records import CheckpointInfo
 
 if TYPE_CHECKING:
-    from pathlib import Path
-
     from registry.fs.payloadfiles import Payload, Written
+    from registry.roots.shards import Shards
 
 
 @dataclass(kw_only=True)
@@ -161,8 +160,8 @@ def _group_timeout(group: Any) -> timedelta | None:
 def publish_in_background(comm: Comm | Solo, groups: PublishGroups, *, run: str, step: int,
                           request: tuple[Any, ...], local_error: BaseException | None,
                           snap: ShardedSnapshot | None,
-                          run_publish: Callable[[Callable[[Path], Written]], CheckpointInfo] | None,
-                          payload: Payload | None,
+                          run_publish: Callable[[Callable[[Any], Written]], CheckpointInfo] | None,
+                          payload: Payload | None, shards: Shards,
                           after: Callable[[CheckpointInfo], object] | None = None,
                           submit: Callable[[str, Callable[[], CheckpointInfo]], Future[CheckpointInfo]],
                           finished: Callable[[], None]) -> Future[CheckpointInfo]:
@@ -185,7 +184,8 @@ def publish_in_background(comm: Comm | Solo, groups: PublishGroups, *, run: str,
     def work() -> CheckpointInfo:
         try:
             return publish_sharded(background, run=run, step=step, state=snap.state, request=request,
-                                   local_error=None, run_publish=run_publish, payload=payload, after=after)
+                                   local_error=None, run_publish=run_publish, payload=payload, shards=shards,
+                                   after=after)
         finally:
             snap.release()
             finished()

@@ -29,7 +29,7 @@ import io
 import os
 import threading
 import warnings
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -150,16 +150,26 @@ def write_sharded_tail(staging: Path, *, entries: Mapping[str, FileEntry], layou
     ``entries`` are the DCP files every rank wrote, as their writers hashed them.
     """
     from registry.fs.store import fsync_dir
+    written = sharded_tail(lambda name, raw: _write_small(staging / name, raw), entries=entries, layout=layout,
+                           tensors=tensors, meta=meta, meta_raw=meta_raw, config_raw=config_raw)
+    fsync_dir(staging)
+    return written
+
+
+def sharded_tail(put: Callable[[str, bytes], FileEntry], *, entries: Mapping[str, FileEntry],
+                 layout: ShardedLayout, tensors: Collection[str], meta: Mapping[str, Any], meta_raw: bytes,
+                 config_raw: bytes) -> Written:
+    """``meta.json``, ``config.json`` and the manifest (last) stored through ``put(name, bytes)``, which hashes
+    what it stores: the one tail of a sharded step, whatever storage ``put`` writes to."""
     from registry.fs.payloadfiles import Written
     files = dict(entries)
     for name, raw in ((META, meta_raw), (CONFIG, config_raw)):
-        files[name] = _write_small(staging / name, raw)
+        files[name] = put(name, raw)
     manifest = Manifest(files=files, tensors=tuple(sorted(tensors)), created_at=meta.get("timestamp"),
                         optimizer_step=meta.get("optimizer_step"), policy_version=meta.get("policy_version"),
                         layout=layout)
     raw = manifest.encode()
-    entry = _write_small(staging / MANIFEST, raw)
-    fsync_dir(staging)
+    entry = put(MANIFEST, raw)
     return Written(manifest=manifest, manifest_sha256=entry.sha256, total_bytes=manifest.total_bytes + len(raw))
 
 
@@ -247,6 +257,22 @@ def piece_share(manifest: Manifest, rank: int, world: int) -> list[tuple[str, in
     return pairs[rank::world]
 
 
+def check_piece(path: Path, entry: FileEntry, piece: int, data: bytes | memoryview) -> None:
+    """Piece ``piece`` of ``entry``'s file (the whole file where the entry has no pieces) against the manifest:
+    the one check of a sharded step's bytes, mapped or downloaded; ``CorruptCheckpointError`` if it differs."""
+    import xxhash
+    if entry.xxh3_128_pieces is not None and entry.piece_size is not None:
+        ok = piece < len(entry.xxh3_128_pieces) and xxhash.xxh3_128_hexdigest(data) == entry.xxh3_128_pieces[piece]
+    elif entry.xxh3_128 is not None:
+        ok = xxhash.xxh3_128_hexdigest(data) == entry.xxh3_128
+    else:
+        ok = hash_bytes(data, "sha256") == entry.sha256
+    if not ok:
+        start = piece * (entry.piece_size or entry.size)
+        raise CorruptCheckpointError(f"checkpoint file checksum mismatch: {path} (bytes "
+                                     f"{start}-{start + len(data) - 1})", path=path)
+
+
 def check_share(directory: Path, manifest: Manifest, share: list[tuple[str, int]]) -> None:
     """Check the given pieces of the data files against the manifest; ``CorruptCheckpointError`` if not.
 
@@ -255,8 +281,6 @@ def check_share(directory: Path, manifest: Manifest, share: list[tuple[str, int]
     2-core VM, a read into a buffer took ~25 ms.
     """
     import mmap
-
-    import xxhash
 
     from registry.format.manifest import open_regular
     by_file: dict[str, list[int]] = {}
@@ -280,16 +304,10 @@ def check_share(directory: Path, manifest: Manifest, share: list[tuple[str, int]
                     for piece in pieces:
                         start = piece * size
                         data = view[start:start + size]
-                        if entry.xxh3_128_pieces is not None and entry.piece_size is not None:
-                            ok = xxhash.xxh3_128_hexdigest(data) == entry.xxh3_128_pieces[piece]
-                        elif entry.xxh3_128 is not None:
-                            ok = xxhash.xxh3_128_hexdigest(data) == entry.xxh3_128
-                        else:
-                            ok = hash_bytes(data, "sha256") == entry.sha256
-                        data.release()
-                        if not ok:
-                            raise CorruptCheckpointError(f"checkpoint file checksum mismatch: {path} (bytes "
-                                                         f"{start}-{min(entry.size, start + size) - 1})", path=path)
+                        try:
+                            check_piece(path, entry, piece, data)
+                        finally:
+                            data.release()
                 finally:
                     view.release()
         except OSError as exc:
@@ -299,6 +317,6 @@ def check_share(directory: Path, manifest: Manifest, share: list[tuple[str, int]
             os.close(fd)
 
 
-__all__ = ["check_share", "checked_metadata", "dcp_failures", "full_state", "hashing_writer",
-           "piece_share", "quiet", "unpickle_metadata", "wanted", "write_sharded_tail",
+__all__ = ["check_piece", "check_share", "checked_metadata", "dcp_failures", "full_state", "hashing_writer",
+           "piece_share", "quiet", "sharded_tail", "unpickle_metadata", "wanted", "write_sharded_tail",
            "write_threads"]

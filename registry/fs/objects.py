@@ -472,6 +472,13 @@ class ObjectWriter:
         self.size += len(view)
         return len(view)
 
+    def flush(self) -> None:
+        """Wait until every part written so far is on the server."""
+        try:
+            self._out.flush()
+        except Exception as exc:  # noqa: BLE001 - translated
+            raise self._root.error(exc, self.rel, "upload") from None
+
     def close(self) -> None:
         try:
             self._out.close()

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from registry.fs.payloadfiles import Payload, Written
     from registry.fs.store import FileProblem, Reuse, Store
     from registry.roots.landing import Landing
+    from registry.roots.shards import Shards
 
 Capability = Literal["links", "sharded", "local_import", "directories", "tiers"]
 
@@ -125,6 +126,9 @@ class Root(Protocol):
 
     def write(self, dest: Any, payload: Payload, reuse: Reuse | None) -> Written:
         """Fill what :meth:`Landing.prepare` returned with ``payload``, hashing as it writes."""
+
+    def shards(self) -> Shards:
+        """How a sharded (DCP) step's files are written where :meth:`Landing.prepare` said, and read back."""
 
     def require(self, capability: Capability, what: str) -> None:
         """Return if the root can do ``capability``; else raise the one-line refusal of :data:`REFUSALS`."""

@@ -18,6 +18,7 @@ from registry.fs.store import (FileProblem, Reuse, Store, check_written, discard
 from registry.records import CheckpointInfo
 from registry.roots.base import Capabilities, Capability, Gone, Tiered, refuse
 from registry.roots.landing import Previous, os_cause
+from registry.roots.shards import FileShards
 
 if TYPE_CHECKING:
     from registry.fs.objects import ObjectRoot
@@ -121,6 +122,10 @@ class DirectoryRoot:
     def write(self, dest: Path, payload: Payload, reuse: Reuse | None) -> Written:
         """Fill the staging directory ``dest`` with ``payload`` (``reuse`` may link files a step holds)."""
         return write_payload(dest, payload, reuse=reuse)
+
+    def shards(self) -> FileShards:
+        """DCP's files written hashed into the staging directory, read mapped."""
+        return FileShards()
 
     def require(self, capability: Capability, what: str) -> None:
         refuse(self, capability, what)

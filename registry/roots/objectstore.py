@@ -28,6 +28,7 @@ from registry.fs.store import FileProblem
 from registry.records import HAS_PAYLOAD, CheckpointInfo
 from registry.roots.base import Capabilities, Capability, Gone, Tiered, refusal, refuse
 from registry.roots.landing import Previous
+from registry.roots.shards import ObjectShards
 
 if TYPE_CHECKING:
     from registry.format.manifest import Manifest
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-OBJECTS = Capabilities()
+OBJECTS = Capabilities(sharded=True)
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,10 @@ class ObjectStoreRoot:
         """Upload ``payload`` under the attempt prefix ``dest``, hashing as it goes (objects are never linked)."""
         from registry.fs.objectwrite import upload_payload
         return upload_payload(self.objects, dest, payload)
+
+    def shards(self) -> ObjectShards:
+        """Every rank uploads its DCP files under the attempt prefix; a load fetches the ranges it reads."""
+        return ObjectShards(self.objects)
 
     def require(self, capability: Capability, what: str) -> None:
         refuse(self, capability, what)

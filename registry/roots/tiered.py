@@ -21,6 +21,7 @@ from registry.records import CheckpointInfo
 from registry.roots.base import Capabilities, Capability, Tiered, refuse
 from registry.roots.directory import DirectoryLanding, DirectoryRoot, FileRemoval
 from registry.roots.objectstore import ObjectStoreRoot
+from registry.roots.shards import FileShards
 
 if TYPE_CHECKING:
     from registry.format.manifest import Manifest
@@ -113,6 +114,9 @@ class TieredRoot:
 
     def write(self, dest: Path, payload: Payload, reuse: Reuse | None) -> Written:
         return self.fast.write(dest, payload, reuse)
+
+    def shards(self) -> FileShards:
+        return self.fast.shards()
 
     def require(self, capability: Capability, what: str) -> None:
         refuse(self, capability, what)

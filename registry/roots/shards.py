@@ -1,0 +1,127 @@
+"""A sharded (DCP) step's files on each kind of root: what the one sharded publish and ``load_into`` ask of a root.
+
+The sequence (``registry.distributed.sharded``) is the same on every root:
+rank 0 claims and the root's landing prepares a place (a staging directory,
+an attempt prefix); every rank writes its shards there through
+:meth:`Shards.writer`; rank 0 adds the tail (meta, config, manifest last)
+through :meth:`Shards.tail`; the landing installs and the catalog commits. A
+load reads the small files through :meth:`Shards.read`, and DCP reads the
+data through :meth:`Shards.reader`; the pieces are checked either by a share
+spread over the ranks beside the read (a directory: every rank can map every
+file, so the whole step is checked once) or by the reader itself as each
+range lands (an object store: a rank fetches only what it reads, so it checks
+only that, before DCP sees a byte). ``where`` is what the landing prepared or
+a placed step's ``path``: an absolute directory, or an attempt prefix
+relative to the object root.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from registry.format.manifest import FileEntry, Manifest
+    from registry.format.sharding import ShardedLayout
+    from registry.fs.objects import ObjectRoot
+    from registry.fs.payloadfiles import Written
+
+
+class Shards(Protocol):
+    """A root's sharded files (see the module's docstring)."""
+
+    def writer(self, where: str, *, threads: int) -> Any:
+        """A DCP ``StorageWriter`` into ``where`` whose ``.written`` gives name -> ``FileEntry`` as hashed."""
+
+    def tail(self, where: str, *, entries: Mapping[str, FileEntry], layout: ShardedLayout,
+             tensors: Collection[str], meta: Mapping[str, Any], meta_raw: bytes, config_raw: bytes) -> Written:
+        """``meta.json``, ``config.json`` and the manifest, last, beside every rank's ``entries``."""
+
+    def read(self, where: Path, name: str) -> torch.Tensor:
+        """One small file of a placed step (manifest, ``.metadata``, meta, config) as a uint8 buffer."""
+
+    def share(self, manifest: Manifest, rank: int, world: int) -> list[tuple[str, int]]:
+        """The (file, piece) pairs ``rank`` checks beside the read; empty where the reader checks what it reads."""
+
+    def check(self, where: Path, manifest: Manifest, share: list[tuple[str, int]]) -> None:
+        """Check ``share`` against the manifest; ``CorruptCheckpointError`` if a piece differs."""
+
+    def reader(self, where: Path, metadata: Metadata, *, manifest: Manifest, verify: bool,
+               trust_pickle: bool) -> Any:
+        """A DCP ``StorageReader`` of the step at ``where`` (``metadata`` checked against ``manifest``)."""
+
+
+@dataclass(frozen=True)
+class FileShards:
+    """A directory's: DCP's files written hashed and fsync'd, mapped to read, a share of pieces per rank."""
+
+    def writer(self, where: str, *, threads: int) -> Any:
+        from registry.fs.dcpfiles import hashing_writer
+        return hashing_writer(Path(where), threads=threads)
+
+    def tail(self, where: str, *, entries: Mapping[str, FileEntry], layout: ShardedLayout,
+             tensors: Collection[str], meta: Mapping[str, Any], meta_raw: bytes, config_raw: bytes) -> Written:
+        from registry.fs.dcpfiles import write_sharded_tail
+        return write_sharded_tail(Path(where), entries=entries, layout=layout, tensors=tensors, meta=meta,
+                                  meta_raw=meta_raw, config_raw=config_raw)
+
+    def read(self, where: Path, name: str) -> torch.Tensor:
+        from registry.errors import CorruptCheckpointError, ManifestError
+        from registry.format.manifest import MANIFEST
+        from registry.fs.mapping import map_file
+        return map_file(where, name, error=ManifestError if name == MANIFEST else CorruptCheckpointError)
+
+    def share(self, manifest: Manifest, rank: int, world: int) -> list[tuple[str, int]]:
+        from registry.fs.dcpfiles import piece_share
+        return piece_share(manifest, rank, world)
+
+    def check(self, where: Path, manifest: Manifest, share: list[tuple[str, int]]) -> None:
+        from registry.fs.dcpfiles import check_share
+        check_share(where, manifest, share)
+
+    def reader(self, where: Path, metadata: Metadata, *, manifest: Manifest, verify: bool,
+               trust_pickle: bool) -> Any:
+        from registry.format.dcp_metadata import RestrictedFileSystemReader
+        return RestrictedFileSystemReader(where, metadata=metadata, trust_pickle=trust_pickle)
+
+
+@dataclass(frozen=True)
+class ObjectShards:
+    """An object store's: every rank uploads its own files to the attempt prefix, a load fetches its ranges."""
+
+    objects: ObjectRoot
+
+    def writer(self, where: str, *, threads: int) -> Any:
+        from registry.fs.dcpobjects import object_dcp_writer
+        return object_dcp_writer(self.objects, where, threads=threads)
+
+    def tail(self, where: str, *, entries: Mapping[str, FileEntry], layout: ShardedLayout,
+             tensors: Collection[str], meta: Mapping[str, Any], meta_raw: bytes, config_raw: bytes) -> Written:
+        from registry.fs.dcpobjects import upload_sharded_tail
+        return upload_sharded_tail(self.objects, where, entries=entries, layout=layout, tensors=tensors, meta=meta,
+                                   meta_raw=meta_raw, config_raw=config_raw)
+
+    def read(self, where: Path, name: str) -> torch.Tensor:
+        from registry.fs.dcpobjects import read_object
+        return read_object(self.objects, where.as_posix(), name)
+
+    def share(self, manifest: Manifest, rank: int, world: int) -> list[tuple[str, int]]:
+        return []  # each rank checks every piece it fetches, as it lands
+
+    def check(self, where: Path, manifest: Manifest, share: list[tuple[str, int]]) -> None:
+        if share:
+            raise ValueError("an object store's reader checks the pieces it fetches; there is no share")
+
+    def reader(self, where: Path, metadata: Metadata, *, manifest: Manifest, verify: bool,
+               trust_pickle: bool) -> Any:
+        from registry.fs.dcpobjects import object_dcp_reader
+        return object_dcp_reader(self.objects, where.as_posix(), metadata=metadata, manifest=manifest,
+                                 verify=verify, trust_pickle=trust_pickle)
+
+
+__all__ = ["FileShards", "ObjectShards", "Shards"]
