@@ -147,11 +147,13 @@ class _Publishing:
     def reserve(self, run: str, step: int, job: _PublishJob) -> Callable[[], None]:
         return self.reg._reserve(job)
 
-    def commit(self, job: _PublishJob, write: Callable[[Path], Written]) -> CheckpointInfo:
+    def commit(self, job: _PublishJob, write: Callable[[Any], Written]) -> CheckpointInfo:
         from registry.ops.protocol import publish_sequence
         reg, target = self.reg, self.reg._target(job)
-        return reg.root.place(publish_sequence(reg.catalog, target, lambda staging, _reuse: write(staging),
-                                               reg._hooks(job), reg.root.landing(target.relpath)))
+        info = publish_sequence(reg.catalog, target, lambda staging, _reuse: write(staging), reg._hooks(job),
+                                reg.root.landing(target.relpath))
+        reg._kick_replication()  # a sharded step is replicated in the background like any other
+        return reg.root.place(info)
 
     def retain(self, run: str, step: int, policy: Policy) -> object:
         return self.reg._retention_after_publish(run, step, policy)

@@ -43,7 +43,11 @@ pieces on a thread beside it (the whole step is checked once, spread over the
 ranks; with ``trust_pickle=True`` the check finishes before any byte is
 read, since a full unpickler must never see bytes not yet checked). On
 ``s3://`` each rank fetches only the byte ranges its plan names, and checks
-every piece it fetches before DCP sees it. The load
+every piece it fetches before DCP sees it. On a root with
+tiers rank 0 locates the nearest copy: this host's fast or cached copy when
+every rank's host holds it, else the durable copy, read by ranged GETs as on
+``s3://`` (a step no rank can reach is ``NoCopyError``, skipped by ``@latest``
+and never marked). The load
 succeeds only when every share checked out; otherwise the templates hold
 whatever was read and the load fails, or a corrupt ``@latest`` falls back to
 an older step on every rank alike. Without a process group the same runs in
@@ -55,7 +59,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from datetime import timedelta
 from pathlib import Path
@@ -67,8 +71,9 @@ import torch.distributed as dist
 from registry.crashpoints import crashpoint
 from registry.distributed.collectives import Comm, Failure, Solo, as_timedelta, first_failure, settle, status
 from registry.distributed.collectives import agree as agree_on
-from registry.errors import (CorruptCheckpointError, DistributedError, InvalidStateError, PublishError,
-                             RegistryError)
+from registry.distributed.loader import _Source
+from registry.errors import (CheckpointReadError, CorruptCheckpointError, DistributedError, InvalidStateError,
+                             NoCopyError, PublishError, RegistryError)
 from registry.format.manifest import CONFIG, MANIFEST, META, Manifest, digest_bytes, parse_manifest
 from registry.format.sharding import DCP_METADATA, layout_of
 from registry.format.dcp_metadata import dcp_failure
@@ -241,7 +246,14 @@ class ShardedLoad:
 
 @dataclass(frozen=True, kw_only=True)
 class _Plan:
+    """What rank 0 sends: the step, ``where`` its nearest copy is read (:meth:`Shards.locate`), and on a root
+    whose steps have several copies (``several``, a root with tiers) its durable copy's ``where``, for ranks whose
+    host holds no directory of it."""
+
     info: CheckpointInfo
+    where: Path
+    several: bool
+    durable: Path | None
     manifest_raw: bytes
     metadata_raw: bytes
     meta: dict[str, Any]
@@ -250,29 +262,75 @@ class _Plan:
     fallback: Fallback | None
 
 
-def _read_plan(read: CatalogRead, shards: Shards) -> _Plan:
-    """Rank 0: resolve and lease the next candidate, and read its manifest and ``.metadata``, both checked."""
+@dataclass(kw_only=True)
+class _Judge(_Source):
+    """Rank 0's judge of a sharded load's failures: a plain load's (a bad fast copy of a step with a durable copy
+    is condemned alone, and the step read from its durable copy), and for a round that reads the durable copy by
+    ranged GETs (``durable_prefix``), bad bytes there are re-hashed from storage, then that copy is marked
+    corrupt and the step judged as having no copy this host can read (``@latest`` goes on to an older step)."""
+
+    durable_prefix: Path | None = None
+    durable_reread: set[int] = field(default_factory=set)
+
+    def judge(self, exc: BaseException) -> None:
+        read, prefix = self.read, self.durable_prefix
+        if prefix is None or read is None or read.info is None or not isinstance(exc, CorruptCheckpointError):
+            return super().judge(exc)
+        from registry.ops.tiercache import durable_read_failed
+        info, access = read.info, read.access
+        self.durable_prefix = None
+        if info.step in self.durable_reread:  # it re-hashed intact once already: no verdict rests on this read
+            read.release()
+            raise CheckpointReadError(f"cannot read {info.run}@{info.step}: its durable copy read differently "
+                                      f"twice ({exc}) though it re-hashes intact; nothing was marked",
+                                      run=info.run, step=info.step, path=prefix)
+        self.durable_reread.add(info.step)
+        verdict = durable_read_failed(access.copies.tiered("a sharded load"), access.catalog, info,
+                                      prefix.as_posix(), exc, holder=access.holder)
+        if verdict is None:
+            read.release()  # intact as stored: the same step is read once more
+            return
+        read.judge(verdict)
+
+
+def _read_plan(judge: _Judge, shards: Shards) -> _Plan:
+    """Rank 0: resolve and lease the next candidate, and read its manifest and ``.metadata``, both checked.
+
+    On a root with tiers the step is read where this host holds it, else from its durable copy; a fast copy
+    ``judge`` condemned (its bytes bad while a durable copy stands) is passed over for the durable copy."""
+    read = judge.read
+    assert read is not None
     while True:
         info = read.candidate()
         try:
-            manifest_raw = bytes(host_view(shards.read(info.path, MANIFEST)))
-            manifest = parse_manifest(manifest_raw, path=info.path / MANIFEST)
+            copies = read.access.copies
+            where = shards.locate(copies.located(info))  # this host's fast or cached copy, else the durable one
+            far = None  # the durable copy's prefix, on a root with tiers
+            if copies.several:
+                from registry.ops.tiercache import durable_located
+                there = durable_located(copies.tiered("a sharded load"), read.access.catalog, info)
+                far = shards.locate(there) if there is not None else None
+                if far is not None and info.step in judge.fast_bad:
+                    where = far
+            judge.durable_prefix = where if where == far else None
+            manifest_raw = bytes(host_view(shards.read(where, MANIFEST)))
+            manifest = parse_manifest(manifest_raw, path=where / MANIFEST)
             check_digest(info, digest_bytes(manifest_raw))
             if manifest.layout is None:
                 raise InvalidStateError(f"{info.run}@{info.step} is not a sharded checkpoint; load it with "
                                         "Registry.load", run=info.run, step=info.step, path=info.path)
-            metadata_raw = bytes(host_view(shards.read(info.path, DCP_METADATA)))
-            checked_metadata(info.path, manifest, metadata_raw)  # the sha256 check, before anyone unpickles
-            meta = json_object(shards.read(info.path, META), info.path / META) if META in manifest.files else {}
-            config = (json_object(shards.read(info.path, CONFIG), info.path / CONFIG) if CONFIG in manifest.files
+            metadata_raw = bytes(host_view(shards.read(where, DCP_METADATA)))
+            checked_metadata(where, manifest, metadata_raw)  # the sha256 check, before anyone unpickles
+            meta = json_object(shards.read(where, META), where / META) if META in manifest.files else {}
+            config = (json_object(shards.read(where, CONFIG), where / CONFIG) if CONFIG in manifest.files
                       else {})
         except RegistryError as exc:
-            read.judge(exc)
+            judge.judge(exc)
             continue
         notes = tuple(read.notes)
         read.notes.clear()
-        return _Plan(info=info, manifest_raw=manifest_raw, metadata_raw=metadata_raw, meta=meta, config=config,
-                     notes=notes, fallback=read.record(info))
+        return _Plan(info=info, where=where, several=copies.several, durable=far, manifest_raw=manifest_raw,
+                     metadata_raw=metadata_raw, meta=meta, config=config, notes=notes, fallback=read.record(info))
 
 
 def load_sharded(comm: Comm | Solo, access: Access | None, ref: Ref | None, asked_for: str, state: Any, *,
@@ -285,13 +343,14 @@ def load_sharded(comm: Comm | Solo, access: Access | None, ref: Ref | None, aske
     agree(comm, ("load", asked_for, tuple(sorted(keys)) if keys is not None else None, strict, verify,
                  trust_pickle, fallback), local_error)
     read = CatalogRead(access, ref, fallback=fallback) if comm.rank == 0 and access is not None and ref else None
+    judge = _Judge(read=read) if read is not None else None  # a bad fast copy condemned alone, as a plain load's
     flat, mappings = flatten_state_dict(state)
     try:
         while True:
             plan: Any = None
-            if read is not None:
+            if judge is not None:
                 try:
-                    plan = _read_plan(read, shards)
+                    plan = _read_plan(judge, shards)
                 except Exception as exc:  # noqa: BLE001 - every rank must hear of it
                     plan = Failure.of(exc, 0)
             plan = comm.broadcast_object(plan, "sending the plan")
@@ -299,27 +358,34 @@ def load_sharded(comm: Comm | Solo, access: Access | None, ref: Ref | None, aske
                 raise plan.error()
             for note in plan.notes:
                 warnings.warn(note, RuntimeWarning, stacklevel=3)
-            directory = plan.info.path
+            directory = _copy_read(comm, shards, plan)
+            if directory is None:
+                if settle(comm, judge, _no_copy(comm, plan), "agreeing on the copy to read"):
+                    continue
+                raise AssertionError("rank 0's judge ends or retries a load with no copy")  # pragma: no cover
+            if judge is not None:
+                judge.durable_prefix = directory if directory == plan.durable else None
+            here = shards.at(directory)
             manifest: Manifest = parse_manifest(plan.manifest_raw, path=directory / MANIFEST)
 
-            share = shards.share(manifest, comm.rank, comm.world) if verify else []
+            share = here.share(manifest, comm.rank, comm.world) if verify else []
             # the check runs while DCP reads, unless a full unpickler would meet bytes not yet checked
             overlap = bool(share) and not trust_pickle
 
-            md, mine = status(partial(_check_plan, shards, directory, manifest, plan.metadata_raw,
+            md, mine = status(partial(_check_plan, here, directory, manifest, plan.metadata_raw,
                                        share if not overlap else []), comm.rank)
-            if settle(comm, read, mine, "agreeing on the checksums"):
+            if settle(comm, judge, mine, "agreeing on the checksums"):
                 continue
             saved = {k for k in md.state_dict_metadata if keys is None or wanted(k, keys)}
             asked = {k for k in flat if keys is None or wanted(k, keys)}
             missing, unexpected = tuple(sorted(asked - saved)), tuple(sorted(saved - asked))
 
             mismatch = (missing, unexpected) if strict and (missing or unexpected) else None
-            _, mine = status(partial(_load_checked, comm, shards, plan.info, md, flat, asked & saved,
+            _, mine = status(partial(_load_checked, comm, here, plan.info, directory, md, flat, asked & saved,
                                       mismatch=mismatch, manifest=manifest, verify=verify, trust_pickle=trust_pickle,
                                       pending_check=share if overlap else None),
                               comm.rank)
-            if settle(comm, read, mine, "agreeing on the loaded state"):
+            if settle(comm, judge, mine, "agreeing on the loaded state"):
                 continue
             _write_back(state, flat, mappings, asked & saved)
             if comm.rank == 0:
@@ -335,6 +401,27 @@ def load_sharded(comm: Comm | Solo, access: Access | None, ref: Ref | None, aske
 
 
 
+def _copy_read(comm: Comm | Solo, shards: Shards, plan: _Plan) -> Path | None:
+    """Where every rank reads ``plan``'s step: the copy rank 0 located when every rank's host holds it there (one
+    host, or a filesystem they share), else its durable copy by ranged GETs; None when some rank's host holds
+    no copy and it has no durable one. A root whose copy is the step's only one is read where it is."""
+    if not plan.several:
+        return plan.where
+    seen = comm.all_gather_object(shards.holds(plan.where, plan.info.manifest_sha256),
+                                  "finding the copy every rank reads")
+    return plan.where if all(seen) else plan.durable
+
+
+def _no_copy(comm: Comm | Solo, plan: _Plan) -> Failure | None:
+    """Rank 0's failure to judge when a rank's host holds no copy of the step and it is not durable yet."""
+    if comm.rank != 0:
+        return None
+    info = plan.info
+    return Failure.of(NoCopyError(f"{info.run}@{info.step} has no copy every rank can read: it is at {plan.where} "
+                                  "on rank 0's host only, and has no verified durable copy yet",
+                                  run=info.run, step=info.step, path=info.path), 0)
+
+
 def _check_plan(shards: Shards, directory: Path, manifest: Manifest, metadata_raw: bytes,
                 share: list[tuple[str, int]]) -> Any:
     """The step's checked ``.metadata``, and this rank's share of the pieces when they are checked up front."""
@@ -344,9 +431,10 @@ def _check_plan(shards: Shards, directory: Path, manifest: Manifest, metadata_ra
     return md
 
 
-def _load_checked(comm: Comm | Solo, shards: Shards, info: CheckpointInfo, md: Any, flat: dict[str, Any],
-                  keys: set[str], *, mismatch: tuple[Sequence[str], Sequence[str]] | None, manifest: Manifest,
-                  verify: bool, trust_pickle: bool, pending_check: list[tuple[str, int]] | None) -> None:
+def _load_checked(comm: Comm | Solo, shards: Shards, info: CheckpointInfo, directory: Path, md: Any,
+                  flat: dict[str, Any], keys: set[str], *, mismatch: tuple[Sequence[str], Sequence[str]] | None,
+                  manifest: Manifest, verify: bool, trust_pickle: bool,
+                  pending_check: list[tuple[str, int]] | None) -> None:
     """DCP reads ``keys`` of ``flat`` from ``info``'s step while this rank's share of the pieces is checked beside it
     (``pending_check``); ``mismatch`` (missing, unexpected keys) refuses a strict load first."""
     if mismatch is not None:
@@ -356,7 +444,6 @@ def _load_checked(comm: Comm | Solo, shards: Shards, info: CheckpointInfo, md: A
             f"{info.run}@{info.step} does not match the state to load into ({first}; "
             f"{len(missing)} missing, {len(unexpected)} unexpected keys); pass strict=False "
             "to load the keys both have", run=info.run, step=info.step)
-    directory = info.path
     pending = _CHECKS.submit(shards.check, directory, manifest, pending_check) if pending_check is not None else None
     try:
         subset = {k: flat[k] for k in keys}

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from registry.catalog.replicas import DURABLE, ReplicaCatalog
 from registry.crashpoints import crashpoint
-from registry.errors import CatalogError, CorruptCheckpointError, RegistryError, StorageError
+from registry.errors import CatalogError, CorruptCheckpointError, NoCopyError, RegistryError, StorageError
 from registry.format.layout import REGISTRY_DIR, hidden_sibling, parse_hidden, parse_step_dirname, step_dirname
 from registry.fs.removal import manifest_digest, remove_checkpoint_dir
 from registry.fs.store import fsync_dir
@@ -275,6 +275,47 @@ def record_cached_copy(tiers: CacheHost, catalog: Catalog, info: CheckpointInfo,
                                           writer=writer, event="cached")
 
 
+def durable_located(tiers: CacheHost, catalog: Catalog, info: CheckpointInfo) -> CheckpointInfo | None:
+    """``info`` located at its verified durable copy (``url`` set), or None when it has none: what a sharded load
+    reads by ranged GETs when a rank's host holds no directory of the step (nothing is downloaded whole)."""
+    copy = ReplicaCatalog(catalog).copy(info.run, info.step, DURABLE, manifest_sha256=info.manifest_sha256)
+    return None if copy is None else info.at(tiers.durable.url(copy.path))
+
+
+def durable_read_failed(tiers: CacheHost, catalog: Catalog, info: CheckpointInfo, prefix: str,
+                        exc: CorruptCheckpointError, *, holder: str) -> NoCopyError | None:
+    """A ranged read of ``info``'s durable copy under ``prefix`` found bytes that differ (``exc``): the copy is
+    re-hashed from storage first (:func:`registry.ops.verdicts.read_again`); None when it reads intact (read it
+    again), else the copy is marked ``corrupt`` (compare-and-set, as :func:`read_cached` does) and the
+    ``NoCopyError`` to judge is returned: the step stands on any other copy, and ``@latest`` goes on to an older
+    step. A re-read that fails otherwise (the server's trouble) is raised as it is."""
+    from dataclasses import replace
+
+    from registry.roots.objectstore import ObjectStoreRoot  # the object store's modules: a tiered root's
+    at, durable = replace(info, path=Path(prefix)), ObjectStoreRoot(tiers.durable)
+
+    def rehash() -> None:  # as verify re-hashes a copy: the manifest first, then every file against it
+        manifest, digest = durable.stored_manifest(at)
+        if manifest is None or digest != info.manifest_sha256:
+            raise CorruptCheckpointError(digest if manifest is None else "manifest.json: not the one the catalog "
+                                         "records", run=info.run, step=info.step, path=at.path)
+        problems = durable.rehash(at, manifest, on_bytes=lambda _n: None)
+        if problems:
+            raise CorruptCheckpointError("; ".join(f"{p.name}: {p.problem}" for p in problems), run=info.run,
+                                         step=info.step, path=at.path)
+    try:
+        read_again(exc, rehash, what=f"{info.run}@{info.step}: its durable copy {tiers.durable.url(prefix)}")
+    except CorruptCheckpointError as stable:
+        why = str(stable)
+        note("the corrupt durable copy", lambda: ReplicaCatalog(catalog).set_replica_status(
+            info.run, info.step, DURABLE, "corrupt", path=prefix, manifest_sha256=info.manifest_sha256,
+            only_from=("verified",), actor=holder, reason=why))
+        log.error("%s@%s: its durable copy is corrupt (%s); marked so", info.run, info.step, stable)
+        return NoCopyError(f"{info.run}@{info.step} has no copy this host can read: not on its fast tier, and its "
+                           f"durable copy is corrupt ({exc})", run=info.run, step=info.step, path=info.path)
+    return None
+
+
 def _download(tiers: CacheHost, prefix: str, dest: Path, info: CheckpointInfo) -> None:
     """The durable copy under ``prefix`` into ``dest``, through a hidden sibling renamed into place."""
     from registry.fs.objectread import download
@@ -296,6 +337,6 @@ def _download(tiers: CacheHost, prefix: str, dest: Path, info: CheckpointInfo) -
         raise
 
 
-__all__ = ["CACHE_DIR", "abandoned_downloads", "cache_relpath", "evict_cached_copy", "host_lock", "lock_path",
-           "note", "read_cached", "read_uncached", "record_cached_copy", "remove_abandoned_download",
-           "stale_cached_copies"]
+__all__ = ["CACHE_DIR", "abandoned_downloads", "cache_relpath", "durable_located", "durable_read_failed",
+           "evict_cached_copy", "host_lock", "lock_path", "note", "read_cached", "read_uncached", "record_cached_copy",
+           "remove_abandoned_download", "stale_cached_copies"]

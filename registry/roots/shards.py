@@ -13,6 +13,13 @@ range lands (an object store: a rank fetches only what it reads, so it checks
 only that, before DCP sees a byte). ``where`` is what the landing prepared or
 a placed step's ``path``: an absolute directory, or an attempt prefix
 relative to the object root.
+
+A tiered root's (:class:`TieredShards`) writes as its fast directory's and
+reads the nearest copy the load located (``Copies.located``, chosen on rank 0):
+this host's fast or cached directory, else its durable copy by ranged GETs,
+each range checked as it lands, with no whole download on any host
+(:meth:`Shards.locate` turns the located step into ``where``, :meth:`Shards.at`
+the ``where`` into the shards that read it).
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ if TYPE_CHECKING:
     from registry.format.sharding import ShardedLayout
     from registry.fs.objects import ObjectRoot
     from registry.fs.payloadfiles import Written
+    from registry.records import CheckpointInfo
 
 
 class Shards(Protocol):
@@ -55,6 +63,17 @@ class Shards(Protocol):
                trust_pickle: bool) -> Any:
         """A DCP ``StorageReader`` of the step at ``where`` (``metadata`` checked against ``manifest``)."""
 
+    def locate(self, info: CheckpointInfo) -> Path:
+        """``where`` the step ``info`` (placed, or located at its nearest copy) is read; ``NoCopyError`` when this
+        host can reach no copy of it."""
+
+    def at(self, where: Path) -> Shards:
+        """The shards that read ``where`` (a tiered root's: its directory's, or its durable tier's)."""
+
+    def holds(self, where: Path, digest: str | None) -> bool:
+        """Whether this rank reads the payload of manifest ``digest`` at ``where`` (a directory of another host's
+        filesystem may hold another one, or none)."""
+
 
 @dataclass(frozen=True)
 class FileShards:
@@ -66,7 +85,14 @@ class FileShards:
 
     def tail(self, where: str, *, entries: Mapping[str, FileEntry], layout: ShardedLayout,
              tensors: Collection[str], meta: Mapping[str, Any], meta_raw: bytes, config_raw: bytes) -> Written:
+        from registry.errors import PublishError
         from registry.fs.dcpfiles import write_sharded_tail
+        absent = sorted(name for name in entries if not (Path(where) / name).is_file())
+        if absent:  # cheap (a stat per file), and the manifest must never list files another host holds
+            raise PublishError(f"{len(absent)} files the ranks wrote are not in {where} on rank 0's host (first: "
+                               f"{absent[0]}): every rank must write to the same directory (one host, or a shared "
+                               "filesystem); ranks on several hosts with directories of their own are not supported",
+                               path=Path(where))
         return write_sharded_tail(Path(where), entries=entries, layout=layout, tensors=tensors, meta=meta,
                                   meta_raw=meta_raw, config_raw=config_raw)
 
@@ -88,6 +114,16 @@ class FileShards:
                trust_pickle: bool) -> Any:
         from registry.format.dcp_metadata import RestrictedFileSystemReader
         return RestrictedFileSystemReader(where, metadata=metadata, trust_pickle=trust_pickle)
+
+    def locate(self, info: CheckpointInfo) -> Path:
+        return info.path
+
+    def at(self, where: Path) -> Shards:
+        return self
+
+    def holds(self, where: Path, digest: str | None) -> bool:
+        from registry.fs.removal import manifest_digest
+        return digest is None or manifest_digest(where) == digest
 
 
 @dataclass(frozen=True)
@@ -123,5 +159,66 @@ class ObjectShards:
         return object_dcp_reader(self.objects, where.as_posix(), metadata=metadata, manifest=manifest,
                                  verify=verify, trust_pickle=trust_pickle)
 
+    def locate(self, info: CheckpointInfo) -> Path:
+        return info.path
 
-__all__ = ["FileShards", "ObjectShards", "Shards"]
+    def at(self, where: Path) -> Shards:
+        return self
+
+    def holds(self, where: Path, digest: str | None) -> bool:
+        return True  # every rank reaches the bucket; the manifest's digest is checked where it is read
+
+
+@dataclass(frozen=True)
+class TieredShards:
+    """A tiered root's: written as its fast directory's; read at the nearest copy the load located, a directory
+    of this host (``where`` absolute) or the durable copy's attempt prefix (``where`` relative to the durable
+    tier), by ranged GETs (see the module's docstring)."""
+
+    files: FileShards
+    durable: ObjectShards
+
+    def writer(self, where: str, *, threads: int) -> Any:
+        return self.files.writer(where, threads=threads)
+
+    def tail(self, where: str, *, entries: Mapping[str, FileEntry], layout: ShardedLayout,
+             tensors: Collection[str], meta: Mapping[str, Any], meta_raw: bytes, config_raw: bytes) -> Written:
+        return self.files.tail(where, entries=entries, layout=layout, tensors=tensors, meta=meta,
+                               meta_raw=meta_raw, config_raw=config_raw)
+
+    def at(self, where: Path) -> Shards:
+        return self.files if where.is_absolute() else self.durable
+
+    def read(self, where: Path, name: str) -> torch.Tensor:
+        return self.at(where).read(where, name)
+
+    def share(self, manifest: Manifest, rank: int, world: int) -> list[tuple[str, int]]:
+        raise TypeError("a tiered root's share depends on the copy read: ask the shards at(where)")
+
+    def check(self, where: Path, manifest: Manifest, share: list[tuple[str, int]]) -> None:
+        self.at(where).check(where, manifest, share)
+
+    def reader(self, where: Path, metadata: Metadata, *, manifest: Manifest, verify: bool,
+               trust_pickle: bool) -> Any:
+        return self.at(where).reader(where, metadata, manifest=manifest, verify=verify, trust_pickle=trust_pickle)
+
+    def locate(self, info: CheckpointInfo) -> Path:
+        """The durable copy's prefix when ``info`` was located there (its ``url`` under the durable tier), else
+        its directory on this host; ``NoCopyError`` when that is not here either (never evidence against it)."""
+        from registry.errors import NoCopyError
+        from registry.format.manifest import MANIFEST
+        prefix = f"{self.durable.objects.url()}/"
+        if info.url is not None and info.url.startswith(prefix):
+            return Path(info.url[len(prefix):])
+        if not (info.path / MANIFEST).is_file():
+            raise NoCopyError(f"{info.run}@{info.step} has no copy this host can read: it is not on this host's "
+                              f"fast tier ({info.path}) and has no verified durable copy (its writer's host holds it "
+                              "until it is replicated, or that host was lost first)",
+                              run=info.run, step=info.step, path=info.path)
+        return info.path
+
+    def holds(self, where: Path, digest: str | None) -> bool:
+        return self.at(where).holds(where, digest)
+
+
+__all__ = ["FileShards", "ObjectShards", "Shards", "TieredShards"]

@@ -21,7 +21,7 @@ from registry.records import CheckpointInfo
 from registry.roots.base import Capabilities, Capability, Tiered, refuse
 from registry.roots.directory import DirectoryLanding, DirectoryRoot, FileRemoval
 from registry.roots.objectstore import ObjectStoreRoot
-from registry.roots.shards import FileShards
+from registry.roots.shards import ObjectShards, TieredShards
 
 if TYPE_CHECKING:
     from registry.format.manifest import Manifest
@@ -115,8 +115,9 @@ class TieredRoot:
     def write(self, dest: Path, payload: Payload, reuse: Reuse | None) -> Written:
         return self.fast.write(dest, payload, reuse)
 
-    def shards(self) -> FileShards:
-        return self.fast.shards()
+    def shards(self) -> TieredShards:
+        """Written on the fast directory; read at the nearest copy a load located (the durable one by ranged GETs)."""
+        return TieredShards(self.fast.shards(), ObjectShards(self.durable.objects))
 
     def require(self, capability: Capability, what: str) -> None:
         refuse(self, capability, what)
