@@ -37,7 +37,7 @@ from registry.fs.store import Store, now_timestamp
 from registry.roots.base import Root
 from registry.roots.open import locate, locations
 from registry.ops.writers import close_writer, open_writer, writer_alive, writer_id
-from registry.fs.validation import check_flags, check_metrics, check_tags, checked_payload
+from registry.fs.validation import check_flags, check_full_every, check_metrics, check_tags, checked_payload
 
 if TYPE_CHECKING:  # and what only some methods use, imported there: a CLI listing never loads or publishes
     from registry.fs.payloadfiles import Payload, Written
@@ -57,6 +57,8 @@ if TYPE_CHECKING:  # and what only some methods use, imported there: a CLI listi
     from registry.catalog.outbox import OutboxEntry, WebhookInfo
     from registry.ops.webhooks import BackgroundDelivery, DeliveryReport, WebhookOptions
     from registry.ops.sysmetrics import SystemSampler
+    from registry.ops.consumers import ConsumerHub, Subscription
+    from registry.records import LoadInfo, PolicyLag, PolicyVersionInfo
 
     from registry.distributed.sharded import ShardedLoad
     from registry.distributed.sharded_async import PublishGroups
@@ -67,10 +69,19 @@ if TYPE_CHECKING:  # and what only some methods use, imported there: a CLI listi
     from registry.progress import ProgressFn
     from registry.ops.retention import RetentionPlan, RetentionResult
     from registry.retention import Policy
+    from registry.ops.policy import PolicyCache, PolicyPlan, FoldInfo
+    from registry.catalog.policy import MarkerInfo
 
 log = logging.getLogger(__name__)
 
 MAX_NOTE = 4096  # characters of a tag's note
+
+
+def _done(info: CheckpointInfo) -> Future[CheckpointInfo]:
+    """A future that already holds ``info`` (a background publish that had nothing to do)."""
+    future: Future[CheckpointInfo] = Future()
+    future.set_result(info)
+    return future
 
 
 def _bound_catalog(url: str, root: Root, *, migrate: bool, create: bool, read_only: bool,
@@ -106,6 +117,7 @@ class _PublishJob:
     retention: Policy | None = None
     lineage: LineageRecord | None = None  # an explicit ``parent=``
     dedup: bool = False
+    policy: PolicyPlan | None = None  # a policy channel publish: how it stores its version (registry.ops.policy)
 
 
 @dataclass(frozen=True)
@@ -166,8 +178,11 @@ class Registry:
     """A catalog plus a checkpoint root. Use :meth:`open`; close it (or use ``with``)."""
 
     def __init__(self, *, catalog: Catalog, root: Root, url: str,
-                 lease_ttl: timedelta = timedelta(minutes=30), read_only: bool = False, dedup: bool = False) -> None:
+                 lease_ttl: timedelta = timedelta(minutes=30), read_only: bool = False, dedup: bool = False,
+                 full_every: int = 8) -> None:
         self.catalog = catalog
+        self.full_every = full_every  # a policy channel publish under delta="auto" stores a full every N versions
+        self._policy_cache_made: PolicyCache | None = None
         self.root = root  # where payloads live: a directory, s3://, or a fast directory over a durable tier
         self._replicator: Replicator | None = None
         self.dedup = dedup
@@ -191,6 +206,7 @@ class Registry:
         self.webhook_options: WebhookOptions | None = None
         self._webhook_delivery: BackgroundDelivery | None = None
         self._samplers: dict[str, SystemSampler] = {}  # run -> its system-metrics sampler (sample_system_metrics)
+        self._consumer_hub: ConsumerHub | None = None  # policy consumers' heartbeat and listener, made on first use
         if not read_only:
             me = weakref.ref(self)
 
@@ -204,7 +220,8 @@ class Registry:
     def open(cls, url: str | None = None, root: str | os.PathLike[str] | None = None, *,
              migrate: bool = True, lease_ttl: timedelta = timedelta(minutes=30), create: bool = True,
              read_only: bool = False, rebind_root: bool = False, dedup: bool = False,
-             storage_options: Mapping[str, Any] | None = None, durable: str | None = None) -> Registry:
+             storage_options: Mapping[str, Any] | None = None, durable: str | None = None,
+             full_every: int = 8) -> Registry:
         """Open the catalog and the root, and check that they belong together.
 
         ``root`` defaults to ``$REGISTRY_ROOT`` or ``./checkpoints``; ``url`` to
@@ -239,10 +256,14 @@ class Registry:
         read the nearest verified copy (see :mod:`registry.ops.tiers`). The
         durable root is the one bound to the catalog; ``storage_options``
         apply to it.
+
+        ``full_every``: a policy publish with ``delta="auto"`` stores a full
+        every that many versions, so no delta chain grows longer (default 8).
         """
         from registry.catalog.session import cannot_write
 
         check_flags(dedup=dedup)
+        full_every = check_full_every(full_every)
         located, url = locations(url, root)
         read_only = read_only or cannot_write(url)
         opening = locate(located, durable, storage_options=storage_options, create=create, read_only=read_only,
@@ -272,7 +293,7 @@ class Registry:
             raise
         opening.announce()
         reg = cls(catalog=catalog, root=built, url=url, lease_ttl=lease_ttl, read_only=read_only,
-                  dedup=bool(dedup))
+                  dedup=bool(dedup), full_every=full_every)
         if built.can.tiers and create and not read_only:
             reg._replication().kick()  # a queue left by an earlier process (killed, or its tier was down)
         return reg
@@ -343,6 +364,8 @@ class Registry:
             self._background.shutdown()
             if self._webhook_delivery is not None:
                 self._webhook_delivery.close()
+            if self._consumer_hub is not None:
+                self._consumer_hub.close()  # ends this process's policy consumers while the catalog is open
             if self._replicator is not None:
                 self._replicator.close(wait=True)
             if self._snapshotter is not None:
@@ -359,6 +382,15 @@ class Registry:
                 from registry.fs.snapshot import Snapshotter
                 self._snapshotter = Snapshotter()
             return self._snapshotter
+
+    @property
+    def _policy_cache(self) -> PolicyCache:
+        """The last policy state this registry published of each run (a delta's base), made on first use."""
+        with self._lock:
+            if self._policy_cache_made is None:
+                from registry.ops.policy import PolicyCache
+                self._policy_cache_made = PolicyCache()
+            return self._policy_cache_made
 
     def __enter__(self) -> Registry:
         return self
@@ -386,7 +418,7 @@ class Registry:
                 retention: Policy | None = None, blocking: Literal[True] = True,
                 trust_pickle: bool = False, parent: str | Ref | None = None, sharded: bool = False,
                 group: Any = None, timeout: float | None = None, dedup: bool | None = None,
-                durable: bool = False) -> CheckpointInfo: ...
+                durable: bool = False, delta: bool | Literal["auto"] | None = None) -> CheckpointInfo: ...
 
     @overload
     def publish(self, run: str, step: int, state_dict: Mapping[str, torch.Tensor], *,
@@ -398,7 +430,8 @@ class Registry:
                 retention: Policy | None = None, blocking: Literal[False],
                 trust_pickle: bool = False, parent: str | Ref | None = None, sharded: bool = False,
                 group: Any = None, timeout: float | None = None,
-                dedup: bool | None = None, durable: bool = False) -> Future[CheckpointInfo]: ...
+                dedup: bool | None = None, durable: bool = False,
+                delta: bool | Literal["auto"] | None = None) -> Future[CheckpointInfo]: ...
 
     @overload
     def publish(self, run: str, step: int, state_dict: Mapping[str, torch.Tensor], *,
@@ -410,7 +443,8 @@ class Registry:
                 retention: Policy | None = None, blocking: bool,
                 trust_pickle: bool = False, parent: str | Ref | None = None, sharded: bool = False,
                 group: Any = None, timeout: float | None = None,
-                dedup: bool | None = None, durable: bool = False) -> CheckpointInfo | Future[CheckpointInfo]: ...
+                dedup: bool | None = None, durable: bool = False,
+                delta: bool | Literal["auto"] | None = None) -> CheckpointInfo | Future[CheckpointInfo]: ...
 
     def publish(self, run: str, step: int, state_dict: Mapping[str, torch.Tensor], *,
                 extra: Mapping[str, Any] | None = None, config: Mapping[str, Any] | None = None,
@@ -421,7 +455,8 @@ class Registry:
                 retention: Policy | None = None, blocking: bool = True,
                 trust_pickle: bool = False, parent: str | Ref | None = None, sharded: bool = False,
                 group: Any = None, timeout: float | None = None,
-                dedup: bool | None = None, durable: bool = False) -> CheckpointInfo | Future[CheckpointInfo]:
+                dedup: bool | None = None, durable: bool = False,
+                delta: bool | Literal["auto"] | None = None) -> CheckpointInfo | Future[CheckpointInfo]:
         """Atomically publish ``state_dict`` and friends as ``run@step``.
 
         Returns the ``CheckpointInfo``; with ``blocking=False`` a
@@ -464,6 +499,20 @@ class Registry:
         On a root with a durable tier the publish returns once the fast tier's
         commit is done and the step is replicated in the background;
         ``durable=True`` waits for its durable copy too (see :meth:`wait_durable`).
+
+        ``delta`` (with ``policy_version=N``: the RL policy channel, see
+        :mod:`registry.ops.policy`): ``"auto"`` stores what changed against the
+        run's newest verified policy step as ``delta.safetensors`` when that
+        pays, a full every ``full_every`` versions (:meth:`open`) and whenever
+        the tensor names, shapes or dtypes changed; ``True`` always a delta when
+        there is a base (a changed tensor set raises ``DeltaBaseError``);
+        ``False`` a full. Each of them makes the version immutable: publishing
+        version N again with the same weights is a no-op that returns the step
+        already there, with other weights ``PolicyVersionConflictError``. The
+        default (None) is a plain full step, as without the channel (a version
+        may then repeat), whose directory the reference module loads; a delta
+        step's does not: :meth:`materialize` writes its full files. Every load,
+        export and diff of a delta step gives exactly the tensors a full gives.
         """
         if dedup is not None:
             check_flags(dedup=dedup)
@@ -477,6 +526,8 @@ class Registry:
         if dedup:
             self.root.require("links", "dedup")
         if sharded is not False:
+            if delta not in (None, False):
+                raise InvalidStateError("publish(delta=...) needs an unsharded publish")
             return self._publish_sharded(run, step, state_dict, group=group, timeout=timeout, parent=parent,
                                          extra=extra,
                                          config=config, meta=meta, metrics=metrics, epoch=epoch,
@@ -499,9 +550,25 @@ class Registry:
                                   consumed_samples=consumed_samples, optimizer_step=optimizer_step,
                                   policy_version=policy_version, max_shard_size=max_shard_size,
                                   trust_pickle=trust_pickle, timestamp=now_timestamp())
+        policy = None
+        if delta is not None:
+            from registry.ops.policy import check_delta, plan_publish
+            mode = check_delta(delta, policy_version)
+            if mode is not None and policy_version is not None:
+                self._background.wait()  # the base is the newest policy step committed, background ones included
+                self._background.raise_error()
+                policy = plan_publish(self._reader(), self._policy_cache, run, step, state, version=policy_version,
+                                      mode=mode, full_every=self.full_every,
+                                      sharded_weights=max_shard_size is not None)
+                if policy.existing is not None:  # the same weights are this version already: nothing to do
+                    same = self.placed(self.catalog.resolve(Ref(run=run, kind="step", step=policy.existing.step)))
+                    return same if blocking else _done(same)
+                if policy.delta is not None:
+                    payload = replace(payload, delta=policy.delta, manifest_fields=policy.manifest or {})
 
         job = _PublishJob(run=run, step=step, overwrite=overwrite, payload=payload, verify=verify,
-                          new_metrics=tuple(new_metrics), tags=tags, retention=retention, lineage=lineage, dedup=dedup)
+                          new_metrics=tuple(new_metrics), tags=tags, retention=retention, lineage=lineage, dedup=dedup,
+                          policy=policy)
         if not blocking:
             return self._submit_publish(job)
         self._background.wait()  # publishes commit in call order, background ones first
@@ -577,6 +644,9 @@ class Registry:
 
     def _hooks(self, job: _PublishJob) -> CommitHooks:
         hooks = self._attempts.hooks(job.run, job.step, metrics=job.new_metrics, tags=job.tags, lineage=job.lineage)
+        if job.payload.meta.get("policy_version") is not None:
+            from registry.ops.policy import PolicyHooks
+            hooks = PolicyHooks(hooks, job.policy, self._policy_cache, job.run)
         return self._copy_hooks(hooks, job.run, job.step)
 
     def _copy_hooks(self, hooks: CommitHooks, run: str, step: int) -> CommitHooks:
@@ -994,6 +1064,38 @@ class Registry:
         return export(read, Path(dest).absolute(), root=self.store.root, catalog=self._catalog_file(),
                       format=format, max_shard_size=max_shard_size, overwrite=overwrite)  # type: ignore[arg-type]
 
+    def materialize(self, ref: str | Ref, dest: str | os.PathLike[str]) -> Path:
+        """Write into the directory ``dest`` exactly the ``model.safetensors`` and ``config.json`` a full publish
+        of ``ref``'s version writes (a delta step rebuilt from its chain), checked against the version's digest;
+        each file lands atomically (temporary name, fsync, rename). Returns ``dest``."""
+        from registry.ops.export import materialize
+        return materialize(self._reader(), parse_ref(ref), Path(dest).absolute())
+
+    def fold(self, run: str, a: int, b: int) -> FoldInfo:
+        """A delta from policy version ``a`` of ``run`` to version ``b``, checked against ``b``'s digest and stored
+        under the run's ``.policy-folds/`` (for a consumer that holds ``a``); see :mod:`registry.ops.policy`."""
+        from registry.ops.policy import fold
+        check_run_name(run)
+        check_step(a)
+        check_step(b)
+        self._require_writable("fold")
+        return fold(self._reader(), run, a, b)
+
+    def publish_policy_marker(self, run: str, version: int, *, note: str | None = None) -> MarkerInfo:
+        """Record that policy ``version`` of ``run`` was published outside the registry (its bytes moved over
+        NCCL or RDMA), so lag and audit cover it; ``PolicyVersionConflictError`` when it is a stored step."""
+        from registry.catalog.policy import add_marker
+        check_run_name(run)
+        check_step(version)
+        if note is not None and (not isinstance(note, str) or len(note) > MAX_NOTE):
+            raise InvalidStateError(f"note must be a string of at most {MAX_NOTE} characters")
+        self._require_writable("a policy marker")
+        return add_marker(self.catalog, run, version, note=note, writer=self.writer)
+
+    def _require_writable(self, what: str) -> None:
+        if self.read_only:
+            raise ReadOnlyError(f"this registry is read-only: it records no {what}")
+
     def _catalog_file(self) -> Path | None:
         """The SQLite catalog's file (None for a server): no export or import --move may take it."""
         url = self.catalog.engine.url
@@ -1153,6 +1255,70 @@ class Registry:
             while (info := follower.wait(after_step, timeout=timeout)) is not None:
                 after_step = info.step
                 yield self.placed(info)
+
+    # ------------------------------------------------------------------ policy consumers
+
+    def _consumers(self) -> ConsumerHub:
+        """This registry's one heartbeat thread and listener for every policy consumer of the process."""
+        with self._lock:
+            if self._closed:
+                raise InvalidStateError("this registry is closed")
+            if self._consumer_hub is None:
+                from registry.ops.consumers import ConsumerHub
+                self._consumer_hub = ConsumerHub(self.catalog)
+            return self._consumer_hub
+
+    def subscribe(self, run: str, *, consumer: str, ttl: float = 120.0, host: str | None = None,
+                  cache_dir: str | os.PathLike[str] | None = None) -> Subscription:
+        """Register ``consumer`` (a rollout worker) of ``run``'s policy versions; a ``Subscription``.
+
+        ``sub.versions()`` yields a lease on each new verified policy version;
+        ``lease.materialize()`` is this host's copy of it (under ``cache_dir``,
+        default ``ROOT/.registry/policy/``), fetched once per host;
+        ``lease.applied()`` records that the consumer serves it. The consumer
+        heartbeats on this registry's shared thread and expires ``ttl``
+        seconds after its last heartbeat; subscribing the same name again
+        revives it. See :mod:`registry.ops.consumers`.
+        """
+        from registry.ops.consumers import Subscription
+        from registry.ops.hostcopies import POLICY_CACHE
+        if self.read_only:
+            raise ReadOnlyError("this registry is read-only: it registers no policy consumer")
+        if cache_dir is None and self.root.local_dir is not None:
+            cache_dir = self.root.local_dir / POLICY_CACHE
+        return Subscription(self._consumers(), run, consumer, ttl=ttl, host=host,
+                            cache_dir=None if cache_dir is None else Path(cache_dir),
+                            materialize=lambda ref, dest: self.materialize(ref, dest), source=self.root_url)
+
+    def policy_lag(self, run: str) -> PolicyLag:
+        """How far ``run``'s live policy consumers lag behind its newest verified version (``PolicyLag``)."""
+        from registry.catalog.consumers import ConsumersCatalog
+        return ConsumersCatalog(self.catalog).lag(check_run_name(run))
+
+    def wait_lag(self, run: str, max_lag: int, timeout: float | None = None) -> PolicyLag:
+        """Block until no live consumer of ``run`` lags more than ``max_lag`` versions; the lag then.
+
+        A live consumer that serves nothing yet holds this back once a version
+        exists (so a trainer that calls ``wait_lag(run, k - 1)`` before each
+        publish never lets any consumer fall more than ``k`` behind);
+        expired and closed consumers count for nothing, and with no live
+        consumer (or no such run yet) it returns at once. ``LagTimeoutError``
+        (a ``TimeoutError``) after ``timeout`` seconds.
+        """
+        from registry.ops.consumers import wait_lag
+        return wait_lag(self._consumers(), run, max_lag, timeout=timeout)
+
+    def loads(self, run: str, policy_version: int | None = None) -> list[LoadInfo]:
+        """Every consumer's loads of ``run``'s policy versions (or of one), oldest first (``LoadInfo``)."""
+        from registry.catalog.consumers import ConsumersCatalog
+        if policy_version is not None:
+            check_step(policy_version)
+        return ConsumersCatalog(self.catalog).loads(check_run_name(run), policy_version=policy_version)
+
+    def policy_versions(self, run: str) -> list[PolicyVersionInfo]:
+        """Every policy version of ``run`` by version: its step, full/delta/marker, base, size and status."""
+        from registry.catalog.consumers import ConsumersCatalog
+        return ConsumersCatalog(self.catalog).versions(check_run_name(run))
 
     # ------------------------------------------------------------------ retention
 

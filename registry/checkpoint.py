@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from registry.errors import InvalidStateError
 from registry.fs.filemaps import Loaded, check_extras, read_directory
 from registry.fs.store import save_directory
 from registry.fs.payloadfiles import Payload
@@ -72,6 +73,11 @@ class Checkpoint:
     @classmethod
     def from_loaded(cls, loaded: Loaded, *, step: int | None = None, info: CheckpointInfo | None = None,
                     fallback: Fallback | None = None) -> Checkpoint:
+        if loaded.delta is not None:  # never an empty state dict for a step whose weights are a delta
+            where = f"{info.run}@{info.step}" if info is not None else "this directory"
+            raise InvalidStateError(f"{where} is a policy delta step (delta.safetensors): its weights are rebuilt "
+                                    "from its delta chain through the catalog (Registry.load), or written whole by "
+                                    "Registry.materialize")
         return cls(state_dict=loaded.state_dict, epoch=loaded.epoch, consumed_samples=loaded.consumed_samples,
                    extra=loaded.extra, meta=loaded.meta, config=loaded.config, step=step,
                    policy_version=loaded.policy_version, info=info, fallback=fallback)

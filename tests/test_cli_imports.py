@@ -15,7 +15,8 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "registry" / "cli"
 MODULES = sorted(f"registry.cli.{p.stem}" for p in PACKAGE.glob("*.py") if p.stem != "__init__")
 COMMAND_MODULES = {"registry.cli.runs", "registry.cli.maintenance", "registry.cli.transfer", "registry.cli.lineage",
-                   "registry.cli.ui", "registry.cli.hooks", "registry.cli.mirror"}
+                   "registry.cli.ui", "registry.cli.hooks", "registry.cli.mirror",
+                   "registry.cli.policy"}
 # what each module of the package may import of it (anything else it imports is the library or third parties)
 ALLOWED = {
     "registry.cli": {"registry.cli.main"},

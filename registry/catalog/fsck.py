@@ -18,6 +18,7 @@ from sqlalchemy import Connection, insert, select, update
 from sqlalchemy.exc import IntegrityError
 
 from registry.catalog.lineage import record_lineage
+from registry.catalog.policy import record_policy_step
 from registry.catalog.models import Attempt, CheckpointFile, CheckpointRow, Run
 from registry.catalog.queries import Catalog, record_replica, replace_files
 from registry.catalog.records import PayloadRecord
@@ -115,6 +116,7 @@ def record_payload(catalog: Catalog, seen: RowState | None, *, run: str, step: i
             record_replica(conn, cid, location=copy_at, status=payload.status, path=path,
                            manifest_sha256=payload.manifest_sha256, writer=None)
         assert run_id is not None, "lookup_run(create=True) returns an id"
+        record_policy_step(conn, checkpoint_id=cid, run_id=run_id, record=payload.policy)
         _record_lineage(conn, run_id, cid, row.writer if row is not None else None)
         Catalog.record_event(conn, run_id, step, "repair", actor=actor, problem=kind, status=payload.status, **detail)
         return True

@@ -22,6 +22,7 @@ from sqlalchemy import (Connection, Engine, and_, bindparam, delete, func, inser
 from sqlalchemy.exc import DBAPIError, IntegrityError
 
 from registry.catalog.lineage import record_lineage
+from registry.catalog.policy import record_policy_step
 from registry.catalog.outbox import forget_written, record_outbox, took_written
 from registry.catalog.models import (Attempt, AttemptEnvironment, CheckpointFile, CheckpointRow, Event, Lease, Metric,
                                      Replica, Run, Tag)
@@ -466,6 +467,7 @@ class Catalog:
             replace_files(conn, cid, payload.files)
             record_lineage(conn, checkpoint_id=cid, run_id=claim.run_id, attempt_id=attempt_id,
                            resumed_from=resumed_from, explicit=record.lineage, replacing=earlier.manifest_sha256)
+            record_policy_step(conn, checkpoint_id=cid, run_id=claim.run_id, record=record.policy)
             self._insert_metrics(conn, claim.run_id, record.metrics, attempt_id, now=now)
             again: dict[str, Any] = {} if superseded is None else {"superseded_points": superseded}
             if payload.linked:
@@ -699,7 +701,7 @@ class Catalog:
         :meth:`resolve` raises (nothing beyond the resolve's own statements is run)."""
         query, params, what = _resolve_statement(ref, below=below, min_policy_version=min_policy_version)
         row = conn.execute(query, params).first()
-        if row is None or ref.kind in ("tag", "step") and row.status not in HAS_PAYLOAD:
+        if row is None or ref.kind in ("tag", "step", "pv") and row.status not in HAS_PAYLOAD:
             if not explain:
                 return None
             if row is None:
@@ -729,7 +731,7 @@ class Catalog:
             for ref in refs:
                 query, params, _ = _resolve_statement(ref)
                 row = conn.execute(query, params).first()
-                ok = row is not None and (ref.kind not in ("tag", "step") or row.status in HAS_PAYLOAD)
+                ok = row is not None and (ref.kind not in ("tag", "step", "pv") or row.status in HAS_PAYLOAD)
                 found.append(self.checkpoint_infos(conn, ref.run, [row])[0] if ok else None)
             return found
         return self.read(fn)
@@ -984,14 +986,17 @@ def _resolve_statement(ref: Ref, *, below: int | None = None,
     """The SELECT that resolves ``ref``, the values to bind to it, and what to say when it finds nothing."""
     query = _resolve_shape(ref.kind, ref.mode, below is not None, min_policy_version is not None)
     params = {"run": ref.run, "below": below, "min_policy_version": min_policy_version, "step": ref.step,
-              "tag": ref.tag, "metric": ref.metric}
-    if ref.kind in ("latest", "latest-published", "latest-durable"):
+              "tag": ref.tag, "metric": ref.metric, "version": ref.version}
+    if ref.kind in ("latest", "latest-published", "latest-durable", "latest-policy"):
         what = {"latest": "no verified checkpoint", "latest-published": "no published checkpoint",
-                "latest-durable": "no checkpoint with a verified durable copy"}[ref.kind]
+                "latest-durable": "no checkpoint with a verified durable copy",
+                "latest-policy": "no verified checkpoint with a policy version"}[ref.kind]
         if min_policy_version is not None:
             what += f" with policy version >= {min_policy_version}"
     elif ref.kind == "step":
         what = f"no checkpoint at step {ref.step}"
+    elif ref.kind == "pv":
+        what = f"no checkpoint with policy version {ref.version}"
     elif ref.kind == "tag":
         what = f"no tag {ref.tag!r}"
     else:
@@ -1011,11 +1016,13 @@ def _resolve_shape(kind: str, mode: str | None, below: bool, min_policy_version:
     query = select(CheckpointRow)
     if kind not in ("best", "tag"):  # those constrain the run through their join: one subquery
         query = query.where(c.run_id == run_id)
-    if kind in ("latest", "latest-published", "latest-durable"):
+    if kind in ("latest", "latest-published", "latest-durable", "latest-policy"):
         # one status is an equality: an IN list is expanded anew at every execution
-        query = query.where(c.status == Status.VERIFIED if kind == "latest" else c.status.in_(LIVE))
+        query = query.where(c.status == Status.VERIFIED if kind in ("latest", "latest-policy") else c.status.in_(LIVE))
         if kind == "latest-durable":
             query = query.where(_durable_copy_exists(c))
+        if kind == "latest-policy":
+            query = query.where(c.policy_version.is_not(None))
         if below:
             query = query.where(c.step < bindparam("below", type_=c.step.type))
         if min_policy_version:
@@ -1023,6 +1030,9 @@ def _resolve_shape(kind: str, mode: str | None, below: bool, min_policy_version:
         return query.order_by(c.step.desc()).limit(1)
     if kind == "step":
         return query.where(c.step == bindparam("step", type_=c.step.type))
+    if kind == "pv":  # the newest step with a payload that carries the version (a version names one set of weights)
+        return (query.where(c.policy_version == bindparam("version", type_=c.policy_version.type),
+                            c.status.in_(HAS_PAYLOAD)).order_by(c.step.desc()).limit(1))
     if kind == "tag":
         return (query.join(Tag, and_(Tag.c.checkpoint_id == c.id, Tag.c.run_id == c.run_id))
                 .where(Tag.c.run_id == run_id, Tag.c.name == bindparam("tag", type_=Tag.c.name.type)))

@@ -53,6 +53,7 @@ class PayloadRecord:
     policy_version: int | None = None
     linked: Sequence[str] = ()  # files stored as hard links to identical live files (see registry.fs.dedup)
     linked_bytes: int = 0
+    policy: PolicyRecord | None = None  # what a repair recovers of a policy step from its manifest
 
     def columns(self, now: datetime) -> dict[str, Any]:
         """The checkpoint row's values once this payload is in place, as of ``now``."""
@@ -60,6 +61,23 @@ class PayloadRecord:
                     epoch=self.epoch, consumed_samples=self.consumed_samples,
                     optimizer_step=self.optimizer_step, policy_version=self.policy_version, updated_at=now,
                     published_at=now, verified_at=now if self.status == Status.VERIFIED else None, deleted_at=None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PolicyRecord:
+    """What a commit records about how a policy step stores its version (see :mod:`registry.catalog.policy`).
+
+    ``immutable``: the publish asked for the policy channel's rule that a
+    version names one set of weights for good, checked again inside the commit
+    (another live step of the run with the same version and other weights
+    makes the commit fail with ``PolicyVersionConflictError``).
+    """
+
+    kind: str                     # full or delta
+    full_sha256: str
+    base_step: int | None = None  # a delta's base, a step of the same run
+    immutable: bool = False
+    base_sha256: str | None = None  # a delta's base by its full_sha256, where its step is not known (a repair)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,6 +96,7 @@ class CommitRecord:
     resumed_from: int | None = None
     lineage: LineageRecord | None = None  # an explicit parent or an import; else the attempt says
     replica: tuple[str, str] | None = None  # (location, path) of the copy a tiered root's publish made
+    policy: PolicyRecord | None = None  # how a step that carries a policy version stores it
 
 
-__all__ = ["Claim", "CommitRecord", "FileRecord", "LineageRecord", "PayloadRecord"]
+__all__ = ["Claim", "CommitRecord", "FileRecord", "LineageRecord", "PayloadRecord", "PolicyRecord"]

@@ -8,7 +8,9 @@ step (statuses, ``@latest``, ``@latest-published``, tags, unexpired reader
 leases, metrics) *inside* the write transaction that marks, and asks the
 caller's ``decide`` function again there. That re-read includes the forks
 that name a step as their parent (``RunSnapshot.forks``), so a fork committed
-before the marking is seen by it. The same transaction marks every copy of
+before the marking is seen by it, and the policy versions live consumers
+lease or serve (``RunSnapshot.policy_holds``, see ``registry.catalog.consumers``).
+The same transaction marks every copy of
 a marked step (its ``checkpoint_replicas`` rows) ``deleted``: a deleted step
 has no copy a reader or a replication could still stand on, and a
 replication committing at that moment finds its claim gone.
@@ -31,8 +33,10 @@ from typing import Any
 
 from sqlalchemy import Connection, func, select, update
 
+from registry.catalog.consumers import newest_policy_step, policy_holds
 from registry.catalog.lineage import fork_children
 from registry.catalog.models import CheckpointRow, Lease, Replica
+from registry.catalog.policy import delta_bases
 from registry.catalog.queries import Catalog
 from registry.catalog.session import aware, utcnow
 from registry.records import HAS_PAYLOAD, LIVE, CheckpointInfo, Status
@@ -54,6 +58,11 @@ class RunSnapshot:
     leases: Mapping[int, datetime]            # step -> furthest expiry of its unexpired leases
     taken_at: datetime
     forks: Mapping[int, tuple[str, ...]] = field(default_factory=dict)  # step -> forks with a payload naming it
+    # step -> why live policy consumers keep it ("leased by rollout-3", "served by rollout-1")
+    policy_holds: Mapping[int, str] = field(default_factory=dict)
+    latest_policy: int | None = None          # the verified step with the newest policy version (@latest-policy)
+    # delta step -> the step its delta is made against: a kept delta step keeps its chain (registry.catalog.policy)
+    delta_bases: Mapping[int, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,7 +105,8 @@ class RetentionCatalog:
             if (when := aware(expires)) is not None}
         return RunSnapshot(run=run, checkpoints=infos, latest=max(verified, default=None),
                            latest_published=max(live, default=None), leases=leases, taken_at=now,
-                           forks=fork_children(conn, run))
+                           forks=fork_children(conn, run), policy_holds=policy_holds(conn, run_id, now),
+                           latest_policy=newest_policy_step(conn, run_id), delta_bases=delta_bases(conn, run_id))
 
     def snapshot(self, run: str) -> RunSnapshot:
         """The run now, for planning; raises ``CheckpointNotFoundError`` for an unknown run."""

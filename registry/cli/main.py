@@ -28,6 +28,7 @@ COMMAND_HOMES: dict[str, str] = {
     "ui": "registry.cli.ui:ui",
     "hooks": "registry.cli.hooks:hooks",
     "mirror": "registry.cli.mirror:mirror",
+    "policy": "registry.cli.policy:policy",
 }
 
 

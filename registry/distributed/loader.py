@@ -29,7 +29,10 @@ that will never come):
    goes round again with an older step; any other failure is raised on
    every rank.
 4. *parse*: each rank parses the same bytes with the same code
-   (:mod:`registry.fs.filemaps`); statuses are gathered once more.
+   (:mod:`registry.fs.filemaps`); statuses are gathered once more. A policy
+   delta step parses to its ``delta.safetensors`` alone: rank 0 rebuilds it
+   from its chain (judged like any read, so a damaged ``@latest-policy``
+   falls back) and sends every rank the tensors.
 
 On an ``s3://`` root rank 0 downloads the files (checked against their
 pieces as they land, :func:`registry.fs.objectread.fetch_step`) in place of
@@ -53,7 +56,7 @@ import json
 import logging
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -272,6 +275,8 @@ def collective_load(*, request: tuple[Any, ...], source: Callable[[], _Source], 
         while True:
             loaded, plan = _one_round(comm, src, verify=verify, device=device, trust_pickle=trust_pickle,
                                       strategy=strategy, limit=limit, extras=extras)
+            if loaded is not None and loaded.delta is not None:  # the same on every rank: a policy delta step
+                loaded = _rebuilt(comm, src, loaded, plan, verify=verify, device=device)
             if loaded is not None:
                 return loaded, plan
     finally:
@@ -394,6 +399,48 @@ def _one_round(comm: Comm, src: _Source | None, *, verify: bool, device: torch.d
     log.debug("rank %d loaded %s (step %s) by %s: %d files, %d bytes", comm.rank, plan.path, plan.step, chosen,
               len(sizes), sum(sizes))
     return loaded, plan
+
+
+def _rebuilt(comm: Comm, src: _Source | None, loaded: Loaded, plan: Plan, *, verify: bool,
+             device: torch.device | None) -> Loaded | None:
+    """A policy delta step (every rank holds its ``delta.safetensors``): rank 0, which holds the catalog read and
+    its lease, rebuilds it from its chain (:func:`registry.ops.policy.rebuild`) and sends every rank the tensors.
+
+    None when rank 0's rebuild failed and was judged (a corrupt ``@latest`` falls back): go round again.
+    A directory read without the catalog has no chain: every rank refuses it alike.
+    """
+    state: dict[str, torch.Tensor] | None = None
+    mine: Failure | None = None
+    if comm.rank == 0:
+        assert src is not None
+        if src.read is None or plan.info is None:
+            def refuse() -> None:
+                raise InvalidStateError(f"{plan.path} is a policy delta step: its weights are rebuilt through the "
+                                        "catalog (Registry.load), not from the directory alone")
+            _, mine = status(refuse, 0)
+        else:
+            from registry.ops.policy import rebuild
+            read, info = src.read, plan.info
+            state, mine = status(lambda: rebuild(read.access, info, loaded, verify=verify,
+                                                 map_location="cpu").state_dict, 0)
+    if settle(comm, src, mine, "rebuilding a policy delta step"):
+        return None
+    spec = comm.broadcast_object([(n, t.dtype, tuple(t.shape)) for n, t in state.items()]
+                                 if state is not None else None, "sending a rebuilt policy step's layout")
+    out: dict[str, torch.Tensor] = {}
+    for name, dtype, shape in spec:
+        numel = 1
+        for d in shape:
+            numel *= d
+        if state is not None:
+            buf = state[name].contiguous().reshape(-1).view(torch.uint8).to(comm.device)
+        else:
+            buf = torch.empty(numel * dtype.itemsize, dtype=torch.uint8, device=comm.device)
+        if buf.numel():
+            comm.broadcast(buf, "sending a rebuilt policy step")
+        tensor = buf.view(dtype).reshape(shape)
+        out[name] = tensor.to(device) if device is not None else tensor.cpu()
+    return replace(loaded, state_dict=out, delta=None)
 
 
 # --------------------------------------------------------------------------- entry points

@@ -18,10 +18,11 @@ from registry.format.numbers import shown
 RUN_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 TAG_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,127}")
 METRIC_KEY_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_./\-]{0,254}")
-RESERVED_TAGS = frozenset({"latest", "latest-published", "latest-durable"})
+RESERVED_TAGS = frozenset({"latest", "latest-published", "latest-durable", "latest-policy"})
 MAX_STEP = 2**63 - 1  # the catalog stores steps as 64-bit integers
 
-RefKind = Literal["latest", "latest-published", "latest-durable", "best", "step", "tag"]
+RefKind = Literal["latest", "latest-published", "latest-durable", "latest-policy", "best", "step", "tag", "pv"]
+POLICY_PREFIX = "pv:"  # RUN@pv:N, the step of policy version N (a tag cannot hold ':', so none is taken)
 
 
 def check_run_name(name: object) -> str:
@@ -60,7 +61,8 @@ def check_metric_key(key: object) -> str:
     return key
 
 
-LATEST_KINDS = ("latest", "latest-published", "latest-durable")  # "the newest good one", of three kinds
+# "the newest good one", of four kinds (latest-policy: the newest verified step that carries a policy version)
+LATEST_KINDS = ("latest", "latest-published", "latest-durable", "latest-policy")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,6 +75,7 @@ class Ref:
     tag: str | None = None
     metric: str | None = None
     mode: Literal["min", "max"] = "min"
+    version: int | None = None  # kind "pv": the policy version
 
     @property
     def names_one_step(self) -> bool:
@@ -86,11 +89,14 @@ class Ref:
             return f"{self.run}@{self.step}"
         if self.kind == "tag":
             return f"{self.run}@{self.tag}"
+        if self.kind == "pv":
+            return f"{self.run}@{POLICY_PREFIX}{self.version}"
         return f"{self.run}@best:{self.metric}:{self.mode}"
 
 
-REF_GRAMMAR = "expected RUN[@latest|@latest-published|@latest-durable|@STEP|@TAG|@best:METRIC[:min|max]]"
-_SELECTOR_WORDS = ("latest", "latest-published", "latest-durable", "best")
+REF_GRAMMAR = ("expected RUN[@latest|@latest-published|@latest-durable|@latest-policy|@STEP|@TAG|@pv:N"
+               "|@best:METRIC[:min|max]]")
+_SELECTOR_WORDS = ("latest", "latest-published", "latest-durable", "latest-policy", "best")
 
 
 def _bad_ref(text: object, why: str, hint: str | None = None) -> InvalidRefError:
@@ -155,6 +161,9 @@ def selector_hint(run: str, selector: str) -> str | None:
     return f"did you mean {run}@{intent[0]}?" if intent is not None else None
 
 
+_POLICY_TYPO = re.compile(r"(?i:pv)[-_.]?([0-9]{1,18})")
+
+
 def missing_tag(run: str, tag: str, tags: Iterable[str]) -> tuple[bool, str | None]:
     """What ``RUN@TAG`` meant when ``run`` has no tag ``tag`` (``tags`` are the ones it has).
 
@@ -165,6 +174,9 @@ def missing_tag(run: str, tag: str, tags: Iterable[str]) -> tuple[bool, str | No
     ``test`` means that tag); a tag further from a keyword than a misspelling
     still says which keyword it is near.
     """
+    policy = _POLICY_TYPO.fullmatch(tag)
+    if policy is not None:  # pv3, PV-3, pv_3: legal tags, but what was meant is the version
+        return True, f"did you mean {run}@{POLICY_PREFIX}{int(policy.group(1))}?"
     keyword = _keyword_intent(tag)
     near = close_match(tag, tags)
     if keyword is not None and (near is None or keyword[1] >= _folded_ratio(tag, near)):
@@ -201,6 +213,20 @@ def _colon_hint(text: str) -> str | None:
     return f"did you mean {run}@{selector}?"
 
 
+def _policy_ref(text: str, run: str, selector: str) -> Ref:
+    """``RUN@pv:N``; anything else that starts like it (``pv:x``, ``PV:3``, ``pv3``) is refused with the intent."""
+    body = selector[3:]
+    number = body.isdigit() and body.isascii()
+    if selector.startswith(POLICY_PREFIX) and number:
+        if len(body.lstrip("0")) > len(str(MAX_STEP)) or int(body) > MAX_STEP:
+            raise InvalidRefError(f"invalid ref {shown(text)}: the policy version does not fit in 64 bits; "
+                                  f"{REF_GRAMMAR}")
+        return Ref(run=run, kind="pv", version=int(body))
+    hint = f"did you mean {run}@{POLICY_PREFIX}{int(body)}?" if number else f"did you mean {run}@pv:N?"
+    why = "a policy version is a non-negative integer after 'pv:'" if not number else "write it 'pv:N'"
+    raise _bad_ref(text, why, hint)
+
+
 def parse_ref(text: object) -> Ref:
     """Parse ``RUN``, ``RUN@latest``, ``RUN@latest-published``, ``RUN@1000``,
     ``RUN@best:METRIC[:min|max]`` or ``RUN@TAG``.
@@ -232,6 +258,8 @@ def parse_ref(text: object) -> Ref:
         return Ref(run=run, kind="step", step=int(selector))
     if selector.startswith("-") and selector[1:].isdigit():
         raise _bad_ref(text, "steps are non-negative")
+    if selector.lower().startswith(("pv:", "pv=")):  # never a tag: a tag holds neither ':' nor '='
+        return _policy_ref(text, run, selector)
     if selector.startswith("best:"):
         body = selector[len("best:"):]
         metric, mode = body, "min"

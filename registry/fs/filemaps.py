@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from registry.errors import (CheckpointReadError, CorruptCheckpointError, ExtraNotFoundError, InvalidStateError,
                              ManifestError, RegistryError, SafetensorsFormatError, UnsafePickleError)
-from registry.format.manifest import (CONFIG, MANIFEST, MAX_JSON_BYTES, META, WEIGHTS, WEIGHTS_INDEX, Manifest,
+from registry.format.manifest import (CONFIG, DELTA, MANIFEST, MAX_JSON_BYTES, META, WEIGHTS, WEIGHTS_INDEX, Manifest,
                                       check_file_name, decode_json_object, digest_bytes, parse_manifest)
 from registry.format.safetensors import MAX_HEADER, SafetensorsHeader, read_safetensors_header, tensors_in
 from registry.fs.mapping import check_file_digest, host_bytes, host_view, map_file, read_error
@@ -60,6 +60,9 @@ class Loaded:
     config: dict[str, Any]
     manifest: Manifest | None
     manifest_sha256: str | None
+    # a policy delta step as read: its ``delta.safetensors`` bytes, and ``state_dict`` empty until the reader
+    # above rebuilds it from its chain (registry.ops.policy)
+    delta: torch.Tensor | None = None
 
     @property
     def epoch(self) -> int:
@@ -203,6 +206,8 @@ def read_plan(directory: Path, manifest: Manifest | None, present: set[str], ext
         owner = weight_map(json_object(add(WEIGHTS_INDEX), directory / WEIGHTS_INDEX), directory / WEIGHTS_INDEX)
         for shard in sorted(set(owner.values())):
             add(shard)
+    elif DELTA in present and manifest is not None:
+        add(DELTA)
     else:
         raise CorruptCheckpointError(f"no model weights in {directory}", path=directory)
     for name in select_extras(directory, present, extras):
@@ -417,6 +422,8 @@ def parse_files(directory: Path, files: Mapping[str, torch.Tensor | Sequence[tor
         missing = [w for w in weight_files if w not in files]
         if missing:
             raise ManifestError(f"shard {missing[0]!r} of {directory} was not loaded", path=directory)
+    elif DELTA in files and manifest is not None:
+        weight_files = []
     else:
         raise CorruptCheckpointError(f"no model weights in {directory}", path=directory)
     state = assemble_shards(directory, ((name, tensors_of(files[name], directory / name))
@@ -427,7 +434,7 @@ def parse_files(directory: Path, files: Mapping[str, torch.Tensor | Sequence[tor
     if not _on_cpu(map_location):
         state = {k: v.to(map_location) for k, v in state.items()}
     return Loaded(state_dict=state, extra=extra, meta=meta, config=config,
-                  manifest=manifest, manifest_sha256=manifest_sha)
+                  manifest=manifest, manifest_sha256=manifest_sha, delta=whole(DELTA) if not weight_files else None)
 
 
 def read_directory(directory: Path, *, verify: bool = True, trust_pickle: bool = False,

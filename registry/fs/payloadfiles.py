@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from registry.errors import InvalidStateError
-from registry.format.manifest import (CONFIG, MANIFEST, MAX_JSON_BYTES, META, WEIGHTS, WEIGHTS_INDEX, FileEntry,
-                                      Manifest, check_file_name)
+from registry.format.manifest import (CONFIG, DELTA, MANIFEST, MAX_JSON_BYTES, META, WEIGHTS, WEIGHTS_INDEX,
+                                      FileEntry, Manifest, check_file_name)
 from registry.format.safetensors import PUBLISH_METADATA, Encoded
 from registry.fs.hashing import HashingWriter
 
@@ -72,6 +72,10 @@ class Payload:
     max_shard_size: int | None = None
     meta_json: bytes | None = None  # ``meta`` already encoded by ``json_bytes``, when the caller checked it
     config_json: bytes | None = None
+    # a policy delta step: this file (registry.format.delta) is stored as ``delta.safetensors`` in place of the
+    # weights; ``state_dict`` is still the whole target, whose names the manifest lists
+    delta: bytes | None = None
+    manifest_fields: Mapping[str, Any] = field(default_factory=dict)  # more top-level manifest fields
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -134,7 +138,10 @@ def write_files(payload: Payload, put: Callable[[str, Callable[[Any], object]], 
     add(META, lambda out: out.write(meta_raw))
     add(CONFIG, lambda out: out.write(config_raw))
     state = payload.state_dict
-    if payload.max_shard_size is None:
+    if payload.delta is not None:
+        delta = payload.delta
+        add(DELTA, lambda out: out.write(delta))
+    elif payload.max_shard_size is None:
         add_tensors(WEIGHTS, state)
     else:
         groups = _shards(state, payload.max_shard_size)
@@ -160,6 +167,7 @@ def write_files(payload: Payload, put: Callable[[str, Callable[[Any], object]], 
         created_at=payload.meta.get("timestamp"),
         optimizer_step=payload.meta.get("optimizer_step"),
         policy_version=payload.meta.get("policy_version"),
+        extra_fields=dict(payload.manifest_fields),
     )
     raw = manifest.encode()
     manifest_sha256 = add(MANIFEST, lambda out: out.write(raw))

@@ -74,6 +74,13 @@ def check_flags(**flags: object) -> None:
             raise InvalidStateError(f"{name} must be True or False, got {value!r}")
 
 
+def check_full_every(full_every: object) -> int:
+    """``Registry.open(full_every=...)``: a policy publish stores a full at least every that many versions."""
+    if isinstance(full_every, bool) or not isinstance(full_every, int) or full_every < 1:
+        raise InvalidStateError(f"full_every must be a positive number of versions, got {full_every!r}")
+    return full_every
+
+
 def check_tags(tags: object) -> tuple[str, ...]:
     """Tag names, each checked; a lone string is refused rather than read as one tag per character."""
     if isinstance(tags, (str, bytes)):

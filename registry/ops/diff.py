@@ -52,7 +52,7 @@ import xxhash
 from registry.errors import CheckpointDeletedError, CheckpointReadError
 from registry.format.manifest import MANIFEST, FileEntry, Manifest
 from registry.ops.diffread import Loc, Moved, Side, Stored
-from registry.ops.reading import Access, check_digest
+from registry.ops.reading import Access, check_digest, read_step
 from registry.records import HAS_PAYLOAD, CheckpointInfo
 
 CHUNK = 8 << 20  # bytes read per side at a time while comparing or measuring
@@ -232,8 +232,8 @@ def _same_stored(a: Side, sa: Stored, b: Side, sb: Stored) -> bool:
 
 def _same_chunks(a: Side, la: Loc, b: Side, lb: Loc) -> bool:
     """Whether two sharded tensors are stored as the same chunks with the same bytes (then their values are)."""
-    if [c[:2] for c in la.chunks] != [c[:2] for c in lb.chunks]:
-        return False
+    if [c[:2] for c in la.chunks] != [c[:2] for c in lb.chunks] or not (la.chunks or lb.chunks):
+        return False  # no chunks: values only loaded (a delta step's), compared as such
     return all(_same_stored(a, x[2], b, y[2]) for x, y in zip(la.chunks, lb.chunks))
 
 
@@ -427,17 +427,23 @@ def _refreshed(access: Access, info: CheckpointInfo) -> CheckpointInfo:
     return now.under(access.root)
 
 
+def _rebuilder(access: Access, info: CheckpointInfo) -> Callable[[], Any]:
+    """How a side that is a policy delta step gets its tensors: read through the one reader, chain rebuilt."""
+    return lambda: read_step(access, info, verify=True, map_location="cpu", trust_pickle=False,
+                             extras=False).state_dict
+
+
 def diff_checkpoints(access: Access, a: CheckpointInfo, b: CheckpointInfo, *, values: bool = False) -> CheckpointDiff:
     """Compare two resolved checkpoints (absolute paths); see the module docstring and :class:`Side`."""
     for _ in range(MAX_RACES):
         with ExitStack() as stack:
             try:
-                side_a = Side(a, stack)
+                side_a = Side(a, stack, rebuild=_rebuilder(access, a))
             except Moved:
                 a = _refreshed(access, a)
                 continue
             try:
-                side_b = Side(b, stack)
+                side_b = Side(b, stack, rebuild=_rebuilder(access, b))
             except Moved:
                 b = _refreshed(access, b)
                 continue

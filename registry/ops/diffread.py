@@ -13,6 +13,11 @@ bytes are chunks serialized inside ``.distcp`` files: they can be compared as
 stored (piece digests, then bytes), but its values exist only once loaded
 through the restricted DCP reader (:func:`registry.fs.dcpfiles.full_state`),
 over the files this side holds open.
+
+A policy delta step (``delta.safetensors``) has no tensor where it lies: its
+tensors are rebuilt through the reader (``rebuild``, see
+:mod:`registry.ops.policy`) and compared as loaded values, like a sharded
+step's.
 """
 
 from __future__ import annotations
@@ -22,13 +27,14 @@ import math
 import mmap
 import os
 import stat
+from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from registry.errors import CheckpointReadError, CorruptCheckpointError, UnsafePathError
-from registry.format.manifest import (CONFIG, MANIFEST, MAX_JSON_BYTES, MAX_MANIFEST_BYTES, FileEntry,
+from registry.format.manifest import (CONFIG, DELTA, MANIFEST, MAX_JSON_BYTES, MAX_MANIFEST_BYTES, FileEntry,
                                       check_file_name, decode_json_object, digest_bytes, parse_manifest)
 from registry.format.sharding import DCP_METADATA
 from registry.format.safetensors import read_safetensors_header
@@ -80,8 +86,10 @@ class Side:
     that vanished or holds another manifest by then raises :class:`Moved`.
     """
 
-    def __init__(self, info: CheckpointInfo, stack: ExitStack) -> None:
+    def __init__(self, info: CheckpointInfo, stack: ExitStack,
+                 rebuild: Callable[[], Mapping[str, torch.Tensor]] | None = None) -> None:
         self.info = info
+        self._rebuilt: Mapping[str, torch.Tensor] | None = None
         self.directory = Path(info.path)
         self._stack = stack
         self._fds: dict[str, int] = {}
@@ -111,7 +119,7 @@ class Side:
         if layout is not None:
             wanted = sorted({DCP_METADATA, *layout.data_files, *([CONFIG] if CONFIG in files else [])})
         else:
-            wanted = [n for n in sorted(files) if n.endswith(".safetensors") or n == CONFIG]
+            wanted = [n for n in sorted(files) if (n.endswith(".safetensors") and n != DELTA) or n == CONFIG]
         for name in wanted:
             self.fd(name)
         self.tensors: dict[str, Loc] = {}
@@ -121,6 +129,10 @@ class Side:
         if layout is not None:
             self._read_dcp_metadata()
             return
+        if DELTA in files and rebuild is not None:  # a policy delta step: its tensors as the reader rebuilds them
+            self._rebuilt = rebuild()
+            for name, t in self._rebuilt.items():
+                self.tensors[name] = Loc(name, t.dtype, tuple(t.shape), t.numel() * t.element_size())
         for name in wanted:
             if name.endswith(".safetensors"):
                 with os.fdopen(os.dup(self.fd(name)), "rb", buffering=0) as f:
@@ -256,6 +268,11 @@ class Side:
         from registry.fs.mapping import host_view
         self._loaded = {}
         if not names:
+            return
+        if self._rebuilt is not None:
+            for name in names:
+                value = self._rebuilt[name].detach().contiguous().reshape(-1)
+                self._loaded[name] = host_view(value.view(torch.uint8))
             return
         tensors, _ = full_state(self.directory, self.manifest, self._files(), trust_pickle=False, keys=names)
         self.bytes_read += self._metadata_size + sum(s.length for n in names for *_, s in self.tensors[n].chunks)

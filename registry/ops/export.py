@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Literal
 from registry.catalog.readonly import ReadOnlyCatalog
 from registry.errors import (CheckpointDeletedError, CheckpointReadError, CorruptCheckpointError, InvalidStateError,
                              RegistryError, RootError)
-from registry.format.manifest import MANIFEST, read_manifest
+from registry.format.manifest import DELTA, MANIFEST, read_manifest
 from registry.fs.bounds import check_outside_root
 from registry.fs.filemaps import map_directory
 from registry.fs.mapping import read_error
@@ -50,7 +50,7 @@ from registry.fs.store import save_directory
 from registry.fs.validation import saved_payload
 from registry.ops import checkouts
 from registry.ops.checkouts import Kind, Link
-from registry.ops.reading import CatalogRead, Read, ReadAccess, report
+from registry.ops.reading import CatalogRead, Read, ReadAccess, read_step, report
 
 if TYPE_CHECKING:
     from registry.format.refs import Ref
@@ -212,6 +212,7 @@ def checkout(access: ReadAccess, ref: Ref, dest: Path | None = None, *, ttl: tim
                     assert objects is not None, "a root of no directories is an object store"
                     target, made, recorded = _target(access, info, dest, read.lease)
                     download(objects, info.path.as_posix(), target, expected_digest=info.manifest_sha256)
+                    _as_full(access, info, target)
                     report(read.record(info))
                     lease, read.lease = read.lease, None
                     return _hand_out(Checkout(access=handed, info=info, path=target, lease=lease, kind="copy",
@@ -220,6 +221,7 @@ def checkout(access: ReadAccess, ref: Ref, dest: Path | None = None, *, ttl: tim
                 fill = functools.partial(_fill, target=target, info=info, link=link,
                                          drop_write_bits=not isinstance(access.catalog, ReadOnlyCatalog))
                 kind = access.copies.nearest(info, fill, verify=verify)  # fast, cached, or downloaded now
+                _as_full(access, info, target)
             except RegistryError as exc:
                 if target is not None:
                     _undo(target, made, recorded)
@@ -239,6 +241,19 @@ def checkout(access: ReadAccess, ref: Ref, dest: Path | None = None, *, ttl: tim
                                       owned=dest is None, recorded=recorded), access)
     finally:
         read.release()
+
+
+def _as_full(access: ReadAccess, info: CheckpointInfo, target: Path) -> None:
+    """A checkout of a policy delta step holds the weights a full publish writes: ``model.safetensors`` (rebuilt
+    through the reader, checked against the version's digest) in place of ``delta.safetensors``, and no manifest
+    (which lists the delta): what the reference module and ``from_pretrained`` read."""
+    if not (target / DELTA).exists():
+        return
+    from registry.ops.policy import full_digest, write_full
+    loaded = read_step(access, info, verify=True, map_location="cpu", trust_pickle=False, extras=False)
+    write_full(target, loaded, expected=full_digest(access, info))
+    for name in (DELTA, MANIFEST):
+        (target / name).unlink()
 
 
 def _hand_out(made: Checkout, filled_under: ReadAccess) -> Checkout:
@@ -365,5 +380,45 @@ def export(read: Read, dest: Path, *, root: Path, catalog: Path | None = None,
     return Exported(run=info.run, step=info.step, path=dest, format=format, files=files)
 
 
+def materialize(access: ReadAccess, ref: Ref, dest: Path) -> Path:
+    """Write into the directory ``dest`` the very ``model.safetensors`` and ``config.json`` a full publish of the
+    step ``ref`` names writes (see :func:`registry.ops.policy.write_full`).
+
+    Read like an export (verified, a delta step rebuilt from its chain, a
+    corrupt ``@latest``/``@latest-policy`` falling back), then checked against
+    the version's ``full_sha256`` before it replaces what ``dest`` held.
+    """
+    from registry.ops.hostcopies import POLICY_CACHE
+    from registry.ops.policy import full_digest, held_in, read_rebuilt, write_full
+    if access.home.local_dir is not None:  # a host's policy copies (registry.ops.consumers) live under the root
+        check_outside_root(dest, access.root, what="materialize destination", allowed=access.root / POLICY_CACHE)
+    if dest.exists() and not dest.is_dir():
+        raise InvalidStateError(f"materialize destination {dest} exists and is not a directory")
+    held = held_in(dest) if dest.is_dir() else None  # a consumer's previous version: the rebuild starts there
+    read = CatalogRead(access, ref, fallback=True)
+    try:
+        while True:
+            info = read.candidate()
+            try:
+                loaded = read_rebuilt(access, info, verify=True, extras=False, held=held)
+            except RegistryError as exc:
+                if held is not None:  # what dest held may have changed under us: never the step's fault
+                    held = None
+                    continue
+                read.judge(exc)
+                for note in read.notes:
+                    warnings.warn(note, RuntimeWarning, stacklevel=3)
+                read.notes.clear()
+                continue
+            expected = full_digest(access, info)
+            written = write_full(dest, loaded, expected=expected,
+                                 unchanged=held is not None and held[0] == expected)
+            read.release()
+            report(read.record(info))
+            return written
+    finally:
+        read.release()
+
+
 __all__ = ["Checkout", "Exported", "FORMATS", "check_checkout_dest", "check_dest", "check_format",
-           "checkout", "export"]
+           "checkout", "export", "materialize"]

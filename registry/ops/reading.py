@@ -94,9 +94,11 @@ def placed(access: Access, info: CheckpointInfo) -> CheckpointInfo:
 
 def read_step(access: Access, info: CheckpointInfo, *, verify: bool, map_location: Any, trust_pickle: bool,
               extras: Extras = True) -> Loaded:
-    """Read a placed step's payload from its nearest copy, matched against the catalog's digest."""
-    return access.copies.load(info, verify=verify, map_location=map_location, trust_pickle=trust_pickle,
-                              extras=extras)
+    """Read a placed step's payload from its nearest copy, matched against the catalog's digest; a policy delta
+    step comes back rebuilt from its chain (:func:`registry.ops.policy.rebuild`), the tensors a full gives."""
+    from registry.ops.policy import read_rebuilt
+    return read_rebuilt(access, info, verify=verify, map_location=map_location, trust_pickle=trust_pickle,
+                        extras=extras)
 
 
 def acquire_lease(access: Access, info: CheckpointInfo) -> int:

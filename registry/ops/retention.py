@@ -28,7 +28,7 @@ The policies themselves are :mod:`registry.retention`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -192,6 +192,10 @@ def protections(snap: RunSnapshot, extra: Mapping[int, str] = MappingProxyType({
             why.setdefault(c.step, []).append("tagged " + ",".join(c.tags))
         if c.step in snap.leases:
             why.setdefault(c.step, []).append(f"leased by a reader until {snap.leases[c.step]:%Y-%m-%d %H:%M:%S}Z")
+        if c.step in snap.policy_holds:
+            why.setdefault(c.step, []).append(snap.policy_holds[c.step])
+        if c.step == snap.latest_policy:
+            why.setdefault(c.step, []).append("@latest-policy")
     if keep_fork_parents:
         present = {c.step for c in snap.checkpoints}
         for step, children in snap.forks.items():
@@ -201,6 +205,29 @@ def protections(snap: RunSnapshot, extra: Mapping[int, str] = MappingProxyType({
     for step, reason in extra.items():
         why.setdefault(step, []).append(reason)
     return {step: "; ".join(reasons) for step, reasons in why.items()}
+
+
+def chain_bases(snap: RunSnapshot, keeping: Iterable[int]) -> dict[int, str]:
+    """The bases, transitively, of every delta step in ``keeping``, with why: a delta step loads only through its
+    chain, so whatever keeps it keeps the steps it is made against."""
+    out: dict[int, str] = {}
+    stack = sorted(set(keeping), reverse=True)
+    while stack:
+        step = stack.pop()
+        base = snap.delta_bases.get(step)
+        if base is not None and base not in out:
+            out[base] = f"base of delta step {step}"
+            stack.append(base)
+    return out
+
+
+def _with_bases(snap: RunSnapshot, protected: Mapping[int, str], kept: Mapping[int, str]) -> dict[int, str]:
+    """``protected`` and the chain bases of everything kept (see :func:`chain_bases`)."""
+    keeping = set(protected) | set(kept) | {c.step for c in snap.checkpoints if c.status not in CANDIDATES}
+    merged = dict(protected)
+    for step, why in chain_bases(snap, keeping).items():
+        merged[step] = f"{merged[step]}; {why}" if step in merged else why
+    return merged
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -312,6 +339,7 @@ def make_plan(scope: RetentionScope, run: str, policy: Policy, *, now: datetime 
     kept = evaluate(policy, candidates, RetentionContext(run=run, now=now, protected=protected,
                                                          allow_missing_metrics=allow_missing_metrics,
                                                          held=scope.storage.held))
+    protected = _with_bases(snap, protected, kept)
     decisions = []
     located: dict[int, CheckpointInfo] = {}
     for c in snap.checkpoints:
@@ -373,6 +401,7 @@ def _execute(scope: RetentionScope, plan: RetentionPlan, progress: ProgressFn | 
                         RetentionContext(run=plan.run, now=plan.now, protected=protected,
                                          allow_missing_metrics=plan.allow_missing_metrics,
                                          held=scope.storage.held))
+        protected = _with_bases(snap, protected, kept)
         doomed: dict[int, str] = {}
         for step in planned:
             c = by_step.get(step)
@@ -413,4 +442,4 @@ def _deleted_info(run: str, row: DeletedRow) -> CheckpointInfo:
 
 
 __all__ = ["Decision", "Deletion", "RootDeletion", "RetentionPlan", "RetentionResult", "RetentionScope",
-           "finish_interrupted", "guard_fallback", "make_plan", "protections"]
+           "chain_bases", "finish_interrupted", "guard_fallback", "make_plan", "protections"]

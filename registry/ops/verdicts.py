@@ -9,6 +9,7 @@ pass is :mod:`registry.ops.fsck`, the object store's :mod:`registry.ops.objectfs
 
 from __future__ import annotations
 
+import re
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -17,9 +18,9 @@ from typing import Any, TypeVar
 
 from registry.catalog import Catalog, FileRecord
 from registry.catalog.fsck import RowState, unchanged
-from registry.catalog.records import PayloadRecord
+from registry.catalog.records import PayloadRecord, PolicyRecord
 from registry.errors import CorruptCheckpointError
-from registry.format.manifest import Manifest
+from registry.format.manifest import DELTA, POLICY_DELTA, WEIGHTS, Manifest
 from registry.format.refs import MAX_STEP
 from registry.progress import Counter, ProgressFn
 
@@ -179,6 +180,24 @@ def meta_numbers(doc: Any) -> dict[str, int]:
             if isinstance(doc.get(k), int) and not isinstance(doc.get(k), bool) and 0 <= doc[k] <= MAX_STEP}
 
 
+def policy_of(manifest: Manifest) -> PolicyRecord | None:
+    """How a policy step found in storage stores its version, as its manifest says (a publish's commit records
+    it in ``policy_steps``; a repair recovers it): a delta names its base and version by their digests."""
+    if manifest.policy_version is None:
+        return None
+    doc = manifest.extra_fields.get(POLICY_DELTA)
+    if DELTA in manifest.files and isinstance(doc, dict):
+        base, full = doc.get("base_sha256"), doc.get("full_sha256")
+        if isinstance(base, str) and isinstance(full, str) and _SHA256.fullmatch(base) and _SHA256.fullmatch(full):
+            return PolicyRecord(kind="delta", full_sha256=full, base_sha256=base)
+        return None
+    weights = manifest.files.get(WEIGHTS)
+    return PolicyRecord(kind="full", full_sha256=weights.sha256) if weights is not None else None
+
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
 def found_payload(manifest: Manifest, digest: str, manifest_size: int, *, status: str,
                   meta: dict[str, int]) -> PayloadRecord:
     """What a repair records about a valid payload found in storage (rolled forward, adopted)."""
@@ -186,7 +205,8 @@ def found_payload(manifest: Manifest, digest: str, manifest_size: int, *, status
                          files=[FileRecord(name=f.name, size=f.size, sha256=f.sha256)
                                 for f in manifest.files.values()],
                          epoch=meta.get("epoch", 0), consumed_samples=meta.get("consumed_samples", 0),
-                         optimizer_step=manifest.optimizer_step, policy_version=manifest.policy_version)
+                         optimizer_step=manifest.optimizer_step, policy_version=manifest.policy_version,
+                         policy=policy_of(manifest))
 
 
 Repair = Callable[[], "bool | str | None"]

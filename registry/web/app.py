@@ -137,7 +137,8 @@ def create_app(reg: Registry, *, token: str | None = None) -> Starlette:
     def step_of(request: Request) -> int:
         return parse_int(str(request.path_params["step"]), what="step", maximum=MAX_STEP)
 
-    run_page = page(lambda r: pages.run_page(run_of(r), reg.catalog.metric_keys(run_of(r))))
+    run_page = page(lambda r: pages.run_page(run_of(r), reg.catalog.metric_keys(run_of(r)),
+                                             policy=data.policy_doc(reg, run_of(r))))
 
     def run_or_ref(request: Request) -> Response:
         """A run's page; a whole ref in the run's place (``/runs/toy@release``) goes to the step it names,

@@ -186,6 +186,19 @@ def diff_of(reg: Registry, a: str, b: str) -> Any:
     return reg.diff(a, b)
 
 
+def policy_doc(reg: Registry, run: str, *, newest: int = 20) -> dict[str, Any] | None:
+    """The run page's Policy section: the ``newest`` policy versions and every consumer with the lag; None when
+    the run has neither (or does not exist: the page says so itself)."""
+    try:
+        versions = reg.policy_versions(run)
+        lag = reg.policy_lag(run)
+    except RegistryError:
+        return None
+    if not versions and not lag.consumers:
+        return None
+    return {"versions": [v.to_json() for v in versions[-newest:]], "lag": lag.to_json()}
+
+
 def stamp_doc(reg: Registry, run: str, *, now: datetime | None = None) -> dict[str, Any]:
     """What changes when a run moves on (a new checkpoint, event or metric point), and whether it is training
     (:func:`~registry.views.run_state`): the run page polls it."""

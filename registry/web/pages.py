@@ -162,9 +162,10 @@ def _chart_controls(label: str) -> str:
             ).replace("{label}", escape(label))
 
 
-def run_page(run: str, keys: Sequence[str]) -> str:
+def run_page(run: str, keys: Sequence[str], *, policy: dict[str, Any] | None = None) -> str:
     """The shell the run page's script fills: curves with checkpoints, ``@latest`` and ``@best``, events,
-    retention; it polls for new steps while the run is training."""
+    retention; it polls for new steps while the run is training. ``policy``: the run's policy versions and
+    consumers (``registry.web.data.policy_doc``), drawn here when it has any."""
     default = "eval/loss" if "eval/loss" in keys else (keys[0] if keys else "")
     options = "".join(f'<option value="{escape(k)}"{" selected" if k == default else ""}>{escape(k)}</option>'
                       for k in keys)
@@ -180,8 +181,31 @@ def run_page(run: str, keys: Sequence[str]) -> str:
             '<h2>Checkpoints</h2><table id="checkpoints"><thead><tr><th>step</th><th>status</th><th>tags</th>'
             '<th>value</th><th>size</th><th>created</th></tr></thead>'
             '<tbody><tr class="loading"><td colspan="6">loading…</td></tr></tbody></table>'
+            + (policy_section(policy) if policy is not None else "") +
             '<h2>Events</h2><ol id="events" class="timeline"><li class="loading">loading…</li></ol>')
     return layout(run, body, scripts=["chart.js", "run.js"])
+
+
+def policy_section(doc: dict[str, Any]) -> str:
+    """The run's newest policy versions and its consumers, with the lag (``registry policy ls``/``consumers``)."""
+    lag = doc["lag"]
+    rows = "".join(f'<tr><td>{v["version"]}</td><td>{"-" if v["step"] is None else v["step"]}</td>'
+                   f'<td>{escape(v["kind"])}</td><td>{"-" if v["base_step"] is None else v["base_step"]}</td>'
+                   f'<td>{"-" if v["kind"] == "marker" else human_bytes(v["total_bytes"])}</td>'
+                   f'<td>{escape(v["status"])}</td></tr>' for v in reversed(doc["versions"]))
+    consumers = "".join(
+        f'<tr><td>{escape(c["name"])}</td><td>{escape(c["host"])}</td>'
+        f'<td>{"-" if c["applied_version"] is None else c["applied_version"]}</td>'
+        f'<td>{"-" if c["lag"] is None else c["lag"]}</td>'
+        f'<td>{"ended" if c["ended_at"] else ("live" if c["live"] else "expired")}</td></tr>'
+        for c in lag["consumers"])
+    newest = "-" if lag["newest_version"] is None else lag["newest_version"]
+    return (f'<h2 id="policy-channel">Policy <small>newest version {newest}, lag {lag["lag"]}'
+            + (f', pending {escape(", ".join(lag["pending"]))}' if lag["pending"] else "") + '</small></h2>'
+            '<table id="policy-versions"><thead><tr><th>version</th><th>step</th><th>kind</th><th>base</th>'
+            f'<th>size</th><th>status</th></tr></thead><tbody>{rows}</tbody></table>'
+            '<table id="policy-consumers"><thead><tr><th>consumer</th><th>host</th><th>serves</th><th>lag</th>'
+            f'<th>state</th></tr></thead><tbody>{consumers}</tbody></table>')
 
 
 def compare_page(runs: Sequence[str], keys: Sequence[str], config: dict[str, Any] | None = None) -> str:

@@ -1,0 +1,503 @@
+"""The RL policy channel's data path: delta publishes, rebuilding a delta step, materialize, folds, markers.
+
+A publish with ``policy_version=N`` and ``delta="auto"`` (or ``True``)
+stores what changed against the run's newest verified policy step (its
+base) as ``delta.safetensors`` (:mod:`registry.format.delta`) in place of
+``model.safetensors``; everything else about the step (meta, config,
+extras, manifest, catalog row) is as for any step, so every check applies.
+``"auto"`` stores a full every ``full_every`` versions (a chain never gets
+longer than that) and whenever the delta would not pay (more than half the
+full's bytes) or cannot be made (another tensor set, shape or dtype).
+
+The publishing process keeps the last state it published of each run
+(:class:`PolicyCache`, by its full digest), so a delta publish does not read
+its base back; on a miss the base is read through the one reader.
+
+A reader of a delta step (:func:`rebuild`, called by
+:func:`registry.ops.reading.read_step` for every load, export and diff)
+reads the chain back to its full (``policy_steps.base_step``), decodes each
+delta in order (each checks its base's digest and every tensor's) and
+checks the result against the step's ``full_sha256``: a damaged delta is a
+corrupt copy, never wrong weights.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+from registry.catalog.policy import (FoldRecord, PolicyStepInfo, chain_steps, folds, newest_base, policy_steps,
+                                     record_fold, version_step)
+from registry.catalog.records import CommitRecord, PayloadRecord, PolicyRecord
+from registry.errors import (CheckpointNotFoundError, CorruptCheckpointError, DeltaBaseError, InvalidStateError,
+                             PolicyVersionConflictError, RegistryError)
+from registry.format.manifest import CONFIG, POLICY_DELTA, WEIGHTS
+from registry.records import LIVE, CheckpointInfo, Status
+
+if TYPE_CHECKING:
+    import torch
+
+    from registry.fs.filemaps import Loaded
+    from registry.catalog import Catalog
+    from registry.ops.copies import Copies
+    from registry.ops.protocol import CommitHooks
+    from registry.roots.base import Root
+
+DeltaMode = bool | Literal["auto"]
+
+
+class Access(Protocol):
+    """What the policy channel reads through: :class:`registry.ops.reading.ReadAccess` has it."""
+
+    @property
+    def catalog(self) -> Catalog: ...
+
+    @property
+    def home(self) -> Root: ...
+
+    @property
+    def copies(self) -> Copies: ...
+
+    @property
+    def holder(self) -> str: ...
+
+    @property
+    def lease_ttl(self) -> timedelta: ...
+
+FULL_EVERY = 8
+PAYS = 0.5          # a delta larger than this share of the full is stored as a full under "auto"
+FOLDS = ".policy-folds"  # under a run's directory: derived deltas between two policy steps
+
+
+def check_delta(delta: object, policy_version: int | None) -> DeltaMode | None:
+    """``publish(delta=...)``: None (the default), ``"auto"``, True or False; a delta needs a policy version."""
+    if delta is None:
+        return None
+    if delta != "auto" and not isinstance(delta, bool):
+        raise InvalidStateError(f"delta must be 'auto', True or False, got {delta!r}")
+    if policy_version is None:
+        if delta is False:
+            return None
+        raise InvalidStateError("publish(delta=...) needs policy_version=N: only a policy step is stored as a delta")
+    return delta
+
+
+class PolicyCache:
+    """The last policy state this process published of each run, by its full digest (a delta's base)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._states: dict[str, tuple[str, dict[str, torch.Tensor]]] = {}
+
+    def get(self, run: str, full_sha256: str) -> dict[str, torch.Tensor] | None:
+        with self._lock:
+            held = self._states.get(run)
+        return held[1] if held is not None and held[0] == full_sha256 else None
+
+    def put(self, run: str, full_sha256: str, state: dict[str, torch.Tensor]) -> None:
+        with self._lock:
+            self._states[run] = (full_sha256, state)
+
+    def forget(self, run: str) -> None:
+        with self._lock:
+            self._states.pop(run, None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PolicyPlan:
+    """How one policy publish stores its version: the commit's record, the delta's bytes (None for a full)
+    and the state to remember once it commits; ``existing``: the same weights are this step already (a no-op)."""
+
+    record: PolicyRecord | None = None
+    delta: bytes | None = None
+    manifest: dict[str, Any] | None = None  # the manifest field that makes a delta step self-describing
+    remember: dict[str, torch.Tensor] | None = None
+    existing: PolicyStepInfo | None = None
+
+
+def _host_copy(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A CPU copy of ``state`` that later optimizer steps cannot change."""
+    return {name: t.detach().to("cpu", copy=True).contiguous() for name, t in state.items()}
+
+
+def _nbytes(state: Mapping[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def plan_publish(access: Access, cache: PolicyCache, run: str, step: int, state: Mapping[str, torch.Tensor], *,
+                 version: int, mode: DeltaMode, full_every: int, sharded_weights: bool) -> PolicyPlan:
+    """Decide how ``run@step`` stores policy version ``version`` (see the module's docstring)."""
+    from registry.format.delta import encode, full_sha256, read_header
+    if sharded_weights:
+        raise InvalidStateError("a policy channel publish (delta=...) writes one model.safetensors; "
+                                "max_shard_size does not apply")
+    catalog = access.catalog
+    same = version_step(catalog, run, version)
+    if same is not None:
+        digest = full_sha256(state)
+        if digest != same.full_sha256:
+            raise PolicyVersionConflictError(
+                f"policy version {version} of {run!r} is already step {same.step} with other weights "
+                f"({same.full_sha256[:12]}, these are {digest[:12]}); a version names one set of weights: "
+                "publish these as a new version", run=run, step=same.step)
+        if same.status != Status.CORRUPT and (same.step == step or same.status in LIVE):
+            return PolicyPlan(existing=same)
+    target = _host_copy(state)
+    full = PolicyPlan(record=PolicyRecord(kind="full", full_sha256="", immutable=True), remember=target)
+    if mode is False:
+        return full
+    found = newest_base(catalog, run, below=step)
+    if found is None:
+        return full
+    base_row, length = found
+    if mode == "auto" and length >= full_every:
+        return full
+    base = cache.get(run, base_row.full_sha256)
+    if base is None:
+        base = _read_base(access, run, base_row.step)
+    try:
+        data = encode(base, target, base_sha256=base_row.full_sha256)
+    except DeltaBaseError as exc:
+        if mode is True:
+            raise DeltaBaseError(f"{run}@{step} cannot be a delta against step {base_row.step} "
+                                 f"(policy version {base_row.version}): {exc}") from None
+        return full
+    if mode == "auto" and len(data) > PAYS * _nbytes(target):
+        return full
+    digest = read_header(data).target_sha256
+    return PolicyPlan(record=PolicyRecord(kind="delta", full_sha256=digest, base_step=base_row.step, immutable=True),
+                      delta=data, remember=target,
+                      manifest={POLICY_DELTA: {"base_sha256": base_row.full_sha256, "full_sha256": digest}})
+
+
+def legacy_record(files: Mapping[str, str]) -> PolicyRecord | None:
+    """The row of a plain publish that carries a policy version: a full, when it wrote one ``model.safetensors``
+    (``files``: name -> sha256); a later delta publish may use it as its base."""
+    digest = files.get(WEIGHTS)
+    return PolicyRecord(kind="full", full_sha256=digest) if digest is not None else None
+
+
+def _read_base(access: Access, run: str, step: int) -> dict[str, torch.Tensor]:
+    """A delta's base read back through the reader (when this process does not hold it), under a reader lease."""
+    info = access.catalog.get(run, step)
+    lease = access.catalog.acquire_lease(run, step, holder=access.holder, ttl=access.lease_ttl)
+    if info is None or lease is None:
+        raise CheckpointNotFoundError(f"{run}@{step}, the base of a delta, is gone", run=run, step=step)
+    try:
+        return read_rebuilt(access, access.home.place(info), verify=True, extras=False).state_dict
+    finally:
+        access.catalog.release_lease(lease)
+
+
+def read_rebuilt(access: Access, info: CheckpointInfo, *, verify: bool, extras: Any = True,
+                 trust_pickle: bool = False, map_location: Any = "cpu", held: Held | None = None) -> Loaded:
+    """A placed step from its nearest copy, a delta step rebuilt (what ``registry.ops.reading.read_step`` does);
+    ``held``: a version the caller holds already, where the rebuild may start (see :func:`held_in`)."""
+    loaded = access.copies.load(info, verify=verify, map_location=map_location, trust_pickle=trust_pickle,
+                                extras=extras)
+    return loaded if loaded.delta is None else rebuild(access, info, loaded, verify=verify,
+                                                       map_location=map_location, held=held)
+
+
+Held = tuple[str, Mapping[str, "torch.Tensor"]]  # a version's full_sha256 and its tensors, held outside the root
+
+
+def held_in(dest: Path) -> Held | None:
+    """The ``model.safetensors`` a directory holds (a version materialized there before) and its digest; None
+    without one (or with one that does not parse). Hashed once over its mapping, never copied."""
+    from registry.fs.filemaps import tensors_of
+    from registry.fs.hashing import hash_bytes
+    from registry.fs.mapping import host_view, map_file
+    if not (dest / WEIGHTS).is_file() or (dest / WEIGHTS).is_symlink():
+        return None
+    try:
+        buf = map_file(dest, WEIGHTS)
+        return hash_bytes(host_view(buf)), tensors_of(buf, dest / WEIGHTS)
+    except (OSError, CorruptCheckpointError):
+        return None
+
+
+class PolicyHooks:
+    """A publish's commit hooks that also record its policy row, and remember its state once it committed."""
+
+    def __init__(self, inner: CommitHooks, plan: PolicyPlan | None, cache: PolicyCache, run: str) -> None:
+        self.inner, self.plan, self.cache, self.run = inner, plan, cache, run
+        self.recorded: PolicyRecord | None = None
+
+    def _record_of(self, payload: PayloadRecord) -> PolicyRecord | None:
+        files = {f.name: f.sha256 for f in payload.files}
+        if self.plan is None or self.plan.record is None:
+            return legacy_record(files)
+        record = self.plan.record
+        if record.kind == "full":
+            if WEIGHTS not in files:
+                raise InvalidStateError("a policy full publish wrote no model.safetensors")
+            record = replace(record, full_sha256=files[WEIGHTS])
+        return record
+
+    def record(self, payload: PayloadRecord) -> CommitRecord:
+        self.recorded = self._record_of(payload)
+        return replace(self.inner.record(payload), policy=self.recorded)
+
+    def failed(self) -> None:
+        self.inner.failed()
+
+    def done(self) -> None:
+        self.inner.done()
+        if self.plan is not None and self.plan.remember is not None and self.recorded is not None:
+            self.cache.put(self.run, self.recorded.full_sha256, self.plan.remember)
+
+
+# ---------------------------------------------------------------------------------------------------- reading
+
+
+def _bytes(buf: torch.Tensor) -> memoryview:
+    from registry.fs.mapping import host_view
+    return host_view(buf.cpu() if buf.device.type != "cpu" else buf)
+
+
+def rebuild(access: Access, info: CheckpointInfo, loaded: Loaded, *, verify: bool, map_location: Any,
+            held: Held | None = None) -> Loaded:
+    """The delta step ``info`` (read as ``loaded``) with the tensors a full publish of its version gives.
+
+    ``held``: a version the caller holds (by its ``full_sha256``); when it is
+    a step of the chain, the rebuild starts there instead of at the full.
+
+    Raises ``CorruptCheckpointError`` when the chain cannot be rebuilt: a
+    damaged delta, a base that is gone, a result other than the version's
+    ``full_sha256``.
+    """
+    from registry.format.delta import decode, read_header
+    assert loaded.delta is not None
+    run = info.run
+    chain = chain_steps(access.catalog, run, info.step)
+    rows = policy_steps(access.catalog, run, chain)
+    row = rows.get(info.step)
+    where = info.path
+
+    def broken(why: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{run}@{info.step} cannot be rebuilt from its delta chain: {why}",
+                                      run=run, step=info.step, path=where)
+
+    if row is None or row.kind != "delta" or len(chain) < 2:
+        raise broken("the catalog records no delta chain for its delta.safetensors")
+    if any(s not in rows for s in chain):
+        raise broken("a step of its chain has no policy record")
+    folded = _from_fold(access, info, row, held) if held is not None else None
+    if folded is not None:  # one decode from what the caller holds, straight to this version
+        return replace(loaded, state_dict=_placed(folded, map_location), delta=None)
+    start = next((i for i in range(len(chain) - 1, -1, -1)
+                  if held is not None and rows[chain[i]].full_sha256 == held[0]), None)
+    if held is not None and start is not None:
+        state: Mapping[str, torch.Tensor] = held[1]
+    else:
+        start = 0
+        state = _read_part(access, run, chain[0], verify=verify, broken=broken).state_dict
+    digest = rows[chain[start]].full_sha256
+    for s in chain[start + 1:]:
+        part = loaded if s == info.step else _read_part(access, run, s, verify=verify, broken=broken)
+        if part.delta is None:
+            raise broken(f"step {s} of its chain holds no delta.safetensors")
+        try:  # every tensor's digest is checked at the last link, which a wrong element of any link reaches
+            state = decode(state, _bytes(part.delta), base_sha256=digest, path=f"{run}@{s}/delta.safetensors",
+                           check_tensors=s == info.step)
+        except DeltaBaseError as exc:
+            raise broken(f"step {s}: {exc}") from None
+        digest = rows[s].full_sha256
+    if read_header(_bytes(loaded.delta), path=where).target_sha256 != row.full_sha256:
+        raise broken("its delta does not end at the digest the catalog records for its version")
+    return replace(loaded, state_dict=_placed(state, map_location), delta=None)
+
+
+def _placed(state: Mapping[str, torch.Tensor], map_location: Any) -> dict[str, torch.Tensor]:
+    if map_location is not None and map_location != "cpu":
+        return {k: v.to(map_location) for k, v in state.items()}
+    return dict(state)
+
+
+def _from_fold(access: Access, info: CheckpointInfo, row: PolicyStepInfo, held: Held) -> dict[str, torch.Tensor] | None:
+    """The version of ``info`` from a stored fold that starts at the version ``held`` is, when there is one and
+    it reads back whole; None otherwise (the chain is read instead: a bad fold is never the step's fault)."""
+    import hashlib
+
+    from registry.format.delta import decode, read_header
+    root = access.home.local_dir
+    if root is None:
+        return None
+    stored = [f for f in folds(access.catalog, info.run) if f.to_step == info.step and f.status == "verified"]
+    starts = policy_steps(access.catalog, info.run, [f.from_step for f in stored]) if stored else {}
+    for fold_row in stored:
+        start = starts.get(fold_row.from_step)
+        if start is None or start.full_sha256 != held[0]:
+            continue
+        try:
+            data = (root / fold_row.path).read_bytes()
+            if (hashlib.sha256(data).hexdigest() != fold_row.sha256
+                    or read_header(data).target_sha256 != row.full_sha256):
+                continue
+            return decode(held[1], data, base_sha256=held[0])
+        except (OSError, RegistryError):
+            continue
+    return None
+
+
+def _read_part(access: Access, run: str, step: int, *, verify: bool, broken: Any) -> Loaded:
+    """One earlier step of a chain, as stored (a delta's bytes unapplied), from this host's nearest copy."""
+    info = access.catalog.get(run, step)
+    if info is None or info.status not in LIVE:
+        raise broken(f"its base step {step} is {info.status if info is not None else 'gone'}")
+    placed = access.home.place(info)
+    try:
+        return access.copies.load(placed, verify=verify, map_location="cpu", trust_pickle=False, extras=False)
+    except CorruptCheckpointError as exc:
+        _condemn_base(access, placed, exc)
+        raise broken(f"its base step {step} is damaged ({exc})") from exc
+
+
+def _condemn_base(access: Access, info: CheckpointInfo, exc: CorruptCheckpointError) -> None:
+    """A base step whose bytes did not match: read again from storage and, when the mismatch stands, marked
+    ``corrupt`` itself (by compare-and-set on its digest), as a load of it would, so the verdict is on the
+    step that is damaged and not only on the delta that could not be rebuilt."""
+    from registry.ops.scrub import recheck
+    from registry.ops.verdicts import read_again
+    try:
+        read_again(exc, lambda: recheck(info, home=access.home), what=f"{info.run}@{info.step}")
+    except CorruptCheckpointError as stands:
+        if not access.copies.condemn(info, info.manifest_sha256 or "", str(stands)):
+            access.catalog.set_status(info.run, info.step, Status.CORRUPT, kind="corrupt", actor=access.holder,
+                                      only_from=LIVE, manifest_sha256=info.manifest_sha256, reason=str(stands))
+    except RegistryError:
+        pass  # no verdict rests on a read that failed for another reason
+
+
+# ---------------------------------------------------------------------------------------------------- materialize
+
+
+def full_digest(access: Access, info: CheckpointInfo) -> str | None:
+    """What a full ``model.safetensors`` of ``info``'s weights must hash to: its version's ``full_sha256``, else
+    (a step outside the channel) its own ``model.safetensors``'s digest; None for a step that has neither."""
+    row = policy_steps(access.catalog, info.run, [info.step]).get(info.step)
+    if row is not None:
+        return row.full_sha256
+    wanted = [f.sha256 for f in access.catalog.files(info.run, info.step) if f.name == WEIGHTS]
+    return wanted[0] if wanted else None
+
+
+def _write_atomic(dest: Path, name: str, fill: Any, expected: str | None) -> None:
+    """``dest/name`` written under a temporary name by ``fill(out)``, fsync'd, checked, then renamed into place."""
+    import secrets
+
+    from registry.fs.hashing import HashingWriter
+    tmp = dest / f".{name}.tmp-{secrets.token_hex(4)}"
+    out = HashingWriter(tmp)
+    try:
+        fill(out)
+        out.close()
+        if expected is not None and out.sha256 != expected:
+            raise CorruptCheckpointError(f"materialized {name} has sha256 {out.sha256}, not the version's "
+                                         f"{expected}: nothing was written to {dest}", path=dest / name)
+        os.replace(tmp, dest / name)
+    except BaseException:
+        out.abort()
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_full(dest: Path, loaded: Loaded, *, expected: str | None, unchanged: bool = False) -> Path:
+    """Write into the directory ``dest`` the ``model.safetensors`` and ``config.json`` a full publish of
+    ``loaded`` writes, byte for byte, ``model.safetensors`` checked against ``expected`` (atomic per file).
+    ``unchanged``: ``dest`` holds that very ``model.safetensors`` already (only ``config.json`` is written)."""
+    from registry.format.safetensors import PUBLISH_METADATA, Encoded
+    from registry.fs.payloadfiles import json_bytes
+    from registry.fs.store import fsync_dir
+    dest.mkdir(parents=True, exist_ok=True)
+    if not unchanged:
+        encoded = Encoded(loaded.state_dict, PUBLISH_METADATA)
+        _write_atomic(dest, WEIGHTS, encoded.write, expected)
+    config = json_bytes(loaded.config, "config")
+    _write_atomic(dest, CONFIG, lambda out: out.write(config), None)
+    fsync_dir(dest)
+    return dest
+
+
+# ---------------------------------------------------------------------------------------------------- folds
+
+
+@dataclass(frozen=True, kw_only=True)
+class FoldInfo:
+    """A stored fold: the delta from policy version ``from_version`` (step ``from_step``) to ``to_version``."""
+
+    run: str
+    from_version: int
+    to_version: int
+    from_step: int
+    to_step: int
+    path: Path
+    size: int
+    sha256: str
+    base_sha256: str
+    target_sha256: str
+
+
+def _version_row(access: Access, run: str, version: int) -> PolicyStepInfo:
+    row = version_step(access.catalog, run, version)
+    if row is None or row.status not in LIVE:
+        raise CheckpointNotFoundError(f"{run}@pv:{version}: no published or verified checkpoint with policy "
+                                      f"version {version}", run=run)
+    return row
+
+
+def fold(access: Access, run: str, a: int, b: int) -> FoldInfo:
+    """The delta from policy version ``a`` to ``b`` of ``run``, stored under the run's ``.policy-folds/``.
+
+    Both versions are read through the reader (a delta step rebuilt from its
+    chain), the fold is ``encode(a, b)`` and is checked against ``b``'s
+    ``full_sha256`` before it is written (atomically) and recorded.
+    """
+    import hashlib
+
+    from registry.format.delta import encode, read_header
+    from registry.fs.store import fsync_dir
+    if a == b:
+        raise InvalidStateError(f"fold({run!r}, {a}, {b}) needs two different versions")
+    root = access.home.local_dir
+    if root is None:
+        raise InvalidStateError("fold() stores its delta under the run's directory: it needs a filesystem root")
+    ra, rb = _version_row(access, run, a), _version_row(access, run, b)
+    states = []
+    for row in (ra, rb):
+        info = access.catalog.get(run, row.step)
+        assert info is not None
+        lease = access.catalog.acquire_lease(run, row.step, holder=access.holder, ttl=access.lease_ttl)
+        if lease is None:
+            raise CheckpointNotFoundError(f"{run}@{row.step} was deleted while being folded", run=run, step=row.step)
+        try:
+            states.append(read_rebuilt(access, access.home.place(info), verify=True, extras=False).state_dict)
+        finally:
+            access.catalog.release_lease(lease)
+    data = encode(states[0], states[1], base_sha256=ra.full_sha256)
+    header = read_header(data)
+    if header.target_sha256 != rb.full_sha256:
+        raise CorruptCheckpointError(f"the fold of {run} from version {a} to {b} does not end at version {b}'s "
+                                     "digest; nothing was stored", run=run, step=rb.step)
+    rel = f"{run}/{FOLDS}/{ra.step}-{rb.step}.delta.safetensors"
+    folder = root / run / FOLDS
+    folder.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256(data).hexdigest()
+    _write_atomic(folder, f"{ra.step}-{rb.step}.delta.safetensors", lambda out: out.write(data), digest)
+    fsync_dir(folder)
+    record_fold(access.catalog, FoldRecord(run=run, from_step=ra.step, to_step=rb.step, path=rel, size=len(data),
+                                           sha256=digest, status="verified", created_at=None))
+    return FoldInfo(run=run, from_version=a, to_version=b, from_step=ra.step, to_step=rb.step, path=root / rel,
+                    size=len(data), sha256=digest, base_sha256=header.base_sha256,
+                    target_sha256=header.target_sha256)
+
+
+__all__ = ["FOLDS", "FULL_EVERY", "DeltaMode", "FoldInfo", "Held", "PolicyCache", "PolicyHooks", "PolicyPlan",
+           "check_delta", "fold", "full_digest", "held_in", "legacy_record", "plan_publish",
+           "read_rebuilt", "rebuild", "write_full"]
