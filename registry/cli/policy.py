@@ -47,7 +47,7 @@ def policy_ls(state: State, run: str, as_json: bool) -> None:
         emit_json([v.to_json() for v in found])
         return
     from registry.records import human_bytes
-    table(["VERSION", "STEP", "KIND", "BASE", "SIZE", "STATUS"],
+    table(["VERSION", "STEP", "KIND", "BASE STEP", "SIZE", "STATUS"],
           [[v.version, "-" if v.step is None else v.step, v.kind, "-" if v.base_step is None else v.base_step,
             "-" if v.kind == "marker" else human_bytes(v.total_bytes), v.status] for v in found])
 

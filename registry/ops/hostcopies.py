@@ -43,8 +43,9 @@ def host_copy(cache: Path, run: str, version: int, step: int, materialize: Mater
                 return final, HOST_CACHE, 0
             staging = Path(tempfile.mkdtemp(prefix=f".v{version}.tmp-", dir=base))
             try:
+                seeded = _seed(base, version, staging)
                 materialize(f"{run}@{step}", staging)
-                fetched = sum(p.stat().st_size for p in staging.rglob("*") if p.is_file())
+                fetched = sum(p.stat().st_size for p in staging.rglob("*") if p.is_file() and p.stat().st_ino != seeded)
                 done.unlink(missing_ok=True)
                 if final.exists():  # a stale copy (the version's step was published again)
                     stale = Path(tempfile.mkdtemp(prefix=f".v{version}.stale-", dir=base))
@@ -84,6 +85,26 @@ def prune_host_copies(base: Path, floor: int) -> list[int]:
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
     return removed
+
+
+def _seed(base: Path, version: int, staging: Path) -> int | None:
+    """Link the newest earlier host copy's ``model.safetensors`` into ``staging``, so that materialize starts
+    from it (one delta or fold, not the chain from its full); the inode linked, or None.
+
+    A link, not a copy: materialize never writes into a file it holds, it replaces it (a temporary name, then a
+    rename), so the earlier copy is not changed. A copy pruned meanwhile fails to link and the next older one
+    is tried; a file someone changed does not match its version's digest and is ignored by materialize.
+    """
+    from registry.format.manifest import WEIGHTS
+    older = sorted((int(e.name[1:]) for e in base.glob("v*") if e.name[1:].isdigit() and int(e.name[1:]) < version),
+                   reverse=True)
+    for number in older:
+        try:
+            os.link(base / f"v{number}" / WEIGHTS, staging / WEIGHTS)
+        except OSError:
+            continue
+        return (staging / WEIGHTS).stat().st_ino
+    return None
 
 
 def _done_step(done: Path) -> int | None:
