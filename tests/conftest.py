@@ -46,7 +46,8 @@ SLOW_MODULES = frozenset({
 LONG_FIRST = SLOW_MODULES | {"test_tiers", "test_s3_faults", "test_s3_root", "test_load_faults", "test_async",
                              "test_dedup_fate", "test_conformance_crashes", "test_bench_scripts", "test_open_guards",
                              "test_publish_faults", "test_cli_imports", "test_s3_sharded", "test_tiered_sharded",
-                             "test_vllm_consumer", "test_policy_consumers", "test_policy_publish", "test_policy_mix"}
+                             "test_vllm_consumer", "test_policy_consumers", "test_policy_publish", "test_policy_mix",
+                             "test_sharded_resume_roots"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

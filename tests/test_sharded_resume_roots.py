@@ -1,0 +1,161 @@
+"""Sharded training killed mid-run and resumed from ``RUN@latest`` on an ``s3://`` root and on a tiered root.
+
+Two 2-rank gloo jobs on each root: a plain DCP loop (FSDP2, ``publish(...,
+sharded=True)`` every few steps, SIGKILL between two publishes, a restart
+that loads ``RUN@latest`` with ``load_into``; ``tests/_dcp_loop_worker.py``),
+and Lightning's ``ModelParallelStrategy`` with ``RegistryCheckpoint``
+(``tests/_lightning_worker.py``: every rank publishes its shard during
+``fit``, a new ``fit`` resumes from ``ckpt.resume_path()``). Both must
+continue bit for bit as the uninterrupted run did. The directory root's own
+cases are in ``tests/test_integration_lightning.py`` and
+``tests/test_sharded*.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from registry import Registry
+from tests._dcp_loop_worker import fingerprint
+from tests.helpers import REPO, free_port, pg_schema_url, run_ranks, stored_file
+
+pytestmark = pytest.mark.distributed
+
+
+@pytest.fixture(params=["s3", "tiered"])
+def where(request: pytest.FixtureRequest, tmp_path: Path, s3_root: str) -> dict[str, Any]:
+    """``Registry.open``'s ``root`` and ``durable`` for an ``s3://`` root or a tiered root (a fast directory over
+    an ``s3://`` durable tier)."""
+    if request.param == "s3":
+        return {"root": s3_root, "durable": None}
+    return {"root": str(tmp_path / "fast-a"), "durable": s3_root}
+
+
+def layout(reg: Registry, ref: str) -> tuple[str, int]:
+    doc = json.loads(stored_file(reg, reg.resolve(ref), "manifest.json"))["layout"]
+    return doc["kind"], doc["world_size"]
+
+
+def unsharded_state() -> dict[str, Any]:
+    """The DCP loop's model and optimizer without a process group, as ``get_state_dict`` templates."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    msd, osd = get_state_dict(model, torch.optim.AdamW(model.parameters(), lr=0.01))
+    return {"model": msd, "optim": osd, "step": torch.tensor(0)}
+
+
+def dcp_loop(tmp_path: Path, url: str, where: dict[str, Any], runs: list[dict[str, Any]]) -> tuple[list[int],
+                                                                                                  list[dict[str, Any]]]:
+    out = tmp_path / f"out-{time.monotonic_ns()}"
+    out.mkdir()
+    spec = out / "spec.json"
+    spec.write_text(json.dumps({"url": url, **where, "out": str(out), "runs": runs}))
+    codes = run_ranks("tests._dcp_loop_worker", 2, spec, deadline_s=120)
+    return codes, [json.loads(p.read_text()) if (p := out / f"rank{r}.json").exists() else {} for r in range(2)]
+
+
+@pytest.fixture(params=[("s3", "postgresql"), ("tiered", "sqlite")], ids=["s3-postgresql", "tiered-sqlite"])
+def loop_case(request: pytest.FixtureRequest, tmp_path: Path, s3_root: str) -> tuple[dict[str, Any], str]:
+    """The DCP loop's root and catalog: each kind of root with one catalog, and both catalogs over the two (each
+    case is two launches of two ranks; the other two pairings would double the time for no path these miss)."""
+    kind, catalog = request.param
+    where = {"root": s3_root, "durable": None} if kind == "s3" else {"root": str(tmp_path / "fast-a"),
+                                                                       "durable": s3_root}
+    url = (f"sqlite:///{tmp_path / 'catalog.db'}" if catalog == "sqlite"
+           else pg_schema_url(request.getfixturevalue("pg_database")))
+    return where, url
+
+
+def test_a_dcp_loop_killed_mid_run_resumes_from_latest_bit_exactly(loop_case: tuple[dict[str, Any], str],
+                                                                    tmp_path: Path) -> None:
+    where, catalog_url = loop_case
+    codes, first = dcp_loop(tmp_path, catalog_url, where, [
+        {"run": "ref", "every": 3, "total": 9},
+        {"run": "crash", "every": 3, "total": 9, "kill_after": 5},  # step 3 published, 4 and 5 lost
+    ])
+    assert codes == [-signal.SIGKILL] * 2, first
+    assert [d["crash"]["killed_after"] for d in first] == [5, 5]
+    with Registry.open(catalog_url, root=where["root"], durable=where["durable"]) as reg:
+        assert [c.step for c in reg.checkpoints("ref")] == [3, 6, 9]
+        assert [c.step for c in reg.checkpoints("crash")] == [3]
+        assert layout(reg, "crash@latest") == ("dcp", 2)
+
+    codes, again = dcp_loop(tmp_path, catalog_url, where, [{"run": "crash", "every": 3, "total": 9,
+                                                             "resume": True}])
+    assert codes == [0, 0], again
+    for rank in (0, 1):
+        ref, crash, resumed = first[rank]["ref"], first[rank]["crash"], again[rank]["crash"]
+        assert crash["losses"] == {s: v for s, v in ref["losses"].items() if int(s) < 5}
+        assert resumed["resumed_at"] == 3
+        assert resumed["losses"] == {s: v for s, v in ref["losses"].items() if int(s) >= 3}  # bit-exact
+        assert resumed["fp"] == ref["fp"]  # the full weights and AdamW state at the end, bit for bit
+    assert first[0]["ref"]["losses"] != first[1]["ref"]["losses"]  # each rank trains on its own batches
+    with Registry.open(catalog_url, root=where["root"], durable=where["durable"]) as reg:
+        assert [c.step for c in reg.checkpoints("crash")] == [3, 6, 9]
+        assert [r.ok for r in reg.verify("crash")] == [True, True, True]
+        if where["durable"]:
+            reg.wait_durable("crash", 9, timeout=60)
+    other = {**where, "root": str(tmp_path / "fast-b")} if where["durable"] else where
+    with Registry.open(catalog_url, root=other["root"], durable=other["durable"]) as reg:
+        state = unsharded_state()  # another host (on a tiered root, from the durable copy), at world size 1
+        assert reg.load_into("crash@latest", state).step == 9
+        assert fingerprint(state) == first[0]["ref"]["fp"]
+
+
+LIGHTNING = str(REPO / "tests" / "_lightning_worker.py")
+
+
+def lightning(tmp_path: Path, where: dict[str, Any], mode: str) -> tuple[list[int], list[dict[str, Any]], str]:
+    """Two ranks of ``tests/_lightning_worker.py`` in ``mode`` on the root, with a SQLite catalog of the test's."""
+    from tests.test_integration_lightning import env
+    port = free_port()
+    extra = {"REGISTRY_URL": f"sqlite:///{tmp_path / 'catalog.db'}", "MASTER_ADDR": "127.0.0.1",
+             "MASTER_PORT": str(port), "WORLD_SIZE": "2", "NODE_RANK": "0"}
+    if where["durable"]:
+        extra["REGISTRY_DURABLE"] = where["durable"]
+    procs = [subprocess.Popen([sys.executable, LIGHTNING, where["root"], mode], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True,
+                              env=env() | extra | {"RANK": str(r), "LOCAL_RANK": str(r)}) for r in (0, 1)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    docs = [json.loads(line) for out, _ in outs for line in out.splitlines()[:50] if line.startswith('{"')]
+    return [p.returncode for p in procs], docs, outs[0][1][-2000:] + outs[1][1][-2000:]
+
+
+def test_lightning_fsdp_publishes_every_shard_and_resumes_from_latest(where: dict[str, Any],
+                                                                        tmp_path: Path) -> None:
+    """``ModelParallelStrategy`` (FSDP2 over two gloo ranks) with a SQLite catalog: every rank publishes its shard
+    during ``fit``, both ranks are killed after epoch 2's publish, and a new ``fit`` resumes via
+    ``ckpt.resume_path()`` (``registry:shard-crash@latest``) bit for bit."""
+    url = f"sqlite:///{tmp_path / 'catalog.db'}"
+    Registry.open(url, root=where["root"], durable=where["durable"]).close()  # before two ranks open it
+    codes, first, errors = lightning(tmp_path, where, "fsdp-first")
+    assert codes == [-signal.SIGKILL] * 2, errors
+    full = [{int(k): v for k, v in d["full"]["losses"].items()} for d in first]
+    assert sorted(full[0]) == list(range(6)) and full[0] != full[1]
+    kept = [4, 6] if where["durable"] is None else [2, 4, 6]  # on a tiered root KeepLast(2) is the fast tier's
+    with Registry.open(url, root=where["root"], durable=where["durable"]) as reg:
+        assert [c.step for c in reg.checkpoints("shard-full")] == kept
+        assert [c.step for c in reg.checkpoints("shard-crash")] == [2, 4]
+        assert sorted(e.step for e in reg.events("shard-full") if e.kind == "publish") == [2, 4, 6]
+        assert layout(reg, "shard-full@6") == ("dcp", 2)
+
+    codes, again, errors = lightning(tmp_path, where, "fsdp-resume")
+    assert codes == [0, 0], errors
+    for rank, doc in enumerate(again):
+        crash, done = doc["crash"], doc["full"]
+        assert crash["rank"] == rank and crash["resumed_at"] == 4 and not crash["fell_back"], crash
+        assert {int(k): v for k, v in crash["losses"].items()} == {s: full[rank][s] for s in (4, 5)}  # bit-exact
+        assert done["resumed_at"] == 6 and done["losses"] == {}  # resumed at its end: nothing left to train
+    with Registry.open(url, root=where["root"], durable=where["durable"]) as reg:
+        assert [c.step for c in reg.checkpoints("shard-crash")] == kept
+        assert [r.ok for r in reg.verify("shard-crash")] == [True] * len(kept)
