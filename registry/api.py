@@ -1081,6 +1081,16 @@ class Registry:
         self._require_writable("fold")
         return fold(self._reader(), run, a, b)
 
+    def fold_bytes(self, run: str, a: int, b: int) -> bytes:
+        """The stored fold from policy version ``a`` of ``run`` to ``b`` (see :meth:`fold`), read through the root
+        (a file, or an object on an ``s3://`` or tiered root) and checked against its recorded sha256; a fold
+        whose bytes differ is marked corrupt. ``CheckpointNotFoundError`` when no usable fold is stored."""
+        from registry.ops.policy import stored_fold
+        check_run_name(run)
+        check_step(a)
+        check_step(b)
+        return stored_fold(self._reader(), run, a, b)
+
     def publish_policy_marker(self, run: str, version: int, *, note: str | None = None) -> MarkerInfo:
         """Record that policy ``version`` of ``run`` was published outside the registry (its bytes moved over
         NCCL or RDMA), so lag and audit cover it; ``PolicyVersionConflictError`` when it is a stored step."""
@@ -1314,6 +1324,19 @@ class Registry:
         if policy_version is not None:
             check_step(policy_version)
         return ConsumersCatalog(self.catalog).loads(check_run_name(run), policy_version=policy_version)
+
+    def prune_policy_loads(self, run: str | None = None, *, older_than: timedelta = timedelta(days=30)) -> int:
+        """Forget the policy loads (of ``run``, or of every run) that protect nothing and ended more than
+        ``older_than`` ago: released, or of a consumer that ended or expired. Never an unreleased load of a live
+        consumer, nor the load of the version a consumer serves. A process with subscriptions does this itself,
+        at most hourly, for 30 days. How many were forgotten."""
+        from registry.catalog.consumers import ConsumersCatalog
+        from registry.catalog.session import utcnow
+        if not (isinstance(older_than, timedelta) and older_than >= timedelta(0)):
+            raise InvalidStateError(f"older_than must be a timedelta >= 0, got {older_than!r}")
+        self._require_writable("prune_policy_loads")
+        return ConsumersCatalog(self.catalog).prune_loads(None if run is None else check_run_name(run),
+                                                          before=utcnow() - older_than)
 
     def policy_versions(self, run: str) -> list[PolicyVersionInfo]:
         """Every policy version of ``run`` by version: its step, full/delta/marker, base, size and status."""

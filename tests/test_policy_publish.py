@@ -408,6 +408,98 @@ def test_materialize_over_the_version_dest_holds_applies_only_the_newer_deltas(r
     assert reg.catalog.get("rl", 1).status == "corrupt"  # type: ignore[union-attr]
 
 
+def patch_states(seed: int) -> dict[int, dict[str, torch.Tensor]]:
+    """Versions 1 to 3 of a state with a bool mask and an int64 counter besides bf16 and fp32, all changing."""
+    states = {1: {**policy_state(seed), "mask": torch.zeros(77, dtype=torch.bool)}}
+    for v in (2, 3):
+        states[v] = step_of(states[v - 1], 0.03, seed + v)
+        states[v]["mask"] = states[v - 1]["mask"].clone()
+        states[v]["mask"][v::5] = True
+        states[v]["step"] = torch.tensor(v, dtype=torch.int64)
+    return states
+
+
+def test_materialize_patches_the_file_dest_holds_into_the_next_version(reg: Registry, tmp_path: Path) -> None:
+    from registry.ops.policy import held_digest, materialize_patched
+    states = patch_states(42)
+    for v in (1, 2, 3):
+        reg.publish("rl", v, states[v], policy_version=v, delta="auto", config={"v": v})
+    assert kinds(reg, "rl") == {1: "full", 2: "delta", 3: "delta"}
+    full = {v: reg.publish("plain", v, states[v], policy_version=v, config={"v": v}) for v in (2, 3)}
+    dest = tmp_path / "serve"
+    reg.materialize("rl@pv:1", dest)
+    assert held_digest(dest) == deltas.full_sha256(states[1])  # recorded as written: nothing to hash next time
+    weights = reg.resolve("rl@1").path / "model.safetensors"  # the chain's full: a patch never reads it
+    os.chmod(weights, 0o644)
+    weights.write_bytes(b"\0" * weights.stat().st_size)
+    assert materialize_patched(reg._reader(), reg.resolve("rl@2"), dest, held_digest(dest) or "") == dest
+    for name in ("model.safetensors", "config.json"):
+        assert (dest / name).read_bytes() == (full[2].path / name).read_bytes(), name
+    assert held_digest(dest) == deltas.full_sha256(states[2])
+    reg.materialize("rl@pv:3", dest)
+    for name in ("model.safetensors", "config.json"):
+        assert (dest / name).read_bytes() == (full[3].path / name).read_bytes(), name
+    assert not [p for p in dest.iterdir() if p.name.startswith(".")]
+    assert reg.catalog.get("rl", 1).status == "verified"  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("where", ["header", "tensor"])
+def test_a_held_file_changed_behind_its_record_is_never_patched_into_the_result(reg: Registry, tmp_path: Path,
+                                                                                where: str) -> None:
+    """Changed in place with its mtime put back, the file still reads as the version recorded on it: the patch
+    path tries it, the copy fails the version's digest (or the layout check) and is dropped, and materialize
+    writes the version the full way."""
+    from registry.ops.policy import held_digest, materialize_patched
+    states = patch_states(43)
+    for v in (1, 2):
+        reg.publish("rl", v, states[v], policy_version=v, delta="auto")
+    full = reg.publish("plain", 2, states[2], policy_version=2)
+    dest = tmp_path / "serve"
+    reg.materialize("rl@pv:1", dest)
+    held = dest / "model.safetensors"
+    before = held.stat()
+    with open(held, "r+b") as f:
+        f.seek(20 if where == "header" else before.st_size - 100)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x40]))
+    os.utime(held, ns=(before.st_atime_ns, before.st_mtime_ns))
+    tampered = held.read_bytes()
+    assert held_digest(dest) == deltas.full_sha256(states[1])
+    assert materialize_patched(reg._reader(), reg.resolve("rl@2"), dest, deltas.full_sha256(states[1])) is None
+    assert held.read_bytes() == tampered and not [p for p in dest.iterdir() if p.name.startswith(".")]
+    reg.materialize("rl@pv:2", dest)
+    assert held.read_bytes() == (full.path / "model.safetensors").read_bytes()
+    assert held_digest(dest) == deltas.full_sha256(states[2])
+
+
+def test_a_materialize_killed_while_patching_leaves_the_held_file_whole(reg: Registry, migrated_url: str,
+                                                                        root: Path, tmp_path: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO, child_env
+    states = patch_states(44)
+    for v in (1, 2):
+        reg.publish("rl", v, states[v], policy_version=v, delta="auto")
+    full = reg.publish("plain", 2, states[2], policy_version=2)
+    dest = tmp_path / "serve"
+    reg.materialize("rl@pv:1", dest)
+    old = (dest / "model.safetensors").read_bytes()
+    code = ("import sys\nfrom registry import Registry\n"
+            "with Registry.open(url=sys.argv[1], root=sys.argv[2]) as reg:\n"
+            "    reg.materialize('rl@pv:2', sys.argv[3])")
+    proc = subprocess.run([sys.executable, "-c", code, migrated_url, str(root), str(dest)], cwd=REPO,
+                          env={**child_env(), "REGISTRY_CRASH_AT": "materialize-patch-midway"},
+                          capture_output=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+    assert (dest / "model.safetensors").read_bytes() == old
+    assert [p for p in dest.iterdir() if p.name.startswith(".model.safetensors.tmp-")]  # its copy, never renamed
+    reg.materialize("rl@pv:2", dest)
+    assert (dest / "model.safetensors").read_bytes() == (full.path / "model.safetensors").read_bytes()
+
+
 def test_fsck_adopting_a_delta_step_recovers_its_chain_from_the_manifest(reg: Registry) -> None:
     from sqlalchemy import delete, select
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Connection, and_, func, insert, select, update
+from sqlalchemy import Connection, and_, delete, func, insert, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 
 from registry.catalog.models import CheckpointRow, PolicyConsumer, PolicyLoad, PolicyMarker, PolicyStep, Run
@@ -218,7 +218,10 @@ class ConsumersCatalog:
         consumer's leases of older versions released. Refused for a load that did not verify or was released."""
         def fn(conn: Connection) -> None:
             load = conn.execute(select(PolicyLoad, Run.c.name.label("run_name"))
-                                .join(Run, Run.c.id == _PL.run_id).where(_PL.id == load_id)).one()
+                                .join(Run, Run.c.id == _PL.run_id).where(_PL.id == load_id)).one_or_none()
+            if load is None:  # pruned (its consumer had expired or ended long ago) or its run deleted
+                raise InvalidStateError(f"policy load {load_id} is no longer on record; lease the version again "
+                                        "to apply it")
             what = f"{load.run_name} policy version {load.version} (step {load.step})"
             if not load.verified:
                 why = f": {load.error}" if load.error else " (materialize it first)"
@@ -256,6 +259,29 @@ class ConsumersCatalog:
             held = [int(v) for v in (leased, served) if v is not None]
             return min(held) if held else None
         result: int | None = self.catalog.read(fn)
+        return result
+
+    def prune_loads(self, run: str | None, *, before: datetime) -> int:
+        """Forget the loads (of ``run``, or of every run) that protect nothing any more and ended before
+        ``before``: released then, or of a consumer that ended or expired then. Never an unreleased load of a
+        live consumer (it keeps its version from retention), nor the load of the version a consumer serves
+        (``applied_version``: what ``policy who`` answers). How many were forgotten."""
+        def fn(conn: Connection) -> int:
+            now = utcnow()
+            consumer = select(PolicyConsumer).where(_PC.id == _PL.consumer_id)
+            gone = consumer.where(~_live(now), func.coalesce(_PC.ended_at, _PC.expires_at) < before).exists()
+            serving = consumer.where(_PC.applied_version == _PL.version, _PL.applied_at.is_not(None)).exists()
+            old = and_(_PL.released_at.is_not(None), _PL.released_at < before)
+            where = [or_(old, gone), ~serving]
+            if run is not None:
+                run_id = self.catalog.lookup_run(conn, run)
+                if run_id is None:
+                    return 0
+                where.append(_PL.run_id == run_id)
+            keep_live = consumer.where(_live(now)).exists()
+            where.append(or_(_PL.released_at.is_not(None), ~keep_live))
+            return int(conn.execute(delete(PolicyLoad).where(*where)).rowcount)
+        result: int = self.catalog.write(fn)
         return result
 
     # ------------------------------------------------------------------ what the catalog says

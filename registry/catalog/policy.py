@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Connection, delete, insert, select, text, update
+from sqlalchemy import Connection, and_, delete, insert, or_, select, text, update
 
 from registry.catalog.models import CheckpointRow, PolicyFold, PolicyMarker, PolicyStep, Run
 from registry.catalog.records import PolicyRecord
@@ -261,11 +261,25 @@ def markers(catalog: Transactions, run: str) -> list[MarkerInfo]:
 
 
 def record_fold(catalog: Transactions, fold: FoldRecord) -> None:
-    """Record a fold's stored file (replacing an earlier record of the same pair of steps)."""
+    """Record a fold's stored file (replacing an earlier record of the same pair of steps).
+
+    ``CheckpointNotFoundError`` when either end no longer has a payload: a
+    deletion that committed first ended the fold's steps, and a fold recorded
+    after it would outlive them. The ends are read ``FOR SHARE`` on
+    PostgreSQL against retention's ``FOR UPDATE`` (SQLite serialises writes).
+    """
     def fn(conn: Connection) -> None:
         run_id = conn.scalar(select(Run.c.id).where(Run.c.name == fold.run))
         if run_id is None:
             raise CheckpointNotFoundError(f"no run named {fold.run!r}", run=fold.run)
+        c = CheckpointRow.c
+        ends = select(c.step).where(c.run_id == run_id, c.step.in_((fold.from_step, fold.to_step)),
+                                    c.status.in_(HAS_PAYLOAD))
+        if conn.dialect.name == "postgresql":
+            ends = ends.with_for_update(read=True)
+        if len(set(conn.scalars(ends))) < len({fold.from_step, fold.to_step}):
+            raise CheckpointNotFoundError(f"{fold.run}: step {fold.from_step} or {fold.to_step} was deleted while "
+                                          "being folded; nothing was recorded", run=fold.run)
         f = PolicyFold.c
         values = dict(path=fold.path, size=fold.size, sha256=fold.sha256, status=fold.status, created_at=utcnow())
         changed = conn.execute(update(PolicyFold).where(f.run_id == run_id, f.from_step == fold.from_step,
@@ -288,5 +302,66 @@ def folds(catalog: Transactions, run: str) -> list[FoldRecord]:
     return result
 
 
-__all__ = ["FoldRecord", "MarkerInfo", "PolicyRecord", "PolicyStepInfo", "add_marker", "chain_steps", "delta_bases",
-           "folds", "markers", "newest_base", "policy_steps", "record_fold", "record_policy_step", "version_step"]
+def end_folds(conn: Connection, run_id: int, steps: Sequence[int]) -> list[FoldRecord]:
+    """Mark ``deleted`` every fold of the run that starts or ends at one of ``steps`` (steps being deleted, inside
+    the transaction that marks them): a fold is usable only while both its ends are. The folds as they were."""
+    if not steps:
+        return []
+    f = PolicyFold.c
+    touching = (f.run_id == run_id, f.status != "deleted",
+                or_(f.from_step.in_(sorted(set(steps))), f.to_step.in_(sorted(set(steps)))))
+    run = conn.scalar(select(Run.c.name).where(Run.c.id == run_id))
+    gone = [FoldRecord(run=str(run), from_step=int(r.from_step), to_step=int(r.to_step), path=r.path,
+                       size=int(r.size), sha256=r.sha256, status=str(r.status), created_at=aware(r.created_at))
+            for r in conn.execute(select(PolicyFold).where(*touching).order_by(f.from_step, f.to_step))]
+    if gone:
+        conn.execute(update(PolicyFold).where(*touching).values(status="deleted"))
+    return gone
+
+
+def condemn_fold(catalog: Transactions, fold: FoldRecord, *, to: str = "corrupt") -> bool:
+    """Move a fold's row from ``verified`` to ``to`` (``corrupt``: its bytes differ; ``deleted``: an end is
+    gone), compare-and-set on the digest the caller checked; False when the row moved meanwhile."""
+    def fn(conn: Connection) -> bool:
+        f = PolicyFold.c
+        run_id = select(Run.c.id).where(Run.c.name == fold.run).scalar_subquery()
+        changed = conn.execute(update(PolicyFold).where(
+            f.run_id == run_id, f.from_step == fold.from_step, f.to_step == fold.to_step,
+            f.sha256 == fold.sha256, f.status == "verified").values(status=to)).rowcount
+        return bool(changed)
+    result: bool = catalog.write(fn)
+    return result
+
+
+def usable_folds(catalog: Transactions) -> dict[str, FoldRecord]:
+    """Every fold row whose file a reader may use, by path: ``verified``, both its ends steps with a payload.
+    What fsck keeps; every other file under a run's folds folder is an orphan."""
+    def fn(conn: Connection) -> dict[str, FoldRecord]:
+        f, c = PolicyFold.c, CheckpointRow.c
+        ends = [select(c.id).where(c.run_id == f.run_id, c.step == col, c.status.in_(HAS_PAYLOAD)).exists()
+                for col in (f.from_step, f.to_step)]
+        rows = conn.execute(select(PolicyFold, Run.c.name.label("run_name")).join(Run, Run.c.id == f.run_id)
+                            .where(f.status == "verified", *ends))
+        return {r.path: FoldRecord(run=r.run_name, from_step=int(r.from_step), to_step=int(r.to_step), path=r.path,
+                                   size=int(r.size), sha256=r.sha256, status=str(r.status),
+                                   created_at=aware(r.created_at)) for r in rows}
+    result: dict[str, FoldRecord] = catalog.read(fn)
+    return result
+
+
+def stale_folds(catalog: Transactions, path: str) -> int:
+    """Mark ``deleted`` the ``verified`` rows naming ``path`` whose ends are no longer both steps with a payload
+    (a step deleted by something other than retention): fsck's repair, before it removes the file."""
+    def fn(conn: Connection) -> int:
+        f, c = PolicyFold.c, CheckpointRow.c
+        ends = [select(c.id).where(c.run_id == f.run_id, c.step == col, c.status.in_(HAS_PAYLOAD)).exists()
+                for col in (f.from_step, f.to_step)]
+        return int(conn.execute(update(PolicyFold).where(f.path == path, f.status == "verified",
+                                                         ~and_(*ends)).values(status="deleted")).rowcount)
+    result: int = catalog.write(fn)
+    return result
+
+
+__all__ = ["FoldRecord", "MarkerInfo", "PolicyRecord", "PolicyStepInfo", "add_marker", "chain_steps", "condemn_fold",
+           "delta_bases", "end_folds", "folds", "markers", "newest_base", "policy_steps", "record_fold",
+           "record_policy_step", "stale_folds", "usable_folds", "version_step"]

@@ -9,7 +9,8 @@ leases, metrics) *inside* the write transaction that marks, and asks the
 caller's ``decide`` function again there. That re-read includes the forks
 that name a step as their parent (``RunSnapshot.forks``), so a fork committed
 before the marking is seen by it, and the policy versions live consumers
-lease or serve (``RunSnapshot.policy_holds``, see ``registry.catalog.consumers``).
+lease or serve (``RunSnapshot.policy_holds``, see ``registry.catalog.consumers``);
+the policy folds that start or end at a marked step are marked ``deleted`` with it (``DeletedRow.folds``).
 The same transaction marks every copy of
 a marked step (its ``checkpoint_replicas`` rows) ``deleted``: a deleted step
 has no copy a reader or a replication could still stand on, and a
@@ -27,7 +28,7 @@ live (``acquire_lease`` returns ``None`` and the reader resolves again).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
@@ -36,7 +37,7 @@ from sqlalchemy import Connection, func, select, update
 from registry.catalog.consumers import newest_policy_step, policy_holds
 from registry.catalog.lineage import fork_children
 from registry.catalog.models import CheckpointRow, Lease, Replica
-from registry.catalog.policy import delta_bases
+from registry.catalog.policy import delta_bases, end_folds
 from registry.catalog.queries import Catalog
 from registry.catalog.session import aware, utcnow
 from registry.records import HAS_PAYLOAD, LIVE, CheckpointInfo, Status
@@ -83,6 +84,7 @@ class DeletedRow:
     manifest_sha256: str | None = None
     reason: str = ""
     copies: tuple[GoneCopy, ...] = ()
+    folds: tuple[str, ...] = ()  # paths of the policy folds from or to this step, marked deleted with it
 
 
 class RetentionCatalog:
@@ -151,7 +153,9 @@ class RetentionCatalog:
                 marked.append(DeletedRow(step=step, path=info.path.as_posix(), total_bytes=info.total_bytes,
                                          manifest_sha256=info.manifest_sha256, reason=doomed[step],
                                          copies=copies))
-            return marked
+            ended = end_folds(conn, run_id, [m.step for m in marked])
+            return [replace(m, folds=tuple(f.path for f in ended if m.step in (f.from_step, f.to_step)))
+                    for m in marked]
         result: list[DeletedRow] = self.catalog.write(fn)
         return result
 

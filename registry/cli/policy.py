@@ -1,7 +1,7 @@
 """``registry policy``: a run's policy versions, the consumers that serve them, and their lag.
 
 Each subcommand is one library call: ``Registry.policy_versions``,
-``policy_lag``, ``loads`` and ``materialize``.
+``policy_lag``, ``loads``, ``materialize`` and ``prune_policy_loads``.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ def policy() -> None:
         registry policy consumers demo --json
         registry policy who demo@pv:12
         registry policy pull demo@latest-policy /tmp/policy
+        registry policy prune demo --older-than-days 7
     """
 
 
@@ -160,3 +161,30 @@ def policy_pull(state: State, ref: str, dest: str) -> None:
     from pathlib import Path
     path = state.registry().materialize(ref, Path(dest))
     click.echo(str(path))
+
+
+@policy.command("prune")
+@click.argument("run", required=False)
+@click.option("--older-than-days", "days", type=float, default=30.0, show_default=True,
+              help="Forget loads released (or whose consumer ended or expired) more than this many days ago.")
+@json_option
+@click.pass_obj
+@command
+def policy_prune(state: State, run: str | None, days: float, as_json: bool) -> None:
+    """Forget old policy loads of RUN (or of every run) from the audit log.
+
+    Only loads that protect nothing: never an unreleased load of a live consumer, nor the load of the version
+    a consumer serves. A process with subscriptions does this itself at most once an hour, for 30 days.
+
+    \b
+    Example:
+        registry policy prune demo --older-than-days 7
+    """
+    from datetime import timedelta
+    if not days >= 0:
+        raise click.BadParameter(f"must be >= 0, got {days!r}", param_hint="--older-than-days")
+    forgotten = state.registry().prune_policy_loads(run, older_than=timedelta(days=days))
+    if as_json:
+        emit_json({"forgotten": forgotten})
+    else:
+        click.echo(f"forgot {forgotten} policy loads")

@@ -150,7 +150,12 @@ def _unplanes(raw: bytes, width: int, count: int) -> np.ndarray:
     """The inverse of :func:`_planes`: ``count`` unsigned ``width``-byte integers."""
     import numpy as np
     planes = np.frombuffer(raw, dtype=np.uint8).reshape(width, count)
-    return np.ascontiguousarray(planes.T).view(f"<u{width}").reshape(count)
+    out = planes[0].astype(f"<u{width}")  # shifts and ORs: twice as quick as a transposed copy
+    for k in range(1, width):
+        plane = planes[k].astype(f"<u{width}")
+        plane <<= 8 * k
+        out |= plane
+    return out
 
 
 def _gap_width(largest: int) -> int:
@@ -359,9 +364,36 @@ def _inflate(frame: memoryview, size: int, bad: Any) -> bytes:
     return out
 
 
+def _changes(record: TensorRecord, stream: tuple[memoryview, memoryview], size: int,
+             bad: Any) -> tuple[np.ndarray, np.ndarray]:
+    """A changed tensor's flat element indices (int64, ascending, each inside the tensor) and what each element
+    is XORed with (integers of the element's ``size``), from its positions and values frames."""
+    import numpy as np
+    n, width = record.changed, record.gap_width
+    gaps = _unplanes(_inflate(stream[0], n * width, bad), width, n)
+    values = _unplanes(_inflate(stream[1], n * size, bad), size, n).view(_ints(size))
+    numel = record.numel
+    # a sum past numel cannot wrap int64 once every gap is below numel and the float sum is bounded
+    if int(gaps.max()) >= numel or float(gaps.sum(dtype=np.float64)) + n > numel + 1:
+        raise bad("its positions run past the tensor's end")
+    index = gaps.astype(np.int64)
+    index += 1
+    np.cumsum(index, out=index)
+    index -= 1
+    if int(index[-1]) >= numel:
+        raise bad("its positions run past the tensor's end")
+    return index, values
+
+
+def _xor(elements: np.ndarray, index: np.ndarray, values: np.ndarray, record: TensorRecord, bad: Any) -> None:
+    """``elements[index] ^= values``, in place; a bool tensor must keep every byte 0 or 1 (torch assumes it)."""
+    elements[index] ^= values
+    if record.dtype == "BOOL" and bool((elements[index] & ~1).any()):
+        raise bad("it makes a bool element other than 0 or 1")
+
+
 def _decode_one(base: torch.Tensor, record: TensorRecord, stream: tuple[memoryview, memoryview] | None,
                 name: str, where: Path, check: bool = True) -> torch.Tensor:
-    import numpy as np
     import torch
 
     def bad(why: str) -> CorruptCheckpointError:
@@ -371,20 +403,10 @@ def _decode_one(base: torch.Tensor, record: TensorRecord, stream: tuple[memoryvi
         tensor = base
         digest = hashlib.sha256(tensor_bytes(base)).hexdigest() if check else record.sha256
     else:
-        size, n, width = base.element_size(), record.changed, record.gap_width
-        gaps = _unplanes(_inflate(stream[0], n * width, bad), width, n)
-        values = _unplanes(_inflate(stream[1], n * size, bad), size, n).view(_ints(size))
-        numel = record.numel
-        # a sum past numel cannot wrap int64 once every gap is below numel and the float sum is bounded
-        if int(gaps.max()) >= numel or float(gaps.sum(dtype=np.float64)) + n > numel + 1:
-            raise bad("its positions run past the tensor's end")
-        index = np.cumsum(gaps.astype(np.int64) + 1) - 1
-        if int(index[-1]) >= numel:
-            raise bad("its positions run past the tensor's end")
+        size = base.element_size()
+        index, values = _changes(record, stream, size, bad)
         out = _elements(tensor_bytes(base), size).copy()
-        out[index] ^= values
-        if base.dtype == torch.bool and bool((out[index] & ~1).any()):  # torch assumes a bool byte is 0 or 1
-            raise bad("it makes a bool element other than 0 or 1")
+        _xor(out, index, values, record, bad)
         digest = hashlib.sha256(out).hexdigest() if check else record.sha256
         tensor = torch.from_numpy(out).view(base.dtype).reshape(record.shape)
     if digest != record.sha256:
@@ -445,6 +467,83 @@ def _decode(base: Mapping[str, torch.Tensor], parsed: _Parsed, *, base_sha256: s
             future.cancel()
 
 
+# ---------------------------------------------------------------------------------------------------- patch
+
+
+class Patch:
+    """Delta file ``data`` applied in place to a copy of its base's ``model.safetensors``, window by window.
+
+    A delta keeps names, shapes and dtypes, so the file a full publish of its
+    target writes has the very first bytes (:attr:`head`: length prefix and
+    header) and size of its base's: a copy of the base's file with every
+    changed element XORed in place is the target's file. :meth:`apply` takes
+    that copy in consecutive windows, in file order; each tensor's changes
+    are decoded once (by the code :func:`decode` runs) when a window first
+    reaches the tensor, and dropped once a window passes its end, so what is
+    held is one tensor's changes, never a tensor.
+
+    No tensor's digest is checked here: whoever writes the file checks its
+    sha256 against :attr:`DeltaHeader.target_sha256`, which covers every byte,
+    the patched ones and the copied ones alike, before the file is used.
+    """
+
+    def __init__(self, data: bytes | bytearray | memoryview, *, path: str | Path | None = None) -> None:
+        import torch
+        parsed = _parse(data, path)
+        self.header = parsed.header
+        known = dtypes()
+        layout = {n: torch.empty(r.shape, dtype=known[r.dtype], device="meta") for n, r in self.header.tensors.items()}
+        self.head, order, sizes = safetensors_header(layout, PUBLISH_METADATA)
+        self.size = len(self.head) + sum(sizes)  # of the file, the base's and the target's
+        self._where = parsed.path
+        self._spans: list[tuple[int, int, str, TensorRecord, int]] = []  # changed tensors, in file order
+        at = len(self.head)
+        for name, nbytes in zip(order, sizes):
+            record = self.header.tensors[name]
+            if record.changed:
+                self._spans.append((at, at + nbytes, name, record, known[record.dtype].itemsize))
+            at += nbytes
+        self._streams = parsed.streams
+        self._decoded: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self._next = 0   # the first span a window has not passed yet
+        self._done = 0   # bytes of the file patched so far
+
+    def apply(self, window: bytearray | memoryview, offset: int) -> None:
+        """XOR into ``window`` (writable), bytes ``offset`` to ``offset + len(window)`` of the file, the changes
+        that fall there. Each window starts where the one before ended (the first at 0) and ends on a multiple
+        of 8 bytes or at the file's end, which keeps every element whole in one window."""
+        import numpy as np
+        view = memoryview(window).cast("B")
+        end = offset + len(view)
+        if offset != self._done or end > self.size or (end % 8 and end != self.size):
+            raise ValueError(f"a delta patches consecutive windows ending on 8-byte boundaries: got bytes "
+                             f"{offset}-{end} after {self._done} of {self.size}")
+        self._done = end
+        for i in range(self._next, len(self._spans)):
+            begin, stop, name, record, size = self._spans[i]
+            if begin >= end:
+                break
+            bad = self._bad(name)
+            changes = self._decoded.get(name)
+            if changes is None:
+                changes = self._decoded[name] = _changes(record, self._streams[name], size, bad)
+            index, values = changes
+            lo, hi = max(begin, offset), min(stop, end)
+            first, last = (lo - begin) // size, (hi - begin) // size
+            a, b = (int(k) for k in np.searchsorted(index, (first, last)))
+            if b > a:
+                elements = np.frombuffer(view, dtype=_ints(size), count=last - first, offset=lo - offset)
+                _xor(elements, index[a:b] - first, values[a:b], record, bad)
+            if stop <= end:
+                del self._decoded[name]
+                self._next = i + 1
+
+    def _bad(self, name: str) -> Any:
+        def bad(why: str) -> CorruptCheckpointError:
+            return CorruptCheckpointError(f"policy delta {self._where}: tensor {name!r}: {why}", path=self._where)
+        return bad
+
+
 # ---------------------------------------------------------------------------------------------------- fold
 
 
@@ -468,5 +567,5 @@ def fold(delta_ab: bytes | bytearray | memoryview, delta_bc: bytes | bytearray |
     return _encode(base_a, c, base_sha256=ab.header.base_sha256, target_sha256=bc.header.target_sha256, level=level)
 
 
-__all__ = ["FORMAT", "VERSION", "DeltaHeader", "TensorRecord", "decode", "encode", "fold", "full_sha256",
+__all__ = ["FORMAT", "VERSION", "DeltaHeader", "Patch", "TensorRecord", "decode", "encode", "fold", "full_sha256",
            "read_header", "tensor_sha256"]

@@ -34,7 +34,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -54,6 +54,8 @@ MAX_BEAT_S = 10.0
 MIN_BEAT_S = 0.05
 NEWEST_FRESH_S = 1.0  # how long a process's shared answer to "the newest version" serves its consumers
 LAG_RECHECK_S = 1.0  # wait_lag re-reads at least this often: a consumer expiring sends no notification
+PRUNE_EVERY_S = 3600.0  # how often a hub forgets old loads (see ConsumerHub.prune_now_and_then)
+KEEP_DAYS = 30.0
 
 
 def check_timeout(timeout: float | None) -> None:
@@ -82,9 +84,13 @@ class ConsumerHub:
     published, verified, deleted ...) and ``consumers`` (a consumer applied a version, for ``wait_lag``).
     """
 
-    def __init__(self, catalog: Catalog) -> None:
+    def __init__(self, catalog: Catalog, *, keep_days: float = KEEP_DAYS) -> None:
+        if isinstance(keep_days, bool) or not isinstance(keep_days, (int, float)) or not keep_days >= 0:
+            raise InvalidStateError(f"keep_days must be a number of days >= 0, got {keep_days!r}")
         self.catalog = catalog
         self.consumers = ConsumersCatalog(catalog)
+        self.keep_days = float(keep_days)
+        self._pruned_at: float | None = None
         self._lock = threading.Condition()
         self._subs: dict[int, Subscription] = {}
         self._generations: dict[tuple[str, str], int] = {}
@@ -150,6 +156,24 @@ class ConsumerHub:
                 self.beat()
             except Exception as exc:  # noqa: BLE001 - a catalog hiccup: the next beat tries again, well within ttl
                 log.warning("policy consumer heartbeat failed: %s", exc)
+            try:
+                self.prune_now_and_then()
+            except Exception as exc:  # noqa: BLE001 - the log only grows meanwhile: the next hour tries again
+                log.warning("forgetting old policy loads failed: %s", exc)
+
+    def prune_now_and_then(self) -> int | None:
+        """Keep the load audit from growing without end: forget loads that protect nothing and ended more than
+        ``keep_days`` ago (see :meth:`ConsumersCatalog.prune_loads`), at most once per ``PRUNE_EVERY_S`` per
+        process. How many were forgotten; None when it was not time yet."""
+        now = time.monotonic()
+        with self._lock:
+            if self._pruned_at is not None and now - self._pruned_at < PRUNE_EVERY_S:
+                return None
+            self._pruned_at = now
+        forgotten = self.consumers.prune_loads(None, before=utcnow() - timedelta(days=self.keep_days))
+        if forgotten:
+            log.info("policy loads: forgot %d that ended more than %g days ago", forgotten, self.keep_days)
+        return forgotten
 
     # ------------------------------------------------------------------ waking up
 

@@ -389,16 +389,33 @@ def materialize(access: ReadAccess, ref: Ref, dest: Path) -> Path:
     the version's ``full_sha256`` before it replaces what ``dest`` held.
     """
     from registry.ops.hostcopies import POLICY_CACHE
-    from registry.ops.policy import full_digest, held_in, read_rebuilt, write_full
+    from registry.ops.policy import (Held, full_digest, held_digest, held_in, materialize_patched, read_rebuilt,
+                                     write_full)
     if access.home.local_dir is not None:  # a host's policy copies (registry.ops.consumers) live under the root
         check_outside_root(dest, access.root, what="materialize destination", allowed=access.root / POLICY_CACHE)
     if dest.exists() and not dest.is_dir():
         raise InvalidStateError(f"materialize destination {dest} exists and is not a directory")
-    held = held_in(dest) if dest.is_dir() else None  # a consumer's previous version: the rebuild starts there
+    held: Held | None = None  # a consumer's previous version, hashed: a rebuild starts there
+    hint = held_digest(dest) if dest.is_dir() else None  # recorded when materialize wrote it: read, not hashed
+    if hint is None and dest.is_dir():
+        held = held_in(dest)
+        hint = held[0] if held is not None else None
     read = CatalogRead(access, ref, fallback=True)
     try:
         while True:
             info = read.candidate()
+            if hint is not None:  # one delta from what dest holds, XORed into a copy of it, the result checked
+                try:
+                    patched = materialize_patched(access, info, dest, hint)
+                except RegistryError:
+                    patched = None  # read again below, where a damaged step is judged
+                if patched is not None:
+                    read.release()
+                    report(read.record(info))
+                    return patched
+                hint = None
+                if held is None:
+                    held = held_in(dest)
             try:
                 loaded = read_rebuilt(access, info, verify=True, extras=False, held=held)
             except RegistryError as exc:

@@ -36,6 +36,7 @@ point every step would look missing.
 | damaged-payload | published/verified row, files differ from the catalog | mark corrupt |
 | corrupt-step | corrupt row | none: says what to do (restore, ``registry verify``; or gc) |
 | expired-checkout | registry-owned checkout whose reader lease expired or was released | remove it |
+| orphan-fold | a file under a run's ``.policy-folds/`` with no ``verified`` fold row of live steps | remove it |
 
 On an ``s3://`` root (:mod:`registry.ops.objectfsck`) the same kinds name the
 same states, with an attempt prefix in place of a directory, plus two:
@@ -69,6 +70,7 @@ from typing import Any
 from registry.progress import ProgressFn
 from registry.catalog import Catalog
 from registry.catalog.fsck import RowState, record_payload, set_status_if, snapshot, unchanged
+from registry.catalog.policy import stale_folds, usable_folds
 from registry.catalog.records import PayloadRecord
 from registry.crashpoints import crashpoint
 from registry.errors import CheckpointReadError, CorruptCheckpointError, RegistryError, RootError
@@ -83,6 +85,7 @@ from registry.fs.store import fsync_dir, verify_directory
 from registry.ops.verdicts import (REPAIRS, REPORTED, CopyOnly, FsckPass, FsckReport, Problem, one_line, _RootVanished,
                                    condemned, damage_again, found_payload, iter_lines, meta_numbers)
 from registry.ops.writers import writer_alive
+from registry.roots.aside import Aside, DirectoryAside
 
 
 @dataclass(kw_only=True)
@@ -255,6 +258,9 @@ class Fsck(FsckPass):
             problem = self._found("expired-checkout", co.run, co.step, co.path,
                                   f"checkout {co.path}: its reader lease expired or was released")
             self._fix(problem, functools.partial(remove_owned, co.path))
+        runs = sorted(e.name for e in os.scandir(self.root)
+                      if e.is_dir(follow_symlinks=False) and RUN_NAME_RE.fullmatch(e.name))
+        check_folds(self, DirectoryAside(self.root), runs, where=lambda rel: (self.root / rel, None))
         return self.report(len(rows))
 
     def _step(self, run: str, step: int, row: RowState | None, scanned: _Step) -> None:
@@ -404,6 +410,41 @@ class Fsck(FsckPass):
                                             copy_at=self.copy_at))
 
 
+def _fold_step(rel: str) -> int:
+    """The step a fold's file name starts at (``<from>-<to>.delta.safetensors``), 0 for a name fold never writes."""
+    head = rel.rsplit("/", 1)[-1].split("-", 1)[0]
+    return int(head) if head.isdigit() and int(head) <= MAX_STEP else 0
+
+
+def check_folds(fsck: FsckPass, aside: Aside, runs: Collection[str], *,
+                where: Callable[[str], tuple[Path, str | None]]) -> None:
+    """Every file under a run's ``.policy-folds/`` that no usable fold row names (``verified``, both its steps
+    with a payload) is an ``orphan-fold``: a fold whose step was deleted, whose bytes were found corrupt, or
+    whose write died before its row. ``--repair`` marks a row whose step is gone ``deleted`` and removes the
+    file, unless a row made it usable meanwhile. Listed before the catalog is read, as the steps are.
+    ``where(rel)``: the problem's path and URL."""
+    from registry.ops.policy import FOLDS
+    listed = {run: aside.names(f"{run}/{FOLDS}") for run in runs}
+    usable = usable_folds(fsck.catalog)
+    for run, names in listed.items():
+        for rel in names:
+            if rel in usable:
+                continue
+            path, url = where(rel)
+            p = fsck._found("orphan-fold", run, _fold_step(rel), path,
+                            "policy fold no verified row of live steps names (a step deleted, or found corrupt)",
+                            url=url)
+            fsck._fix(p, functools.partial(_drop_fold, fsck.catalog, aside, rel))
+
+
+def _drop_fold(catalog: Catalog, aside: Aside, rel: str) -> bool | str:
+    stale_folds(catalog, rel)
+    if rel in usable_folds(catalog):
+        return "a fold row names it now"
+    aside.delete(rel)
+    return True
+
+
 def run_fsck(*, catalog: Catalog, root: Path, repair: bool = False, checksums: bool = False,
              actor: str, progress: ProgressFn | None = None,
              elsewhere: Collection[tuple[str, int]] = (), copy_only: CopyOnly | None = None,
@@ -419,4 +460,5 @@ def run_fsck(*, catalog: Catalog, root: Path, repair: bool = False, checksums: b
                 copy_at=copy_at).run()
 
 
-__all__ = ["FsckReport", "Problem", "REPAIRS", "REPORTED", "iter_lines", "run_fsck"]  # verdicts' names, re-exported
+# FsckReport, Problem, REPAIRS, REPORTED, iter_lines: verdicts' names, re-exported
+__all__ = ["FsckReport", "Problem", "REPAIRS", "REPORTED", "check_folds", "iter_lines", "run_fsck"]

@@ -42,10 +42,12 @@ from registry.fs import multipart
 from registry.fs.objects import ObjectRoot
 from registry.fs.prefixes import AttemptPrefix, check_objects, read_manifest, remove_prefix, scan
 from registry.fs.store import FileProblem
+from registry.ops.fsck import check_folds
 from registry.ops.verdicts import FsckPass, FsckReport, Problem, damage_again, one_line, found_payload, meta_numbers
 from registry.ops.writers import writer_alive
 from registry.progress import ProgressFn
 from registry.records import LIVE, Status
+from registry.roots.aside import ObjectAside
 from registry.format.layout import parse_attempt_key
 
 
@@ -76,6 +78,11 @@ class ObjectFsck(FsckPass):
                            pending.get((run, step), []))
             except OSError as exc:  # the server's trouble (StorageError): neither corruption nor a reason to stop
                 self.failures.append(f"{run}@{step}: cannot check: {one_line(exc)}")
+        try:
+            runs = sorted({r.run for r in rows.values()} | {k[0] for k in by_step})
+            check_folds(self, ObjectAside(self.root), runs, where=lambda rel: (Path(rel), self.root.url(rel)))
+        except OSError as exc:
+            self.failures.append(f"policy folds: cannot check: {one_line(exc)}")
         return self.report(len(rows))
 
     def _root_present(self) -> bool:

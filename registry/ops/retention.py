@@ -84,6 +84,9 @@ class Deletion(Protocol):
     def finish(self, run: str, rows: Sequence[DeletedRow]) -> tuple[set[int], dict[int, str]]:
         """Finish killed deletions of ``rows`` (the run's ``deleted`` rows): steps healed, and errors."""
 
+    def remove_aside(self, rel: str) -> bool:
+        """Remove a file the root keeps beside its steps (a policy fold marked deleted). Raises ``OSError``."""
+
 
 @dataclass(frozen=True)
 class RootDeletion:
@@ -135,6 +138,9 @@ class RootDeletion:
 
     def finish(self, run: str, rows: Sequence[DeletedRow]) -> tuple[set[int], dict[int, str]]:
         return self.root.removal().finish(run, rows)
+
+    def remove_aside(self, rel: str) -> bool:
+        return self.root.aside().delete(rel)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -431,6 +437,11 @@ def _execute(scope: RetentionScope, plan: RetentionPlan, progress: ProgressFn | 
             where = scope.storage.locate(_deleted_info(plan.run, row))
             errors[row.step] = f"cannot remove {where.url or where.path}: {exc.strerror or exc}"
         counter.advance(1, item=f"{plan.run}@{row.step}")
+    for rel in sorted({f for row in marked for f in row.folds}):
+        try:  # a fold left behind is an orphan fsck --repair removes: its row is deleted already
+            scope.storage.remove_aside(rel)
+        except OSError as exc:
+            log.warning("retention of %s: could not remove the policy fold %s: %s", plan.run, rel, exc)
     return RetentionResult(run=plan.run, deleted=tuple(r.step for r in marked), skipped=dict(skipped),
                            bytes_freed=freed, healed=healed, errors=errors, checkouts_removed=reclaimed)
 

@@ -50,6 +50,7 @@ from registry.ops.retention import protections
 from registry.ops.tiers import Tiers
 from registry.records import Status
 from registry.retention import Policy, RetentionContext, evaluate
+from registry.roots.aside import ObjectAside
 
 log = logging.getLogger(__name__)
 
@@ -318,6 +319,11 @@ def _execute(plan: TierPlan) -> TierResult:
             continue
         deleted.append(d.step)
         freed += d.total_bytes
+    for rel in sorted({f for row in ended.values() for f in row.folds}):
+        try:  # a tiered root keeps folds on its durable tier (registry.roots.aside); one left is fsck's orphan
+            ObjectAside(plan.tiers.durable).delete(rel)
+        except (OSError, StorageError) as exc:
+            log.warning("tier retention of %s: could not remove the policy fold %s: %s", plan.run, rel, exc)
     return TierResult(tier=plan.tier, deleted=tuple(deleted), ended=tuple(sorted(ended)), skipped=skipped,
                       errors=errors, bytes_freed=freed)
 

@@ -89,6 +89,7 @@ REPAIRS = {
     "missing-payload": "mark corrupt",
     "damaged-payload": "mark corrupt",
     "expired-checkout": "remove the checkout",
+    "orphan-fold": "remove it",
     "orphan-prefix": "delete its objects",
     "incomplete-upload": "abort the upload",
     # a root with a durable tier (registry.ops.tierfsck)

@@ -18,6 +18,7 @@ from registry.records import CheckpointInfo
 if TYPE_CHECKING:
     from registry.fs.objects import ObjectRoot
     from registry.format.manifest import Manifest
+    from registry.roots.aside import Aside
     from registry.fs.filemaps import Extras, Loaded
     from registry.fs.payloadfiles import Payload, Written
     from registry.fs.store import FileProblem, Reuse, Store
@@ -123,6 +124,9 @@ class Root(Protocol):
 
     def landing(self, relpath: str) -> Landing:
         """Phases 2-3 of a publish to ``relpath`` (see :mod:`registry.roots.landing`)."""
+
+    def aside(self) -> Aside:
+        """Where the root keeps files beside its steps (a run's policy folds): see :mod:`registry.roots.aside`."""
 
     def write(self, dest: Any, payload: Payload, reuse: Reuse | None) -> Written:
         """Fill what :meth:`Landing.prepare` returned with ``payload``, hashing as it writes."""

@@ -16,6 +16,7 @@ from registry.fs import inodes as inode_files
 from registry.fs.store import (FileProblem, Reuse, Store, check_written, discard, install, new_staging,
                                remove_stale_staging, uninstall, write_payload)
 from registry.records import CheckpointInfo
+from registry.roots.aside import DirectoryAside
 from registry.roots.base import Capabilities, Capability, Gone, Tiered, refuse
 from registry.roots.landing import Previous, os_cause
 from registry.roots.shards import FileShards
@@ -114,6 +115,9 @@ class DirectoryRoot:
 
     def removal(self) -> FileRemoval:
         return FileRemoval(self.store.root)
+
+    def aside(self) -> DirectoryAside:
+        return DirectoryAside(self.store.root)
 
     def landing(self, relpath: str) -> DirectoryLanding:
         """Phases 2-3 of a publish to ``relpath``: a hidden staging sibling renamed into place."""

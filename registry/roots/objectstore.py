@@ -26,6 +26,7 @@ from registry.fs.objectwrite import check_uploaded
 from registry.fs.prefixes import remove_prefix, scan
 from registry.fs.store import FileProblem
 from registry.records import HAS_PAYLOAD, CheckpointInfo
+from registry.roots.aside import ObjectAside
 from registry.roots.base import Capabilities, Capability, Gone, Tiered, refusal, refuse
 from registry.roots.landing import Previous
 from registry.roots.shards import ObjectShards
@@ -123,6 +124,9 @@ class ObjectStoreRoot:
 
     def removal(self) -> ObjectRemoval:
         return ObjectRemoval(self.objects)
+
+    def aside(self) -> ObjectAside:
+        return ObjectAside(self.objects)
 
     def landing(self, relpath: str) -> ObjectLanding:
         """Phases 2-3 of a publish to the attempt prefix ``relpath``: no rename, the commit names the prefix."""

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from registry.fs.objects import ObjectRoot
 from registry.fs.store import Store
 from registry.records import CheckpointInfo
+from registry.roots.aside import ObjectAside
 from registry.roots.base import Capabilities, Capability, Tiered, refuse
 from registry.roots.directory import DirectoryLanding, DirectoryRoot, FileRemoval
 from registry.roots.objectstore import ObjectStoreRoot
@@ -107,6 +108,10 @@ class TieredRoot:
     def removal(self) -> FileRemoval:
         """The fast directory's: tier retention removes copies on each tier (``registry.ops.tierretention``)."""
         return self.fast.removal()
+
+    def aside(self) -> ObjectAside:
+        """On the durable tier: every host sharing the catalog reads a run's folds there."""
+        return self.durable.aside()
 
     def landing(self, relpath: str) -> DirectoryLanding:
         """A publish lands on the fast directory; the durable copy is made by replication."""
