@@ -420,7 +420,7 @@ def patch_states(seed: int) -> dict[int, dict[str, torch.Tensor]]:
 
 
 def test_materialize_patches_the_file_dest_holds_into_the_next_version(reg: Registry, tmp_path: Path) -> None:
-    from registry.ops.policy import held_digest, materialize_patched
+    from registry.ops.materialize import held_digest, materialize_patched
     states = patch_states(42)
     for v in (1, 2, 3):
         reg.publish("rl", v, states[v], policy_version=v, delta="auto", config={"v": v})
@@ -449,7 +449,7 @@ def test_a_held_file_changed_behind_its_record_is_never_patched_into_the_result(
     """Changed in place with its mtime put back, the file still reads as the version recorded on it: the patch
     path tries it, the copy fails the version's digest (or the layout check) and is dropped, and materialize
     writes the version the full way."""
-    from registry.ops.policy import held_digest, materialize_patched
+    from registry.ops.materialize import held_digest, materialize_patched
     states = patch_states(43)
     for v in (1, 2):
         reg.publish("rl", v, states[v], policy_version=v, delta="auto")

@@ -249,7 +249,7 @@ def _as_full(access: ReadAccess, info: CheckpointInfo, target: Path) -> None:
     (which lists the delta): what the reference module and ``from_pretrained`` read."""
     if not (target / DELTA).exists():
         return
-    from registry.ops.policy import full_digest, write_full
+    from registry.ops.materialize import full_digest, write_full
     loaded = read_step(access, info, verify=True, map_location="cpu", trust_pickle=False, extras=False)
     write_full(target, loaded, expected=full_digest(access, info))
     for name in (DELTA, MANIFEST):
@@ -389,8 +389,8 @@ def materialize(access: ReadAccess, ref: Ref, dest: Path) -> Path:
     the version's ``full_sha256`` before it replaces what ``dest`` held.
     """
     from registry.ops.hostcopies import POLICY_CACHE
-    from registry.ops.policy import (Held, full_digest, held_digest, held_in, materialize_patched, read_rebuilt,
-                                     write_full)
+    from registry.ops.materialize import full_digest, held_digest, held_in, materialize_patched, write_full
+    from registry.ops.policy import Held, read_rebuilt
     if access.home.local_dir is not None:  # a host's policy copies (registry.ops.consumers) live under the root
         check_outside_root(dest, access.root, what="materialize destination", allowed=access.root / POLICY_CACHE)
     if dest.exists() and not dest.is_dir():
