@@ -50,6 +50,21 @@ class Pool:
     def map(self, fn: Callable[..., T], *iterables: Iterable[Any]) -> Iterator[T]:
         return self._get().map(fn, *iterables)
 
+    def run_all(self, fn: Callable[..., object], jobs: Iterable[tuple[Any, ...]]) -> None:
+        """``fn(*job)`` for every job on the pool; the first failure is raised once every job has stopped (those
+        not started are cancelled), so nothing a job writes lands after this returns: the caller may close
+        what they write into."""
+        from concurrent.futures import wait
+        futures = [self.submit(fn, *job) for job in jobs]
+        try:
+            for future in futures:
+                future.result()
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            wait(futures)
+            raise
+
     def _forget_after_fork(self) -> None:
         self._executor = None
         self._lock = threading.Lock()

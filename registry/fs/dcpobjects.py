@@ -25,7 +25,6 @@ directory.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from concurrent.futures import Future, wait
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path, PurePosixPath
@@ -251,15 +250,7 @@ def fetch_ranges(root: ObjectRoot, prefix: str, manifest: Manifest, wanted: Mapp
             check_piece(path, entry, piece, data)
         buffers[name][start:end] = data
 
-    futures: list[Future[None]] = [_POOL.submit(one, *job) for job in jobs]
-    try:
-        for future in futures:
-            future.result()
-    except BaseException:
-        for future in futures:
-            future.cancel()
-        wait(futures)
-        raise
+    _POOL.run_all(one, jobs)
     return buffers
 
 

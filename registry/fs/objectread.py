@@ -17,7 +17,6 @@ from __future__ import annotations
 import errno
 import os
 from collections.abc import Callable
-from concurrent.futures import wait
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -164,15 +163,7 @@ def _get_pieces(root: ObjectRoot, key: str, entry: FileEntry, *, verify: bool, d
     if len(starts) == 1:
         one(0)
         return pieces is not None
-    futures = [_POOL.submit(one, index) for index in range(len(starts))]
-    try:
-        for future in futures:
-            future.result()
-    except BaseException:
-        for future in futures:
-            future.cancel()
-        wait(futures)  # no piece lands after this returns: the caller closes what they land in
-        raise
+    _POOL.run_all(one, ((index,) for index in range(len(starts))))  # no piece lands after this returns
     return pieces is not None
 
 
