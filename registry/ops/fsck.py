@@ -245,6 +245,7 @@ class Fsck(FsckPass):
                             "mounted?); fsck checked and changed nothing", path=self.root)
         disk = _scan(self.root, self.failures)  # before the snapshot: see the module docstring
         rows = {(r.run, r.step): r for r in snapshot(self.catalog)}
+        vanished = False
         for key in sorted(set(disk) | set(rows)):
             try:
                 self._step(key[0], key[1], rows.get(key), disk.get(key, _Step()))
@@ -253,13 +254,20 @@ class Fsck(FsckPass):
             except _RootVanished:
                 self.failures.append(f"checkpoint root {self.root} vanished while fsck ran (unmounted?); "
                                      f"stopped at {key[0]}@{key[1]} and judged nothing after it")
+                vanished = True
                 break
         for co in expired_checkouts(self.catalog, self.root):
             problem = self._found("expired-checkout", co.run, co.step, co.path,
                                   f"checkout {co.path}: its reader lease expired or was released")
             self._fix(problem, functools.partial(remove_owned, co.path))
-        runs = sorted(e.name for e in os.scandir(self.root)
-                      if e.is_dir(follow_symlinks=False) and RUN_NAME_RE.fullmatch(e.name))
+        try:
+            runs = sorted(e.name for e in os.scandir(self.root)
+                          if e.is_dir(follow_symlinks=False) and RUN_NAME_RE.fullmatch(e.name))
+        except FileNotFoundError:  # the root vanished (unmounted): its folds say nothing either
+            if not vanished:
+                self.failures.append(f"checkpoint root {self.root} vanished while fsck ran (unmounted?); "
+                                     "judged no policy fold")
+            return self.report(len(rows))
         check_folds(self, DirectoryAside(self.root), runs, where=lambda rel: (self.root / rel, None))
         return self.report(len(rows))
 
@@ -421,8 +429,8 @@ def check_folds(fsck: FsckPass, aside: Aside, runs: Collection[str], *,
     """Every file under a run's ``.policy-folds/`` that no usable fold row names (``verified``, both its steps
     with a payload) is an ``orphan-fold``: a fold whose step was deleted, whose bytes were found corrupt, or
     whose write died before its row. ``--repair`` marks a row whose step is gone ``deleted`` and removes the
-    file, unless a row made it usable meanwhile. Listed before the catalog is read, as the steps are.
-    ``where(rel)``: the problem's path and URL."""
+    file, unless a row made it usable meanwhile: a fold recorded after the listing is never taken for an
+    orphan, since the catalog is read after it. ``where(rel)``: the problem's path and URL."""
     from registry.ops.policy import FOLDS
     listed = {run: aside.names(f"{run}/{FOLDS}") for run in runs}
     usable = usable_folds(fsck.catalog)
