@@ -1093,14 +1093,18 @@ class Registry:
 
     def publish_policy_marker(self, run: str, version: int, *, note: str | None = None) -> MarkerInfo:
         """Record that policy ``version`` of ``run`` was published outside the registry (its bytes moved over
-        NCCL or RDMA), so lag and audit cover it; ``PolicyVersionConflictError`` when it is a stored step."""
+        NCCL or RDMA), so lag and audit cover it; ``PolicyVersionConflictError`` when it is a stored step.
+        The run's consumers lease it as its version (``Lease.marker``), and apply it without materializing."""
+        from registry.catalog.consumers import ConsumersCatalog
         from registry.catalog.policy import add_marker
         check_run_name(run)
         check_step(version)
         if note is not None and (not isinstance(note, str) or len(note) > MAX_NOTE):
             raise InvalidStateError(f"note must be a string of at most {MAX_NOTE} characters")
         self._require_writable("a policy marker")
-        return add_marker(self.catalog, run, version, note=note, writer=self.writer)
+        info = add_marker(self.catalog, run, version, note=note, writer=self.writer)
+        ConsumersCatalog(self.catalog).wake(run)
+        return info
 
     def _require_writable(self, what: str) -> None:
         if self.read_only:

@@ -253,7 +253,7 @@ class ConsumerInfo:
     ended_at: datetime | None
     live: bool                          # not ended and not expired when this was read
     applied_version: int | None         # the version it serves now (None: none yet)
-    applied_step: int | None
+    applied_step: int | None            # its step; None also when that version is a marker
     applied_at: datetime | None
     lag: int | None = None              # newest verified version - applied_version; None: nothing applied
 
@@ -274,12 +274,12 @@ class LoadInfo:
     consumer: str
     host: str
     version: int
-    step: int
+    step: int | None            # None: a marker's version (bytes moved outside the registry; never fetched)
     source: str | None          # the copy it was read from; ``host-cache`` when this host already had it
     bytes_fetched: int          # 0 when the host cache already had the version
-    verified: bool
+    verified: bool              # False for a marker: verifying bytes the registry never had is the engine's
     error: str | None
-    committed_at: datetime | None   # when the step became verified in the catalog
+    committed_at: datetime | None   # when the step became verified in the catalog (a marker: was recorded)
     notified_at: datetime | None    # when the consumer's process saw it
     leased_at: datetime
     fetched_at: datetime | None

@@ -8,6 +8,7 @@ import sys
 import textwrap
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -337,3 +338,101 @@ def test_a_leased_delta_version_keeps_its_base(reg: Registry) -> None:
         assert "leased by rollout-9" in keep[20] and "base of delta step 20" in keep[10]
         lease.release()
         assert set(reg.plan_retention(RUN, KeepLast(1)).delete) == {10, 20}
+
+
+def test_a_consumer_leases_and_applies_a_marker_version(reg: Registry, cli) -> None:  # type: ignore[no-untyped-def]
+    _publish(reg, 1)
+    with reg.subscribe(RUN, consumer="engine-0", ttl=60) as sub:
+        first = next(sub.versions(timeout=0))
+        assert (first.policy_version, first.step, first.marker) == (1, 20, False)
+        first.materialize()
+        first.applied()
+        reg.publish_policy_marker(RUN, 2, note="broadcast over NCCL")
+        with pytest.raises(LagTimeoutError, match="engine-0 \\(1\\)"):
+            reg.wait_lag(RUN, 0, timeout=0.1)  # the consumer serves 1, the newest version is the marker's
+        marker = next(sub.versions(timeout=0))
+        assert (marker.policy_version, marker.step, marker.marker) == (2, None, True) and "marker" in repr(marker)
+        with pytest.raises(InvalidStateError, match="version 2 of rl is a marker.*got them elsewhere"):
+            marker.materialize()
+        (leased,) = reg.loads(RUN, policy_version=2)
+        assert leased.step is None and not leased.verified and leased.error is None and leased.fetched_at is None
+        assert leased.committed_at is not None and leased.committed_at <= leased.leased_at
+        marker.applied()
+        lag = reg.wait_lag(RUN, 0, timeout=10)
+        assert (lag.lag, lag.newest_version, lag.newest_step, lag.oldest_applied) == (0, 2, None, 2)
+        (me,) = lag.consumers
+        assert (me.applied_version, me.applied_step, me.lag) == (2, None, 0)
+        (served,) = reg.loads(RUN, policy_version=2)
+        assert served.consumer == "engine-0" and served.applied_at is not None and served.released_at is None
+        assert reg.loads(RUN, policy_version=1)[0].released_at is not None  # applying 2 released the lease of 1
+        (who,) = json.loads(cli("policy", "who", f"{RUN}@pv:2", "--json").output)
+        assert who["consumer"] == "engine-0" and who["step"] is None and who["applied_at"] is not None
+        out = cli("policy", "who", f"{RUN}@pv:2")
+        assert out.exit_code == 0 and "engine-0" in out.output and "marker" in out.output
+        out = cli("policy", "consumers", RUN)
+        assert out.exit_code == 0 and "engine-0" in out.output
+        _publish(reg, 3)  # a step after the marker
+        third = next(sub.versions(timeout=0))
+        assert (third.policy_version, third.step, third.marker) == (3, 40, False)
+        assert (third.materialize() / "model.safetensors").is_file()
+        third.applied()
+        assert reg.wait_lag(RUN, 0, timeout=0).oldest_applied == 3
+    (done,) = reg.loads(RUN, policy_version=3)
+    assert done.verified and done.step == 40
+
+
+def test_newest_only_false_interleaves_steps_and_markers_by_version(reg: Registry) -> None:
+    _publish(reg, 0)
+    with reg.subscribe(RUN, consumer="every", ttl=60) as sub:
+        assert next(sub.versions(newest_only=False, timeout=0)).policy_version == 0
+        _publish(reg, 1)
+        reg.publish_policy_marker(RUN, 2)
+        _publish(reg, 3)
+        got = [(x.policy_version, x.step, x.marker) for x in sub.versions(newest_only=False, timeout=0)]
+        assert got == [(1, 20, False), (2, None, True), (3, 40, False)]
+        skipped = [x for x in reg.loads(RUN) if x.version in (1, 2)]
+        assert len(skipped) == 2 and all(x.released_at is not None and x.applied_at is None for x in skipped)
+        reg.publish_policy_marker(RUN, 4)
+        reg.publish_policy_marker(RUN, 5)
+        (newest,) = list(sub.versions(timeout=0))  # newest_only: the newest version is marker 5's
+        assert (newest.policy_version, newest.marker) == (5, True)
+
+
+def test_a_marker_published_while_waiting_wakes_the_consumer(reg: Registry) -> None:
+    _publish(reg, 0)
+    got: list[tuple[int, bool]] = []
+    with reg.subscribe(RUN, consumer="waiter", ttl=60) as sub:
+        assert next(sub.versions(timeout=0)).policy_version == 0
+
+        def wait() -> None:
+            lease = next(sub.versions(timeout=60))
+            got.append((lease.policy_version, lease.marker))
+        waiting = threading.Thread(target=wait)
+        waiting.start()
+        reg.publish_policy_marker(RUN, 1)
+        waiting.join(timeout=120)
+    assert got == [(1, True)]
+
+
+def test_retention_with_a_consumer_serving_a_marker(reg: Registry) -> None:
+    _publish(reg, 1)
+    with reg.subscribe(RUN, consumer="engine-1", ttl=60) as sub:
+        first = next(sub.versions(timeout=0))
+        first.materialize()
+        first.applied()
+        reg.publish_policy_marker(RUN, 2)
+        marker = next(sub.versions(timeout=0))
+        assert "served by engine-1" in reg.plan_retention(RUN, KeepLast(1)).keep[20]  # a marker's lease holds no step
+        marker.applied()
+        keep = reg.plan_retention(RUN, KeepLast(1)).keep
+        assert "engine-1" not in keep[20] and "@latest-policy" in keep[20]  # serves the marker: no step of its
+        _publish(reg, 3)
+        plan = reg.plan_retention(RUN, KeepLast(1))
+        assert 20 in plan.delete and not any("engine-1" in why for why in plan.keep.values())
+        assert set(reg.apply_retention(RUN, KeepLast(1)).deleted) == {20}
+        lag = reg.policy_lag(RUN)
+        assert (lag.newest_version, lag.newest_step, lag.oldest_applied, lag.lag) == (3, 40, 2, 1)
+        (served,) = reg.loads(RUN, policy_version=2)
+        assert served.applied_at is not None and served.released_at is None
+        assert reg.prune_policy_loads(RUN, older_than=timedelta(0)) == 1  # the released load of 1, not the marker's
+        assert [x.version for x in reg.loads(RUN)] == [2]

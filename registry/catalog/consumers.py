@@ -2,7 +2,9 @@
 
 A consumer (``policy_consumers``) is live while it is not ended and its
 ``expires_at`` (last heartbeat + ttl) is in the future. A load
-(``policy_loads``) is one lease of one version by one consumer; an unreleased
+(``policy_loads``) is one lease of one version by one consumer: of a verified
+policy step, or of a marker (``step`` NULL: the version's bytes moved outside
+the registry, so there is nothing to fetch, verify or keep). An unreleased
 load of a live consumer, and the version a live consumer serves
 (``applied_step``), keep their steps from retention: :func:`policy_holds`
 answers that inside retention's marking transaction, and :meth:`lease` takes a
@@ -32,6 +34,7 @@ from registry.errors import InvalidStateError, RegistryError
 from registry.records import ConsumerInfo, LoadInfo, PolicyLag, PolicyVersionInfo, Status
 
 APPLIED = "applied"  # the NOTIFY status an applied version sends: it wakes wait_lag, not followers of steps
+MARKER = "marker"  # the NOTIFY status of a new marker: a version consumers lease
 
 _PC = PolicyConsumer.c
 _PL = PolicyLoad.c
@@ -39,13 +42,27 @@ _PL = PolicyLoad.c
 
 @dataclass(frozen=True)
 class LeaseRequest:
-    """One consumer's lease of ``run@step``, seen at ``notified_at``; ``release``: a load of its to release."""
+    """One consumer's lease of ``run@step``, or with ``step`` None of the marker ``version``, seen at
+    ``notified_at``; ``release``: a load of its to release."""
 
     consumer_id: int
     run: str
-    step: int
+    step: int | None
     notified_at: datetime
     release: int | None = None
+    version: int | None = None  # a marker's version (``step`` None); a step's comes from its row
+
+    def __post_init__(self) -> None:
+        if self.step is None and self.version is None:
+            raise InvalidStateError(f"a lease of {self.run} names a policy step or a marker's version")
+
+
+@dataclass(frozen=True)
+class LeasableVersion:
+    """A policy version a consumer may lease: a verified policy step, or a marker (``step`` None)."""
+
+    version: int
+    step: int | None
 
 
 def _live(now: datetime) -> Any:
@@ -61,8 +78,10 @@ def policy_holds(conn: Connection, run_id: int, now: datetime) -> dict[int, str]
     """step -> why a live consumer keeps it: an unreleased lease, or the version it serves."""
     leased: dict[int, list[str]] = {}
     served: dict[int, list[str]] = {}
+    # a marker's load (step NULL) holds no bytes: nothing to keep
     for step, name in conn.execute(select(_PL.step, _PC.name).join(PolicyConsumer, _PC.id == _PL.consumer_id)
-                                   .where(_PL.run_id == run_id, _PL.released_at.is_(None), _live(now))
+                                   .where(_PL.run_id == run_id, _PL.released_at.is_(None), _PL.step.is_not(None),
+                                          _live(now))
                                    .distinct().order_by(_PL.step, _PC.name)):
         leased.setdefault(int(step), []).append(name)
     for step, name in conn.execute(select(_PC.applied_step, _PC.name)
@@ -75,6 +94,26 @@ def policy_holds(conn: Connection, run_id: int, now: datetime) -> dict[int, str]
                 ([f"served by {_named(served[step])}"] if step in served else [])
         why[step] = "; ".join(parts)
     return why
+
+
+def _next_version(conn: Connection, run_id: int, after: int | None, *, newest: bool) -> LeasableVersion | None:
+    """The run's first policy version above ``after`` (with ``newest``: its newest): a verified step's (the
+    newest step of that version) or a marker's. A step and a marker of one version: the step, whose bytes
+    the registry has."""
+    c, m = CheckpointRow.c, PolicyMarker.c
+    steps = select(c.policy_version, c.step).where(c.run_id == run_id, c.status == Status.VERIFIED,
+                                                   c.policy_version.is_not(None))
+    markers = select((func.max if newest else func.min)(m.version)).where(m.run_id == run_id)
+    if after is not None:
+        steps = steps.where(c.policy_version > after)
+        markers = markers.where(m.version > after)
+    row = conn.execute(steps.order_by(c.policy_version.desc() if newest else c.policy_version.asc(),
+                                      c.step.desc()).limit(1)).first()
+    marker = conn.scalar(markers)
+    step = None if row is None else LeasableVersion(version=int(row.policy_version), step=int(row.step))
+    if marker is not None and (step is None or (marker > step.version if newest else marker < step.version)):
+        return LeasableVersion(version=int(marker), step=None)
+    return step
 
 
 def newest_policy_step(conn: Connection, run_id: int) -> int | None:
@@ -144,14 +183,38 @@ class ConsumersCatalog:
                          .values(released_at=now))
         self.catalog.write(fn)
 
+    def wake(self, run: str) -> None:
+        """Wake the run's waiting consumers now (PostgreSQL; on SQLite they poll) after a marker committed:
+        ``registry.catalog.policy`` records it below the catalog's notifications. A wake lost to a crash
+        in between costs only a consumer's slow re-poll."""
+        if self.catalog.dialect != "postgresql":
+            return
+
+        def fn(conn: Connection) -> None:
+            run_id = self.catalog.lookup_run(conn, run)
+            if run_id is not None:
+                Catalog.notify(conn, run_id, None, MARKER)
+        self.catalog.write(fn, durable=False)
+
     # ------------------------------------------------------------------ leases
 
-    def lease(self, consumer_id: int, run: str, step: int, *, notified_at: datetime,
-              release: int | None = None) -> LoadInfo | None:
-        """A load of ``run@step``'s policy version by the consumer; None when the step is no longer a verified
-        policy step (deleted or condemned since it was seen). ``InvalidStateError`` for an ended consumer.
-        ``release``: a load of the consumer's to release in the same transaction (one it skipped)."""
-        (outcome,) = self.lease_many([LeaseRequest(consumer_id, run, step, notified_at, release)])
+    def next_version(self, run: str, after: int | None, *, newest: bool = False) -> LeasableVersion | None:
+        """``run``'s first policy version above version ``after`` (None: any), or with ``newest`` its newest:
+        a verified policy step or a marker, whichever has that version (a step, when both). None when there
+        is none yet, also when the run does not exist yet."""
+        def fn(conn: Connection) -> LeasableVersion | None:
+            run_id = self.catalog.lookup_run(conn, run)
+            return None if run_id is None else _next_version(conn, run_id, after, newest=newest)
+        result: LeasableVersion | None = self.catalog.read(fn)
+        return result
+
+    def lease(self, consumer_id: int, run: str, step: int | None, *, notified_at: datetime,
+              release: int | None = None, version: int | None = None) -> LoadInfo | None:
+        """A load of ``run@step``'s policy version (with ``step`` None: of the marker ``version``) by the
+        consumer; None when the step is no longer a verified policy step (deleted or condemned since it was
+        seen) or the marker is gone. ``InvalidStateError`` for an ended consumer. ``release``: a load of the
+        consumer's to release in the same transaction (one it skipped)."""
+        (outcome,) = self.lease_many([LeaseRequest(consumer_id, run, step, notified_at, release, version)])
         if isinstance(outcome, RegistryError):
             raise outcome
         return outcome
@@ -160,35 +223,43 @@ class ConsumersCatalog:
         """Every request's lease in one transaction (a process's consumers that saw the same version at once):
         each request's load, None (the step is gone) or the error refusing it (an ended consumer)."""
         def fn(conn: Connection) -> list[LoadInfo | None | RegistryError]:
-            c = CheckpointRow.c
-            steps: dict[tuple[str, int], Any] = {}
-            for run, step in sorted({(r.run, r.step) for r in requests}):
+            c, m = CheckpointRow.c, PolicyMarker.c
+            # (run, step, marker version) -> (run_id, version, committed_at), or None when it is gone
+            found: dict[tuple[str, int, int], tuple[int, int, datetime | None] | None] = {}
+            for run, step, version in sorted({_target(r) for r in requests}):
                 run_id = self.catalog.require_run(conn, run)
-                query = select(c.run_id, c.policy_version, c.verified_at, c.published_at).where(
-                    c.run_id == run_id, c.step == step, c.status == Status.VERIFIED, c.policy_version.is_not(None))
-                if conn.dialect.name == "postgresql":
-                    query = query.with_for_update(read=True)  # against retention's FOR UPDATE: see the module doc
-                steps[(run, step)] = conn.execute(query).first()
+                if step >= 0:
+                    query = select(c.run_id, c.policy_version, c.verified_at, c.published_at).where(
+                        c.run_id == run_id, c.step == step, c.status == Status.VERIFIED,
+                        c.policy_version.is_not(None))
+                    if conn.dialect.name == "postgresql":
+                        query = query.with_for_update(read=True)  # against retention's FOR UPDATE: see the module doc
+                    row = conn.execute(query).first()
+                    found[(run, step, version)] = None if row is None else (
+                        row.run_id, int(row.policy_version), aware(row.verified_at) or aware(row.published_at))
+                else:  # a marker: no bytes, so nothing retention could delete under it
+                    made = conn.scalar(select(m.created_at).where(m.run_id == run_id, m.version == version))
+                    found[(run, step, version)] = None if made is None else (run_id, version, aware(made))
             consumers = {r.id: r for r in conn.execute(select(_PC.id, _PC.name, _PC.host, _PC.ended_at).where(
                 _PC.id.in_(sorted({r.consumer_id for r in requests}))))}
             now = utcnow()
             outcomes: list[LoadInfo | None | RegistryError] = []
             rows: list[dict[str, Any]] = []
             for r in requests:
-                consumer, row = consumers.get(r.consumer_id), steps[(r.run, r.step)]
+                consumer, target = consumers.get(r.consumer_id), found[_target(r)]
                 if consumer is None or consumer.ended_at is not None:
                     outcomes.append(InvalidStateError(f"policy consumer of {r.run} has ended (closed, or "
                                                       "subscribed again elsewhere): subscribe again"))
                     continue
-                if row is None:
+                if target is None:
                     outcomes.append(None)
                     continue
-                committed = aware(row.verified_at) or aware(row.published_at)
-                rows.append({"consumer_id": r.consumer_id, "run_id": row.run_id, "version": row.policy_version,
+                run_id, version, committed = target
+                rows.append({"consumer_id": r.consumer_id, "run_id": run_id, "version": version,
                              "step": r.step, "bytes_fetched": 0, "verified": False, "committed_at": committed,
                              "notified_at": r.notified_at, "leased_at": now})
                 outcomes.append(LoadInfo(id=0, run=r.run, consumer=consumer.name, host=consumer.host,
-                                         version=int(row.policy_version), step=r.step, source=None, bytes_fetched=0,
+                                         version=version, step=r.step, source=None, bytes_fetched=0,
                                          verified=False, error=None, committed_at=committed,
                                          notified_at=r.notified_at, leased_at=now, fetched_at=None,
                                          verified_at=None, applied_at=None, released_at=None))
@@ -215,15 +286,20 @@ class ConsumersCatalog:
 
     def applied(self, load_id: int) -> None:
         """The consumer now serves this load's version: recorded on the load and the consumer, and the
-        consumer's leases of older versions released. Refused for a load that did not verify or was released."""
+        consumer's leases of older versions released. Refused for a load that did not verify or was released.
+
+        A marker's load (``step`` NULL) is applied without a check (``verified`` stays False): the registry
+        never had its bytes, so verifying them is the engine's business. The consumer then serves the
+        version with ``applied_step`` NULL: lag counts it, retention keeps no step for it."""
         def fn(conn: Connection) -> None:
             load = conn.execute(select(PolicyLoad, Run.c.name.label("run_name"))
                                 .join(Run, Run.c.id == _PL.run_id).where(_PL.id == load_id)).one_or_none()
             if load is None:  # pruned (its consumer had expired or ended long ago) or its run deleted
                 raise InvalidStateError(f"policy load {load_id} is no longer on record; lease the version again "
                                         "to apply it")
-            what = f"{load.run_name} policy version {load.version} (step {load.step})"
-            if not load.verified:
+            what = f"{load.run_name} policy version {load.version} " + \
+                ("(marker)" if load.step is None else f"(step {load.step})")
+            if load.step is not None and not load.verified:
                 why = f": {load.error}" if load.error else " (materialize it first)"
                 raise InvalidStateError(f"{what} did not verify{why}; not applied")
             if load.released_at is not None:
@@ -291,14 +367,8 @@ class ConsumersCatalog:
         def fn(conn: Connection) -> PolicyLag:
             run_id = self.catalog.require_run(conn, run)
             now = utcnow()
-            c = CheckpointRow.c
-            newest = conn.execute(select(c.policy_version, c.step).where(
-                c.run_id == run_id, c.status == Status.VERIFIED, c.policy_version.is_not(None))
-                .order_by(c.policy_version.desc(), c.step.desc()).limit(1)).first()
-            marker = conn.scalar(select(func.max(PolicyMarker.c.version)).where(PolicyMarker.c.run_id == run_id))
-            version, step = (None, None) if newest is None else (int(newest.policy_version), int(newest.step))
-            if marker is not None and (version is None or marker > version):
-                version, step = int(marker), None
+            newest = _next_version(conn, run_id, None, newest=True)  # what a consumer's newest lease is of
+            version, step = (None, None) if newest is None else (newest.version, newest.step)
             rows = conn.execute(select(PolicyConsumer).where(_PC.run_id == run_id).order_by(_PC.name)).all()
             consumers = tuple(_consumer(run, r, now, version) for r in rows)
             live = [x for x in consumers if x.live]
@@ -345,6 +415,12 @@ class ConsumersCatalog:
         return result
 
 
+def _target(r: LeaseRequest) -> tuple[str, int, int]:
+    """What a request leases, sortable (the order its rows are locked in): (run, step, -1) for a step,
+    (run, -1, version) for a marker."""
+    return (r.run, r.step, -1) if r.step is not None else (r.run, -1, -1 if r.version is None else r.version)
+
+
 def _consumer(run: str, r: Any, now: datetime, newest: int | None) -> ConsumerInfo:
     expires = aware(r.expires_at)
     live = r.ended_at is None and expires is not None and expires > now
@@ -365,4 +441,4 @@ def _load(run: str, r: Any) -> LoadInfo:
                     released_at=aware(r.released_at))
 
 
-__all__ = ["APPLIED", "ConsumersCatalog", "LeaseRequest", "newest_policy_step", "policy_holds"]
+__all__ = ["APPLIED", "ConsumersCatalog", "LeasableVersion", "LeaseRequest", "newest_policy_step", "policy_holds"]

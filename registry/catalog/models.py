@@ -339,14 +339,14 @@ PolicyConsumer = Table(
 
 
 # One lease of one version by one consumer, and the audit of that load. An unreleased load of a consumer that has
-# not expired keeps its version from retention.
+# not expired keeps its version from retention. ``step`` is NULL for a marker's version (no bytes to keep).
 PolicyLoad = Table(
     "policy_loads", metadata,
     Column("id", Integer, primary_key=True),
     Column("consumer_id", Integer, ForeignKey("policy_consumers.id", ondelete="CASCADE"), nullable=False),
     Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
     Column("version", BigInteger, nullable=False),
-    Column("step", BigInteger, nullable=False),
+    Column("step", BigInteger),
     Column("source", String(255)),
     Column("bytes_fetched", BigInteger, nullable=False),
     Column("verified", Boolean, nullable=False),

@@ -140,9 +140,9 @@ def policy_who(state: State, ref: str, version: int | None, as_json: bool) -> No
     from registry.records import human_bytes
     from registry.views import format_time
     table(["CONSUMER", "HOST", "STEP", "SOURCE", "FETCHED", "VERIFIED", "APPLIED", "RELEASED"],
-          [[x.consumer, x.host, x.step, x.source or "-", human_bytes(x.bytes_fetched),
-            "yes" if x.verified else ("no: " + x.error if x.error else "no"), format_time(x.applied_at),
-            format_time(x.released_at)] for x in found])
+          [[x.consumer, x.host, "marker" if x.step is None else x.step, x.source or "-", human_bytes(x.bytes_fetched),
+            "-" if x.step is None else ("yes" if x.verified else ("no: " + x.error if x.error else "no")),
+            format_time(x.applied_at), format_time(x.released_at)] for x in found])
 
 
 @policy.command("pull")

@@ -7,6 +7,13 @@ directory an inference engine reloads from; ``lease.applied()`` records that
 the consumer now serves it. The trainer bounds staleness with
 ``Registry.wait_lag(run, k)``.
 
+A version recorded with ``Registry.publish_policy_marker`` (its bytes moved
+outside the registry, over NCCL or RDMA) is a version like any other here: it
+is leased in version order with the steps (``lease.marker``, ``lease.step``
+None), it cannot be materialized (the engine got its bytes elsewhere), and
+``lease.applied()`` records that the consumer serves it, so lag and the load
+audit cover it.
+
 One process is one host's consumers, however many subscriptions it holds:
 they share the registry's catalog pool, *one* heartbeat thread that writes all
 their heartbeats as one transaction per beat, and one PostgreSQL listener
@@ -40,13 +47,13 @@ from types import TracebackType
 from typing import Any
 
 from registry.catalog import Catalog
-from registry.catalog.consumers import APPLIED, ConsumersCatalog, LeaseRequest
+from registry.catalog.consumers import APPLIED, ConsumersCatalog, LeasableVersion, LeaseRequest
 from registry.catalog.session import utcnow
 from registry.errors import CheckpointNotFoundError, InvalidStateError, LagTimeoutError, RegistryError
 from registry.format.refs import check_run_name
 from registry.ops.follow import PG_RECHECK_S, POLL_MAX_S, POLL_MIN_S, _Listener
 from registry.ops.hostcopies import POLICY_CACHE, Materialize, host_copy, prune_host_copies
-from registry.records import CheckpointInfo, LoadInfo, PolicyLag
+from registry.records import LoadInfo, PolicyLag
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +107,8 @@ class ConsumerHub:
         self._beater: threading.Thread | None = None
         self._listener: _Listener | None = None
         self._listening: threading.Thread | None = None
-        # run -> (generation, monotonic time, newest verified policy step, when it was read): see newest()
-        self._newest: dict[str, tuple[int, float, CheckpointInfo | None, datetime]] = {}
+        # run -> (generation, monotonic time, newest policy version, when it was read): see newest()
+        self._newest: dict[str, tuple[int, float, LeasableVersion | None, datetime]] = {}
         self._querying: dict[str, threading.Lock] = {}
         self._leases = threading.Condition()  # leases group-committed: see lease()
         self._queued: list[_Pending] = []
@@ -208,11 +215,11 @@ class ConsumerHub:
         with self._lock:
             return self._generations.setdefault((run, topic), 0)
 
-    def newest(self, run: str, since: float) -> tuple[CheckpointInfo | None, datetime]:
-        """``run``'s newest verified policy step and when this process read it: one query per notification
-        for all the process's consumers of the run (the others wait for it and share the answer), from a
-        query that started at ``since`` (monotonic) or later: what the caller must see (its call began, or
-        its wait began, then) a cached answer sees too.
+    def newest(self, run: str, since: float) -> tuple[LeasableVersion | None, datetime]:
+        """``run``'s newest policy version (a verified step's, or a newer marker's) and when this process read
+        it: one query per notification for all the process's consumers of the run (the others wait for it
+        and share the answer), from a query that started at ``since`` (monotonic) or later: what the caller
+        must see (its call began, or its wait began, then) a cached answer sees too.
 
         Safe because the generation is read before the query: a step whose notification moved the
         generation to ``g`` committed before that notification, so a query started at generation ``g`` sees
@@ -270,8 +277,8 @@ class ConsumerHub:
         result: LoadInfo | None = mine.outcome
         return result
 
-    def _query_newest(self, run: str) -> CheckpointInfo | None:
-        return self.catalog.next_after(run, None, newest=True, min_policy_version=0)
+    def _query_newest(self, run: str) -> LeasableVersion | None:
+        return self.consumers.next_version(run, None, newest=True)
 
     def waiter(self, run: str, *topics: str, recheck: float = PG_RECHECK_S) -> _Waiter:
         """A wait loop on ``run``'s ``topics``; with a listener it re-queries at least every ``recheck`` s."""
@@ -362,7 +369,7 @@ class Subscription:
         self._source = source
         self.heartbeating = True
         self._closed = False
-        self._last_step: int | None = None
+        self._last_version: int | None = None
         self.consumer_id = hub.consumers.register(self.run, self.consumer, host=self.host, pid=self.pid,
                                                   ttl=self.ttl)
         hub.add(self)
@@ -408,8 +415,11 @@ class Subscription:
         """Yield a :class:`Lease` on each new verified policy version of the run, as it is verified.
 
         The first is the newest verified version there is; then each later
-        one, or with ``newest_only`` (default) only the newest of those that
-        arrived while the caller was busy. Stops after ``timeout`` seconds
+        one in version order, or with ``newest_only`` (default) only the newest
+        of those that arrived while the caller was busy. A marker's version
+        (``Registry.publish_policy_marker``) is yielded like a step's, as a
+        lease with ``marker`` True and ``step`` None: apply it once the engine
+        holds the bytes it got elsewhere. Stops after ``timeout`` seconds
         without a new version (``None``: never). A lease the caller did not
         apply is released when the next one is yielded (the consumer skipped
         it); an applied one stays until :meth:`Lease.release` or a later
@@ -430,25 +440,26 @@ class Subscription:
     def _next(self, *, newest_only: bool, timeout: float | None, skipped: Lease | None) -> Lease | None:
         deadline = None if timeout is None else time.monotonic() + timeout
         waiter = self._hub.waiter(self.run, "steps")
-        newest = newest_only or self._last_step is None
+        newest = newest_only or self._last_version is None
         since = time.monotonic()
         while True:
             if self._closed:
                 raise InvalidStateError(f"subscription {self.consumer!r} of {self.run} is closed")
             if newest:
                 info, seen = self._hub.newest(self.run, since)
-                if info is not None and self._last_step is not None and info.step <= self._last_step:
+                if info is not None and self._last_version is not None and info.version <= self._last_version:
                     info = None
             else:
-                info = self._hub.catalog.next_after(self.run, self._last_step, min_policy_version=0)
+                info = self._hub.consumers.next_version(self.run, self._last_version)
                 seen = utcnow()
             if info is not None:
                 release = None if skipped is None or skipped.released else skipped.load.id
-                load = self._hub.lease(LeaseRequest(self.consumer_id, self.run, info.step, seen, release))
+                load = self._hub.lease(LeaseRequest(self.consumer_id, self.run, info.step, seen, release,
+                                                    info.version))
                 if skipped is not None:
                     skipped.released = True  # released in the same transaction
                     skipped = None
-                self._last_step = info.step
+                self._last_version = info.version
                 if load is not None:
                     return Lease(self, load)
                 continue  # gone between the query and the lease: look again
@@ -460,7 +471,12 @@ class Subscription:
 
 
 class Lease:
-    """One consumer's lease on one policy version: keeps it from retention until released."""
+    """One consumer's lease on one policy version: keeps it from retention until released.
+
+    A lease on a marker's version (:attr:`marker`, ``step`` None) keeps nothing (there are no bytes) and
+    cannot be materialized; :meth:`applied` records that the consumer serves it, without a check
+    (``verified`` stays False: the engine got the bytes elsewhere and verifying them is its business).
+    """
 
     def __init__(self, sub: Subscription, load: LoadInfo) -> None:
         self._sub = sub
@@ -473,8 +489,14 @@ class Lease:
         self.applied_at: datetime | None = None
         self.released = False
 
+    @property
+    def marker(self) -> bool:
+        """True for a marker's version: its bytes moved outside the registry (``publish_policy_marker``)."""
+        return self.step is None
+
     def __repr__(self) -> str:
-        return f"<Lease {self.run} policy version {self.policy_version} (step {self.step}) by {self._sub.consumer}>"
+        what = "marker" if self.step is None else f"step {self.step}"
+        return f"<Lease {self.run} policy version {self.policy_version} ({what}) by {self._sub.consumer}>"
 
     def __enter__(self) -> Lease:
         return self
@@ -490,7 +512,11 @@ class Lease:
         version's digest; the others wait for it and find them there. The load
         records the source, the bytes fetched (0 from the host's copy) and the
         outcome; a failed check is recorded (``verified=False``) and raised.
+        ``InvalidStateError`` for a marker's version, recording nothing: there is nothing to fetch.
         """
+        if self.step is None:
+            raise InvalidStateError(f"version {self.policy_version} of {self.run} is a marker: its bytes moved "
+                                    "outside the registry (publish_policy_marker); the engine got them elsewhere")
         if self.path is not None:
             return self.path
         if self.released:
@@ -512,8 +538,9 @@ class Lease:
         return path
 
     def applied(self) -> None:
-        """This consumer now serves this version (refused unless it verified); older leases are released,
-        and the host's copies of versions no live consumer of the host holds any more are removed."""
+        """This consumer now serves this version (refused unless it verified; a marker's needs no check);
+        older leases are released, and the host's copies of versions no live consumer of the host holds any
+        more are removed."""
         self._sub._hub.consumers.applied(self.load.id)
         self.applied_at = utcnow()
         self._sub._prune()
