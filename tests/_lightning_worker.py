@@ -8,7 +8,8 @@ publish committed. ``... ROOT resume``: resumes ``crash`` from
 environment) that trains, then resumes from the registry. ``... ROOT
 fsdp-first`` / ``fsdp-resume``: one rank of a two-rank FSDP2 job
 (``ModelParallelStrategy``) that does the same as ``first`` / ``resume`` for
-runs ``shard-full`` and ``shard-crash``. Each prints JSON lines of results.
+runs ``shard-full`` and ``shard-crash``; with a JSON file of roots instead of ROOT, on each of them in turn
+(see ``fsdp_roots``). Each prints JSON lines of results.
 """
 
 from __future__ import annotations
@@ -64,11 +65,18 @@ def data() -> tuple[DataLoader[Any], DataLoader[Any]]:
 
 
 class KillAfterEpoch(pl.Callback):
-    def __init__(self, epoch: int) -> None:
+    """SIGKILL after ``epoch``'s publish; with ``stop`` the fit just ends there instead (the step it resumes
+    from is the same: the publish precedes this hook), for a process that goes on to another root."""
+
+    def __init__(self, epoch: int, *, stop: bool = False) -> None:
         self.epoch = epoch
+        self.stop = stop
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.current_epoch == self.epoch:  # after RegistryCheckpoint's hook: the publish has committed
+            if self.stop:
+                trainer.should_stop = True
+                return
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -102,12 +110,12 @@ class ShardedModel(Model):
         fully_shard(self.net, mesh=mesh)
 
 
-def fit_sharded(reg: Registry, run: str, *, kill: int | None = None) -> dict[str, Any]:
+def fit_sharded(reg: Registry, run: str, *, kill: int | None = None, stop: bool = False) -> dict[str, Any]:
     """Three epochs of two steps a rank under ModelParallelStrategy (FSDP2), publishing every epoch."""
     from lightning.pytorch.strategies import ModelParallelStrategy
     torch.manual_seed(1)
     ckpt = RegistryCheckpoint(reg, run, every_n_epochs=1, keep=KeepLast(2))
-    callbacks: list[pl.Callback] = [ckpt] + ([KillAfterEpoch(kill)] if kill is not None else [])
+    callbacks: list[pl.Callback] = [ckpt] + ([KillAfterEpoch(kill, stop=stop)] if kill is not None else [])
     trainer = pl.Trainer(max_epochs=3, accelerator="cpu", devices=2, logger=False, enable_checkpointing=False,
                          strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
@@ -121,7 +129,38 @@ def fit_sharded(reg: Registry, run: str, *, kill: int | None = None) -> dict[str
             "fell_back": [str(w.message) for w in caught if "falling back" in str(w.message)]}
 
 
+def fsdp_roots(spec: str, mode: str) -> None:
+    """``fsdp-first``/``fsdp-resume`` on each root of ``spec`` (a JSON list of ``Registry.open``'s ``url``,
+    ``root`` and ``durable``, each with a ``name``), in one process: the crash run ends after epoch 2's publish on
+    every root but the last, and is SIGKILLed there."""
+    with open(spec) as f:
+        places = json.load(f)
+
+    def opened(place: dict[str, Any]) -> Registry:
+        return Registry.open(place["url"], root=place["root"], durable=place["durable"])
+
+    if mode == "fsdp-first":
+        full = {}
+        for place in places:
+            with opened(place) as reg:
+                full[place["name"]] = fit_sharded(reg, "shard-full")
+        print(json.dumps({"full": full}), flush=True)
+        for i, place in enumerate(places):
+            with opened(place) as reg:
+                fit_sharded(reg, "shard-crash", kill=1, stop=i < len(places) - 1)
+        return
+    done = {}
+    for place in places:
+        with opened(place) as reg:
+            crash = fit_sharded(reg, "shard-crash")
+            done[place["name"]] = {"crash": crash, "full": fit_sharded(reg, "shard-full")}
+    print(json.dumps(done), flush=True)
+
+
 def main(root: str, mode: str) -> None:
+    if root.endswith(".json"):
+        fsdp_roots(root, mode)
+        return
     if mode == "fsdp-first":
         with Registry.open(root=root) as reg:
             print(json.dumps({"full": fit_sharded(reg, "shard-full")}), flush=True)

@@ -1,53 +1,14 @@
-"""The integrations say what matters and nothing else: no Lightning default notice per publish, no Trainer
-timings stored as metrics, a resume that names what it resumed."""
+"""The integrations say what matters and nothing else: no Trainer timings stored as metrics, a resume that names
+what it resumed. (No Lightning notice per publish: tests/test_integration_lightning.py checks its runs' output.)"""
 
 from __future__ import annotations
 
 import logging
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from registry import Registry
-from tests.helpers import REPO, child_env, make_state
-
-LIGHTNING_FIT = """
-import sys, warnings
-warnings.filterwarnings("ignore")
-import lightning.pytorch as pl, torch
-from torch.utils.data import DataLoader, TensorDataset
-from registry import Registry
-from registry.integrations.lightning import RegistryCheckpoint
-
-class Model(pl.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.net = torch.nn.Linear(2, 1)
-    def training_step(self, batch, idx):
-        x, y = batch
-        return ((self.net(x) - y) ** 2).mean()
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-x = torch.randn(8, 2)
-with Registry.open(root=sys.argv[1], create=True) as reg:
-    trainer = pl.Trainer(max_epochs=2, accelerator="cpu", logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[RegistryCheckpoint(reg, "quiet", every_n_epochs=1)])
-    trainer.fit(Model(), DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4))
-    print("published", [i.step for i in reg.checkpoints("quiet")])
-"""
-
-
-def test_lightning_publishes_without_the_weights_only_notice(tmp_path: Path) -> None:
-    pytest.importorskip("lightning")
-    out = subprocess.run([sys.executable, "-c", LIGHTNING_FIT, str(tmp_path / "root")], capture_output=True,
-                         text=True, env=child_env(), cwd=REPO, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "published [2, 4]" in out.stdout
-    assert "weights_only" not in out.stdout + out.stderr
+from tests.helpers import make_state
 
 
 def hf_callback(reg: Registry, **options: object):  # type: ignore[no-untyped-def]
