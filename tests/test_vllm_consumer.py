@@ -134,6 +134,7 @@ class Worker:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # its fixture may wait for the venv's install (up to a few minutes) before it starts
 def test_vllm_rollout_worker_follows_the_policy_channel(tmp_path: Path, vllm_python: Path) -> None:
     """The RL loop: the trainer publishes version 1; the worker (vLLM serving version 0) subscribes, materializes
     it, reloads and applies it; the trainer's ``wait_lag(RUN, 0)`` returns, it publishes version 2 (a delta), and
