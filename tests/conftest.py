@@ -41,13 +41,15 @@ SLOW_MODULES = frozenset({
 })
 
 
-# The longest files start first: the suite runs on two workers, each file whole on one, and a long file drawn
+# The longest files start first: the suite runs on three workers, each file whole on one, and a long file drawn
 # last leaves the other worker idle for its length.
 LONG_FIRST = SLOW_MODULES | {"test_tiers", "test_s3_faults", "test_s3_root", "test_load_faults", "test_async",
                              "test_dedup_fate", "test_conformance_crashes", "test_bench_scripts", "test_open_guards",
                              "test_publish_faults", "test_cli_imports", "test_s3_sharded", "test_tiered_sharded",
                              "test_policy_consumers", "test_policy_publish", "test_policy_mix",
-                             "test_sharded_resume_roots"}
+                             "test_sharded_resume_roots", "test_hostile", "test_docs", "test_hf_adopt",
+                             "test_mlflow_mirror", "test_lineage", "test_cli_operator", "test_fsck", "test_metrics",
+                             "test_layers", "test_import"}
 # After the long files, before the short ones: ``scripts/test`` builds its venv in the background meanwhile
 # (see ``vllm_python``), and a test of a minute drawn last would leave the other workers idle.
 AFTER_THE_LONG = frozenset({"test_vllm_consumer"})
