@@ -41,26 +41,38 @@ SLOW_MODULES = frozenset({
 })
 
 
-# The longest files start first: the suite runs on three workers, each file whole on one, and a long file drawn
-# last leaves the other worker idle for its length.
-LONG_FIRST = SLOW_MODULES | {"test_tiers", "test_s3_faults", "test_s3_root", "test_load_faults", "test_async",
-                             "test_dedup_fate", "test_conformance_crashes", "test_bench_scripts", "test_open_guards",
-                             "test_publish_faults", "test_cli_imports", "test_s3_sharded", "test_tiered_sharded",
-                             "test_policy_consumers", "test_policy_publish", "test_policy_mix",
-                             "test_sharded_resume_roots", "test_hostile", "test_docs", "test_hf_adopt",
-                             "test_mlflow_mirror", "test_lineage", "test_cli_operator", "test_fsck", "test_metrics",
-                             "test_layers", "test_import"}
+# The longest files start first, longest first (the seconds each took, summed over its tests, 2026-12-06; a file
+# missing here is shorter): each file runs whole on one worker, and a long file drawn last leaves the other workers
+# idle for its length. ``scripts/test`` passes ``--no-loadscope-reorder``: xdist would otherwise order the files by
+# their number of tests, which puts the few long tests of a trainer's or a process group's file last.
+LONG_FIRST = (
+    "test_tiers", "test_integration_lightning", "test_docs", "test_bench_scripts", "test_integration_transformers",
+    "test_s3_faults", "test_sharded", "test_mlflow_mirror", "test_conformance_crashes", "test_web_browser",
+    "test_kill", "test_policy_publish", "test_sharded_resume_roots", "test_retention", "test_dedup_fate",
+    "test_policy_consumers", "test_params", "test_webhooks", "test_open_guards", "test_load_faults", "test_verdicts",
+    "test_demo", "test_async", "test_s3_kill", "test_hostile", "test_cli_imports", "test_cli_operator", "test_dedup",
+    "test_crash_states", "test_tiered_sharded", "test_roots", "test_s3_sharded", "test_distributed",
+    "test_cli_first_hour", "test_s3_root", "test_metrics", "test_fsck", "test_s3_maintenance", "test_hf_adopt",
+    "test_concurrency", "test_root_binding", "test_retention_crash", "test_stress", "test_fsck_races", "test_import",
+    "test_conformance_publish", "test_layers", "test_lineage", "test_refs", "test_policy_folds", "test_faults",
+    "test_sharded_local", "test_conformance_storage", "test_publish_faults", "test_policy_mix",
+)
 # After the long files, before the short ones: ``scripts/test`` builds its venv in the background meanwhile
-# (see ``vllm_python``), and a test of a minute drawn last would leave the other workers idle.
-AFTER_THE_LONG = frozenset({"test_vllm_consumer"})
+# (see ``vllm_python``).
+AFTER_THE_LONG = "test_vllm_consumer"
+
+
+def _start_order(stem: str) -> int:
+    if stem in LONG_FIRST:
+        return LONG_FIRST.index(stem)
+    return len(LONG_FIRST) + (stem != AFTER_THE_LONG)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.path.stem in SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
-    # stable: each file's order stays
-    items.sort(key=lambda item: 0 if item.path.stem in LONG_FIRST else 1 if item.path.stem in AFTER_THE_LONG else 2)
+    items.sort(key=lambda item: _start_order(item.path.stem))  # stable: each file's order stays
 
 
 @pytest.fixture(scope="session")
