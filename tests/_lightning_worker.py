@@ -9,7 +9,7 @@ environment) that trains, then resumes from the registry. ``... ROOT
 fsdp-first`` / ``fsdp-resume``: one rank of a two-rank FSDP2 job
 (``ModelParallelStrategy``) that does the same as ``first`` / ``resume`` for
 runs ``shard-full`` and ``shard-crash``; with a JSON file of roots instead of ROOT, on each of them in turn
-(see ``fsdp_roots``). Each prints JSON lines of results.
+(see ``roots_one_process``). Each prints JSON lines of results.
 """
 
 from __future__ import annotations
@@ -80,10 +80,11 @@ class KillAfterEpoch(pl.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def fit(reg: Registry, run: str, *, epochs: int = 4, kill: int | None = None, **trainer_args: Any) -> dict[str, Any]:
+def fit(reg: Registry, run: str, *, epochs: int = 4, kill: int | None = None, stop: bool = False,
+        **trainer_args: Any) -> dict[str, Any]:
     torch.manual_seed(1)
     ckpt = RegistryCheckpoint(reg, run, every_n_epochs=1, keep=KeepLast(2) | KeepBest(1, "val_loss"))
-    callbacks: list[pl.Callback] = [ckpt] + ([KillAfterEpoch(kill)] if kill is not None else [])
+    callbacks: list[pl.Callback] = [ckpt] + ([KillAfterEpoch(kill, stop=stop)] if kill is not None else [])
     trainer = pl.Trainer(max_epochs=epochs, accelerator="cpu", logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                          callbacks=callbacks, deterministic=True, **trainer_args)
@@ -129,37 +130,9 @@ def fit_sharded(reg: Registry, run: str, *, kill: int | None = None, stop: bool 
             "fell_back": [str(w.message) for w in caught if "falling back" in str(w.message)]}
 
 
-def fsdp_roots(spec: str, mode: str) -> None:
-    """``fsdp-first``/``fsdp-resume`` on each root of ``spec`` (a JSON list of ``Registry.open``'s ``url``,
-    ``root`` and ``durable``, each with a ``name``), in one process: the crash run ends after epoch 2's publish on
-    every root but the last, and is SIGKILLed there."""
-    with open(spec) as f:
-        places = json.load(f)
-
-    def opened(place: dict[str, Any]) -> Registry:
-        return Registry.open(place["url"], root=place["root"], durable=place["durable"])
-
-    if mode == "fsdp-first":
-        full = {}
-        for place in places:
-            with opened(place) as reg:
-                full[place["name"]] = fit_sharded(reg, "shard-full")
-        print(json.dumps({"full": full}), flush=True)
-        for i, place in enumerate(places):
-            with opened(place) as reg:
-                fit_sharded(reg, "shard-crash", kill=1, stop=i < len(places) - 1)
-        return
-    done = {}
-    for place in places:
-        with opened(place) as reg:
-            crash = fit_sharded(reg, "shard-crash")
-            done[place["name"]] = {"crash": crash, "full": fit_sharded(reg, "shard-full")}
-    print(json.dumps(done), flush=True)
-
-
 def main(root: str, mode: str) -> None:
     if root.endswith(".json"):
-        fsdp_roots(root, mode)
+        roots_one_process(root, mode)
         return
     if mode == "fsdp-first":
         with Registry.open(root=root) as reg:
@@ -183,6 +156,36 @@ def main(root: str, mode: str) -> None:
             fit(reg, "crash", kill=1)
         else:
             print(json.dumps({"crash": fit(reg, "crash"), "full": fit(reg, "full")}), flush=True)
+
+
+def roots_one_process(spec: str, mode: str) -> None:
+    """``first``/``resume`` (or ``fsdp-first``/``fsdp-resume``) on each root of ``spec`` (a JSON list of
+    ``Registry.open``'s ``url``, ``root`` and ``durable``, each with a ``name``), in one process: the crash run
+    ends after epoch 2's publish on every root but the last, and is SIGKILLed there. One JSON line: by name."""
+    with open(spec) as f:
+        places = json.load(f)
+    sharded = mode.startswith("fsdp-")
+    train = fit_sharded if sharded else fit
+
+    def opened(place: dict[str, Any]) -> Registry:
+        return Registry.open(place["url"], root=place["root"], durable=place["durable"])
+
+    if mode.endswith("first"):
+        full = {}
+        for place in places:
+            with opened(place) as reg:
+                full[place["name"]] = train(reg, "shard-full" if sharded else "full")
+        print(json.dumps({"full": full}), flush=True)
+        for i, place in enumerate(places):
+            with opened(place) as reg:
+                train(reg, "shard-crash" if sharded else "crash", kill=1, stop=i < len(places) - 1)
+        return
+    done = {}
+    for place in places:
+        with opened(place) as reg:
+            crash = train(reg, "shard-crash" if sharded else "crash")
+            done[place["name"]] = {"crash": crash, "full": train(reg, "shard-full" if sharded else "full")}
+    print(json.dumps(done), flush=True)
 
 
 if __name__ == "__main__":

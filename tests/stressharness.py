@@ -205,7 +205,8 @@ ALLOWED: dict[str, tuple[type[BaseException], ...]] = {
 
 def worker(url: str, root: str, seconds: float, seed: int, out: Any, mix: tuple[str, ...] = MIX,
            env: dict[str, str] | None = None) -> None:
-    """Run random operations until ``seconds`` pass; put the tally (and intervals) on ``out``.
+    """Run random operations until ``seconds`` pass (then each one not yet completed, a few tries each); put the
+    tally (and intervals) on ``out``.
 
     ``env``: an ``s3://`` root's AWS environment (a forkserver's children do not get the parent's).
     """
@@ -218,8 +219,18 @@ def worker(url: str, root: str, seconds: float, seed: int, out: Any, mix: tuple[
     try:
         with Registry.open(url=url, root=root) as reg:
             deadline = time.monotonic() + seconds
-            while time.monotonic() < deadline and len(violations) < 20:
-                name = rng.choice(mix)
+            # past the deadline, the operations this worker has not yet completed, a few tries each: a loaded
+            # machine slows a run down, never shrinks what it exercises
+            extra = 5 * len(set(mix))
+            while len(violations) < 20:
+                if time.monotonic() < deadline:
+                    name = rng.choice(mix)
+                else:
+                    missing = sorted(set(mix) - set(counts))
+                    if not missing or extra == 0:
+                        break
+                    extra -= 1
+                    name = rng.choice(missing)
                 run = rng.choice(RUNS)
                 start = time.monotonic()
                 try:

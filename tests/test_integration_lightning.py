@@ -56,36 +56,47 @@ def losses(doc: dict[str, Any]) -> dict[int, float]:
     return {int(k): v for k, v in doc["losses"].items()}
 
 
-def test_kill_resume_retention_and_corrupt_fallback(tmp_path: Path, any_root: str) -> None:
-    """On a directory root and on an ``s3://`` root (the same catalog kind, a SQLite file, for both)."""
-    root, url = any_root, f"sqlite:///{tmp_path / 'catalog.db'}"
-    code, first = worker(root, "first", url=url)
-    assert code == -signal.SIGKILL  # killed mid-fit, right after the second epoch's publish
-    full = losses(first["full"])
-    assert sorted(full) == list(range(16))  # 4 epochs of 4 steps
-    with Registry.open(url=url, root=root) as reg:
-        val = {p.step: p.value for p in reg.metrics("full", "val_loss")}
-        assert sorted(val) == [4, 8, 12, 16]  # callback_metrics committed with each step
-        best = min(val, key=lambda s: val[s])
-        assert set(steps(reg, "full")) == {12, 16, best}  # KeepLast(2) | KeepBest(1, "val_loss"), nothing else
-        assert steps(reg, "crash") == [4, 8]
-        meta = json.loads(stored_file(reg, reg.resolve("full@16"), "meta.json"))["lightning"]
-        assert {"loops", "lr_schedulers", "hyper_parameters", "global_step", "epoch"} <= set(meta)  # plain JSON
-        full_live = steps(reg, "full")
-        flip_stored_byte(reg, reg.resolve("full@16"), "model.safetensors")
+def test_kill_resume_retention_and_corrupt_fallback(tmp_path: Path, s3_root: str) -> None:
+    """On a directory root and on an ``s3://`` root, each with a SQLite catalog, in one process a run (Lightning's
+    import is most of a short fit's time): the crash run ends after epoch 2's publish on the directory root and is
+    SIGKILLed after the same publish on the ``s3://`` root; the resume is the same either way."""
+    places = [{"name": "fs", "url": f"sqlite:///{tmp_path / 'catalog-fs.db'}", "root": str(tmp_path / "ckpt"),
+               "durable": None},
+              {"name": "s3", "url": f"sqlite:///{tmp_path / 'catalog-s3.db'}", "root": s3_root, "durable": None}]
+    spec = tmp_path / "places.json"
+    spec.write_text(json.dumps(places))
+    code, first = worker(spec, "first")
+    assert code == -signal.SIGKILL  # killed mid-fit, right after the second epoch's publish on the last root
+    full_live = {}
+    for place in places:
+        full = losses(first["full"][place["name"]])
+        assert sorted(full) == list(range(16))  # 4 epochs of 4 steps
+        with Registry.open(url=place["url"], root=place["root"]) as reg:
+            val = {p.step: p.value for p in reg.metrics("full", "val_loss")}
+            assert sorted(val) == [4, 8, 12, 16]  # callback_metrics committed with each step
+            best = min(val, key=lambda s: val[s])
+            assert set(steps(reg, "full")) == {12, 16, best}  # KeepLast(2) | KeepBest(1, "val_loss"), nothing else
+            assert steps(reg, "crash") == [4, 8]
+            meta = json.loads(stored_file(reg, reg.resolve("full@16"), "meta.json"))["lightning"]
+            assert {"loops", "lr_schedulers", "hyper_parameters", "global_step", "epoch"} <= set(meta)  # plain JSON
+            full_live[place["name"]] = steps(reg, "full")
+            flip_stored_byte(reg, reg.resolve("full@16"), "model.safetensors")
+        place["full"] = full
 
-    code, again = worker(root, "resume", url=url)
+    code, again = worker(spec, "resume")
     assert code == 0
-    crash = again["crash"]
-    assert crash["resumed_at"] == 8
-    assert losses(crash) == {s: full[s] for s in range(8, 16)}  # bit-exact: weights, optimizer, loops, RNG
-    resumed = again["full"]
-    assert resumed["fell_back"] and resumed["resumed_at"] == 12  # the corrupt step 16 was skipped
-    assert losses(resumed) == {s: full[s] for s in range(12, 16)}
-    with Registry.open(url=url, root=root) as reg:
-        assert reg.catalog.get("full", 16).status == "verified"  # type: ignore[union-attr] - retrained, replaced
-        assert "corrupt" in [e.kind for e in reg.events("full", step=16)]
-        assert set(steps(reg, "full")) == set(full_live)  # the other run's retention never touched it
+    for place in places:
+        full, done = place["full"], again[place["name"]]
+        crash = done["crash"]
+        assert crash["resumed_at"] == 8
+        assert losses(crash) == {s: full[s] for s in range(8, 16)}  # bit-exact: weights, optimizer, loops, RNG
+        resumed = done["full"]
+        assert resumed["fell_back"] and resumed["resumed_at"] == 12  # the corrupt step 16 was skipped
+        assert losses(resumed) == {s: full[s] for s in range(12, 16)}
+        with Registry.open(url=place["url"], root=place["root"]) as reg:
+            assert reg.catalog.get("full", 16).status == "verified"  # type: ignore[union-attr] - retrained, replaced
+            assert "corrupt" in [e.kind for e in reg.events("full", step=16)]
+            assert set(steps(reg, "full")) == set(full_live[place["name"]])  # the other run's retention: untouched
 
 
 def test_ddp_rank_zero_publishes_and_every_rank_resumes_the_same_step(tmp_path: Path) -> None:
