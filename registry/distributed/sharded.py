@@ -63,7 +63,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -89,6 +89,9 @@ from registry.pools import Pool
 from registry.records import CheckpointInfo, Fallback
 from registry.format.refs import Ref
 from registry.roots.shards import Shards
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
 
 
 _CHECKS = Pool(1, "registry-sharded-check")
@@ -248,14 +251,16 @@ class ShardedLoad:
 class _Plan:
     """What rank 0 sends: the step, ``where`` its nearest copy is read (:meth:`Shards.locate`), and on a root
     whose steps have several copies (``several``, a root with tiers) its durable copy's ``where``, for ranks whose
-    host holds no directory of it."""
+    host holds no directory of it. ``metadata``: the step's DCP ``.metadata``, its bytes checked against the manifest
+    and unpickled once, here, by the restricted unpickler (slow: pure Python); the other ranks get the records it
+    built, checked, from rank 0 of their own job."""
 
     info: CheckpointInfo
     where: Path
     several: bool
     durable: Path | None
     manifest_raw: bytes
-    metadata_raw: bytes
+    metadata: Metadata
     meta: dict[str, Any]
     config: dict[str, Any]
     notes: tuple[str, ...]
@@ -319,8 +324,8 @@ def _read_plan(judge: _Judge, shards: Shards) -> _Plan:
             if manifest.layout is None:
                 raise InvalidStateError(f"{info.run}@{info.step} is not a sharded checkpoint; load it with "
                                         "Registry.load", run=info.run, step=info.step, path=info.path)
-            metadata_raw = bytes(host_view(shards.read(where, DCP_METADATA)))
-            checked_metadata(where, manifest, metadata_raw)  # the sha256 check, before anyone unpickles
+            # the sha256 check, then the one (slow, restricted) unpickling: every rank is sent the records
+            metadata = checked_metadata(where, manifest, bytes(host_view(shards.read(where, DCP_METADATA))))
             meta = json_object(shards.read(where, META), where / META) if META in manifest.files else {}
             config = (json_object(shards.read(where, CONFIG), where / CONFIG) if CONFIG in manifest.files
                       else {})
@@ -330,7 +335,7 @@ def _read_plan(judge: _Judge, shards: Shards) -> _Plan:
         notes = tuple(read.notes)
         read.notes.clear()
         return _Plan(info=info, where=where, several=copies.several, durable=far, manifest_raw=manifest_raw,
-                     metadata_raw=metadata_raw, meta=meta, config=config, notes=notes, fallback=read.record(info))
+                     metadata=metadata, meta=meta, config=config, notes=notes, fallback=read.record(info))
 
 
 def load_sharded(comm: Comm | Solo, access: Access | None, ref: Ref | None, asked_for: str, state: Any, *,
@@ -372,7 +377,7 @@ def load_sharded(comm: Comm | Solo, access: Access | None, ref: Ref | None, aske
             # the check runs while DCP reads, unless a full unpickler would meet bytes not yet checked
             overlap = bool(share) and not trust_pickle
 
-            md, mine = status(partial(_check_plan, here, directory, manifest, plan.metadata_raw,
+            md, mine = status(partial(_check_plan, here, directory, manifest, plan.metadata,
                                        share if not overlap else []), comm.rank)
             if settle(comm, judge, mine, "agreeing on the checksums"):
                 continue
@@ -422,13 +427,13 @@ def _no_copy(comm: Comm | Solo, plan: _Plan) -> Failure | None:
                                   run=info.run, step=info.step, path=info.path), 0)
 
 
-def _check_plan(shards: Shards, directory: Path, manifest: Manifest, metadata_raw: bytes,
+def _check_plan(shards: Shards, directory: Path, manifest: Manifest, metadata: Any,
                 share: list[tuple[str, int]]) -> Any:
-    """The step's checked ``.metadata``, and this rank's share of the pieces when they are checked up front."""
-    md = checked_metadata(directory, manifest, metadata_raw)
+    """The step's ``.metadata`` (rank 0's, checked), and this rank's share of the pieces when they are checked up
+    front."""
     if share:
         shards.check(directory, manifest, share)
-    return md
+    return metadata
 
 
 def _load_checked(comm: Comm | Solo, shards: Shards, info: CheckpointInfo, directory: Path, md: Any,
