@@ -1071,6 +1071,11 @@ class Registry:
         from registry.ops.export import materialize
         return materialize(self._reader(), parse_ref(ref), Path(dest).absolute())
 
+    def _materialize_traced(self, ref: str, dest: Path) -> tuple[Path, str]:
+        """:meth:`materialize`, and the copy it read (a policy consumer's load records it as its source)."""
+        from registry.ops.export import materialize_traced
+        return materialize_traced(self._reader(), parse_ref(ref), Path(dest).absolute())
+
     def fold(self, run: str, a: int, b: int) -> FoldInfo:
         """A delta from policy version ``a`` of ``run`` to version ``b``, checked against ``b``'s digest and stored
         under the run's ``.policy-folds/`` (for a consumer that holds ``a``); see :mod:`registry.ops.policy`."""
@@ -1302,7 +1307,7 @@ class Registry:
             cache_dir = self.root.local_dir / POLICY_CACHE
         return Subscription(self._consumers(), run, consumer, ttl=ttl, host=host,
                             cache_dir=None if cache_dir is None else Path(cache_dir),
-                            materialize=lambda ref, dest: self.materialize(ref, dest), source=self.root_url)
+                            materialize=self._materialize_traced, source=self.root_url)
 
     def policy_lag(self, run: str) -> PolicyLag:
         """How far ``run``'s live policy consumers lag behind its newest verified version (``PolicyLag``)."""

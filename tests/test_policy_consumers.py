@@ -436,3 +436,33 @@ def test_retention_with_a_consumer_serving_a_marker(reg: Registry) -> None:
         assert served.applied_at is not None and served.released_at is None
         assert reg.prune_policy_loads(RUN, older_than=timedelta(0)) == 1  # the released load of 1, not the marker's
         assert [x.version for x in reg.loads(RUN)] == [2]
+
+
+def test_a_load_records_the_copy_it_read_or_the_hosts_copy(reg: Registry) -> None:
+    step = _publish(reg, 0)
+    with reg.subscribe(RUN, consumer="first", ttl=60) as a, reg.subscribe(RUN, consumer="second", ttl=60) as b:
+        next(a.versions(timeout=0)).materialize()
+        next(b.versions(timeout=0)).materialize()
+    sources = {x.consumer: x.source for x in reg.loads(RUN)}
+    assert sources == {"first": str(reg.resolve(f"{RUN}@{step}").path), "second": HOST_CACHE}
+
+
+def test_on_a_tiered_root_a_load_records_the_fast_copy_or_the_download_of_the_durable_one(
+        treg: Registry, migrated_url: str, durable: str, tmp_path: Path) -> None:
+    from registry.ops.tiercache import cache_relpath
+    step = _publish(treg, 0)
+    copy = treg.wait_durable(RUN, step, timeout=60)
+    info = treg.resolve(f"{RUN}@{step}")
+    with treg.subscribe(RUN, consumer="on-a", ttl=60, host="a") as sub:
+        next(sub.versions(timeout=0)).materialize()
+    host_b = tmp_path / "host-b"  # shares the catalog and the durable tier; holds no fast copy of the step
+    with Registry.open(migrated_url, root=host_b, durable=durable) as b:
+        with b.subscribe(RUN, consumer="on-b", ttl=60, host="b") as sub:
+            path = next(sub.versions(timeout=0)).materialize()
+        assert (path / "model.safetensors").is_file()
+        sources = {x.consumer: x.source for x in b.loads(RUN)}
+    assert sources == {"on-a": str(info.path), "on-b": str(host_b / cache_relpath(info))}
+    # a reader that keeps no cache on its host reads a download of the durable copy: its URL is what it read
+    with Registry.open(migrated_url, root=tmp_path / "host-c", durable=durable, read_only=True) as c:
+        _, where = c._materialize_traced(f"{RUN}@{step}", tmp_path / "out")
+    assert treg.tiers is not None and where == treg.tiers.durable.url(copy.path) != treg.root_url

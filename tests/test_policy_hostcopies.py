@@ -48,4 +48,5 @@ def test_a_new_version_is_built_from_the_hosts_older_copy_and_leaves_it_as_it_wa
     assert all(torch.equal(got[k].view(torch.uint8), t.view(torch.uint8)) for k, t in version(2).items())
     (load,) = reg.loads(RUN, policy_version=2)
     assert load.verified and load.bytes_fetched > 0 and load.source != HOST_CACHE
+    assert load.source == str(reg.resolve(f"{RUN}@20").path)  # the delta's copy: the chain's last link
     assert reg.resolve(f"{RUN}@0").status == Status.VERIFIED  # never read: nothing condemned it

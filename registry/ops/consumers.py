@@ -366,7 +366,7 @@ class Subscription:
         self.cache_dir = cache_dir
         self._hub = hub
         self._materialize = materialize
-        self._source = source
+        self._source = source  # a failed load's source: the root it was read through (no copy was read whole)
         self.heartbeating = True
         self._closed = False
         self._last_version: int | None = None
@@ -527,7 +527,7 @@ class Lease:
         consumers = self._sub._hub.consumers
         try:
             path, source, fetched = host_copy(self._sub.cache_dir, self.run, self.policy_version, self.step,
-                                               self._sub._materialize, self._sub._source)
+                                               self._sub._materialize)
         except (RegistryError, OSError) as exc:
             consumers.fetched(self.load.id, source=self._sub._source, bytes_fetched=0, fetched_at=None,
                               verified=False, error=f"{type(exc).__name__}: {exc}")

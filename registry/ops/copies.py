@@ -50,8 +50,9 @@ class Copies(Protocol):
         """:attr:`tiers`, or the root's one-line refusal of ``what``, which needs them."""
 
     def load(self, info: CheckpointInfo, *, verify: bool, map_location: Any, trust_pickle: bool,
-             extras: Extras) -> Loaded:
-        """The placed step's tensors from its nearest verified copy, matched against the catalog's digest."""
+             extras: Extras, on_read: Callable[[str], None] | None = None) -> Loaded:
+        """The placed step's tensors from its nearest verified copy, matched against the catalog's digest;
+        ``on_read`` is told which copy that was (a directory of this host, else the copy's URL)."""
 
     def nearest(self, info: CheckpointInfo, read: Callable[[Path, bool], T], *, verify: bool) -> T:
         """``read(directory, check)`` of the directory of this host nearest to the step's payload; ``read`` raises
@@ -90,9 +91,12 @@ class OneCopy:
         raise refusal(self.home, "tiers", what)
 
     def load(self, info: CheckpointInfo, *, verify: bool, map_location: Any, trust_pickle: bool,
-             extras: Extras) -> Loaded:
-        return self.home.read(info, verify=verify, trust_pickle=trust_pickle, map_location=map_location,
-                              extras=extras)
+             extras: Extras, on_read: Callable[[str], None] | None = None) -> Loaded:
+        loaded = self.home.read(info, verify=verify, trust_pickle=trust_pickle, map_location=map_location,
+                                extras=extras)
+        if on_read is not None:
+            on_read(info.url or str(info.path))
+        return loaded
 
     def nearest(self, info: CheckpointInfo, read: Callable[[Path, bool], T], *, verify: bool) -> T:
         return read(info.path, verify)
@@ -129,10 +133,15 @@ class HostCopies:
         return self.tiers
 
     def load(self, info: CheckpointInfo, *, verify: bool, map_location: Any, trust_pickle: bool,
-             extras: Extras) -> Loaded:
+             extras: Extras, on_read: Callable[[str], None] | None = None) -> Loaded:
         from registry.ops.tiers import read_nearest
+
+        def read_from(directory: Path) -> None:
+            if on_read is not None:  # a temporary download of the durable copy is gone once read: name that copy
+                fast = directory.is_relative_to(self.tiers.fast.root)
+                on_read(str(directory) if fast else self.located(info).url or str(directory))
         return read_nearest(self.tiers, self.catalog, info, verify=verify, map_location=map_location,
-                            trust_pickle=trust_pickle, extras=extras, holder=self.holder)
+                            trust_pickle=trust_pickle, extras=extras, holder=self.holder, on_read=read_from)
 
     def nearest(self, info: CheckpointInfo, read: Callable[[Path, bool], T], *, verify: bool) -> T:
         from registry.ops.tiers import nearest
@@ -166,6 +175,56 @@ class HostCopies:
         return local_copy(self.tiers, self.catalog, info, holder=self.holder)
 
 
+class Traced:
+    """:class:`Copies` that remember which copy each step's bytes were last read from (:attr:`read`; see
+    :meth:`Copies.load`'s ``on_read``). Everything else is the wrapped copies' own."""
+
+    def __init__(self, inner: Copies) -> None:
+        self.inner = inner
+        self.read: dict[tuple[str, int], str] = {}
+
+    @property
+    def several(self) -> bool:
+        return self.inner.several
+
+    @property
+    def tiers(self) -> Tiers | None:
+        return self.inner.tiers
+
+    def tiered(self, what: str) -> Tiers:
+        return self.inner.tiered(what)
+
+    def load(self, info: CheckpointInfo, *, verify: bool, map_location: Any, trust_pickle: bool,
+             extras: Extras, on_read: Callable[[str], None] | None = None) -> Loaded:
+        def record(where: str) -> None:
+            self.read[(info.run, info.step)] = where
+            if on_read is not None:
+                on_read(where)
+        return self.inner.load(info, verify=verify, map_location=map_location, trust_pickle=trust_pickle,
+                               extras=extras, on_read=record)
+
+    def nearest(self, info: CheckpointInfo, read: Callable[[Path, bool], T], *, verify: bool) -> T:
+        return self.inner.nearest(info, read, verify=verify)
+
+    def mapped(self, info: CheckpointInfo, read: Callable[[Path, bool], T], *, verify: bool, fast: bool) -> T:
+        return self.inner.mapped(info, read, verify=verify, fast=fast)
+
+    def condemn(self, info: CheckpointInfo, digest: str, reason: str) -> bool:
+        return self.inner.condemn(info, digest, reason)
+
+    def restore(self, info: CheckpointInfo, digest: str) -> None:
+        self.inner.restore(info, digest)
+
+    def holds(self, info: CheckpointInfo) -> bool:
+        return self.inner.holds(info)
+
+    def located(self, info: CheckpointInfo) -> CheckpointInfo:
+        return self.inner.located(info)
+
+    def local(self, info: CheckpointInfo) -> CheckpointInfo:
+        return self.inner.local(info)
+
+
 def copies_of(root: Root, catalog: Catalog, *, holder: str) -> Copies:
     """The :class:`Copies` of ``root``: the one place a reader's behaviour is chosen by the kind of root."""
     tiered = root.tiered()
@@ -176,4 +235,4 @@ def copies_of(root: Root, catalog: Catalog, *, holder: str) -> Copies:
     return HostCopies(tiers, catalog, holder)
 
 
-__all__ = ["Copies", "HostCopies", "OneCopy", "copies_of"]
+__all__ = ["Copies", "HostCopies", "OneCopy", "Traced", "copies_of"]

@@ -388,6 +388,22 @@ def materialize(access: ReadAccess, ref: Ref, dest: Path) -> Path:
     corrupt ``@latest``/``@latest-policy`` falling back), then checked against
     the version's ``full_sha256`` before it replaces what ``dest`` held.
     """
+    return materialize_traced(access, ref, dest)[0]
+
+
+def materialize_traced(access: ReadAccess, ref: Ref, dest: Path) -> tuple[Path, str]:
+    """:func:`materialize`, and the copy the step's own bytes were read from (:class:`registry.ops.copies.Traced`:
+    a directory, this host's cached download of a durable copy, or an ``s3://`` URL). For a delta step that is
+    the copy of its delta, the chain's last link; the earlier links are read from their own nearest copies, or
+    not at all when ``dest`` held an earlier version."""
+    from registry.ops.copies import Traced
+    traced = Traced(access.copies)
+    access = replace(access, copies=traced)
+    written, info = _materialize(access, ref, dest)
+    return written, traced.read[(info.run, info.step)]
+
+
+def _materialize(access: ReadAccess, ref: Ref, dest: Path) -> tuple[Path, CheckpointInfo]:
     from registry.ops.hostcopies import POLICY_CACHE
     from registry.ops.materialize import full_digest, held_digest, held_in, materialize_patched, write_full
     from registry.ops.policy import Held, read_rebuilt
@@ -412,7 +428,7 @@ def materialize(access: ReadAccess, ref: Ref, dest: Path) -> Path:
                 if patched is not None:
                     read.release()
                     report(read.record(info))
-                    return patched
+                    return patched, info
                 hint = None
                 if held is None:
                     held = held_in(dest)
@@ -432,10 +448,10 @@ def materialize(access: ReadAccess, ref: Ref, dest: Path) -> Path:
                                  unchanged=held is not None and held[0] == expected)
             read.release()
             report(read.record(info))
-            return written
+            return written, info
     finally:
         read.release()
 
 
 __all__ = ["Checkout", "Exported", "FORMATS", "check_checkout_dest", "check_dest", "check_format",
-           "checkout", "export", "materialize"]
+           "checkout", "export", "materialize", "materialize_traced"]

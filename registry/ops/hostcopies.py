@@ -25,13 +25,15 @@ from registry.format.layout import REGISTRY_DIR
 POLICY_CACHE = f"{REGISTRY_DIR}/policy"  # a host's copies of policy versions, under its local root
 HOST_CACHE = "host-cache"  # a load's source when this host already had the version
 
-#: ``Registry.materialize(ref, dest) -> Path``: writes a policy version's full weights into ``dest``, checked
-Materialize = Callable[[str, Path], Path]
+#: ``(ref, dest) -> (dest, where)``: writes a policy version's full weights into ``dest``, checked, as
+#: ``Registry.materialize`` does; ``where`` names the copy its bytes were read from
+#: (:func:`registry.ops.export.materialize_traced`)
+Materialize = Callable[[str, Path], tuple[Path, str]]
 
 
-def host_copy(cache: Path, run: str, version: int, step: int, materialize: Materialize,
-               source: str) -> tuple[Path, str, int]:
-    """``<cache>/<run>/v<version>``, filled once per host: (its path, its source, bytes fetched now)."""
+def host_copy(cache: Path, run: str, version: int, step: int, materialize: Materialize) -> tuple[Path, str, int]:
+    """``<cache>/<run>/v<version>``, filled once per host: (its path, its source, bytes fetched now). The source
+    is the copy it was filled from, or ``host-cache`` when the host had it already."""
     base = cache / run
     base.mkdir(parents=True, exist_ok=True)
     final = base / f"v{version}"
@@ -44,7 +46,7 @@ def host_copy(cache: Path, run: str, version: int, step: int, materialize: Mater
             staging = Path(tempfile.mkdtemp(prefix=f".v{version}.tmp-", dir=base))
             try:
                 seeded = _seed(base, version, staging)
-                materialize(f"{run}@{step}", staging)
+                _, source = materialize(f"{run}@{step}", staging)
                 fetched = sum(p.stat().st_size for p in staging.rglob("*") if p.is_file() and p.stat().st_ino != seeded)
                 done.unlink(missing_ok=True)
                 if final.exists():  # a stale copy (the version's step was published again)

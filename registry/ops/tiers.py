@@ -187,11 +187,16 @@ def _not_durable_yet(tiers: Tiers, info: CheckpointInfo) -> NoCopyError:
 
 
 def read_nearest(tiers: Tiers, catalog: Catalog, info: CheckpointInfo, *, verify: bool, map_location: Any,
-                 trust_pickle: bool, extras: Extras, holder: str) -> Loaded:
-    """Read ``info`` (placed under the fast root) from the nearest verified copy (see :func:`nearest`)."""
+                 trust_pickle: bool, extras: Extras, holder: str,
+                 on_read: Callable[[Path], None] | None = None) -> Loaded:
+    """Read ``info`` (placed under the fast root) from the nearest verified copy (see :func:`nearest`);
+    ``on_read(directory)`` once it was read from there."""
     def read(directory: Path, check: bool) -> Loaded:
-        return read_directory(directory, verify=check, trust_pickle=trust_pickle, map_location=map_location,
-                              extras=extras, expected_digest=info.manifest_sha256)
+        loaded = read_directory(directory, verify=check, trust_pickle=trust_pickle, map_location=map_location,
+                                extras=extras, expected_digest=info.manifest_sha256)
+        if on_read is not None:
+            on_read(directory)
+        return loaded
 
     return nearest(tiers, catalog, info, read, verify=verify, holder=holder)
 
