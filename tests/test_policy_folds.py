@@ -184,3 +184,17 @@ def test_retention_on_a_tiered_root_deletes_the_durable_fold(treg: Registry) -> 
     for tier in ("fast", "durable"):
         treg.plan_tier_retention("rl", KeepLast(1), tier=tier).execute()
     assert _statuses(treg) == [(20, 40, "deleted")] and _stored(treg) == []
+
+
+def test_fsck_on_a_tiered_root_finds_an_orphan_fold_on_the_durable_tier(treg: Registry) -> None:
+    """A fold object on the durable tier that no row names (its write died before its row) is an ``orphan-fold``
+    of the tiered root's fsck, removed by ``--repair``; a usable fold is left alone."""
+    _publish_four(treg, 50)
+    treg.fold("rl", 2, 4)
+    treg.root.aside().put("rl/.policy-folds/30-40.delta.safetensors", b"half a fold")
+    report = treg.fsck()
+    assert ("orphan-fold", 30) in _kinds(report)
+    assert [p.url for p in report.problems if p.kind == "orphan-fold"] == [
+        treg.root.tiered().durable.url + "/rl/.policy-folds/30-40.delta.safetensors"]  # type: ignore[union-attr]
+    treg.fsck(repair=True)
+    assert _stored(treg) == [FOLD] and not [p for p in treg.fsck().problems if p.kind == "orphan-fold"]

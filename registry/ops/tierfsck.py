@@ -58,13 +58,14 @@ from registry.format.layout import parse_attempt_key, parse_hidden
 from registry.fs import multipart
 from registry.fs.prefixes import AttemptPrefix, check_objects, read_manifest, remove_prefix, scan
 from registry.fs.removal import manifest_digest, remove_checkpoint_dir
-from registry.ops.fsck import run_fsck
+from registry.ops.fsck import check_folds, run_fsck
 from registry.ops.replicator import Replicator
 from registry.ops.tiercache import (abandoned_downloads, evict_cached_copy, record_cached_copy,
                                     remove_abandoned_download, stale_cached_copies)
 from registry.ops.tiers import Tiers, mark_fast_copy, read_local
 from registry.ops.verdicts import FsckPass, FsckReport, damage_again, one_line
 from registry.ops.writers import writer_alive
+from registry.roots.aside import ObjectAside
 from registry.progress import ProgressFn
 from registry.records import LIVE, Status
 
@@ -249,6 +250,11 @@ class TierFsck(FsckPass):
                                 "verified, with no durable copy yet (queued for replication)")
                 if p is not None:
                     waiting.append((p, q))
+        try:  # a run's policy folds live on the durable tier (see registry.roots.tiered)
+            runs = sorted({c.run for c, *_ in rows} | {found.run for found in prefixes.values()})
+            check_folds(self, ObjectAside(durable), runs, where=lambda rel: (Path(rel), durable.url(rel)))
+        except OSError as exc:  # the durable tier's trouble: no verdict
+            self.failures.append(f"policy folds on the durable tier: cannot check: {one_line(exc)}")
         if self.repair and (waiting or self.requeued) and self.replicator is not None:
             try:
                 self.replicator.drain()
