@@ -1,15 +1,15 @@
 """A child process for the Lightning tests: a tiny regression model, trained on the CPU.
 
-``python tests/_lightning_worker.py ROOT first``: trains run ``full`` for four
-epochs, then run ``crash``, which SIGKILLs itself right after epoch 2's
-publish committed. ``... ROOT resume``: resumes ``crash`` from
-``registry:crash@latest`` and ``full`` (whose newest step the test corrupted).
-``... ROOT ddp``: one rank of a two-rank gloo job (the test sets the
-environment) that trains, then resumes from the registry. ``... ROOT
-fsdp-first`` / ``fsdp-resume``: one rank of a two-rank FSDP2 job
-(``ModelParallelStrategy``) that does the same as ``first`` / ``resume`` for
-runs ``shard-full`` and ``shard-crash``; with a JSON file of roots instead of ROOT, on each of them in turn
-(see ``roots_one_process``). Each prints JSON lines of results.
+``python tests/_lightning_worker.py PLACES.json first``: on each root of the
+JSON list (see ``roots_one_process``), trains run ``full`` for four epochs;
+then run ``crash`` on each, which ends right after epoch 2's publish
+committed, SIGKILLing itself there on the last root. ``... PLACES.json
+resume``: resumes ``crash`` from ``registry:crash@latest`` and ``full`` (whose
+newest step the test corrupted) on each. ``fsdp-first`` / ``fsdp-resume``: the
+same for runs ``shard-full`` and ``shard-crash``, as one rank of a two-rank
+FSDP2 job (``ModelParallelStrategy``; the test sets the environment). ``...
+ROOT ddp``: one rank of a two-rank gloo job that trains, then resumes from the
+registry. Each prints JSON lines of results.
 """
 
 from __future__ import annotations
@@ -131,31 +131,13 @@ def fit_sharded(reg: Registry, run: str, *, kill: int | None = None, stop: bool 
 
 
 def main(root: str, mode: str) -> None:
-    if root.endswith(".json"):
-        roots_one_process(root, mode)
-        return
-    if mode == "fsdp-first":
-        with Registry.open(root=root) as reg:
-            print(json.dumps({"full": fit_sharded(reg, "shard-full")}), flush=True)
-            fit_sharded(reg, "shard-crash", kill=1)
-        return
-    if mode == "fsdp-resume":
-        with Registry.open(root=root) as reg:
-            crash = fit_sharded(reg, "shard-crash")
-            print(json.dumps({"crash": crash, "full": fit_sharded(reg, "shard-full")}), flush=True)
-        return
     if mode == "ddp":
         with Registry.open(root=root) as reg:
             first = fit(reg, "ddp", epochs=2, devices=2, strategy="ddp")
             again = fit(reg, "ddp", epochs=3, devices=2, strategy="ddp")
             print(json.dumps({"first": first, "again": again}), flush=True)
         return
-    with Registry.open(root=root) as reg:
-        if mode == "first":
-            print(json.dumps({"full": fit(reg, "full")}), flush=True)
-            fit(reg, "crash", kill=1)
-        else:
-            print(json.dumps({"crash": fit(reg, "crash"), "full": fit(reg, "full")}), flush=True)
+    roots_one_process(root, mode)
 
 
 def roots_one_process(spec: str, mode: str) -> None:
