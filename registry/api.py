@@ -37,7 +37,8 @@ from registry.fs.store import Store, now_timestamp
 from registry.roots.base import Root
 from registry.roots.open import locate, locations
 from registry.ops.writers import close_writer, open_writer, writer_alive, writer_id
-from registry.fs.validation import check_flags, check_full_every, check_metrics, check_tags, checked_payload
+from registry.fs.validation import (check_flags, check_full_every, check_keep_days, check_metrics, check_tags,
+                                     checked_payload)
 
 if TYPE_CHECKING:  # and what only some methods use, imported there: a CLI listing never loads or publishes
     from registry.fs.payloadfiles import Payload, Written
@@ -179,9 +180,10 @@ class Registry:
 
     def __init__(self, *, catalog: Catalog, root: Root, url: str,
                  lease_ttl: timedelta = timedelta(minutes=30), read_only: bool = False, dedup: bool = False,
-                 full_every: int = 8) -> None:
+                 full_every: int = 8, policy_loads_keep_days: float = 30.0) -> None:
         self.catalog = catalog
         self.full_every = full_every  # a policy channel publish under delta="auto" stores a full every N versions
+        self.policy_loads_keep_days = policy_loads_keep_days  # how long the policy load audit keeps ended loads
         self._policy_cache_made: PolicyCache | None = None
         self.root = root  # where payloads live: a directory, s3://, or a fast directory over a durable tier
         self._replicator: Replicator | None = None
@@ -221,7 +223,7 @@ class Registry:
              migrate: bool = True, lease_ttl: timedelta = timedelta(minutes=30), create: bool = True,
              read_only: bool = False, rebind_root: bool = False, dedup: bool = False,
              storage_options: Mapping[str, Any] | None = None, durable: str | None = None,
-             full_every: int = 8) -> Registry:
+             full_every: int = 8, policy_loads_keep_days: float = 30.0) -> Registry:
         """Open the catalog and the root, and check that they belong together.
 
         ``root`` defaults to ``$REGISTRY_ROOT`` or ``./checkpoints``; ``url`` to
@@ -259,11 +261,15 @@ class Registry:
 
         ``full_every``: a policy publish with ``delta="auto"`` stores a full
         every that many versions, so no delta chain grows longer (default 8).
+        ``policy_loads_keep_days``: how long the policy channel's audit of
+        consumers' loads keeps a load that ended and protects nothing (its
+        consumers' processes forget older ones about once an hour; default 30).
         """
         from registry.catalog.session import cannot_write
 
         check_flags(dedup=dedup)
         full_every = check_full_every(full_every)
+        policy_loads_keep_days = check_keep_days(policy_loads_keep_days)
         located, url = locations(url, root)
         read_only = read_only or cannot_write(url)
         opening = locate(located, durable, storage_options=storage_options, create=create, read_only=read_only,
@@ -293,7 +299,7 @@ class Registry:
             raise
         opening.announce()
         reg = cls(catalog=catalog, root=built, url=url, lease_ttl=lease_ttl, read_only=read_only,
-                  dedup=bool(dedup), full_every=full_every)
+                  dedup=bool(dedup), full_every=full_every, policy_loads_keep_days=policy_loads_keep_days)
         if built.can.tiers and create and not read_only:
             reg._replication().kick()  # a queue left by an earlier process (killed, or its tier was down)
         return reg
@@ -1284,7 +1290,7 @@ class Registry:
                 raise InvalidStateError("this registry is closed")
             if self._consumer_hub is None:
                 from registry.ops.consumers import ConsumerHub
-                self._consumer_hub = ConsumerHub(self.catalog)
+                self._consumer_hub = ConsumerHub(self.catalog, keep_days=self.policy_loads_keep_days)
             return self._consumer_hub
 
     def subscribe(self, run: str, *, consumer: str, ttl: float = 120.0, host: str | None = None,

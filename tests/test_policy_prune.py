@@ -142,6 +142,23 @@ def test_a_hub_prunes_at_most_hourly(reg: Registry) -> None:
         sub.close()  # type: ignore[attr-defined]
 
 
+def test_registry_open_sets_how_long_loads_are_kept(reg: Registry) -> None:
+    subs = _fleet(reg)
+    _age_everything(reg)
+    _revive(reg, "A", "B")
+    with Registry.open(url=reg.url, root=reg.root_url, policy_loads_keep_days=50) as other:
+        assert other._consumers().prune_now_and_then() == 0  # 40 days old: kept for 50
+    assert len(_left(reg)) == 6
+    with Registry.open(url=reg.url, root=reg.root_url, policy_loads_keep_days=10) as other:
+        assert other._consumers().prune_now_and_then() == 3
+    assert len(_left(reg)) == 3
+    for bad in (-1, float("nan"), float("inf"), True, "30"):
+        with pytest.raises(InvalidStateError, match="keep_days"):
+            Registry.open(url=reg.url, root=reg.root_url, policy_loads_keep_days=bad)  # type: ignore[arg-type]
+    for sub in subs:
+        sub.close()  # type: ignore[attr-defined]
+
+
 def test_the_heartbeat_thread_prunes_with_the_default_keep_days(reg: Registry) -> None:
     for sub in _fleet(reg):
         sub.close()  # type: ignore[attr-defined]

@@ -81,6 +81,13 @@ def check_full_every(full_every: object) -> int:
     return full_every
 
 
+def check_keep_days(days: object) -> float:
+    """A number of days a log keeps what it may forget (``Registry.open(policy_loads_keep_days=...)``)."""
+    if isinstance(days, bool) or not isinstance(days, (int, float)) or not days >= 0 or days == float("inf"):
+        raise InvalidStateError(f"keep_days must be a finite number of days >= 0, got {days!r}")
+    return float(days)
+
+
 def check_tags(tags: object) -> tuple[str, ...]:
     """Tag names, each checked; a lone string is refused rather than read as one tag per character."""
     if isinstance(tags, (str, bytes)):

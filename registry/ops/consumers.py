@@ -51,6 +51,7 @@ from registry.catalog.consumers import APPLIED, ConsumersCatalog, LeasableVersio
 from registry.catalog.session import utcnow
 from registry.errors import CheckpointNotFoundError, InvalidStateError, LagTimeoutError, RegistryError
 from registry.format.refs import check_run_name
+from registry.fs.validation import check_keep_days
 from registry.ops.follow import PG_RECHECK_S, POLL_MAX_S, POLL_MIN_S, _Listener
 from registry.ops.hostcopies import POLICY_CACHE, Materialize, host_copy, prune_host_copies
 from registry.records import LoadInfo, PolicyLag
@@ -92,11 +93,9 @@ class ConsumerHub:
     """
 
     def __init__(self, catalog: Catalog, *, keep_days: float = KEEP_DAYS) -> None:
-        if isinstance(keep_days, bool) or not isinstance(keep_days, (int, float)) or not keep_days >= 0:
-            raise InvalidStateError(f"keep_days must be a number of days >= 0, got {keep_days!r}")
         self.catalog = catalog
         self.consumers = ConsumersCatalog(catalog)
-        self.keep_days = float(keep_days)
+        self.keep_days = check_keep_days(keep_days)
         self._pruned_at: float | None = None
         self._lock = threading.Condition()
         self._subs: dict[int, Subscription] = {}
@@ -209,6 +208,17 @@ class ConsumerHub:
             for run in runs:
                 key = (run, topic)
                 self._generations[key] = self._generations.get(key, 0) + 1
+            followed = {sub.run for sub in self._subs.values()} if topic == "steps" else set()
+        # The listener reads the newest version itself before it wakes anyone: a process's consumers, woken
+        # first, would all be runnable at once and the one thread that queries would wait its turn for the GIL
+        # behind them. Woken after, they find the answer cached for this generation.
+        for run in runs:
+            if run in followed:
+                try:
+                    self.newest(run, time.monotonic())
+                except Exception as exc:  # noqa: BLE001 - the consumers woken below query for themselves
+                    log.debug("reading the newest version of %s after a notification failed: %s", run, exc)
+        with self._lock:
             self._lock.notify_all()
 
     def generation(self, run: str, topic: str) -> int:
