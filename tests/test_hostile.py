@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import registry.format.safetensors as safetensors_mod
-from registry import (Checkpoint, CorruptCheckpointError, ManifestError, Registry, RegistryError,
+from registry import (Checkpoint, CorruptCheckpointError, DcpMetadataError, ManifestError, Registry, RegistryError,
                       SafetensorsFormatError, UnsafePathError, UnsafePickleError)
 from registry.format.manifest import check_file_name, parse_manifest, read_manifest
 from registry.format.pieces import MIN_PIECE_SIZE, piece_count
@@ -757,23 +757,59 @@ def test_code_running_dcp_metadata_never_runs(sqlite_reg: Registry, tmp_path: Pa
     assert marker.exists()  # the payload was armed: the refusal is what protected us
 
 
-def test_dcp_metadata_cannot_set_attributes_on_an_admitted_class() -> None:
-    """BUILD on a class object (not an instance) would change the class for the whole process."""
+def _global(module: str, name: str) -> bytes:
+    return b"c" + module.encode() + b"\n" + name.encode() + b"\n"
+
+
+def _pwned_build() -> bytes:
+    """``(None, {"pwned_": 1})`` then BUILD: set ``pwned_`` on whatever is on the stack, as a slot state."""
+    return b"N}X\x06\x00\x00\x00pwned_K\x01s\x86b."
+
+
+@pytest.mark.parametrize("target", ["record class", "enum member", "path class", "layout function"])
+def test_dcp_metadata_cannot_set_attributes_on_what_the_process_shares(target: str) -> None:
+    """BUILD on an object the unpickler hands out that the whole process shares (a class object, an enum
+    member, a function) would change it for every later user: each such global is refused as a target."""
+    import pathlib
+    import pickle
+
+    import torch.serialization
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING, Metadata
+
+    from registry.format.dcp_metadata import load_dcp_metadata
+    module = "torch.distributed.checkpoint.metadata"
+    raw, shared = {
+        "record class": (_global(module, "Metadata"), Metadata),
+        "enum member": (_global(module, "_MEM_FORMAT_ENCODING") + b"K\x00\x85R",
+                        _MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT),
+        "path class": (_global("pathlib", "PurePosixPath"), pathlib.PurePosixPath),
+        "layout function": (_global("torch.serialization", "_get_layout"), torch.serialization._get_layout),
+    }[target]
+    raw = b"\x80\x02" + raw + _pwned_build()
+    with pytest.raises((UnsafePickleError, DcpMetadataError)) as info:
+        load_dcp_metadata(raw)
+    assert_refusal(info.value, RegistryError)
+    assert not hasattr(shared, "pwned_")
+    try:
+        pickle.loads(raw)
+        assert shared.pwned_ == 1  # type: ignore[union-attr]  # the attack is real
+    finally:
+        if hasattr(shared, "pwned_"):
+            delattr(shared, "pwned_")
+
+
+def test_dcp_metadata_records_hold_only_their_fields() -> None:
+    """A record's state naming anything but its fields is refused, and what is checked has its real class."""
     import pickle
 
     from torch.distributed.checkpoint.metadata import Metadata
 
     from registry.format.dcp_metadata import load_dcp_metadata
-    # PROTO 2, GLOBAL Metadata, (None, {"pwned_": 1}), BUILD, STOP
-    raw = b"\x80\x02ctorch.distributed.checkpoint.metadata\nMetadata\nN}X\x06\x00\x00\x00pwned_K\x01s\x86b."
-    with pytest.raises(UnsafePickleError, match="state of a type"):
-        load_dcp_metadata(raw)
-    assert not hasattr(Metadata, "pwned_")
-    try:
-        pickle.loads(raw)
-        assert Metadata.pwned_ == 1  # type: ignore[attr-defined]  # the attack is real
-    finally:
-        del Metadata.pwned_  # type: ignore[attr-defined]
+    good = Metadata(state_dict_metadata={}, storage_data={})
+    assert type(load_dcp_metadata(pickle.dumps(good))) is Metadata
+    bad = pickle.dumps(good).replace(b"version", b"__class")
+    with pytest.raises(DcpMetadataError, match="not a complete DCP Metadata"):
+        load_dcp_metadata(bad)
 
 
 def test_every_dcp_metadata_truncation_is_refused(sqlite_reg: Registry, tmp_path: Path) -> None:

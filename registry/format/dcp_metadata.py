@@ -51,6 +51,59 @@ _RECORDS: tuple[type, ...] = (Metadata, TensorStorageMetadata, BytesStorageMetad
                               TensorProperties, MetadataIndex, StorageMeta, _StorageInfo)
 
 
+class _Sealed(type):
+    """The type of a shadow record class: nothing may be set on the class object itself.
+
+    A pickle can push any class it may name and then BUILD on the class object
+    (not an instance), which would set attributes on it for every later user
+    in the process. The unpickler hands out shadow subclasses of this type in
+    place of DCP's records, so such a BUILD fails; what it builds are fresh
+    instances, given their real class back once the load is done.
+    """
+
+    def __setattr__(cls, name: str, value: Any) -> None:
+        raise UnsafePickleError(f"refusing to set {str(name)[:100]} on the class {cls.__name__}")
+
+    def __delattr__(cls, name: str) -> None:
+        raise UnsafePickleError(f"refusing to delete {str(name)[:100]} from the class {cls.__name__}")
+
+
+_SHADOWS: dict[type, type] = {cls: _Sealed(cls.__name__, (cls,), {"__module__": __name__, "__slots__": ()})
+                              for cls in _RECORDS}
+_REAL: dict[type, type] = {shadow: cls for cls, shadow in _SHADOWS.items()}
+
+
+class _Factory:
+    """A global the unpickler hands out as a plain callable: slotted, so a BUILD aimed at it has nothing to set."""
+
+    __slots__ = ("_make",)
+    _make: Any
+
+    def __init__(self, make: Any) -> None:
+        object.__setattr__(self, "_make", make)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise UnsafePickleError("refusing to set an attribute of an unpickling factory")
+
+    def __call__(self, *args: Any) -> Any:
+        return self._make(*args)
+
+
+class _Encoding:
+    """A fresh stand-in for a ``_MEM_FORMAT_ENCODING`` member (shared by the process, so never handed to a
+    pickle to BUILD on): equal to that member, which is all ``TensorProperties.__setstate__`` asks of it."""
+
+    __slots__ = ("member",)
+
+    def __init__(self, value: Any) -> None:
+        self.member = _MEM_FORMAT_ENCODING(value)
+
+    def __eq__(self, other: object) -> bool:
+        return other is self.member
+
+    __hash__ = None  # type: ignore[assignment]
+
+
 def _layout(name: str) -> torch.layout:
     """``torch.serialization._get_layout``, but with the name checked first."""
     layout = _LAYOUTS.get(name) if isinstance(name, str) else None
@@ -59,27 +112,32 @@ def _layout(name: str) -> torch.layout:
     return layout
 
 
+def _path(cls: type[pathlib.PurePath]) -> _Factory:
+    def make(*parts: Any) -> pathlib.PurePath:
+        if not all(isinstance(p, str) for p in parts):
+            raise UnsafePickleError("a path whose parts are not strings")
+        return cls(*parts)
+    return _Factory(make)
+
+
 _LAYOUTS = {str(v): v for v in vars(torch).values() if isinstance(v, torch.layout)}
+# Every value is a shadow class, a factory, or a C object with no attributes to set (sizes, dtypes)
 _GLOBALS: dict[tuple[str, str], Any] = {
-    **{(cls.__module__, cls.__qualname__): cls for cls in (*_RECORDS, _MEM_FORMAT_ENCODING)},
+    **{(cls.__module__, cls.__qualname__): shadow for cls, shadow in _SHADOWS.items()},
+    (_MEM_FORMAT_ENCODING.__module__, _MEM_FORMAT_ENCODING.__qualname__): _Factory(_Encoding),
     ("torch", "Size"): torch.Size,
-    ("torch.serialization", "_get_layout"): _layout,
+    ("torch.serialization", "_get_layout"): _Factory(_layout),
     # StorageMeta.checkpoint_id: a path is only ever a name here, so a Windows one stays pure
-    ("pathlib", "PosixPath"): pathlib.PurePosixPath,
-    ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
-    ("pathlib", "WindowsPath"): pathlib.PureWindowsPath,
-    ("pathlib", "PureWindowsPath"): pathlib.PureWindowsPath,
+    ("pathlib", "PosixPath"): _path(pathlib.PurePosixPath),
+    ("pathlib", "PurePosixPath"): _path(pathlib.PurePosixPath),
+    ("pathlib", "WindowsPath"): _path(pathlib.PureWindowsPath),
+    ("pathlib", "PureWindowsPath"): _path(pathlib.PureWindowsPath),
     **{("torch", name): value for name, value in vars(torch).items() if isinstance(value, torch.dtype)},
 }
 
 
-class _Unpickler(pickle._Unpickler):
-    """The pure-Python unpickler, so BUILD can be checked: only DCP's records may be filled in.
-
-    ``find_class`` alone is not enough: BUILD on an admitted class object
-    (not an instance) would set attributes on the class itself, for every
-    later user in the process.
-    """
+class _Unpickler(pickle.Unpickler):
+    """The C unpickler, restricted to the globals above (see :class:`_Sealed` for why they are shadows)."""
 
     def find_class(self, module: str, name: str) -> Any:
         found = _GLOBALS.get((module, name))
@@ -90,17 +148,8 @@ class _Unpickler(pickle._Unpickler):
     def persistent_load(self, pid: Any) -> Any:
         raise UnsafePickleError("refusing a persistent id")
 
-    def load_build(self) -> None:
-        stack: list[Any] = self.stack  # type: ignore[attr-defined]
-        inst, state = stack[-2], stack[-1]
-        if type(inst) not in _RECORDS:
-            raise UnsafePickleError(f"refusing to set the state of a {type(inst).__name__}")
-        if type(inst) is not TensorProperties and not (
-                isinstance(state, dict) and all(isinstance(k, str) and not k.startswith("__") for k in state)):
-            raise UnsafePickleError(f"refusing a non-field state for a {type(inst).__name__}")
-        pickle._Unpickler.load_build(self)  # type: ignore[attr-defined]
 
-    dispatch = {**pickle._Unpickler.dispatch, pickle.BUILD[0]: load_build}  # type: ignore[dict-item]
+_FIELDS: dict[type, frozenset[str]] = {cls: frozenset(getattr(cls, "__dataclass_fields__", ())) for cls in _RECORDS}
 
 
 def _read(source: bytes | str | os.PathLike[str], named: Path | None) -> tuple[bytes, str]:
@@ -155,11 +204,23 @@ def _is_size(value: object) -> bool:
 
 
 def _record(obj: object, cls: type[_T]) -> TypeGuard[_T]:
-    """``obj`` is exactly a ``cls`` with every field set and no other attribute (pickle can leave any out)."""
-    if type(obj) is not cls:
-        return False
-    names = set(getattr(cls, "__dataclass_fields__", ()))
-    return set(vars(obj)) <= names and all(hasattr(obj, name) for name in names)
+    """``obj`` is exactly a ``cls`` with every field set and no other attribute (pickle can leave any out).
+
+    One the unpickler built (a shadow's instance, see :class:`_Sealed`) gets
+    its real class here: :func:`check_metadata` reaches every record, and
+    checks every field of each, so none is left a shadow.
+    """
+    kind = type(obj)
+    if kind is not cls:
+        if kind is not _SHADOWS.get(cls):
+            return False
+        object.__setattr__(obj, "__class__", cls)
+    names = _FIELDS.get(cls) or frozenset(getattr(cls, "__dataclass_fields__", ()))
+    return vars(obj).keys() <= names and all(hasattr(obj, name) for name in names)
+
+
+def _optional_str(value: object) -> bool:
+    return value is None or isinstance(value, str)
 
 
 def check_metadata(metadata: object, *, where: str, path: Path | None = None) -> None:
@@ -177,7 +238,7 @@ def check_metadata(metadata: object, *, where: str, path: Path | None = None) ->
     for fqn, entry in entries.items():
         if not isinstance(fqn, str):
             raise _bad(where, path, f"a key is a {type(fqn).__name__}, not a string")
-        if type(entry) is BytesStorageMetadata:
+        if _record(entry, BytesStorageMetadata):
             continue
         if not _record(entry, TensorStorageMetadata):
             raise _bad(where, path, f"{fqn[:200]!r} is not a complete tensor entry")
@@ -200,7 +261,8 @@ def check_metadata(metadata: object, *, where: str, path: Path | None = None) ->
         raise _bad(where, path, "storage_data is not a dict")
     for index, info in storage.items():
         if (not _record(index, MetadataIndex) or not isinstance(index.fqn, str) or index.fqn not in entries
-                or not (index.offset is None or _is_size(index.offset))):
+                or not (index.offset is None or _is_size(index.offset))
+                or not (index.index is None or _is_int(index.index))):
             raise _bad(where, path, "storage_data has an entry for no known state entry")
         if (not _record(info, _StorageInfo) or not _is_int(info.offset) or not _is_int(info.length)
                 or info.offset < 0 or info.length < 0):
@@ -218,7 +280,11 @@ def check_metadata(metadata: object, *, where: str, path: Path | None = None) ->
             isinstance(k, str) and isinstance(v, (tuple, list)) and all(isinstance(p, (str, int)) for p in v)
             for k, v in planner.items())):
         raise _bad(where, path, "planner_data is not a map of names to key paths")
-    if metadata.storage_meta is not None and not _record(metadata.storage_meta, StorageMeta):
+    meta = metadata.storage_meta
+    if meta is not None and not (
+            _record(meta, StorageMeta) and _optional_str(meta.save_id) and _optional_str(meta.load_id)
+            and (_optional_str(meta.checkpoint_id) or isinstance(meta.checkpoint_id, pathlib.PurePath))
+            and isinstance(meta.modules, list) and all(isinstance(m, str) for m in meta.modules)):
         raise _bad(where, path, "storage_meta is malformed")
     if metadata.version is not None and not isinstance(metadata.version, str):
         raise _bad(where, path, "version is not a string")
