@@ -6,12 +6,12 @@ from __future__ import annotations
 import json
 import shutil
 import signal
-import subprocess
-import sys
-import textwrap
 import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import obstore
 import pytest
@@ -23,7 +23,9 @@ from registry.errors import CheckpointNotFoundError, InvalidStateError, RootErro
 from registry.format.manifest import MANIFEST
 from registry.records import Status
 from tests import s3proxy, s3server
-from tests.helpers import assert_state_equal, child_env, durable_keys, make_state
+from tests._tiers_worker import group_rank_load, in_child, load_latest, publish_three
+from tests.helpers import assert_state_equal, child_env, durable_keys, make_state, pg_schema_url
+from tests.killharness import context
 
 
 def durable_copy(reg: Registry, run: str, step: int) -> ReplicaInfo | None:
@@ -41,6 +43,84 @@ def damage_durable(reg: Registry, run: str, step: int) -> str:
     raw[-2] ^= 0xFF
     obstore.put(reg.tiers.durable.store, key, bytes(raw))
     return key
+
+
+class CatalogsAhead:
+    """PostgreSQL catalogs at head, each made on a thread while the test before it runs: the few dozen statements
+    of a migration take the server a few hundred milliseconds, and every test here opens a catalog of its own."""
+
+    def __init__(self) -> None:
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="catalogs-ahead")
+        self.next: Future[str] | None = None
+
+    def take(self, templates: Any, request: pytest.FixtureRequest) -> str:
+        database = request.getfixturevalue("pg_database")
+        made, self.next = self.next, None
+        if made is None:  # the first (or the one after a failure): made here, with the template
+            url = pg_schema_url(database)
+            templates.fill(url, request)
+        else:
+            url = made.result()
+
+        def make() -> str:
+            ahead = pg_schema_url(database)
+            templates._fill_postgresql(ahead, database)  # fill() less the request, which is not the thread's
+            return ahead
+        self.next = self.pool.submit(make)
+        return url
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+
+@pytest.fixture(scope="module")
+def catalogs_ahead() -> Iterator[CatalogsAhead]:
+    ahead = CatalogsAhead()
+    yield ahead
+    ahead.close()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def migrated_url(request: pytest.FixtureRequest, tmp_path: Path, catalog_templates: Any,
+                 catalogs_ahead: CatalogsAhead) -> str:
+    """The shared ``migrated_url``, a catalog at head of this test's own, with PostgreSQL's made ahead."""
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path / 'catalog.db'}"
+        catalog_templates.fill(url, request)
+        return url
+    return catalogs_ahead.take(catalog_templates, request)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def warm_forkserver() -> None:
+    """The forkserver's imports (seconds) begin now, beside the tests before the first that forks a child."""
+    from multiprocessing import forkserver
+    context()
+    forkserver.ensure_running()
+
+
+def start_child(fn: Callable[..., None], *args: str, log: Path, env: dict[str, str] | None = None) -> Any:
+    """A process running ``fn(*args)`` with this process's environment (and ``env``), its output into ``log``.
+
+    Forked from the kill harness's forkserver, which imported torch and the registry once: a fresh interpreter
+    spends seconds importing them, per child."""
+    proc = context().Process(target=in_child, args=(fn, args, {**child_env(), **(env or {})}, str(log)), daemon=True)
+    proc.start()
+    return proc
+
+
+def finish_child(proc: Any, log: Path, *, timeout: float = 120) -> tuple[int, str]:
+    """The exit code of a child from :func:`start_child` (negative: the signal that ended it), and its output."""
+    proc.join(timeout)
+    if proc.exitcode is None:
+        proc.kill()
+        proc.join()
+        pytest.fail(f"a child still ran after {timeout} s:\n{log.read_text(errors='replace')}")
+    return int(proc.exitcode), log.read_text(errors="replace") if log.exists() else ""
+
+
+def run_child(fn: Callable[..., None], *args: str, log: Path, env: dict[str, str] | None = None) -> tuple[int, str]:
+    return finish_child(start_child(fn, *args, log=log, env=env), log)
 
 
 # --------------------------------------------------------------------------- publish and replicate
@@ -91,8 +171,8 @@ def test_latest_durable_is_the_newest_step_with_a_durable_copy(treg: Registry) -
     assert treg.resolve("run@latest-durable").step == 2
 
 
-def test_plain_root_has_no_latest_durable_and_refuses_durable_calls(catalog_url: str, tmp_path: Path) -> None:
-    with Registry.open(catalog_url, root=tmp_path / "plain") as reg:
+def test_plain_root_has_no_latest_durable_and_refuses_durable_calls(migrated_url: str, tmp_path: Path) -> None:
+    with Registry.open(migrated_url, root=tmp_path / "plain") as reg:
         reg.publish("run", 1, make_state())
         with pytest.raises(CheckpointNotFoundError, match="durable copy"):
             reg.resolve("run@latest-durable")
@@ -103,13 +183,13 @@ def test_plain_root_has_no_latest_durable_and_refuses_durable_calls(catalog_url:
 
 
 def test_two_registries_of_one_process_never_take_over_each_others_live_claims(
-        catalog_url: str, fast: Path, durable: str) -> None:
+        migrated_url: str, fast: Path, durable: str) -> None:
     """Each registry is a writer of its own: while one holds a step's durable claim, another registry of
     the same process leaves the step alone, and takes the claim over once the first is closed."""
     from registry.format.layout import attempt_relpath
     from registry.ops.writers import writer_alive
-    with Registry.open(catalog_url, root=fast, durable=durable) as a, \
-            Registry.open(catalog_url, root=fast, durable=durable) as b:
+    with Registry.open(migrated_url, root=fast, durable=durable) as a, \
+            Registry.open(migrated_url, root=fast, durable=durable) as b:
         assert a.writer != b.writer
         replicas = ReplicaCatalog(a.catalog)
         with b._replication()._drain_lock:  # a claims the step before b's replicator looks
@@ -125,14 +205,14 @@ def test_two_registries_of_one_process_never_take_over_each_others_live_claims(
         assert b.load("run@latest-durable").step == 1
 
 
-def test_durable_tier_is_not_a_root_of_its_own(catalog_url: str, fast: Path, durable: str,
+def test_durable_tier_is_not_a_root_of_its_own(migrated_url: str, fast: Path, durable: str,
                                                tmp_path: Path) -> None:
-    with Registry.open(catalog_url, root=fast, durable=durable) as reg:
+    with Registry.open(migrated_url, root=fast, durable=durable) as reg:
         reg.publish("run", 1, make_state(), durable=True)
     with pytest.raises(RootError, match="durable tier of this catalog"):
-        Registry.open(catalog_url, root=durable)
+        Registry.open(migrated_url, root=durable)
     with pytest.raises(RootError, match="must be an s3:// root"):
-        Registry.open(catalog_url, root=fast, durable=str(tmp_path / "elsewhere"))
+        Registry.open(migrated_url, root=fast, durable=str(tmp_path / "elsewhere"))
     other = f"sqlite:///{tmp_path / 'other.db'}"
     with pytest.raises(RootMismatchError):  # the durable root is bound to the first catalog
         Registry.open(other, root=tmp_path / "fast-x", durable=durable)
@@ -152,13 +232,13 @@ def test_a_corrupt_fast_copy_is_marked_and_never_replicated(treg: Registry) -> N
     assert not [k for k in durable_keys(treg) if k.endswith(MANIFEST)]
 
 
-def test_the_env_and_the_cli_name_the_durable_tier(catalog_url: str, fast: Path, durable: str,
+def test_the_env_and_the_cli_name_the_durable_tier(migrated_url: str, fast: Path, durable: str,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     from click.testing import CliRunner
 
     from registry.cli import main
     monkeypatch.setenv("REGISTRY_DURABLE", durable)
-    with Registry.open(catalog_url, root=fast) as reg:
+    with Registry.open(migrated_url, root=fast) as reg:
         assert reg.tiers is not None
         replicator = reg._replication()
         with replicator._drain_lock:
@@ -167,37 +247,23 @@ def test_the_env_and_the_cli_name_the_durable_tier(catalog_url: str, fast: Path,
         reg._replicator = None
     monkeypatch.delenv("REGISTRY_DURABLE")
     runner = CliRunner()
-    out = runner.invoke(main, ["--url", catalog_url, "--root", str(fast), "--durable", durable, "replicate",
+    out = runner.invoke(main, ["--url", migrated_url, "--root", str(fast), "--durable", durable, "replicate",
                                "--wait"], catch_exceptions=False)
     assert out.exit_code == 0, out.output
-    with Registry.open(catalog_url, root=fast, durable=durable) as reg:
+    with Registry.open(migrated_url, root=fast, durable=durable) as reg:
         assert durable_copy(reg, "run", 1) is not None
 
 
 # --------------------------------------------------------------------------- kills
 
 
-CHILD_PUBLISH = """
-    import sys, torch
-    from registry import Registry
-    url, fast, durable = sys.argv[1:4]
-    reg = Registry.open(url, root=fast, durable=durable)
-    with reg._replication()._drain_lock:  # all three published before replication begins
-        for step in (1, 2, 3):
-            reg.publish("run", step, {"w": torch.full((300_000,), float(step))})
-    reg.wait_durable("run", 3, timeout=120)
-    print("not killed")
-"""
-
-
 @pytest.mark.parametrize("point", ["replicate-after-claim", "replicate-after-upload"])
 def test_a_kill_mid_replication_and_the_next_process_finishes_the_queue(
-        catalog_url: str, fast: Path, durable: str, point: str) -> None:
-    code = textwrap.dedent(CHILD_PUBLISH)
-    proc = subprocess.run([sys.executable, "-c", code, catalog_url, str(fast), durable], capture_output=True,
-                          text=True, env={**child_env(), "REGISTRY_CRASH_AT": point}, timeout=120)
-    assert proc.returncode == -signal.SIGKILL, proc.stderr
-    with Registry.open(catalog_url, root=fast, durable=durable, create=False) as reg:
+        migrated_url: str, fast: Path, durable: str, point: str) -> None:
+    code, out = run_child(publish_three, migrated_url, str(fast), durable, log=fast.parent / "child.log",
+                          env={"REGISTRY_CRASH_AT": point})
+    assert code == -signal.SIGKILL, out
+    with Registry.open(migrated_url, root=fast, durable=durable, create=False) as reg:
         assert [c.step for c in reg.checkpoints("run")] == [1, 2, 3]
         pending = [r for r in reg.replicas("run") if r.location == DURABLE]
         assert [r.status for r in pending] == ["pending"]  # killed holding step 1's claim
@@ -212,23 +278,21 @@ def test_a_kill_mid_replication_and_the_next_process_finishes_the_queue(
         assert ck.step == 3 and torch.equal(ck.state_dict["w"], torch.full((300_000,), 3.0))
 
 
-def test_a_kill_mid_download_leaves_a_staging_directory_fsck_removes(catalog_url: str, fast: Path, durable: str,
+def test_a_kill_mid_download_leaves_a_staging_directory_fsck_removes(migrated_url: str, fast: Path, durable: str,
                                                                      tmp_path: Path) -> None:
     from registry.ops.tiercache import abandoned_downloads, cache_relpath, host_lock, lock_path
-    with Registry.open(catalog_url, root=fast, durable=durable) as reg:
+    with Registry.open(migrated_url, root=fast, durable=durable) as reg:
         info = reg.publish("run", 4, {"w": torch.arange(1000.0)}, durable=True)
     host_b = tmp_path / "host-b"
-    with Registry.open(catalog_url, root=host_b, durable=durable):
+    with Registry.open(migrated_url, root=host_b, durable=durable):
         pass
-    code = textwrap.dedent(CHILD_RANK)
-    env = {**child_env(), "REGISTRY_CRASH_AT": "cache-after-download"}
-    proc = subprocess.run([sys.executable, "-c", code, catalog_url, str(host_b), durable, str(tmp_path / "o.json")],
-                          capture_output=True, text=True, env=env, timeout=120)
-    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    code, out = run_child(load_latest, migrated_url, str(host_b), durable, str(tmp_path / "o.json"),
+                          log=tmp_path / "child.log", env={"REGISTRY_CRASH_AT": "cache-after-download"})
+    assert code == -signal.SIGKILL, out
     cached = host_b / cache_relpath(info)
     leftovers = [d for d in cached.parent.iterdir() if ".tmp-" in d.name]
     assert len(leftovers) == 1 and not cached.exists()
-    with Registry.open(catalog_url, root=host_b, durable=durable) as b:
+    with Registry.open(migrated_url, root=host_b, durable=durable) as b:
         assert b.tiers is not None
         with host_lock(lock_path(cached)):  # a download under way holds this lock: its staging is not abandoned
             assert abandoned_downloads(b.tiers) == []
@@ -238,17 +302,17 @@ def test_a_kill_mid_download_leaves_a_staging_directory_fsck_removes(catalog_url
         assert torch.equal(b.load("run@4").state_dict["w"], torch.arange(1000.0))
 
 
-def test_a_download_evicts_the_cached_copies_no_load_reads_again(catalog_url: str, durable: str,
+def test_a_download_evicts_the_cached_copies_no_load_reads_again(migrated_url: str, durable: str,
                                                                   tmp_path: Path) -> None:
     """Host B cached step 1; host A published step 1 again: B's cached copy holds a payload nobody reads any more.
     fsck on B reports it; B's next download evicts it (its row marked deleted) and keeps the copies still live."""
     from registry.ops.tiercache import cache_relpath
     host_a, host_b = tmp_path / "host-a", tmp_path / "host-b"
-    with Registry.open(catalog_url, root=host_a, durable=durable) as a:
+    with Registry.open(migrated_url, root=host_a, durable=durable) as a:
         old = a.publish("run", 1, make_state(1), durable=True)
         a.publish("run", 2, make_state(2), durable=True)
         a.publish("run", 3, make_state(3), durable=True)
-        with Registry.open(catalog_url, root=host_b, durable=durable) as b:
+        with Registry.open(migrated_url, root=host_b, durable=durable) as b:
             b.load("run@1")
             b.load("run@2")
             two = a.catalog.get("run", 2)
@@ -268,23 +332,22 @@ def test_a_download_evicts_the_cached_copies_no_load_reads_again(catalog_url: st
             assert (host_b / cache_relpath(new)).is_dir()
 
 
-def test_a_kill_mid_eviction_leaves_a_marked_copy_fsck_removes(catalog_url: str, durable: str,
+def test_a_kill_mid_eviction_leaves_a_marked_copy_fsck_removes(migrated_url: str, durable: str,
                                                                 tmp_path: Path) -> None:
     from registry.ops.tiercache import cache_relpath
     host_a, host_b = tmp_path / "host-a", tmp_path / "host-b"
-    with Registry.open(catalog_url, root=host_a, durable=durable) as a:
+    with Registry.open(migrated_url, root=host_a, durable=durable) as a:
         old = a.publish("run", 1, {"w": torch.arange(10.0)}, durable=True)
-        with Registry.open(catalog_url, root=host_b, durable=durable) as b:
+        with Registry.open(migrated_url, root=host_b, durable=durable) as b:
             b.load("run@1")
         a.publish("run", 1, {"w": torch.arange(11.0)}, overwrite=True, durable=True)
         a.publish("run", 2, {"w": torch.arange(12.0)}, durable=True)
-    env = {**child_env(), "REGISTRY_CRASH_AT": "cache-evict-after-mark"}
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(CHILD_RANK), catalog_url, str(host_b), durable,
-                           str(tmp_path / "o.json")], capture_output=True, text=True, env=env, timeout=120)
-    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    code, out = run_child(load_latest, migrated_url, str(host_b), durable, str(tmp_path / "o.json"),
+                          log=tmp_path / "child.log", env={"REGISTRY_CRASH_AT": "cache-evict-after-mark"})
+    assert code == -signal.SIGKILL, out
     stale = host_b / cache_relpath(old)
     assert stale.is_dir()  # its row says deleted: the kill came between the mark and the removal
-    with Registry.open(catalog_url, root=host_b, durable=durable) as b:
+    with Registry.open(migrated_url, root=host_b, durable=durable) as b:
         report = b.fsck()
         assert [(p.kind, p.step, p.path) for p in report.problems] == [("unfinished-copy-deletion", 1, stale)]
         assert b.fsck(repair=True).repaired and not stale.exists() and b.fsck().clean
@@ -315,14 +378,14 @@ def test_a_corrupt_fast_copy_loads_the_same_step_from_the_durable_tier(treg: Reg
     assert treg.load("run@latest").step == 2  # this host's good copy is the cached one now
 
 
-def test_a_fresh_disk_resumes_from_the_durable_tier(catalog_url: str, fast: Path, durable: str,
+def test_a_fresh_disk_resumes_from_the_durable_tier(migrated_url: str, fast: Path, durable: str,
                                                     tmp_path: Path) -> None:
     sd = make_state(3)
-    with Registry.open(catalog_url, root=fast, durable=durable) as reg:
+    with Registry.open(migrated_url, root=fast, durable=durable) as reg:
         reg.publish("run", 5, sd, extra={"opt": {"lr": 0.5}}, durable=True)
     shutil.rmtree(fast)  # the machine is gone, and its disk with it
     fresh = tmp_path / "fast-new"
-    with Registry.open(catalog_url, root=fresh, durable=durable) as reg:
+    with Registry.open(migrated_url, root=fresh, durable=durable) as reg:
         ck = reg.load("run@latest")
         assert ck.step == 5 and ck.extra["opt"]["lr"] == 0.5
         assert_state_equal(ck.state_dict, sd)
@@ -333,14 +396,14 @@ def test_a_fresh_disk_resumes_from_the_durable_tier(catalog_url: str, fast: Path
         assert [r.status for r in cached] == ["verified"] and cached[0].path.startswith(".registry/cache/")
 
 
-def test_latest_falls_back_past_a_step_no_host_here_can_read(catalog_url: str, fast: Path, durable: str,
+def test_latest_falls_back_past_a_step_no_host_here_can_read(migrated_url: str, fast: Path, durable: str,
                                                              tmp_path: Path) -> None:
-    with Registry.open(catalog_url, root=fast, durable=durable) as a:
+    with Registry.open(migrated_url, root=fast, durable=durable) as a:
         a.publish("run", 1, make_state(1), durable=True)
         replicator = a._replication()
         with replicator._drain_lock:
             a.publish("run", 2, make_state(2))
-            with Registry.open(catalog_url, root=tmp_path / "fast-b", durable=durable) as b:
+            with Registry.open(migrated_url, root=tmp_path / "fast-b", durable=durable) as b:
                 b._replication()._drain_lock.acquire()  # b has nothing of its own to replicate anyway
                 ck = b.load("run@latest")
                 assert ck.step == 1 and ck.fallback is not None and [s.step for s in ck.fallback.skipped] == [2]
@@ -350,39 +413,28 @@ def test_latest_falls_back_past_a_step_no_host_here_can_read(catalog_url: str, f
             assert a.catalog.get("run", 2).status == Status.VERIFIED
 
 
-CHILD_RANK = """
-    import sys, json, hashlib, torch
-    from registry import Registry
-    url, fast, durable, out = sys.argv[1:5]
-    with Registry.open(url, root=fast, durable=durable) as reg:
-        ck = reg.load("run@latest")
-        digest = hashlib.sha256(ck.state_dict["w"].numpy().tobytes()).hexdigest()
-        json.dump({"step": ck.step, "sha256": digest}, open(out, "w"))
-"""
-
-
 def test_two_hosts_a_step_from_a_resumes_on_b_downloaded_once_for_two_ranks(
-        catalog_url: str, durable: str, tmp_path: Path) -> None:
+        migrated_url: str, durable: str, tmp_path: Path) -> None:
     host_a, host_b = tmp_path / "host-a", tmp_path / "host-b"
     w = torch.arange(2_000_000, dtype=torch.float32)
-    with Registry.open(catalog_url, root=host_a, durable=durable) as a:
+    with Registry.open(migrated_url, root=host_a, durable=durable) as a:
         a.publish("run", 7, {"w": w}, durable=True)
-    with Registry.open(catalog_url, root=host_b, durable=durable) as b:
+    with Registry.open(migrated_url, root=host_b, durable=durable) as b:
         assert b.tiers is not None and a.tiers is not None and b.tiers.tier_id != a.tiers.tier_id
-    code = textwrap.dedent(CHILD_RANK)
     outs = [tmp_path / f"rank{i}.json" for i in range(2)]
-    procs = [subprocess.Popen([sys.executable, "-c", code, catalog_url, str(host_b), durable, str(out)],
-                              env=child_env(), stderr=subprocess.PIPE, text=True) for out in outs]
-    for p in procs:
-        _, err = p.communicate(timeout=120)
-        assert p.returncode == 0, err
+    logs = [tmp_path / f"rank{i}.log" for i in range(2)]
+    procs = [start_child(load_latest, migrated_url, str(host_b), durable, str(out), log=log)
+             for out, log in zip(outs, logs)]
+    for p, log in zip(procs, logs):
+        code, err = finish_child(p, log)
+        assert code == 0, err
     import hashlib
     for out in outs:
         assert json.loads(out.read_text()) == {"step": 7, "sha256": hashlib.sha256(w.numpy().tobytes()).hexdigest()}
     cache = host_b / ".registry" / "cache" / "run"
     assert len([d for d in cache.iterdir() if d.is_dir() and not d.name.startswith(".")]) == 1
     assert not [d for d in cache.iterdir() if ".tmp-" in d.name]
-    with Registry.open(catalog_url, root=host_b, durable=durable) as b:
+    with Registry.open(migrated_url, root=host_b, durable=durable) as b:
         assert b.tiers is not None
         assert len([e for e in b.events("run", step=7) if e.kind == "cached"]) == 1  # one download, two ranks
         rows = [r for r in b.replicas("run", 7) if r.location == b.tiers.cache_location]
@@ -422,11 +474,11 @@ def test_verify_rehashes_the_durable_copy_of_a_step_this_host_holds_no_copy_of(t
 
 
 def test_verify_on_another_host_condemns_only_a_damaged_durable_copy_while_the_fast_copy_stands(
-        catalog_url: str, durable: str, tmp_path: Path) -> None:
-    with Registry.open(catalog_url, root=tmp_path / "host-a", durable=durable) as a:
+        migrated_url: str, durable: str, tmp_path: Path) -> None:
+    with Registry.open(migrated_url, root=tmp_path / "host-a", durable=durable) as a:
         a.publish("run", 1, make_state(1), durable=True)
         damage_durable(a, "run", 1)
-    with Registry.open(catalog_url, root=tmp_path / "host-b", durable=durable) as b:
+    with Registry.open(migrated_url, root=tmp_path / "host-b", durable=durable) as b:
         [result] = b.verify("run@1")
         assert result.status == "corrupt-copy" and not result.ok and "durable copy" in result.problems[0]
         assert b.catalog.get("run", 1).status == Status.VERIFIED  # type: ignore[union-attr]
@@ -434,7 +486,7 @@ def test_verify_on_another_host_condemns_only_a_damaged_durable_copy_while_the_f
         [again] = b.verify("run@1")  # the copy marked corrupt is read again: still damaged, it stays so
         assert again.status == "corrupt-copy" and "durable copy" in again.problems[0]
         assert [r.status for r in b.replicas("run", 1) if r.location == DURABLE] == ["corrupt"]
-    with Registry.open(catalog_url, root=tmp_path / "host-a", durable=durable) as a:
+    with Registry.open(migrated_url, root=tmp_path / "host-a", durable=durable) as a:
         assert [r.status for r in a.verify("run@1")] == [Status.VERIFIED]  # host A's own copy is good
 
 
@@ -470,11 +522,11 @@ def test_fsck_reports_one_tier_steps_and_bad_durable_copies_and_repairs_them(tre
         assert durable_copy(treg, "run", step) is not None
 
 
-def test_fsck_on_another_host_does_not_condemn_steps_it_does_not_hold(catalog_url: str, durable: str,
+def test_fsck_on_another_host_does_not_condemn_steps_it_does_not_hold(migrated_url: str, durable: str,
                                                                        tmp_path: Path) -> None:
-    with Registry.open(catalog_url, root=tmp_path / "host-a", durable=durable) as a:
+    with Registry.open(migrated_url, root=tmp_path / "host-a", durable=durable) as a:
         a.publish("run", 1, make_state(1), durable=True)
-    with Registry.open(catalog_url, root=tmp_path / "host-b", durable=durable) as b:
+    with Registry.open(migrated_url, root=tmp_path / "host-b", durable=durable) as b:
         report = b.fsck(repair=True)
         assert report.clean, report.problems
         assert b.catalog.get("run", 1).status == Status.VERIFIED
@@ -563,14 +615,14 @@ def test_force_deletes_a_copy_not_yet_durable_and_the_step_with_it(treg: Registr
     assert durable_copy(treg, "run", 1) is None
 
 
-def test_gc_dry_run_shows_the_plan_per_tier(catalog_url: str, fast: Path, durable: str) -> None:
+def test_gc_dry_run_shows_the_plan_per_tier(migrated_url: str, fast: Path, durable: str) -> None:
     from click.testing import CliRunner
 
     from registry.cli import main
-    with Registry.open(catalog_url, root=fast, durable=durable) as reg:
+    with Registry.open(migrated_url, root=fast, durable=durable) as reg:
         for step in (1, 2):
             reg.publish("run", step, make_state(step), durable=True)
-    out = CliRunner().invoke(main, ["--url", catalog_url, "--root", str(fast), "--durable", durable, "gc", "run",
+    out = CliRunner().invoke(main, ["--url", migrated_url, "--root", str(fast), "--durable", durable, "gc", "run",
                                     "--keep-last", "1", "--dry-run"], catch_exceptions=False)
     assert out.exit_code == 0, out.output
     assert "(fast tier)" in out.output and "(durable tier)" in out.output and "DELETE" in out.output
@@ -580,7 +632,7 @@ def test_gc_dry_run_shows_the_plan_per_tier(catalog_url: str, fast: Path, durabl
 
 
 def test_durable_tier_down_the_trainer_goes_on_and_the_queue_catches_up(
-        catalog_url: str, tmp_path: Path, s3_env: object, monkeypatch: pytest.MonkeyPatch,
+        migrated_url: str, tmp_path: Path, s3_env: object, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
     import logging
 
@@ -600,7 +652,7 @@ def test_durable_tier_down_the_trainer_goes_on_and_the_queue_catches_up(
         from tests import s3server
         bucket = s3server.new_bucket(s3server.Server(endpoint=server.endpoint))
         caplog.set_level(logging.INFO, logger="registry.ops.replicator")
-        with Registry.open(catalog_url, root=tmp_path / "fast", durable=f"s3://{bucket}/ckpt",
+        with Registry.open(migrated_url, root=tmp_path / "fast", durable=f"s3://{bucket}/ckpt",
                            storage_options=FAST) as reg:
             reg.publish("run", 1, make_state(1), durable=True)
             server.kill()
@@ -608,7 +660,7 @@ def test_durable_tier_down_the_trainer_goes_on_and_the_queue_catches_up(
                 assert reg.publish("run", step, make_state(step)).status == Status.VERIFIED
             assert met_outage.wait(120), "the replicator never reported the durable tier down"
             with pytest.raises(TimeoutError, match="cannot"):  # the tier is down: no wait is long enough
-                reg.wait_durable("run", 4, timeout=1)
+                reg.wait_durable("run", 4, timeout=0.1)
             result = reg.plan_tier_retention("run", KeepLast(1), tier="fast").execute()
             assert result.deleted == (1,)  # durable already; 2 and 3 are not, and stay
             assert all((reg.store.root / "run" / f"step-{s:08d}").is_dir() for s in (2, 3, 4))
@@ -626,39 +678,26 @@ def test_durable_tier_down_the_trainer_goes_on_and_the_queue_catches_up(
 
 
 
-CHILD_GROUP_RANK = """
-    import sys, json, hashlib, torch, torch.distributed as dist
-    from registry import Registry
-    rank, port, url, fast, durable, out = int(sys.argv[1]), sys.argv[2], *sys.argv[3:7]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    with Registry.open(url, root=fast, durable=durable, create=rank == 0) as reg:
-        ck = reg.load("run@latest", broadcast=True, strategy="broadcast", timeout=60)
-    digest = hashlib.sha256(ck.state_dict["w"].numpy().tobytes()).hexdigest()
-    json.dump({"step": ck.step, "sha256": digest}, open(out, "w"))
-    dist.destroy_process_group()
-"""
-
-
-def test_a_process_group_on_a_fresh_host_loads_through_the_cache(catalog_url: str, durable: str,
+def test_a_process_group_on_a_fresh_host_loads_through_the_cache(migrated_url: str, durable: str,
                                                                  tmp_path: Path) -> None:
     from tests.helpers import free_port
     w = torch.arange(100_000, dtype=torch.float32)
-    with Registry.open(catalog_url, root=tmp_path / "host-a", durable=durable) as a:
+    with Registry.open(migrated_url, root=tmp_path / "host-a", durable=durable) as a:
         a.publish("run", 3, {"w": w}, durable=True)
     host_b = tmp_path / "host-b"
-    with Registry.open(catalog_url, root=host_b, durable=durable):
+    with Registry.open(migrated_url, root=host_b, durable=durable):
         pass  # the fresh host's fast root, empty but for its tier marker
-    code = textwrap.dedent(CHILD_GROUP_RANK)
     outs = [tmp_path / f"g{r}.json" for r in range(2)]
+    logs = [tmp_path / f"g{r}.log" for r in range(2)]
 
     def group(fast: Path = host_b) -> list[object]:
         port = str(free_port())
-        procs = [subprocess.Popen([sys.executable, "-c", code, str(r), port, catalog_url, str(fast), durable,
-                                   str(outs[r])], env={**child_env(), "OMP_NUM_THREADS": "1"},
-                                  stderr=subprocess.PIPE, text=True) for r in range(2)]
-        for p in procs:
-            _, err = p.communicate(timeout=180)
-            assert p.returncode == 0, err
+        procs = [start_child(group_rank_load, str(r), port, migrated_url, str(fast), durable, str(outs[r]),
+                             log=logs[r], env={"OMP_NUM_THREADS": "1"}) for r in range(2)]
+        for p, log in zip(procs, logs):
+            code, err = finish_child(p, log, timeout=180)
+            log.unlink(missing_ok=True)
+            assert code == 0, err
         return [json.loads(o.read_text()) for o in outs]
 
     import hashlib
@@ -671,7 +710,7 @@ def test_a_process_group_on_a_fresh_host_loads_through_the_cache(catalog_url: st
     data[-10] ^= 0xFF
     weights.write_bytes(bytes(data))
     assert group() == [expected] * 2
-    with Registry.open(catalog_url, root=host_b, durable=durable) as b:
+    with Registry.open(migrated_url, root=host_b, durable=durable) as b:
         assert b.catalog.get("run", 3).status == Status.VERIFIED  # type: ignore[union-attr]
         assert len([e for e in b.events("run", step=3) if e.kind == "cached"]) == 2  # downloaded again, once
     assert weights.read_bytes() != bytes(data)
@@ -684,34 +723,34 @@ def test_a_process_group_on_a_fresh_host_loads_through_the_cache(catalog_url: st
     data[-10] ^= 0xFF
     fast_weights.write_bytes(bytes(data))
     assert group(host_a) == [expected] * 2
-    with Registry.open(catalog_url, root=host_a, durable=durable) as a:
+    with Registry.open(migrated_url, root=host_a, durable=durable) as a:
         assert a.catalog.get("run", 3).status == Status.VERIFIED  # type: ignore[union-attr]
         kinds = [e.kind for e in a.events("run", step=3)]
         assert "replica-corrupt" in kinds and "corrupt" not in kinds, kinds
 
 
-def test_a_read_only_reader_on_a_fresh_host_loads_from_the_durable_tier(catalog_url: str, durable: str,
+def test_a_read_only_reader_on_a_fresh_host_loads_from_the_durable_tier(migrated_url: str, durable: str,
                                                                         tmp_path: Path) -> None:
-    with Registry.open(catalog_url, root=tmp_path / "host-a", durable=durable) as a:
+    with Registry.open(migrated_url, root=tmp_path / "host-a", durable=durable) as a:
         a.publish("run", 1, make_state(1), durable=True)
-    with Registry.open(catalog_url, root=tmp_path / "host-b", durable=durable):
+    with Registry.open(migrated_url, root=tmp_path / "host-b", durable=durable):
         pass
-    with Registry.open(catalog_url, root=tmp_path / "host-b", durable=durable, read_only=True) as b:
+    with Registry.open(migrated_url, root=tmp_path / "host-b", durable=durable, read_only=True) as b:
         assert_state_equal(b.load("run@latest").state_dict, make_state(1))
         with pytest.raises(Exception, match="read-only"):
             b.replicate()
 
 
-def test_show_lists_each_copy_and_when_it_became_durable(catalog_url: str, fast: Path, durable: str) -> None:
+def test_show_lists_each_copy_and_when_it_became_durable(migrated_url: str, fast: Path, durable: str) -> None:
     from click.testing import CliRunner
 
     from registry.cli import main
-    with Registry.open(catalog_url, root=fast, durable=durable) as reg:
+    with Registry.open(migrated_url, root=fast, durable=durable) as reg:
         reg.publish("run", 1, make_state(1), durable=True)
         with reg._replication()._drain_lock:  # step 2 stays fast-only while show looks at it
             reg.publish("run", 2, make_state(2))
             # read-only: a writer's open would start replicating the queue (step 2) itself
-            args = ["--url", catalog_url, "--root", str(fast), "--durable", durable, "--read-only"]
+            args = ["--url", migrated_url, "--root", str(fast), "--durable", durable, "--read-only"]
             one = CliRunner().invoke(main, [*args, "show", "run@1"])
             assert one.exit_code == 0, one.output
             copies = [line for line in one.output.splitlines() if line.startswith("copy:")]
@@ -723,14 +762,14 @@ def test_show_lists_each_copy_and_when_it_became_durable(catalog_url: str, fast:
             assert [c["location"].split(":")[0] for c in two["copies"]] == ["fast"]
 
 
-def test_a_manifest_the_durable_server_stored_wrong_is_its_fault_not_the_steps(catalog_url: str, fast: Path,
+def test_a_manifest_the_durable_server_stored_wrong_is_its_fault_not_the_steps(migrated_url: str, fast: Path,
                                                                                s3_env: s3server.Server) -> None:
     """The fast copy matched its manifest as it was read, so a manifest stored differently on the server (here a
     byte flipped on the wire, with body checksums off) is the tier's trouble: retried, never a verdict."""
     bucket = s3server.new_bucket(s3_env)
     with s3proxy.running(s3_env.endpoint) as proxy:
         options = {"endpoint": proxy.endpoint, "checksum_algorithm": "none", "max_retries": 0}
-        with Registry.open(catalog_url, root=fast, durable=f"s3://{bucket}/ckpt", storage_options=options) as reg:
+        with Registry.open(migrated_url, root=fast, durable=f"s3://{bucket}/ckpt", storage_options=options) as reg:
             proxy.flip_put_suffix = "/manifest.json"
             info = reg.publish("run", 1, make_state(1))
             copy = reg.wait_durable("run", 1, timeout=120)  # the first attempt fails its check; the next one holds
@@ -779,19 +818,19 @@ def test_fsck_repairs_a_damaged_fast_copy_by_marking_the_copy_when_a_durable_cop
     assert_state_equal(treg.load("run@latest").state_dict, make_state(1))
 
 
-def test_an_older_payload_left_on_another_host_is_never_a_verdict_on_the_step(catalog_url: str, durable: str,
+def test_an_older_payload_left_on_another_host_is_never_a_verdict_on_the_step(migrated_url: str, durable: str,
                                                                                tmp_path: Path) -> None:
     """Host B published step 2, host A published it again: B's directory holds B's older payload. Loads on B
     do not read it, and neither a load, verify nor fsck there condemns the step, whose only good copy is A's
     until it is durable; fsck --repair removes B's leftover."""
     host_a, host_b = tmp_path / "host-a", tmp_path / "host-b"
-    with Registry.open(catalog_url, root=host_b, durable=durable) as b:
+    with Registry.open(migrated_url, root=host_b, durable=durable) as b:
         b.publish("run", 1, make_state(1), durable=True)
         b.publish("run", 2, make_state(2), durable=True)
-    with Registry.open(catalog_url, root=host_a, durable=durable) as a:
+    with Registry.open(migrated_url, root=host_a, durable=durable) as a:
         with a._replication()._drain_lock:
             new = a.publish("run", 2, make_state(22), overwrite=True)
-            with Registry.open(catalog_url, root=host_b, durable=durable) as b:
+            with Registry.open(migrated_url, root=host_b, durable=durable) as b:
                 assert b.load("run@latest").step == 1  # step 2 has no copy B can read yet
                 [result] = b.verify("run@2")  # B holds no copy of A's payload, which is not durable yet
                 assert result.status == "unreadable" and "no verified durable copy" in result.problems[0]
@@ -808,7 +847,7 @@ def test_an_older_payload_left_on_another_host_is_never_a_verdict_on_the_step(ca
                 assert [r.status for r in older] == ["deleted"]
         a.wait_durable("run", 2, timeout=60)
         assert (new.path / MANIFEST).is_file()
-    with Registry.open(catalog_url, root=host_b, durable=durable) as b:
+    with Registry.open(migrated_url, root=host_b, durable=durable) as b:
         assert [r.status for r in b.verify("run@2")] == [Status.VERIFIED]  # its durable copy, re-hashed
         assert_state_equal(b.load("run@latest").state_dict, make_state(22))  # the new payload, from the durable tier
 
@@ -904,7 +943,7 @@ def test_fsck_aborts_a_multipart_upload_no_live_replication_claims(treg: Registr
 
 
 def test_a_step_the_durable_tier_refuses_never_holds_back_the_steps_after_it(
-        catalog_url: str, fast: Path, s3_env: s3server.Server, caplog: pytest.LogCaptureFixture) -> None:
+        migrated_url: str, fast: Path, s3_env: s3server.Server, caplog: pytest.LogCaptureFixture) -> None:
     """A bucket policy denies one step's keys: the steps after it still become durable, the refused step is
     retried on its own, reported by name, marked nothing, and becomes durable once the server takes it."""
     import logging
@@ -917,7 +956,7 @@ def test_a_step_the_durable_tier_refuses_never_holds_back_the_steps_after_it(
         denied.set()
         proxy.deny = lambda seen: denied.is_set() and "/step-00000002/" in seen.path and seen.method != "GET"
         options = {"endpoint": proxy.endpoint, "max_retries": 0}
-        with Registry.open(catalog_url, root=fast, durable=f"s3://{bucket}/ckpt", storage_options=options) as reg:
+        with Registry.open(migrated_url, root=fast, durable=f"s3://{bucket}/ckpt", storage_options=options) as reg:
             with reg._replication()._drain_lock:  # the three are queued before the replicator looks
                 for step in (1, 2, 3):
                     reg.publish("run", step, make_state(step))
@@ -925,7 +964,7 @@ def test_a_step_the_durable_tier_refuses_never_holds_back_the_steps_after_it(
                 assert reg.wait_durable("run", step, timeout=120).status == "verified"
             assert [q.step for q in reg.replication_queue("run")] == [2]
             with pytest.raises(TimeoutError, match=r"run@2 has no durable copy .*access denied"):
-                reg.wait_durable("run", 2, timeout=0.5)
+                reg.wait_durable("run", 2, timeout=0.1)
             with pytest.raises(StorageError, match=r"run@2 was not replicated: .*access denied") as refused:
                 reg.replicate("run")
             assert (refused.value.run, refused.value.step) == ("run", 2)
