@@ -29,7 +29,7 @@ def test_every_crash_point(catalog_url: str, root: Path) -> None:
 
 def test_random_kills(catalog_url: str, root: Path) -> None:
     tally = random_kills(catalog_url, root, kills=KILLS, seed=KILLS)
-    assert tally.kills == KILLS and tally.checked_steps > 0
+    assert tally.kills >= KILLS and tally.checked_steps > 0
     # every kill was checked as found, before fsck repaired anything
     assert tally.checked_before_repair == tally.kills + tally.not_reached
     assert tally.loaded_before_repair > 0

@@ -40,4 +40,4 @@ def test_every_crash_point_and_mid_upload(catalog_url: str, s3_root: str, harnes
 def test_random_kills(catalog_url: str, s3_root: str, harness: None) -> None:
     tally = random_kills(catalog_url, s3_root, kills=KILLS, seed=KILLS,
                          mix=("publish", "publish", "overwrite", "gc", "fsck"), max_delay=0.3)
-    assert tally.kills == KILLS and tally.checked_before_repair == tally.kills + tally.not_reached
+    assert tally.kills >= KILLS and tally.checked_before_repair == tally.kills + tally.not_reached
