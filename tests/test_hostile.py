@@ -812,6 +812,25 @@ def test_dcp_metadata_records_hold_only_their_fields() -> None:
         load_dcp_metadata(bad)
 
 
+def test_dcp_metadata_path_whose_slots_a_pickle_set_is_refused() -> None:
+    """A path the unpickler built is fresh, but a BUILD may still set its slots (its text among them): the
+    checkpoint id is made again from its text, and one whose text is not a string is refused."""
+    import pathlib
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+    from registry.format.dcp_metadata import load_dcp_metadata
+    good = pickle.dumps(Metadata(state_dict_metadata={}, storage_data={},
+                                 storage_meta=StorageMeta(checkpoint_id=pathlib.PurePosixPath("/x"))), protocol=2)
+    loaded = load_dcp_metadata(good)
+    assert loaded.storage_meta is not None and loaded.storage_meta.checkpoint_id == pathlib.PurePosixPath("/x")
+    reduce_at = good.index(b"R", good.index(b"PurePosixPath"))
+    bad = good[:reduce_at + 1] + b"N}X\x04\x00\x00\x00_strK\x01s\x86b" + good[reduce_at + 1:]
+    with pytest.raises(DcpMetadataError, match="storage_meta is malformed"):
+        load_dcp_metadata(bad)
+
+
 def test_every_dcp_metadata_truncation_is_refused(sqlite_reg: Registry, tmp_path: Path) -> None:
     from registry.errors import DcpMetadataError
     from registry.format.dcp_metadata import load_dcp_metadata

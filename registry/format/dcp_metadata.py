@@ -223,6 +223,22 @@ def _optional_str(value: object) -> bool:
     return value is None or isinstance(value, str)
 
 
+def _plain_path(meta: StorageMeta) -> bool:
+    """Whether ``meta.checkpoint_id`` is a path, made afresh from its text (a BUILD may have set a path's slots,
+    its text among them, to anything a pickle can make)."""
+    given = meta.checkpoint_id
+    if not isinstance(given, pathlib.PurePath):
+        return False
+    try:
+        text = str(given)
+    except Exception:  # noqa: BLE001 - a path whose slots a pickle set fails in any way str() can
+        return False
+    if not isinstance(text, str):
+        return False
+    meta.checkpoint_id = type(given)(text)
+    return True
+
+
 def check_metadata(metadata: object, *, where: str, path: Path | None = None) -> None:
     """Refuse a ``Metadata`` whose fields are not what DCP writes, before anything acts on them.
 
@@ -283,7 +299,7 @@ def check_metadata(metadata: object, *, where: str, path: Path | None = None) ->
     meta = metadata.storage_meta
     if meta is not None and not (
             _record(meta, StorageMeta) and _optional_str(meta.save_id) and _optional_str(meta.load_id)
-            and (_optional_str(meta.checkpoint_id) or isinstance(meta.checkpoint_id, pathlib.PurePath))
+            and (_optional_str(meta.checkpoint_id) or _plain_path(meta))
             and isinstance(meta.modules, list) and all(isinstance(m, str) for m in meta.modules)):
         raise _bad(where, path, "storage_meta is malformed")
     if metadata.version is not None and not isinstance(metadata.version, str):
