@@ -1392,8 +1392,8 @@ class Registry:
         tiers = self._tiers("plan_tier_retention (use plan_retention)")
         check_flags(force=force, allow_missing_metrics=allow_missing_metrics)
         return make_tier_plan(self.catalog, tiers, run, policy, tier=tier, force=force,  # type: ignore[arg-type]
-                              now=now, protect=protect or {}, allow_missing_metrics=allow_missing_metrics,
-                              actor=self.writer)
+                              aside=self.root.aside(), now=now, protect=protect or {},
+                              allow_missing_metrics=allow_missing_metrics, actor=self.writer)
 
     def apply_retention(self, run: str, policy: Policy, *, protect: Mapping[int, str] | None = None,
                         allow_missing_metrics: bool = False, keep_fork_parents: bool = True) -> RetentionResult:
@@ -1576,7 +1576,7 @@ class Registry:
         from registry.ops.fsck import run_fsck
         if self.root.can.tiers:
             from registry.ops.tierfsck import run_tier_fsck
-            return run_tier_fsck(catalog=self.catalog, tiers=self._tiers("fsck"),
+            return run_tier_fsck(catalog=self.catalog, tiers=self._tiers("fsck"), aside=self.root.aside(),
                                  replicator=None if self.read_only else self._replication(), repair=repair,
                                  checksums=checksums, actor=self.writer, progress=progress)
         if self.objects is not None:  # three passes until one fsck judges what each root's scan reports

@@ -252,8 +252,8 @@ class _Plan:
     """What rank 0 sends: the step, ``where`` its nearest copy is read (:meth:`Shards.locate`), and on a root
     whose steps have several copies (``several``, a root with tiers) its durable copy's ``where``, for ranks whose
     host holds no directory of it. ``metadata``: the step's DCP ``.metadata``, its bytes checked against the manifest
-    and unpickled once, here, by the restricted unpickler (slow: pure Python); the other ranks get the records it
-    built, checked, from rank 0 of their own job."""
+    and unpickled once, here, by the restricted unpickler; the other ranks get the records it built, checked, from
+    rank 0 of their own job."""
 
     info: CheckpointInfo
     where: Path
@@ -324,7 +324,7 @@ def _read_plan(judge: _Judge, shards: Shards) -> _Plan:
             if manifest.layout is None:
                 raise InvalidStateError(f"{info.run}@{info.step} is not a sharded checkpoint; load it with "
                                         "Registry.load", run=info.run, step=info.step, path=info.path)
-            # the sha256 check, then the one (slow, restricted) unpickling: every rank is sent the records
+            # the sha256 check, then the one (restricted) unpickling: every rank is sent the records
             metadata = checked_metadata(where, manifest, bytes(host_view(shards.read(where, DCP_METADATA))))
             meta = json_object(shards.read(where, META), where / META) if META in manifest.files else {}
             config = (json_object(shards.read(where, CONFIG), where / CONFIG) if CONFIG in manifest.files

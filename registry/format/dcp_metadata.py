@@ -215,7 +215,7 @@ def _record(obj: object, cls: type[_T]) -> TypeGuard[_T]:
         if kind is not _SHADOWS.get(cls):
             return False
         object.__setattr__(obj, "__class__", cls)
-    names = _FIELDS.get(cls) or frozenset(getattr(cls, "__dataclass_fields__", ()))
+    names = _FIELDS[cls]
     return vars(obj).keys() <= names and all(hasattr(obj, name) for name in names)
 
 

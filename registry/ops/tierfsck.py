@@ -65,7 +65,7 @@ from registry.ops.tiercache import (abandoned_downloads, evict_cached_copy, reco
 from registry.ops.tiers import Tiers, mark_fast_copy, read_local
 from registry.ops.verdicts import FsckPass, FsckReport, damage_again, one_line
 from registry.ops.writers import writer_alive
-from registry.roots.aside import ObjectAside
+from registry.roots.aside import Aside
 from registry.progress import ProgressFn
 from registry.records import LIVE, Status
 
@@ -73,10 +73,11 @@ from registry.records import LIVE, Status
 class TierFsck(FsckPass):
     """The copies of a tiered root (see the module's docstring). Use :func:`run_tier_fsck`."""
 
-    def __init__(self, *, catalog: Catalog, tiers: Tiers, replicator: Replicator | None, repair: bool,
+    def __init__(self, *, catalog: Catalog, tiers: Tiers, aside: Aside, replicator: Replicator | None, repair: bool,
                  checksums: bool, actor: str, progress: ProgressFn | None = None) -> None:
         super().__init__(catalog=catalog, repair=repair, checksums=checksums, actor=actor, progress=progress)
         self.tiers = tiers
+        self.aside = aside  # the root's: where it keeps a run's policy folds
         self.replicas = ReplicaCatalog(catalog)
         # the copies as the fast root's checks see them, read once before them (run() reads its own after its scan)
         self._before = self.replicas.snapshot()
@@ -250,9 +251,9 @@ class TierFsck(FsckPass):
                                 "verified, with no durable copy yet (queued for replication)")
                 if p is not None:
                     waiting.append((p, q))
-        try:  # a run's policy folds live on the durable tier (see registry.roots.tiered)
+        try:  # a run's policy folds live where the root keeps them (its durable tier: registry.roots.tiered)
             runs = sorted({c.run for c, *_ in rows} | {found.run for found in prefixes.values()})
-            check_folds(self, ObjectAside(durable), runs, where=lambda rel: (Path(rel), durable.url(rel)))
+            check_folds(self, self.aside, runs, where=lambda rel: (Path(rel), self.aside.where(rel)))
         except OSError as exc:  # the durable tier's trouble: no verdict
             self.failures.append(f"policy folds on the durable tier: cannot check: {one_line(exc)}")
         if self.repair and (waiting or self.requeued) and self.replicator is not None:
@@ -368,11 +369,12 @@ class TierFsck(FsckPass):
         return True
 
 
-def run_tier_fsck(*, catalog: Catalog, tiers: Tiers, replicator: Replicator | None, repair: bool,
+def run_tier_fsck(*, catalog: Catalog, tiers: Tiers, aside: Aside, replicator: Replicator | None, repair: bool,
                   checksums: bool, actor: str, progress: ProgressFn | None = None) -> FsckReport:
-    """fsck of the fast root, then of the copies on both tiers; one report."""
-    tier = TierFsck(catalog=catalog, tiers=tiers, replicator=replicator, repair=repair, checksums=checksums,
-                    actor=actor, progress=progress)
+    """fsck of the fast root, then of the copies on both tiers; one report. ``aside``: the root's
+    (:meth:`registry.roots.base.Root.aside`), where it keeps a run's policy folds."""
+    tier = TierFsck(catalog=catalog, tiers=tiers, aside=aside, replicator=replicator, repair=repair,
+                    checksums=checksums, actor=actor, progress=progress)
     superseded = tier.superseded()
     condemned = tier.condemned()
     # the fast root's checks leave these alone: this pass reports them, never as damage to the step

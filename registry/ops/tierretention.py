@@ -50,7 +50,7 @@ from registry.ops.retention import protections
 from registry.ops.tiers import Tiers
 from registry.records import Status
 from registry.retention import Policy, RetentionContext, evaluate
-from registry.roots.aside import ObjectAside
+from registry.roots.aside import Aside
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +98,7 @@ class TierPlan:
     decisions: tuple[TierDecision, ...]
     catalog: Catalog = field(repr=False)
     tiers: Tiers = field(repr=False)
+    aside: Aside = field(repr=False)  # the root's: where it keeps a run's policy folds
     actor: str | None = None
     protect: Mapping[int, str] = field(default_factory=dict)
 
@@ -203,10 +204,12 @@ SIDES = {"fast": _Side(name="fast", other=DURABLE, durable=False, keeps_unreplic
          "durable": _Side(name="durable", other=FAST, durable=True, keeps_unreplicated=False)}
 
 
-def make_tier_plan(catalog: Catalog, tiers: Tiers, run: str, policy: Policy, *, tier: Tier, force: bool = False,
-                   now: datetime | None = None, protect: Mapping[int, str] = MappingProxyType({}),
-                   allow_missing_metrics: bool = False, actor: str | None = None) -> TierPlan:
-    """Decide what ``policy`` keeps and deletes of ``run``'s copies on ``tier`` (see the module's docstring)."""
+def make_tier_plan(catalog: Catalog, tiers: Tiers, run: str, policy: Policy, *, tier: Tier, aside: Aside,
+                   force: bool = False, now: datetime | None = None,
+                   protect: Mapping[int, str] = MappingProxyType({}), allow_missing_metrics: bool = False,
+                   actor: str | None = None) -> TierPlan:
+    """Decide what ``policy`` keeps and deletes of ``run``'s copies on ``tier`` (see the module's docstring);
+    ``aside``: the root's (:meth:`registry.roots.base.Root.aside`), where the folds of the steps it ends are."""
     check_run_name(run)
     if not isinstance(policy, Policy):
         raise PolicyError(f"a retention policy must be a registry.retention.Policy, got {policy!r}")
@@ -248,8 +251,8 @@ def make_tier_plan(catalog: Catalog, tiers: Tiers, run: str, policy: Policy, *, 
                                       total_bytes=c.total_bytes,
                                       ends_step=not keep and not other_good))
     decisions.sort(key=lambda d: d.step)
-    return TierPlan(run=run, tier=tier, decisions=tuple(decisions), catalog=catalog, tiers=tiers, actor=actor,
-                    protect=MappingProxyType(dict(protect)))
+    return TierPlan(run=run, tier=tier, decisions=tuple(decisions), catalog=catalog, tiers=tiers, aside=aside,
+                    actor=actor, protect=MappingProxyType(dict(protect)))
 
 
 def _remove(tiers: Tiers, durable: bool, path: str, digest: str | None) -> None:
@@ -320,8 +323,8 @@ def _execute(plan: TierPlan) -> TierResult:
         deleted.append(d.step)
         freed += d.total_bytes
     for rel in sorted({f for row in ended.values() for f in row.folds}):
-        try:  # a tiered root keeps folds on its durable tier (registry.roots.aside); one left is fsck's orphan
-            ObjectAside(plan.tiers.durable).delete(rel)
+        try:  # one left behind is fsck's orphan
+            plan.aside.delete(rel)
         except (OSError, StorageError) as exc:
             log.warning("tier retention of %s: could not remove the policy fold %s: %s", plan.run, rel, exc)
     return TierResult(tier=plan.tier, deleted=tuple(deleted), ended=tuple(sorted(ended)), skipped=skipped,
