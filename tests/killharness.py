@@ -495,15 +495,15 @@ def random_kills(url: str, root: Path | str, *, kills: int, seed: int = 0, mix: 
     """``kills`` random-moment kills of a worker looping over ``mix`` on one catalog.
 
     A worker killed within ``max_delay`` of its start may finish no operation at all on a loaded machine
-    (then nothing published survives to be checked): past ``kills``, while no step was checked yet, it
-    goes on with the delays doubled, a few times at most.
+    (then nothing published survives for the next kill to load before repair): past ``kills``, while no
+    kill has yet found a step to load, it goes on with the delays doubled, a few times at most.
     """
     rng = random.Random(seed)
     tally = Tally()
     generation = [0]
     longer = 0
     with Registry.open(url=url, root=root) as reg:
-        while tally.kills < kills or (tally.checked_steps == 0 and longer < 6):
+        while tally.kills < kills or (tally.loaded_before_repair == 0 and longer < 8):
             if tally.kills >= kills:
                 longer += 1
                 max_delay = max(2 * max_delay, 0.1)
