@@ -21,7 +21,7 @@ from registry.format.manifest import MANIFEST, digest_bytes
 from registry.ops.tierretention import TierPlan, TierResult
 from registry.records import CheckpointInfo, Status
 from registry.retention import KeepLast
-from tests.helpers import assert_state_equal, durable_keys, make_state, pg_connect
+from tests.helpers import assert_state_equal, durable_keys, make_state, mark_corrupt, pg_connect
 
 
 def real_copies(reg: Registry, run: str, step: int) -> list[str]:
@@ -242,3 +242,42 @@ def test_gc_removes_a_corrupt_fast_copy_whatever_the_policy_keeps(treg: Registry
     assert treg.catalog.get("run", 1).status == Status.VERIFIED  # type: ignore[union-attr]
     assert_state_equal(treg.load("run@1").state_dict, make_state(1))
     assert treg.fsck(repair=True, checksums=True).clean
+
+
+# --------------------------------------------------------------------------- a delta step's chain
+
+
+def test_tier_retention_keeps_the_base_of_a_delta_step_it_keeps(treg: Registry) -> None:
+    """A kept delta step loads only through its base: no tier's retention may end the base, as plain retention
+    never does, whichever tier's copies go first."""
+    from tests.test_policy_publish import policy_state, step_of
+    one = policy_state(1)
+    two = step_of(one, 0.02, 2)
+    treg.publish("rl", 1, one, policy_version=1, delta=False, durable=True)
+    treg.publish("rl", 2, two, policy_version=2, delta=True, durable=True)
+    for tier in ("fast", "durable"):
+        plan = treg.plan_tier_retention("rl", KeepLast(1), tier=tier)
+        assert plan.keep[1] == "base of delta step 2", plan
+        plan.execute()
+    assert treg.catalog.get("rl", 1).status == Status.VERIFIED  # type: ignore[union-attr]
+    assert_state_equal(treg.load("rl@pv:2").state_dict, two)
+    assert treg.fsck().clean
+
+
+def test_a_stale_tier_plan_never_ends_the_base_of_a_delta_published_since(treg: Registry) -> None:
+    """The chain is checked again when the step is marked: here version 1 became a base after the plan was made
+    (version 2 was found corrupt, so the next delta is made against version 1)."""
+    from tests.test_policy_publish import policy_state, step_of
+    one = policy_state(1)
+    treg.publish("rl", 1, one, policy_version=1, delta=False, durable=True)
+    two = treg.publish("rl", 2, policy_state(2), policy_version=2, delta=False, durable=True)
+    assert treg.plan_tier_retention("rl", KeepLast(1), tier="fast").execute().deleted == (1,)  # a copy only
+    plan = treg.plan_tier_retention("rl", KeepLast(1), tier="durable")
+    assert [(d.step, d.ends_step) for d in plan.decisions if d.action == "delete"] == [(1, True)], plan
+    assert mark_corrupt(treg, two, "found corrupt by the test")
+    three = step_of(one, 0.02, 3)
+    treg.publish("rl", 3, three, policy_version=3, delta=True, durable=True)
+    result = plan.execute()
+    assert result.ended == () and list(result.skipped) == [1], result
+    assert treg.catalog.get("rl", 1).status == Status.VERIFIED  # type: ignore[union-attr]
+    assert_state_equal(treg.load("rl@pv:3").state_dict, three)

@@ -227,9 +227,10 @@ def chain_bases(snap: RunSnapshot, keeping: Iterable[int]) -> dict[int, str]:
     return out
 
 
-def _with_bases(snap: RunSnapshot, protected: Mapping[int, str], kept: Mapping[int, str]) -> dict[int, str]:
-    """``protected`` and the chain bases of everything kept (see :func:`chain_bases`)."""
-    keeping = set(protected) | set(kept) | {c.step for c in snap.checkpoints if c.status not in CANDIDATES}
+def with_bases(snap: RunSnapshot, protected: Mapping[int, str], staying: Iterable[int]) -> dict[int, str]:
+    """``protected`` and the chain bases (:func:`chain_bases`) of every step that stays: ``staying``, the protected
+    steps and those retention never takes. Every engine (plain, and each tier's) ends a step only through this."""
+    keeping = set(protected) | set(staying) | {c.step for c in snap.checkpoints if c.status not in CANDIDATES}
     merged = dict(protected)
     for step, why in chain_bases(snap, keeping).items():
         merged[step] = f"{merged[step]}; {why}" if step in merged else why
@@ -345,7 +346,7 @@ def make_plan(scope: RetentionScope, run: str, policy: Policy, *, now: datetime 
     kept = evaluate(policy, candidates, RetentionContext(run=run, now=now, protected=protected,
                                                          allow_missing_metrics=allow_missing_metrics,
                                                          held=scope.storage.held))
-    protected = _with_bases(snap, protected, kept)
+    protected = with_bases(snap, protected, kept)
     decisions = []
     located: dict[int, CheckpointInfo] = {}
     for c in snap.checkpoints:
@@ -407,7 +408,7 @@ def _execute(scope: RetentionScope, plan: RetentionPlan, progress: ProgressFn | 
                         RetentionContext(run=plan.run, now=plan.now, protected=protected,
                                          allow_missing_metrics=plan.allow_missing_metrics,
                                          held=scope.storage.held))
-        protected = _with_bases(snap, protected, kept)
+        protected = with_bases(snap, protected, kept)
         doomed: dict[int, str] = {}
         for step in planned:
             c = by_step.get(step)
@@ -453,4 +454,4 @@ def _deleted_info(run: str, row: DeletedRow) -> CheckpointInfo:
 
 
 __all__ = ["Decision", "Deletion", "RootDeletion", "RetentionPlan", "RetentionResult", "RetentionScope",
-           "chain_bases", "finish_interrupted", "guard_fallback", "make_plan", "protections"]
+           "chain_bases", "finish_interrupted", "guard_fallback", "make_plan", "protections", "with_bases"]

@@ -4,7 +4,9 @@ A plan is for one tier. Its candidates are the steps with a copy on that
 tier (on the fast tier: the step's directory under this fast root, else
 this host's cached download of it; one copy per step and plan, so a step
 with both goes in two plans). The invariants of :func:`protections` hold
-on both tiers (``@latest``, tags, readers' leases...). Deleting a copy
+on both tiers (``@latest``, tags, readers' leases...), and so does plain
+retention's rule for delta chains (:func:`~registry.ops.retention.with_bases`):
+a step that stays keeps its bases, checked again when a step is marked. Deleting a copy
 while another good copy of the step stays (a fast copy whose step is
 durable, a durable copy whose step is still on a fast tier) removes that
 copy only: the step stays live and loads from its other copy. A host's
@@ -46,7 +48,7 @@ from registry.errors import PolicyError, StorageError
 from registry.format.refs import check_run_name
 from registry.fs.prefixes import remove_prefix
 from registry.fs.removal import remove_checkpoint_dir
-from registry.ops.retention import protections
+from registry.ops.retention import protections, with_bases
 from registry.ops.tiers import Tiers
 from registry.records import Status
 from registry.retention import Policy, RetentionContext, evaluate
@@ -230,6 +232,8 @@ def make_tier_plan(catalog: Catalog, tiers: Tiers, run: str, policy: Policy, *, 
     kept = evaluate(policy, [c.under(tiers.fast.root) for c in candidates],
                     RetentionContext(run=run, now=now, protected=protected,
                                      allow_missing_metrics=allow_missing_metrics))
+    # a step with no copy on this tier stays whatever this plan does: what stays keeps its delta chain
+    protected = with_bases(snap, protected, {*kept, *(c.step for c in snap.checkpoints if c.step not in on_tier)})
     decisions = [TierDecision(step=c.step, action="delete", reasons=("this host's copy is corrupt",),
                               path=condemned[c.step], location=tiers.location, total_bytes=c.total_bytes,
                               condemned=True)
@@ -292,6 +296,8 @@ def _execute(plan: TierPlan) -> TierResult:
 
     def decide(snap: RunSnapshot) -> dict[int, str]:
         protected = protections(snap, plan.protect)
+        ending = {s for s in enders if s not in protected}
+        protected = with_bases(snap, protected, {c.step for c in snap.checkpoints} - ending)
         return {s: why for s, why in enders.items() if s not in protected}
     if enders:  # the marking takes every copy of each step it ends with it (RetentionCatalog.mark_deleted)
         ended = {m.step: m for m in RetentionCatalog(plan.catalog).mark_deleted(plan.run, decide, actor=plan.actor)}
