@@ -20,7 +20,7 @@ from registry.catalog.replicas import DURABLE
 from registry.format.manifest import MANIFEST, digest_bytes
 from registry.ops.tierretention import TierPlan, TierResult
 from registry.records import CheckpointInfo, Status
-from registry.retention import KeepLast
+from registry.retention import KeepBest, KeepLast
 from tests.helpers import assert_state_equal, durable_keys, make_state, mark_corrupt, pg_connect
 
 
@@ -281,3 +281,22 @@ def test_a_stale_tier_plan_never_ends_the_base_of_a_delta_published_since(treg: 
     assert result.ended == () and list(result.skipped) == [1], result
     assert treg.catalog.get("rl", 1).status == Status.VERIFIED  # type: ignore[union-attr]
     assert_state_equal(treg.load("rl@pv:3").state_dict, three)
+
+
+def test_a_late_metric_since_a_tier_plan_keeps_the_step_it_makes_best(treg: Registry) -> None:
+    """As plain retention: the policy is evaluated again when a copy goes alone and when a step's last copy goes."""
+    for step, loss in ((1, 0.5), (2, 0.9), (3, 0.7)):
+        treg.publish("run", step, make_state(step), metrics={"eval/loss": loss}, durable=True)
+    fast_plan = treg.plan_tier_retention("run", KeepBest(1, "eval/loss"), tier="fast")
+    assert [(d.step, d.ends_step) for d in fast_plan.decisions if d.action == "delete"] == [(2, False)]
+    treg.log_metrics("run", 2, {"eval/loss": 0.1}, flush=True)
+    result = fast_plan.execute()
+    assert result.deleted == () and "now kept by the policy" in result.skipped[2], result
+    assert treg.plan_tier_retention("run", KeepLast(1), tier="fast").execute().deleted == (1, 2)
+    durable_plan = treg.plan_tier_retention("run", KeepBest(1, "eval/loss"), tier="durable")
+    assert [(d.step, d.ends_step) for d in durable_plan.decisions if d.action == "delete"] == [(1, True)]
+    treg.log_metrics("run", 1, {"eval/loss": 0.01}, flush=True)
+    result = durable_plan.execute()
+    assert result.ended == () and "now kept by the policy" in result.skipped[1], result
+    assert_state_equal(treg.load("run@1").state_dict, make_state(1))
+    assert treg.fsck().clean

@@ -28,7 +28,7 @@ The policies themselves are :mod:`registry.retention`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -368,6 +368,38 @@ def make_plan(scope: RetentionScope, run: str, policy: Policy, *, now: datetime 
                              [located[d.step] for d in decisions if d.action == "keep"]))
 
 
+def still_doomed(snap: RunSnapshot, planned: Mapping[int, str], policy: Policy, candidates: Sequence[CheckpointInfo],
+                 *, now: datetime, protect: Mapping[int, str], allow_missing_metrics: bool,
+                 keep_fork_parents: bool = True, held: Callable[[CheckpointInfo], Mapping[Any, int]] | None = None,
+                 staying: Iterable[int] = ()) -> tuple[dict[int, str], dict[int, str]]:
+    """Of the ``planned`` deletions, those still due in ``snap`` (the run as the marking transaction sees it), and
+    the others with why: a new publish, tag, lease, policy hold or late metric since the plan wins.
+
+    The policy is evaluated again over ``candidates``; what stays (``staying``, what the policy keeps, the
+    protected steps) keeps its delta chains. Every retention engine marks through this, the plain one and each
+    tier's.
+    """
+    protected = protections(snap, protect, keep_fork_parents=keep_fork_parents)
+    by_step = {c.step: c for c in snap.checkpoints}
+    kept = evaluate(policy, candidates, RetentionContext(run=snap.run, now=now, protected=protected,
+                                                         allow_missing_metrics=allow_missing_metrics,
+                                                         **({"held": held} if held is not None else {})))
+    protected = with_bases(snap, protected, {*kept, *staying})
+    doomed: dict[int, str] = {}
+    skipped: dict[int, str] = {}
+    for step, why in planned.items():
+        c = by_step.get(step)
+        if c is None or c.status not in CANDIDATES:
+            skipped[step] = f"no longer a candidate ({c.status if c is not None else 'deleted or failed'})"
+        elif step in protected:
+            skipped[step] = f"now protected: {protected[step]}"
+        elif step in kept:
+            skipped[step] = f"now kept by the policy: {kept[step]}"
+        else:
+            doomed[step] = why
+    return doomed, skipped
+
+
 def finish_interrupted(scope: RetentionScope, run: str) -> tuple[tuple[int, ...], dict[int, str]]:
     """Remove what a killed gc left of ``deleted`` rows (see :meth:`Deletion.finish`)."""
     healed, errors = scope.storage.finish(run, RetentionCatalog(scope.catalog).deleted_rows(run))
@@ -401,25 +433,13 @@ def _execute(scope: RetentionScope, plan: RetentionPlan, progress: ProgressFn | 
     fallback = scope.storage.guard(scope.catalog, plan.run, planned)
 
     def decide(snap: RunSnapshot) -> dict[int, str]:
+        doomed, now_skipped = still_doomed(snap, {s: plan.delete[s] for s in planned}, plan.policy,
+                                           _candidates(scope, snap), now=plan.now,
+                                           protect={**plan.protect, **fallback},
+                                           allow_missing_metrics=plan.allow_missing_metrics,
+                                           keep_fork_parents=plan.keep_fork_parents, held=scope.storage.held)
         skipped.clear()  # the transaction may be retried: start over each time
-        protected = protections(snap, {**plan.protect, **fallback}, keep_fork_parents=plan.keep_fork_parents)
-        by_step = {c.step: c for c in snap.checkpoints}
-        kept = evaluate(plan.policy, _candidates(scope, snap),
-                        RetentionContext(run=plan.run, now=plan.now, protected=protected,
-                                         allow_missing_metrics=plan.allow_missing_metrics,
-                                         held=scope.storage.held))
-        protected = with_bases(snap, protected, kept)
-        doomed: dict[int, str] = {}
-        for step in planned:
-            c = by_step.get(step)
-            if c is None or c.status not in CANDIDATES:
-                skipped[step] = f"no longer a candidate ({c.status if c is not None else 'deleted or failed'})"
-            elif step in protected:
-                skipped[step] = f"now protected: {protected[step]}"
-            elif step in kept:
-                skipped[step] = f"now kept by the policy: {kept[step]}"
-            else:
-                doomed[step] = plan.delete[step]
+        skipped.update(now_skipped)
         return doomed
 
     marked = RetentionCatalog(scope.catalog).mark_deleted(plan.run, decide, actor=scope.actor)
@@ -454,4 +474,5 @@ def _deleted_info(run: str, row: DeletedRow) -> CheckpointInfo:
 
 
 __all__ = ["Decision", "Deletion", "RootDeletion", "RetentionPlan", "RetentionResult", "RetentionScope",
-           "chain_bases", "finish_interrupted", "guard_fallback", "make_plan", "protections", "with_bases"]
+           "chain_bases", "finish_interrupted", "guard_fallback", "make_plan", "protections", "still_doomed",
+           "with_bases"]

@@ -24,7 +24,10 @@ waiting for one, and goes with its fast copy when the policy says. A copy
 of this host marked ``corrupt`` (the step stands on another copy) serves no
 reader: the fast tier deletes it whatever the policy keeps.
 
-Execution is compare-and-set on the step's copies: a copy is marked
+Execution checks again what plain retention checks when it marks
+(:func:`~registry.ops.retention.still_doomed`: a new publish, tag, lease,
+policy hold or late metric since the plan wins, and what stays keeps its
+chain), then is compare-and-set on the step's copies: a copy is marked
 ``deleted`` only if, in the same transaction (with the step's row locked, so
 two tiers' retention at once never both take a copy), the step still holds
 that payload, no reader holds a lease on it, and (for a copy-only deletion)
@@ -48,7 +51,7 @@ from registry.errors import PolicyError, StorageError
 from registry.format.refs import check_run_name
 from registry.fs.prefixes import remove_prefix
 from registry.fs.removal import remove_checkpoint_dir
-from registry.ops.retention import protections, with_bases
+from registry.ops.retention import protections, still_doomed, with_bases
 from registry.ops.tiers import Tiers
 from registry.records import Status
 from registry.retention import Policy, RetentionContext, evaluate
@@ -101,6 +104,9 @@ class TierPlan:
     catalog: Catalog = field(repr=False)
     tiers: Tiers = field(repr=False)
     aside: Aside = field(repr=False)  # the root's: where it keeps a run's policy folds
+    policy: Policy = field(repr=False)
+    now: datetime
+    allow_missing_metrics: bool = False
     actor: str | None = None
     protect: Mapping[int, str] = field(default_factory=dict)
 
@@ -256,7 +262,8 @@ def make_tier_plan(catalog: Catalog, tiers: Tiers, run: str, policy: Policy, *, 
                                       ends_step=not keep and not other_good))
     decisions.sort(key=lambda d: d.step)
     return TierPlan(run=run, tier=tier, decisions=tuple(decisions), catalog=catalog, tiers=tiers, aside=aside,
-                    actor=actor, protect=MappingProxyType(dict(protect)))
+                    policy=policy, now=now, allow_missing_metrics=allow_missing_metrics, actor=actor,
+                    protect=MappingProxyType(dict(protect)))
 
 
 def _remove(tiers: Tiers, durable: bool, path: str, digest: str | None) -> None:
@@ -293,24 +300,42 @@ def _execute(plan: TierPlan) -> TierResult:
     freed = 0
     doomed = [d for d in plan.decisions if d.action == "delete"]
     enders = {d.step: "; ".join(d.reasons) for d in doomed if d.ends_step}
+    on_tier = {d.step for d in plan.decisions}
+
+    def recheck(snap: RunSnapshot, planned: Mapping[int, str]) -> tuple[dict[int, str], dict[int, str]]:
+        """Plain retention's check at marking time, over this tier's candidates of the plan: every step but those
+        whose last copy goes stays, with its chain."""
+        candidates = [c.under(plan.tiers.fast.root) for c in snap.checkpoints
+                      if c.step in on_tier and c.status in CANDIDATES]
+        return still_doomed(snap, planned, plan.policy, candidates, now=plan.now, protect=plan.protect,
+                            allow_missing_metrics=plan.allow_missing_metrics,
+                            staying={c.step for c in snap.checkpoints} - set(enders))
+
+    not_ended: dict[int, str] = {}
 
     def decide(snap: RunSnapshot) -> dict[int, str]:
-        protected = protections(snap, plan.protect)
-        ending = {s for s in enders if s not in protected}
-        protected = with_bases(snap, protected, {c.step for c in snap.checkpoints} - ending)
-        return {s: why for s, why in enders.items() if s not in protected}
+        due, why_not = recheck(snap, enders)
+        not_ended.clear()  # the transaction may be retried: start over each time
+        not_ended.update(why_not)
+        return due
     if enders:  # the marking takes every copy of each step it ends with it (RetentionCatalog.mark_deleted)
         ended = {m.step: m for m in RetentionCatalog(plan.catalog).mark_deleted(plan.run, decide, actor=plan.actor)}
-    digests = {c.step: c.manifest_sha256 for c in RetentionCatalog(plan.catalog).snapshot(plan.run).checkpoints}
+    snap = RetentionCatalog(plan.catalog).snapshot(plan.run)
+    digests = {c.step: c.manifest_sha256 for c in snap.checkpoints}
+    # a copy the policy deletes alone: the same check, then compare-and-set on the step's copies (copy_deleted)
+    _, changed = recheck(snap, {d.step: "" for d in doomed if not d.ends_step and not d.condemned})
     for d in doomed:
         row = ended.get(d.step) if d.ends_step else None
         if d.ends_step:
             if row is None:
-                skipped[d.step] = "protected, or changed since the plan"
+                skipped[d.step] = not_ended.get(d.step, "changed since the plan")
                 continue
             # a copy with no row yet (a step published before its copies were recorded) is recorded deleted
             replicas.copy_deleted(plan.run, d.step, location=d.location, path=d.path,
                                   manifest_sha256=row.manifest_sha256, require=None, actor=plan.actor)
+        elif not d.condemned and d.step in changed:
+            skipped[d.step] = changed[d.step]
+            continue
         else:
             disposable = d.condemned or d.location == plan.tiers.cache_location
             why = replicas.copy_deleted(plan.run, d.step, location=d.location, path=d.path,
