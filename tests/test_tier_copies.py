@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import torch
 
 from registry import Registry
 from registry.catalog.replicas import DURABLE
@@ -300,3 +301,28 @@ def test_a_late_metric_since_a_tier_plan_keeps_the_step_it_makes_best(treg: Regi
     assert result.ended == () and "now kept by the policy" in result.skipped[1], result
     assert_state_equal(treg.load("run@1").state_dict, make_state(1))
     assert treg.fsck().clean
+
+
+def test_tier_retention_ending_a_step_keeps_the_runs_fallback_apart(migrated_url: str, fast: Path,
+                                                                     durable: str) -> None:
+    """With dedup, as on a plain root: when a step's last copy goes, the two newest verified steps left share no
+    inode (here step 3 had linked step 1's weights, and step 2 stood between them)."""
+    def inodes(path: Path) -> set[int]:
+        return {p.stat().st_ino for p in path.rglob("*") if p.is_file()}
+
+    def state(seed: int) -> dict[str, torch.Tensor]:
+        return {"w": torch.full((1 << 18,), float(seed)), "b": torch.full((4,), float(seed))}  # 1 MiB: linked
+
+    with Registry.open(migrated_url, root=fast, durable=durable, dedup=True) as reg:
+        with reg._replication()._drain_lock:  # no durable copy yet: the fast tier holds each step's last copy
+            one = reg.publish("run", 1, state(1), tags=["keep"])
+            reg.publish("run", 2, state(2))
+            three = reg.publish("run", 3, state(1))
+            assert inodes(one.path) & inodes(three.path)  # linked: step 2 is step 3's fallback
+            result = reg.plan_tier_retention("run", KeepLast(1), tier="fast", force=True).execute()
+        assert result.ended == (2,)
+        assert not inodes(one.path) & inodes(three.path)  # step 1 is the fallback now: its own inodes
+        assert_state_equal(reg.load("run@3").state_dict, state(1))
+        for step in (1, 3):
+            reg.wait_durable("run", step, timeout=60)
+        assert reg.fsck(checksums=True).clean

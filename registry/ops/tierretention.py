@@ -51,7 +51,7 @@ from registry.errors import PolicyError, StorageError
 from registry.format.refs import check_run_name
 from registry.fs.prefixes import remove_prefix
 from registry.fs.removal import remove_checkpoint_dir
-from registry.ops.retention import protections, still_doomed, with_bases
+from registry.ops.retention import guard_fallback, protections, restore_fallback, still_doomed, with_bases
 from registry.ops.tiers import Tiers
 from registry.records import Status
 from registry.retention import Policy, RetentionContext, evaluate
@@ -302,12 +302,16 @@ def _execute(plan: TierPlan) -> TierResult:
     enders = {d.step: "; ".join(d.reasons) for d in doomed if d.ends_step}
     on_tier = {d.step for d in plan.decisions}
 
+    # as on a plain root: the steps that stay keep the run's fallback apart (dedup's links on the fast tier)
+    fallback = guard_fallback(plan.catalog, plan.tiers.fast.root, plan.run, sorted(enders)) if enders else {}
+
     def recheck(snap: RunSnapshot, planned: Mapping[int, str]) -> tuple[dict[int, str], dict[int, str]]:
         """Plain retention's check at marking time, over this tier's candidates of the plan: every step but those
         whose last copy goes stays, with its chain."""
         candidates = [c.under(plan.tiers.fast.root) for c in snap.checkpoints
                       if c.step in on_tier and c.status in CANDIDATES]
-        return still_doomed(snap, planned, plan.policy, candidates, now=plan.now, protect=plan.protect,
+        return still_doomed(snap, planned, plan.policy, candidates, now=plan.now,
+                            protect={**plan.protect, **fallback},
                             allow_missing_metrics=plan.allow_missing_metrics,
                             staying={c.step for c in snap.checkpoints} - set(enders))
 
@@ -320,6 +324,7 @@ def _execute(plan: TierPlan) -> TierResult:
         return due
     if enders:  # the marking takes every copy of each step it ends with it (RetentionCatalog.mark_deleted)
         ended = {m.step: m for m in RetentionCatalog(plan.catalog).mark_deleted(plan.run, decide, actor=plan.actor)}
+        restore_fallback(plan.catalog, plan.tiers.fast.root, plan.run)
     snap = RetentionCatalog(plan.catalog).snapshot(plan.run)
     digests = {c.step: c.manifest_sha256 for c in snap.checkpoints}
     # a copy the policy deletes alone: the same check, then compare-and-set on the step's copies (copy_deleted)
