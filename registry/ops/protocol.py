@@ -160,12 +160,8 @@ def publish_sequence(catalog: Catalog, target: Target, write: Callable[[Any, Reu
     if retired is not None:
         landing.settle(retired)
     crashpoint("after-commit")
-    if linked:
-        try:  # a step of the run published beside this one meanwhile; the publish itself has succeeded
-            keep_fallback_apart(catalog, root, run)
-        except OSError as exc:
-            log.warning("published %s@%d, but could not give it its own copy of a file the next verified step "
-                        "holds: %s; the next gc tries again", run, step, exc.strerror or exc)
+    if linked:  # a step of the run published beside this one meanwhile; the publish itself has succeeded
+        restore_fallback(catalog, root, run, after=f"published {run}@{step}")
     seconds = time.perf_counter() - started
     log.info("published %s@%d (%s): %s in %.3f s, %s/s", run, step, status, human_bytes(written.total_bytes), seconds,
              human_bytes(int(written.total_bytes / seconds) if seconds > 0 else 0))
@@ -292,6 +288,19 @@ def keep_fallback_apart(catalog: Catalog, root: Path, run: str, *, excluding: Se
     if len(newest) < 2:
         return []
     return unshare(root / newest[0].path, root / newest[1].path)
+
+
+def restore_fallback(catalog: Catalog, root: Path | None, run: str, *, after: str) -> None:
+    """``after`` (a step condemned, or deleted) may have changed which two steps of ``run`` are the newest verified:
+    they must share no inode (:func:`keep_fallback_apart`). ``root`` None (an object store) holds no links. Never
+    raises: a copy that cannot be made is logged, and the next publish or gc tries again."""
+    if root is None:
+        return
+    try:
+        keep_fallback_apart(catalog, root, run)
+    except OSError as exc:
+        log.warning("%s: %s, but the newest verified step could not get its own copy of a file it shares with the "
+                    "next: %s; the next publish or gc tries again", run, after, exc.strerror or exc)
 
 
 def write_and_install(catalog: Catalog, claim: Claim, landing: Landing, write: Callable[[Any], Written], *,

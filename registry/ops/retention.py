@@ -42,7 +42,7 @@ from registry.crashpoints import crashpoint
 from registry.errors import PolicyError
 from registry.format.refs import check_run_name
 from registry.ops.checkouts import reclaim as reclaim_checkouts
-from registry.ops.protocol import keep_fallback_apart
+from registry.ops.protocol import keep_fallback_apart, restore_fallback
 from registry.progress import Counter, ProgressFn
 from registry.records import CheckpointInfo, Status
 from registry.retention import Policy, RetentionContext, evaluate
@@ -121,7 +121,7 @@ class RootDeletion:
         directory = self.root.local_dir
         if not self.root.can.links or directory is None:
             return
-        restore_fallback(catalog, directory, run)
+        restore_fallback(catalog, directory, run, after="retention deleted a step")
 
     def reclaim(self, catalog: Catalog, run: str) -> tuple[Path, ...]:
         directory = self.root.local_dir
@@ -420,17 +420,6 @@ def guard_fallback(catalog: Catalog, root: Path, run: str, doomed: Sequence[int]
         return {s.step: why for s in newest_verified(catalog, run, n=2) if s.step in doomed}
 
 
-def restore_fallback(catalog: Catalog, root: Path, run: str) -> None:
-    """After steps were marked deleted: the two newest verified steps left share no inode, whatever changed since
-    :func:`guard_fallback` (a step published, verified or repaired meanwhile). A failure is logged: the marking
-    stands, and the next deletion or publish tries again."""
-    try:
-        keep_fallback_apart(catalog, root, run)
-    except OSError as exc:
-        log.warning("retention of %s: could not give the newest verified step its own copy of a file it "
-                    "shares with the next: %s", run, exc.strerror or exc)
-
-
 def _execute(scope: RetentionScope, plan: RetentionPlan, progress: ProgressFn | None = None) -> RetentionResult:
     healed, errors = finish_interrupted(scope, plan.run)
     # first: an expired checkout made of hard links would keep a deleted step's bytes on disk
@@ -481,5 +470,5 @@ def _deleted_info(run: str, row: DeletedRow) -> CheckpointInfo:
 
 
 __all__ = ["Decision", "Deletion", "RootDeletion", "RetentionPlan", "RetentionResult", "RetentionScope",
-           "chain_bases", "finish_interrupted", "guard_fallback", "make_plan", "protections", "restore_fallback",
-           "still_doomed", "with_bases"]
+           "chain_bases", "finish_interrupted", "guard_fallback", "make_plan", "protections", "still_doomed",
+           "with_bases"]

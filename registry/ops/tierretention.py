@@ -51,7 +51,8 @@ from registry.errors import PolicyError, StorageError
 from registry.format.refs import check_run_name
 from registry.fs.prefixes import remove_prefix
 from registry.fs.removal import remove_checkpoint_dir
-from registry.ops.retention import guard_fallback, protections, restore_fallback, still_doomed, with_bases
+from registry.ops.protocol import restore_fallback
+from registry.ops.retention import guard_fallback, protections, still_doomed, with_bases
 from registry.ops.tiers import Tiers
 from registry.records import Status
 from registry.retention import Policy, RetentionContext, evaluate
@@ -324,7 +325,7 @@ def _execute(plan: TierPlan) -> TierResult:
         return due
     if enders:  # the marking takes every copy of each step it ends with it (RetentionCatalog.mark_deleted)
         ended = {m.step: m for m in RetentionCatalog(plan.catalog).mark_deleted(plan.run, decide, actor=plan.actor)}
-        restore_fallback(plan.catalog, plan.tiers.fast.root, plan.run)
+        restore_fallback(plan.catalog, plan.tiers.fast.root, plan.run, after="tier retention ended a step")
     snap = RetentionCatalog(plan.catalog).snapshot(plan.run)
     digests = {c.step: c.manifest_sha256 for c in snap.checkpoints}
     # a copy the policy deletes alone: the same check, then compare-and-set on the step's copies (copy_deleted)

@@ -63,18 +63,10 @@ def damage_again(first: str, look: Callable[[], str], *, what: str) -> str:
 
 
 def condemned(catalog: Catalog, root: Path | None, run: str) -> None:
-    """A step of ``run`` was just condemned and left the verified chain: the two newest verified steps now must
-    share no inode, as after a deletion (:func:`registry.ops.protocol.keep_fallback_apart`). ``root`` None (an
-    object store) holds no links. Never raises: a copy that cannot be made is logged, the next publish or gc
-    tries again."""
-    if root is None:
-        return
-    from registry.ops.protocol import keep_fallback_apart  # the dedup machinery, only once a step is condemned
-    try:
-        keep_fallback_apart(catalog, root, run)
-    except OSError as exc:
-        log.warning("%s: a step was condemned, but the newest verified step could not get its own copy of a file "
-                    "it shares with the next: %s; the next publish or gc tries again", run, exc.strerror or exc)
+    """A step of ``run`` was just condemned and left the verified chain: the fallback is kept apart as after a
+    deletion (:func:`registry.ops.protocol.restore_fallback`)."""
+    from registry.ops.protocol import restore_fallback  # the dedup machinery, only once a step is condemned
+    restore_fallback(catalog, root, run, after="a step was condemned")
 
 
 REPAIRS = {
