@@ -6,6 +6,7 @@ purpose, and a condemned fast copy. Real SeaweedFS, both catalog backends, real 
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -326,3 +327,49 @@ def test_tier_retention_ending_a_step_keeps_the_runs_fallback_apart(migrated_url
         for step in (1, 3):
             reg.wait_durable("run", step, timeout=60)
         assert reg.fsck(checksums=True).clean
+
+
+# --------------------------------------------------------------------------- a tier's retention killed
+
+
+def retain_then_die(url: str, fast: str, durable: str, env: dict[str, str], tier: str) -> None:
+    """In a child: three durable steps (on the durable tier's turn, their fast copies gone first, so the durable
+    copies are the last ones), then ``KeepLast(1)`` on ``tier`` with ``env["REGISTRY_CRASH_AT"]`` armed."""
+    from registry.crashpoints import arm
+    os.environ.update(env)  # a forkserver's child inherits the server's environment, not the test's of the moment
+    arm(None)
+    with Registry.open(url, root=fast, durable=durable) as reg:
+        for step in (1, 2, 3):
+            reg.publish("run", step, make_state(step), durable=True)
+        if tier == "durable":
+            assert reg.plan_tier_retention("run", KeepLast(1), tier="fast").execute().deleted == (1, 2)
+        arm(env["REGISTRY_CRASH_AT"])
+        reg.plan_tier_retention("run", KeepLast(1), tier=tier).execute()
+
+
+@pytest.mark.parametrize("point", ["gc-after-mark", "gc-after-retire"])
+@pytest.mark.parametrize("tier", ["fast", "durable"])
+def test_a_tier_retention_killed_at_a_crash_point_loses_nothing_and_fsck_finishes_it(
+        migrated_url: str, fast: Path, durable: str, tier: str, point: str) -> None:
+    from tests import killharness
+    from tests.helpers import child_env
+    proc = killharness.context().Process(
+        target=retain_then_die, daemon=True,
+        args=(killharness.worker_url(migrated_url), str(fast), durable, {**child_env(), "REGISTRY_CRASH_AT": point},
+              tier))
+    proc.start()
+    proc.join(120)
+    assert proc.exitcode == -9, f"the retention to be killed at {point} ended with {proc.exitcode}"
+    with Registry.open(migrated_url, root=fast, durable=durable) as reg:
+        killharness.settle(reg)
+        # a copy going alone leaves its step live; the durable tier's ends steps 1 and 2 in one transaction
+        live = [i.step for i in reg.checkpoints("run")]
+        assert live == ([1, 2, 3] if tier == "fast" else [3]), live
+        for step in live:  # before any repair, every live step loads from a copy that is whole
+            assert_state_equal(reg.load(f"run@{step}").state_dict, make_state(step))
+        found = reg.fsck()
+        assert found.problems and not found.clean, found
+        assert reg.fsck(repair=True).repaired
+        assert reg.fsck(checksums=True).clean
+        for step in live:
+            assert_state_equal(reg.load(f"run@{step}").state_dict, make_state(step))

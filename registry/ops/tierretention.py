@@ -47,6 +47,7 @@ from typing import Any, Literal
 from registry.catalog import Catalog
 from registry.catalog.replicas import DURABLE, FAST, ReplicaCatalog, ReplicaInfo
 from registry.catalog.retention import CANDIDATES, DeletedRow, RetentionCatalog, RunSnapshot
+from registry.crashpoints import crashpoint
 from registry.errors import PolicyError, StorageError
 from registry.format.refs import check_run_name
 from registry.fs.prefixes import remove_prefix
@@ -269,7 +270,7 @@ def make_tier_plan(catalog: Catalog, tiers: Tiers, run: str, policy: Policy, *, 
 
 def _remove(tiers: Tiers, durable: bool, path: str, digest: str | None) -> None:
     if durable:
-        remove_prefix(tiers.durable, path)
+        remove_prefix(tiers.durable, path, point="gc-after-retire")
     else:
         remove_checkpoint_dir(tiers.fast.root / path, digest)
 
@@ -326,6 +327,8 @@ def _execute(plan: TierPlan) -> TierResult:
     if enders:  # the marking takes every copy of each step it ends with it (RetentionCatalog.mark_deleted)
         ended = {m.step: m for m in RetentionCatalog(plan.catalog).mark_deleted(plan.run, decide, actor=plan.actor)}
         restore_fallback(plan.catalog, plan.tiers.fast.root, plan.run, after="tier retention ended a step")
+        if ended:
+            crashpoint("gc-after-mark")
     snap = RetentionCatalog(plan.catalog).snapshot(plan.run)
     digests = {c.step: c.manifest_sha256 for c in snap.checkpoints}
     # a copy the policy deletes alone: the same check, then compare-and-set on the step's copies (copy_deleted)
@@ -350,6 +353,7 @@ def _execute(plan: TierPlan) -> TierResult:
             if why is not None:
                 skipped[d.step] = why
                 continue
+            crashpoint("gc-after-mark")  # the copy marked deleted, its bytes still in place
         digest = row.manifest_sha256 if row is not None else digests.get(d.step)
         try:
             for durable, path, held in _removals(plan, d, row, digest):
