@@ -9,7 +9,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +17,7 @@ import pytest
 from sqlalchemy import text
 
 from registry import CheckpointNotFoundError, InvalidStateError, PolicyError, Registry
-from registry.errors import CheckpointDeletedError, InvalidNameError
+from registry.errors import CheckpointDeletedError, InvalidNameError, RegistryError
 from registry.records import CheckpointInfo
 from registry.retention import (AnyOf, KeepBest, KeepEvery, KeepLast, KeepNewerThan, KeepPolicyVersions,
                                 KeepTagged, MaxBytes, Policy, RetentionContext, RetentionWarning)
@@ -577,3 +577,18 @@ def test_gc_finishes_a_deletion_interrupted_after_the_retire_and_says_so(catalog
         assert again.healed == (10,) and again.deleted == () and not again.errors
         assert reg_hidden(reg, "run") == []
         assert [s for s in (10, 20, 30) if status(reg, "run", s) != "deleted"] == [20, 30]
+
+
+BAD_PLAN_OPTIONS = [({"protect": {1: 5}}, "say why"), ({"protect": {"x": "y"}}, "invalid step"),
+                    ({"protect": {-1: "r"}}, "invalid step"), ({"protect": {True: "r"}}, "invalid step"),
+                    ({"protect": [1]}, "must map steps"), ({"now": "2026-01-01"}, "timezone-aware"),
+                    ({"now": datetime(2026, 1, 1)}, "timezone-aware")]
+
+
+@pytest.mark.parametrize(("options", "says"), BAD_PLAN_OPTIONS)
+def test_bad_plan_options_are_one_line_and_change_nothing(reg: Registry, options: dict[str, Any], says: str) -> None:
+    publish(reg, "run", [10, 20])
+    with pytest.raises(RegistryError, match=says) as raised:
+        reg.plan_retention("run", KeepLast(1), **options)
+    assert "\n" not in str(raised.value)
+    assert live(reg, "run") == [10, 20]

@@ -13,16 +13,19 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from registry import Registry
+from registry.errors import RegistryError
 from registry.catalog.replicas import DURABLE
 from registry.format.manifest import MANIFEST, digest_bytes
 from registry.ops.tierretention import TierPlan, TierResult
 from registry.records import CheckpointInfo, Status
 from registry.retention import KeepBest, KeepLast
+from tests.test_retention import BAD_PLAN_OPTIONS
 from tests.helpers import assert_state_equal, durable_keys, make_state, mark_corrupt, pg_connect
 
 
@@ -373,3 +376,12 @@ def test_a_tier_retention_killed_at_a_crash_point_loses_nothing_and_fsck_finishe
         assert reg.fsck(checksums=True).clean
         for step in live:
             assert_state_equal(reg.load(f"run@{step}").state_dict, make_state(step))
+
+
+@pytest.mark.parametrize(("options", "says"), BAD_PLAN_OPTIONS)
+def test_bad_tier_plan_options_are_the_same_one_line_errors(treg: Registry, options: dict[str, Any],
+                                                             says: str) -> None:
+    treg.publish("run", 1, make_state(1))
+    with pytest.raises(RegistryError, match=says) as raised:
+        treg.plan_tier_retention("run", KeepLast(1), tier="fast", **options)
+    assert "\n" not in str(raised.value)

@@ -40,7 +40,7 @@ from registry.catalog.fallback import newest_verified
 from registry.catalog.retention import CANDIDATES, DeletedRow, RetentionCatalog, RunSnapshot
 from registry.crashpoints import crashpoint
 from registry.errors import PolicyError
-from registry.format.refs import check_run_name
+from registry.format.refs import check_run_name, check_step
 from registry.ops.checkouts import reclaim as reclaim_checkouts
 from registry.ops.protocol import keep_fallback_apart, restore_fallback
 from registry.progress import Counter, ProgressFn
@@ -329,13 +329,7 @@ def make_plan(scope: RetentionScope, run: str, policy: Policy, *, now: datetime 
     A policy that ranks by a metric no candidate has is refused
     (:class:`UnknownMetricError`) unless ``allow_missing_metrics``.
     """
-    check_run_name(run)
-    if not isinstance(policy, Policy):
-        raise PolicyError(f"a retention policy must be a registry.retention.Policy, got {policy!r}")
-    if now is None:
-        now = datetime.now(timezone.utc)
-    elif now.tzinfo is None:
-        raise PolicyError("now= must be a timezone-aware datetime")
+    now, protect = plan_options(run, policy, now=now, protect=protect)
     snap = RetentionCatalog(scope.catalog).snapshot(run)
     protected = protections(snap, protect, keep_fork_parents=keep_fork_parents)
     candidates = _candidates(scope, snap)
@@ -394,6 +388,25 @@ def still_doomed(snap: RunSnapshot, planned: Mapping[int, str], policy: Policy, 
         else:
             doomed[step] = why
     return doomed, skipped
+
+
+def plan_options(run: str, policy: object, *, now: object, protect: object) -> tuple[datetime, dict[int, str]]:
+    """What every retention plan (plain, or a tier's) is given, checked: a run name, a :class:`Policy`, ``now``
+    (timezone-aware; None: the clock) and ``protect`` (``{step: why}``). Returns ``now`` and ``protect``."""
+    check_run_name(run)
+    if not isinstance(policy, Policy):
+        raise PolicyError(f"a retention policy must be a registry.retention.Policy, got {policy!r}")
+    if now is None:
+        now = datetime.now(timezone.utc)
+    elif not isinstance(now, datetime) or now.tzinfo is None:
+        raise PolicyError(f"now= must be a timezone-aware datetime, got {now!r}")
+    if not isinstance(protect, Mapping):
+        raise PolicyError(f"protect= must map steps to the reasons they are kept, got {protect!r}")
+    for step, why in protect.items():
+        check_step(step)
+        if not isinstance(why, str) or not why.strip():
+            raise PolicyError(f"protect= gives step {step} the reason {why!r}: say why it is kept, in words")
+    return now, dict(protect)
 
 
 def finish_interrupted(scope: RetentionScope, run: str) -> tuple[tuple[int, ...], dict[int, str]]:

@@ -40,7 +40,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime
 from types import MappingProxyType
 from typing import Any, Literal
 
@@ -49,11 +49,10 @@ from registry.catalog.replicas import DURABLE, FAST, ReplicaCatalog, ReplicaInfo
 from registry.catalog.retention import CANDIDATES, DeletedRow, RetentionCatalog, RunSnapshot
 from registry.crashpoints import crashpoint
 from registry.errors import PolicyError, StorageError
-from registry.format.refs import check_run_name
 from registry.fs.prefixes import remove_prefix
 from registry.fs.removal import remove_checkpoint_dir
 from registry.ops.protocol import restore_fallback
-from registry.ops.retention import guard_fallback, protections, still_doomed, with_bases
+from registry.ops.retention import guard_fallback, plan_options, protections, still_doomed, with_bases
 from registry.ops.tiers import Tiers
 from registry.records import Status
 from registry.retention import Policy, RetentionContext, evaluate
@@ -220,13 +219,10 @@ def make_tier_plan(catalog: Catalog, tiers: Tiers, run: str, policy: Policy, *, 
                    actor: str | None = None) -> TierPlan:
     """Decide what ``policy`` keeps and deletes of ``run``'s copies on ``tier`` (see the module's docstring);
     ``aside``: the root's (:meth:`registry.roots.base.Root.aside`), where the folds of the steps it ends are."""
-    check_run_name(run)
-    if not isinstance(policy, Policy):
-        raise PolicyError(f"a retention policy must be a registry.retention.Policy, got {policy!r}")
+    now, protect = plan_options(run, policy, now=now, protect=protect)
     if tier not in SIDES:
         raise PolicyError(f"tier must be 'fast' or 'durable', got {tier!r}")
     side = SIDES[tier]
-    now = now or datetime.now(timezone.utc)
     snap = RetentionCatalog(catalog).snapshot(run)
     found = _copies(tiers, snap, ReplicaCatalog(catalog).replicas(run))
     durable, others = found.durable, found.others
