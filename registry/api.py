@@ -1381,19 +1381,21 @@ class Registry:
 
     def plan_tier_retention(self, run: str, policy: Policy, *, tier: str = "fast", force: bool = False,
                             now: datetime | None = None, protect: Mapping[int, str] | None = None,
-                            allow_missing_metrics: bool = False) -> TierPlan:
+                            allow_missing_metrics: bool = False, keep_fork_parents: bool = True) -> TierPlan:
         """What ``policy`` keeps and deletes of ``run``'s copies on one tier (``fast`` or ``durable``).
 
         See :mod:`registry.ops.tierretention`: deleting a copy of a step that
         has another good copy leaves the step live; deleting its last copy
-        ends it. The fast tier keeps what is not yet durable unless ``force``.
+        ends it. The fast tier keeps what is not yet durable unless ``force``. The other options are
+        :meth:`plan_retention`'s.
         """
         from registry.ops.tierretention import make_tier_plan
         tiers = self._tiers("plan_tier_retention (use plan_retention)")
-        check_flags(force=force, allow_missing_metrics=allow_missing_metrics)
+        check_flags(force=force, allow_missing_metrics=allow_missing_metrics, keep_fork_parents=keep_fork_parents)
         return make_tier_plan(self.catalog, tiers, run, policy, tier=tier, force=force,  # type: ignore[arg-type]
                               aside=self.root.aside(), now=now, protect=protect or {},
-                              allow_missing_metrics=allow_missing_metrics, actor=self.writer)
+                              allow_missing_metrics=allow_missing_metrics, keep_fork_parents=keep_fork_parents,
+                              actor=self.writer)
 
     def apply_retention(self, run: str, policy: Policy, *, protect: Mapping[int, str] | None = None,
                         allow_missing_metrics: bool = False, keep_fork_parents: bool = True) -> RetentionResult:

@@ -385,3 +385,27 @@ def test_bad_tier_plan_options_are_the_same_one_line_errors(treg: Registry, opti
     with pytest.raises(RegistryError, match=says) as raised:
         treg.plan_tier_retention("run", KeepLast(1), tier="fast", **options)
     assert "\n" not in str(raised.value)
+
+
+def test_a_tier_keeps_the_parent_of_a_fork_unless_released(migrated_url: str, fast: Path, durable: str) -> None:
+    """As plain retention, and ``gc --release-fork-parents`` says the same on a tiered root."""
+    from click.testing import CliRunner
+
+    from registry.cli import main
+    with Registry.open(migrated_url, root=fast, durable=durable) as reg:
+        for step in (1, 2, 3):
+            reg.publish("base", step, make_state(step), durable=True)
+        reg.begin_attempt("ft", fork_from="base@1")
+        reg.publish("ft", 10, make_state(10))
+        for tier in ("fast", "durable"):
+            plan = reg.plan_tier_retention("base", KeepLast(1), tier=tier)
+            assert "parent of fork ft@10" in plan.keep[1] and list(plan.delete) == [2], plan
+    args = ["--url", migrated_url, "--root", str(fast), "--durable", durable, "gc", "base", "--keep-last", "1",
+            "--yes", "--json"]
+    for tier in ("fast", "durable"):
+        out = CliRunner().invoke(main, [*args, "--tier", tier, "--release-fork-parents"], catch_exceptions=False)
+        assert out.exit_code == 0, out.output
+    with Registry.open(migrated_url, root=fast, durable=durable) as reg:
+        assert [i.step for i in reg.checkpoints("base")] == [3]
+        assert [(h.ref, h.status) for h in reg.lineage("ft@10")] == [("ft@10", "verified"), ("base@1", "deleted")]
+        assert_state_equal(reg.load("ft@10").state_dict, make_state(10))  # the fork is whole without its parent

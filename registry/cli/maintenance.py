@@ -177,7 +177,7 @@ def gc(state: State, run: str, keep_last: int | None, keep_best: tuple[str, ...]
     reg = state.registry()
     if reg.root.can.tiers:
         tier_gc(reg, run, policy, tier=tier, force=force, allow_missing_metric=allow_missing_metric,
-                dry_run=dry_run, yes=yes, as_json=as_json)
+                keep_fork_parents=not release_fork_parents, dry_run=dry_run, yes=yes, as_json=as_json)
         return
     if tier is not None or force:
         raise click.UsageError("--tier and --force apply to a root with a --durable tier")
@@ -219,10 +219,11 @@ def gc(state: State, run: str, keep_last: int | None, keep_best: tuple[str, ...]
 
 
 def tier_gc(reg: Any, run: str, policy: Any, *, tier: str | None, force: bool, allow_missing_metric: bool,
-            dry_run: bool, yes: bool, as_json: bool) -> None:
+            keep_fork_parents: bool, dry_run: bool, yes: bool, as_json: bool) -> None:
     """``gc`` on a root with a durable tier: the plan of each tier shown, the policy's tier executed."""
     chosen = tier or "fast"
-    plans = {t: reg.plan_tier_retention(run, policy, tier=t, force=force, allow_missing_metrics=allow_missing_metric)
+    plans = {t: reg.plan_tier_retention(run, policy, tier=t, force=force, allow_missing_metrics=allow_missing_metric,
+                                        keep_fork_parents=keep_fork_parents)
              for t in ((chosen,) if tier is not None else ("fast", "durable"))}
     if as_json:
         emit_json({"run": run, "tiers": [p.to_json() for p in plans.values()], "dry_run": dry_run,

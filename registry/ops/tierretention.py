@@ -108,6 +108,7 @@ class TierPlan:
     policy: Policy = field(repr=False)
     now: datetime
     allow_missing_metrics: bool = False
+    keep_fork_parents: bool = True   # see registry.ops.retention.protections
     actor: str | None = None
     protect: Mapping[int, str] = field(default_factory=dict)
 
@@ -216,7 +217,7 @@ SIDES = {"fast": _Side(name="fast", other=DURABLE, durable=False, keeps_unreplic
 def make_tier_plan(catalog: Catalog, tiers: Tiers, run: str, policy: Policy, *, tier: Tier, aside: Aside,
                    force: bool = False, now: datetime | None = None,
                    protect: Mapping[int, str] = MappingProxyType({}), allow_missing_metrics: bool = False,
-                   actor: str | None = None) -> TierPlan:
+                   keep_fork_parents: bool = True, actor: str | None = None) -> TierPlan:
     """Decide what ``policy`` keeps and deletes of ``run``'s copies on ``tier`` (see the module's docstring);
     ``aside``: the root's (:meth:`registry.roots.base.Root.aside`), where the folds of the steps it ends are."""
     now, protect = plan_options(run, policy, now=now, protect=protect)
@@ -230,7 +231,7 @@ def make_tier_plan(catalog: Catalog, tiers: Tiers, run: str, policy: Policy, *, 
     extra = dict(protect)
     for step, why in side.protections(found).items():
         extra[step] = "; ".join(r for r in (extra.get(step), why) if r)
-    protected = protections(snap, extra)
+    protected = protections(snap, extra, keep_fork_parents=keep_fork_parents)
     on_tier = side.on_tier(tiers, found)
     candidates = [c for c in snap.checkpoints if c.step in on_tier and c.status in CANDIDATES]
     kept = evaluate(policy, [c.under(tiers.fast.root) for c in candidates],
@@ -260,7 +261,8 @@ def make_tier_plan(catalog: Catalog, tiers: Tiers, run: str, policy: Policy, *, 
                                       ends_step=not keep and not other_good))
     decisions.sort(key=lambda d: d.step)
     return TierPlan(run=run, tier=tier, decisions=tuple(decisions), catalog=catalog, tiers=tiers, aside=aside,
-                    policy=policy, now=now, allow_missing_metrics=allow_missing_metrics, actor=actor,
+                    policy=policy, now=now, allow_missing_metrics=allow_missing_metrics,
+                    keep_fork_parents=keep_fork_parents, actor=actor,
                     protect=MappingProxyType(dict(protect)))
 
 
@@ -311,6 +313,7 @@ def _execute(plan: TierPlan) -> TierResult:
         return still_doomed(snap, planned, plan.policy, candidates, now=plan.now,
                             protect={**plan.protect, **fallback},
                             allow_missing_metrics=plan.allow_missing_metrics,
+                            keep_fork_parents=plan.keep_fork_parents,
                             staying={c.step for c in snap.checkpoints} - set(enders))
 
     not_ended: dict[int, str] = {}
