@@ -21,7 +21,7 @@ if TYPE_CHECKING:
                                  DistributedError,
                                  ExtraNotFoundError, InvalidNameError, InvalidNumberError, InvalidQueryError,
                                  InvalidRefError, InvalidStateError, LagTimeoutError, ManifestError, NoCopyError,
-                                 ObjectExistsError,
+                                 DurableTimeoutError, ObjectExistsError,
                                  ObjectNotFoundError, PolicyError, PolicyVersionConflictError,
                                  PublishError, ReadOnlyError, RegistryError, RootError, RootMismatchError,
                                  SafetensorsFormatError, SchemaTooNewError, StepExistsError, StorageError,
@@ -36,7 +36,8 @@ __version__ = "0.1.0"
 
 _ERRORS = (
     "AsyncPublishError", "CatalogError", "CheckpointDeletedError", "CheckpointNotFoundError", "CheckpointReadError",
-    "CorruptCheckpointError", "DcpMetadataError", "DeltaBaseError", "DistributedError", "ExtraNotFoundError",
+    "CorruptCheckpointError", "DcpMetadataError", "DeltaBaseError", "DistributedError", "DurableTimeoutError",
+    "ExtraNotFoundError",
     "InvalidNameError",
     "InvalidNumberError", "InvalidQueryError",
     "InvalidRefError", "InvalidStateError", "LagTimeoutError", "ManifestError", "NoCopyError", "ObjectExistsError",
@@ -62,7 +63,8 @@ __all__ = [
     "AsyncPublishError", "CatalogError", "Checkpoint", "CheckpointDeletedError", "CheckpointDiff", "CheckpointInfo",
     "CheckpointNotFoundError", "CheckpointReadError", "Checkout", "CorruptCheckpointError", "DcpMetadataError",
     "DeltaBaseError",
-    "DistributedError", "EventInfo", "Exported", "ExtraNotFoundError", "InvalidNameError", "InvalidNumberError",
+    "DistributedError", "DurableTimeoutError", "EventInfo", "Exported", "ExtraNotFoundError", "InvalidNameError",
+    "InvalidNumberError",
     "InvalidQueryError", "InvalidRefError",
     "InvalidStateError", "LagTimeoutError", "LineageHop", "ManifestError", "MetricPoint", "NoCopyError",
     "ObjectExistsError",

@@ -32,13 +32,13 @@ from registry.ops.attempts import Attempts, Fork
 from registry.records import HAS_PAYLOAD, CheckpointInfo, EventInfo, MetricPoint, RunInfo
 from registry.records import AttemptInfo, FoundRun, TagInfo
 from registry.format.refs import Ref, check_run_name, check_step, check_tag_name, parse_ref
-from registry.fs.bounds import check_outside_root
+from registry.fs.bounds import as_dest, check_outside_root
 from registry.fs.store import Store, now_timestamp
 from registry.roots.base import Root
 from registry.roots.open import locate, locations
 from registry.ops.writers import close_writer, open_writer, writer_alive, writer_id
 from registry.fs.validation import (check_flags, check_full_every, check_keep_days, check_metrics, check_tags,
-                                     checked_payload)
+                                     check_timeout, checked_payload)
 
 if TYPE_CHECKING:  # and what only some methods use, imported there: a CLI listing never loads or publishes
     from registry.fs.payloadfiles import Payload, Written
@@ -671,19 +671,21 @@ class Registry:
 
         Replication runs on this registry's background thread (started here
         if needed); a copy made by another process counts too. Raises
-        ``TimeoutError`` when ``timeout`` seconds pass first (the queue keeps
+        ``DurableTimeoutError`` (a ``TimeoutError``) when ``timeout`` seconds pass first (the queue keeps
         the step: it becomes durable later).
         """
         from registry.catalog.replicas import DURABLE, ReplicaCatalog
+        from registry.errors import DurableTimeoutError
         check_run_name(run)
         check_step(step)
+        check_timeout(timeout)
         info = self.catalog.resolve(Ref(run=run, kind="step", step=step))
         replicator = self._replication()
         if not replicator.wait_durable(run, step, info.manifest_sha256, timeout=timeout):
             refused = [d.error for d in replicator.deferred(run=run) if d.item.step == step]
             failing = refused[0] if refused else replicator.failing
             why = f": {failing}" if failing is not None else ""
-            raise TimeoutError(f"{run}@{step} has no durable copy after {timeout} s{why}")
+            raise DurableTimeoutError(f"{run}@{step} has no durable copy after {timeout} s{why}")
         copy = ReplicaCatalog(self.catalog).copy(run, step, DURABLE, manifest_sha256=info.manifest_sha256)
         if copy is None:  # durable, then deleted or overwritten at once by another process
             raise CheckpointNotFoundError(f"{run}@{step}'s durable copy is gone again (deleted or replaced since "
@@ -696,14 +698,16 @@ class Registry:
         ``registry replicate``. Without ``wait`` a ``StorageError`` (the durable
         tier down, or a step it refused, after the steps it took) is raised;
         with it the queue is retried with backoff until it drained or
-        ``timeout`` seconds passed (then ``TimeoutError``).
+        ``timeout`` seconds passed (then ``DurableTimeoutError``, a ``TimeoutError``).
         """
         import time
 
         from registry.ops.replicator import BACKOFF_MAX, BACKOFF_START
-        from registry.errors import StorageError
+        from registry.errors import DurableTimeoutError, StorageError
         if run is not None:
             check_run_name(run)
+        check_flags(wait=wait)
+        check_timeout(timeout)
         replicator = self._replication()
         deadline = None if timeout is None else time.monotonic() + timeout
         before, backoff = replicator.replicated, BACKOFF_START
@@ -719,7 +723,7 @@ class Registry:
             except StorageError as exc:
                 if not wait or (deadline is not None and time.monotonic() + backoff > deadline):
                     if wait:
-                        raise TimeoutError(f"the queue did not drain in {timeout} s: {exc}") from exc
+                        raise DurableTimeoutError(f"the queue did not drain in {timeout} s: {exc}") from exc
                     raise
                 log.warning("replicate: %s; retrying in %.1f s", exc, backoff)
                 time.sleep(backoff)
@@ -735,6 +739,8 @@ class Registry:
         """Every recorded copy of ``run``'s steps (of one ``step``): tier, status, path, when it became durable."""
         from registry.catalog.replicas import ReplicaCatalog
         check_run_name(run)
+        if step is not None:
+            check_step(step)
         return ReplicaCatalog(self.catalog).replicas(run, step)
 
     # ------------------------------------------------------------------ metrics
@@ -1037,7 +1043,8 @@ class Registry:
         """
         from registry.ops.export import checkout
         check_flags(verify=verify, fallback=fallback)
-        return checkout(self._reader(), parse_ref(ref), Path(dest).absolute() if dest is not None else None,
+        return checkout(self._reader(), parse_ref(ref),
+                        as_dest(dest, what="checkout destination") if dest is not None else None,
                         ttl=ttl, verify=verify, fallback=fallback, link=link)  # type: ignore[arg-type]
 
     def release_checkout(self, path: str | os.PathLike[str]) -> None:
@@ -1064,10 +1071,11 @@ class Registry:
         check_format(format, max_shard_size)
         check_flags(overwrite=overwrite)
         from registry.ops import reading
-        check_dest(Path(dest), root=self.store.root, catalog=self._catalog_file(), overwrite=overwrite)
+        where = as_dest(dest, what="export destination")
+        check_dest(where, root=self.store.root, catalog=self._catalog_file(), overwrite=overwrite)
         read = reading.load(self._reader(), parse_ref(ref), verify=True, map_location="cpu", trust_pickle=False,
                             extras=False, fallback=True)  # no extra is read, so none needs trusting
-        return export(read, Path(dest).absolute(), root=self.store.root, catalog=self._catalog_file(),
+        return export(read, where, root=self.store.root, catalog=self._catalog_file(),
                       format=format, max_shard_size=max_shard_size, overwrite=overwrite)  # type: ignore[arg-type]
 
     def materialize(self, ref: str | Ref, dest: str | os.PathLike[str]) -> Path:
@@ -1075,7 +1083,7 @@ class Registry:
         of ``ref``'s version writes (a delta step rebuilt from its chain), checked against the version's digest;
         each file lands atomically (temporary name, fsync, rename). Returns ``dest``."""
         from registry.ops.export import materialize
-        return materialize(self._reader(), parse_ref(ref), Path(dest).absolute())
+        return materialize(self._reader(), parse_ref(ref), as_dest(dest, what="materialize destination"))
 
     def _materialize_traced(self, ref: str, dest: Path) -> tuple[Path, str]:
         """:meth:`materialize`, and the copy it read (a policy consumer's load records it as its source)."""

@@ -215,3 +215,8 @@ class WebhookError(RegistryError, ValueError):
 
 class LagTimeoutError(RegistryError, TimeoutError):
     """``wait_lag`` gave up: a live policy consumer still lagged more versions than allowed after the timeout."""
+
+
+class DurableTimeoutError(RegistryError, TimeoutError):
+    """``wait_durable`` or ``replicate(wait=True)`` gave up after its timeout: the step keeps its place in the
+    replication queue and becomes durable later."""

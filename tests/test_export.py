@@ -58,6 +58,24 @@ def test_export_refuses_bad_input_before_reading(reg: Registry, tmp_path: Path) 
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.parametrize("dest", ["", None, 5, b"/tmp/x"])
+def test_a_destination_that_names_no_directory_is_refused(reg: Registry, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch, dest: object) -> None:
+    """'' would be the current directory: an export with overwrite=True would replace it."""
+    publish_two(reg)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine.txt").write_text("keep me")
+    before = sorted(os.listdir(tmp_path))
+    calls = {"export": lambda: reg.export("run@1", dest, overwrite=True),  # type: ignore[arg-type]
+             "materialize": lambda: reg.materialize("run@1", dest)}  # type: ignore[arg-type]
+    if dest is not None:  # checkout(dest=None) makes a directory of the registry's own
+        calls["checkout"] = lambda: reg.checkout("run@1", dest)  # type: ignore[arg-type]
+    for what, call in calls.items():
+        with pytest.raises(InvalidStateError, match=f"{what} destination must name a directory"):
+            call()
+    assert sorted(os.listdir(tmp_path)) == before and (tmp_path / "mine.txt").read_text() == "keep me"
+
+
 def test_checkout_copies_the_verified_files_under_a_lease(reg: Registry, tmp_path: Path) -> None:
     publish_two(reg)
     with reg.checkout("run@1") as co:

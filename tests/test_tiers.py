@@ -980,3 +980,30 @@ def test_a_step_the_durable_tier_refuses_never_holds_back_the_steps_after_it(
     messages = [r.getMessage() for r in caplog.records]
     assert not any("is failing" in m for m in messages), messages  # one step's refusal is not an outage
     assert sum("run@2 was not replicated" in m for m in messages) == 1, messages
+
+
+@pytest.mark.parametrize(("call", "says"), [
+    (lambda reg: reg.wait_durable("run", 1, timeout=-1), "timeout must be"),
+    (lambda reg: reg.wait_durable("run", 1, timeout=float("nan")), "timeout must be"),
+    (lambda reg: reg.wait_durable("run", 1, timeout="1"), "timeout must be"),
+    (lambda reg: reg.replicate("run", wait=True, timeout=-5), "timeout must be"),
+    (lambda reg: reg.replicate("run", wait="no"), "wait must be True or False"),
+    (lambda reg: reg.replicas("run", "1"), "invalid step"),
+])
+def test_the_tier_calls_refuse_bad_arguments_in_one_line(treg: Registry, call: Callable[[Registry], object],
+                                                         says: str) -> None:
+    from registry.errors import RegistryError
+    treg.publish("run", 1, make_state(1))
+    with pytest.raises(RegistryError, match=says) as raised:
+        call(treg)
+    assert "\n" not in str(raised.value)
+
+
+def test_a_wait_for_a_durable_copy_that_times_out_is_a_registry_error(treg: Registry) -> None:
+    from registry.errors import DurableTimeoutError, RegistryError
+    with treg._replication()._drain_lock:  # nothing replicates meanwhile
+        treg.publish("run", 1, make_state(1))
+        with pytest.raises(DurableTimeoutError, match="run@1 has no durable copy after 0 s") as raised:
+            treg.wait_durable("run", 1, timeout=0)
+    assert isinstance(raised.value, RegistryError) and isinstance(raised.value, TimeoutError)
+    treg.wait_durable("run", 1, timeout=60)

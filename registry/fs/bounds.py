@@ -11,6 +11,7 @@ the path need not exist yet), so a link into the root is refused too.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from registry.errors import InvalidStateError
@@ -19,6 +20,17 @@ from registry.errors import InvalidStateError
 def real(path: Path) -> Path:
     """``path`` with every symlink of the part that exists resolved (the rest appended as given)."""
     return Path(path).absolute().resolve(strict=False)
+
+
+def as_dest(dest: object, *, what: str) -> Path:
+    """The directory a caller named for a command to write into, made absolute. An empty string names none (it
+    would be the current directory, where an export with ``overwrite`` replaces everything), so it is refused
+    with one line, as is anything that is not a ``str`` or ``os.PathLike`` of text."""
+    if isinstance(dest, (str, os.PathLike)):
+        text = os.fspath(dest)
+        if isinstance(text, str) and text:
+            return Path(text).absolute()
+    raise InvalidStateError(f"{what} must name a directory (a str or os.PathLike), got {dest!r}")
 
 
 def check_outside_root(path: Path, root: Path, *, what: str, allowed: Path | None = None,
@@ -44,4 +56,4 @@ def check_outside_root(path: Path, root: Path, *, what: str, allowed: Path | Non
                                 "or remove; choose a directory that does not hold it")
 
 
-__all__ = ["check_outside_root", "real"]
+__all__ = ["as_dest", "check_outside_root", "real"]

@@ -74,6 +74,14 @@ def check_flags(**flags: object) -> None:
             raise InvalidStateError(f"{name} must be True or False, got {value!r}")
 
 
+def check_timeout(timeout: object) -> float | None:
+    """A wait's ``timeout``: a non-negative number of seconds, or None (wait as long as it takes)."""
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or math.isnan(timeout) or timeout < 0):
+        raise InvalidStateError(f"timeout must be a non-negative number of seconds or None, got {timeout!r}")
+    return timeout
+
+
 def check_full_every(full_every: object) -> int:
     """``Registry.open(full_every=...)``: a policy publish stores a full at least every that many versions."""
     if isinstance(full_every, bool) or not isinstance(full_every, int) or full_every < 1:

@@ -51,7 +51,7 @@ from registry.catalog.consumers import APPLIED, ConsumersCatalog, LeasableVersio
 from registry.catalog.session import utcnow
 from registry.errors import CheckpointNotFoundError, InvalidStateError, LagTimeoutError, RegistryError
 from registry.format.refs import check_run_name
-from registry.fs.validation import check_keep_days
+from registry.fs.validation import check_keep_days, check_timeout
 from registry.ops.follow import PG_RECHECK_S, POLL_MAX_S, POLL_MIN_S, _Listener
 from registry.ops.hostcopies import POLICY_CACHE, Materialize, host_copy, prune_host_copies
 from registry.records import LoadInfo, PolicyLag
@@ -64,12 +64,6 @@ NEWEST_FRESH_S = 1.0  # how long a process's shared answer to "the newest versio
 LAG_RECHECK_S = 1.0  # wait_lag re-reads at least this often: a consumer expiring sends no notification
 PRUNE_EVERY_S = 3600.0  # how often a hub forgets old loads (see ConsumerHub.prune_now_and_then)
 KEEP_DAYS = 30.0
-
-
-def check_timeout(timeout: float | None) -> None:
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                or math.isnan(timeout) or timeout < 0):
-        raise InvalidStateError(f"timeout must be a non-negative number of seconds or None, got {timeout!r}")
 
 
 def _check_ttl(ttl: float) -> float:

@@ -29,9 +29,9 @@ from typing import Any
 
 from registry.catalog import Catalog
 from registry.catalog.queries import NOTIFY_CHANNEL
-from registry.errors import InvalidStateError
 from registry.records import CheckpointInfo
 from registry.format.refs import check_run_name, check_step
+from registry.fs.validation import check_timeout
 
 POLL_MIN_S = 0.01
 POLL_MAX_S = 0.1
@@ -101,9 +101,7 @@ class Follower:
         """The next verified step above ``after_step`` (``None``: any), or ``None`` after ``timeout`` s."""
         if after_step is not None:
             check_step(after_step)
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                    or math.isnan(timeout) or timeout < 0):
-            raise InvalidStateError(f"timeout must be a non-negative number of seconds or None, got {timeout!r}")
+        check_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = POLL_MIN_S
         while True:
