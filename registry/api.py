@@ -31,14 +31,14 @@ from registry.format.layout import step_dirname
 from registry.ops.attempts import Attempts, Fork
 from registry.records import HAS_PAYLOAD, CheckpointInfo, EventInfo, MetricPoint, RunInfo
 from registry.records import AttemptInfo, FoundRun, TagInfo
-from registry.format.refs import Ref, check_run_name, check_step, check_tag_name, parse_ref
+from registry.format.refs import Ref, check_metric_key, check_run_name, check_step, check_tag_name, parse_ref
 from registry.fs.bounds import as_dest, check_outside_root
 from registry.fs.store import Store, now_timestamp
 from registry.roots.base import Root
 from registry.roots.open import locate, locations
 from registry.ops.writers import close_writer, open_writer, writer_alive, writer_id
-from registry.fs.validation import (check_flags, check_full_every, check_keep_days, check_metrics, check_tags,
-                                     check_timeout, checked_payload)
+from registry.fs.validation import (check_count, check_flags, check_full_every, check_keep_days, check_lease_ttl,
+                                     check_metrics, check_tags, check_timeout, checked_payload)
 
 if TYPE_CHECKING:  # and what only some methods use, imported there: a CLI listing never loads or publishes
     from registry.fs.payloadfiles import Payload, Written
@@ -268,6 +268,7 @@ class Registry:
         from registry.catalog.session import cannot_write
 
         check_flags(dedup=dedup)
+        check_lease_ttl(lease_ttl, "lease_ttl")
         full_every = check_full_every(full_every)
         policy_loads_keep_days = check_keep_days(policy_loads_keep_days)
         located, url = locations(url, root)
@@ -773,6 +774,9 @@ class Registry:
         superseded, so a restarted training's curve can be inspected whole.
         """
         check_run_name(run)
+        if key is not None:
+            check_metric_key(key)
+        check_flags(history=history)
         return self.catalog.metrics(run, key=key, history=history)
 
     # ------------------------------------------------------------------ queries
@@ -792,6 +796,9 @@ class Registry:
         ``policy_version`` keeps only the steps published under that version of the training policy.
         """
         check_run_name(run)
+        check_flags(include_deleted=include_deleted)
+        if policy_version is not None:
+            check_step(policy_version)
         return [self.placed(i) for i in self.catalog.checkpoints(
             run, include_deleted=include_deleted, policy_version=policy_version)]
 
@@ -801,6 +808,10 @@ class Registry:
 
     def events(self, run: str | None = None, *, step: int | None = None) -> list[EventInfo]:
         """The newest 1000 events (publishes, tags, deletions, repairs) of a run or step, or of all, oldest first."""
+        if run is not None:
+            check_run_name(run)
+        if step is not None:
+            check_step(step)
         return self.catalog.events(run, step=step)
 
     def tag(self, run: str, step: int, name: str, *, note: str | None = None) -> None:
@@ -938,6 +949,10 @@ class Registry:
         """The newest ``limit`` events owed to webhooks (to one, of one run), oldest first, each with its status
         (pending, delivered, dead) and every attempt at delivering it."""
         from registry.catalog.outbox import WebhookCatalog
+        check_count(webhook_id, "webhook_id", optional=True)
+        if run is not None:
+            check_run_name(run)
+        check_count(limit, "limit")
         return WebhookCatalog(self.catalog).log(webhook_id, run=run, limit=limit)
 
     def prune_webhook_log(self, *, older_than: timedelta = timedelta(days=30)) -> int:
@@ -1008,8 +1023,7 @@ class Registry:
         from registry.ops import reading
         parsed = parse_ref(ref)
         extras = check_extras(extras)
-        if not isinstance(fallback, bool):
-            raise InvalidStateError(f"fallback must be True or False, got {fallback!r}")
+        check_flags(broadcast=broadcast, verify=verify, fallback=fallback, trust_pickle=trust_pickle)
         if resume is not None and not isinstance(resume, bool):
             raise InvalidStateError(f"resume must be True, False or None, got {resume!r}")
         if broadcast:
@@ -1043,6 +1057,8 @@ class Registry:
         """
         from registry.ops.export import checkout
         check_flags(verify=verify, fallback=fallback)
+        if ttl is not None:
+            check_lease_ttl(ttl)
         return checkout(self._reader(), parse_ref(ref),
                         as_dest(dest, what="checkout destination") if dest is not None else None,
                         ttl=ttl, verify=verify, fallback=fallback, link=link)  # type: ignore[arg-type]
@@ -1464,7 +1480,7 @@ class Registry:
         if move:  # moving takes the files away: never from a published checkpoint, never the root itself
             check_outside_root(Path(path), self.store.root, what="import --move source",
                                catalog=self._catalog_file())
-        foreign = scan(Path(path).absolute())
+        foreign = scan(as_dest(path, what="import source"))
         relpath = self.root.new_relpath(run, step)
         if (self.store.root / relpath).resolve() == foreign.directory.resolve():
             raise InvalidStateError(f"{foreign.directory} already is {run}@{step}'s directory; "
@@ -1514,7 +1530,7 @@ class Registry:
         if adopt:  # the step will share the files' inodes: never a published checkpoint's
             check_outside_root(Path(path), self.store.root, what="publish_files(adopt=True) source",
                                catalog=self._catalog_file())
-        foreign = scan(Path(path).absolute(), files)
+        foreign = scan(as_dest(path, what="publish_files source"), files)
         # on one filesystem the files are read (hashed) from now on: the checks and the claim overlap the reads
         hashing = Hashing(foreign) if adopt and os.stat(foreign.directory).st_dev == os.stat(
             self.store.root).st_dev else None
@@ -1560,6 +1576,7 @@ class Registry:
         """The steps forked from the step ``ref`` names (any run); ``forks_only=False`` adds resumes."""
         parsed = parse_ref(ref)
         step = parsed.step if parsed.kind == "step" and parsed.step is not None else self.resolve(parsed).step
+        check_flags(forks_only=forks_only)
         return LineageCatalog(self.catalog).descendants(parsed.run, step, forks_only=forks_only)
 
     def diff(self, ref_a: str | Ref, ref_b: str | Ref, *, values: bool = False) -> CheckpointDiff:
@@ -1584,6 +1601,7 @@ class Registry:
         ``progress`` hears of the bytes re-hashed.
         """
         from registry.ops.fsck import run_fsck
+        check_flags(repair=repair, checksums=checksums)
         if self.root.can.tiers:
             from registry.ops.tierfsck import run_tier_fsck
             return run_tier_fsck(catalog=self.catalog, tiers=self._tiers("fsck"), aside=self.root.aside(),

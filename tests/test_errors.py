@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -68,3 +69,52 @@ def test_messages_are_one_line(reg: Registry) -> None:
     with pytest.raises(RegistryError) as info:
         reg.resolve("run\n@x")
     assert "\n" not in str(info.value)
+
+
+# Options of the facade's calls given the wrong kind of value: a string where a flag goes would count as true
+# (fsck(repair="no") repairing), an empty path would name the current directory. Each call is refused in one
+# line, before it reads or changes anything.
+BAD_CALLS = {
+    "fsck repair='no'": (lambda reg, tmp: reg.fsck(repair="no"), "repair must be True or False"),
+    "fsck checksums='x'": (lambda reg, tmp: reg.fsck(checksums="x"), "checksums must be True or False"),
+    "load verify='no'": (lambda reg, tmp: reg.load("run@1", verify="no"), "verify must be True or False"),
+    "load trust_pickle=1": (lambda reg, tmp: reg.load("run@1", trust_pickle=1), "trust_pickle must be"),
+    "metrics key=5": (lambda reg, tmp: reg.metrics("run", 5), "invalid metric key"),
+    "metrics history='y'": (lambda reg, tmp: reg.metrics("run", history="y"), "history must be"),
+    "checkpoints include_deleted='x'": (lambda reg, tmp: reg.checkpoints("run", include_deleted="x"),
+                                        "include_deleted must be"),
+    "checkpoints policy_version='1'": (lambda reg, tmp: reg.checkpoints("run", policy_version="1"), "invalid step"),
+    "events step='1'": (lambda reg, tmp: reg.events("run", step="1"), "invalid step"),
+    "events run='../x'": (lambda reg, tmp: reg.events("../x"), "invalid run name"),
+    "search_runs where=5": (lambda reg, tmp: reg.search_runs(where=5), "must be text"),
+    "checkout ttl=5": (lambda reg, tmp: reg.checkout("run@1", tmp / "co", ttl=5), "ttl must be a timedelta >= 0"),
+    "checkout ttl<0": (lambda reg, tmp: reg.checkout("run@1", tmp / "co", ttl=timedelta(days=-1)),
+                       "ttl must be a timedelta >= 0"),
+    "descendants forks_only='x'": (lambda reg, tmp: reg.descendants("run@1", forks_only="x"), "forks_only must be"),
+    "add_webhook url=5": (lambda reg, tmp: reg.add_webhook(5), "a webhook URL is text"),
+    "webhook_log limit=-5": (lambda reg, tmp: reg.webhook_log(limit=-5), "limit must be"),
+    "import_checkpoint ''": (lambda reg, tmp: reg.import_checkpoint("", run="imp", step=1),
+                             "import source must name a directory"),
+    "publish_files ''": (lambda reg, tmp: reg.publish_files("", run="pf", step=1, files=["model.safetensors"]),
+                         "publish_files source must name a directory"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_CALLS))
+def test_a_call_given_the_wrong_kind_of_value_is_refused_in_one_line(reg: Registry, tmp_path: Path,
+                                                                     name: str) -> None:
+    reg.publish("run", 1, make_state(1), metrics={"loss": 1.0})
+    call, says = BAD_CALLS[name]
+    before = [(i.step, i.status, i.manifest_sha256) for r in reg.runs() for i in reg.checkpoints(r.name)]
+    with pytest.raises(RegistryError, match=says) as raised:
+        call(reg, tmp_path)
+    assert "\n" not in str(raised.value)
+    assert [(i.step, i.status, i.manifest_sha256) for r in reg.runs() for i in reg.checkpoints(r.name)] == before
+    assert not (tmp_path / "co").exists()
+
+
+def test_a_lease_ttl_that_is_no_duration_is_refused_at_open(tmp_path: Path) -> None:
+    for ttl in (timedelta(seconds=-1), 30):
+        with pytest.raises(InvalidStateError, match="lease_ttl must be a timedelta >= 0"):
+            Registry.open(root=tmp_path / "r", lease_ttl=ttl)  # type: ignore[arg-type]
+    assert not (tmp_path / "r").exists()

@@ -231,6 +231,8 @@ def _tokens(text: str) -> list[tuple[str, str]]:
 
 def _texts(texts: str | Sequence[str], what: str) -> list[str]:
     """The texts given (one, or several), each checked: not too long, no control characters."""
+    if not isinstance(texts, (str, list, tuple)):
+        raise InvalidQueryError(f"{what} must be text or a list of texts, got {type(texts).__name__}")
     given = [texts] if isinstance(texts, str) else list(texts)
     for text in given:
         if not isinstance(text, str):

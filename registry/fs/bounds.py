@@ -23,9 +23,9 @@ def real(path: Path) -> Path:
 
 
 def as_dest(dest: object, *, what: str) -> Path:
-    """The directory a caller named for a command to write into, made absolute. An empty string names none (it
-    would be the current directory, where an export with ``overwrite`` replaces everything), so it is refused
-    with one line, as is anything that is not a ``str`` or ``os.PathLike`` of text."""
+    """The directory a caller named for a command to write into (or read from), made absolute. An empty string
+    names none (it would be the current directory, where an export with ``overwrite`` replaces everything), so
+    it is refused with one line, as is anything that is not a ``str`` or ``os.PathLike`` of text."""
     if isinstance(dest, (str, os.PathLike)):
         text = os.fspath(dest)
         if isinstance(text, str) and text:

@@ -28,6 +28,7 @@ import numbers
 import pickle
 from collections import OrderedDict
 from collections.abc import Mapping
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -80,6 +81,13 @@ def check_timeout(timeout: object) -> float | None:
                                 or math.isnan(timeout) or timeout < 0):
         raise InvalidStateError(f"timeout must be a non-negative number of seconds or None, got {timeout!r}")
     return timeout
+
+
+def check_lease_ttl(ttl: object, what: str = "ttl") -> timedelta:
+    """How long a reader's lease lasts: a ``timedelta`` >= 0 (0: one that has expired as it is taken)."""
+    if not isinstance(ttl, timedelta) or ttl < timedelta(0):
+        raise InvalidStateError(f"{what} must be a timedelta >= 0, got {ttl!r}")
+    return ttl
 
 
 def check_full_every(full_every: object) -> int:

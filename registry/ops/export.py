@@ -47,7 +47,7 @@ from registry.fs.bounds import check_outside_root
 from registry.fs.filemaps import map_directory
 from registry.fs.mapping import read_error
 from registry.fs.store import save_directory
-from registry.fs.validation import saved_payload
+from registry.fs.validation import check_lease_ttl, saved_payload
 from registry.ops import checkouts
 from registry.ops.checkouts import Kind, Link
 from registry.ops.reading import CatalogRead, Read, ReadAccess, read_step, report
@@ -106,6 +106,8 @@ class Checkout(os.PathLike[str]):
         """
         if self._lease is None:
             raise InvalidStateError(f"checkout {self.path} was closed; check the step out again")
+        if ttl is not None:
+            check_lease_ttl(ttl)
         catalog = self._access.catalog
         new = catalog.acquire_lease(self.info.run, self.info.step, holder=self._access.holder,
                                     ttl=self._access.lease_ttl if ttl is None else ttl)

@@ -110,6 +110,8 @@ def allowed_hosts(allow_hosts: Iterable[str] = ()) -> frozenset[str]:
 
 def check_url(url: str, allow_hosts: Iterable[str] = ()) -> None:
     """Refuse a URL that is not http(s) or names a host that is neither loopback nor allowed."""
+    if not isinstance(url, str):
+        raise WebhookError(f"a webhook URL is text, got {type(url).__name__}")
     shown = shown_url(url)
     try:
         parts = urlsplit(url)
