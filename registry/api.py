@@ -267,8 +267,12 @@ class Registry:
         """
         from registry.catalog.session import cannot_write
 
-        check_flags(dedup=dedup)
+        check_flags(dedup=dedup, migrate=migrate, create=create, read_only=read_only, rebind_root=rebind_root)
         check_lease_ttl(lease_ttl, "lease_ttl")
+        for name, where in (("root", root), ("durable", durable)):
+            if where is not None and not (isinstance(where, (str, os.PathLike)) and os.fspath(where)):
+                raise InvalidStateError(f"{name} must be a directory or an s3:// URL (a str or os.PathLike), "
+                                        f"got {where!r}")
         full_every = check_full_every(full_every)
         policy_loads_keep_days = check_keep_days(policy_loads_keep_days)
         located, url = locations(url, root)
@@ -548,6 +552,7 @@ class Registry:
         self._check_retention(retention)
         check_step(step)
         check_flags(overwrite=overwrite, verify=verify, blocking=blocking, trust_pickle=trust_pickle)
+        check_timeout(timeout)  # a sharded publish's ranks agree on theirs (every rank fails alike)
         from registry.format.safetensors import check_state_dict
         state = check_state_dict(state_dict)
         tags = check_tags(tags)

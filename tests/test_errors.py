@@ -95,6 +95,7 @@ BAD_CALLS = {
     "webhook_log limit=-5": (lambda reg, tmp: reg.webhook_log(limit=-5), "limit must be"),
     "import_checkpoint ''": (lambda reg, tmp: reg.import_checkpoint("", run="imp", step=1),
                              "import source must name a directory"),
+    "publish timeout=-1": (lambda reg, tmp: reg.publish("run", 2, make_state(2), timeout=-1), "timeout must be"),
     "publish_files ''": (lambda reg, tmp: reg.publish_files("", run="pf", step=1, files=["model.safetensors"]),
                          "publish_files source must name a directory"),
 }
@@ -118,3 +119,18 @@ def test_a_lease_ttl_that_is_no_duration_is_refused_at_open(tmp_path: Path) -> N
         with pytest.raises(InvalidStateError, match="lease_ttl must be a timedelta >= 0"):
             Registry.open(root=tmp_path / "r", lease_ttl=ttl)  # type: ignore[arg-type]
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize(("options", "says"), [
+    ({"root": ""}, "root must be a directory or an s3:// URL"), ({"root": 5}, "root must be a directory"),
+    ({"durable": 5}, "durable must be a directory or an s3:// URL"), ({"create": "x"}, "create must be True or"),
+    ({"read_only": "no"}, "read_only must be True or False"), ({"migrate": 1}, "migrate must be True or False"),
+])
+def test_open_refuses_options_of_the_wrong_kind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                options: dict[str, object], says: str) -> None:
+    """root='' would be the current directory: a catalog and a root were made there."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(InvalidStateError, match=says) as raised:
+        Registry.open(**{"root": tmp_path / "r", **options})  # type: ignore[arg-type]
+    assert "\n" not in str(raised.value)
+    assert list(tmp_path.iterdir()) == []
