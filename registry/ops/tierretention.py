@@ -38,7 +38,7 @@ removed, or its prefix deleted.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from types import MappingProxyType
@@ -305,21 +305,22 @@ def _execute(plan: TierPlan) -> TierResult:
     # as on a plain root: the steps that stay keep the run's fallback apart (dedup's links on the fast tier)
     fallback = guard_fallback(plan.catalog, plan.tiers.fast.root, plan.run, sorted(enders)) if enders else {}
 
-    def recheck(snap: RunSnapshot, planned: Mapping[int, str]) -> tuple[dict[int, str], dict[int, str]]:
+    def recheck(snap: RunSnapshot, planned: Mapping[int, str], *,
+                ending: Collection[int] = ()) -> tuple[dict[int, str], dict[int, str]]:
         """Plain retention's check at marking time, over this tier's candidates of the plan: every step but those
-        whose last copy goes stays, with its chain."""
+        whose last copy goes (``ending``) stays, with its chain."""
         candidates = [c.under(plan.tiers.fast.root) for c in snap.checkpoints
                       if c.step in on_tier and c.status in CANDIDATES]
         return still_doomed(snap, planned, plan.policy, candidates, now=plan.now,
                             protect={**plan.protect, **fallback},
                             allow_missing_metrics=plan.allow_missing_metrics,
                             keep_fork_parents=plan.keep_fork_parents,
-                            staying={c.step for c in snap.checkpoints} - set(enders))
+                            staying={c.step for c in snap.checkpoints} - set(ending))
 
     not_ended: dict[int, str] = {}
 
     def decide(snap: RunSnapshot) -> dict[int, str]:
-        due, why_not = recheck(snap, enders)
+        due, why_not = recheck(snap, enders, ending=enders)
         not_ended.clear()  # the transaction may be retried: start over each time
         not_ended.update(why_not)
         return due
