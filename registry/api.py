@@ -1589,6 +1589,7 @@ class Registry:
         :mod:`registry.ops.diff`). Unchanged tensors are found from the manifests' piece digests
         without reading them; ``values`` adds the size of each content change."""
         from registry.ops.diff import diff_checkpoints
+        check_flags(values=values)
         self.root.require("directories", "diff")  # it reads directories
         copies = self._copies()  # a step with no copy on this host is fetched into its cache first
         a, b = (copies.local(self.placed(self.catalog.resolve(parse_ref(ref)))) for ref in (ref_a, ref_b))

@@ -15,10 +15,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from registry.errors import InvalidStateError
+from registry.fs.bounds import as_dest
 from registry.fs.filemaps import Loaded, check_extras, read_directory
 from registry.fs.store import save_directory
 from registry.fs.payloadfiles import Payload
-from registry.fs.validation import saved_payload
+from registry.fs.validation import check_flags, check_max_shard_size, saved_payload
 
 if TYPE_CHECKING:
     import torch
@@ -57,13 +58,14 @@ class Checkpoint:
         return f"Checkpoint({what}, {tensors} tensor{'' if tensors == 1 else 's'}, {human_bytes(size)})"
 
     def payload(self, *, max_shard_size: int | None = None) -> Payload:
+        check_max_shard_size(max_shard_size)
         return saved_payload(self.state_dict, epoch=self.epoch, consumed_samples=self.consumed_samples,
                              meta=self.meta, config=self.config, extra=self.extra,
                              policy_version=self.policy_version, max_shard_size=max_shard_size)
 
     def save(self, save_dir: str | Path, *, max_shard_size: int | None = None) -> None:
         """Atomically write this checkpoint to ``save_dir`` (replacing it if present)."""
-        save_directory(Path(save_dir), self.payload(max_shard_size=max_shard_size))
+        save_directory(as_dest(save_dir, what="save_dir"), self.payload(max_shard_size=max_shard_size))
 
     @classmethod
     def from_read(cls, read: Read) -> Checkpoint:
@@ -91,7 +93,8 @@ class Checkpoint:
         ``strategy`` and ``timeout`` are those of :mod:`registry.distributed.loader`;
         ``extras`` is that of :meth:`registry.Registry.load`.
         """
-        path = Path(save_dir)
+        path = as_dest(save_dir, what="save_dir")
+        check_flags(broadcast=broadcast, verify_checksums=verify_checksums, trust_pickle=trust_pickle)
         extras = check_extras(extras)
         if broadcast:
             from registry.distributed.loader import broadcast_directory
@@ -107,7 +110,8 @@ class Checkpoint:
     def load_any(cls, save_dir: str | Path, broadcast: bool = False, verify_checksums: bool = False,
                  *, trust_pickle: bool = False, map_location: Any = "cpu") -> Checkpoint | None:
         """Like :meth:`load`, but None for a directory with no weights at all."""
-        path = Path(save_dir)
+        path = as_dest(save_dir, what="save_dir")
+        check_flags(broadcast=broadcast, verify_checksums=verify_checksums, trust_pickle=trust_pickle)
         found = any((path / n).is_file() for n in ("meta.json", "model.safetensors",
                                                    "model.safetensors.index.json"))
         if broadcast:

@@ -10,6 +10,7 @@ import torch
 
 from registry import (CatalogError, InvalidNameError, InvalidRefError, InvalidStateError, Registry,
                       RegistryError, RootError)
+from registry.checkpoint import Checkpoint
 from tests.helpers import make_state
 
 
@@ -95,6 +96,15 @@ BAD_CALLS = {
     "webhook_log limit=-5": (lambda reg, tmp: reg.webhook_log(limit=-5), "limit must be"),
     "import_checkpoint ''": (lambda reg, tmp: reg.import_checkpoint("", run="imp", step=1),
                              "import source must name a directory"),
+    "diff values='x'": (lambda reg, tmp: reg.diff("run@1", "run@1", values="x"), "values must be True or False"),
+    "Checkpoint.save ''": (lambda reg, tmp: reg.load("run@1").save(""), "save_dir must name a directory"),
+    "Checkpoint.save max_shard_size=-1": (lambda reg, tmp: reg.load("run@1").save(tmp / "co", max_shard_size=-1),
+                                          "max_shard_size must be a positive"),
+    "Checkpoint.load ''": (lambda reg, tmp: Checkpoint.load(""), "save_dir must name a directory"),
+    "Checkpoint.load 5": (lambda reg, tmp: Checkpoint.load(5), "save_dir must name a directory"),
+    "Checkpoint.load verify_checksums='x'": (lambda reg, tmp: Checkpoint.load(reg.resolve("run@1").path,
+                                                                              verify_checksums="x"),
+                                             "verify_checksums must be True or False"),
     "publish timeout=-1": (lambda reg, tmp: reg.publish("run", 2, make_state(2), timeout=-1), "timeout must be"),
     "publish_files ''": (lambda reg, tmp: reg.publish_files("", run="pf", step=1, files=["model.safetensors"]),
                          "publish_files source must name a directory"),
@@ -103,15 +113,18 @@ BAD_CALLS = {
 
 @pytest.mark.parametrize("name", sorted(BAD_CALLS))
 def test_a_call_given_the_wrong_kind_of_value_is_refused_in_one_line(reg: Registry, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch,
                                                                      name: str) -> None:
     reg.publish("run", 1, make_state(1), metrics={"loss": 1.0})
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")  # where '' would have pointed
     call, says = BAD_CALLS[name]
     before = [(i.step, i.status, i.manifest_sha256) for r in reg.runs() for i in reg.checkpoints(r.name)]
     with pytest.raises(RegistryError, match=says) as raised:
         call(reg, tmp_path)
     assert "\n" not in str(raised.value)
     assert [(i.step, i.status, i.manifest_sha256) for r in reg.runs() for i in reg.checkpoints(r.name)] == before
-    assert not (tmp_path / "co").exists()
+    assert not (tmp_path / "co").exists() and list((tmp_path / "cwd").iterdir()) == []
 
 
 def test_a_lease_ttl_that_is_no_duration_is_refused_at_open(tmp_path: Path) -> None:
