@@ -1482,10 +1482,10 @@ class Registry:
         check_step(step)
         check_flags(move=move, overwrite=overwrite)
         tags = check_tags(tags)
+        source = as_dest(path, what="import source")
         if move:  # moving takes the files away: never from a published checkpoint, never the root itself
-            check_outside_root(Path(path), self.store.root, what="import --move source",
-                               catalog=self._catalog_file())
-        foreign = scan(as_dest(path, what="import source"))
+            check_outside_root(source, self.store.root, what="import --move source", catalog=self._catalog_file())
+        foreign = scan(source)
         relpath = self.root.new_relpath(run, step)
         if (self.store.root / relpath).resolve() == foreign.directory.resolve():
             raise InvalidStateError(f"{foreign.directory} already is {run}@{step}'s directory; "
@@ -1532,10 +1532,11 @@ class Registry:
         check_flags(overwrite=overwrite, adopt=adopt, trust_pickle=trust_pickle)
         self._check_retention(retention)
         tags = check_tags(tags)
+        source = as_dest(path, what="publish_files source")
         if adopt:  # the step will share the files' inodes: never a published checkpoint's
-            check_outside_root(Path(path), self.store.root, what="publish_files(adopt=True) source",
+            check_outside_root(source, self.store.root, what="publish_files(adopt=True) source",
                                catalog=self._catalog_file())
-        foreign = scan(as_dest(path, what="publish_files source"), files)
+        foreign = scan(source, files)
         # on one filesystem the files are read (hashed) from now on: the checks and the claim overlap the reads
         hashing = Hashing(foreign) if adopt and os.stat(foreign.directory).st_dev == os.stat(
             self.store.root).st_dev else None
@@ -1579,9 +1580,9 @@ class Registry:
 
     def descendants(self, ref: str | Ref, *, forks_only: bool = True) -> list[LineageHop]:
         """The steps forked from the step ``ref`` names (any run); ``forks_only=False`` adds resumes."""
+        check_flags(forks_only=forks_only)
         parsed = parse_ref(ref)
         step = parsed.step if parsed.kind == "step" and parsed.step is not None else self.resolve(parsed).step
-        check_flags(forks_only=forks_only)
         return LineageCatalog(self.catalog).descendants(parsed.run, step, forks_only=forks_only)
 
     def diff(self, ref_a: str | Ref, ref_b: str | Ref, *, values: bool = False) -> CheckpointDiff:
