@@ -32,7 +32,7 @@ from registry.ops.attempts import Attempts, Fork
 from registry.records import HAS_PAYLOAD, CheckpointInfo, EventInfo, MetricPoint, RunInfo
 from registry.records import AttemptInfo, FoundRun, TagInfo
 from registry.format.refs import Ref, check_metric_key, check_run_name, check_step, check_tag_name, parse_ref
-from registry.fs.bounds import as_dest, check_outside_root
+from registry.fs.bounds import as_directory, check_outside_root
 from registry.fs.store import Store, now_timestamp
 from registry.roots.base import Root
 from registry.roots.open import locate, locations
@@ -1065,7 +1065,7 @@ class Registry:
         if ttl is not None:
             check_lease_ttl(ttl)
         return checkout(self._reader(), parse_ref(ref),
-                        as_dest(dest, what="checkout destination") if dest is not None else None,
+                        as_directory(dest, what="checkout destination") if dest is not None else None,
                         ttl=ttl, verify=verify, fallback=fallback, link=link)  # type: ignore[arg-type]
 
     def release_checkout(self, path: str | os.PathLike[str]) -> None:
@@ -1092,7 +1092,7 @@ class Registry:
         check_format(format, max_shard_size)
         check_flags(overwrite=overwrite)
         from registry.ops import reading
-        where = as_dest(dest, what="export destination")
+        where = as_directory(dest, what="export destination")
         check_dest(where, root=self.store.root, catalog=self._catalog_file(), overwrite=overwrite)
         read = reading.load(self._reader(), parse_ref(ref), verify=True, map_location="cpu", trust_pickle=False,
                             extras=False, fallback=True)  # no extra is read, so none needs trusting
@@ -1104,7 +1104,7 @@ class Registry:
         of ``ref``'s version writes (a delta step rebuilt from its chain), checked against the version's digest;
         each file lands atomically (temporary name, fsync, rename). Returns ``dest``."""
         from registry.ops.export import materialize
-        return materialize(self._reader(), parse_ref(ref), as_dest(dest, what="materialize destination"))
+        return materialize(self._reader(), parse_ref(ref), as_directory(dest, what="materialize destination"))
 
     def _materialize_traced(self, ref: str, dest: Path) -> tuple[Path, str]:
         """:meth:`materialize`, and the copy it read (a policy consumer's load records it as its source)."""
@@ -1482,7 +1482,7 @@ class Registry:
         check_step(step)
         check_flags(move=move, overwrite=overwrite)
         tags = check_tags(tags)
-        source = as_dest(path, what="import source")
+        source = as_directory(path, what="import source")
         if move:  # moving takes the files away: never from a published checkpoint, never the root itself
             check_outside_root(source, self.store.root, what="import --move source", catalog=self._catalog_file())
         foreign = scan(source)
@@ -1532,7 +1532,7 @@ class Registry:
         check_flags(overwrite=overwrite, adopt=adopt, trust_pickle=trust_pickle)
         self._check_retention(retention)
         tags = check_tags(tags)
-        source = as_dest(path, what="publish_files source")
+        source = as_directory(path, what="publish_files source")
         if adopt:  # the step will share the files' inodes: never a published checkpoint's
             check_outside_root(source, self.store.root, what="publish_files(adopt=True) source",
                                catalog=self._catalog_file())

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from registry.errors import InvalidStateError
-from registry.fs.bounds import as_dest
+from registry.fs.bounds import as_directory
 from registry.fs.filemaps import Loaded, check_extras, read_directory
 from registry.fs.store import save_directory
 from registry.fs.payloadfiles import Payload
@@ -65,7 +65,7 @@ class Checkpoint:
 
     def save(self, save_dir: str | Path, *, max_shard_size: int | None = None) -> None:
         """Atomically write this checkpoint to ``save_dir`` (replacing it if present)."""
-        save_directory(as_dest(save_dir, what="save_dir"), self.payload(max_shard_size=max_shard_size))
+        save_directory(as_directory(save_dir, what="save_dir"), self.payload(max_shard_size=max_shard_size))
 
     @classmethod
     def from_read(cls, read: Read) -> Checkpoint:
@@ -93,7 +93,7 @@ class Checkpoint:
         ``strategy`` and ``timeout`` are those of :mod:`registry.distributed.loader`;
         ``extras`` is that of :meth:`registry.Registry.load`.
         """
-        path = as_dest(save_dir, what="save_dir")
+        path = as_directory(save_dir, what="save_dir")
         check_flags(broadcast=broadcast, verify_checksums=verify_checksums, trust_pickle=trust_pickle)
         extras = check_extras(extras)
         if broadcast:
@@ -110,7 +110,7 @@ class Checkpoint:
     def load_any(cls, save_dir: str | Path, broadcast: bool = False, verify_checksums: bool = False,
                  *, trust_pickle: bool = False, map_location: Any = "cpu") -> Checkpoint | None:
         """Like :meth:`load`, but None for a directory with no weights at all."""
-        path = as_dest(save_dir, what="save_dir")
+        path = as_directory(save_dir, what="save_dir")
         check_flags(broadcast=broadcast, verify_checksums=verify_checksums, trust_pickle=trust_pickle)
         found = any((path / n).is_file() for n in ("meta.json", "model.safetensors",
                                                    "model.safetensors.index.json"))

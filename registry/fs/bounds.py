@@ -22,8 +22,8 @@ def real(path: Path) -> Path:
     return Path(path).absolute().resolve(strict=False)
 
 
-def as_dest(dest: object, *, what: str) -> Path:
-    """The directory a caller named for a command to write into (or read from), made absolute. An empty string
+def as_directory(dest: object, *, what: str) -> Path:
+    """The directory a caller named for a command to write into or read from, made absolute. An empty string
     names none (it would be the current directory, where an export with ``overwrite`` replaces everything), so
     it is refused with one line, as is anything that is not a ``str`` or ``os.PathLike`` of text."""
     if isinstance(dest, (str, os.PathLike)):
@@ -56,4 +56,4 @@ def check_outside_root(path: Path, root: Path, *, what: str, allowed: Path | Non
                                 "or remove; choose a directory that does not hold it")
 
 
-__all__ = ["as_dest", "check_outside_root", "real"]
+__all__ = ["as_directory", "check_outside_root", "real"]

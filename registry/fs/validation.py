@@ -75,12 +75,11 @@ def check_flags(**flags: object) -> None:
             raise InvalidStateError(f"{name} must be True or False, got {value!r}")
 
 
-def check_timeout(timeout: object) -> float | None:
+def check_timeout(timeout: object) -> None:
     """A wait's ``timeout``: a non-negative number of seconds, or None (wait as long as it takes)."""
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
                                 or math.isnan(timeout) or timeout < 0):
         raise InvalidStateError(f"timeout must be a non-negative number of seconds or None, got {timeout!r}")
-    return timeout
 
 
 def check_lease_ttl(ttl: object, what: str = "ttl") -> timedelta:
