@@ -1609,18 +1609,13 @@ class Registry:
         """
         from registry.ops.fsck import run_fsck
         check_flags(repair=repair, checksums=checksums)
-        if self.root.can.tiers:
+        if self.root.can.tiers:  # the fast directory as on any root, then the copies on each tier
             from registry.ops.tierfsck import run_tier_fsck
-            return run_tier_fsck(catalog=self.catalog, tiers=self._tiers("fsck"), aside=self.root.aside(),
-                                 replicator=None if self.read_only else self._replication(), repair=repair,
-                                 checksums=checksums, actor=self.writer, progress=progress)
-        if self.objects is not None:  # three passes until one fsck judges what each root's scan reports
-            from registry.ops.objectfsck import run_object_fsck
-            return run_object_fsck(catalog=self.catalog, root=self.objects, repair=repair, checksums=checksums,
-                                   progress=progress, actor=self.writer)
-        return run_fsck(catalog=self.catalog, root=self.store.root, repair=repair, checksums=checksums,
-                        progress=progress,
-                        actor=self.writer)
+            return run_tier_fsck(catalog=self.catalog, tiers=self._tiers("fsck"), scan=self.root.scan(),
+                                 aside=self.root.aside(), replicator=None if self.read_only else self._replication(),
+                                 repair=repair, checksums=checksums, actor=self.writer, progress=progress)
+        return run_fsck(catalog=self.catalog, scan=self.root.scan(), repair=repair, checksums=checksums,
+                        progress=progress, actor=self.writer)
 
     # ------------------------------------------------------------------ async publish
     #

@@ -17,6 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 import registry.ops.fsck as fsck_module
+import registry.roots.dirscan as scan_module
 import registry.ops.verdicts as verdicts_module
 from registry import Checkpoint, Registry
 from registry.cli import main
@@ -107,8 +108,8 @@ def test_repair_does_not_condemn_a_step_published_after_the_scan(catalog_url: st
             with Registry.open(url=catalog_url, root=root) as other:
                 other.publish("run", 2, make_state(2))
 
-        wrapped = after(fsck_module._scan, publish)
-        monkeypatch.setattr(fsck_module, "_scan", wrapped)
+        wrapped = after(scan_module.DirectoryScan.listing, publish)
+        monkeypatch.setattr(scan_module.DirectoryScan, "listing", wrapped)
         report = reg.fsck(repair=True)
         monkeypatch.undo()
         assert wrapped.fired and report.clean and not report.failures, report.to_json()
@@ -127,9 +128,9 @@ def test_overwrite_while_fsck_hashes_a_step_is_not_damage(catalog_url: str, root
             with Registry.open(url=catalog_url, root=root) as other:
                 other.publish("run", 1, make_state(seeds.pop(0)), overwrite=True)
 
-        original = fsck_module.read_manifest
+        original = scan_module.read_manifest
         gate = after(original, overwrite)
-        monkeypatch.setattr(fsck_module, "read_manifest",
+        monkeypatch.setattr(scan_module, "read_manifest",
                             lambda directory: (gate if directory == first.path else original)(directory))
         for repair in (False, True):
             gate.fired.clear()  # type: ignore[attr-defined]
@@ -155,12 +156,12 @@ def test_gc_removing_a_step_fsck_is_checking(catalog_url: str, root: Path, monke
             with Registry.open(url=catalog_url, root=root) as other:
                 assert other.plan_retention("run", KeepLast(3)).execute().deleted == (1,)
 
-        original = fsck_module.read_manifest
+        original = scan_module.read_manifest
 
         def read_manifest(directory: Path) -> Any:
             return (gate if directory == infos[0].path else original)(directory)
         gate = after(original, gc)
-        monkeypatch.setattr(fsck_module, "read_manifest", read_manifest)
+        monkeypatch.setattr(scan_module, "read_manifest", read_manifest)
         report = reg.fsck(repair=True, checksums=checksums)
         monkeypatch.undo()
         assert gate.fired and not infos[0].path.exists()  # type: ignore[attr-defined]
@@ -273,12 +274,12 @@ def test_gc_removing_a_step_between_its_hash_and_its_manifest_stat(catalog_url: 
             with Registry.open(url=catalog_url, root=root) as other:
                 assert other.plan_retention("run", KeepLast(3)).execute().deleted == (1,)
 
-        original = fsck_module.verify_directory
+        original = scan_module.verify_directory
 
         def verify_directory(directory: Path, manifest: Any, **kwargs: Any) -> Any:
             return (gate if directory == infos[0].path else original)(directory, manifest, **kwargs)
         gate = after(original, gc)
-        monkeypatch.setattr(fsck_module, "verify_directory", verify_directory)
+        monkeypatch.setattr(scan_module, "verify_directory", verify_directory)
         report = reg.fsck(repair=True, checksums=True)
         monkeypatch.undo()
         assert gate.fired and not infos[0].path.exists()  # type: ignore[attr-defined]
@@ -301,13 +302,13 @@ def test_a_root_unmounted_while_fsck_runs_condemns_nothing(catalog_url: str, roo
             root.rename(elsewhere)
 
         if when == "before-scan":  # between fsck's check of the root and its listing of it
-            real_scandir = fsck_module.os.scandir
+            real_scandir = scan_module.os.scandir
 
             def scandir(path: Any) -> Any:
                 if Path(path) == root and not elsewhere.exists():
                     unmount()
                 return real_scandir(path)
-            monkeypatch.setattr(fsck_module.os, "scandir", scandir)
+            monkeypatch.setattr(scan_module.os, "scandir", scandir)
         else:
             monkeypatch.setattr(fsck_module, "snapshot", after(fsck_module.snapshot, unmount))
         report = reg.fsck(repair=True)

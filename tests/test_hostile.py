@@ -475,8 +475,8 @@ def test_dangling_manifest_symlink_does_not_make_a_legacy_directory(tmp_path: Pa
 
 def reg_fsck_refuses(directory: Path) -> bool:
     """fsck's payload check (used to adopt and roll forward) refuses the directory too."""
-    from registry.ops.fsck import _check_payload
-    return _check_payload(directory, checksums=True)[0] is None
+    from registry.roots.dirscan import check_directory
+    return check_directory(directory, checksums=True).valid is None
 
 
 @pytest.mark.parametrize("name", ["manifest.json", "meta.json", "model.safetensors", "optimizer.pt"])

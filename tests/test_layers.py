@@ -66,7 +66,8 @@ TORCH_FREE = ("registry", "registry.catalog", "registry.catalog.queries", "regis
               "registry.cli.common", "registry.cli.runs", "registry.cli.maintenance", "registry.cli.main",
               "registry.cli.docs", "registry.fs.objects", "registry.fs.payloadfiles", "registry.fs.objectwrite",
               "registry.fs.objectread", "registry.roots.objectstore", "registry.roots.landing",
-              "registry.fs.multipart", "registry.fs.prefixes", "registry.ops.retention", "registry.ops.objectfsck")
+              "registry.fs.multipart", "registry.fs.prefixes", "registry.ops.retention", "registry.ops.fsck",
+              "registry.roots.objectscan", "registry.roots.dirscan")
 # Every module of the format, filesystem and roots folders.
 SQL_FREE = ("registry.retention", *(f"registry.{folder}.{path.stem}" for folder in ("format", "fs", "roots")
                                     for path in sorted((PACKAGE / folder).glob("*.py")) if path.stem != "__init__"))

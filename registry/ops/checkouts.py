@@ -280,8 +280,11 @@ def _live(catalog: Catalog, checkout: OwnedCheckout) -> bool:
         return False  # the run is gone: nothing protects what it left
 
 
-def expired(catalog: Catalog, root: Path, *, run: str | None = None) -> list[OwnedCheckout]:
-    """The registry-owned checkouts (of ``run``, or all) whose reader lease expired or was released."""
+def expired(catalog: Catalog, root: Path | None, *, run: str | None = None) -> list[OwnedCheckout]:
+    """The registry-owned checkouts (of ``run``, or all) whose reader lease expired or was released; ``root``
+    None (a root with no directory on this host) has none."""
+    if root is None:
+        return []
     return [c for c in owned(root) if (run is None or c.run == run) and not _live(catalog, c)]
 
 

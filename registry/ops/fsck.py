@@ -1,4 +1,4 @@
-"""``fsck``: reconcile the catalog with the checkpoint root after any crash.
+"""``fsck``: reconcile the catalog with the checkpoint root after any crash; the one judge, on every kind of root.
 
 The publish protocol (docs/reference/protocol.md) is a two-phase commit between the
 catalog and the filesystem, and retention is a mark-then-delete; a process
@@ -22,6 +22,12 @@ problem stays unrepaired) and the rest still run. A root that goes away while
 fsck runs (an unmounted share) stops it before its next verdict: past that
 point every step would look missing.
 
+This module holds the rules, once; what a kind of root holds of a step, and
+how a leftover is removed, is its scan's (:mod:`registry.roots.scan`:
+:mod:`registry.roots.dirscan`, :mod:`registry.roots.objectscan`; a tiered
+root's fast directory is a directory scan, its copies are judged by
+:mod:`registry.ops.tierfsck`).
+
 | kind | found | repair |
 |---|---|---|
 | uncommitted-publish | staging row (dead writer), valid final dir | roll forward: published (verified if hashed) |
@@ -38,7 +44,7 @@ point every step would look missing.
 | expired-checkout | registry-owned checkout whose reader lease expired or was released | remove it |
 | orphan-fold | a file under a run's ``.policy-folds/`` with no ``verified`` fold row of live steps | remove it |
 
-On an ``s3://`` root (:mod:`registry.ops.objectfsck`) the same kinds name the
+On an ``s3://`` root (:mod:`registry.roots.objectscan`) the same kinds name the
 same states, with an attempt prefix in place of a directory, plus two:
 
 | kind | found | repair |
@@ -58,171 +64,37 @@ while it holds the payload the row deleted.
 
 from __future__ import annotations
 
-import errno
 import functools
-import os
-import stat
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from registry.progress import ProgressFn
 from registry.catalog import Catalog
 from registry.catalog.fsck import RowState, record_payload, set_status_if, snapshot, unchanged
 from registry.catalog.policy import stale_folds, usable_folds
-from registry.catalog.records import PayloadRecord
-from registry.crashpoints import crashpoint
-from registry.errors import CheckpointReadError, CorruptCheckpointError, RegistryError, RootError
-from registry.fs.filemaps import check_manifest_digest, read_json
-from registry.format.layout import scan_run, step_dirname
-from registry.format.manifest import MANIFEST, META, Manifest, read_manifest
-from registry.records import LIVE, Status
-from registry.format.refs import MAX_STEP, RUN_NAME_RE
+from registry.format.refs import MAX_STEP
 from registry.ops.checkouts import expired as expired_checkouts, remove_owned
-from registry.fs.removal import manifest_digest, remove_tree, retire_and_remove
-from registry.fs.store import fsync_dir, verify_directory
-from registry.ops.verdicts import (REPAIRS, REPORTED, CopyOnly, FsckPass, FsckReport, Problem, one_line, _RootVanished,
-                                   condemned, damage_again, found_payload, iter_lines, meta_numbers)
+from registry.ops.verdicts import (REPAIRS, REPORTED, CopyOnly, FsckPass, FsckReport, Problem, _RootVanished, condemned,
+                                   damage_again, found_payload, iter_lines, meta_numbers, one_line)
 from registry.ops.writers import writer_alive
-from registry.roots.aside import Aside, DirectoryAside
-
-
-@dataclass(kw_only=True)
-class _Step:
-    """Everything fsck found on disk for one (run, step)."""
-
-    final: Path | None = None
-    tmp: list[Path] = field(default_factory=list)
-    retired: list[Path] = field(default_factory=list)
-
-
-def _is_dir(path: Path) -> bool:
-    """A real directory (not a symlink) at ``path`` now; False once it has vanished."""
-    try:
-        return stat.S_ISDIR(os.lstat(path).st_mode)
-    except (FileNotFoundError, NotADirectoryError):
-        return False
-
-
-def _scan(root: Path, failures: list[str]) -> dict[tuple[str, int], _Step]:
-    """Step directories under ``root``, without following symlinks or reading any file.
-
-    A run directory that vanishes meanwhile is skipped; one that cannot be
-    listed is named in ``failures``.
-    """
-    found: dict[tuple[str, int], _Step] = {}
-    try:
-        runs = sorted(os.scandir(root), key=lambda e: e.name)
-    except FileNotFoundError:
-        return found
-    for run_entry in runs:
-        if not run_entry.is_dir(follow_symlinks=False) or not RUN_NAME_RE.fullmatch(run_entry.name):
-            continue
-        try:
-            entries = scan_run(Path(run_entry.path))
-        except (FileNotFoundError, NotADirectoryError):
-            continue
-        except OSError as exc:
-            failures.append(f"{run_entry.name}: cannot list {run_entry.path}: {one_line(exc)}")
-            continue
-        for entry in entries:
-            slot = found.setdefault((run_entry.name, entry.step), _Step())
-            if entry.kind == "final":
-                slot.final = entry.path
-            else:
-                (slot.tmp if entry.kind == "tmp" else slot.retired).append(entry.path)
-    return found
-
-
-def _read_meta(directory: Path, manifest: Manifest) -> dict[str, Any]:
-    """The few numbers a repair records from meta.json; anything odd gives defaults."""
-    if META not in manifest.files:
-        return {}
-    try:
-        doc = read_json(directory, META)
-    except (RegistryError, OSError):
-        return {}
-    return meta_numbers(doc)
-
-
-def _check_payload(directory: Path, *, checksums: bool,
-                   on_bytes: Callable[[int], object] | None = None) -> tuple[PayloadRecord | None, str]:
-    """A record of a valid payload, or (None, why it is not valid).
-
-    Files that vanish while being read make the payload invalid, never raise;
-    any other failure to read (``OSError``) is raised: it is not corruption.
-    """
-    if directory.is_symlink():
-        return None, "the directory is a symlink"
-    try:
-        manifest, digest = read_manifest(directory)
-    except CorruptCheckpointError as exc:
-        return None, str(exc)
-    except CheckpointReadError as exc:
-        if exc.errno in (errno.ENOENT, errno.ENOTDIR):
-            return None, "the directory vanished while being checked"
-        raise
-    status = Status.PUBLISHED
-    try:
-        if checksums:
-            problems = verify_directory(directory, manifest, on_bytes=on_bytes)
-            if problems:
-                return None, f"{problems[0].name}: {problems[0].problem}"
-            status = Status.VERIFIED
-        else:
-            for name, entry in manifest.files.items():
-                try:
-                    st = os.stat(directory / name, follow_symlinks=False)
-                except (FileNotFoundError, NotADirectoryError):
-                    st = None
-                if st is None or not stat.S_ISREG(st.st_mode):
-                    return None, f"{name}: missing or not a regular file"
-                if st.st_size != entry.size:
-                    return None, f"{name}: size {st.st_size}, manifest says {entry.size}"
-        manifest_size = os.stat(directory / MANIFEST, follow_symlinks=False).st_size
-    except (FileNotFoundError, NotADirectoryError) as exc:
-        return None, f"{Path(exc.filename or directory).name}: vanished while being checked"
-    return found_payload(manifest, digest, manifest_size, status=status, meta=_read_meta(directory, manifest)), ""
-
-
-def _matches_catalog(directory: Path, row: RowState, *, checksums: bool,
-                     on_bytes: Callable[[int], object] | None = None) -> str:
-    """Why a live row's directory does not hold what the catalog recorded ('' when it does)."""
-    record, why = _check_payload(directory, checksums=checksums, on_bytes=on_bytes)
-    if record is None:
-        return why
-    try:
-        check_manifest_digest(directory, record.manifest_sha256, row.manifest_sha256)
-    except CorruptCheckpointError as exc:
-        return str(exc)
-    if row.files and {f.name: (f.size, f.sha256) for f in record.files} != row.files:
-        return "file table does not match the catalog's"
-    return ""
-
-
-def _newest(paths: list[Path]) -> Path:
-    def mtime(p: Path) -> float:
-        try:
-            return (p / MANIFEST).stat().st_mtime
-        except OSError:
-            return float("-inf")
-    return max(paths, key=lambda p: (mtime(p), p.name))
+from registry.progress import ProgressFn
+from registry.records import LIVE, Status
+from registry.roots.aside import Aside
+from registry.roots.scan import Leftover, Scan, StepFound, Stored, Valid
 
 
 class Fsck(FsckPass):
-    """One pass of fsck over a catalog and a directory root. Use :func:`run_fsck`."""
+    """One pass of fsck over a catalog and what a root's scan reports. Use :func:`run_fsck`."""
 
-    def __init__(self, *, catalog: Catalog, root: Path, repair: bool, checksums: bool, actor: str,
+    def __init__(self, *, catalog: Catalog, scan: Scan, repair: bool, checksums: bool, actor: str,
                  progress: ProgressFn | None = None, elsewhere: Collection[tuple[str, int]] = (),
                  copy_only: CopyOnly | None = None, superseded: Collection[tuple[str, int]] = (),
                  copy_at: str | None = None) -> None:
         super().__init__(catalog=catalog, repair=repair, checksums=checksums, actor=actor, progress=progress)
-        self.root = root
+        self.scan = scan
         # on a root with tiers: this host's fast tier, where a payload rolled forward or adopted is a copy
         self.copy_at = copy_at
-        # steps whose copy is on another tier (a durable tier, another host's fast root): no directory here
-        # is no missing payload
+        # steps whose copy is on another tier (a durable tier, another host's fast root): nothing here is no
+        # missing payload
         self.elsewhere = frozenset(elsewhere)
         # steps whose directory here holds an older payload of theirs (published again on another host): the
         # tier pass reports those, never as damage to the step
@@ -231,191 +103,221 @@ class Fsck(FsckPass):
         self.copy_only = copy_only
 
     def _root_present(self) -> bool:
-        return os.path.isdir(self.root)  # follows a symlinked root, as the check at the start does
-
-    def _remove(self, paths: list[Path]) -> None:
-        for path in paths:
-            remove_tree(path)
+        return self.scan.still_there()
 
     def run(self) -> FsckReport:
-        if not self.root.is_dir():
-            # a root that is not there (an unmounted share) says nothing about the steps: judging
-            # them against it would condemn every one
-            raise RootError(f"checkpoint root {self.root} is not there on this host (is the shared filesystem "
-                            "mounted?); fsck checked and changed nothing", path=self.root)
-        disk = _scan(self.root, self.failures)  # before the snapshot: see the module docstring
+        self.scan.check()  # a root that is not there says nothing about the steps
+        listed = self.scan.listing(self.failures)  # before the snapshot: see the module docstring
         rows = {(r.run, r.step): r for r in snapshot(self.catalog)}
-        vanished = False
-        for key in sorted(set(disk) | set(rows)):
+        for key in sorted(set(listed) | set(rows)):
+            row = rows.get(key)
             try:
-                self._step(key[0], key[1], rows.get(key), disk.get(key, _Step()))
-            except OSError as exc:  # a local failure to read: neither corruption nor a reason to stop
+                self._step(key[0], key[1], row, self.scan.step(key, listed.get(key),
+                                                               row.path if row is not None else None))
+            except OSError as exc:  # a local failure to read, or the server's: neither corruption nor a stop
                 self.failures.append(f"{key[0]}@{key[1]}: cannot check: {one_line(exc)}")
             except _RootVanished:
-                self.failures.append(f"checkpoint root {self.root} vanished while fsck ran (unmounted?); "
-                                     f"stopped at {key[0]}@{key[1]} and judged nothing after it")
-                vanished = True
-                break
-        for co in expired_checkouts(self.catalog, self.root):
+                path, url = self.scan.where("")
+                self.failures.append(f"checkpoint root {url or path} vanished while fsck ran (unmounted?); stopped "
+                                     f"at {key[0]}@{key[1]} and judged nothing after it")
+                return self.report(len(rows))
+        for co in expired_checkouts(self.catalog, self.scan.local_dir):
             problem = self._found("expired-checkout", co.run, co.step, co.path,
                                   f"checkout {co.path}: its reader lease expired or was released")
             self._fix(problem, functools.partial(remove_owned, co.path))
         try:
-            runs = sorted(e.name for e in os.scandir(self.root)
-                          if e.is_dir(follow_symlinks=False) and RUN_NAME_RE.fullmatch(e.name))
-        except FileNotFoundError:  # the root vanished (unmounted): its folds say nothing either
-            if not vanished:
-                self.failures.append(f"checkpoint root {self.root} vanished while fsck ran (unmounted?); "
-                                     "judged no policy fold")
-            return self.report(len(rows))
-        check_folds(self, DirectoryAside(self.root), runs, where=lambda rel: (self.root / rel, None))
+            runs = sorted({key[0] for key in rows} | set(self.scan.runs(listed)))
+            check_folds(self, self.scan.aside(), runs, where=self.scan.where)
+        except OSError as exc:  # the root gone meanwhile (unmounted), the server's trouble: no verdict
+            self.failures.append(f"policy folds: cannot check: {one_line(exc)}")
         return self.report(len(rows))
 
-    def _step(self, run: str, step: int, row: RowState | None, scanned: _Step) -> None:
-        canonical = self.root / run / step_dirname(step)
-        final = self.root / row.path if row is not None else canonical
-        # What the scan saw, looked at again now that the row has been read: a publish or gc
-        # that finished between the scan and the snapshot must not look like a missing payload.
-        found = _Step(final=(final if _is_dir(final) else None) if row is not None
-                      else (scanned.final if scanned.final is not None and _is_dir(scanned.final) else None),
-                      tmp=[p for p in scanned.tmp if _is_dir(p)],
-                      retired=[p for p in scanned.retired if _is_dir(p)])
-        staging_live = row is not None and row.status == Status.STAGING and writer_alive(row.writer, row.updated_at)
+    # ------------------------------------------------------------------ one step
 
-        for tmp in found.tmp:
-            if staging_live:
-                continue
-            p = self._found("abandoned-staging", run, step, tmp, "staging directory with no live writer")
-            self._fix(p, functools.partial(self._remove, [tmp]))
-        if staging_live:
-            assert row is not None
-            self.in_progress.append(Problem(kind="in-progress", run=run, step=step, path=final,
-                                            detail=f"being published by {row.writer}", repair=None))
-            return
-
+    def _step(self, run: str, step: int, row: RowState | None, found: StepFound) -> None:
+        if row is not None and row.status == Status.STAGING and writer_alive(row.writer, row.updated_at):
+            path, url = self.scan.where(row.path)
+            self.in_progress.append(Problem(kind="in-progress", run=run, step=step, path=path, repair=None,
+                                            detail=f"being published by {row.writer}", url=url))
+            return  # whatever the step holds is the writer's
         if row is not None and row.status == Status.DELETED:
-            leftovers = ([found.final] if found.final is not None else []) + found.retired
-            if leftovers:
-                p = self._found("unfinished-deletion", run, step, leftovers[0],
-                                f"deleted step still has {len(leftovers)} "
-                                f"director{'y' if len(leftovers) == 1 else 'ies'}", row=row)
-                self._fix(p, lambda: self._finish_deletion(row, final, found.retired))
+            for left in found.deleted(digest=row.manifest_sha256):
+                p = self._found(left.kind, run, step, left.path, left.detail, row=row, url=left.url)
+                self._fix(p, functools.partial(self._finish_deletion, row, left))
+            self._leftovers(run, step, found)
             return
-
-        payload_dir = found.final
-        if found.retired:
-            if found.final is None:
-                chosen = _newest(found.retired)
-                p = self._found("interrupted-overwrite", run, step, chosen,
-                                "a retired payload and no final directory: crash between the two renames", row=row)
+        payload = found.payload()
+        if payload is None:
+            older = found.older(digest=row.manifest_sha256 if row is not None else None,
+                                claim=row is not None and row.status == Status.STAGING)
+            if older is not None:
+                old, how = older
+                p = self._found("interrupted-overwrite", run, step, old.path, how, row=row, url=old.url)
                 if p is None:
                     return
-                if self._fix(p, lambda: self._restore(chosen, final)):
-                    payload_dir = final
+                restored: list[Stored] = []
+
+                def restore() -> bool:
+                    restored.append(found.restore(old))
+                    return True
+                if self._fix(p, restore):
+                    payload = restored[0]
                 elif self.repair:
-                    return  # the restore failed: judging the row by a directory not in place would be wrong
+                    return  # the restore failed: judging the row by a payload not in place would be wrong
                 else:
-                    payload_dir = chosen  # judge the row by what a repair would restore
-                rest = [r for r in found.retired if r != chosen]
-            else:
-                rest = found.retired
-            for old in rest:
-                p = self._found("leftover-retired", run, step, old, "retired payload next to its replacement")
-                self._fix(p, functools.partial(self._remove, [old]))
-
+                    payload = old  # judge the row by what a repair would restore
         if row is None or row.status == Status.FAILED:
-            if payload_dir is not None:
-                self._unregistered(run, step, row, payload_dir)
-            return
-        if row.status == Status.STAGING:
-            self._dead_staging(row, payload_dir, final)
+            self._unregistered(run, step, row, found.adoptable(failed=row is not None))
+        elif row.status == Status.STAGING:
+            self._dead_staging(row, payload, found)
         elif row.status == Status.CORRUPT:
-            where = "its directory is missing" if payload_dir is None else f"its files are at {payload_dir}"
-            self._found("corrupt-step", run, step, final,
+            where = f"it has {found.absent}" if payload is None else f"its files are at {payload.url or payload.path}"
+            path, url = self.scan.where(row.path)
+            self._found("corrupt-step", run, step, path,
                         f"marked corrupt ({where}): restore its files and run 'registry verify {run}@{step}', "
-                        f"or let 'registry gc {run}' delete it", repairable=False, row=row)
+                        f"or let 'registry gc {run}' delete it", repairable=False, row=row, url=url)
         elif row.status in LIVE:
-            if payload_dir is None and (run, step) in self.elsewhere or (run, step) in self.superseded:
-                return
-            if payload_dir is None:
-                p = self._found("missing-payload", run, step, final, f"{row.status} step has no directory", row=row,
-                                still=lambda: not _is_dir(final))
-                self._fix(p, lambda: self._condemned(set_status_if(
-                    self.catalog, row, Status.CORRUPT, kind="missing-payload", actor=self.actor,
-                    reason=f"{row.status} step has no directory"), run))
-                return
-            checked = manifest_digest(payload_dir)
-            why = _matches_catalog(payload_dir, row, checksums=self.checksums,
-                                   on_bytes=lambda n: self.counter.advance(n, item=f"{run}@{step}"))
-            if why:
-                why = damage_again(why, lambda: _matches_catalog(payload_dir, row, checksums=self.checksums),
-                                   what=f"{run}@{step}")
-            if why:
-                p = self._found("damaged-payload", run, step, payload_dir, why, row=row,
-                                still=lambda: manifest_digest(payload_dir) == checked)
-                self._fix(p, lambda: (self.copy_only is not None and row.manifest_sha256 is not None
-                                      and self.copy_only(run, step, payload_dir, row.manifest_sha256, why))
-                          or self._condemned(set_status_if(self.catalog, row, Status.CORRUPT, kind="damaged-payload",
-                                                           actor=self.actor, reason=why), run))
+            self._live(row, payload, found)
+        self._leftovers(run, step, found)
 
-    def _condemned(self, marked: bool, run: str) -> bool:
+    def _live(self, row: RowState, payload: Stored | None, found: StepFound) -> None:
+        run, step = row.run, row.step
+        if (run, step) in self.superseded or payload is None and (run, step) in self.elsewhere:
+            return
+        if payload is None:
+            why = f"{row.status} step has {found.absent}"
+            path, url = self.scan.where(row.path)
+            p = self._found("missing-payload", run, step, path, why, row=row, url=url,
+                            still=lambda: not found.present())
+            self._fix(p, lambda: self._condemn(row, "missing-payload", why))
+            return
+
+        def look() -> tuple[str, str | None]:
+            """Why the payload differs from the catalog's record ('' when it does not), and the manifest digest
+            that look read: the verdict rests on it."""
+            checked = payload.check(checksums=self.checksums,
+                                    on_bytes=lambda n: self.counter.advance(n, item=f"{run}@{step}"))
+            why = checked.why
+            if checked.valid is not None and row.manifest_sha256 and checked.digest != row.manifest_sha256:
+                why = f"manifest of {payload.url or payload.path} does not match the catalog's record"
+            elif checked.valid is not None and row.files and {
+                    f.name: (f.size, f.sha256) for f in checked.valid.manifest.files.values()} != row.files:
+                why = "file table does not match the catalog's"
+            return why, checked.digest
+
+        why, digest = look()
+        if why:  # read again before any verdict; the verdict then rests on the manifest that re-read saw
+            def again() -> str:
+                nonlocal digest
+                found_why, digest = look()
+                return found_why
+            why = damage_again(why, again, what=f"{run}@{step}")
+        if why:
+            p = self._found("damaged-payload", run, step, payload.path, why, row=row, url=payload.url,
+                            still=lambda: payload.digest() == digest)
+            self._fix(p, lambda: (self.copy_only is not None and row.manifest_sha256 is not None
+                                  and self.copy_only(run, step, payload.path, row.manifest_sha256, why))
+                      or self._condemn(row, "damaged-payload", why))
+
+    def _condemn(self, row: RowState, kind: str, why: str) -> bool:
+        marked = set_status_if(self.catalog, row, Status.CORRUPT, kind=kind, actor=self.actor, reason=why)
         if marked:
-            condemned(self.catalog, self.root, run)
+            condemned(self.catalog, self.scan.local_dir, row.run)
         return marked
 
-    def _restore(self, retired: Path, final: Path) -> None:
-        os.replace(retired, final)
-        fsync_dir(final.parent)
-        crashpoint("fsck-after-restore")
-
-    def _finish_deletion(self, row: RowState, final: Path, retired: list[Path]) -> bool | str:
-        """gc's own finishing, for one step whose row is (re-read now) still the deleted one fsck saw."""
-        if not unchanged(self.catalog, row):
-            return False
-        self._remove(retired)
-        if retire_and_remove(final, row.manifest_sha256) == "kept":
-            return "its directory holds another payload than the one deleted; left in place"
-        return True
-
-    def _dead_staging(self, row: RowState, payload_dir: Path | None, final: Path) -> None:
-        if payload_dir is None:
-            detail = f"staging row of dead writer {row.writer} and no directory: crash before the rename"
-            p = self._found("abandoned-publish", row.run, row.step, final, detail, row=row)
+    def _dead_staging(self, row: RowState, payload: Stored | None, found: StepFound) -> None:
+        if payload is None:
+            path, url = self.scan.where(row.path)
+            p = self._found("abandoned-publish", row.run, row.step, path,
+                            f"staging row of dead writer {row.writer} and {found.absent}: it died before its "
+                            "payload was in place", row=row, url=url)
             self._fix(p, lambda: set_status_if(self.catalog, row, Status.FAILED, kind="abandoned-publish",
                                                actor=self.actor, dead_writer=row.writer))
             return
-        record, why = _check_payload(payload_dir, checksums=True)
-        if record is None:
-            p = self._found("invalid-staged-payload", row.run, row.step, payload_dir,
-                            f"staging row of dead writer {row.writer}; its directory is invalid: {why}", row=row)
+        checked = payload.check(checksums=True)
+        if checked.valid is None:
+            why = checked.why
+            p = self._found("invalid-staged-payload", row.run, row.step, payload.path,
+                            f"staging row of dead writer {row.writer}; its payload is invalid: {why}", row=row,
+                            url=payload.url)
             self._fix(p, lambda: set_status_if(self.catalog, row, Status.CORRUPT, kind="invalid-staged-payload",
                                                actor=self.actor, reason=why))
             return
-        p = self._found("uncommitted-publish", row.run, row.step, payload_dir,
-                        f"payload in place but writer {row.writer} died before the catalog commit", row=row)
-        self._fix(p, lambda: record_payload(self.catalog, row, run=row.run, step=row.step, path=row.path,
-                                            payload=record, kind="uncommitted-publish", actor=self.actor,
-                                            copy_at=self.copy_at, dead_writer=row.writer))
+        p = self._found("uncommitted-publish", row.run, row.step, payload.path,
+                        f"payload in place but writer {row.writer} died before the catalog commit", row=row,
+                        url=payload.url)
+        self._fix(p, functools.partial(self._record, row, row.run, row.step, payload.rel, checked.valid,
+                                       "uncommitted-publish"))
 
-    def _unregistered(self, run: str, step: int, row: RowState | None, payload_dir: Path) -> None:
+    def _record(self, row: RowState | None, run: str, step: int, rel: str, valid: Valid, kind: str) -> bool:
+        record = found_payload(valid.manifest, valid.digest, valid.manifest_size, status=Status.VERIFIED,
+                               meta=meta_numbers(valid.meta))
+        return record_payload(self.catalog, row, run=run, step=step, path=rel, payload=record, kind=kind,
+                              actor=self.actor, copy_at=self.copy_at,
+                              **({"dead_writer": row.writer} if row is not None and row.writer else {}))
+
+    def _unregistered(self, run: str, step: int, row: RowState | None, candidates: list[Stored]) -> None:
+        """A step without a live row: adopt the first valid payload among ``candidates``."""
         what = "no catalog row" if row is None else "a failed catalog row"
+        if not candidates:
+            return
         if step > MAX_STEP:
-            self._found("unregistered-checkpoint", run, step, payload_dir,
-                        f"directory with {what} cannot be adopted: step {step} is beyond the catalog's "
-                        f"range (0..{MAX_STEP})", repairable=False)
+            self._found("unregistered-checkpoint", run, step, candidates[0].path,
+                        f"payload with {what} cannot be adopted: step {step} is beyond the catalog's range "
+                        f"(0..{MAX_STEP})", repairable=False, url=candidates[0].url)
             return
-        record, why = _check_payload(payload_dir, checksums=True)
-        if record is None:
-            if not _is_dir(payload_dir):
-                return  # removed while being checked: nothing left to report
-            self._found("unregistered-checkpoint", run, step, payload_dir,
-                        f"directory with {what} cannot be adopted: {why}", repairable=False, row=row)
+        why, vanished = "", False
+        for candidate in candidates:
+            checked = candidate.check(checksums=True)
+            if checked.valid is None:
+                why, vanished = checked.why, checked.vanished
+                continue
+            p = self._found("unregistered-checkpoint", run, step, candidate.path, f"valid checkpoint with {what}",
+                            row=row, url=candidate.url)
+            self._fix(p, functools.partial(self._record, row, run, step, candidate.rel, checked.valid,
+                                           "unregistered-checkpoint"))
             return
-        p = self._found("unregistered-checkpoint", run, step, payload_dir, f"valid checkpoint with {what}", row=row)
-        self._fix(p, lambda: record_payload(self.catalog, row, run=run, step=step,
-                                            path=payload_dir.relative_to(self.root).as_posix(),
-                                            payload=record, kind="unregistered-checkpoint", actor=self.actor,
-                                            copy_at=self.copy_at))
+        if not vanished:  # one removed while being checked leaves nothing to report
+            self._found("unregistered-checkpoint", run, step, candidates[0].path,
+                        f"payload with {what} cannot be adopted: {why}", repairable=False, row=row,
+                        url=candidates[0].url)
+
+    # ------------------------------------------------------------------ what storage left
+
+    def _finish_deletion(self, row: RowState, left: Leftover) -> bool | str:
+        """gc's own finishing, for one step whose row is (re-read now) still the deleted one fsck saw."""
+        if not unchanged(self.catalog, row):
+            return False
+        return left.remove()
+
+    def _spared(self, run: str, step: int, left: Leftover) -> str:
+        """Why ``left`` must stay, by the step's row as it is now ('' when nothing spares it): a live claim owns
+        all its step holds, a dead one what it named, a row its payload; a payload no row names is adoption's."""
+        now = next(iter(snapshot(self.catalog, run=run, step=step)), None)
+        if now is not None and now.status == Status.STAGING:
+            if writer_alive(now.writer, now.updated_at):
+                return "a live claim holds the step now"
+            if left.claimed:
+                return "a claim holds the step"
+        if left.rel is not None and now is not None and now.path == left.rel and now.status not in (
+                Status.FAILED, Status.DELETED):
+            return "a row names it now"
+        if now is None and left.unadopted:
+            return "a payload no row names: adoption judges it"
+        return ""
+
+    def _leftovers(self, run: str, step: int, found: StepFound) -> None:
+        """Everything else the step left, each reported only if, by the row read again now, nothing spares it,
+        and removed only if that still holds just before."""
+        for left in found.leftovers():
+            if self._spared(run, step, left):
+                continue
+            p = self._found(left.kind, run, step, left.path, left.detail, url=left.url)
+            self._fix(p, functools.partial(self._remove, run, step, left))
+
+    def _remove(self, run: str, step: int, left: Leftover) -> bool | str:
+        why = self._spared(run, step, left)
+        return why or left.remove()
 
 
 def _fold_step(rel: str) -> int:
@@ -453,20 +355,20 @@ def _drop_fold(catalog: Catalog, aside: Aside, rel: str) -> bool | str:
     return True
 
 
-def run_fsck(*, catalog: Catalog, root: Path, repair: bool = False, checksums: bool = False,
+def run_fsck(*, catalog: Catalog, scan: Scan, repair: bool = False, checksums: bool = False,
              actor: str, progress: ProgressFn | None = None,
              elsewhere: Collection[tuple[str, int]] = (), copy_only: CopyOnly | None = None,
              superseded: Collection[tuple[str, int]] = (), copy_at: str | None = None) -> FsckReport:
-    """Check (and with ``repair`` fix) every step under ``root`` against ``catalog``.
+    """Check (and with ``repair`` fix) every step ``scan`` (the root's: ``Root.scan()``) reports against ``catalog``.
 
     ``checksums`` re-hashes every live step's files instead of checking sizes
     and the manifest digest; roll-forward and adoption always hash. ``progress``
     hears of the bytes that ``checksums`` re-hashes (the total is not known ahead).
     """
-    return Fsck(catalog=catalog, root=root, repair=repair, checksums=checksums, actor=actor,
+    return Fsck(catalog=catalog, scan=scan, repair=repair, checksums=checksums, actor=actor,
                 progress=progress, elsewhere=elsewhere, copy_only=copy_only, superseded=superseded,
                 copy_at=copy_at).run()
 
 
 # FsckReport, Problem, REPAIRS, REPORTED, iter_lines: verdicts' names, re-exported
-__all__ = ["FsckReport", "Problem", "REPAIRS", "REPORTED", "check_folds", "iter_lines", "run_fsck"]
+__all__ = ["Fsck", "FsckReport", "Problem", "REPAIRS", "REPORTED", "check_folds", "iter_lines", "run_fsck"]

@@ -66,6 +66,7 @@ from registry.ops.tiers import Tiers, mark_fast_copy, read_local
 from registry.ops.verdicts import FsckPass, FsckReport, damage_again, one_line
 from registry.ops.writers import writer_alive
 from registry.roots.aside import Aside
+from registry.roots.scan import Scan
 from registry.progress import ProgressFn
 from registry.records import LIVE, Status
 
@@ -369,17 +370,18 @@ class TierFsck(FsckPass):
         return True
 
 
-def run_tier_fsck(*, catalog: Catalog, tiers: Tiers, aside: Aside, replicator: Replicator | None, repair: bool,
-                  checksums: bool, actor: str, progress: ProgressFn | None = None) -> FsckReport:
-    """fsck of the fast root, then of the copies on both tiers; one report. ``aside``: the root's
-    (:meth:`registry.roots.base.Root.aside`), where it keeps a run's policy folds."""
+def run_tier_fsck(*, catalog: Catalog, tiers: Tiers, scan: Scan, aside: Aside, replicator: Replicator | None,
+                  repair: bool, checksums: bool, actor: str, progress: ProgressFn | None = None) -> FsckReport:
+    """fsck of the fast root (``scan``: the root's, :meth:`registry.roots.base.Root.scan`, its fast directory), then of
+    the copies on both tiers; one report. ``aside``: the root's (:meth:`registry.roots.base.Root.aside`), where it
+    keeps a run's policy folds."""
     tier = TierFsck(catalog=catalog, tiers=tiers, aside=aside, replicator=replicator, repair=repair,
                     checksums=checksums, actor=actor, progress=progress)
     superseded = tier.superseded()
     condemned = tier.condemned()
     # the fast root's checks leave these alone: this pass reports them, never as damage to the step
     skip = set(superseded) | {key for key, (_copy, own) in condemned.items() if own}
-    fast = run_fsck(catalog=catalog, root=tiers.fast.root, repair=repair, checksums=checksums, actor=actor,
+    fast = run_fsck(catalog=catalog, scan=scan, repair=repair, checksums=checksums, actor=actor,
                     progress=progress, elsewhere=tier.elsewhere(), superseded=skip, copy_only=tier.copy_only,
                     copy_at=tiers.location)
     tier.condemned_copies(condemned)

@@ -3,8 +3,9 @@
 :class:`FsckPass` keeps the problems, repairs, steps in flight and failures
 of one pass; a verdict about a row is recorded only if the row, read again
 after the storage was checked, is still as the snapshot showed it
-(compare-and-set), and each repair runs in isolation. The directory root's
-pass is :mod:`registry.ops.fsck`, the object store's :mod:`registry.ops.objectfsck`.
+(compare-and-set), and each repair runs in isolation. The pass over a root is
+:mod:`registry.ops.fsck`, the one judge of what the root's scan reports (:mod:`registry.roots.scan`); a tiered
+root's copies are judged by :mod:`registry.ops.tierfsck`.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from registry.fs.payloadfiles import Payload, Written
     from registry.fs.store import FileProblem, Reuse, Store
     from registry.roots.landing import Landing
+    from registry.roots.scan import Scan
     from registry.roots.shards import Shards
 
 Capability = Literal["links", "sharded", "local_import", "directories", "tiers"]
@@ -118,6 +119,9 @@ class Root(Protocol):
 
     def new_relpath(self, run: str, step: int) -> str:
         """Where a new publish of ``run@step`` lands, relative to the root (what the catalog records)."""
+
+    def scan(self) -> Scan:
+        """What the root's storage holds, as fsck's one judge reads it (see :mod:`registry.roots.scan`)."""
 
     def removal(self) -> Removal:
         """How retention measures and removes this root's payloads."""

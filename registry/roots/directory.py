@@ -17,6 +17,7 @@ from registry.fs.store import (FileProblem, Reuse, Store, check_written, discard
                                remove_stale_staging, uninstall, write_payload)
 from registry.records import CheckpointInfo
 from registry.roots.aside import DirectoryAside
+from registry.roots.dirscan import DirectoryScan
 from registry.roots.base import Capabilities, Capability, Gone, Tiered, refuse
 from registry.roots.landing import Previous, os_cause
 from registry.roots.shards import FileShards
@@ -112,6 +113,9 @@ class DirectoryRoot:
 
     def new_relpath(self, run: str, step: int) -> str:
         return self.store.relpath(self.store.step_dir(run, step))
+
+    def scan(self) -> DirectoryScan:
+        return DirectoryScan(self.store.root)
 
     def removal(self) -> FileRemoval:
         return FileRemoval(self.store.root)

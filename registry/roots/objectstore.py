@@ -27,6 +27,7 @@ from registry.fs.prefixes import remove_prefix, scan
 from registry.fs.store import FileProblem
 from registry.records import HAS_PAYLOAD, CheckpointInfo
 from registry.roots.aside import ObjectAside
+from registry.roots.objectscan import ObjectScan
 from registry.roots.base import Capabilities, Capability, Gone, Tiered, refusal, refuse
 from registry.roots.landing import Previous
 from registry.roots.shards import ObjectShards
@@ -121,6 +122,9 @@ class ObjectStoreRoot:
     def new_relpath(self, run: str, step: int) -> str:
         """A fresh attempt prefix: two attempts at one step never share a key."""
         return attempt_relpath(run, step)
+
+    def scan(self) -> ObjectScan:
+        return ObjectScan(self.objects)
 
     def removal(self) -> ObjectRemoval:
         return ObjectRemoval(self.objects)

@@ -20,6 +20,7 @@ from registry.fs.store import Store
 from registry.records import CheckpointInfo
 from registry.roots.aside import ObjectAside
 from registry.roots.base import Capabilities, Capability, Tiered, refuse
+from registry.roots.dirscan import DirectoryScan
 from registry.roots.directory import DirectoryLanding, DirectoryRoot, FileRemoval
 from registry.roots.objectstore import ObjectStoreRoot
 from registry.roots.shards import ObjectShards, TieredShards
@@ -104,6 +105,10 @@ class TieredRoot:
 
     def new_relpath(self, run: str, step: int) -> str:
         return self.fast.new_relpath(run, step)
+
+    def scan(self) -> DirectoryScan:
+        """The fast directory's (a tier's copies are judged by ``registry.ops.tierfsck``)."""
+        return self.fast.scan()
 
     def removal(self) -> FileRemoval:
         """The fast directory's: tier retention removes copies on each tier (``registry.ops.tierretention``)."""
