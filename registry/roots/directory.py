@@ -17,12 +17,12 @@ from registry.fs.store import (FileProblem, Reuse, Store, check_written, discard
                                remove_stale_staging, uninstall, write_payload)
 from registry.records import CheckpointInfo
 from registry.roots.aside import DirectoryAside
-from registry.roots.dirscan import DirectoryScan
 from registry.roots.base import Capabilities, Capability, Gone, Tiered, refuse
 from registry.roots.landing import Previous, os_cause
 from registry.roots.shards import FileShards
 
 if TYPE_CHECKING:
+    from registry.roots.dirscan import DirectoryScan
     from registry.fs.objects import ObjectRoot
     from registry.format.manifest import Manifest
     from registry.fs.filemaps import Extras, Loaded
@@ -115,6 +115,7 @@ class DirectoryRoot:
         return self.store.relpath(self.store.step_dir(run, step))
 
     def scan(self) -> DirectoryScan:
+        from registry.roots.dirscan import DirectoryScan  # fsck's: hashing and removal, which a listing never needs
         return DirectoryScan(self.store.root)
 
     def removal(self) -> FileRemoval:

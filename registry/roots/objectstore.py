@@ -27,12 +27,12 @@ from registry.fs.prefixes import remove_prefix, scan
 from registry.fs.store import FileProblem
 from registry.records import HAS_PAYLOAD, CheckpointInfo
 from registry.roots.aside import ObjectAside
-from registry.roots.objectscan import ObjectScan
 from registry.roots.base import Capabilities, Capability, Gone, Tiered, refusal, refuse
 from registry.roots.landing import Previous
 from registry.roots.shards import ObjectShards
 
 if TYPE_CHECKING:
+    from registry.roots.objectscan import ObjectScan
     from registry.format.manifest import Manifest
     from registry.fs.filemaps import Extras, Loaded
     from registry.fs.payloadfiles import Payload, Written
@@ -124,6 +124,7 @@ class ObjectStoreRoot:
         return attempt_relpath(run, step)
 
     def scan(self) -> ObjectScan:
+        from registry.roots.objectscan import ObjectScan  # fsck's: multipart listings, which a read never needs
         return ObjectScan(self.objects)
 
     def removal(self) -> ObjectRemoval:

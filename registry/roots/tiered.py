@@ -20,12 +20,12 @@ from registry.fs.store import Store
 from registry.records import CheckpointInfo
 from registry.roots.aside import ObjectAside
 from registry.roots.base import Capabilities, Capability, Tiered, refuse
-from registry.roots.dirscan import DirectoryScan
 from registry.roots.directory import DirectoryLanding, DirectoryRoot, FileRemoval
 from registry.roots.objectstore import ObjectStoreRoot
 from registry.roots.shards import ObjectShards, TieredShards
 
 if TYPE_CHECKING:
+    from registry.roots.dirscan import DirectoryScan
     from registry.format.manifest import Manifest
     from registry.fs.filemaps import Extras, Loaded
     from registry.fs.payloadfiles import Payload, Written
