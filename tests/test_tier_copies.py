@@ -378,6 +378,52 @@ def test_a_tier_retention_killed_at_a_crash_point_loses_nothing_and_fsck_finishe
             assert_state_equal(reg.load(f"run@{step}").state_dict, make_state(step))
 
 
+@pytest.mark.parametrize("point", ["gc-after-mark", "gc-after-retire"])
+@pytest.mark.parametrize("tier", ["fast", "durable"])
+def test_the_next_retention_on_a_tier_finishes_a_killed_one(migrated_url: str, fast: Path, durable: str, tier: str,
+                                                           point: str) -> None:
+    """As on a plain root, the next gc finishes what a killed one marked (no fsck needed): the copy it marked
+    deleted, or the steps it ended, leave no bytes behind, and fsck is clean after it."""
+    from tests import killharness
+    from tests.helpers import child_env
+    proc = killharness.context().Process(
+        target=retain_then_die, daemon=True,
+        args=(killharness.worker_url(migrated_url), str(fast), durable, {**child_env(), "REGISTRY_CRASH_AT": point},
+              tier))
+    proc.start()
+    proc.join(120)
+    assert proc.exitcode == -9, f"the retention to be killed at {point} ended with {proc.exitcode}"
+    with Registry.open(migrated_url, root=fast, durable=durable) as reg:
+        killharness.settle(reg)
+        assert not reg.fsck().clean  # the killed one left bytes of what it marked
+        result = reg.plan_tier_retention("run", KeepLast(1), tier=tier).execute()
+        assert result.healed and not result.errors, result
+        report = reg.fsck(checksums=True)
+        assert report.clean, report.to_json()
+        assert [i.step for i in reg.checkpoints("run")] == ([1, 2, 3] if tier == "fast" else [3])
+        for step in [i.step for i in reg.checkpoints("run")]:
+            assert_state_equal(reg.load(f"run@{step}").state_dict, make_state(step))
+
+
+def test_a_tiers_retention_reclaims_expired_checkouts_first(treg: Registry) -> None:
+    """As plain retention: an expired registry-owned checkout made of hard links would keep an ended step's bytes
+    on the fast disk, so a tier's retention removes it before deciding."""
+    from datetime import timedelta
+    for step in (1, 2):
+        treg.publish("run", step, make_state(step))
+    live = treg.checkout("run@2", ttl=timedelta(hours=1))
+    dead = treg.checkout("run@1", ttl=timedelta(0), link="hardlink")
+    weights = treg.resolve("run@1").path / "model.safetensors"
+    ino = os.stat(weights).st_ino
+    result = treg.plan_tier_retention("run", KeepLast(1), tier="fast", force=True).execute()
+    assert result.deleted == (1,) and result.checkouts_removed == (dead.path,), result
+    assert not dead.path.exists() and live.path.is_dir()
+    assert ino not in {os.stat(p).st_ino for p in treg.store.root.rglob("*") if p.is_file()}
+    live.close()
+    treg.wait_durable("run", 2, timeout=60)
+    assert treg.fsck().clean
+
+
 @pytest.mark.parametrize(("options", "says"), BAD_PLAN_OPTIONS)
 def test_bad_tier_plan_options_are_the_same_one_line_errors(treg: Registry, options: dict[str, Any],
                                                              says: str) -> None:

@@ -245,7 +245,11 @@ def tier_gc(reg: Any, run: str, policy: Any, *, tier: str | None, force: bool, a
     result = plan.execute()
     if not as_json:
         click.echo(f"deleted {len(result.deleted)} {chosen} copies ({human_bytes(result.bytes_freed)}), "
-                   f"ended {plural(len(result.ended), 'step')}")
+                   f"ended {plural(len(result.ended), 'step')}"
+                   + (f"; finished {plural(len(result.healed), 'interrupted deletion')}" if result.healed else ""))
+        if result.checkouts_removed:
+            click.echo(f"removed {plural(len(result.checkouts_removed), 'registry-owned checkout')} whose lease "
+                       "had expired")
         for step, why in sorted(result.skipped.items()):
             click.echo(f"skipped {step}: {why}")
         for step, why in sorted(result.errors.items()):

@@ -62,6 +62,7 @@ from registry.ops.fsck import check_folds, run_fsck
 from registry.ops.replicator import Replicator
 from registry.ops.tiercache import (abandoned_downloads, evict_cached_copy, record_cached_copy,
                                     remove_abandoned_download, stale_cached_copies)
+from registry.ops.tierretention import LeftCopy, unfinished_here
 from registry.ops.tiers import Tiers, mark_fast_copy, read_local
 from registry.ops.verdicts import FsckPass, FsckReport, damage_again, one_line
 from registry.ops.writers import writer_alive
@@ -282,21 +283,21 @@ class TierFsck(FsckPass):
     def fast_deletions(self) -> None:
         """This host's copies (fast, or in its cache) marked deleted whose directory still holds that payload (the
         removal failed, or its process was killed after the mark)."""
-        mine = (self.tiers.location, self.tiers.cache_location)
-        for copy, status, _digest, path in self._before:
-            where = self.tiers.fast.root / copy.path
-            if (copy.location not in mine or copy.status != "deleted" or copy.manifest_sha256 is None
-                    or status not in LIVE and copy.path == path  # the step's own directory: fsck's gc finishing
-                    or not self._fast_here(copy.run, copy.step, copy.path, copy.manifest_sha256)):
+        # an ended step's own directory is the judge's unfinished-deletion (gc's own finishing)
+        ended = {(c.run, c.step, c.path) for c, status, _digest, path in self._before
+                 if status not in LIVE and c.path == path}
+        for left in unfinished_here(self.tiers, [c for c, *_ in self._before]):
+            copy, where = left.copy, left.paths[0]
+            if (copy.run, copy.step, copy.path) in ended:
                 continue
             p = self._found("unfinished-copy-deletion", copy.run, copy.step, where,
                             "this host's copy is marked deleted, its directory still there")
-            self._fix(p, functools.partial(self._finish_fast_deletion, copy, where))
+            self._fix(p, functools.partial(self._finish_fast_deletion, left))
 
-    def _finish_fast_deletion(self, copy: ReplicaInfo, where: Path) -> bool | str:
-        if not self._still_deleted(copy):
+    def _finish_fast_deletion(self, left: LeftCopy) -> bool | str:
+        if not self._still_deleted(left.copy):
             return "the copy's row changed meanwhile"
-        if not remove_checkpoint_dir(where, copy.manifest_sha256):
+        if not left.remove():
             return "its directory changed meanwhile"
         return True
 

@@ -32,15 +32,20 @@ chain), then is compare-and-set on the step's copies: a copy is marked
 two tiers' retention at once never both take a copy), the step still holds
 that payload, no reader holds a lease on it, and (for a copy-only deletion)
 the other tier's copy is still good; then its directory is retired and
-removed, or its prefix deleted.
+removed, or its prefix deleted. A retention killed after its mark (or a
+removal that failed) is finished by the next one on the same tier, as on a
+plain root (:func:`finish_interrupted`; ``fsck --repair`` finishes it too),
+and expired registry-owned checkouts of the run are reclaimed first.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Literal
 
@@ -49,14 +54,17 @@ from registry.catalog.replicas import DURABLE, FAST, ReplicaCatalog, ReplicaInfo
 from registry.catalog.retention import CANDIDATES, DeletedRow, RetentionCatalog, RunSnapshot
 from registry.crashpoints import crashpoint
 from registry.errors import PolicyError, StorageError
-from registry.fs.prefixes import remove_prefix
-from registry.fs.removal import remove_checkpoint_dir
+from registry.fs.prefixes import remove_prefix, scan
+from registry.format.layout import parse_hidden
+from registry.fs.removal import manifest_digest, remove_checkpoint_dir, remove_tree
+from registry.ops.checkouts import reclaim as reclaim_checkouts
 from registry.ops.protocol import restore_fallback
 from registry.ops.retention import guard_fallback, plan_options, protections, still_doomed, with_bases
 from registry.ops.tiers import Tiers
 from registry.records import Status
 from registry.retention import Policy, RetentionContext, evaluate
 from registry.roots.aside import Aside
+from registry.roots.directory import FileRemoval
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +93,9 @@ class TierDecision:
 
 @dataclass(frozen=True, kw_only=True)
 class TierResult:
-    """What :meth:`TierPlan.execute` did: copies deleted, steps ended, steps skipped (why) and errors."""
+    """What :meth:`TierPlan.execute` did: copies deleted, steps ended, steps skipped (why) and errors; ``healed``:
+    steps whose earlier, interrupted deletion on this tier it finished first; ``checkouts_removed``: the
+    registry-owned checkouts of the run whose lease had expired, removed first (as plain retention does)."""
 
     tier: Tier
     deleted: tuple[int, ...] = ()
@@ -93,6 +103,8 @@ class TierResult:
     skipped: Mapping[int, str] = field(default_factory=dict)
     errors: Mapping[int, str] = field(default_factory=dict)
     bytes_freed: int = 0
+    healed: tuple[int, ...] = ()
+    checkouts_removed: tuple[Path, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -266,6 +278,96 @@ def make_tier_plan(catalog: Catalog, tiers: Tiers, run: str, policy: Policy, *, 
                     protect=MappingProxyType(dict(protect)))
 
 
+@dataclass(frozen=True)
+class LeftCopy:
+    """A copy of this host marked ``deleted`` and what still holds its payload: its directory, or retired siblings
+    of it (a removal killed between the rename and the delete)."""
+
+    copy: ReplicaInfo
+    paths: tuple[Path, ...]
+
+    def remove(self) -> bool:
+        """Remove each of ``paths`` that still holds the copy's payload (digest-checked); True when one went."""
+        done = False
+        for path in self.paths:
+            if parse_hidden(path.name) is None:
+                done = remove_checkpoint_dir(path, self.copy.manifest_sha256) or done
+            elif manifest_digest(path) == self.copy.manifest_sha256:
+                remove_tree(path)
+                done = True
+        return done
+
+
+def unfinished_here(tiers: Tiers, copies: Sequence[ReplicaInfo]) -> list[LeftCopy]:
+    """This host's copies (fast, or in its cache) marked ``deleted`` whose payload is still on disk: a retention
+    killed after its mark or after its rename, or a removal that failed. Checked by the manifest's digest, so a
+    directory that holds another payload of the step now is never one. Each directory is listed once."""
+    mine = (tiers.location, tiers.cache_location)
+    retired: dict[Path, dict[str, list[Path]]] = {}
+
+    def siblings(where: Path) -> list[Path]:
+        if where.parent not in retired:
+            found: dict[str, list[Path]] = {}
+            try:
+                names = sorted(os.listdir(where.parent))
+            except (FileNotFoundError, NotADirectoryError):
+                names = []
+            for name in names:
+                hidden = parse_hidden(name)
+                if hidden is not None and hidden[1] == "retired":
+                    found.setdefault(hidden[0], []).append(where.parent / name)
+            retired[where.parent] = found
+        return retired[where.parent].get(where.name, [])
+
+    left = []
+    for c in copies:
+        if c.location not in mine or c.status != "deleted" or c.manifest_sha256 is None:
+            continue
+        where = tiers.fast.root / c.path
+        paths = tuple(p for p in (where, *siblings(where)) if manifest_digest(p) == c.manifest_sha256)
+        if paths:
+            left.append(LeftCopy(c, paths))
+    return left
+
+
+def finish_interrupted(tiers: Tiers, catalog: Catalog, run: str, *, tier: Tier) -> tuple[set[int], dict[int, str]]:
+    """What an earlier retention of ``run`` on ``tier`` left when it was killed after its mark (or failed to remove),
+    finished as a plain root's next gc finishes it: on the fast tier the directories of the steps it ended
+    (:meth:`~registry.roots.directory.FileRemoval.finish`, digest-checked) and this host's copies marked deleted
+    (:func:`unfinished_here`); on the durable tier the prefixes of copies marked deleted that are still listed
+    (one listing of the run; a prefix is never reused, so it holds only the payload deleted). Steps healed, and
+    errors."""
+    copies = ReplicaCatalog(catalog).replicas(run)
+    if tier == "fast":
+        healed, errors = FileRemoval(tiers.fast.root).finish(run, RetentionCatalog(catalog).deleted_rows(run))
+        for left in unfinished_here(tiers, copies):
+            try:
+                if left.remove():
+                    healed.add(left.copy.step)
+            except OSError as exc:
+                errors[left.copy.step] = f"cannot remove {left.paths[0]}: {exc.strerror or exc}"
+        return healed, errors
+    gone = {c.path: c for c in copies if c.location == DURABLE and c.status == "deleted"}
+    named = {c.path for c in copies if c.location == DURABLE and c.status != "deleted"}
+    if not gone:
+        return set(), {}
+    try:
+        present = scan(tiers.durable, run)
+    except OSError as exc:
+        return set(), {c.step: f"cannot list {tiers.durable.url(run)}: {exc}" for c in gone.values()}
+    healed, errors = set(), {}
+    for path, copy in gone.items():
+        found = present.get(path)
+        if found is None or path in named:
+            continue
+        try:
+            remove_prefix(tiers.durable, path, [e.rel for e in found.entries], point="gc-after-retire")
+            healed.add(copy.step)
+        except OSError as exc:
+            errors[copy.step] = f"cannot delete {tiers.durable.url(path)}: {exc}"
+    return healed, errors
+
+
 def _remove(tiers: Tiers, durable: bool, path: str, digest: str | None) -> None:
     if durable:
         remove_prefix(tiers.durable, path, point="gc-after-retire")
@@ -290,13 +392,15 @@ def _removals(plan: TierPlan, d: TierDecision, ended: DeletedRow | None,
 
 
 def _execute(plan: TierPlan) -> TierResult:
+    healed, errors = finish_interrupted(plan.tiers, plan.catalog, plan.run, tier=plan.tier)
+    # then, as on a plain root: an expired checkout made of hard links would keep a deleted step's bytes on disk
+    reclaimed = reclaim_checkouts(plan.catalog, plan.tiers.fast.root, run=plan.run)
     replicas = ReplicaCatalog(plan.catalog)
     # a copy-only deletion needs the other tier's copy still there (a fast one: any fast tier's, no host's cache)
     other = SIDES[plan.tier].other
     deleted: list[int] = []
     ended: dict[int, DeletedRow] = {}
     skipped: dict[int, str] = {}
-    errors: dict[int, str] = {}
     freed = 0
     doomed = [d for d in plan.decisions if d.action == "delete"]
     enders = {d.step: "; ".join(d.reasons) for d in doomed if d.ends_step}
@@ -369,7 +473,8 @@ def _execute(plan: TierPlan) -> TierResult:
         except (OSError, StorageError) as exc:
             log.warning("tier retention of %s: could not remove the policy fold %s: %s", plan.run, rel, exc)
     return TierResult(tier=plan.tier, deleted=tuple(deleted), ended=tuple(sorted(ended)), skipped=skipped,
-                      errors=errors, bytes_freed=freed)
+                      errors=errors, bytes_freed=freed, healed=tuple(sorted(healed)), checkouts_removed=reclaimed)
 
 
-__all__ = ["TierDecision", "TierPlan", "TierResult", "make_tier_plan"]
+__all__ = ["LeftCopy", "TierDecision", "TierPlan", "TierResult", "finish_interrupted", "make_tier_plan",
+           "unfinished_here"]
