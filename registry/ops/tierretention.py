@@ -338,7 +338,7 @@ def finish_interrupted(tiers: Tiers, catalog: Catalog, run: str, *, tier: Tier) 
     (one listing of the run; a prefix is never reused, so it holds only the payload deleted). Steps healed, and
     errors."""
     copies = ReplicaCatalog(catalog).replicas(run)
-    if tier == "fast":
+    if not SIDES[tier].durable:
         healed, errors = FileRemoval(tiers.fast.root).finish(run, RetentionCatalog(catalog).deleted_rows(run))
         for left in unfinished_here(tiers, copies):
             try:
