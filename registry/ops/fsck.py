@@ -88,7 +88,7 @@ class Fsck(FsckPass):
     def __init__(self, *, catalog: Catalog, scan: Scan, repair: bool, checksums: bool, actor: str,
                  progress: ProgressFn | None = None, elsewhere: Collection[tuple[str, int]] = (),
                  copy_only: CopyOnly | None = None, superseded: Collection[tuple[str, int]] = (),
-                 copy_at: str | None = None) -> None:
+                 copy_at: str | None = None, theirs: Collection[Path] = ()) -> None:
         super().__init__(catalog=catalog, repair=repair, checksums=checksums, actor=actor, progress=progress)
         self.scan = scan
         # on a root with tiers: this host's fast tier, where a payload rolled forward or adopted is a copy
@@ -101,6 +101,9 @@ class Fsck(FsckPass):
         self.superseded = frozenset(superseded)
         # on a root with tiers: records damage against this host's copy alone where another good copy stands
         self.copy_only = copy_only
+        # on a root with tiers: what the tier pass judges (a copy's removal killed after its rename left a retired
+        # directory: no interrupted overwrite, nothing to put back)
+        self.theirs = frozenset(theirs)
 
     def _root_present(self) -> bool:
         return self.scan.still_there()
@@ -150,7 +153,7 @@ class Fsck(FsckPass):
         if payload is None:
             older = found.older(digest=row.manifest_sha256 if row is not None else None,
                                 claim=row is not None and row.status == Status.STAGING)
-            if older is not None:
+            if older is not None and older[0].path not in self.theirs:
                 old, how = older
                 p = self._found("interrupted-overwrite", run, step, old.path, how, row=row, url=old.url)
                 if p is None:
@@ -310,7 +313,7 @@ class Fsck(FsckPass):
         """Everything else the step left, each reported only if, by the row read again now, nothing spares it,
         and removed only if that still holds just before."""
         for left in found.leftovers():
-            if self._spared(run, step, left):
+            if left.path in self.theirs or self._spared(run, step, left):
                 continue
             p = self._found(left.kind, run, step, left.path, left.detail, url=left.url)
             self._fix(p, functools.partial(self._remove, run, step, left))
@@ -358,7 +361,8 @@ def _drop_fold(catalog: Catalog, aside: Aside, rel: str) -> bool | str:
 def run_fsck(*, catalog: Catalog, scan: Scan, repair: bool = False, checksums: bool = False,
              actor: str, progress: ProgressFn | None = None,
              elsewhere: Collection[tuple[str, int]] = (), copy_only: CopyOnly | None = None,
-             superseded: Collection[tuple[str, int]] = (), copy_at: str | None = None) -> FsckReport:
+             superseded: Collection[tuple[str, int]] = (), copy_at: str | None = None,
+             theirs: Collection[Path] = ()) -> FsckReport:
     """Check (and with ``repair`` fix) every step ``scan`` (the root's: ``Root.scan()``) reports against ``catalog``.
 
     ``checksums`` re-hashes every live step's files instead of checking sizes
@@ -367,7 +371,7 @@ def run_fsck(*, catalog: Catalog, scan: Scan, repair: bool = False, checksums: b
     """
     return Fsck(catalog=catalog, scan=scan, repair=repair, checksums=checksums, actor=actor,
                 progress=progress, elsewhere=elsewhere, copy_only=copy_only, superseded=superseded,
-                copy_at=copy_at).run()
+                copy_at=copy_at, theirs=theirs).run()
 
 
 # FsckReport, Problem, REPAIRS, REPORTED, iter_lines: verdicts' names, re-exported

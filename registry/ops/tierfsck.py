@@ -382,9 +382,12 @@ def run_tier_fsck(*, catalog: Catalog, tiers: Tiers, scan: Scan, aside: Aside, r
     condemned = tier.condemned()
     # the fast root's checks leave these alone: this pass reports them, never as damage to the step
     skip = set(superseded) | {key for key, (_copy, own) in condemned.items() if own}
+    # a copy's removal killed after its rename: the retired directory is that copy's unfinished deletion
+    retired = {path for left in unfinished_here(tiers, [c for c, *_ in tier._before]) for path in left.paths
+               if parse_hidden(path.name) is not None}
     fast = run_fsck(catalog=catalog, scan=scan, repair=repair, checksums=checksums, actor=actor,
                     progress=progress, elsewhere=tier.elsewhere(), superseded=skip, copy_only=tier.copy_only,
-                    copy_at=tiers.location)
+                    copy_at=tiers.location, theirs=retired)
     tier.condemned_copies(condemned)
     tier.older_payloads(superseded)
     tier.downloads()
