@@ -174,7 +174,8 @@ def publish_then_die(url: str, root: str, durable: str | None, env: dict[str, st
     """The body of a writer that dies at a crash point (run in a child process, see ``killed_publishing``):
     publish ``run@1`` (and, on a root with tiers, wait for its durable copy) with no crash point armed, then arm
     ``env["REGISTRY_CRASH_AT"]`` and publish ``run@2``, waiting for its durable copy too: the point is on one of
-    the two paths, and the process SIGKILLs itself there. Returns only when the point was never reached."""
+    the two paths, and the process SIGKILLs itself there. Returns only when the point was never reached. With
+    ``env["OVERWRITE"]``, ``run@2`` is published first unarmed and the armed publish overwrites it (state 22)."""
     from registry.crashpoints import arm
     from tests.helpers import make_state
     os.environ.update(env)  # a forkserver's child inherits the server's environment, not the test's of the moment
@@ -183,21 +184,27 @@ def publish_then_die(url: str, root: str, durable: str | None, env: dict[str, st
         reg.publish("run", 1, make_state(1))
         if reg.root.can.tiers:
             reg.wait_durable("run", 1, timeout=60)
+        overwrite = bool(env.get("OVERWRITE"))
+        if overwrite:
+            reg.publish("run", 2, make_state(2))
+            if reg.root.can.tiers:
+                reg.wait_durable("run", 2, timeout=60)
         arm(env["REGISTRY_CRASH_AT"])
-        reg.publish("run", 2, make_state(2))
+        reg.publish("run", 2, make_state(22 if overwrite else 2), overwrite=overwrite)
         if reg.root.can.tiers:
             reg.wait_durable("run", 2, timeout=60)
 
 
-def killed_publishing(kind: Kind, point: str) -> int | None:
+def killed_publishing(kind: Kind, point: str, *, overwrite: bool = False) -> int | None:
     """Run :func:`publish_then_die` on ``kind`` in a child process with ``REGISTRY_CRASH_AT=point``; its exit code
-    (``-SIGKILL`` when it died there). On PostgreSQL, returns once the dead child's sessions are gone."""
+    (``-SIGKILL`` when it died there); ``overwrite``: the armed publish overwrites a committed ``run@2``. On
+    PostgreSQL, returns once the dead child's sessions are gone."""
     from tests import killharness
     from tests.helpers import child_env
     ctx = killharness.context()  # forked from a server that imported torch and the registry once
     proc = ctx.Process(target=publish_then_die, daemon=True,
                        args=(killharness.worker_url(kind.url), kind.root, kind.durable,
-                             {**child_env(), "REGISTRY_CRASH_AT": point}))
+                             {**child_env(), "REGISTRY_CRASH_AT": point, **({"OVERWRITE": "1"} if overwrite else {})}))
     proc.start()
     proc.join(120)
     if proc.exitcode is None:
