@@ -152,8 +152,8 @@ class Fsck(FsckPass):
         payload = found.payload()
         if payload is None:
             older = found.older(digest=row.manifest_sha256 if row is not None else None,
-                                claim=row is not None and row.status == Status.STAGING)
-            if older is not None and older[0].path not in self.theirs:
+                                claim=row is not None and row.status == Status.STAGING, theirs=self.theirs)
+            if older is not None:
                 old, how = older
                 p = self._found("interrupted-overwrite", run, step, old.path, how, row=row, url=old.url)
                 if p is None:
@@ -170,7 +170,8 @@ class Fsck(FsckPass):
                 else:
                     payload = old  # judge the row by what a repair would restore
         if row is None or row.status == Status.FAILED:
-            self._unregistered(run, step, row, found.adoptable(failed=row is not None))
+            self._unregistered(run, step, row, [c for c in found.adoptable(failed=row is not None)
+                                                if c.path not in self.theirs])
         elif row.status == Status.STAGING:
             self._dead_staging(row, payload, found)
         elif row.status == Status.CORRUPT:

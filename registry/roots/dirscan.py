@@ -16,7 +16,7 @@ import errno
 import functools
 import os
 import stat
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -162,10 +162,11 @@ class DirectoryStep:
     def present(self) -> bool:
         return is_dir(self.where)
 
-    def older(self, *, digest: str | None, claim: bool) -> tuple[Stored, str] | None:
-        if self.final is not None or not self.retired:
+    def older(self, *, digest: str | None, claim: bool, theirs: Collection[Path] = ()) -> tuple[Stored, str] | None:
+        retired = [p for p in self.retired if p not in theirs]
+        if self.final is not None or not retired:
             return None
-        self.chosen = _newest(self.retired)
+        self.chosen = _newest(retired)
         return (StoredDirectory(self.root, self.chosen),
                 "a retired payload and no final directory: crash between the two renames")
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -124,13 +124,13 @@ class ObjectStep:
     def present(self) -> bool:
         return self.rel is not None and self.objects.head(f"{self.rel}/{MANIFEST}") is not None
 
-    def older(self, *, digest: str | None, claim: bool) -> tuple[Stored, str] | None:
+    def older(self, *, digest: str | None, claim: bool, theirs: Collection[Path] = ()) -> tuple[Stored, str] | None:
         """An overwrite killed before its commit: the old payload, found by the digest the claim kept (a claim
         leaves the row's digest as it was), whole."""
         if not claim or digest is None:
             return None
         for old in self.listed.prefixes:
-            if old.prefix == self.rel or not old.has_manifest:
+            if old.prefix == self.rel or not old.has_manifest or Path(old.prefix) in theirs:
                 continue
             stored = StoredPrefix(self.objects, old)
             if stored.digest() != digest or stored.check(checksums=True).valid is None:

@@ -21,7 +21,7 @@ told to; whether a row still names a thing is the judge's to ask.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -110,10 +110,10 @@ class StepFound(Protocol):
     def present(self) -> bool:
         """Whether a payload is at the step's path now (looked at again, not from the listing)."""
 
-    def older(self, *, digest: str | None, claim: bool) -> tuple[Stored, str] | None:
+    def older(self, *, digest: str | None, claim: bool, theirs: Collection[Path] = ()) -> tuple[Stored, str] | None:
         """With nothing at the step's path: an older payload of the step that an interrupted overwrite left, and
         how to say so; or None. ``digest``: the manifest sha256 the row records; ``claim``: the row is a dead
-        writer's claim."""
+        writer's claim; ``theirs``: places another pass judges (never one of them)."""
 
     def restore(self, old: Stored) -> Stored:
         """Put ``old`` back as the step's payload; returns it where it is then. Raises ``OSError``."""
