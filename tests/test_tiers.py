@@ -628,6 +628,29 @@ def test_gc_dry_run_shows_the_plan_per_tier(migrated_url: str, fast: Path, durab
     assert "(fast tier)" in out.output and "(durable tier)" in out.output and "DELETE" in out.output
 
 
+def test_gc_json_on_tiers_says_what_it_did(migrated_url: str, fast: Path, durable: str) -> None:
+    """As plain ``gc --json``: the plans, then the chosen tier's result (None for a dry run), so a script can tell
+    what was deleted, skipped or failed."""
+    import json
+
+    from click.testing import CliRunner
+
+    from registry.cli import main
+    with Registry.open(migrated_url, root=fast, durable=durable) as reg:
+        for step in (1, 2, 3):
+            reg.publish("run", step, make_state(step), durable=True)
+    args = ["--url", migrated_url, "--root", str(fast), "--durable", durable, "gc", "run", "--keep-last", "1",
+            "--tier", "fast", "--json"]
+    dry = json.loads(CliRunner().invoke(main, [*args, "--dry-run"], catch_exceptions=False).output)
+    assert dry["dry_run"] and dry["result"] is None and dry["executed"] == "fast"
+    assert [d["step"] for d in dry["tiers"][0]["decisions"] if d["action"] == "delete"] == [1, 2]
+    out = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert out.exit_code == 0, out.output
+    doc = json.loads(out.output)
+    assert doc["result"]["tier"] == "fast" and doc["result"]["deleted"] == [1, 2] and not doc["result"]["errors"]
+    assert doc["result"]["ended"] == [] and doc["result"]["bytes_freed"] > 0
+
+
 # --------------------------------------------------------------------------- faults
 
 

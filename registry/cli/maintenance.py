@@ -176,7 +176,7 @@ def gc(state: State, run: str, keep_last: int | None, keep_best: tuple[str, ...]
                                "or --policy (gc never guesses)")
     reg = state.registry()
     if reg.root.can.tiers:
-        tier_gc(reg, run, policy, tier=tier, force=force, allow_missing_metric=allow_missing_metric,
+        tier_gc(state, reg, run, policy, tier=tier, force=force, allow_missing_metric=allow_missing_metric,
                 keep_fork_parents=not release_fork_parents, dry_run=dry_run, yes=yes, as_json=as_json)
         return
     if tier is not None or force:
@@ -218,17 +218,14 @@ def gc(state: State, run: str, keep_last: int | None, keep_best: tuple[str, ...]
         sys.exit(1)
 
 
-def tier_gc(reg: Any, run: str, policy: Any, *, tier: str | None, force: bool, allow_missing_metric: bool,
-            keep_fork_parents: bool, dry_run: bool, yes: bool, as_json: bool) -> None:
+def tier_gc(state: State, reg: Any, run: str, policy: Any, *, tier: str | None, force: bool,
+            allow_missing_metric: bool, keep_fork_parents: bool, dry_run: bool, yes: bool, as_json: bool) -> None:
     """``gc`` on a root with a durable tier: the plan of each tier shown, the policy's tier executed."""
     chosen = tier or "fast"
     plans = {t: reg.plan_tier_retention(run, policy, tier=t, force=force, allow_missing_metrics=allow_missing_metric,
                                         keep_fork_parents=keep_fork_parents)
              for t in ((chosen,) if tier is not None else ("fast", "durable"))}
-    if as_json:
-        emit_json({"run": run, "tiers": [p.to_json() for p in plans.values()], "dry_run": dry_run,
-                   "executed": chosen})
-    else:
+    if not as_json:
         for name, plan in plans.items():
             shown = "" if name == chosen else " (shown only: pass --tier durable to apply)"
             click.echo(f"{run} ({name} tier): {policy!r}{shown}")
@@ -236,13 +233,17 @@ def tier_gc(reg: Any, run: str, policy: Any, *, tier: str | None, force: bool, a
                   [[d.step, (d.action.upper() if d.action == "delete" else d.action)
                     + (" (last copy)" if d.ends_step else ""), human_bytes(d.total_bytes), "; ".join(d.reasons)]
                    for d in plan.decisions])
-    if dry_run:
-        return
     plan = plans[chosen]
-    if plan.delete and not (yes or as_json) and stdin_is_terminal() and not click.confirm(
+    if not dry_run and plan.delete and not (yes or as_json) and stdin_is_terminal() and not click.confirm(
             f"delete {plural(len(plan.delete), 'copy', 'copies')} on the {chosen} tier?", default=False):
         fail("nothing deleted")
-    result = plan.execute()
+    with state.progress(as_json) as bar:
+        result = None if dry_run else plan.execute(progress=bar)
+    if as_json:  # as plain gc's: the plans, then what executing the chosen one did (None for a dry run)
+        emit_json({"run": run, "tiers": [p.to_json() for p in plans.values()], "dry_run": dry_run,
+                   "executed": chosen, "result": result.to_json() if result is not None else None})
+    if result is None:
+        return
     if not as_json:
         click.echo(f"deleted {len(result.deleted)} {chosen} copies ({human_bytes(result.bytes_freed)}), "
                    f"ended {plural(len(result.ended), 'step')}"

@@ -61,6 +61,7 @@ from registry.ops.checkouts import reclaim as reclaim_checkouts
 from registry.ops.protocol import restore_fallback
 from registry.ops.retention import guard_fallback, plan_options, protections, still_doomed, with_bases
 from registry.ops.tiers import Tiers
+from registry.progress import Counter, ProgressFn
 from registry.records import Status
 from registry.retention import Policy, RetentionContext, evaluate
 from registry.roots.aside import Aside
@@ -106,6 +107,12 @@ class TierResult:
     healed: tuple[int, ...] = ()
     checkouts_removed: tuple[Path, ...] = ()
 
+    def to_json(self) -> dict[str, Any]:
+        return {"tier": self.tier, "deleted": list(self.deleted), "ended": list(self.ended),
+                "skipped": {str(k): v for k, v in self.skipped.items()}, "bytes_freed": self.bytes_freed,
+                "healed": list(self.healed), "errors": {str(k): v for k, v in self.errors.items()},
+                "checkouts_removed": [str(p) for p in self.checkouts_removed]}
+
 
 @dataclass(frozen=True, kw_only=True)
 class TierPlan:
@@ -140,8 +147,10 @@ class TierPlan:
         return {"run": self.run, "tier": self.tier, "decisions": [d.to_json() for d in self.decisions],
                 "bytes_freed": self.bytes_freed}
 
-    def execute(self) -> TierResult:
-        return _execute(self)
+    def execute(self, progress: ProgressFn | None = None) -> TierResult:
+        """Delete what the plan deletes, each copy checked again first (see the module's docstring); ``progress``
+        hears of each copy as it goes, as plain retention's does."""
+        return _execute(self, progress)
 
 
 @dataclass(frozen=True)
@@ -391,7 +400,7 @@ def _removals(plan: TierPlan, d: TierDecision, ended: DeletedRow | None,
     return found
 
 
-def _execute(plan: TierPlan) -> TierResult:
+def _execute(plan: TierPlan, progress: ProgressFn | None = None) -> TierResult:
     healed, errors = finish_interrupted(plan.tiers, plan.catalog, plan.run, tier=plan.tier)
     # then, as on a plain root: an expired checkout made of hard links would keep a deleted step's bytes on disk
     reclaimed = reclaim_checkouts(plan.catalog, plan.tiers.fast.root, run=plan.run)
@@ -437,36 +446,41 @@ def _execute(plan: TierPlan) -> TierResult:
     digests = {c.step: c.manifest_sha256 for c in snap.checkpoints}
     # a copy the policy deletes alone: the same check, then compare-and-set on the step's copies (copy_deleted)
     _, changed = recheck(snap, {d.step: "" for d in doomed if not d.ends_step and not d.condemned})
+    counter = Counter(progress, task="gc", total=len(doomed), unit="copies")
     for d in doomed:
-        row = ended.get(d.step) if d.ends_step else None
-        if d.ends_step:
-            if row is None:
-                skipped[d.step] = not_ended.get(d.step, "changed since the plan")
-                continue
-            # a copy with no row yet (a step published before its copies were recorded) is recorded deleted
-            replicas.copy_deleted(plan.run, d.step, location=d.location, path=d.path,
-                                  manifest_sha256=row.manifest_sha256, require=None, actor=plan.actor)
-        elif not d.condemned and d.step in changed:
-            skipped[d.step] = changed[d.step]
-            continue
-        else:
-            disposable = d.condemned or d.location == plan.tiers.cache_location
-            why = replicas.copy_deleted(plan.run, d.step, location=d.location, path=d.path,
-                                        manifest_sha256=digests.get(d.step), require=None if disposable else other,
-                                        actor=plan.actor, condemned=d.condemned)
-            if why is not None:
-                skipped[d.step] = why
-                continue
-            crashpoint("gc-after-mark")  # the copy marked deleted, its bytes still in place
-        digest = row.manifest_sha256 if row is not None else digests.get(d.step)
+        counter.advance(0, item=f"{plan.run}@{d.step}")
         try:
-            for durable, path, held in _removals(plan, d, row, digest):
-                _remove(plan.tiers, durable, path, held)
-        except (OSError, StorageError) as exc:
-            errors[d.step] = f"cannot remove {d.path}: {exc}"
-            continue
-        deleted.append(d.step)
-        freed += d.total_bytes
+            row = ended.get(d.step) if d.ends_step else None
+            if d.ends_step:
+                if row is None:
+                    skipped[d.step] = not_ended.get(d.step, "changed since the plan")
+                    continue
+                # a copy with no row yet (a step published before its copies were recorded) is recorded deleted
+                replicas.copy_deleted(plan.run, d.step, location=d.location, path=d.path,
+                                      manifest_sha256=row.manifest_sha256, require=None, actor=plan.actor)
+            elif not d.condemned and d.step in changed:
+                skipped[d.step] = changed[d.step]
+                continue
+            else:
+                disposable = d.condemned or d.location == plan.tiers.cache_location
+                why = replicas.copy_deleted(plan.run, d.step, location=d.location, path=d.path,
+                                            manifest_sha256=digests.get(d.step), require=None if disposable else other,
+                                            actor=plan.actor, condemned=d.condemned)
+                if why is not None:
+                    skipped[d.step] = why
+                    continue
+                crashpoint("gc-after-mark")  # the copy marked deleted, its bytes still in place
+            digest = row.manifest_sha256 if row is not None else digests.get(d.step)
+            try:
+                for durable, path, held in _removals(plan, d, row, digest):
+                    _remove(plan.tiers, durable, path, held)
+            except (OSError, StorageError) as exc:
+                errors[d.step] = f"cannot remove {d.path}: {exc}"
+                continue
+            deleted.append(d.step)
+            freed += d.total_bytes
+        finally:
+            counter.advance(1, item=f"{plan.run}@{d.step}")
     for rel in sorted({f for row in ended.values() for f in row.folds}):
         try:  # one left behind is fsck's orphan
             plan.aside.delete(rel)
