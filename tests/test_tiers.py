@@ -332,8 +332,11 @@ def test_a_download_evicts_the_cached_copies_no_load_reads_again(migrated_url: s
             assert (host_b / cache_relpath(new)).is_dir()
 
 
+@pytest.mark.parametrize("point", ["cache-evict-after-mark", "gc-after-retire"])
 def test_a_kill_mid_eviction_leaves_a_marked_copy_fsck_removes(migrated_url: str, durable: str,
-                                                                tmp_path: Path) -> None:
+                                                                tmp_path: Path, point: str) -> None:
+    """Killed after the mark (the copy's directory still in place) or after the rename (a retired sibling holds
+    it): fsck names the leftover once, as the unfinished deletion of the copy marked deleted, and removes it."""
     from registry.ops.tiercache import cache_relpath
     host_a, host_b = tmp_path / "host-a", tmp_path / "host-b"
     with Registry.open(migrated_url, root=host_a, durable=durable) as a:
@@ -343,14 +346,18 @@ def test_a_kill_mid_eviction_leaves_a_marked_copy_fsck_removes(migrated_url: str
         a.publish("run", 1, {"w": torch.arange(11.0)}, overwrite=True, durable=True)
         a.publish("run", 2, {"w": torch.arange(12.0)}, durable=True)
     code, out = run_child(load_latest, migrated_url, str(host_b), durable, str(tmp_path / "o.json"),
-                          log=tmp_path / "child.log", env={"REGISTRY_CRASH_AT": "cache-evict-after-mark"})
+                          log=tmp_path / "child.log", env={"REGISTRY_CRASH_AT": point})
     assert code == -signal.SIGKILL, out
     stale = host_b / cache_relpath(old)
-    assert stale.is_dir()  # its row says deleted: the kill came between the mark and the removal
+    left = [stale] if point == "cache-evict-after-mark" else [
+        p for p in stale.parent.iterdir() if p.name.startswith(f".{stale.name}.retired-")]
+    assert len(left) == 1 and left[0].is_dir()  # its row says deleted: the kill came before the removal
     with Registry.open(migrated_url, root=host_b, durable=durable) as b:
         report = b.fsck()
-        assert [(p.kind, p.step, p.path) for p in report.problems] == [("unfinished-copy-deletion", 1, stale)]
-        assert b.fsck(repair=True).repaired and not stale.exists() and b.fsck().clean
+        assert [(p.kind, p.step, p.path) for p in report.problems] == [("unfinished-copy-deletion", 1, left[0])]
+        repaired = b.fsck(repair=True)
+        assert repaired.repaired and not repaired.failures, repaired.to_json()
+        assert not left[0].exists() and b.fsck().clean
         assert torch.equal(b.load("run@1").state_dict["w"], torch.arange(11.0))
 
 

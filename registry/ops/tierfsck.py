@@ -85,6 +85,7 @@ class TierFsck(FsckPass):
         self._before = self.replicas.snapshot()
         self.replicator = replicator
         self.requeued = False
+        self._left: list[LeftCopy] | None = None
 
     def elsewhere(self) -> set[tuple[str, int]]:
         """The live steps with a good copy of their payload somewhere other than this fast root's step
@@ -179,13 +180,22 @@ class TierFsck(FsckPass):
                                          actor=self.actor, reason="an older payload of the step")
         return True
 
+    def left_copies(self) -> list[LeftCopy]:
+        """This host's copies marked deleted whose payload is still on disk, as the snapshot before the checks
+        saw them (:func:`registry.ops.tierretention.unfinished_here`), read once."""
+        if self._left is None:
+            self._left = unfinished_here(self.tiers, [c for c, *_ in self._before])
+        return self._left
+
     def downloads(self) -> None:
         for staging, step, cached in abandoned_downloads(self.tiers):
             p = self._found("abandoned-download", cached.parent.name, step, staging,
                             f"a download into this host's cache that no process is making (for {cached.name})")
             self._fix(p, functools.partial(remove_abandoned_download, staging, cached))
-        marked = {self.tiers.fast.root / c.path for c, *_ in self._before  # unfinished-copy-deletion's to finish
+        # unfinished-copy-deletion's to finish: a copy marked deleted, its directory or a retired sibling of it
+        marked = {self.tiers.fast.root / c.path for c, *_ in self._before
                   if c.location == self.tiers.cache_location and c.status == "deleted"}
+        marked |= {path for left in self.left_copies() for path in left.paths}
         for run, step, cached in stale_cached_copies(self.tiers, self.catalog):
             if cached in marked:
                 continue
@@ -286,7 +296,7 @@ class TierFsck(FsckPass):
         # an ended step's own directory is the judge's unfinished-deletion (gc's own finishing)
         ended = {(c.run, c.step, c.path) for c, status, _digest, path in self._before
                  if status not in LIVE and c.path == path}
-        for left in unfinished_here(self.tiers, [c for c, *_ in self._before]):
+        for left in self.left_copies():
             copy, where = left.copy, left.paths[0]
             if (copy.run, copy.step, copy.path) in ended:
                 continue
@@ -383,8 +393,7 @@ def run_tier_fsck(*, catalog: Catalog, tiers: Tiers, scan: Scan, aside: Aside, r
     # the fast root's checks leave these alone: this pass reports them, never as damage to the step
     skip = set(superseded) | {key for key, (_copy, own) in condemned.items() if own}
     # a copy's removal killed after its rename: the retired directory is that copy's unfinished deletion
-    retired = {path for left in unfinished_here(tiers, [c for c, *_ in tier._before]) for path in left.paths
-               if parse_hidden(path.name) is not None}
+    retired = {path for left in tier.left_copies() for path in left.paths if parse_hidden(path.name) is not None}
     fast = run_fsck(catalog=catalog, scan=scan, repair=repair, checksums=checksums, actor=actor,
                     progress=progress, elsewhere=tier.elsewhere(), superseded=skip, copy_only=tier.copy_only,
                     copy_at=tiers.location, theirs=retired)
