@@ -350,21 +350,26 @@ def retain_then_die(url: str, fast: str, durable: str, env: dict[str, str], tier
         reg.plan_tier_retention("run", KeepLast(1), tier=tier).execute()
 
 
-@pytest.mark.parametrize("point", ["gc-after-mark", "gc-after-retire"])
-@pytest.mark.parametrize("tier", ["fast", "durable"])
-def test_a_tier_retention_killed_at_a_crash_point_loses_nothing_and_fsck_finishes_it(
-        migrated_url: str, fast: Path, durable: str, tier: str, point: str) -> None:
+def killed_retaining(url: str, fast: Path, durable: str, tier: str, point: str) -> None:
+    """:func:`retain_then_die` in a child, SIGKILLed at ``point``; returns once its catalog sessions are gone."""
     from tests import killharness
     from tests.helpers import child_env
     proc = killharness.context().Process(
         target=retain_then_die, daemon=True,
-        args=(killharness.worker_url(migrated_url), str(fast), durable, {**child_env(), "REGISTRY_CRASH_AT": point},
-              tier))
+        args=(killharness.worker_url(url), str(fast), durable, {**child_env(), "REGISTRY_CRASH_AT": point}, tier))
     proc.start()
     proc.join(120)
     assert proc.exitcode == -9, f"the retention to be killed at {point} ended with {proc.exitcode}"
-    with Registry.open(migrated_url, root=fast, durable=durable) as reg:
+    with Registry.open(url, root=fast, durable=durable) as reg:
         killharness.settle(reg)
+
+
+@pytest.mark.parametrize("point", ["gc-after-mark", "gc-after-retire"])
+@pytest.mark.parametrize("tier", ["fast", "durable"])
+def test_a_tier_retention_killed_at_a_crash_point_loses_nothing_and_fsck_finishes_it(
+        migrated_url: str, fast: Path, durable: str, tier: str, point: str) -> None:
+    killed_retaining(migrated_url, fast, durable, tier, point)
+    with Registry.open(migrated_url, root=fast, durable=durable) as reg:
         # a copy going alone leaves its step live; the durable tier's ends steps 1 and 2 in one transaction
         live = [i.step for i in reg.checkpoints("run")]
         assert live == ([1, 2, 3] if tier == "fast" else [3]), live
@@ -385,17 +390,8 @@ def test_the_next_retention_on_a_tier_finishes_a_killed_one(migrated_url: str, f
                                                            point: str) -> None:
     """As on a plain root, the next gc finishes what a killed one marked (no fsck needed): the copy it marked
     deleted, or the steps it ended, leave no bytes behind, and fsck is clean after it."""
-    from tests import killharness
-    from tests.helpers import child_env
-    proc = killharness.context().Process(
-        target=retain_then_die, daemon=True,
-        args=(killharness.worker_url(migrated_url), str(fast), durable, {**child_env(), "REGISTRY_CRASH_AT": point},
-              tier))
-    proc.start()
-    proc.join(120)
-    assert proc.exitcode == -9, f"the retention to be killed at {point} ended with {proc.exitcode}"
+    killed_retaining(migrated_url, fast, durable, tier, point)
     with Registry.open(migrated_url, root=fast, durable=durable) as reg:
-        killharness.settle(reg)
         assert not reg.fsck().clean  # the killed one left bytes of what it marked
         result = reg.plan_tier_retention("run", KeepLast(1), tier=tier).execute()
         assert result.healed and not result.errors, result
