@@ -20,7 +20,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, overload
+from typing import TYPE_CHECKING, Any, Literal, TypedDict, overload
 
 from registry.ops.background import BackgroundPublisher
 from registry.catalog import Catalog, CommitRecord, PayloadRecord
@@ -41,6 +41,7 @@ from registry.fs.validation import (check_count, check_flags, check_full_every, 
                                      check_metrics, check_tags, check_timeout, checked_payload)
 
 if TYPE_CHECKING:  # and what only some methods use, imported there: a CLI listing never loads or publishes
+    from typing_extensions import Unpack  # typing's from Python 3.11; only the type checker reads it here
     from registry.fs.payloadfiles import Payload, Written
     from registry.fs.snapshot import Snapshotter
     from registry.checkpoint import Checkpoint
@@ -102,6 +103,33 @@ def _bound_catalog(url: str, root: Root, *, migrate: bool, create: bool, read_on
             catalog.close()
         raise
     return catalog
+
+
+class PublishOptions(TypedDict, total=False):
+    """The keyword options of :meth:`Registry.publish` besides ``blocking``, typed once: its overloads differ only
+    in what ``blocking`` makes it return (``tests/test_publish_signature.py`` keeps this the implementation's)."""
+
+    extra: Mapping[str, Any] | None
+    config: Mapping[str, Any] | None
+    meta: Mapping[str, Any] | None
+    metrics: Mapping[str, Any] | None
+    epoch: int
+    consumed_samples: int
+    policy_version: int | None
+    optimizer_step: int | None
+    tags: Iterable[str]
+    overwrite: bool
+    verify: bool
+    max_shard_size: int | None
+    retention: Policy | None
+    trust_pickle: bool
+    parent: str | Ref | None
+    sharded: bool
+    group: Any
+    timeout: float | None
+    dedup: bool | None
+    durable: bool
+    delta: bool | Literal["auto"] | None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -421,41 +449,15 @@ class Registry:
 
     @overload
     def publish(self, run: str, step: int, state_dict: Mapping[str, torch.Tensor], *,
-                extra: Mapping[str, Any] | None = None, config: Mapping[str, Any] | None = None,
-                meta: Mapping[str, Any] | None = None, metrics: Mapping[str, Any] | None = None,
-                epoch: int = 0, consumed_samples: int = 0, policy_version: int | None = None,
-                optimizer_step: int | None = None, tags: Iterable[str] = (), overwrite: bool = False,
-                verify: bool = True, max_shard_size: int | None = None,
-                retention: Policy | None = None, blocking: Literal[True] = True,
-                trust_pickle: bool = False, parent: str | Ref | None = None, sharded: bool = False,
-                group: Any = None, timeout: float | None = None, dedup: bool | None = None,
-                durable: bool = False, delta: bool | Literal["auto"] | None = None) -> CheckpointInfo: ...
+                blocking: Literal[True] = True, **options: Unpack[PublishOptions]) -> CheckpointInfo: ...
 
     @overload
     def publish(self, run: str, step: int, state_dict: Mapping[str, torch.Tensor], *,
-                extra: Mapping[str, Any] | None = None, config: Mapping[str, Any] | None = None,
-                meta: Mapping[str, Any] | None = None, metrics: Mapping[str, Any] | None = None,
-                epoch: int = 0, consumed_samples: int = 0, policy_version: int | None = None,
-                optimizer_step: int | None = None, tags: Iterable[str] = (), overwrite: bool = False,
-                verify: bool = True, max_shard_size: int | None = None,
-                retention: Policy | None = None, blocking: Literal[False],
-                trust_pickle: bool = False, parent: str | Ref | None = None, sharded: bool = False,
-                group: Any = None, timeout: float | None = None,
-                dedup: bool | None = None, durable: bool = False,
-                delta: bool | Literal["auto"] | None = None) -> Future[CheckpointInfo]: ...
+                blocking: Literal[False], **options: Unpack[PublishOptions]) -> Future[CheckpointInfo]: ...
 
     @overload
     def publish(self, run: str, step: int, state_dict: Mapping[str, torch.Tensor], *,
-                extra: Mapping[str, Any] | None = None, config: Mapping[str, Any] | None = None,
-                meta: Mapping[str, Any] | None = None, metrics: Mapping[str, Any] | None = None,
-                epoch: int = 0, consumed_samples: int = 0, policy_version: int | None = None,
-                optimizer_step: int | None = None, tags: Iterable[str] = (), overwrite: bool = False,
-                verify: bool = True, max_shard_size: int | None = None,
-                retention: Policy | None = None, blocking: bool,
-                trust_pickle: bool = False, parent: str | Ref | None = None, sharded: bool = False,
-                group: Any = None, timeout: float | None = None,
-                dedup: bool | None = None, durable: bool = False,
-                delta: bool | Literal["auto"] | None = None) -> CheckpointInfo | Future[CheckpointInfo]: ...
+                blocking: bool, **options: Unpack[PublishOptions]) -> CheckpointInfo | Future[CheckpointInfo]: ...
 
     def publish(self, run: str, step: int, state_dict: Mapping[str, torch.Tensor], *,
                 extra: Mapping[str, Any] | None = None, config: Mapping[str, Any] | None = None,
@@ -1670,4 +1672,4 @@ class Registry:
         return f"Registry(url={safe_url(self.catalog.engine.url)!r}, root={self.root_url!r})"
 
 
-__all__ = ["Registry", "RegistryError", "step_dirname"]
+__all__ = ["PublishOptions", "Registry", "RegistryError", "step_dirname"]
