@@ -216,6 +216,49 @@ def killed_publishing(kind: Kind, point: str, *, overwrite: bool = False) -> int
     return proc.exitcode
 
 
+def retain(reg: Registry, run: str, keep: int) -> list[Any]:
+    """``KeepLast(keep)`` on ``run`` as each kind applies it: once on a plain root; on a root with tiers the
+    durable tier first, then the fast one (whose deletion of a step's last copy ends the step). The results."""
+    from registry.retention import KeepLast
+    if reg.root.can.tiers:
+        return [reg.plan_tier_retention(run, KeepLast(keep), tier=tier).execute() for tier in ("durable", "fast")]
+    return [reg.apply_retention(run, KeepLast(keep))]
+
+
+def retain_then_die(url: str, root: str, durable: str | None, env: dict[str, str]) -> None:
+    """In a child (see ``killed_retaining``): publish ``run@1..4`` (durable too, on a root with tiers), then arm
+    ``env["REGISTRY_CRASH_AT"]`` and apply :func:`retain` with ``KeepLast(2)``; it SIGKILLs itself at the point."""
+    from registry.crashpoints import arm
+    from tests.helpers import make_state
+    os.environ.update(env)  # a forkserver's child inherits the server's environment, not the test's of the moment
+    arm(None)
+    with Registry.open(url, root=root, durable=durable) as reg:
+        for step in (1, 2, 3, 4):
+            reg.publish("run", step, make_state(step))
+        settle(reg, "run")
+        arm(env["REGISTRY_CRASH_AT"])
+        retain(reg, "run", 2)
+
+
+def killed_retaining(kind: Kind, point: str) -> int | None:
+    """Run :func:`retain_then_die` on ``kind`` in a child process with ``REGISTRY_CRASH_AT=point``; its exit code.
+    On PostgreSQL, returns once the dead child's sessions are gone."""
+    from tests import killharness
+    from tests.helpers import child_env
+    proc = killharness.context().Process(target=retain_then_die, daemon=True,
+                                         args=(killharness.worker_url(kind.url), kind.root, kind.durable,
+                                               {**child_env(), "REGISTRY_CRASH_AT": point}))
+    proc.start()
+    proc.join(120)
+    if proc.exitcode is None:
+        proc.kill()
+        proc.join()
+        pytest.fail(f"the retention to be killed at {point} hung")
+    with kind.open() as reg:
+        killharness.settle(reg)
+    return proc.exitcode
+
+
 @contextmanager
 def failing_weights_write(reg: Registry, monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
     """On a root with a local directory (a directory root, a tiered root's fast tier): every ``os.write`` into a

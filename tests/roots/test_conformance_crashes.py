@@ -18,12 +18,13 @@ from typing import Any
 import pytest
 
 from registry import Registry
+from registry.format.layout import step_dirname
 from registry.errors import CheckpointNotFoundError, CheckpointReadError, StorageError
 from registry.records import Status
 from tests import s3proxy
 from tests.helpers import assert_state_equal, make_state
-from tests.roots.kinds import (WEIGHTS, Kind, copies, failing_reads, killed_publishing, one_line_registry_error,
-                               orphans, settle)
+from tests.roots.kinds import (WEIGHTS, Kind, copies, failing_reads, killed_publishing, killed_retaining,
+                               one_line_registry_error, orphans, retain, settle, stored)
 
 LIVE = (Status.PUBLISHED, Status.VERIFIED)
 PUBLISH_POINTS = ("after-claim", "after-write", "after-rename", "after-commit")
@@ -133,6 +134,30 @@ def test_an_overwrite_killed_at_a_crash_point_leaves_the_old_payload_or_the_new_
         assert_state_equal(reg.load("run@2").state_dict, make_state(23))
         settle(reg, "run")
         assert orphans(reg, "run") == [] and reg.fsck(checksums=True).clean
+
+
+@pytest.mark.parametrize("point", ["gc-after-mark", "gc-after-retire"])
+def test_a_retention_killed_at_a_crash_point_is_finished_by_the_next_one(kind: Kind, point: str) -> None:
+    """Every kind keeps plain retention's promise: a retention killed after its mark, or after its first removal
+    began, loses no step it keeps (each loads whole before any repair), and the next retention finishes what the
+    killed one marked, with no fsck: nothing of the deleted step is left in storage, nothing is orphaned, and
+    fsck is clean."""
+    code = killed_retaining(kind, point)
+    assert code == -signal.SIGKILL, f"the retention was not killed at {point} (exit code {code})"
+    with kind.open() as reg:
+        for step in (3, 4):  # what KeepLast(2) keeps, whole before any repair
+            assert_state_equal(reg.load(f"run@{step}").state_dict, make_state(step))
+        results = retain(reg, "run", 2)
+        assert not any(r.errors for r in results), results
+        assert any(r.healed for r in results), results  # the killed one's mark was finished, not redone
+        assert [i.step for i in reg.checkpoints("run")] == [3, 4]
+        for step in (3, 4):
+            assert_state_equal(reg.load(f"run@{step}").state_dict, make_state(step))
+        left = [name for name, _size in stored(reg) if not any(f"/{step_dirname(s)}/" in name for s in (3, 4))]
+        assert left == [], left  # nothing of steps 1 and 2, on any tier
+        assert orphans(reg, "run") == []
+        report = reg.fsck(checksums=True)
+        assert report.clean, report.to_json()
 
 
 # --------------------------------------------------------------------------- read faults
