@@ -195,25 +195,31 @@ def publish_then_die(url: str, root: str, durable: str | None, env: dict[str, st
             reg.wait_durable("run", 2, timeout=60)
 
 
-def killed_publishing(kind: Kind, point: str, *, overwrite: bool = False) -> int | None:
-    """Run :func:`publish_then_die` on ``kind`` in a child process with ``REGISTRY_CRASH_AT=point``; its exit code
-    (``-SIGKILL`` when it died there); ``overwrite``: the armed publish overwrites a committed ``run@2``. On
-    PostgreSQL, returns once the dead child's sessions are gone."""
+def killed_at(kind: Kind, target: Any, point: str, *, what: str, env: dict[str, str] | None = None) -> int | None:
+    """Run ``target(url, root, durable, env)`` on ``kind`` in a child process with ``REGISTRY_CRASH_AT=point`` (and
+    ``env``); its exit code (``-SIGKILL`` when it died there). On PostgreSQL, returns once the dead child's sessions
+    are gone. ``what``: how a hang is named."""
     from tests import killharness
     from tests.helpers import child_env
     ctx = killharness.context()  # forked from a server that imported torch and the registry once
-    proc = ctx.Process(target=publish_then_die, daemon=True,
+    proc = ctx.Process(target=target, daemon=True,
                        args=(killharness.worker_url(kind.url), kind.root, kind.durable,
-                             {**child_env(), "REGISTRY_CRASH_AT": point, **({"OVERWRITE": "1"} if overwrite else {})}))
+                             {**child_env(), "REGISTRY_CRASH_AT": point, **(env or {})}))
     proc.start()
     proc.join(120)
     if proc.exitcode is None:
         proc.kill()
         proc.join()
-        pytest.fail(f"the writer to be killed at {point} hung")
+        pytest.fail(f"the {what} to be killed at {point} hung")
     with kind.open() as reg:
         killharness.settle(reg)
     return proc.exitcode
+
+
+def killed_publishing(kind: Kind, point: str, *, overwrite: bool = False) -> int | None:
+    """:func:`publish_then_die` killed at ``point`` (:func:`killed_at`); ``overwrite``: the armed publish overwrites
+    a committed ``run@2``."""
+    return killed_at(kind, publish_then_die, point, what="writer", env={"OVERWRITE": "1"} if overwrite else None)
 
 
 def retain(reg: Registry, run: str, keep: int) -> list[Any]:
@@ -241,22 +247,8 @@ def retain_then_die(url: str, root: str, durable: str | None, env: dict[str, str
 
 
 def killed_retaining(kind: Kind, point: str) -> int | None:
-    """Run :func:`retain_then_die` on ``kind`` in a child process with ``REGISTRY_CRASH_AT=point``; its exit code.
-    On PostgreSQL, returns once the dead child's sessions are gone."""
-    from tests import killharness
-    from tests.helpers import child_env
-    proc = killharness.context().Process(target=retain_then_die, daemon=True,
-                                         args=(killharness.worker_url(kind.url), kind.root, kind.durable,
-                                               {**child_env(), "REGISTRY_CRASH_AT": point}))
-    proc.start()
-    proc.join(120)
-    if proc.exitcode is None:
-        proc.kill()
-        proc.join()
-        pytest.fail(f"the retention to be killed at {point} hung")
-    with kind.open() as reg:
-        killharness.settle(reg)
-    return proc.exitcode
+    """:func:`retain_then_die` killed at ``point`` (:func:`killed_at`)."""
+    return killed_at(kind, retain_then_die, point, what="retention")
 
 
 @contextmanager
