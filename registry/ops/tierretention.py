@@ -54,7 +54,7 @@ from registry.catalog.replicas import DURABLE, FAST, ReplicaCatalog, ReplicaInfo
 from registry.catalog.retention import CANDIDATES, DeletedRow, RetentionCatalog, RunSnapshot
 from registry.crashpoints import crashpoint
 from registry.errors import PolicyError, StorageError
-from registry.fs.prefixes import remove_prefix, scan
+from registry.fs.prefixes import remove_prefix
 from registry.format.layout import parse_hidden
 from registry.fs.removal import manifest_digest, remove_checkpoint_dir, remove_tree
 from registry.ops.checkouts import reclaim as reclaim_checkouts
@@ -66,6 +66,7 @@ from registry.records import Status
 from registry.retention import Policy, RetentionContext, evaluate
 from registry.roots.aside import Aside
 from registry.roots.directory import FileRemoval
+from registry.roots.objectstore import ObjectRemoval
 
 log = logging.getLogger(__name__)
 
@@ -344,8 +345,7 @@ def finish_interrupted(tiers: Tiers, catalog: Catalog, run: str, *, tier: Tier) 
     finished as a plain root's next gc finishes it: on the fast tier the directories of the steps it ended
     (:meth:`~registry.roots.directory.FileRemoval.finish`, digest-checked) and this host's copies marked deleted
     (:func:`unfinished_here`); on the durable tier the prefixes of copies marked deleted that are still listed
-    (one listing of the run; a prefix is never reused, so it holds only the payload deleted). Steps healed, and
-    errors."""
+    (:meth:`~registry.roots.objectstore.ObjectRemoval.finish`). Steps healed, and errors."""
     copies = ReplicaCatalog(catalog).replicas(run)
     if not SIDES[tier].durable:
         healed, errors = FileRemoval(tiers.fast.root).finish(run, RetentionCatalog(catalog).deleted_rows(run))
@@ -356,25 +356,9 @@ def finish_interrupted(tiers: Tiers, catalog: Catalog, run: str, *, tier: Tier) 
             except OSError as exc:
                 errors[left.copy.step] = f"cannot remove {left.paths[0]}: {exc.strerror or exc}"
         return healed, errors
-    gone = {c.path: c for c in copies if c.location == DURABLE and c.status == "deleted"}
-    named = {c.path for c in copies if c.location == DURABLE and c.status != "deleted"}
-    if not gone:
-        return set(), {}
-    try:
-        present = scan(tiers.durable, run)
-    except OSError as exc:
-        return set(), {c.step: f"cannot list {tiers.durable.url(run)}: {exc}" for c in gone.values()}
-    healed, errors = set(), {}
-    for path, copy in gone.items():
-        found = present.get(path)
-        if found is None or path in named:
-            continue
-        try:
-            remove_prefix(tiers.durable, path, [e.rel for e in found.entries], point="gc-after-retire")
-            healed.add(copy.step)
-        except OSError as exc:
-            errors[copy.step] = f"cannot delete {tiers.durable.url(path)}: {exc}"
-    return healed, errors
+    # a durable copy is an attempt prefix, never reused: the object store's own finishing (one listing of the run)
+    gone = [c for c in copies if c.location == DURABLE and c.status == "deleted"]
+    return ObjectRemoval(tiers.durable).finish(run, gone)
 
 
 def _remove(tiers: Tiers, durable: bool, path: str, digest: str | None) -> None:
