@@ -1614,7 +1614,7 @@ class Registry:
         if self.root.can.tiers:  # the fast directory as on any root, then the copies on each tier
             from registry.ops.tierfsck import run_tier_fsck
             return run_tier_fsck(catalog=self.catalog, tiers=self._tiers("fsck"), scan=self.root.scan(),
-                                 aside=self.root.aside(), replicator=None if self.read_only else self._replication(),
+                                 replicator=None if self.read_only else self._replication(),
                                  repair=repair, checksums=checksums, actor=self.writer, progress=progress)
         return run_fsck(catalog=self.catalog, scan=self.root.scan(), repair=repair, checksums=checksums,
                         progress=progress, actor=self.writer)

@@ -278,6 +278,34 @@ def test_a_kill_mid_replication_and_the_next_process_finishes_the_queue(
         assert ck.step == 3 and torch.equal(ck.state_dict["w"], torch.full((300_000,), 3.0))
 
 
+@pytest.mark.parametrize(("point", "kind"), [("replicate-after-claim", "abandoned-replication"),
+                                           ("replicate-after-upload", "uncommitted-replication")])
+def test_fsck_judges_a_killed_replication_as_the_one_judge_judges_a_killed_publish(
+        migrated_url: str, fast: Path, durable: str, point: str, kind: str) -> None:
+    """A replication's claim is a publish's claim on the durable tier: killed with its upload whole, it is rolled
+    forward (no second upload); killed before, it is given up, its objects go, and the step is replicated again."""
+    code, out = run_child(publish_three, migrated_url, str(fast), durable, log=fast.parent / "child.log",
+                          env={"REGISTRY_CRASH_AT": point})
+    assert code == -signal.SIGKILL, out
+    with Registry.open(migrated_url, root=fast, durable=durable, create=False) as reg:
+        (claim,) = [r for r in reg.replicas("run") if r.location == DURABLE]
+        assert (claim.step, claim.status) == (1, "pending")
+        report = reg.fsck()
+        assert [(p.kind, p.step) for p in report.problems if p.step == 1] == [(kind, 1)], report.problems
+        repaired = reg.fsck(repair=True)
+        assert kind in {p.kind for p in repaired.repaired}, repaired
+        copies = {r.step: r for r in reg.replicas("run") if r.location == DURABLE}
+        assert sorted(copies) == [1, 2, 3] and {r.status for r in copies.values()} == {"verified"}
+        if kind == "uncommitted-replication":
+            assert copies[1].path == claim.path  # the upload the dead writer finished, recorded as it was
+        manifests = {k.rsplit("/", 1)[0] for k in durable_keys(reg, "run") if k.endswith(MANIFEST)}
+        assert manifests == {r.path for r in copies.values()}
+        assert reg.fsck(checksums=True).clean
+        fresh = fast.parent / "fresh"
+    with Registry.open(migrated_url, root=fresh, durable=durable) as other:
+        assert torch.equal(other.load("run@1").state_dict["w"], torch.full((300_000,), 1.0))
+
+
 def test_a_kill_mid_download_leaves_a_staging_directory_fsck_removes(migrated_url: str, fast: Path, durable: str,
                                                                      tmp_path: Path) -> None:
     from registry.ops.tiercache import abandoned_downloads, cache_relpath, host_lock, lock_path
@@ -527,6 +555,40 @@ def test_fsck_reports_one_tier_steps_and_bad_durable_copies_and_repairs_them(tre
     assert treg.fsck().clean
     for step in (1, 2, 3):
         assert durable_copy(treg, "run", step) is not None
+
+
+def test_fsck_records_a_whole_durable_copy_no_row_names_and_removes_one_of_no_live_payload(
+        migrated_url: str, durable: str, tmp_path: Path) -> None:
+    """A catalog restored from a backup taken before replication knows no durable copy; the bucket holds them.
+    fsck on a host that holds no fast copy records the whole copy of the live payload instead of deleting it,
+    and removes the copy of a payload the step no longer holds."""
+    with Registry.open(migrated_url, root=tmp_path / "host-a", durable=durable) as a:
+        assert a.tiers is not None
+        store = a.tiers.durable
+        a.publish("run", 1, make_state(1), durable=True)
+        a.publish("run", 2, make_state(2), durable=True)
+        first = durable_copy(a, "run", 2)
+        assert first is not None
+        old = {e.rel: bytes(store.get(e.rel)) for e in store.list(first.path)}
+        a.publish("run", 2, make_state(20), durable=True, overwrite=True)
+        a._replication().idle(timeout=60)  # the old payload's copy is deleted once the new one committed
+        for key, data in old.items():  # back, as a catalog restored from a backup would find the bucket
+            obstore.put(store.store, key, data)
+        one, two = durable_copy(a, "run", 1), durable_copy(a, "run", 2)
+        assert one is not None and two is not None and first.path != two.path
+        replicas = ReplicaCatalog(a.catalog)
+        for copy in (one, two):
+            assert replicas.forget("run", copy.step, DURABLE, path=copy.path, status="verified")
+    with Registry.open(migrated_url, root=tmp_path / "host-b", durable=durable) as b:
+        report = b.fsck()
+        kinds = sorted((p.kind, p.step, str(p.path)) for p in report.problems)
+        assert kinds == [("orphan-durable-prefix", 2, first.path), ("unrecorded-durable-copy", 1, one.path),
+                         ("unrecorded-durable-copy", 2, two.path)], report.problems
+        assert len(b.fsck(repair=True).repaired) == 3
+        assert [(c.step, c.path, c.status) for c in b.replicas("run") if c.location == DURABLE] == [
+            (1, one.path, "verified"), (2, two.path, "verified")]
+        assert b.fsck(checksums=True).clean
+        assert_state_equal(b.load("run@2").state_dict, make_state(20))
 
 
 def test_fsck_on_another_host_does_not_condemn_steps_it_does_not_hold(migrated_url: str, durable: str,

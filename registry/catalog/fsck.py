@@ -14,16 +14,16 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Connection, insert, select, update
+from sqlalchemy import Connection, delete, insert, select, update
 from sqlalchemy.exc import IntegrityError
 
 from registry.catalog.lineage import record_lineage
 from registry.catalog.policy import record_policy_step
-from registry.catalog.models import Attempt, CheckpointFile, CheckpointRow, Run
+from registry.catalog.models import Attempt, CheckpointFile, CheckpointRow, Replica, Run
 from registry.catalog.queries import Catalog, record_replica, replace_files
 from registry.catalog.records import PayloadRecord
 from registry.catalog.session import aware, utcnow
-from registry.records import Status
+from registry.records import ENDED, Status
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -153,4 +153,112 @@ def set_status_if(catalog: Catalog, seen: RowState, status: str, *, kind: str, a
     return bool(catalog.write(fn))
 
 
-__all__ = ["RowState", "record_payload", "set_status_if", "snapshot", "unchanged"]
+# ---------------------------------------------------------------------------- one location's copies
+#
+# A tier's copies are judged by the same rules as steps (registry.ops.fsck): each copy row of one location is
+# a RowState, its ``pending`` claim seen as a ``staging`` row, and every repair is compare-and-set on the copy
+# row as seen (status, writer, last update, digest, path), with the step's row locked as retention locks it.
+
+_COPY_STATUS: dict[str, str] = {"pending": Status.STAGING}
+_ROW_STATUS: dict[str, str] = {Status.STAGING: "pending"}
+
+
+def _copy_query(location: str) -> Any:
+    r = Replica.c
+    return (select(r.checkpoint_id, r.status, r.path, r.writer, r.manifest_sha256, r.updated_at,
+                   CheckpointRow.c.step, Run.c.name)
+            .join(CheckpointRow, CheckpointRow.c.id == r.checkpoint_id).join(Run, Run.c.id == CheckpointRow.c.run_id)
+            .where(r.location == location))
+
+
+def _copy_state(row: Any) -> RowState:
+    return RowState(run=row.name, step=row.step, status=_COPY_STATUS.get(row.status, row.status), path=row.path,
+                    writer=row.writer, manifest_sha256=row.manifest_sha256, updated_at=aware(row.updated_at))
+
+
+def copy_snapshot(catalog: Catalog, location: str, *, run: str | None = None,
+                  step: int | None = None) -> list[RowState]:
+    """Every copy row at ``location`` (of ``run@step`` only, when given), as fsck's judge reads rows."""
+    def fn(conn: Connection) -> list[RowState]:
+        query = _copy_query(location)
+        if run is not None and step is not None:
+            query = query.where(Run.c.name == run, CheckpointRow.c.step == step)
+        return [_copy_state(r) for r in conn.execute(query.order_by(Run.c.name, CheckpointRow.c.step))]
+    result: list[RowState] = catalog.read(fn)
+    return result
+
+
+def _locked_step(conn: Connection, run: str, step: int) -> Any:
+    query = (select(CheckpointRow.c.id, CheckpointRow.c.run_id, CheckpointRow.c.status, CheckpointRow.c.manifest_sha256)
+             .join(Run, Run.c.id == CheckpointRow.c.run_id).where(Run.c.name == run, CheckpointRow.c.step == step))
+    if conn.dialect.name == "postgresql":
+        query = query.with_for_update(of=CheckpointRow)
+    return conn.execute(query).first()
+
+
+def _copy_unchanged(conn: Connection, location: str, seen: RowState | None, run: str, step: int) -> bool:
+    now = conn.execute(_copy_query(location).where(Run.c.name == run, CheckpointRow.c.step == step)).first()
+    if seen is None or now is None:
+        return seen is None and now is None
+    return (_COPY_STATUS.get(now.status, now.status) == seen.status and now.writer == seen.writer
+            and now.manifest_sha256 == seen.manifest_sha256 and now.path == seen.path
+            and aware(now.updated_at) == seen.updated_at)
+
+
+def copy_unchanged(catalog: Catalog, location: str, seen: RowState) -> bool:
+    """Whether ``location``'s copy row of the step is still as ``seen``, read now."""
+    return bool(catalog.read(lambda conn: _copy_unchanged(conn, location, seen, seen.run, seen.step)))
+
+
+def set_copy_status_if(catalog: Catalog, location: str, seen: RowState, status: str, *, kind: str, actor: str,
+                       **detail: Any) -> bool:
+    """Move ``location``'s copy row to ``status`` if it is still as ``seen``; ``failed`` forgets the row (the
+    step is queued again for that copy). Records a ``repair`` event."""
+    def fn(conn: Connection) -> bool:
+        step = _locked_step(conn, seen.run, seen.step)
+        if step is None or not _copy_unchanged(conn, location, seen, seen.run, seen.step):
+            return False
+        where = (Replica.c.checkpoint_id == step.id, Replica.c.location == location)
+        if status == Status.FAILED:
+            conn.execute(delete(Replica).where(*where))
+        else:
+            conn.execute(update(Replica).where(*where).values(status=_ROW_STATUS.get(status, status),
+                                                              updated_at=utcnow()))
+        Catalog.record_event(conn, step.run_id, seen.step, "repair", actor=actor, problem=kind, location=location,
+                             status=status, **detail)
+        return True
+    return bool(catalog.write(fn))
+
+
+def record_copy(catalog: Catalog, location: str, seen: RowState | None, *, run: str, step: int, path: str,
+                manifest_sha256: str, kind: str, actor: str) -> bool:
+    """Record a whole copy found at ``path`` as ``location``'s verified copy of ``run@step``: a claim's upload
+    that finished before its writer died (rolled forward), or a copy with no row (adopted). Only while the
+    step is live and holds that payload, and the copy row is still as ``seen``."""
+    def fn(conn: Connection) -> bool:
+        row = _locked_step(conn, run, step)
+        if (row is None or row.status in ENDED or row.status == Status.STAGING or row.manifest_sha256 != manifest_sha256
+                or not _copy_unchanged(conn, location, seen, run, step)):
+            return False
+        record_replica(conn, row.id, location=location, status="verified", path=path, manifest_sha256=manifest_sha256,
+                       writer=None)
+        Catalog.record_event(conn, row.run_id, step, "repair", actor=actor, problem=kind, location=location,
+                             path=path, status="verified")
+        Catalog.notify(conn, row.run_id, step, "durable")
+        return True
+    return bool(catalog.write(fn))
+
+
+def holds_payload(catalog: Catalog, run: str, step: int, manifest_sha256: str | None) -> bool:
+    """Whether ``run@step`` is a live step holding the payload ``manifest_sha256``: a copy of it may be recorded."""
+    def fn(conn: Connection) -> bool:
+        row = conn.execute(select(CheckpointRow.c.status, CheckpointRow.c.manifest_sha256)
+                           .join(Run, Run.c.id == CheckpointRow.c.run_id)
+                           .where(Run.c.name == run, CheckpointRow.c.step == step)).first()
+        return (row is not None and row.status not in ENDED and row.status != Status.STAGING
+                and manifest_sha256 is not None and row.manifest_sha256 == manifest_sha256)
+    return bool(catalog.read(fn))
+
+
+__all__ = ["RowState", "copy_snapshot", "copy_unchanged", "holds_payload", "record_copy", "record_payload",
+           "set_copy_status_if", "set_status_if", "snapshot", "unchanged"]

@@ -157,28 +157,18 @@ class ReplicaCatalog:
         result: list[tuple[ReplicaInfo, str, str | None, str]] = self.catalog.read(fn)
         return result
 
-    def requeue(self, copy: ReplicaInfo) -> bool:
-        """Forget a durable copy judged bad (compare-and-set on its path and status): the step is queued again."""
+    def forget(self, run: str, step: int, location: str, *, path: str, status: str) -> bool:
+        """Forget ``location``'s copy judged bad (compare-and-set on its path and status): the step is queued
+        again for that copy."""
         def fn(conn: Connection) -> bool:
             cid = conn.scalar(select(CheckpointRow.c.id).join(Run, Run.c.id == CheckpointRow.c.run_id)
-                              .where(Run.c.name == copy.run, CheckpointRow.c.step == copy.step))
+                              .where(Run.c.name == run, CheckpointRow.c.step == step))
             if cid is None:
                 return False
             return bool(conn.execute(delete(Replica).where(
-                Replica.c.checkpoint_id == cid, Replica.c.location == copy.location, Replica.c.path == copy.path,
-                Replica.c.status == copy.status)).rowcount)
+                Replica.c.checkpoint_id == cid, Replica.c.location == location, Replica.c.path == path,
+                Replica.c.status == status)).rowcount)
         result: bool = self.catalog.write(fn)
-        return result
-
-    def names_prefix(self, run: str, step: int, prefix: str) -> bool:
-        """Whether a durable copy of ``run@step`` (any status) names ``prefix`` now."""
-        def fn(conn: Connection) -> bool:
-            return conn.scalar(select(Replica.c.checkpoint_id)
-                               .join(CheckpointRow, CheckpointRow.c.id == Replica.c.checkpoint_id)
-                               .join(Run, Run.c.id == CheckpointRow.c.run_id)
-                               .where(Run.c.name == run, CheckpointRow.c.step == step, Replica.c.location == DURABLE,
-                                      Replica.c.path == prefix)) is not None
-        result: bool = self.catalog.read(fn)
         return result
 
     def copy_deleted(self, run: str, step: int, *, location: str, path: str, manifest_sha256: str | None,

@@ -24,9 +24,10 @@ point every step would look missing.
 
 This module holds the rules, once; what a kind of root holds of a step, and
 how a leftover is removed, is its scan's (:mod:`registry.roots.scan`:
-:mod:`registry.roots.dirscan`, :mod:`registry.roots.objectscan`; a tiered
-root's fast directory is a directory scan, its copies are judged by
-:mod:`registry.ops.tierfsck`).
+:mod:`registry.roots.dirscan`, :mod:`registry.roots.objectscan`), and the rows
+judged are a row source's (:class:`Rows`): the steps' own, or a tier's copies
+(a tiered root's durable tier is the same judge over its object scan and its
+durable copies' rows: :mod:`registry.ops.tierfsck`).
 
 | kind | found | repair |
 |---|---|---|
@@ -65,21 +66,103 @@ while it holds the payload the row deleted.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
+from typing import Protocol
 
 from registry.catalog import Catalog
 from registry.catalog.fsck import RowState, record_payload, set_status_if, snapshot, unchanged
 from registry.catalog.policy import stale_folds, usable_folds
 from registry.format.refs import MAX_STEP
 from registry.ops.checkouts import expired as expired_checkouts, remove_owned
-from registry.ops.verdicts import (REPAIRS, REPORTED, CopyOnly, FsckPass, FsckReport, Problem, _RootVanished, condemned,
-                                   damage_again, found_payload, iter_lines, meta_numbers, one_line)
+from registry.ops.verdicts import (REPAIRS, REPORTED, CopyOnly, FsckPass, FsckReport, Problem, Repair, _RootVanished,
+                                   condemned, damage_again, found_payload, iter_lines, meta_numbers, one_line)
 from registry.ops.writers import writer_alive
 from registry.progress import ProgressFn
 from registry.records import LIVE, Status
 from registry.roots.aside import Aside
 from registry.roots.scan import Leftover, Scan, StepFound, Stored, Valid
+
+
+class Rows(Protocol):
+    """The catalog rows a scan is judged against, read and changed by compare-and-set on the state seen: the
+    steps' own rows (:class:`StepRows`), or one location's copy rows (a durable tier's,
+    ``registry.ops.tierfsck.DurableRows``), whose claims are judged as publish claims are."""
+
+    #: kinds of problem as this row source names them (a durable copy's ``missing-payload`` is its own kind)
+    kinds: Mapping[str, str]
+    #: whether a payload no row names and adoption cannot take stays for a person to judge (a step's), or is a
+    #: leftover like any other (a copy's: its step is recorded elsewhere)
+    keeps_unadopted: bool
+
+    def snapshot(self) -> list[RowState]:
+        """Every row, read after the scan listed the storage."""
+
+    def now(self, run: str, step: int) -> RowState | None:
+        """The row of ``run@step`` as it is now."""
+
+    def unchanged(self, seen: RowState) -> bool:
+        """Whether the row is still as ``seen``."""
+
+    def set_status_if(self, seen: RowState, status: str, *, kind: str, **detail: str | None) -> bool:
+        """Move the row to ``status`` (``failed``: the claim is given up) if it is still as ``seen``."""
+
+    def record(self, seen: RowState | None, *, run: str, step: int, rel: str, valid: Valid, kind: str) -> bool:
+        """A valid payload found at ``rel``: roll the claim ``seen`` forward, or adopt it (``seen`` None)."""
+
+    def adopts(self, run: str, step: int, digest: str | None) -> bool:
+        """Whether a valid payload of manifest ``digest`` that no row names would be adopted."""
+
+    def condemn(self, seen: RowState, kind: str, why: str) -> bool | str:
+        """The payload ``seen`` names is missing or damaged (read again first): record the verdict."""
+
+    def corrupt(self, seen: RowState, where: str) -> tuple[str, Repair | None]:
+        """A row marked corrupt (``where``: what its storage holds): what to say of it, and the repair, if any."""
+
+
+class StepRows:
+    """The steps' own rows: the verdicts are the step's (see the module's docstring)."""
+
+    kinds: Mapping[str, str] = {}
+    keeps_unadopted = True
+
+    def __init__(self, catalog: Catalog, *, actor: str, local_dir: Path | None, copy_at: str | None = None) -> None:
+        self.catalog = catalog
+        self.actor = actor
+        self.local_dir = local_dir
+        self.copy_at = copy_at  # on a root with tiers: the fast tier where a payload rolled forward is a copy
+
+    def snapshot(self) -> list[RowState]:
+        return snapshot(self.catalog)
+
+    def now(self, run: str, step: int) -> RowState | None:
+        return next(iter(snapshot(self.catalog, run=run, step=step)), None)
+
+    def unchanged(self, seen: RowState) -> bool:
+        return unchanged(self.catalog, seen)
+
+    def set_status_if(self, seen: RowState, status: str, *, kind: str, **detail: str | None) -> bool:
+        return set_status_if(self.catalog, seen, status, kind=kind, actor=self.actor, **detail)
+
+    def record(self, seen: RowState | None, *, run: str, step: int, rel: str, valid: Valid, kind: str) -> bool:
+        record = found_payload(valid.manifest, valid.digest, valid.manifest_size, status=Status.VERIFIED,
+                               meta=meta_numbers(valid.meta))
+        return record_payload(self.catalog, seen, run=run, step=step, path=rel, payload=record, kind=kind,
+                              actor=self.actor, copy_at=self.copy_at,
+                              **({"dead_writer": seen.writer} if seen is not None and seen.writer else {}))
+
+    def adopts(self, run: str, step: int, digest: str | None) -> bool:
+        return True
+
+    def condemn(self, seen: RowState, kind: str, why: str) -> bool:
+        marked = set_status_if(self.catalog, seen, Status.CORRUPT, kind=kind, actor=self.actor, reason=why)
+        if marked:
+            condemned(self.catalog, self.local_dir, seen.run)
+        return marked
+
+    def corrupt(self, seen: RowState, where: str) -> tuple[str, Repair | None]:
+        return (f"marked corrupt ({where}): restore its files and run 'registry verify {seen.run}@{seen.step}', "
+                f"or let 'registry gc {seen.run}' delete it", None)
 
 
 class Fsck(FsckPass):
@@ -88,11 +171,15 @@ class Fsck(FsckPass):
     def __init__(self, *, catalog: Catalog, scan: Scan, repair: bool, checksums: bool, actor: str,
                  progress: ProgressFn | None = None, elsewhere: Collection[tuple[str, int]] = (),
                  copy_only: CopyOnly | None = None, superseded: Collection[tuple[str, int]] = (),
-                 copy_at: str | None = None, theirs: Collection[Path] = ()) -> None:
+                 copy_at: str | None = None, theirs: Collection[Path] = (), rows: Rows | None = None,
+                 runs: Collection[str] = ()) -> None:
         super().__init__(catalog=catalog, repair=repair, checksums=checksums, actor=actor, progress=progress)
         self.scan = scan
-        # on a root with tiers: this host's fast tier, where a payload rolled forward or adopted is a copy
-        self.copy_at = copy_at
+        # on a root with tiers, copy_at is this host's fast tier, where a payload rolled forward or adopted is a copy
+        self.rows = rows if rows is not None else StepRows(catalog, actor=actor, local_dir=scan.local_dir,
+                                                             copy_at=copy_at)
+        self.runs = frozenset(runs)  # whose policy folds are checked besides those of the rows and the scan
+        self.adopting: set[Path] = set()  # payloads reported for adoption: not leftovers too
         # steps whose copy is on another tier (a durable tier, another host's fast root): nothing here is no
         # missing payload
         self.elsewhere = frozenset(elsewhere)
@@ -108,10 +195,19 @@ class Fsck(FsckPass):
     def _root_present(self) -> bool:
         return self.scan.still_there()
 
+    def _unchanged(self, row: RowState) -> bool:
+        return self.rows.unchanged(row)
+
+    def _found(self, kind: str, run: str, step: int, path: Path, detail: str, *, repairable: bool = True,
+               row: RowState | None = None, still: Callable[[], bool] | None = None,
+               url: str | None = None) -> Problem | None:
+        return super()._found(self.rows.kinds.get(kind, kind), run, step, path, detail, repairable=repairable,
+                              row=row, still=still, url=url)
+
     def run(self) -> FsckReport:
         self.scan.check()  # a root that is not there says nothing about the steps
         listed = self.scan.listing(self.failures)  # before the snapshot: see the module docstring
-        rows = {(r.run, r.step): r for r in snapshot(self.catalog)}
+        rows = {(r.run, r.step): r for r in self.rows.snapshot()}
         for key in sorted(set(listed) | set(rows)):
             row = rows.get(key)
             try:
@@ -129,7 +225,7 @@ class Fsck(FsckPass):
                                   f"checkout {co.path}: its reader lease expired or was released")
             self._fix(problem, functools.partial(remove_owned, co.path))
         try:
-            runs = sorted({key[0] for key in rows} | set(self.scan.runs(listed)))
+            runs = sorted({key[0] for key in rows} | set(self.scan.runs(listed)) | self.runs)
             check_folds(self, self.scan.aside(), runs, where=self.scan.where)
         except OSError as exc:  # the root gone meanwhile (unmounted), the server's trouble: no verdict
             self.failures.append(f"policy folds: cannot check: {one_line(exc)}")
@@ -177,9 +273,10 @@ class Fsck(FsckPass):
         elif row.status == Status.CORRUPT:
             where = f"it has {found.absent}" if payload is None else f"its files are at {payload.url or payload.path}"
             path, url = self.scan.where(row.path)
-            self._found("corrupt-step", run, step, path,
-                        f"marked corrupt ({where}): restore its files and run 'registry verify {run}@{step}', "
-                        f"or let 'registry gc {run}' delete it", repairable=False, row=row, url=url)
+            detail, repair = self.rows.corrupt(row, where)
+            p = self._found("corrupt-step", run, step, path, detail, repairable=repair is not None, row=row, url=url)
+            if repair is not None:
+                self._fix(p, repair)
         elif row.status in LIVE:
             self._live(row, payload, found)
         self._leftovers(run, step, found)
@@ -223,11 +320,8 @@ class Fsck(FsckPass):
                                   and self.copy_only(run, step, payload.path, row.manifest_sha256, why))
                       or self._condemn(row, "damaged-payload", why))
 
-    def _condemn(self, row: RowState, kind: str, why: str) -> bool:
-        marked = set_status_if(self.catalog, row, Status.CORRUPT, kind=kind, actor=self.actor, reason=why)
-        if marked:
-            condemned(self.catalog, self.scan.local_dir, row.run)
-        return marked
+    def _condemn(self, row: RowState, kind: str, why: str) -> bool | str:
+        return self.rows.condemn(row, kind, why)
 
     def _dead_staging(self, row: RowState, payload: Stored | None, found: StepFound) -> None:
         if payload is None:
@@ -235,8 +329,8 @@ class Fsck(FsckPass):
             p = self._found("abandoned-publish", row.run, row.step, path,
                             f"staging row of dead writer {row.writer} and {found.absent}: it died before its "
                             "payload was in place", row=row, url=url)
-            self._fix(p, lambda: set_status_if(self.catalog, row, Status.FAILED, kind="abandoned-publish",
-                                               actor=self.actor, dead_writer=row.writer))
+            self._fix(p, lambda: self.rows.set_status_if(row, Status.FAILED, kind="abandoned-publish",
+                                                         dead_writer=row.writer))
             return
         checked = payload.check(checksums=True)
         if checked.valid is None:
@@ -244,8 +338,8 @@ class Fsck(FsckPass):
             p = self._found("invalid-staged-payload", row.run, row.step, payload.path,
                             f"staging row of dead writer {row.writer}; its payload is invalid: {why}", row=row,
                             url=payload.url)
-            self._fix(p, lambda: set_status_if(self.catalog, row, Status.CORRUPT, kind="invalid-staged-payload",
-                                               actor=self.actor, reason=why))
+            self._fix(p, lambda: self.rows.set_status_if(row, Status.CORRUPT, kind="invalid-staged-payload",
+                                                         reason=why))
             return
         p = self._found("uncommitted-publish", row.run, row.step, payload.path,
                         f"payload in place but writer {row.writer} died before the catalog commit", row=row,
@@ -254,11 +348,7 @@ class Fsck(FsckPass):
                                        "uncommitted-publish"))
 
     def _record(self, row: RowState | None, run: str, step: int, rel: str, valid: Valid, kind: str) -> bool:
-        record = found_payload(valid.manifest, valid.digest, valid.manifest_size, status=Status.VERIFIED,
-                               meta=meta_numbers(valid.meta))
-        return record_payload(self.catalog, row, run=run, step=step, path=rel, payload=record, kind=kind,
-                              actor=self.actor, copy_at=self.copy_at,
-                              **({"dead_writer": row.writer} if row is not None and row.writer else {}))
+        return self.rows.record(row, run=run, step=step, rel=rel, valid=valid, kind=kind)
 
     def _unregistered(self, run: str, step: int, row: RowState | None, candidates: list[Stored]) -> None:
         """A step without a live row: adopt the first valid payload among ``candidates``."""
@@ -276,12 +366,15 @@ class Fsck(FsckPass):
             if checked.valid is None:
                 why, vanished = checked.why, checked.vanished
                 continue
+            if not self.rows.adopts(run, step, checked.digest):
+                continue  # a copy of no live payload: a leftover (see _spared)
+            self.adopting.add(candidate.path)
             p = self._found("unregistered-checkpoint", run, step, candidate.path, f"valid checkpoint with {what}",
                             row=row, url=candidate.url)
             self._fix(p, functools.partial(self._record, row, run, step, candidate.rel, checked.valid,
                                            "unregistered-checkpoint"))
             return
-        if not vanished:  # one removed while being checked leaves nothing to report
+        if not vanished and why and self.rows.keeps_unadopted:  # one removed while checked: nothing to report
             self._found("unregistered-checkpoint", run, step, candidates[0].path,
                         f"payload with {what} cannot be adopted: {why}", repairable=False, row=row,
                         url=candidates[0].url)
@@ -290,14 +383,14 @@ class Fsck(FsckPass):
 
     def _finish_deletion(self, row: RowState, left: Leftover) -> bool | str:
         """gc's own finishing, for one step whose row is (re-read now) still the deleted one fsck saw."""
-        if not unchanged(self.catalog, row):
+        if not self.rows.unchanged(row):
             return False
         return left.remove()
 
     def _spared(self, run: str, step: int, left: Leftover) -> str:
         """Why ``left`` must stay, by the step's row as it is now ('' when nothing spares it): a live claim owns
         all its step holds, a dead one what it named, a row its payload; a payload no row names is adoption's."""
-        now = next(iter(snapshot(self.catalog, run=run, step=step)), None)
+        now = self.rows.now(run, step)
         if now is not None and now.status == Status.STAGING:
             if writer_alive(now.writer, now.updated_at):
                 return "a live claim holds the step now"
@@ -306,7 +399,7 @@ class Fsck(FsckPass):
         if left.rel is not None and now is not None and now.path == left.rel and now.status not in (
                 Status.FAILED, Status.DELETED):
             return "a row names it now"
-        if now is None and left.unadopted:
+        if now is None and left.unadopted and self.rows.keeps_unadopted:
             return "a payload no row names: adoption judges it"
         return ""
 
@@ -314,7 +407,7 @@ class Fsck(FsckPass):
         """Everything else the step left, each reported only if, by the row read again now, nothing spares it,
         and removed only if that still holds just before."""
         for left in found.leftovers():
-            if left.path in self.theirs or self._spared(run, step, left):
+            if left.path in self.theirs or left.path in self.adopting or self._spared(run, step, left):
                 continue
             p = self._found(left.kind, run, step, left.path, left.detail, url=left.url)
             self._fix(p, functools.partial(self._remove, run, step, left))

@@ -1,18 +1,26 @@
-"""``fsck`` on a root with a durable tier: the fast root as on any directory root, then the copies on each tier.
+"""``fsck`` on a root with a durable tier: the one judge over the fast directory and over the durable tier, then
+this host's copies.
 
-The fast root is checked by :mod:`registry.ops.fsck`, except that a live
-step with no directory here is not a missing payload when its copy is on
-another tier (a verified durable copy of its payload, or another host's fast
-root): that is how tiers work. Then, from the replica rows:
+The fast root is judged by :mod:`registry.ops.fsck` against the step rows,
+except that a live step with no directory here is not a missing payload when
+its copy is on another tier (a verified durable copy of its payload, or
+another host's fast root): that is how tiers work. The durable tier is judged
+by the same judge over its object scan against the durable copies' rows
+(:class:`DurableRows`): a replication's ``pending`` claim is a publish's
+claim there, and every verdict is the copy's, never the step's. The judge's
+kinds take the copy's names (:data:`DURABLE_KINDS`): ``missing-durable-copy``
+and ``damaged-durable-copy`` (``--repair`` marks the copy corrupt and, where
+a fast copy is here, deletes its objects and replicates the step again),
+``corrupt-durable-copy`` (the same, for a copy a load marked),
+``uncommitted-replication`` (a dead claim whose upload is whole: recorded),
+``abandoned-replication`` (a dead claim without one: given up, the step
+queued again), ``unrecorded-durable-copy`` (a whole copy of the live payload
+no row names: recorded), ``orphan-durable-prefix``, ``incomplete-upload`` and
+``unfinished-copy-deletion`` (objects no row or live claim keeps). Then, from
+the replica rows, this host's own:
 
 * ``only-on-fast-tier``: a verified step whose fast copy is here and which has
   no durable copy yet; ``--repair`` replicates it (as ``registry replicate``);
-* ``missing-durable-copy`` / ``damaged-durable-copy``: a verified durable
-  copy whose manifest is gone, or whose objects differ from the manifest
-  (sizes; with ``--checksums`` every byte); ``--repair`` marks the copy
-  corrupt and, where a fast copy is here, replicates the step again;
-* ``corrupt-durable-copy``: a copy marked corrupt (by a load); ``--repair``
-  deletes its objects and replicates again from a fast copy here;
 * ``corrupt-fast-copy``: this host's copy of a live step marked corrupt (by
   verify, a load or fsck) whose directory is still here; ``--repair`` marks it
   ``deleted``, removes it (digest-checked) and copies the step again from its
@@ -25,21 +33,16 @@ root): that is how tiers work. Then, from the replica rows:
   never damage to the step, even when this host holds the step's new payload in
   its cache (that copy has a row of its own); ``--repair`` removes that
   directory (digest-checked) and marks this host's fast copy ``deleted``;
-* ``unfinished-copy-deletion``: a copy (durable, fast, or in this host's
-  cache) marked ``deleted`` whose files are still there (their removal failed,
-  or the process was killed after the mark); ``--repair`` removes them if the
+* ``unfinished-copy-deletion``: this host's copy (fast, or in its cache)
+  marked ``deleted`` whose files are still there (their removal failed, or
+  the process was killed after the mark); ``--repair`` removes them if the
   row still says so;
 * ``abandoned-download``: a staging directory in this host's cache that no
   download is filling (a process killed mid-download); ``--repair`` removes
   it unless a download took that copy's host lock meanwhile;
 * ``stale-cached-copy``: a download in this host's cache whose step has ended
   or was published again since (a load evicts those of its run after each
-  download); ``--repair`` marks this host's row of it ``deleted`` and removes it;
-* ``incomplete-upload``: a multipart upload on the durable root that no live
-  replication claims (one killed mid-file); ``--repair`` aborts it;
-* ``orphan-durable-prefix``: an attempt prefix on the durable root no copy
-  names (a replication killed mid-way, a copy replaced); ``--repair`` deletes
-  its objects if no row names it when read again just before.
+  download); ``--repair`` marks this host's row of it ``deleted`` and removes it.
 
 Every verdict is a compare-and-set on the copy's row; a request the durable
 tier fails is a failure line, never a verdict.
@@ -48,26 +51,29 @@ tier fails is a failure line, never a verdict.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from pathlib import Path
 
+from types import MappingProxyType
+
 from registry.catalog import Catalog
+from registry.catalog.fsck import (RowState, copy_snapshot, copy_unchanged, holds_payload, record_copy,
+                                   set_copy_status_if)
 from registry.catalog.replicas import DURABLE, ReplicaCatalog, ReplicaInfo
-from registry.errors import CorruptCheckpointError, ObjectNotFoundError, RegistryError
+from registry.errors import RegistryError
 from registry.format.manifest import MANIFEST, digest_bytes
-from registry.format.layout import parse_attempt_key, parse_hidden
-from registry.fs import multipart
-from registry.fs.prefixes import AttemptPrefix, check_objects, read_manifest, remove_prefix, scan
+from registry.format.layout import parse_hidden
+from registry.fs.prefixes import remove_prefix
 from registry.fs.removal import manifest_digest, remove_checkpoint_dir
-from registry.ops.fsck import check_folds, run_fsck
+from registry.ops.fsck import Fsck, run_fsck
 from registry.ops.replicator import Replicator
 from registry.ops.tiercache import (abandoned_downloads, evict_cached_copy, record_cached_copy,
                                     remove_abandoned_download, stale_cached_copies)
 from registry.ops.tierretention import LeftCopy, unfinished_here
 from registry.ops.tiers import Tiers, mark_fast_copy, read_local
-from registry.ops.verdicts import FsckPass, FsckReport, damage_again, one_line
-from registry.ops.writers import writer_alive
-from registry.roots.aside import Aside
-from registry.roots.scan import Scan
+from registry.ops.verdicts import FsckPass, FsckReport, Repair, one_line
+from registry.roots.objectscan import ObjectScan
+from registry.roots.scan import Scan, Valid
 from registry.progress import ProgressFn
 from registry.records import LIVE, Status
 
@@ -75,11 +81,10 @@ from registry.records import LIVE, Status
 class TierFsck(FsckPass):
     """The copies of a tiered root (see the module's docstring). Use :func:`run_tier_fsck`."""
 
-    def __init__(self, *, catalog: Catalog, tiers: Tiers, aside: Aside, replicator: Replicator | None, repair: bool,
+    def __init__(self, *, catalog: Catalog, tiers: Tiers, replicator: Replicator | None, repair: bool,
                  checksums: bool, actor: str, progress: ProgressFn | None = None) -> None:
         super().__init__(catalog=catalog, repair=repair, checksums=checksums, actor=actor, progress=progress)
         self.tiers = tiers
-        self.aside = aside  # the root's: where it keeps a run's policy folds
         self.replicas = ReplicaCatalog(catalog)
         # the copies as the fast root's checks see them, read once before them (run() reads its own after its scan)
         self._before = self.replicas.snapshot()
@@ -213,49 +218,10 @@ class TierFsck(FsckPass):
         return digest_bytes(raw) == digest
 
     def run(self) -> FsckReport:
-        durable = self.tiers.durable
-        durable.check_bucket()
-        prefixes = scan(durable)  # before the rows: a replication claims before its first upload
-        base = durable.key() + "/" if durable.key() else ""
-        uploads = list(multipart.list_uploads(durable.config, base))
+        """The steps queued for a durable copy whose fast copy is here (``only-on-fast-tier``), replicated with
+        ``--repair``, after the durable copies were judged (:class:`DurableRows`) and any requeued."""
         rows = self.replicas.snapshot()
-        named = {(c.run, c.step, c.path) for c, *_ in rows if c.location == DURABLE}
-        live_claims = {(c.run, c.step) for c, *_ in rows if c.location == DURABLE and c.status == "pending"
-                       and writer_alive(c.writer, c.updated_at)}
-        durable_of = {(c.run, c.step): c for c, *_ in rows if c.location == DURABLE}
-        for copy, status, digest, path in rows:
-            if copy.location != DURABLE:
-                continue
-            try:
-                self._durable_copy(copy, status, digest, path)
-            except OSError as exc:  # the durable tier's trouble: no verdict
-                self.failures.append(f"{copy.run}@{copy.step}: cannot check its durable copy: {one_line(exc)}")
-        deleted = {(c.run, c.step, c.path): c for c, *_ in rows if c.location == DURABLE and c.status == "deleted"}
-        for found in prefixes.values():
-            key = (found.run, found.step)
-            if (found.run, found.step, found.prefix) in deleted:
-                copy = deleted[(found.run, found.step, found.prefix)]
-                p = self._found("unfinished-copy-deletion", found.run, found.step, Path(found.prefix),
-                                f"a durable copy marked deleted whose {len(found.entries)} objects are still there",
-                                url=durable.url(found.prefix))
-                self._fix(p, functools.partial(self._finish_deletion, copy, found))
-                continue
-            if (found.run, found.step, found.prefix) in named or key in live_claims:
-                continue
-            p = self._found("orphan-durable-prefix", found.run, found.step, Path(found.prefix),
-                            f"{len(found.entries)} objects under {found.prefix} that no copy names",
-                            url=durable.url(found.prefix))
-            self._fix(p, functools.partial(self._remove_orphan, found))
-        claimed = {(c.run, c.step, c.path) for c, *_ in rows if c.location == DURABLE and c.status == "pending"
-                   and writer_alive(c.writer, c.updated_at)}
-        for upload in uploads:
-            attempt = parse_attempt_key(upload.key[len(base):])
-            if attempt is None or (attempt.run, attempt.step, attempt.prefix) in claimed:
-                continue
-            p = self._found("incomplete-upload", attempt.run, attempt.step, Path(attempt.prefix),
-                            f"multipart upload of {attempt.name} never completed (no live replication claims it)",
-                            url=durable.url(attempt.prefix))
-            self._fix(p, functools.partial(self._abort, attempt.run, attempt.step, attempt.prefix, upload))
+        durable_of = {(c.run, c.step) for c, *_ in rows if c.location == DURABLE}
         waiting = []
         for q in self.replicas.queue():
             if (q.run, q.step) not in durable_of and self._fast_here(q.run, q.step, q.path, q.manifest_sha256):
@@ -263,11 +229,6 @@ class TierFsck(FsckPass):
                                 "verified, with no durable copy yet (queued for replication)")
                 if p is not None:
                     waiting.append((p, q))
-        try:  # a run's policy folds live where the root keeps them (its durable tier: registry.roots.tiered)
-            runs = sorted({c.run for c, *_ in rows} | {found.run for found in prefixes.values()})
-            check_folds(self, self.aside, runs, where=lambda rel: (Path(rel), self.aside.where(rel)))
-        except OSError as exc:  # the durable tier's trouble: no verdict
-            self.failures.append(f"policy folds on the durable tier: cannot check: {one_line(exc)}")
         if self.repair and (waiting or self.requeued) and self.replicator is not None:
             try:
                 self.replicator.drain()
@@ -283,12 +244,6 @@ class TierFsck(FsckPass):
     def _still_deleted(self, copy: ReplicaInfo) -> bool:
         return any(r.location == copy.location and r.status == "deleted" and r.path == copy.path
                    and r.manifest_sha256 == copy.manifest_sha256 for r in self.replicas.replicas(copy.run, copy.step))
-
-    def _finish_deletion(self, copy: ReplicaInfo, found: AttemptPrefix) -> bool | str:
-        if not self._still_deleted(copy):
-            return "the copy's row changed meanwhile"
-        remove_prefix(self.tiers.durable, found.prefix, [e.rel for e in found.entries])
-        return True
 
     def fast_deletions(self) -> None:
         """This host's copies (fast, or in its cache) marked deleted whose directory still holds that payload (the
@@ -311,82 +266,91 @@ class TierFsck(FsckPass):
             return "its directory changed meanwhile"
         return True
 
-    def _abort(self, run: str, step: int, prefix: str, upload: multipart.Upload) -> bool | str:
-        if any(r.location == DURABLE and r.status == "pending" and r.path == prefix
-               and writer_alive(r.writer, r.updated_at) for r in self.replicas.replicas(run, step)):
-            return "a live replication claims it now"
-        multipart.abort_upload(self.tiers.durable.config, upload)
-        return True
 
-    def _remove_orphan(self, found: AttemptPrefix) -> bool | str:
-        if self.replicas.names_prefix(found.run, found.step, found.prefix):
-            return "a copy names it now"
-        remove_prefix(self.tiers.durable, found.prefix, [e.rel for e in found.entries])
-        return True
+#: the judge's kinds as a durable copy's (registry.ops.fsck; the rest keep their names)
+DURABLE_KINDS = MappingProxyType({
+    "missing-payload": "missing-durable-copy",
+    "damaged-payload": "damaged-durable-copy",
+    "corrupt-step": "corrupt-durable-copy",
+    "unfinished-deletion": "unfinished-copy-deletion",
+    "orphan-prefix": "orphan-durable-prefix",
+    "uncommitted-publish": "uncommitted-replication",
+    "abandoned-publish": "abandoned-replication",
+    "invalid-staged-payload": "invalid-replication",
+    "interrupted-overwrite": "interrupted-replication",
+    "unregistered-checkpoint": "unrecorded-durable-copy",
+})
 
-    def _durable_copy(self, copy: ReplicaInfo, status: str, digest: str | None, path: str) -> None:
-        durable = self.tiers.durable
-        local = status == Status.VERIFIED and copy.manifest_sha256 == digest and self._fast_here(
-            copy.run, copy.step, path, digest)
-        where = Path(copy.path)
-        if copy.status == "corrupt":
-            p = self._found("corrupt-durable-copy", copy.run, copy.step, where,
-                            "marked corrupt" + ("" if local else "; no fast copy here to replicate from"),
-                            repairable=local, url=durable.url(copy.path))
-            self._fix(p, lambda: self._requeue(copy))
-            return
-        if copy.status != "verified":
-            return
-        def look() -> str:
-            """Why the stored copy differs from its record, or '' when it does not."""
-            try:
-                manifest, found_digest = read_manifest(durable, copy.path)
-            except CorruptCheckpointError as exc:
-                return str(exc)
-            if found_digest != copy.manifest_sha256:
-                return "its manifest is not the one the catalog records"
-            listed = {e.rel[len(copy.path) + 1:]: e for e in durable.list(copy.path)}
-            problems = check_objects(durable, copy.path, manifest, listed, checksums=self.checksums,
-                                     on_bytes=lambda n: self.counter.advance(n, item=f"{copy.run}@{copy.step}"))
-            return f"{problems[0].name}: {problems[0].problem}" if problems else ""
-        try:
-            why = look()
-            if why:  # bytes that differ as received are read again before the copy is condemned
-                why = damage_again(why, look, what=f"{copy.run}@{copy.step}'s durable copy {durable.url(copy.path)}")
-        except ObjectNotFoundError:
-            p = self._found("missing-durable-copy", copy.run, copy.step, where, "its manifest is gone from the "
-                            "durable tier", url=durable.url(copy.path))
-            self._fix(p, lambda: self._condemn(copy, "manifest missing", requeue=local))
-            return
-        if why:
-            p = self._found("damaged-durable-copy", copy.run, copy.step, where, why, url=durable.url(copy.path))
-            self._fix(p, lambda: self._condemn(copy, why or "", requeue=local))
 
-    def _condemn(self, copy: ReplicaInfo, reason: str, *, requeue: bool) -> bool | str:
-        if not self.replicas.set_replica_status(copy.run, copy.step, DURABLE, "corrupt", path=copy.path,
-                                                manifest_sha256=copy.manifest_sha256, only_from=("verified",),
-                                                actor=self.actor, reason=reason):
-            return "the copy's row changed meanwhile"
-        if requeue:
-            corrupt = ReplicaInfo(**{**copy.__dict__, "status": "corrupt"})
-            return self._requeue(corrupt)
-        return True
+class DurableRows:
+    """The durable copies' rows, as fsck's one judge (:mod:`registry.ops.fsck`) reads and changes rows: a
+    replication's ``pending`` claim is judged as a publish's (a live one left alone; a dead one rolled forward
+    when its upload is whole, else given up so the step is queued again), and a verdict is the copy's, never the
+    step's: a missing or damaged durable copy is marked ``corrupt`` and, where this host holds the step's fast
+    copy, its objects are deleted and the step replicated again (as is a copy already marked corrupt)."""
 
-    def _requeue(self, copy: ReplicaInfo) -> bool | str:
+    kinds: Mapping[str, str] = DURABLE_KINDS
+    keeps_unadopted = False  # a prefix no copy names is an orphan: its step is recorded by its own row
+
+    def __init__(self, tier: TierFsck) -> None:
+        self.tier = tier
+        self.catalog = tier.catalog
+        self.steps = {(c.run, c.step): (status, digest, path) for c, status, digest, path in tier.replicas.snapshot()}
+
+    def snapshot(self) -> list[RowState]:
+        return copy_snapshot(self.catalog, DURABLE)
+
+    def now(self, run: str, step: int) -> RowState | None:
+        return next(iter(copy_snapshot(self.catalog, DURABLE, run=run, step=step)), None)
+
+    def unchanged(self, seen: RowState) -> bool:
+        return copy_unchanged(self.catalog, DURABLE, seen)
+
+    def set_status_if(self, seen: RowState, status: str, *, kind: str, **detail: str | None) -> bool:
+        done = set_copy_status_if(self.catalog, DURABLE, seen, status, kind=kind, actor=self.tier.actor, **detail)
+        if done and status == Status.FAILED:
+            self.tier.requeued = True  # given up: the queue has the step again
+        return done
+
+    def record(self, seen: RowState | None, *, run: str, step: int, rel: str, valid: Valid, kind: str) -> bool:
+        return record_copy(self.catalog, DURABLE, seen, run=run, step=step, path=rel, manifest_sha256=valid.digest,
+                           kind=kind, actor=self.tier.actor)
+
+    def adopts(self, run: str, step: int, digest: str | None) -> bool:
+        return holds_payload(self.catalog, run, step, digest)
+
+    def _local(self, seen: RowState) -> bool:
+        """Whether the step holds this copy's payload and its fast copy is here: the copy can be made again."""
+        status, digest, path = self.steps.get((seen.run, seen.step), (None, None, ""))
+        return (status == Status.VERIFIED and seen.manifest_sha256 == digest
+                and self.tier._fast_here(seen.run, seen.step, path, digest))
+
+    def condemn(self, seen: RowState, kind: str, why: str) -> bool | str:
+        if not set_copy_status_if(self.catalog, DURABLE, seen, Status.CORRUPT, kind=kind, actor=self.tier.actor,
+                                  reason=why):
+            return False
+        return self._requeue(seen) if self._local(seen) else True
+
+    def corrupt(self, seen: RowState, where: str) -> tuple[str, Repair | None]:
+        if self._local(seen):
+            return "marked corrupt", functools.partial(self._requeue, seen)
+        return "marked corrupt; no fast copy here to replicate from", None
+
+    def _requeue(self, seen: RowState) -> bool | str:
         """Delete a bad copy's objects and forget it, so the step is replicated again from the fast copy here."""
-        remove_prefix(self.tiers.durable, copy.path)
-        if not self.replicas.requeue(copy):
+        remove_prefix(self.tier.tiers.durable, seen.path)
+        if not self.tier.replicas.forget(seen.run, seen.step, DURABLE, path=seen.path, status="corrupt"):
             return "the copy's row changed meanwhile"
-        self.requeued = True
+        self.tier.requeued = True
         return True
 
 
-def run_tier_fsck(*, catalog: Catalog, tiers: Tiers, scan: Scan, aside: Aside, replicator: Replicator | None,
+def run_tier_fsck(*, catalog: Catalog, tiers: Tiers, scan: Scan, replicator: Replicator | None,
                   repair: bool, checksums: bool, actor: str, progress: ProgressFn | None = None) -> FsckReport:
     """fsck of the fast root (``scan``: the root's, :meth:`registry.roots.base.Root.scan`, its fast directory), then of
-    the copies on both tiers; one report. ``aside``: the root's (:meth:`registry.roots.base.Root.aside`), where it
-    keeps a run's policy folds."""
-    tier = TierFsck(catalog=catalog, tiers=tiers, aside=aside, replicator=replicator, repair=repair,
+    this host's copies, then of the durable tier's (the one judge over its object scan, :class:`DurableRows`, which
+    also checks the runs' policy folds kept there); one report."""
+    tier = TierFsck(catalog=catalog, tiers=tiers, replicator=replicator, repair=repair,
                     checksums=checksums, actor=actor, progress=progress)
     superseded = tier.superseded()
     condemned = tier.condemned()
@@ -401,10 +365,14 @@ def run_tier_fsck(*, catalog: Catalog, tiers: Tiers, scan: Scan, aside: Aside, r
     tier.older_payloads(superseded)
     tier.downloads()
     tier.fast_deletions()
+    durable = Fsck(catalog=catalog, scan=ObjectScan(tiers.durable), repair=repair, checksums=checksums, actor=actor,
+                   progress=progress, rows=DurableRows(tier), runs={c.run for c, *_ in tier._before}).run()
     copies = tier.run()
-    return FsckReport(problems=fast.problems + copies.problems, repaired=fast.repaired + copies.repaired,
-                      in_progress=fast.in_progress + copies.in_progress, failures=fast.failures + copies.failures,
-                      rows_checked=fast.rows_checked, checksums=checksums)
+    reports = (fast, durable, copies)
+    return FsckReport(problems=sum((r.problems for r in reports), ()), repaired=sum((r.repaired for r in reports), ()),
+                      in_progress=sum((r.in_progress for r in reports), ()),
+                      failures=sum((r.failures for r in reports), ()), rows_checked=fast.rows_checked,
+                      checksums=checksums)
 
 
-__all__ = ["TierFsck", "run_tier_fsck"]
+__all__ = ["DURABLE_KINDS", "DurableRows", "TierFsck", "run_tier_fsck"]

@@ -4,8 +4,9 @@
 of one pass; a verdict about a row is recorded only if the row, read again
 after the storage was checked, is still as the snapshot showed it
 (compare-and-set), and each repair runs in isolation. The pass over a root is
-:mod:`registry.ops.fsck`, the one judge of what the root's scan reports (:mod:`registry.roots.scan`); a tiered
-root's copies are judged by :mod:`registry.ops.tierfsck`.
+:mod:`registry.ops.fsck`, the one judge of what the root's scan reports (:mod:`registry.roots.scan`); on a tiered
+root, :mod:`registry.ops.tierfsck` runs it over the fast directory and over the durable tier's copies, and judges
+this host's copies.
 """
 
 from __future__ import annotations
@@ -96,6 +97,11 @@ REPAIRS = {
     "abandoned-download": "remove it",
     "stale-cached-copy": "remove it",
     "unfinished-copy-deletion": "remove the copy's files",
+    "uncommitted-replication": "record the durable copy (roll forward)",
+    "abandoned-replication": "give up the claim, replicate again",
+    "invalid-replication": "mark the copy corrupt",
+    "interrupted-replication": "point the claim back at its whole upload",
+    "unrecorded-durable-copy": "record it as the step's durable copy",
 }
 #: kinds fsck only reports: deciding about them needs a person (the detail says what to do)
 REPORTED = frozenset({"corrupt-step"})
@@ -234,6 +240,10 @@ class FsckPass:
         """Whether the root is still there; past a root that went away every step would look missing."""
         return True
 
+    def _unchanged(self, row: RowState) -> bool:
+        """Whether ``row`` is still as seen (the judge asks its row source: a step's row, or a copy's)."""
+        return unchanged(self.catalog, row)
+
     def _found(self, kind: str, run: str, step: int, path: Path, detail: str, *, repairable: bool = True,
                row: RowState | None = None, still: Callable[[], bool] | None = None,
                url: str | None = None) -> Problem | None:
@@ -245,7 +255,7 @@ class FsckPass:
         """
         if not self._root_present():
             raise _RootVanished()
-        if row is not None and (not unchanged(self.catalog, row) or (still is not None and not still())):
+        if row is not None and (not self._unchanged(row) or (still is not None and not still())):
             self.in_progress.append(Problem(kind="in-progress", run=run, step=step, path=path, repair=None,
                                             detail=f"changed while fsck checked it ({kind}); run fsck again",
                                             url=url))
