@@ -13,7 +13,7 @@ import torch
 from click.testing import CliRunner
 
 from registry import (CheckpointNotFoundError, CorruptCheckpointError, DeltaBaseError, InvalidRefError,
-                      InvalidStateError, PolicyVersionConflictError, Registry)
+                      InvalidStateError, PolicyVersionConflictError, Registry, StepExistsError)
 from registry.catalog.policy import chain_steps, folds, markers, policy_steps
 from registry.format import delta as deltas
 from registry.retention import KeepLast
@@ -78,6 +78,48 @@ def test_a_delta_loads_bit_exactly_what_a_full_gives(reg: Registry, dtype: str, 
     assert_same(reg.load("rl@pv:1").state_dict, base)
     row = policy_steps(reg.catalog, "rl")[20]
     assert row.base_step == 10 and row.full_sha256 == deltas.full_sha256(target)
+
+
+def test_a_trainer_stepping_its_weights_in_place_after_each_publish_gets_exact_deltas(reg: Registry) -> None:
+    """The publisher remembers each version as the next delta's base, written into the memory of the version
+    before (no fresh allocation): never the trainer's own tensors, which its optimizer steps in place."""
+    weights = policy_state(7)
+    versions = [{n: t.clone() for n, t in weights.items()}]
+    reg.publish("rl", 0, weights, policy_version=0, delta=True)
+    held = reg._policy_cache.take("rl")
+    assert held is not None
+    reg._policy_cache.put("rl", *held)
+    memory = {n: t.data_ptr() for n, t in held[1].items()}
+    assert all(memory[n] != t.data_ptr() for n, t in weights.items())
+    for version in (1, 2, 3):
+        for name, t in step_of(weights, 0.03, version).items():
+            weights[name].copy_(t)  # the optimizer steps the very tensors it published
+        versions.append({n: t.clone() for n, t in weights.items()})
+        reg.publish("rl", version, weights, policy_version=version, delta=True)
+        held = reg._policy_cache.take("rl")
+        assert held is not None
+        assert {n: t.data_ptr() for n, t in held[1].items()} == memory  # the same memory, every version
+        assert_same(held[1], weights)
+        reg._policy_cache.put("rl", *held)
+    assert kinds(reg, "rl") == {0: "full", 1: "delta", 2: "delta", 3: "delta"}
+    for version, expected in enumerate(versions):
+        assert_same(reg.load(f"rl@pv:{version}").state_dict, expected)
+
+
+def test_a_publish_that_fails_after_planning_leaves_the_next_delta_exact(reg: Registry) -> None:
+    """A failed publish may have written its base's memory: the next delta reads its base back."""
+    v0 = policy_state(3)
+    reg.publish("rl", 0, v0, policy_version=0, delta=True)
+    v1 = step_of(v0, 0.03, 1)
+    reg.publish("rl", 1, v1, policy_version=1, delta=True)
+    with pytest.raises(StepExistsError):
+        reg.publish("rl", 1, step_of(v1, 0.03, 2), policy_version=2, delta=True)  # a duplicate step
+    assert reg._policy_cache.take("rl") is None  # planned (its base's memory written), then refused
+    v2 = step_of(v1, 0.03, 2)
+    reg.publish("rl", 2, v2, policy_version=2, delta=True)
+    assert kinds(reg, "rl") == {0: "full", 1: "delta", 2: "delta"}
+    assert_same(reg.load("rl@pv:2").state_dict, v2)
+    assert_same(reg.load("rl@pv:1").state_dict, v1)
 
 
 def test_materialize_writes_the_bytes_a_full_publish_writes(reg: Registry, tmp_path: Path) -> None:

@@ -35,7 +35,7 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -202,29 +202,42 @@ def _encode_one(base: torch.Tensor, target: torch.Tensor, level: int) -> tuple[T
 
 
 def encode(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], *,
-           base_sha256: str | None = None, level: int = LEVEL) -> bytes:
+           base_sha256: str | None = None, level: int = LEVEL, then: Callable[[str], object] | None = None) -> bytes:
     """The delta file that takes ``base`` to ``target`` (same names, shapes and dtypes).
 
     ``base_sha256``: :func:`full_sha256` of ``base`` where the caller has it
     already (a full publish's manifest records it), else it is computed.
     ``level``: zstd's. An unchanged target gives a delta with no entries,
     which decodes to the base. Deterministic: the same inputs give the same
-    bytes.
+    bytes. ``then(name)`` runs once tensor ``name`` is encoded, before this
+    returns, and never before the names, shapes and dtypes were checked: the
+    caller may then overwrite that base tensor (with the target's bytes, to
+    keep as the next delta's base without allocating it again).
     """
-    return _encode(base, target, base_sha256=base_sha256, target_sha256=None, level=level)
+    return _encode(base, target, base_sha256=base_sha256, target_sha256=None, level=level, then=then)
 
 
 def _encode(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], *,
-            base_sha256: str | None, target_sha256: str | None, level: int) -> bytes:
+            base_sha256: str | None, target_sha256: str | None, level: int,
+            then: Callable[[str], object] | None = None) -> bytes:
     base = check_state_dict(base, what="base")
     target = check_state_dict(target, what="target")
     _check_same_tensors(base, target)
     digests: list[Future[str]] = []
     if base_sha256 is None:
-        digests.append(_POOL.submit(full_sha256, base))
+        if then is not None:  # then() may overwrite the base: hash it first
+            base_sha256 = full_sha256(base)
+        else:
+            digests.append(_POOL.submit(full_sha256, base))
     if target_sha256 is None:
         digests.append(_POOL.submit(full_sha256, target))
-    done = list(_POOL.map(lambda n: _encode_one(base[n], target[n], level), target))
+
+    def one(name: str) -> tuple[TensorRecord, bytes, bytes]:
+        out = _encode_one(base[name], target[name], level)
+        if then is not None:
+            then(name)
+        return out
+    done = list(_POOL.map(one, target))
     if base_sha256 is None:
         base_sha256 = digests.pop(0).result()
     if target_sha256 is None:

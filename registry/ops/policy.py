@@ -112,6 +112,11 @@ class PolicyCache:
         with self._lock:
             self._states.pop(run, None)
 
+    def take(self, run: str) -> tuple[str, dict[str, torch.Tensor]] | None:
+        """The run's last state and its digest, no longer held: the caller may write into its tensors."""
+        with self._lock:
+            return self._states.pop(run, None)
+
 
 @dataclass(frozen=True, kw_only=True)
 class PolicyPlan:
@@ -125,9 +130,24 @@ class PolicyPlan:
     existing: PolicyStepInfo | None = None
 
 
-def _host_copy(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A CPU copy of ``state`` that later optimizer steps cannot change."""
-    return {name: t.detach().to("cpu", copy=True).contiguous() for name, t in state.items()}
+def _host_copy(state: Mapping[str, torch.Tensor],
+               into: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """A CPU copy of ``state`` that later optimizer steps cannot change, written into ``into``'s tensors where
+    they fit (an earlier version's copy, no longer needed: fresh memory costs a page fault per page, which
+    took most of a copy's time)."""
+    import torch
+    out = {}
+    for name, t in state.items():
+        t = t.detach()
+        held = into.get(name) if into is not None else None
+        if held is None or held.dtype != t.dtype or held.shape != t.shape or not held.is_contiguous():
+            held = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+        out[name] = held.copy_(t)
+    return out
+
+
+def _on_cpu(state: Mapping[str, torch.Tensor]) -> bool:
+    return all(t.device.type == "cpu" for t in state.values())
 
 
 def _nbytes(state: Mapping[str, torch.Tensor]) -> int:
@@ -152,31 +172,37 @@ def plan_publish(access: Access, cache: PolicyCache, run: str, step: int, state:
                 "publish these as a new version", run=run, step=same.step)
         if same.status != Status.CORRUPT and (same.step == step or same.status in LIVE):
             return PolicyPlan(existing=same)
-    target = _host_copy(state)
-    full = PolicyPlan(record=PolicyRecord(kind="full", full_sha256="", immutable=True), remember=target)
-    if mode is False:
-        return full
-    found = newest_base(catalog, run, below=step)
-    if found is None:
-        return full
-    base_row, length = found
-    if mode == "auto" and length >= full_every:
-        return full
-    base = cache.get(run, base_row.full_sha256)
-    if base is None:
-        base = _read_base(access, run, base_row.step)
+    # the run's last state, no longer held for another publish: the base when it is this delta's, else memory
+    # the copy to remember is written into (a failed publish leaves nothing held: the next reads its base back)
+    held = cache.take(run)
+
+    def full(into: Mapping[str, torch.Tensor] | None) -> PolicyPlan:
+        return PolicyPlan(record=PolicyRecord(kind="full", full_sha256="", immutable=True),
+                          remember=_host_copy(state, into))
+    found = newest_base(catalog, run, below=step) if mode is not False else None
+    if found is None or mode == "auto" and found[1] >= full_every:
+        return full(held[1] if held is not None else None)
+    base_row, _length = found
+    mine = held[1] if held is not None and held[0] == base_row.full_sha256 else None
+    # on CPU, the delta is encoded from the state as it is and each base tensor then takes its bytes: the base's
+    # memory becomes the copy remembered as the next delta's base (no second copy, no fresh memory)
+    owned = mine is not None and _on_cpu(state)
+    base = mine if mine is not None else _read_base(access, run, base_row.step)
+    target: Mapping[str, torch.Tensor] = state if owned else _host_copy(state)
     try:
-        data = encode(base, target, base_sha256=base_row.full_sha256)
-    except DeltaBaseError as exc:
+        data = encode(base, target, base_sha256=base_row.full_sha256,
+                      then=(lambda name: base[name].copy_(state[name])) if owned else None)
+    except DeltaBaseError as exc:  # raised before any base tensor was written
         if mode is True:
             raise DeltaBaseError(f"{run}@{step} cannot be a delta against step {base_row.step} "
                                  f"(policy version {base_row.version}): {exc}") from None
-        return full
-    if mode == "auto" and len(data) > PAYS * _nbytes(target):
-        return full
+        return full(held[1] if held is not None else None)
+    remember = base if owned else dict(target)
+    if mode == "auto" and len(data) > PAYS * _nbytes(remember):
+        return PolicyPlan(record=PolicyRecord(kind="full", full_sha256="", immutable=True), remember=remember)
     digest = read_header(data).target_sha256
     return PolicyPlan(record=PolicyRecord(kind="delta", full_sha256=digest, base_step=base_row.step, immutable=True),
-                      delta=data, remember=target,
+                      delta=data, remember=remember,
                       manifest={POLICY_DELTA: {"base_sha256": base_row.full_sha256, "full_sha256": digest}})
 
 
