@@ -68,6 +68,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Protocol
 
 from registry.catalog import Catalog
@@ -123,7 +124,7 @@ class Rows(Protocol):
 class StepRows:
     """The steps' own rows: the verdicts are the step's (see the module's docstring)."""
 
-    kinds: Mapping[str, str] = {}
+    kinds: Mapping[str, str] = MappingProxyType({})
     keeps_unadopted = True
 
     def __init__(self, catalog: Catalog, *, actor: str, local_dir: Path | None, copy_at: str | None = None) -> None:

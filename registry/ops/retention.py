@@ -20,13 +20,16 @@ its :class:`~registry.roots.base.Removal` (a directory root retires and
 removes; an ``s3://`` root deletes the keys under the step's attempt prefix);
 :class:`RootDeletion` adds the guards a root's capabilities call for. The
 catalog side, the plan and the re-check inside the marking transaction are
-the same for every root.
+the same for every root, and :func:`execute_deletions` is the one engine that
+executes every plan: a plain one, where each deletion ends a step, and a
+tier's (:mod:`registry.ops.tierretention`), where a copy may go alone.
 
 The policies themselves are :mod:`registry.retention`.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -39,7 +42,7 @@ from registry.catalog import Catalog
 from registry.catalog.fallback import newest_verified
 from registry.catalog.retention import CANDIDATES, DeletedRow, RetentionCatalog, RunSnapshot
 from registry.crashpoints import crashpoint
-from registry.errors import PolicyError
+from registry.errors import PolicyError, StorageError
 from registry.format.refs import check_run_name, check_step
 from registry.ops.checkouts import reclaim as reclaim_checkouts
 from registry.ops.protocol import keep_fallback_apart, restore_fallback
@@ -51,8 +54,34 @@ from registry.roots.base import Root
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True, kw_only=True)
+class Doomed:
+    """One deletion a plan asks of the engine: a copy of a step, with why. ``ends_step``: it is the step's last
+    copy, so the step is deleted with it (on a root whose steps have one copy, every deletion); otherwise the
+    copy alone goes, while another good copy of the step stands. ``condemned``: a copy marked corrupt, which goes
+    whatever the policy keeps. ``location``/``path``: the copy (None on a root whose steps have one copy)."""
+
+    step: int
+    why: str
+    ends_step: bool = True
+    condemned: bool = False
+    location: str | None = None
+    path: str | None = None
+    total_bytes: int = 0
+
+
 class Deletion(Protocol):
     """What retention needs of a checkpoint root: where a step is, what it holds, and removing a deleted one."""
+
+    def candidates(self, snap: RunSnapshot) -> list[CheckpointInfo]:
+        """The located steps a plan's policy is evaluated over (again, when they are marked)."""
+
+    def delete_copy(self, run: str, doomed: Doomed, digest: str | None) -> str | None:
+        """Mark ``doomed``'s copy deleted while the step stays (compare-and-set on the step's copies); None when
+        it was, else why not."""
+
+    def remove_copy(self, doomed: Doomed, digest: str | None) -> None:
+        """Remove the files of a copy :meth:`delete_copy` marked. Raises ``OSError`` or ``StorageError``."""
 
     def locate(self, info: CheckpointInfo) -> CheckpointInfo:
         """``info`` (its path relative to the root) as callers see it: an absolute path, or its URL set."""
@@ -78,8 +107,9 @@ class Deletion(Protocol):
     def reclaim(self, catalog: Catalog, run: str) -> tuple[Path, ...]:
         """Registry-owned checkouts of ``run`` whose lease expired, removed (first: they may hold bytes)."""
 
-    def remove(self, row: DeletedRow) -> bool:
-        """Remove what ``row`` (marked ``deleted``) left; False when nothing was there. Raises ``OSError``."""
+    def remove(self, row: DeletedRow, doomed: Doomed) -> bool:
+        """Remove what ``row`` (marked ``deleted``, as ``doomed`` asked) left; False when nothing was there.
+        Raises ``OSError`` or ``StorageError``."""
 
     def finish(self, run: str, rows: Sequence[DeletedRow]) -> tuple[set[int], dict[int, str]]:
         """Finish killed deletions of ``rows`` (the run's ``deleted`` rows): steps healed, and errors."""
@@ -95,6 +125,15 @@ class RootDeletion:
     and one of directories reclaims the expired checkouts it owns first."""
 
     root: Root
+
+    def candidates(self, snap: RunSnapshot) -> list[CheckpointInfo]:
+        return [self.locate(c) for c in snap.checkpoints if c.status in CANDIDATES]
+
+    def delete_copy(self, run: str, doomed: Doomed, digest: str | None) -> str | None:
+        raise PolicyError(f"{run}@{doomed.step}: a root whose steps have one copy deletes only whole steps")
+
+    def remove_copy(self, doomed: Doomed, digest: str | None) -> None:
+        raise PolicyError(f"step {doomed.step}: a root whose steps have one copy deletes only whole steps")
 
     def locate(self, info: CheckpointInfo) -> CheckpointInfo:
         return self.root.place(info)
@@ -129,7 +168,7 @@ class RootDeletion:
             return ()
         return reclaim_checkouts(catalog, directory, run=run)
 
-    def remove(self, row: DeletedRow) -> bool:
+    def remove(self, row: DeletedRow, doomed: Doomed) -> bool:
         return self.root.removal().remove(row)
 
     def finish(self, run: str, rows: Sequence[DeletedRow]) -> tuple[set[int], dict[int, str]]:
@@ -433,47 +472,116 @@ def guard_fallback(catalog: Catalog, root: Path, run: str, doomed: Sequence[int]
         return {s.step: why for s in newest_verified(catalog, run, n=2) if s.step in doomed}
 
 
-def _execute(scope: RetentionScope, plan: RetentionPlan, progress: ProgressFn | None = None) -> RetentionResult:
-    healed, errors = finish_interrupted(scope, plan.run)
+@dataclass(frozen=True, kw_only=True)
+class Executed:
+    """What :func:`execute_deletions` did: ``deleted``, the steps one of whose copies (or whose only copy) it
+    marked deleted, in step order (a removal that failed then is in ``errors``, and the next retention or fsck
+    finishes it); ``ended``, the steps it deleted with their last copy; the rest as in :class:`RetentionResult`."""
+
+    deleted: tuple[int, ...]
+    ended: tuple[int, ...]
+    skipped: Mapping[int, str]
+    errors: Mapping[int, str]
+    bytes_freed: int
+    healed: tuple[int, ...]
+    checkouts_removed: tuple[Path, ...]
+
+
+def execute_deletions(scope: RetentionScope, *, run: str, deletions: Sequence[Doomed], policy: Policy,
+                      now: datetime, protect: Mapping[int, str], allow_missing_metrics: bool, keep_fork_parents: bool,
+                      progress: ProgressFn | None = None, unit: str = "checkpoints") -> Executed:
+    """The one retention engine, for every root and every tier: what a plan deletes, each deletion checked
+    again when it is marked (the module's docstring; ``scope.storage`` is the root's or a tier's).
+
+    First what an earlier, killed run left is finished and expired checkouts are reclaimed; then the steps whose
+    last copy goes are marked ``deleted`` in one transaction that evaluates the policy again (a new publish,
+    tag, lease, policy hold or late metric since the plan wins, and every step that stays keeps its delta
+    chain), the run's fallback kept apart around it; then each copy that goes alone is marked by
+    compare-and-set on the step's copies, after the same check; then the files go.
+    """
+    healed, errors = finish_interrupted(scope, run)
     # first: an expired checkout made of hard links would keep a deleted step's bytes on disk
-    reclaimed = scope.storage.reclaim(scope.catalog, plan.run)
-    planned = sorted(plan.delete)
+    reclaimed = scope.storage.reclaim(scope.catalog, run)
+    retention = RetentionCatalog(scope.catalog)
+    enders = {d.step: d.why for d in deletions if d.ends_step}
     skipped: dict[int, str] = {}
-    fallback = scope.storage.guard(scope.catalog, plan.run, planned)
+    fallback = scope.storage.guard(scope.catalog, run, sorted(enders)) if enders else {}
+
+    def recheck(snap: RunSnapshot, planned: Mapping[int, str], *,
+                ending: Iterable[int] = ()) -> tuple[dict[int, str], dict[int, str]]:
+        """Every step but those whose last copy goes (``ending``) stays, with its chain."""
+        return still_doomed(snap, planned, policy, scope.storage.candidates(snap), now=now,
+                            protect={**protect, **fallback}, allow_missing_metrics=allow_missing_metrics,
+                            keep_fork_parents=keep_fork_parents, held=scope.storage.held,
+                            staying={c.step for c in snap.checkpoints} - set(ending))
 
     def decide(snap: RunSnapshot) -> dict[int, str]:
-        doomed, now_skipped = still_doomed(snap, {s: plan.delete[s] for s in planned}, plan.policy,
-                                           _candidates(scope, snap), now=plan.now,
-                                           protect={**plan.protect, **fallback},
-                                           allow_missing_metrics=plan.allow_missing_metrics,
-                                           keep_fork_parents=plan.keep_fork_parents, held=scope.storage.held)
+        due, why_not = recheck(snap, enders, ending=enders)
         skipped.clear()  # the transaction may be retried: start over each time
-        skipped.update(now_skipped)
-        return doomed
-
-    marked = RetentionCatalog(scope.catalog).mark_deleted(plan.run, decide, actor=scope.actor)
+        skipped.update(why_not)
+        return due
+    marked = retention.mark_deleted(run, decide, actor=scope.actor) if enders else []
     if marked:
         crashpoint("gc-after-mark")
-    scope.storage.after_mark(scope.catalog, plan.run)
-    freed = scope.storage.freed_bytes([scope.storage.locate(_deleted_info(plan.run, r)) for r in marked])
-    counter = Counter(progress, task="gc", total=len(marked), unit="checkpoints")
+    scope.storage.after_mark(scope.catalog, run)
+    ended = {row.step: row for row in marked}
+    for step in enders:
+        if step not in ended:
+            skipped.setdefault(step, "changed since the plan")
+    freed = scope.storage.freed_bytes([scope.storage.locate(_deleted_info(run, r)) for r in marked])
+
+    alone = [d for d in deletions if not d.ends_step]
+    copies: list[tuple[Doomed, str | None]] = []
+    if alone:
+        snap = retention.snapshot(run)
+        digests = {c.step: c.manifest_sha256 for c in snap.checkpoints}
+        _, changed = recheck(snap, {d.step: d.why for d in alone if not d.condemned})
+        for d in alone:
+            why = None if d.condemned else changed.get(d.step)
+            why = why or scope.storage.delete_copy(run, d, digests.get(d.step))
+            if why is not None:
+                skipped[d.step] = why
+                continue
+            crashpoint("gc-after-mark")  # the copy marked deleted, its bytes still in place
+            copies.append((d, digests.get(d.step)))
+            freed += d.total_bytes
+
+    by_step = {d.step: d for d in deletions}
+    counter = Counter(progress, task="gc", total=len(marked) + len(copies), unit=unit)
+    removals: list[tuple[int, str, Callable[[], object]]] = []
     for row in marked:
-        counter.advance(0, item=f"{plan.run}@{row.step}")
-        log.info("retention deleted %s@%d (%d bytes): %s", plan.run, row.step, row.total_bytes,
-                 plan.delete.get(row.step, "not kept"))
+        located = scope.storage.locate(_deleted_info(run, row))
+        removals.append((row.step, located.url or str(located.path),
+                         functools.partial(scope.storage.remove, row, by_step[row.step])))
+    removals += [(d.step, d.path or "", functools.partial(scope.storage.remove_copy, d, digest))
+                 for d, digest in copies]
+    for step, where, remove in sorted(removals, key=lambda r: r[0]):
+        counter.advance(0, item=f"{run}@{step}")
+        log.info("retention deleted %s of %s@%d (%s): %s", "the last copy" if step in ended else "a copy", run,
+                 step, where, by_step[step].why)
         try:
-            scope.storage.remove(row)
-        except OSError as exc:
-            where = scope.storage.locate(_deleted_info(plan.run, row))
-            errors[row.step] = f"cannot remove {where.url or where.path}: {exc.strerror or exc}"
-        counter.advance(1, item=f"{plan.run}@{row.step}")
+            remove()
+        except (OSError, StorageError) as exc:
+            errors[step] = f"cannot remove {where}: {(exc.strerror if isinstance(exc, OSError) else None) or exc}"
+        counter.advance(1, item=f"{run}@{step}")
     for rel in sorted({f for row in marked for f in row.folds}):
         try:  # a fold left behind is an orphan fsck --repair removes: its row is deleted already
             scope.storage.remove_aside(rel)
-        except OSError as exc:
-            log.warning("retention of %s: could not remove the policy fold %s: %s", plan.run, rel, exc)
-    return RetentionResult(run=plan.run, deleted=tuple(r.step for r in marked), skipped=dict(skipped),
-                           bytes_freed=freed, healed=healed, errors=errors, checkouts_removed=reclaimed)
+        except (OSError, StorageError) as exc:
+            log.warning("retention of %s: could not remove the policy fold %s: %s", run, rel, exc)
+    return Executed(deleted=tuple(sorted({*ended, *(d.step for d, _ in copies)})), ended=tuple(sorted(ended)),
+                    skipped=dict(skipped), errors=errors, bytes_freed=freed, healed=healed,
+                    checkouts_removed=reclaimed)
+
+
+def _execute(scope: RetentionScope, plan: RetentionPlan, progress: ProgressFn | None = None) -> RetentionResult:
+    done = execute_deletions(scope, run=plan.run, deletions=[Doomed(step=step, why=why)
+                                                             for step, why in plan.delete.items()],
+                             policy=plan.policy, now=plan.now, protect=plan.protect,
+                             allow_missing_metrics=plan.allow_missing_metrics,
+                             keep_fork_parents=plan.keep_fork_parents, progress=progress)
+    return RetentionResult(run=plan.run, deleted=done.deleted, skipped=done.skipped, bytes_freed=done.bytes_freed,
+                           healed=done.healed, errors=done.errors, checkouts_removed=done.checkouts_removed)
 
 
 def _deleted_info(run: str, row: DeletedRow) -> CheckpointInfo:
@@ -482,6 +590,6 @@ def _deleted_info(run: str, row: DeletedRow) -> CheckpointInfo:
                           total_bytes=row.total_bytes, manifest_sha256=row.manifest_sha256)
 
 
-__all__ = ["Decision", "Deletion", "RootDeletion", "RetentionPlan", "RetentionResult", "RetentionScope",
-           "chain_bases", "finish_interrupted", "guard_fallback", "make_plan", "protections", "still_doomed",
-           "with_bases"]
+__all__ = ["Decision", "Deletion", "Doomed", "Executed", "RetentionPlan", "RetentionResult", "RetentionScope",
+           "RootDeletion", "chain_bases", "execute_deletions", "finish_interrupted", "guard_fallback", "make_plan",
+           "protections", "still_doomed", "with_bases"]

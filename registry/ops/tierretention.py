@@ -24,7 +24,9 @@ waiting for one, and goes with its fast copy when the policy says. A copy
 of this host marked ``corrupt`` (the step stands on another copy) serves no
 reader: the fast tier deletes it whatever the policy keeps.
 
-Execution checks again what plain retention checks when it marks
+Execution is plain retention's own engine
+(:func:`~registry.ops.retention.execute_deletions`, this tier's storage being
+a :class:`TierDeletion`): it checks again what plain retention checks when it marks
 (:func:`~registry.ops.retention.still_doomed`: a new publish, tag, lease,
 policy hold or late metric since the plan wins, and what stays keeps its
 chain), then is compare-and-set on the step's copies: a copy is marked
@@ -40,10 +42,9 @@ and expired registry-owned checkouts of the run are reclaimed first.
 
 from __future__ import annotations
 
-import logging
 import os
-from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 from types import MappingProxyType
@@ -52,23 +53,21 @@ from typing import Any, Literal
 from registry.catalog import Catalog
 from registry.catalog.replicas import DURABLE, FAST, ReplicaCatalog, ReplicaInfo
 from registry.catalog.retention import CANDIDATES, DeletedRow, RetentionCatalog, RunSnapshot
-from registry.crashpoints import crashpoint
-from registry.errors import PolicyError, StorageError
+from registry.errors import PolicyError
 from registry.fs.prefixes import remove_prefix
 from registry.format.layout import parse_hidden
 from registry.fs.removal import manifest_digest, remove_checkpoint_dir, remove_tree
 from registry.ops.checkouts import reclaim as reclaim_checkouts
 from registry.ops.protocol import restore_fallback
-from registry.ops.retention import guard_fallback, plan_options, protections, still_doomed, with_bases
+from registry.ops.retention import (Doomed, RetentionScope, execute_deletions, guard_fallback, plan_options,
+                                    protections, with_bases)
 from registry.ops.tiers import Tiers
-from registry.progress import Counter, ProgressFn
-from registry.records import Status
+from registry.progress import ProgressFn
+from registry.records import CheckpointInfo, Status
 from registry.retention import Policy, RetentionContext, evaluate
 from registry.roots.aside import Aside
 from registry.roots.directory import FileRemoval
 from registry.roots.objectstore import ObjectRemoval
-
-log = logging.getLogger(__name__)
 
 Tier = Literal["fast", "durable"]
 GOOD = ("published", "verified")
@@ -95,9 +94,12 @@ class TierDecision:
 
 @dataclass(frozen=True, kw_only=True)
 class TierResult:
-    """What :meth:`TierPlan.execute` did: copies deleted, steps ended, steps skipped (why) and errors; ``healed``:
-    steps whose earlier, interrupted deletion on this tier it finished first; ``checkouts_removed``: the
-    registry-owned checkouts of the run whose lease had expired, removed first (as plain retention does)."""
+    """What :meth:`TierPlan.execute` did (the one engine's outcome, as plain retention's
+    :class:`~registry.ops.retention.RetentionResult` says it): ``deleted``, the steps whose copy on this tier it
+    marked deleted (a removal that failed then is in ``errors``: the next retention or fsck finishes it);
+    ``ended``, those whose last copy that was; steps skipped (why); ``healed``: steps whose earlier, interrupted
+    deletion on this tier it finished first; ``checkouts_removed``: the registry-owned checkouts of the run whose
+    lease had expired, removed first."""
 
     tier: Tier
     deleted: tuple[int, ...] = ()
@@ -368,111 +370,109 @@ def _remove(tiers: Tiers, durable: bool, path: str, digest: str | None) -> None:
         remove_checkpoint_dir(tiers.fast.root / path, digest)
 
 
-def _removals(plan: TierPlan, d: TierDecision, ended: DeletedRow | None,
-              digest: str | None) -> list[tuple[bool, str, str | None]]:
-    """What to remove for ``d`` (durable or not, path, digest): its copy, and when it ended the step, the step's
-    other copies this host can reach (the durable one, this host's others). A claim still uploading is its
-    replicator's to remove: it finds the claim deleted when it commits (fsck removes it after a replicator that
-    died)."""
-    found = [(SIDES[plan.tier].durable, d.path, digest)]
-    for copy in ended.copies if ended is not None else ():
-        durable = copy.location == DURABLE
-        if (durable and copy.status != "pending" or copy.location in (plan.tiers.location,
-                                                                       plan.tiers.cache_location)) \
-                and (durable, copy.path) not in [(x, p) for x, p, _ in found]:
-            found.append((durable, copy.path, copy.manifest_sha256))
-    return found
+@dataclass(frozen=True)
+class TierDeletion:
+    """A tier's :class:`~registry.ops.retention.Deletion`: what the one retention engine
+    (:func:`~registry.ops.retention.execute_deletions`) asks of storage when it executes a :class:`TierPlan`.
+    A step's last copy goes as the deletion of the step (the marking takes every copy with it); a copy alone by
+    compare-and-set on the step's copies, while the other tier's good copy stands (a fast one: any fast tier's,
+    never a host's cache)."""
+
+    plan: TierPlan
+
+    @property
+    def durable(self) -> bool:
+        return SIDES[self.plan.tier].durable
+
+    def _on_tier(self) -> dict[int, TierDecision]:
+        return {d.step: d for d in self.plan.decisions}
+
+    def candidates(self, snap: RunSnapshot) -> list[CheckpointInfo]:
+        on_tier = self._on_tier()
+        return [c.under(self.plan.tiers.fast.root) for c in snap.checkpoints
+                if c.step in on_tier and c.status in CANDIDATES]
+
+    def delete_copy(self, run: str, doomed: Doomed, digest: str | None) -> str | None:
+        assert doomed.location is not None and doomed.path is not None
+        disposable = doomed.condemned or doomed.location == self.plan.tiers.cache_location
+        return ReplicaCatalog(self.plan.catalog).copy_deleted(
+            run, doomed.step, location=doomed.location, path=doomed.path, manifest_sha256=digest,
+            require=None if disposable else SIDES[self.plan.tier].other, actor=self.plan.actor,
+            condemned=doomed.condemned)
+
+    def remove_copy(self, doomed: Doomed, digest: str | None) -> None:
+        assert doomed.path is not None
+        _remove(self.plan.tiers, self.durable, doomed.path, digest)
+
+    def locate(self, info: CheckpointInfo) -> CheckpointInfo:
+        d = self._on_tier().get(info.step)
+        if d is not None and self.durable:
+            return replace(info, path=Path(d.path), url=self.plan.tiers.durable.url(d.path))
+        return info.under(self.plan.tiers.fast.root) if d is None else replace(
+            info, path=self.plan.tiers.fast.root / d.path)
+
+    def held(self, info: CheckpointInfo) -> Mapping[Any, int]:
+        return {}  # a copy's size is its step's
+
+    def freed_bytes(self, doomed: Sequence[CheckpointInfo]) -> int:
+        return sum(i.total_bytes for i in doomed)
+
+    def kept_bytes(self, kept: Sequence[CheckpointInfo]) -> int:
+        return sum(i.total_bytes for i in kept)
+
+    def shared_bytes(self, doomed: Sequence[Path], kept: Sequence[Path]) -> int:
+        return 0
+
+    def guard(self, catalog: Catalog, run: str, doomed: Sequence[int]) -> dict[int, str]:
+        # as on a plain root: the steps that stay keep the run's fallback apart (dedup's links on the fast tier)
+        return guard_fallback(catalog, self.plan.tiers.fast.root, run, doomed)
+
+    def after_mark(self, catalog: Catalog, run: str) -> None:
+        restore_fallback(catalog, self.plan.tiers.fast.root, run, after="tier retention ended a step")
+
+    def reclaim(self, catalog: Catalog, run: str) -> tuple[Path, ...]:
+        return reclaim_checkouts(catalog, self.plan.tiers.fast.root, run=run)
+
+    def remove(self, row: DeletedRow, doomed: Doomed) -> bool:
+        """The step ended with this tier's copy: that copy (a copy with no row yet, of a step published before
+        its copies were recorded, is recorded deleted first), and the step's other copies this host reaches: the
+        durable one, this host's others. A claim still uploading is its replicator's to remove (it finds the
+        claim deleted when it commits; fsck removes it after a replicator that died)."""
+        plan = self.plan
+        assert doomed.location is not None and doomed.path is not None
+        ReplicaCatalog(plan.catalog).copy_deleted(plan.run, row.step, location=doomed.location, path=doomed.path,
+                                                  manifest_sha256=row.manifest_sha256, require=None,
+                                                  actor=plan.actor)
+        found = [(self.durable, doomed.path, row.manifest_sha256)]
+        for copy in row.copies:
+            durable = copy.location == DURABLE
+            if (durable and copy.status != "pending" or copy.location in (plan.tiers.location,
+                                                                           plan.tiers.cache_location)) \
+                    and (durable, copy.path) not in [(x, p) for x, p, _ in found]:
+                found.append((durable, copy.path, copy.manifest_sha256))
+        for durable, path, held in found:
+            _remove(plan.tiers, durable, path, held)
+        return True
+
+    def finish(self, run: str, rows: Sequence[DeletedRow]) -> tuple[set[int], dict[int, str]]:
+        return finish_interrupted(self.plan.tiers, self.plan.catalog, run, tier=self.plan.tier)
+
+    def remove_aside(self, rel: str) -> bool:
+        return self.plan.aside.delete(rel)
 
 
 def _execute(plan: TierPlan, progress: ProgressFn | None = None) -> TierResult:
-    healed, errors = finish_interrupted(plan.tiers, plan.catalog, plan.run, tier=plan.tier)
-    # then, as on a plain root: an expired checkout made of hard links would keep a deleted step's bytes on disk
-    reclaimed = reclaim_checkouts(plan.catalog, plan.tiers.fast.root, run=plan.run)
-    replicas = ReplicaCatalog(plan.catalog)
-    # a copy-only deletion needs the other tier's copy still there (a fast one: any fast tier's, no host's cache)
-    other = SIDES[plan.tier].other
-    deleted: list[int] = []
-    ended: dict[int, DeletedRow] = {}
-    skipped: dict[int, str] = {}
-    freed = 0
-    doomed = [d for d in plan.decisions if d.action == "delete"]
-    enders = {d.step: "; ".join(d.reasons) for d in doomed if d.ends_step}
-    on_tier = {d.step for d in plan.decisions}
-
-    # as on a plain root: the steps that stay keep the run's fallback apart (dedup's links on the fast tier)
-    fallback = guard_fallback(plan.catalog, plan.tiers.fast.root, plan.run, sorted(enders)) if enders else {}
-
-    def recheck(snap: RunSnapshot, planned: Mapping[int, str], *,
-                ending: Collection[int] = ()) -> tuple[dict[int, str], dict[int, str]]:
-        """Plain retention's check at marking time, over this tier's candidates of the plan: every step but those
-        whose last copy goes (``ending``) stays, with its chain."""
-        candidates = [c.under(plan.tiers.fast.root) for c in snap.checkpoints
-                      if c.step in on_tier and c.status in CANDIDATES]
-        return still_doomed(snap, planned, plan.policy, candidates, now=plan.now,
-                            protect={**plan.protect, **fallback},
-                            allow_missing_metrics=plan.allow_missing_metrics,
-                            keep_fork_parents=plan.keep_fork_parents,
-                            staying={c.step for c in snap.checkpoints} - set(ending))
-
-    not_ended: dict[int, str] = {}
-
-    def decide(snap: RunSnapshot) -> dict[int, str]:
-        due, why_not = recheck(snap, enders, ending=enders)
-        not_ended.clear()  # the transaction may be retried: start over each time
-        not_ended.update(why_not)
-        return due
-    if enders:  # the marking takes every copy of each step it ends with it (RetentionCatalog.mark_deleted)
-        ended = {m.step: m for m in RetentionCatalog(plan.catalog).mark_deleted(plan.run, decide, actor=plan.actor)}
-        restore_fallback(plan.catalog, plan.tiers.fast.root, plan.run, after="tier retention ended a step")
-        if ended:
-            crashpoint("gc-after-mark")
-    snap = RetentionCatalog(plan.catalog).snapshot(plan.run)
-    digests = {c.step: c.manifest_sha256 for c in snap.checkpoints}
-    # a copy the policy deletes alone: the same check, then compare-and-set on the step's copies (copy_deleted)
-    _, changed = recheck(snap, {d.step: "" for d in doomed if not d.ends_step and not d.condemned})
-    counter = Counter(progress, task="gc", total=len(doomed), unit="copies")
-    for d in doomed:
-        counter.advance(0, item=f"{plan.run}@{d.step}")
-        try:
-            row = ended.get(d.step) if d.ends_step else None
-            if d.ends_step:
-                if row is None:
-                    skipped[d.step] = not_ended.get(d.step, "changed since the plan")
-                    continue
-                # a copy with no row yet (a step published before its copies were recorded) is recorded deleted
-                replicas.copy_deleted(plan.run, d.step, location=d.location, path=d.path,
-                                      manifest_sha256=row.manifest_sha256, require=None, actor=plan.actor)
-            elif not d.condemned and d.step in changed:
-                skipped[d.step] = changed[d.step]
-                continue
-            else:
-                disposable = d.condemned or d.location == plan.tiers.cache_location
-                why = replicas.copy_deleted(plan.run, d.step, location=d.location, path=d.path,
-                                            manifest_sha256=digests.get(d.step), require=None if disposable else other,
-                                            actor=plan.actor, condemned=d.condemned)
-                if why is not None:
-                    skipped[d.step] = why
-                    continue
-                crashpoint("gc-after-mark")  # the copy marked deleted, its bytes still in place
-            digest = row.manifest_sha256 if row is not None else digests.get(d.step)
-            try:
-                for durable, path, held in _removals(plan, d, row, digest):
-                    _remove(plan.tiers, durable, path, held)
-            except (OSError, StorageError) as exc:
-                errors[d.step] = f"cannot remove {d.path}: {exc}"
-                continue
-            deleted.append(d.step)
-            freed += d.total_bytes
-        finally:
-            counter.advance(1, item=f"{plan.run}@{d.step}")
-    for rel in sorted({f for row in ended.values() for f in row.folds}):
-        try:  # one left behind is fsck's orphan
-            plan.aside.delete(rel)
-        except (OSError, StorageError) as exc:
-            log.warning("tier retention of %s: could not remove the policy fold %s: %s", plan.run, rel, exc)
-    return TierResult(tier=plan.tier, deleted=tuple(deleted), ended=tuple(sorted(ended)), skipped=skipped,
-                      errors=errors, bytes_freed=freed, healed=tuple(sorted(healed)), checkouts_removed=reclaimed)
+    done = execute_deletions(
+        RetentionScope(catalog=plan.catalog, storage=TierDeletion(plan), actor=plan.actor), run=plan.run,
+        deletions=[Doomed(step=d.step, why="; ".join(d.reasons), ends_step=d.ends_step, condemned=d.condemned,
+                          location=d.location, path=d.path, total_bytes=d.total_bytes)
+                   for d in plan.decisions if d.action == "delete"],
+        policy=plan.policy, now=plan.now, protect=plan.protect, allow_missing_metrics=plan.allow_missing_metrics,
+        keep_fork_parents=plan.keep_fork_parents, progress=progress, unit="copies")
+    return TierResult(tier=plan.tier, deleted=done.deleted, ended=done.ended, skipped=done.skipped,
+                      errors=done.errors, bytes_freed=done.bytes_freed, healed=done.healed,
+                      checkouts_removed=done.checkouts_removed)
 
 
-__all__ = ["LeftCopy", "TierDecision", "TierPlan", "TierResult", "finish_interrupted", "make_tier_plan",
-           "unfinished_here"]
+__all__ = ["LeftCopy", "TierDecision", "TierDeletion", "TierPlan", "TierResult", "finish_interrupted",
+           "make_tier_plan", "unfinished_here"]
