@@ -557,8 +557,8 @@ def execute_deletions(scope: RetentionScope, *, run: str, deletions: Sequence[Do
                  for d, digest in copies]
     for step, where, remove in sorted(removals, key=lambda r: r[0]):
         counter.advance(0, item=f"{run}@{step}")
-        log.info("retention deleted %s of %s@%d (%s): %s", "the last copy" if step in ended else "a copy", run,
-                 step, where, by_step[step].why)
+        log.info("retention deleted %s%s@%d (%s): %s", "" if step in ended else "a copy of ", run, step, where,
+                 by_step[step].why)
         try:
             remove()
         except (OSError, StorageError) as exc:
