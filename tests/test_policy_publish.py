@@ -179,6 +179,10 @@ def test_a_changed_tensor_set_publishes_a_full_or_refuses(reg: Registry) -> None
     with pytest.raises(DeltaBaseError, match="shape"):
         reg.publish("rl", 2, wider, policy_version=2, delta=True)
     assert reg.checkpoints("rl")[-1].step == 1  # nothing claimed
+    held = reg._policy_cache.take("rl")  # the refused publish left version 1 held, as it was
+    assert held is not None and held[0] == policy_steps(reg.catalog, "rl")[1].full_sha256
+    assert_same(held[1], base)
+    reg._policy_cache.put("rl", *held)
     reg.publish("rl", 2, wider, policy_version=2, delta="auto")
     reg.publish("rl", 3, {**wider, "extra": torch.ones(3)}, policy_version=3, delta="auto")
     assert kinds(reg, "rl") == {1: "full", 2: "full", 3: "full"}

@@ -194,6 +194,8 @@ def plan_publish(access: Access, cache: PolicyCache, run: str, step: int, state:
                       then=(lambda name: base[name].copy_(state[name])) if owned else None)
     except DeltaBaseError as exc:  # raised before any base tensor was written
         if mode is True:
+            if held is not None:
+                cache.put(run, *held)  # untouched: still the run's last state
             raise DeltaBaseError(f"{run}@{step} cannot be a delta against step {base_row.step} "
                                  f"(policy version {base_row.version}): {exc}") from None
         return full(held[1] if held is not None else None)
