@@ -387,9 +387,8 @@ class _SafeBytes:
     DCP's default planner unpickles them with ``weights_only=False``; the
     value the restricted load produced is put where that planner puts it
     (its state dict, or the nested one it flattened), and any other planner
-    is handed a fresh pickle of it. Saving and loading each entry again cost
-    three times the restricted load itself: about 30 ms for the optimizer's
-    few hundred hyperparameters.
+    is handed a fresh pickle of it (saving and loading each entry again
+    cost three times the restricted load itself).
     """
 
     def __init__(self, planner: LoadPlanner, where: Path) -> None:
