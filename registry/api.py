@@ -1613,7 +1613,10 @@ class Registry:
         check_flags(repair=repair, checksums=checksums)
         if self.root.can.tiers:  # the fast directory as on any root, then the copies on each tier
             from registry.ops.tierfsck import run_tier_fsck
-            return run_tier_fsck(catalog=self.catalog, tiers=self._tiers("fsck"), scan=self.root.scan(),
+            tiered = self.root.tiered()
+            assert tiered is not None, "a root that can do tiers is a Tiered"
+            return run_tier_fsck(catalog=self.catalog, tiers=self._tiers("fsck"), scan=tiered.scan(),
+                                 durable_scan=tiered.durable_scan(),
                                  replicator=None if self.read_only else self._replication(),
                                  repair=repair, checksums=checksums, actor=self.writer, progress=progress)
         return run_fsck(catalog=self.catalog, scan=self.root.scan(), repair=repair, checksums=checksums,

@@ -72,7 +72,6 @@ from registry.ops.tiercache import (abandoned_downloads, evict_cached_copy, reco
 from registry.ops.tierretention import LeftCopy, unfinished_here
 from registry.ops.tiers import Tiers, mark_fast_copy, read_local
 from registry.ops.verdicts import FsckPass, FsckReport, Repair, one_line
-from registry.roots.objectscan import ObjectScan
 from registry.roots.scan import Scan, Valid
 from registry.progress import ProgressFn
 from registry.records import LIVE, Status
@@ -345,11 +344,12 @@ class DurableRows:
         return True
 
 
-def run_tier_fsck(*, catalog: Catalog, tiers: Tiers, scan: Scan, replicator: Replicator | None,
+def run_tier_fsck(*, catalog: Catalog, tiers: Tiers, scan: Scan, durable_scan: Scan, replicator: Replicator | None,
                   repair: bool, checksums: bool, actor: str, progress: ProgressFn | None = None) -> FsckReport:
     """fsck of the fast root (``scan``: the root's, :meth:`registry.roots.base.Root.scan`, its fast directory), then of
-    this host's copies, then of the durable tier's (the one judge over its object scan, :class:`DurableRows`, which
-    also checks the runs' policy folds kept there); one report."""
+    this host's copies, then of the durable tier's (the one judge over ``durable_scan``, the root's
+    :meth:`~registry.roots.base.Tiered.durable_scan`, against :class:`DurableRows`, which also checks the runs'
+    policy folds kept there); one report."""
     tier = TierFsck(catalog=catalog, tiers=tiers, replicator=replicator, repair=repair,
                     checksums=checksums, actor=actor, progress=progress)
     superseded = tier.superseded()
@@ -365,7 +365,7 @@ def run_tier_fsck(*, catalog: Catalog, tiers: Tiers, scan: Scan, replicator: Rep
     tier.older_payloads(superseded)
     tier.downloads()
     tier.fast_deletions()
-    durable = Fsck(catalog=catalog, scan=ObjectScan(tiers.durable), repair=repair, checksums=checksums, actor=actor,
+    durable = Fsck(catalog=catalog, scan=durable_scan, repair=repair, checksums=checksums, actor=actor,
                    progress=progress, rows=DurableRows(tier), runs={c.run for c, *_ in tier._before}).run()
     copies = tier.run()
     reports = (fast, durable, copies)

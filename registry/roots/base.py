@@ -199,6 +199,9 @@ class Tiered(Root, Protocol):
     @property
     def cached(self) -> bool: ...
 
+    def durable_scan(self) -> Scan:
+        """What the durable tier holds, as fsck's one judge reads it (:meth:`scan` is the fast directory's)."""
+
 
 def refusal(root: Root, capability: Capability, what: str) -> Exception:
     """The one-line error that refuses ``what``, which needs ``capability``, on ``root``."""

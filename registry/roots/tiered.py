@@ -26,6 +26,7 @@ from registry.roots.shards import ObjectShards, TieredShards
 
 if TYPE_CHECKING:
     from registry.roots.dirscan import DirectoryScan
+    from registry.roots.objectscan import ObjectScan
     from registry.format.manifest import Manifest
     from registry.fs.filemaps import Extras, Loaded
     from registry.fs.payloadfiles import Payload, Written
@@ -107,8 +108,11 @@ class TieredRoot:
         return self.fast.new_relpath(run, step)
 
     def scan(self) -> DirectoryScan:
-        """The fast directory's (a tier's copies are judged by ``registry.ops.tierfsck``)."""
+        """The fast directory's; the durable tier's is :meth:`durable_scan` (``registry.ops.tierfsck`` runs both)."""
         return self.fast.scan()
+
+    def durable_scan(self) -> ObjectScan:
+        return self.durable.scan()
 
     def removal(self) -> FileRemoval:
         """The fast directory's: tier retention removes copies on each tier (``registry.ops.tierretention``)."""
