@@ -160,7 +160,8 @@ REPLICA_STATUSES = ("pending", "published", "verified", "corrupt", "deleted")
 REPLICA_STATUS_SQL = "status IN (" + ", ".join(f"'{s}'" for s in REPLICA_STATUSES) + ")"
 
 
-# One copy of a step on one storage tier (``fast:<tier id>`` or ``durable``; see ``registry.catalog.replicas``).
+# One copy of a step on one storage tier (``fast:<tier id>``, ``part:<tier id>`` or ``durable``; see
+# ``registry.catalog.replicas``).
 Replica = Table(
     "checkpoint_replicas", metadata,
     Column("checkpoint_id", Integer, ForeignKey("checkpoints.id", ondelete="CASCADE"), primary_key=True),
@@ -172,6 +173,7 @@ Replica = Table(
     Column("created_at", DateTime(timezone=True), nullable=False),
     Column("updated_at", DateTime(timezone=True), nullable=False),
     Column("durable_at", DateTime(timezone=True)),
+    Column("files", Text),  # a part's data files (JSON list); NULL: the copy holds the whole payload
     CheckConstraint(REPLICA_STATUS_SQL, name="status"),
     Index("ix_checkpoint_replicas_location_status", "location", "status"),
 )

@@ -50,11 +50,12 @@ DURABLE = "durable"  # the replica location of the durable tier (see registry.ca
 
 
 def record_replica(conn: Connection, checkpoint_id: int, *, location: str, status: str, path: str,
-                   manifest_sha256: str | None, writer: str | None) -> None:
-    """Make ``location``'s copy of the step this row (in the caller's transaction)."""
+                   manifest_sha256: str | None, writer: str | None, files: Sequence[str] | None = None) -> None:
+    """Make ``location``'s copy of the step this row (in the caller's transaction); ``files``: a part's data
+    files (None: the copy holds the whole payload)."""
     now = utcnow()
     values: dict[str, Any] = dict(status=status, path=path, manifest_sha256=manifest_sha256, writer=writer,
-                                  updated_at=now)
+                                  updated_at=now, files=None if files is None else json.dumps(sorted(files)))
     if location == DURABLE and status == "verified":
         values["durable_at"] = now
     changed = conn.execute(update(Replica).where(Replica.c.checkpoint_id == checkpoint_id,
@@ -480,6 +481,9 @@ class Catalog:
             if record.replica is not None:
                 record_replica(conn, cid, location=record.replica[0], status=payload.status, path=record.replica[1],
                                manifest_sha256=payload.manifest_sha256, writer=writer)
+            for part in record.parts:
+                record_replica(conn, cid, location=part.location, status=payload.status, path=part.path,
+                               manifest_sha256=payload.manifest_sha256, writer=writer, files=part.files)
             self.notify(conn, claim.run_id, step, payload.status)
             row = conn.execute(select(CheckpointRow, Run.c.name.label("run_name"))
                                .join(Run, Run.c.id == CheckpointRow.c.run_id).where(CheckpointRow.c.id == cid)).one()

@@ -81,6 +81,16 @@ class PolicyRecord:
 
 
 @dataclass(frozen=True, kw_only=True)
+class PartRecord:
+    """One host's part of a step published from several hosts: its location (``part:<tier id>``), its directory
+    relative to that host's fast root, and the data files it holds."""
+
+    location: str
+    path: str
+    files: tuple[str, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
 class CommitRecord:
     """A publish's commit: its payload, and what its writer records in the same transaction.
 
@@ -96,7 +106,8 @@ class CommitRecord:
     resumed_from: int | None = None
     lineage: LineageRecord | None = None  # an explicit parent or an import; else the attempt says
     replica: tuple[str, str] | None = None  # (location, path) of the copy a tiered root's publish made
+    parts: Sequence[PartRecord] = ()  # the hosts' parts of a sharded step published from several hosts
     policy: PolicyRecord | None = None  # how a step that carries a policy version stores it
 
 
-__all__ = ["Claim", "CommitRecord", "FileRecord", "LineageRecord", "PayloadRecord", "PolicyRecord"]
+__all__ = ["Claim", "CommitRecord", "FileRecord", "LineageRecord", "PartRecord", "PayloadRecord", "PolicyRecord"]

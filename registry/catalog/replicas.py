@@ -19,6 +19,15 @@ copies alone ends the step. Its bytes are still the step's, so a verdict
 that spares a step while another copy of its payload stands (verify of a
 damaged durable copy, fsck of a missing directory) counts it.
 
+A *part* (``part:<tier id>``, with ``files``) is one host's share of a
+sharded step published from ranks on several hosts, each writing to a fast
+directory of its own: its ranks' data files and the step's small files,
+under ``<fast>/.registry/parts/``. No part is a copy of the step: nothing
+reads a step from its parts, and nothing counts one as the copy that keeps
+a step; the hosts' parts together are what its durable copy is made from
+(``registry.distributed.parts``). A verdict that spares a step while its
+bytes stand somewhere (fsck of a directory no host holds) counts them.
+
 The replication queue is a query, so it survives every process: the
 ``verified`` steps with no durable copy of their payload yet, in step order.
 A replicator claims one by writing a ``pending`` durable row naming its
@@ -30,6 +39,7 @@ Knows SQL and nothing of torch or files.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -47,7 +57,7 @@ PENDING, PUBLISHED, VERIFIED, CORRUPT, DELETED = "pending", "published", "verifi
 WriterAlive = Callable[[str | None, datetime | None], bool]
 
 
-FAST, CACHE = "fast:", "cache:"  # the prefixes of every fast tier's location, and of every host cache's
+FAST, CACHE, PART = "fast:", "cache:", "part:"  # the prefixes of every fast tier's, host cache's and host part's
 
 
 def fast_location(tier_id: str) -> str:
@@ -59,6 +69,12 @@ def cache_location(tier_id: str) -> str:
     """The replica location of the cache of the fast tier whose id is ``tier_id``: its downloads of durable
     copies, a location of its own so that a host's cached copy never overwrites the row of its fast copy."""
     return f"{CACHE}{tier_id}"
+
+
+def part_location(tier_id: str) -> str:
+    """The replica location of the parts the fast tier ``tier_id`` holds: on a sharded publish from ranks on
+    several hosts, each host's ranks' files (under ``<fast>/.registry/parts/``), never a whole copy of a step."""
+    return f"{PART}{tier_id}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,6 +91,7 @@ class ReplicaInfo:
     created_at: datetime | None
     updated_at: datetime | None
     durable_at: datetime | None
+    files: tuple[str, ...] | None = None  # a part's data files; None: a copy of the whole payload
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,11 +124,12 @@ class DurableClaim:
 def _info(row: Any) -> ReplicaInfo:
     return ReplicaInfo(run=row.run_name, step=row.step, location=row.location, status=row.status, path=row.path,
                        manifest_sha256=row.manifest_sha256, writer=row.writer, created_at=aware(row.created_at),
-                       updated_at=aware(row.updated_at), durable_at=aware(row.durable_at))
+                       updated_at=aware(row.updated_at), durable_at=aware(row.durable_at),
+                       files=None if row.files is None else tuple(json.loads(row.files)))
 
 
 _COLUMNS = (Replica.c.location, Replica.c.status, Replica.c.path, Replica.c.manifest_sha256, Replica.c.writer,
-            Replica.c.created_at, Replica.c.updated_at, Replica.c.durable_at, CheckpointRow.c.step,
+            Replica.c.created_at, Replica.c.updated_at, Replica.c.durable_at, Replica.c.files, CheckpointRow.c.step,
             Run.c.name.label("run_name"))
 
 
@@ -376,5 +394,5 @@ class ReplicaCatalog:
         return result
 
 
-__all__ = ["CACHE", "DURABLE", "FAST", "DurableClaim", "Queued", "ReplicaCatalog", "ReplicaInfo", "cache_location",
-           "fast_location", "record_replica"]
+__all__ = ["CACHE", "DURABLE", "FAST", "PART", "DurableClaim", "Queued", "ReplicaCatalog", "ReplicaInfo",
+           "cache_location", "fast_location", "part_location", "record_replica"]
