@@ -11,7 +11,7 @@ use. Nothing here makes a step visible: only the catalog commit does.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -104,21 +104,34 @@ def upload_directory(root: ObjectRoot, prefix: str, directory: Path, manifest: M
                      ) -> tuple[Written, list[FileProblem]]:
     """Upload a checkpoint directory's files under ``prefix``, hashed while uploading; the manifest last.
 
-    Each file's size and pieces as uploaded are compared with ``manifest``
-    (whose bytes are ``raw_manifest``), as a verified load checks a file; its
-    sha256 only where the manifest has no pieces of this writer's size (the
-    pieces hash at memory speed, sha256 would take a core from the upload and
-    the server). A file that differs is
-    a problem of the directory's copy, and the manifest is then not uploaded,
+    Each file is uploaded and compared with ``manifest`` (whose bytes are
+    ``raw_manifest``) by :func:`upload_files`. A file that differs is a
+    problem of the directory's copy, and the manifest is then not uploaded,
     so the prefix never holds what could pass for a payload. Returns what was
     uploaded (as :func:`check_uploaded` takes it) and the problems found.
     """
     from registry.format.manifest import digest_bytes
+
+    heads, problems = upload_files(root, prefix, directory, manifest, sorted(manifest.files))
+    if not problems:
+        _put(root, prefix, MANIFEST, lambda out: out.write(raw_manifest))
+    written = Written(manifest=manifest, manifest_sha256=digest_bytes(raw_manifest),
+                      total_bytes=manifest.total_bytes + len(raw_manifest), heads=heads)
+    return written, problems
+
+
+def upload_files(root: ObjectRoot, prefix: str, directory: Path, manifest: Manifest, names: Sequence[str]
+                 ) -> tuple[dict[str, bytes], list[FileProblem]]:
+    """Upload ``names`` of ``directory`` under ``prefix``, each hashed while uploading and compared with its
+    ``manifest`` entry, as a verified load checks a file: its size and pieces, its sha256 only where the
+    manifest has no pieces of this writer's size (the pieces hash at memory speed, sha256 would take a core from
+    the upload and the server). Returns the safetensors headers uploaded (for :func:`check_uploaded`) and the
+    files that differ (or are missing), which are problems of the directory's copy."""
     from registry.format.safetensors import MAX_HEADER
 
     problems: list[FileProblem] = []
     heads: dict[str, bytes] = {}
-    for name in sorted(manifest.files):
+    for name in names:
         expected = manifest.files[name]
         try:
             source = open(directory / name, "rb")  # noqa: SIM115 - closed below, after the upload
@@ -143,11 +156,7 @@ def upload_directory(root: ObjectRoot, prefix: str, directory: Path, manifest: M
                 expected.xxh3_128_pieces is not None and expected.piece_size == entry.piece_size
                 and entry.xxh3_128_pieces != expected.xxh3_128_pieces):
             problems.append(FileProblem(name=name, problem="checksum mismatch"))
-    if not problems:
-        _put(root, prefix, MANIFEST, lambda out: out.write(raw_manifest))
-    written = Written(manifest=manifest, manifest_sha256=digest_bytes(raw_manifest),
-                      total_bytes=manifest.total_bytes + len(raw_manifest), heads=heads)
-    return written, problems
+    return heads, problems
 
 
 def check_uploaded(root: ObjectRoot, prefix: str, written: Written) -> list[FileProblem]:
