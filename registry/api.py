@@ -63,6 +63,8 @@ if TYPE_CHECKING:  # and what only some methods use, imported there: a CLI listi
     from registry.records import LoadInfo, PolicyLag, PolicyVersionInfo
 
     from registry.distributed.sharded import ShardedLoad
+    from registry.distributed.collectives import Comm, Solo
+    from registry.distributed.parts import Hosts, PartPublish, PartReplication
     from registry.distributed.sharded_async import PublishGroups
     from registry.roots.shards import Shards
     from registry.ops.diff import CheckpointDiff
@@ -188,13 +190,33 @@ class _Publishing:
     def reserve(self, run: str, step: int, job: _PublishJob) -> Callable[[], None]:
         return self.reg._reserve(job)
 
-    def commit(self, job: _PublishJob, write: Callable[[Any], Written]) -> CheckpointInfo:
+    def commit(self, job: _PublishJob, write: Callable[[Any], Written], *,
+               parts: PartPublish | None = None) -> CheckpointInfo:
         from registry.ops.protocol import publish_sequence
         reg, target = self.reg, self.reg._target(job)
+        if parts is not None:  # no host holds the step: each holds a part, replicated by the ranks together
+            info = publish_sequence(reg.catalog, target, lambda staging, _reuse: write(staging), parts.hooks,
+                                    parts.landing)
+            return reg.root.place(info)
         info = publish_sequence(reg.catalog, target, lambda staging, _reuse: write(staging), reg._hooks(job),
                                 reg.root.landing(target.relpath))
         reg._kick_replication()  # a sharded step is replicated in the background like any other
         return reg.root.place(info)
+
+    def parts(self, job: _PublishJob, hosts: Hosts) -> PartPublish:
+        from registry.distributed.parts import PartPublish
+        return PartPublish.of(hosts, job.run, job.step, self.reg._hooks(job, copy=False))
+
+    def replicate_parts(self, comm: Comm | Solo, hosts: Hosts, run: str) -> None:
+        reg = self.reg
+        if reg._part_replication is None:
+            from registry.distributed.parts import PartReplication
+            from registry.distributed.sharded_async import PublishGroups
+            reg._part_replication = PartReplication(PublishGroups())
+        from registry.distributed.parts import Coordinator
+        coordinator = Coordinator(catalog=reg.catalog, writer=reg._writer) if comm.rank == 0 else None
+        reg._part_replication.after_publish(comm, hosts, run=run, objects=reg._tiers("parts").durable,
+                                            coordinator=coordinator)
 
     def retain(self, run: str, step: int, policy: Policy) -> object:
         return self.reg._retention_after_publish(run, step, policy)
@@ -231,6 +253,7 @@ class Registry:
         self._background = BackgroundPublisher()
         self._snapshotter: Snapshotter | None = None  # made by the first background publish: see _snapshots
         self._publish_groups: PublishGroups | None = None  # background sharded publishes' groups, made on first use
+        self._part_replication: PartReplication | None = None  # parts of publishes from several hosts, replicated
         # how webhooks are delivered (None: the defaults of registry.ops.webhooks.WebhookOptions), and this
         # process's background deliverer, started by the first commit that owes a webhook an event
         self.webhook_options: WebhookOptions | None = None
@@ -397,6 +420,8 @@ class Registry:
             for sampler in list(self._samplers.values()):
                 sampler.stop()  # before the flush, which then takes their last samples
             self._background.wait()
+            if self._part_replication is not None:
+                self._part_replication.wait()  # every rank closes alike: a round's collectives finish first
             self.flush()
         finally:
             self._closed = True
@@ -656,12 +681,14 @@ class Registry:
                       overwrite=job.overwrite, verify=job.verify, dedup=job.dedup, epoch=job.payload.meta["epoch"],
                       consumed_samples=job.payload.meta["consumed_samples"])
 
-    def _hooks(self, job: _PublishJob) -> CommitHooks:
+    def _hooks(self, job: _PublishJob, *, copy: bool = True) -> CommitHooks:
+        """The commit hooks of ``job``; ``copy``: recording the copy it leaves here (every publish but one from
+        several hosts, which leaves parts)."""
         hooks = self._attempts.hooks(job.run, job.step, metrics=job.new_metrics, tags=job.tags, lineage=job.lineage)
         if job.payload.meta.get("policy_version") is not None:
             from registry.ops.policy import PolicyHooks
             hooks = PolicyHooks(hooks, job.policy, self._policy_cache, job.run)
-        return self._copy_hooks(hooks, job.run, job.step)
+        return self._copy_hooks(hooks, job.run, job.step) if copy else hooks
 
     def _copy_hooks(self, hooks: CommitHooks, run: str, step: int) -> CommitHooks:
         """``hooks`` that also record the copy a publish leaves on this host's fast tier, on a tiered root: every

@@ -27,6 +27,8 @@ POINTS = (
     "sharded-rank-after-write",   # sharded publish, a rank other than 0: its DCP files written and fsync'd,
                                   # digests not yet sent
     "sharded-after-gather",  # sharded publish, rank 0: every rank's digests in hand, manifest not yet written
+    "parts-after-install",   # sharded publish from several hosts, another host's first rank: its part renamed into
+                             # place, rank 0 not yet told
     "sharded-upload-midway",  # sharded publish on s3://, any rank: a part of a data file uploaded, the multipart
                               # upload not completed
     "replicate-after-claim",   # tiers: the durable copy's attempt prefix claimed (pending), nothing uploaded

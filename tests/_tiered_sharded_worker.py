@@ -3,7 +3,8 @@ loading them back, as one host's ranks do.
 
 Run as ``python -m tests._tiered_sharded_worker RANK WORLD PORT SPEC``. Every
 rank opens the same catalog, the same fast directory (``root``, the ranks of
-one host) and the same durable tier. A scenario publishes (``hold``: rank 0
+one host; a list: each rank's own, ranks on several hosts) and the same durable
+tier. A scenario publishes (``hold``: rank 0
 keeps its replicator from starting, then the group dies at once, a host lost
 before it replicated), waits for a step's durable copy (rank 0), or loads into
 zeros and reports a fingerprint of the full tensors. Outcomes go to
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -35,22 +37,32 @@ def main() -> None:
     from registry import Registry
 
     results: dict[str, Any] = {}
-    reg = Registry.open(url=spec["url"], root=spec["root"], durable=spec["durable"])
+    root = spec["root"][rank] if isinstance(spec["root"], list) else spec["root"]
+    reg = Registry.open(url=spec["url"], root=root, durable=spec["durable"])
     for sc in spec["scenarios"]:
         name = sc["name"]
         held = None
         try:
             state = sharded(full_state(sc.get("seed", 0)), world)
             if sc["op"] == "publish":
+                if sc.get("crash", {}).get("rank") == rank:
+                    from registry.crashpoints import arm
+                    arm(sc["crash"]["at"])
                 if sc.get("hold") and rank == 0:  # the host dies before its replicator ever runs
                     held = reg._replication()._drain_lock
                     held.acquire()
+                if sc.get("hold"):  # from several hosts: the replication rounds queue behind one that never ends
+                    from registry.distributed.parts import _ROUNDS
+                    _ROUNDS.submit(threading.Event().wait)
                 info = reg.publish(sc["run"], sc["step"], state, sharded=True, timeout=20,
                                    config={"rank": rank}, blocking=not sc.get("async"))
                 if sc.get("async"):
                     info = info.result(timeout=120)
                 results[name] = {"ok": True, "step": info.step, "status": str(info.status),
                                  "path": info.path.as_posix()}
+            elif sc["op"] == "fsck":
+                report = reg.fsck(repair=sc.get("repair", False))
+                results[name] = {"ok": True, "problems": [f"{p.kind} {p.step} {p.path}" for p in report.problems]}
             elif sc["op"] == "wait_durable":
                 if rank == 0:
                     copy = reg.wait_durable(sc["run"], sc["step"], timeout=60)
@@ -65,6 +77,9 @@ def main() -> None:
         except Exception as exc:  # recorded for the parent to compare across ranks
             results[name] = {"ok": False, "type": type(exc).__name__, "msg": str(exc)}
         (out / f"rank{rank}.json").write_text(json.dumps(results))
+        if sc.get("crash") is not None:
+            sys.stdout.flush()
+            os._exit(0)  # the group lost a rank: it cannot be torn down cleanly
         if held is not None or sc.get("hold"):
             sys.stdout.flush()
             os._exit(0)  # lost with the host: nothing replicated, nothing closed

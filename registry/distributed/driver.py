@@ -19,10 +19,12 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from registry.errors import RegistryError
+from registry.errors import InvalidStateError, RegistryError
 from registry.records import CheckpointInfo
 
 if TYPE_CHECKING:
+    from registry.distributed.collectives import Comm, Solo
+    from registry.distributed.parts import Hosts, PartPublish
     from registry.distributed.sharded_async import PublishGroups
     from registry.fs.snapshot import Snapshotter
     from registry.format.refs import Ref
@@ -70,9 +72,16 @@ class Publisher(Protocol[J]):
         """Queue ``run@step`` for a background publish (refused if it is queued already or cannot be claimed);
         returns what takes it off the queue again."""
 
-    def commit(self, job: J, write: Callable[[Any], Written]) -> CheckpointInfo:
+    def commit(self, job: J, write: Callable[[Any], Written], *, parts: PartPublish | None = None) -> CheckpointInfo:
         """The publish sequence for ``job`` with ``write`` filling what the root's landing prepared; the placed
-        step."""
+        step. ``parts``: a publish from several hosts, landing as this host's part with its commit hooks
+        (:meth:`parts`), which ``write`` fills."""
+
+    def parts(self, job: J, hosts: Hosts) -> PartPublish:
+        """Rank 0's part landing and commit hooks for ``job`` published from ``hosts``."""
+
+    def replicate_parts(self, comm: Comm | Solo, hosts: Hosts, run: str) -> None:
+        """Queue the background replication of ``run``'s parts (every rank, after a publish from several hosts)."""
 
     def retain(self, run: str, step: int, policy: Policy) -> object:
         """Retention after a commit (rank 0 only, once every rank has the outcome)."""
@@ -85,6 +94,7 @@ def publish_sharded_call(publisher: Publisher[J], run: str, step: int, state_dic
                          timeout: float | None, parent: str | Ref | None, dedup: bool = False,
                          **options: Any) -> CheckpointInfo | Future[CheckpointInfo]:
     """``publish(..., sharded=True)`` on every rank: checks, then the collective publish, here or queued."""
+    from registry.distributed.parts import find_hosts
     from registry.distributed.sharded import comm_for, publish_sharded, set_timeout, sharded_job
     from registry.distributed.sharded_async import publish_in_background, snapshot_sharded
     comm = comm_for(group)
@@ -93,9 +103,13 @@ def publish_sharded_call(publisher: Publisher[J], run: str, step: int, state_dic
     error: BaseException | None = None
     snap = None
     release: Callable[[], None] | None = None
+    hosts = None
     try:
         set_timeout(comm, timeout)
+        hosts = find_hosts(comm, publisher.shards)
         payload, tags = sharded_job(run, step, state_dict, rank=comm.rank, **options)
+        if hosts is not None:
+            several_hosts(run, step, hosts.ids, background=background, overwrite=options["overwrite"])
         publisher.check_retention(options["retention"])
         publisher.settle_queue(wait=not background)
         if payload is not None:
@@ -112,11 +126,12 @@ def publish_sharded_call(publisher: Publisher[J], run: str, step: int, state_dic
     request = ("publish", repr(run), repr(step), repr(options["overwrite"]), repr(options["verify"]),
                repr(options["blocking"]))
     publish = None
+    parts = publisher.parts(job, hosts) if job is not None and hosts is not None and error is None else None
     if job is not None:  # rank 0's path goes to every rank, as the one outcome
         committing = job
 
         def publish(write: Callable[[Any], Written]) -> CheckpointInfo:
-            return publisher.commit(committing, write)
+            return publisher.commit(committing, write, parts=parts)
     policy = options["retention"]
     # retention once every rank has the outcome (rank 0 only): no rank waits for a gc
     after = (lambda info: publisher.retain(run, step, policy)) if job and policy is not None else None
@@ -128,10 +143,25 @@ def publish_sharded_call(publisher: Publisher[J], run: str, step: int, state_dic
                                      local_error=error, snap=snap, run_publish=publish,
                                      payload=job.payload if job else None, shards=publisher.shards, after=after,
                                      submit=publisher.submit, finished=finished)
-    return publish_sharded(
+    info = publish_sharded(
         comm, run=run, step=step, state=state_dict if isinstance(state_dict, Mapping) else {},
         request=request, local_error=error, run_publish=publish, payload=job.payload if job else None,
-        shards=publisher.shards, after=after)
+        shards=publisher.shards, after=after, hosts=hosts, parts=parts, verify=bool(options["verify"]))
+    if hosts is not None:
+        publisher.replicate_parts(comm, hosts, run)
+    return info
+
+
+def several_hosts(run: str, step: int, hosts: tuple[str, ...], *, background: bool, overwrite: object) -> None:
+    """What a publish from several hosts does not do (yet), refused on every rank before anything is written."""
+    where = f"{run}@{step}"
+    if background:
+        raise InvalidStateError(f"a sharded publish of {where} from ranks on {len(set(hosts))} hosts runs blocking: "
+                                "each host's ranks write to its fast directory and the trainer goes on, while the "
+                                "durable copy is made in the background; call it without blocking=False")
+    if overwrite is True:
+        raise InvalidStateError(f"a sharded publish of {where} from ranks on {len(set(hosts))} hosts cannot "
+                                "overwrite a step; publish a new step")
 
 
 __all__ = ["Job", "Publisher", "publish_sharded_call"]

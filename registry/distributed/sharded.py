@@ -72,6 +72,8 @@ from registry.crashpoints import crashpoint
 from registry.distributed.collectives import Comm, Failure, Solo, as_timedelta, first_failure, settle, status
 from registry.distributed.collectives import agree as agree_on
 from registry.distributed.loader import _Source
+from registry.distributed.parts import (Hosts, PartPublish, PartStart, install_part, small_files, staging_here,
+                                        undo_part)
 from registry.errors import (CheckpointReadError, CorruptCheckpointError, DistributedError, InvalidStateError,
                              NoCopyError, PublishError, RegistryError)
 from registry.format.manifest import CONFIG, MANIFEST, META, Manifest, digest_bytes, parse_manifest
@@ -129,6 +131,22 @@ class _Wrote:
     failure: Failure | None = None
 
 
+def _install_part_here(comm: Comm | Solo, hosts: Hosts, start: PartStart, gathered: list[_Wrote], *,
+                       verify: bool) -> None:
+    """A rank of a publish from several hosts, once every rank wrote: rank 0's small files, and on another
+    host's first rank its part installed; every rank's outcome to rank 0 before it commits."""
+    small = comm.broadcast_object(None, "receiving the small files")
+    if isinstance(small, Failure):  # rank 0 failed first (a rank's write, the tail): its outcome says so
+        return
+    mine: Failure | None = None
+    if hosts.lead and hosts.here != hosts.ids[0]:
+        _, mine = status(partial(install_part, hosts, start, small, [tuple(w.files or ()) for w in gathered],
+                                 verify=verify), comm.rank)
+        if mine is None:
+            crashpoint("parts-after-install")
+    comm.all_gather_object(mine, "installing each host's part")
+
+
 def _save_rank(comm: Comm | Solo, shards: Shards, staging: str, state: Mapping[str, Any], *, where: str) -> _Wrote:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -154,12 +172,16 @@ def publish_sharded(comm: Comm | Solo, *, run: str, step: int, state: Mapping[st
                     request: tuple[Any, ...], local_error: BaseException | None,
                     run_publish: Callable[[Callable[[Any], Written]], CheckpointInfo] | None,
                     payload: Payload | None, shards: Shards,
-                    after: Callable[[CheckpointInfo], object] | None = None) -> CheckpointInfo:
+                    after: Callable[[CheckpointInfo], object] | None = None,
+                    hosts: Hosts | None = None, parts: PartPublish | None = None,
+                    verify: bool = True) -> CheckpointInfo:
     """One sharded publish, on every rank (see the module docstring); ``run_publish`` etc. matter on rank 0 only.
 
     ``run_publish(write)`` runs the publish sequence with ``write`` filling what the root's landing prepared
     (a staging directory, an attempt prefix), through ``shards``, this rank's root's;
-    ``after(info)`` runs once every rank has been sent the committed outcome.
+    ``after(info)`` runs once every rank has been sent the committed outcome. ``hosts``: the ranks write to
+    fast directories of several hosts, each host's files becoming its part (:mod:`registry.distributed.parts`;
+    ``parts`` is rank 0's landing and record of them).
     """
     agree(comm, request, local_error)
     where = f"{run}@{step}"
@@ -167,12 +189,17 @@ def publish_sharded(comm: Comm | Solo, *, run: str, step: int, state: Mapping[st
         start = comm.broadcast_object(None, "waiting for the staging directory")
         if isinstance(start, Failure):
             raise start.error()
-        wrote = _save_rank(comm, shards, str(start), state, where=where)
+        staging = str(start) if hosts is None else str(staging_here(hosts, start))
+        wrote = _save_rank(comm, shards, staging, state, where=where)
         if wrote.failure is None:
             crashpoint("sharded-rank-after-write")
-        comm.all_gather_object(wrote, "gathering the files' digests")
+        gathered = comm.all_gather_object(wrote, "gathering the files' digests")
+        if hosts is not None:
+            _install_part_here(comm, hosts, start, gathered, verify=verify)
         done = comm.broadcast_object(None, "receiving the outcome of the publish")
         if isinstance(done, Failure):
+            if hosts is not None and hosts.lead and hosts.here != hosts.ids[0]:
+                undo_part(hosts, start)
             raise done.error()
         return done
 
@@ -183,10 +210,26 @@ def publish_sharded(comm: Comm | Solo, *, run: str, step: int, state: Mapping[st
 
     def write(staging: Any) -> Written:
         nonlocal started
-        comm.broadcast_object(str(staging), "sending the staging directory")
+        comm.broadcast_object(str(staging) if parts is None else parts.start(staging), "sending the staging directory")
         started = True
         wrote = _save_rank(comm, shards, str(staging), state, where=where)
         gathered: list[_Wrote] = comm.all_gather_object(wrote, "gathering the files' digests")
+        if parts is None:
+            return tail(staging, gathered, shards.tail)
+        try:
+            written = tail(staging, gathered, parts.tail)
+            parts.record([tuple(w.files or ()) for w in gathered])
+            small = small_files(Path(staging), written)
+        except BaseException as exc:  # the other hosts wait for the small files: they hear the failure instead
+            comm.broadcast_object(Failure.of(exc, 0), "sending the small files")
+            raise
+        comm.broadcast_object(small, "sending the small files")
+        failure = first_failure(comm.all_gather_object(None, "installing each host's part"))
+        if failure is not None:
+            raise failure.error()
+        return written
+
+    def tail(staging: Any, gathered: list[_Wrote], put: Callable[..., Written]) -> Written:
         failure = first_failure([w.failure for w in gathered])
         if failure is not None:
             raise failure.error()
@@ -200,8 +243,8 @@ def publish_sharded(comm: Comm | Solo, *, run: str, step: int, state: Mapping[st
                 entries[name] = entry
         if DCP_METADATA not in entries:
             raise PublishError(f"the sharded write of {where} left no {DCP_METADATA}", path=Path(staging))
-        return shards.tail(str(staging), entries=entries, layout=layout_of(entries, comm.world),
-                           tensors=wrote.tensors, meta=payload.meta, meta_raw=meta_raw, config_raw=config_raw)
+        return put(str(staging), entries=entries, layout=layout_of(entries, comm.world),
+                   tensors=gathered[0].tensors, meta=payload.meta, meta_raw=meta_raw, config_raw=config_raw)
 
     outcome: CheckpointInfo | Failure
     error: BaseException | None = None

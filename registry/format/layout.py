@@ -111,6 +111,15 @@ def scan_run(run_dir: Path) -> list[StepDir]:
 _ATTEMPT_RE = re.compile(r"a-[0-9a-f]{16}")
 
 
+PARTS_DIR = f"{REGISTRY_DIR}/parts"  # under a fast root: a host's parts of steps published from several hosts
+
+
+def part_relpath(run: str, step: int) -> str:
+    """A fresh part directory ``.registry/parts/RUN/step-00001000/a-<16 hex>`` under a fast root, the same path on
+    every host of one publish from several hosts."""
+    return f"{PARTS_DIR}/{attempt_relpath(run, step)}"
+
+
 def attempt_relpath(run: str, step: int) -> str:
     """A fresh attempt prefix ``RUN/step-00001000/a-<16 hex>`` (relative to the root, no slash at either end)."""
     return f"{run}/{step_dirname(step)}/a-{secrets.token_hex(8)}"
@@ -140,6 +149,6 @@ def parse_attempt_key(rel: str) -> AttemptKey | None:
     return AttemptKey(run=parts[0], step=step[0], prefix="/".join(parts[:3]), name=parts[3] if len(parts) > 3 else "")
 
 
-__all__ = ["AttemptKey", "HiddenKind", "StepDir", "StepDirKind", "attempt_relpath", "hidden_sibling",
+__all__ = ["PARTS_DIR", "AttemptKey", "HiddenKind", "StepDir", "StepDirKind", "attempt_relpath", "hidden_sibling",
            "hidden_siblings", "parse_attempt_key", "parse_hidden", "parse_step_dirname", "scan_run",
            "step_dirname"]

@@ -62,9 +62,9 @@ from registry.catalog.fsck import (RowState, copy_snapshot, copy_unchanged, hold
 from registry.catalog.replicas import DURABLE, ReplicaCatalog, ReplicaInfo
 from registry.errors import RegistryError
 from registry.format.manifest import MANIFEST, digest_bytes
-from registry.format.layout import parse_hidden
+from registry.format.layout import PARTS_DIR, parse_hidden, parse_step_dirname
 from registry.fs.prefixes import remove_prefix
-from registry.fs.removal import manifest_digest, remove_checkpoint_dir
+from registry.fs.removal import manifest_digest, remove_checkpoint_dir, remove_tree
 from registry.ops.fsck import Fsck, run_fsck
 from registry.ops.replicator import Replicator
 from registry.ops.tiercache import (abandoned_downloads, evict_cached_copy, record_cached_copy,
@@ -209,6 +209,37 @@ class TierFsck(FsckPass):
             self._fix(p, functools.partial(evict_cached_copy, self.tiers, self.catalog, run, step, cached,
                                            actor=self.actor))
 
+    def leftover_parts(self) -> None:
+        """This host's part directories (``<fast>/.registry/parts/RUN/step-N/``) that no part row of this tier
+        names, and their staging directories, while the step is not being published: a publish from several hosts
+        whose rank was killed, or whose commit failed on another host. Never a part a row names, whatever its
+        status (a part marked deleted is :meth:`fast_deletions`' to finish)."""
+        named = {c.path for c, *_ in self._before if c.location == self.tiers.part_location}
+        base = self.tiers.fast.root / PARTS_DIR
+        try:
+            runs = sorted(p for p in base.iterdir() if p.is_dir() and not p.is_symlink())
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        for run_dir in runs:
+            for step_dir in sorted(run_dir.iterdir()):
+                parsed = parse_step_dirname(step_dir.name)
+                if parsed is None or parsed[1] != "final" or not step_dir.is_dir():
+                    continue
+                step = parsed[0]
+                for entry in sorted(step_dir.iterdir()):
+                    hidden = parse_hidden(entry.name)
+                    final = step_dir / (hidden[0] if hidden is not None else entry.name)
+                    rel = final.relative_to(self.tiers.fast.root).as_posix()
+                    if rel in named or not entry.is_dir() or entry.is_symlink():
+                        continue
+                    row = self.catalog.get(run_dir.name, step)
+                    if row is not None and row.status == Status.STAGING:
+                        continue  # being published (a dead claim is the judge's; the part goes at the next fsck)
+                    p = self._found("leftover-part", run_dir.name, step, entry,
+                                    "a part of a publish from several hosts that no row names (its publish "
+                                    "failed or was killed)")
+                    self._fix(p, functools.partial(_remove_leftover, entry))
+
     def _fast_here(self, run: str, step: int, path: str, digest: str | None) -> bool:
         try:
             raw = (self.tiers.fast.root / path / MANIFEST).read_bytes()
@@ -344,6 +375,11 @@ class DurableRows:
         return True
 
 
+def _remove_leftover(path: Path) -> bool:
+    remove_tree(path)
+    return True
+
+
 def run_tier_fsck(*, catalog: Catalog, tiers: Tiers, scan: Scan, durable_scan: Scan, replicator: Replicator | None,
                   repair: bool, checksums: bool, actor: str, progress: ProgressFn | None = None) -> FsckReport:
     """fsck of the fast root (``scan``: the root's, :meth:`registry.roots.base.Root.scan`, its fast directory), then of
@@ -365,6 +401,7 @@ def run_tier_fsck(*, catalog: Catalog, tiers: Tiers, scan: Scan, durable_scan: S
     tier.older_payloads(superseded)
     tier.downloads()
     tier.fast_deletions()
+    tier.leftover_parts()
     durable = Fsck(catalog=catalog, scan=durable_scan, repair=repair, checksums=checksums, actor=actor,
                    progress=progress, rows=DurableRows(tier), runs={c.run for c, *_ in tier._before}).run()
     copies = tier.run()

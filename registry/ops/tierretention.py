@@ -2,8 +2,9 @@
 
 A plan is for one tier. Its candidates are the steps with a copy on that
 tier (on the fast tier: the step's directory under this fast root, else
-this host's cached download of it; one copy per step and plan, so a step
-with both goes in two plans). The invariants of :func:`protections` hold
+this host's cached download of it, else this host's part of a step
+published from several hosts; one copy per step and plan, so a step with
+both goes in two plans). The invariants of :func:`protections` hold
 on both tiers (``@latest``, tags, readers' leases...), and so does plain
 retention's rule for delta chains (:func:`~registry.ops.retention.with_bases`):
 a step that stays keeps its bases, checked again when a step is marked. Deleting a copy
@@ -163,6 +164,7 @@ class _Copies:
     durable: dict[int, ReplicaInfo]         # the durable copy's row, whatever its status
     others: dict[int, list[ReplicaInfo]]    # good copies on other fast roots (never a host's cache)
     condemned: dict[int, str]               # this fast root's copy marked corrupt, still there (its path)
+    parts: dict[int, str]                   # this host's good part of a step published from several hosts
 
 
 def _copies(tiers: Tiers, snap: RunSnapshot, copies: Sequence[ReplicaInfo]) -> _Copies:
@@ -174,6 +176,7 @@ def _copies(tiers: Tiers, snap: RunSnapshot, copies: Sequence[ReplicaInfo]) -> _
     durable: dict[int, ReplicaInfo] = {}
     others: dict[int, list[ReplicaInfo]] = {}
     condemned: dict[int, str] = {}
+    parts: dict[int, str] = {}
     for r in copies:
         if r.manifest_sha256 != digest.get(r.step):
             continue
@@ -187,6 +190,9 @@ def _copies(tiers: Tiers, snap: RunSnapshot, copies: Sequence[ReplicaInfo]) -> _
         elif r.location == tiers.cache_location:
             if r.status in GOOD and (tiers.fast.root / r.path).is_dir():
                 cached[r.step] = r.path
+        elif r.location == tiers.part_location:
+            if r.status in GOOD and (tiers.fast.root / r.path).is_dir():
+                parts[r.step] = r.path
         elif r.status in GOOD and r.location.startswith(FAST):
             others.setdefault(r.step, []).append(r)
     for c in snap.checkpoints:  # the step's own directory here (a step published before its copies were recorded)
@@ -197,7 +203,7 @@ def _copies(tiers: Tiers, snap: RunSnapshot, copies: Sequence[ReplicaInfo]) -> _
                    and (r.status not in GOOD or r.manifest_sha256 != c.manifest_sha256) for r in copies)
         if c.step not in fast and not gone and (tiers.fast.root / rel).is_dir():
             fast[c.step] = rel
-    return _Copies(fast=fast, cached=cached, durable=durable, others=others, condemned=condemned)
+    return _Copies(fast=fast, cached=cached, durable=durable, others=others, condemned=condemned, parts=parts)
 
 
 @dataclass(frozen=True)
@@ -214,7 +220,8 @@ class _Side:
         """step -> the location and path of its copy on this tier."""
         if self.durable:
             return {s: (DURABLE, r.path) for s, r in found.durable.items() if r.status in ("verified", "corrupt")}
-        return {**{s: (tiers.cache_location, p) for s, p in found.cached.items()},
+        return {**{s: (tiers.part_location, p) for s, p in found.parts.items()},
+                **{s: (tiers.cache_location, p) for s, p in found.cached.items()},
                 **{s: (tiers.location, p) for s, p in found.fast.items()}}
 
     def condemned(self, found: _Copies) -> dict[int, str]:
@@ -311,10 +318,11 @@ class LeftCopy:
 
 
 def unfinished_here(tiers: Tiers, copies: Sequence[ReplicaInfo]) -> list[LeftCopy]:
-    """This host's copies (fast, or in its cache) marked ``deleted`` whose payload is still on disk: a retention
-    killed after its mark or after its rename, or a removal that failed. Checked by the manifest's digest, so a
-    directory that holds another payload of the step now is never one. Each directory is listed once."""
-    mine = (tiers.location, tiers.cache_location)
+    """This host's copies (fast, in its cache, or its parts) marked ``deleted`` whose payload is still on disk: a
+    retention killed after its mark or after its rename, or a removal that failed. Checked by the manifest's
+    digest, so a directory that holds another payload of the step now is never one. Each directory is listed
+    once."""
+    mine = (tiers.location, tiers.cache_location, tiers.part_location)
     retired: dict[Path, dict[str, list[Path]]] = {}
 
     def siblings(where: Path) -> list[Path]:
@@ -446,8 +454,8 @@ class TierDeletion:
         found = [(self.durable, doomed.path, row.manifest_sha256)]
         for copy in row.copies:
             durable = copy.location == DURABLE
-            if (durable and copy.status != "pending" or copy.location in (plan.tiers.location,
-                                                                           plan.tiers.cache_location)) \
+            here = copy.location in (plan.tiers.location, plan.tiers.cache_location, plan.tiers.part_location)
+            if (durable and copy.status != "pending" or here) \
                     and (durable, copy.path) not in [(x, p) for x, p, _ in found]:
                 found.append((durable, copy.path, copy.manifest_sha256))
         for durable, path, held in found:

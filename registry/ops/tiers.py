@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from registry.catalog import CommitRecord, PayloadRecord
-from registry.catalog.replicas import DURABLE, ReplicaCatalog, cache_location, fast_location
+from registry.catalog.replicas import DURABLE, ReplicaCatalog, cache_location, fast_location, part_location
 from registry.errors import CorruptCheckpointError, NoCopyError, ReadOnlyError, RootError, RootMismatchError
 from registry.format.layout import REGISTRY_DIR
 from registry.fs.filemaps import Extras, Loaded, read_directory
@@ -75,6 +75,12 @@ class Tiers:
     def cache_location(self) -> str:
         """This host's cache's replica location (``cache:<tier id>``): its downloads of durable copies."""
         return cache_location(self.tier_id)
+
+    @property
+    def part_location(self) -> str:
+        """This host's parts' replica location (``part:<tier id>``): its share of steps published from several
+        hosts (``registry.distributed.parts``)."""
+        return part_location(self.tier_id)
 
 
 def _marker(store: Store) -> Path:

@@ -97,6 +97,7 @@ REPAIRS = {
     "abandoned-download": "remove it",
     "stale-cached-copy": "remove it",
     "unfinished-copy-deletion": "remove the copy's files",
+    "leftover-part": "remove it",
     "uncommitted-replication": "record the durable copy (roll forward)",
     "abandoned-replication": "give up the claim, replicate again",
     "invalid-replication": "mark the copy corrupt",

@@ -19,7 +19,9 @@ reads the nearest copy the load located (``Copies.located``, chosen on rank 0):
 this host's fast or cached directory, else its durable copy by ranged GETs,
 each range checked as it lands, with no whole download on any host
 (:meth:`Shards.locate` turns the located step into ``where``, :meth:`Shards.at`
-the ``where`` into the shards that read it).
+the ``where`` into the shards that read it). Its :meth:`Shards.host` names the
+host a rank writes on: ranks on several hosts publish each host's files as
+that host's part (``registry.distributed.parts``).
 """
 
 from __future__ import annotations
@@ -40,8 +42,21 @@ if TYPE_CHECKING:
     from registry.records import CheckpointInfo
 
 
+@dataclass(frozen=True)
+class Host:
+    """Where a rank of a tiered root writes: its host's fast directory (``root``), named by its tier id (``id``).
+    Ranks whose hosts differ publish each host's files as that host's part (``registry.distributed.parts``)."""
+
+    id: str
+    root: Path
+
+
 class Shards(Protocol):
     """A root's sharded files (see the module's docstring)."""
+
+    def host(self) -> Host | None:
+        """This rank's host-local place of writing, on a root whose ranks may each write to their own host; None
+        where every rank writes to one place (a directory, shared or refused at the tail; a bucket)."""
 
     def writer(self, where: str, *, threads: int) -> Any:
         """A DCP ``StorageWriter`` into ``where`` whose ``.written`` gives name -> ``FileEntry`` as hashed."""
@@ -78,6 +93,9 @@ class Shards(Protocol):
 @dataclass(frozen=True)
 class FileShards:
     """A directory's: DCP's files written hashed and fsync'd, mapped to read, a share of pieces per rank."""
+
+    def host(self) -> Host | None:
+        return None
 
     def writer(self, where: str, *, threads: int) -> Any:
         from registry.fs.dcpfiles import hashing_writer
@@ -132,6 +150,9 @@ class ObjectShards:
 
     objects: ObjectRoot
 
+    def host(self) -> Host | None:
+        return None
+
     def writer(self, where: str, *, threads: int) -> Any:
         from registry.fs.dcpobjects import object_dcp_writer
         return object_dcp_writer(self.objects, where, threads=threads)
@@ -177,6 +198,10 @@ class TieredShards:
 
     files: FileShards
     durable: ObjectShards
+    here: Host
+
+    def host(self) -> Host | None:
+        return self.here
 
     def writer(self, where: str, *, threads: int) -> Any:
         return self.files.writer(where, threads=threads)
@@ -221,4 +246,4 @@ class TieredShards:
         return self.at(where).holds(where, digest)
 
 
-__all__ = ["FileShards", "ObjectShards", "Shards", "TieredShards"]
+__all__ = ["FileShards", "Host", "ObjectShards", "Shards", "TieredShards"]

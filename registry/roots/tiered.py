@@ -22,7 +22,7 @@ from registry.roots.aside import ObjectAside
 from registry.roots.base import Capabilities, Capability, Tiered, refuse
 from registry.roots.directory import DirectoryLanding, DirectoryRoot, FileRemoval
 from registry.roots.objectstore import ObjectStoreRoot
-from registry.roots.shards import ObjectShards, TieredShards
+from registry.roots.shards import Host, ObjectShards, TieredShards
 
 if TYPE_CHECKING:
     from registry.roots.dirscan import DirectoryScan
@@ -131,7 +131,8 @@ class TieredRoot:
 
     def shards(self) -> TieredShards:
         """Written on the fast directory; read at the nearest copy a load located (the durable one by ranged GETs)."""
-        return TieredShards(self.fast.shards(), ObjectShards(self.durable.objects))
+        return TieredShards(self.fast.shards(), ObjectShards(self.durable.objects),
+                            Host(self.tier_id, self.fast.directory))
 
     def require(self, capability: Capability, what: str) -> None:
         refuse(self, capability, what)

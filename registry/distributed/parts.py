@@ -1,0 +1,469 @@
+"""A sharded publish from ranks on several hosts of a tiered root, each host writing to its own fast directory.
+
+On a tiered root every rank writes to its host's fast directory. When the
+ranks of one publish are on several hosts (their fast tiers' ids differ,
+gathered once per publish by :func:`find_hosts`), no host can hold the step
+whole, so none holds it at the step's path: each host's ranks write their
+shards into a staging directory of their own host, rank 0 writes the tail
+(``.metadata`` is its, with meta, config and the manifest, last) and sends
+those small files to the other hosts, whose first rank writes them beside its
+host's shards, checks that host's files as a publish checks its own, and
+renames the staging directory to the host's *part*
+(``<fast>/.registry/parts/RUN/step-N/a-<hex>``, the same path on every host)
+before rank 0 commits. The commit records one ``part:<tier id>`` row per host
+with the data files it holds (:class:`~registry.catalog.records.PartRecord`),
+and no ``fast:`` copy: a part is never a copy of the step, nothing reads a
+step from it, and until the step is durable a load finds no copy it can read
+(``NoCopyError``, which ``@latest`` passes over and which never condemns
+the step). A failed publish is undone on every host: rank 0's landing
+removes its part, the other hosts remove theirs when they hear the failure.
+A rank killed mid-way leaves at most parts no row names, which ``fsck`` of
+that host removes once no live claim is publishing the step.
+
+Replication (:class:`PartReplication`) runs on every rank in the background,
+after each such publish, on a gloo group of its own (the trainer's collectives
+and the background publishes' keep theirs): rank 0 lists the run's steps with
+parts and no durable copy whose every part is on a host of this group, oldest
+first; for each it claims the durable copy (the replication queue's own
+compare-and-set, :meth:`~registry.catalog.replicas.ReplicaCatalog.claim_durable`),
+every rank uploads its share of its host's files into that attempt prefix,
+hashed while uploading and compared with the manifest, and rank 0 uploads the
+small files, the manifest last, checks what the server stored and commits
+the one durable copy. So the step becomes durable, once, when every host's
+shards are up. A failure anywhere removes the prefix and ends the claim; the
+next publish's round tries again. A job killed mid-way leaves a claim of a
+dead writer, which ``fsck`` gives up (its objects removed) and the next round
+takes over. A host lost before its part was uploaded makes the step never
+durable: loads fall back to the newest step with a copy.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from registry.catalog.records import CommitRecord, PartRecord, PayloadRecord
+from registry.distributed.collectives import Comm, Failure, Solo, first_failure, status
+from registry.errors import PublishError, RegistryError, StorageError
+from registry.format.layout import attempt_relpath, part_relpath
+from registry.format.manifest import CONFIG, MANIFEST, META, digest_bytes, parse_manifest
+from registry.format.sharding import DCP_METADATA
+from registry.fs.store import FileProblem, check_written, discard, fsync_dir, install, new_staging
+from registry.pools import Pool
+from registry.roots.landing import Previous, os_cause
+from registry.roots.shards import Shards
+
+if TYPE_CHECKING:
+    from registry.catalog import Catalog
+    from registry.catalog.replicas import DurableClaim, Queued
+    from registry.fs.objects import ObjectRoot
+    from registry.fs.payloadfiles import Written
+    from registry.ops.protocol import CommitHooks
+
+log = logging.getLogger(__name__)
+
+SMALL = (DCP_METADATA, META, CONFIG)  # rank 0's files every part holds, beside the manifest
+
+
+@dataclass(frozen=True)
+class Hosts:
+    """Which host (fast tier id) each rank of the group writes to, and this rank's host's fast directory."""
+
+    ids: tuple[str, ...]
+    rank: int
+    root: Path
+
+    @property
+    def here(self) -> str:
+        return self.ids[self.rank]
+
+    @property
+    def lead(self) -> bool:
+        """Whether this rank installs its host's part: the host's first rank."""
+        return self.ids.index(self.here) == self.rank
+
+    def ranks_on(self, host: str) -> list[int]:
+        return [r for r, h in enumerate(self.ids) if h == host]
+
+    def share(self, host: str, files: Sequence[str]) -> list[str]:
+        """The files of ``host``'s part this rank uploads: every rank of that host takes its turn."""
+        ranks = self.ranks_on(host)
+        if self.rank not in ranks:
+            return []
+        return [f for i, f in enumerate(sorted(files)) if i % len(ranks) == ranks.index(self.rank)]
+
+
+def find_hosts(comm: Comm | Solo, shards: Shards) -> Hosts | None:
+    """The ranks' hosts when they are several (one collective, on a root whose ranks write to their own host);
+    None when every rank writes to one place."""
+    host = shards.host()
+    if host is None:
+        return None
+    ids = tuple(comm.all_gather_object(host.id, "finding each rank's host"))
+    return Hosts(ids, comm.rank, host.root) if len(set(ids)) > 1 else None
+
+
+# --------------------------------------------------------------------------- publish
+
+
+@dataclass(frozen=True)
+class PartStart:
+    """What rank 0 sends every rank: its staging directory and the part's path, both relative to a fast root."""
+
+    staging: str
+    part: str
+
+
+@dataclass
+class PartLanding:
+    """Rank 0's host's part as the publish sequence's landing: a staging directory renamed to the part. Only
+    this host's files are checked here (``mine``, set once every rank wrote); the other hosts check theirs."""
+
+    final: Path
+    mine: set[str] = field(default_factory=set)
+    shares_inodes: bool = False
+
+    @property
+    def where(self) -> str:
+        return str(self.final)
+
+    @property
+    def path(self) -> Path:
+        return self.final
+
+    def prepare(self, claim: Previous) -> Path:
+        return new_staging(self.final)
+
+    def check(self, dest: Path, written: Written) -> list[FileProblem]:
+        return check_written(dest, held(written, self.mine))
+
+    def install(self, dest: Path) -> None:
+        install(dest, self.final)
+
+    def discard(self, dest: Path) -> None:
+        discard(dest)
+
+    def old_intact(self) -> bool:
+        return False
+
+    def undo(self, dest: Path, retired: Any) -> bool:
+        discard(self.final)
+        return False
+
+    def settle(self, retired: Any) -> None:
+        pass
+
+    def failure(self, exc: OSError) -> RegistryError:
+        return PublishError(f"could not publish the part {self.final}: {os_cause(exc, self.final)}",
+                            errno=exc.errno, path=self.final)
+
+
+@dataclass
+class PartHooks:
+    """The commit hooks of a publish from several hosts: the inner hooks' record, with every host's part."""
+
+    inner: CommitHooks
+    parts: list[PartRecord] = field(default_factory=list)
+
+    def record(self, payload: PayloadRecord) -> CommitRecord:
+        return replace(self.inner.record(payload), parts=tuple(self.parts))
+
+    def failed(self) -> None:
+        self.inner.failed()
+
+    def done(self) -> None:
+        self.inner.done()
+
+
+@dataclass(frozen=True)
+class PartPublish:
+    """Rank 0's publish from several hosts: the part's path, its landing and hooks (filled as the ranks write)."""
+
+    hosts: Hosts
+    relpath: str
+    landing: PartLanding
+    hooks: PartHooks
+
+    @classmethod
+    def of(cls, hosts: Hosts, run: str, step: int, inner: CommitHooks) -> PartPublish:
+        rel = part_relpath(run, step)
+        return cls(hosts=hosts, relpath=rel, landing=PartLanding(hosts.root / rel), hooks=PartHooks(inner))
+
+    def tail(self, where: str, **tail: Any) -> Written:
+        """The tail as a directory's, without a directory's check that every rank's files are here: each host
+        checks its own part (:meth:`PartLanding.check`, :func:`install_part`)."""
+        from registry.fs.dcpfiles import write_sharded_tail
+        return write_sharded_tail(Path(where), **tail)
+
+    def start(self, staging: Path) -> PartStart:
+        return PartStart(staging=staging.relative_to(self.hosts.root).as_posix(), part=self.relpath)
+
+    def record(self, files: Sequence[Sequence[str]]) -> None:
+        """``files``: each rank's data files as it wrote them; rank 0's host's are checked by the landing."""
+        from registry.catalog.replicas import part_location
+        hosts = self.hosts
+        by_host: dict[str, list[str]] = {}
+        for rank, host in enumerate(hosts.ids):
+            by_host.setdefault(host, []).extend(f for f in files[rank] if f != DCP_METADATA)
+        self.landing.mine.update(by_host[hosts.here])
+        self.hooks.parts[:] = [PartRecord(location=part_location(h), path=self.relpath, files=tuple(sorted(fs)))
+                               for h, fs in by_host.items()]
+
+
+def held(written: Written, names: set[str]) -> Written:
+    """``written`` as far as one host's part holds it: its data files and the small files."""
+    files = {n: e for n, e in written.manifest.files.items() if n in names or n in SMALL}
+    return replace(written, manifest=replace(written.manifest, files=files))
+
+
+def staging_here(hosts: Hosts, start: PartStart) -> Path:
+    """This rank's staging directory: rank 0's path under this host's fast root (made by whichever rank of the
+    host comes first)."""
+    staging = hosts.root / start.staging
+    staging.mkdir(parents=True, exist_ok=True)
+    return staging
+
+
+def small_files(staging: Path, written: Written) -> dict[str, bytes]:
+    """Rank 0's small files, sent to every other host's part (the manifest's bytes as written)."""
+    found = {name: (staging / name).read_bytes() for name in SMALL if (staging / name).is_file()}
+    found[MANIFEST] = raw = (staging / MANIFEST).read_bytes()
+    if digest_bytes(raw) != written.manifest_sha256:
+        raise PublishError(f"the manifest in {staging} changed after it was written", path=staging / MANIFEST)
+    return found
+
+
+def install_part(hosts: Hosts, start: PartStart, small: Mapping[str, bytes], files: Sequence[Sequence[str]],
+                 *, verify: bool) -> None:
+    """On another host's first rank: write the small files beside the host's shards (the manifest last),
+    fsync, check this host's files against the manifest, and rename the staging directory to the part."""
+    staging, final = hosts.root / start.staging, hosts.root / start.part
+    for name, raw in small.items():
+        if name != MANIFEST:
+            _write_synced(staging / name, raw)
+    _write_synced(staging / MANIFEST, small[MANIFEST])
+    fsync_dir(staging)
+    manifest = parse_manifest(small[MANIFEST], path=staging / MANIFEST)
+    mine = {f for rank in hosts.ranks_on(hosts.here) for f in files[rank]}
+    if verify:
+        from registry.fs.payloadfiles import Written
+        written = Written(manifest=manifest, manifest_sha256=digest_bytes(small[MANIFEST]),
+                          total_bytes=manifest.total_bytes)
+        problems = check_written(staging, held(written, mine))
+        if problems:
+            raise PublishError(f"read-back of the part {staging} on host {hosts.here} failed: {problems[0].name}: "
+                               f"{problems[0].problem}", path=staging)
+    install(staging, final)
+
+
+def undo_part(hosts: Hosts, start: PartStart) -> None:
+    """On another host's first rank, after the publish failed: its staging directory or part goes."""
+    discard(hosts.root / start.staging)
+    discard(hosts.root / start.part)
+
+
+def _write_synced(path: Path, raw: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(raw)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# --------------------------------------------------------------------------- replication
+
+
+@dataclass(frozen=True)
+class PartStep:
+    """A step rank 0 found with parts and no durable copy: every host's files, at one part path."""
+
+    item: Queued
+    path: str
+    files: Mapping[str, tuple[str, ...]]  # host (tier id) -> its part's data files
+
+
+@dataclass(frozen=True)
+class Coordinator:
+    """What rank 0 replicates with: the catalog and its writer."""
+
+    catalog: Catalog
+    writer: Callable[[], str]
+
+
+_ROUNDS = Pool(1, "registry-part-replication")
+
+
+class Groups(Protocol):
+    """The gloo groups background work runs its collectives on (``registry.distributed.sharded_async``)."""
+
+    def comm(self, comm: Comm | Solo) -> Comm | Solo: ...
+
+
+class PartReplication:
+    """A registry's replication of its parts (see the module's docstring): one round after each publish from
+    several hosts, queued on one thread per process, so every rank runs the rounds in the same order."""
+
+    def __init__(self, groups: Groups) -> None:
+        self.groups = groups
+        self._pending: list[Future[int]] = []
+
+    def after_publish(self, comm: Comm | Solo, hosts: Hosts, *, run: str, objects: ObjectRoot,
+                      coordinator: Coordinator | None) -> None:
+        """Queue a round for ``run`` on every rank (in the caller's thread: the group is made there first)."""
+        group = self.groups.comm(comm)
+        background = Comm(timeout=None, group=group.group) if isinstance(group, Comm) else group
+        self._pending = [f for f in self._pending if not f.done()]
+        self._pending.append(_ROUNDS.submit(replicate_round, background, hosts, run=run, objects=objects,
+                                            coordinator=coordinator))
+
+    def wait(self) -> None:
+        """Until every queued round ended (a round logs its own failures)."""
+        for f in self._pending:
+            f.exception()
+        self._pending.clear()
+
+
+def unreplicated(catalog: Catalog, run: str, hosts: Hosts) -> list[PartStep]:
+    """Rank 0: ``run``'s verified steps with no durable copy whose payload has a part on every host that wrote it,
+    each of those hosts a host of this group, oldest first."""
+    from registry.catalog.replicas import PART, ReplicaCatalog
+    replicas = ReplicaCatalog(catalog)
+    parts: dict[tuple[int, str], dict[str, tuple[str, ...]]] = {}
+    paths: dict[tuple[int, str], str] = {}
+    for r in replicas.replicas(run):
+        if r.location.startswith(PART) and r.status == "verified" and r.files is not None and r.manifest_sha256:
+            key = (r.step, r.manifest_sha256)
+            parts.setdefault(key, {})[r.location[len(PART):]] = r.files
+            paths[key] = r.path
+    found = []
+    for item in replicas.queue(run=run):
+        key = (item.step, item.manifest_sha256)
+        if key in parts and set(parts[key]) <= set(hosts.ids):
+            found.append(PartStep(item=item, path=paths[key], files=parts[key]))
+    return found
+
+
+def replicate_round(comm: Comm | Solo, hosts: Hosts, *, run: str, objects: ObjectRoot,
+                    coordinator: Coordinator | None) -> int:
+    """Every rank: replicate ``run``'s steps that have parts and no durable copy; how many became durable.
+    ``coordinator`` is rank 0's."""
+    try:
+        plan = comm.broadcast_object(unreplicated(coordinator.catalog, run, hosts) if coordinator is not None else None,
+                                     "sending the steps to replicate")
+        done = 0
+        for step in plan:
+            done += _replicate_step(comm, hosts, step, objects=objects, coordinator=coordinator)
+        return done
+    except RegistryError as exc:  # a lost peer: the next round (or fsck, for a dead claim) finishes the job
+        log.warning("replication of %s's parts stopped on rank %d: %s", run, hosts.rank, exc)
+        return 0
+
+
+def _replicate_step(comm: Comm | Solo, hosts: Hosts, step: PartStep, *, objects: ObjectRoot,
+                    coordinator: Coordinator | None) -> int:
+    from registry.ops.protocol import beating
+    item = step.item
+    claim: DurableClaim | Failure | None = None
+    if coordinator is not None:
+        got, failure = status(lambda: _claim(coordinator, item), 0)
+        claim = failure if failure is not None else got
+    claim = comm.broadcast_object(claim, "sending the durable claim")
+    if isinstance(claim, Failure) and coordinator is not None:
+        log.warning("%s@%s was not replicated from its parts: %s; the next publish from these hosts tries again",
+                    item.run, item.step, claim.message)
+    if claim is None or isinstance(claim, Failure):
+        return 0
+    where = hosts.root / step.path
+    mine = hosts.share(hosts.here, step.files.get(hosts.here, ()))
+
+    def upload() -> dict[str, bytes]:
+        raw = (where / MANIFEST).read_bytes()
+        if digest_bytes(raw) != item.manifest_sha256:
+            raise PublishError(f"the part {where} holds another payload of {item.run}@{item.step}", path=where)
+        from registry.fs.objectwrite import upload_files
+        manifest = parse_manifest(raw, path=where / MANIFEST)
+        heads, problems = upload_files(objects, claim.path, where, manifest, mine)
+        if problems:
+            raise PublishError(f"{item.run}@{item.step}'s part on host {hosts.here} differs from its manifest: "
+                               f"{problems[0].name}: {problems[0].problem}", path=where / problems[0].name)
+        return heads
+
+    if coordinator is None:
+        _, failure = status(upload, comm.rank)
+        comm.all_gather_object(failure, "uploading each host's part")
+        return int(comm.broadcast_object(None, "sending the durable copy's outcome"))
+    writer = coordinator.writer()
+    from registry.catalog.replicas import ReplicaCatalog
+    replicas = ReplicaCatalog(coordinator.catalog)
+    ok = False
+    try:
+        with beating(lambda: replicas.touch_durable(claim, writer=writer)):
+            _, failure = status(upload, comm.rank)
+            failure = first_failure(comm.all_gather_object(failure, "uploading each host's part"))
+            if failure is not None:
+                raise failure.error()
+            _finish_upload(objects, claim, where, step)
+        ok = replicas.finish_durable(claim, writer=writer)
+        if not ok:  # the step ended (or the claim was taken over) meanwhile: nothing of it stays durable here
+            _remove(objects, claim.path)
+        elif claim.stale is not None:
+            _remove(objects, claim.stale)
+        if ok:
+            log.info("%s@%s is durable at %s (from %d hosts' parts)", item.run, item.step, objects.url(claim.path),
+                     len(step.files))
+    except (RegistryError, OSError) as exc:
+        log.warning("%s@%s was not replicated from its parts: %s; the next publish from these hosts tries again",
+                    item.run, item.step, exc)
+        _remove(objects, claim.path)
+        replicas.drop_claim(claim, writer=writer)
+    comm.broadcast_object(ok, "sending the durable copy's outcome")
+    return int(ok)
+
+
+def _claim(coordinator: Coordinator, item: Queued) -> DurableClaim | None:
+    from registry.catalog.replicas import ReplicaCatalog
+    from registry.ops.writers import writer_alive
+    replicas = ReplicaCatalog(coordinator.catalog)
+    return replicas.claim_durable(item, path=attempt_relpath(item.run, item.step), writer=coordinator.writer(),
+                                  writer_alive=writer_alive)
+
+
+def _finish_upload(objects: ObjectRoot, claim: DurableClaim, where: Path, step: PartStep) -> None:
+    """Rank 0, once every host's files are up: the small files, the manifest last, then what the server stored."""
+    from registry.fs.objectwrite import check_uploaded, upload_directory
+    from registry.fs.payloadfiles import Written
+    raw = (where / MANIFEST).read_bytes()
+    manifest = parse_manifest(raw, path=where / MANIFEST)
+    data = {f for files in step.files.values() for f in files}
+    small = replace(manifest, files={n: e for n, e in manifest.files.items() if n not in data})
+    _, problems = upload_directory(objects, claim.path, where, small, raw)
+    if problems:
+        raise PublishError(f"{claim.run}@{claim.step}'s part at {where} differs from its manifest: "
+                           f"{problems[0].name}: {problems[0].problem}", path=where / problems[0].name)
+    written = Written(manifest=manifest, manifest_sha256=digest_bytes(raw), total_bytes=manifest.total_bytes)
+    problems = check_uploaded(objects, claim.path, written)
+    if problems:
+        raise StorageError(f"the durable tier stored {claim.run}@{claim.step} differently from what was uploaded "
+                           f"({problems[0].name}: {problems[0].problem})", url=objects.url(claim.path))
+
+
+def _remove(objects: ObjectRoot, prefix: str) -> None:
+    from registry.fs.prefixes import remove_prefix
+    try:
+        remove_prefix(objects, prefix)
+    except (StorageError, OSError) as exc:
+        log.warning("could not delete the objects under %s: %s; 'registry fsck --repair' removes them",
+                    objects.url(prefix), exc)
+
+
+__all__ = ["Coordinator", "Groups", "Hosts", "PartLanding", "PartPublish", "PartReplication", "PartStart",
+           "find_hosts", "install_part", "replicate_round", "small_files", "staging_here",
+           "undo_part", "unreplicated"]

@@ -1,0 +1,206 @@
+"""A sharded publish to a tiered root from ranks on several hosts, each writing to a fast directory of its own.
+
+Real 2-rank gloo groups on 127.0.0.1, each rank its own "host" (its own fast
+directory and tier id), a real S3 server, both catalogs. No host holds the
+step: each holds its part (its ranks' shards and the small files), recorded
+per host with its files, and the ranks replicate the parts into one durable
+copy in the background. A fresh pair of hosts, or one process, resumes from
+the durable copy at world size 2 and 1, bit for bit. Hosts lost before the
+replication ran leave the step not durable: ``@latest`` falls back on every
+rank, and the hosts restarted replicate it at their next publish.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from registry import Registry
+from registry.catalog.replicas import DURABLE
+from registry.errors import NoCopyError
+from registry.format.manifest import MANIFEST
+from registry.format.sharding import DCP_METADATA
+from registry.records import Status
+from tests._s3_sharded_worker import fingerprint, full_state
+from tests.helpers import durable_keys, run_ranks
+from tests.test_tiered_sharded import loaded, same_on_both, template
+
+pytestmark = pytest.mark.distributed
+
+
+def launch(tmp_path: Path, url: str, roots: list[Path], durable: str,
+           scenarios: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[int]]:
+    out = tmp_path / f"out-{time.monotonic_ns()}"
+    out.mkdir()
+    spec = out / "spec.json"
+    spec.write_text(json.dumps({"url": url, "root": [str(r) for r in roots], "durable": durable, "out": str(out),
+                                "scenarios": scenarios, "pg_timeout": 15}))
+    codes = run_ranks("tests._tiered_sharded_worker", 2, spec, deadline_s=120)
+    results = [json.loads(p.read_text()) if (p := out / f"rank{r}.json").exists() else {} for r in range(2)]
+    return results, codes
+
+
+def tier_id(root: Path) -> str:
+    return str(json.loads((root / ".registry" / "tier.json").read_text())["tier_id"])
+
+
+def test_each_host_holds_its_part_and_the_ranks_make_one_durable_copy(
+        catalog_url: str, durable: str, tmp_path: Path) -> None:
+    hosts = [tmp_path / "host-a", tmp_path / "host-b"]
+    results, codes = launch(tmp_path, catalog_url, hosts, durable, [
+        {"name": "one", "op": "publish", "run": "main", "step": 1, "seed": 1},
+        {"name": "two", "op": "publish", "run": "main", "step": 2, "seed": 2},
+        {"name": "durable", "op": "wait_durable", "run": "main", "step": 2},
+        {"name": "load", "op": "load", "ref": "main@latest", "seed": 2},
+        {"name": "fsck", "op": "fsck"},
+    ])
+    assert codes == [0, 0], results
+    assert same_on_both(results, "two")["ok"] and results[0]["durable"]["ok"], results
+    loaded(results, "load", seed=2, step=2)  # the same hosts, from the durable copy
+    assert [r["fsck"] for r in results] == [{"ok": True, "problems": []}] * 2, results
+    with Registry.open(catalog_url, root=tmp_path / "fresh", durable=durable) as reg:
+        for step in (1, 2):
+            info = reg.resolve(f"main@{step}")
+            copy = reg.wait_durable("main", step, timeout=60)
+            parts = {r.location: r for r in reg.replicas("main", step) if r.location.startswith("part:")}
+            assert sorted(parts) == sorted(f"part:{tier_id(h)}" for h in hosts)
+            assert {r.location for r in reg.replicas("main", step)} == {*parts, DURABLE}  # no fast copy anywhere
+            data: list[str] = []
+            for host in hosts:
+                part = parts[f"part:{tier_id(host)}"]
+                assert part.status == "verified" and part.manifest_sha256 == info.manifest_sha256
+                assert part.files and all(f.endswith(".distcp") for f in part.files)
+                on_disk = sorted(p.name for p in (host / part.path).iterdir())
+                assert on_disk == sorted({*part.files, DCP_METADATA, MANIFEST, "meta.json", "config.json"})
+                assert not (host / info.path.relative_to(reg.root.directory)).exists()
+                data += part.files
+            assert sorted(data) == sorted(n for n in json.loads(
+                (hosts[0] / parts[f"part:{tier_id(hosts[0])}"].path / MANIFEST).read_text())["files"]
+                if n.endswith(".distcp"))
+            assert durable_keys(reg, copy.path) == sorted(f"{copy.path}/{n}" for n in
+                                                          {*data, DCP_METADATA, MANIFEST, "meta.json", "config.json"})
+        into = template(1)  # world size 1, another host: from the durable copy, resharded
+        assert reg.load_into("main@1", into).step == 1
+        assert fingerprint(into) == fingerprint(full_state(1))
+        assert [r.ok for r in reg.verify("main")] == [True, True]
+    fresh = [tmp_path / "host-c", tmp_path / "host-d"]
+    results, codes = launch(tmp_path, catalog_url, fresh, durable, [
+        {"name": "latest", "op": "load", "ref": "main@latest", "seed": 2},
+        {"name": "one", "op": "load", "ref": "main@1", "seed": 1},
+    ])
+    assert codes == [0, 0], results
+    loaded(results, "latest", seed=2, step=2)
+    loaded(results, "one", seed=1, step=1)
+
+
+def test_hosts_lost_before_replicating_fall_back_and_replicate_when_back(
+        catalog_url: str, durable: str, tmp_path: Path) -> None:
+    hosts = [tmp_path / "host-a", tmp_path / "host-b"]
+    results, codes = launch(tmp_path, catalog_url, hosts, durable, [
+        {"name": "one", "op": "publish", "run": "main", "step": 1, "seed": 1},
+        {"name": "durable", "op": "wait_durable", "run": "main", "step": 1},
+        {"name": "two", "op": "publish", "run": "main", "step": 2, "seed": 2, "hold": True},
+    ])
+    assert codes == [0, 0] and same_on_both(results, "two")["ok"], results
+    fresh = [tmp_path / "host-c", tmp_path / "host-d"]
+    results, codes = launch(tmp_path, catalog_url, fresh, durable, [
+        {"name": "latest", "op": "load", "ref": "main@latest", "seed": 1},
+        {"name": "lost", "op": "load", "ref": "main@2", "seed": 2},
+    ])
+    assert codes == [0, 0], results
+    assert loaded(results, "latest", seed=1, step=1)["fell_back"] is True
+    lost = same_on_both(results, "lost")
+    assert not lost["ok"] and lost["type"] == "NoCopyError", lost
+    with Registry.open(catalog_url, root=tmp_path / "host-e", durable=durable) as reg:
+        with pytest.raises(NoCopyError):
+            reg.load_into("main@2", template(2))
+        assert reg.catalog.get("main", 2).status == Status.VERIFIED  # type: ignore[union-attr]  # never condemned
+    # the hosts come back: their next publish's round replicates the step they hold, then the new one
+    results, codes = launch(tmp_path, catalog_url, hosts, durable, [
+        {"name": "fsck", "op": "fsck"},
+        {"name": "three", "op": "publish", "run": "main", "step": 3, "seed": 3},
+        {"name": "durable", "op": "wait_durable", "run": "main", "step": 3},
+        {"name": "two", "op": "load", "ref": "main@2", "seed": 2},
+    ])
+    assert codes == [0, 0], results
+    assert [r["fsck"] for r in results] == [{"ok": True, "problems": []}] * 2, results
+    loaded(results, "two", seed=2, step=2)
+    with Registry.open(catalog_url, root=tmp_path / "host-e", durable=durable) as reg:
+        assert reg.wait_durable("main", 2, timeout=1).status == "verified"
+
+
+def test_a_publish_from_several_hosts_is_blocking_and_never_overwrites(
+        catalog_url: str, durable: str, tmp_path: Path) -> None:
+    hosts = [tmp_path / "host-a", tmp_path / "host-b"]
+    results, codes = launch(tmp_path, catalog_url, hosts, durable, [
+        {"name": "async", "op": "publish", "run": "main", "step": 1, "seed": 1, "async": True},
+    ])
+    assert codes == [0, 0], results
+    got = same_on_both(results, "async")
+    assert not got["ok"] and got["type"] == "InvalidStateError" and "2 hosts runs blocking" in got["msg"], got
+    with Registry.open(catalog_url, root=tmp_path / "host-e", durable=durable) as reg:
+        assert reg.catalog.get("main", 1) is None
+
+
+def test_a_host_killed_after_installing_its_part_leaves_nothing_fsck_does_not_remove(
+        catalog_url: str, durable: str, tmp_path: Path) -> None:
+    hosts = [tmp_path / "host-a", tmp_path / "host-b"]
+    results, codes = launch(tmp_path, catalog_url, hosts, durable, [
+        {"name": "one", "op": "publish", "run": "main", "step": 1, "seed": 1,
+         "crash": {"rank": 1, "at": "parts-after-install"}},
+    ])
+    assert codes[1] != 0 and results[0]["one"]["ok"] is False, results  # rank 0 lost its peer: nothing committed
+    with Registry.open(catalog_url, root=hosts[1], durable=durable) as reg:
+        assert reg.catalog.get("main", 1).status == Status.FAILED  # type: ignore[union-attr]
+        left = [p for p in (hosts[1] / ".registry" / "parts" / "main").rglob("a-*") if p.is_dir()]
+        assert len(left) == 1 and (left[0] / MANIFEST).is_file()  # host b's part, installed before rank 0 heard
+        report = reg.fsck(repair=True)
+        assert [(p.kind, p.step, p.path) for p in report.problems] == [("leftover-part", 1, left[0])]
+        assert not left[0].exists() and not reg.fsck(repair=False).problems
+    with Registry.open(catalog_url, root=hosts[0], durable=durable) as reg:
+        assert not reg.fsck(repair=False).problems
+        assert not [p for p in (hosts[0] / ".registry" / "parts").rglob("*") if p.is_dir() and "a-" in p.name]
+
+
+def test_each_host_retains_its_own_parts_and_an_ended_step_takes_them_all(
+        catalog_url: str, durable: str, tmp_path: Path) -> None:
+    from registry.retention import KeepLast
+    hosts = [tmp_path / "host-a", tmp_path / "host-b"]
+    results, codes = launch(tmp_path, catalog_url, hosts, durable, [
+        {"name": "one", "op": "publish", "run": "main", "step": 1, "seed": 1},
+        {"name": "two", "op": "publish", "run": "main", "step": 2, "seed": 2},
+        {"name": "three", "op": "publish", "run": "main", "step": 3, "seed": 3, "hold": True},
+    ])
+    assert codes == [0, 0] and same_on_both(results, "three")["ok"], results
+
+    def parts(step: int) -> dict[str, str]:
+        return {r.location: r.status for r in reg.replicas("main", step) if r.location.startswith("part:")}
+
+    with Registry.open(catalog_url, root=hosts[0], durable=durable) as reg:
+        reg.wait_durable("main", 2, timeout=60)
+        plan = reg.plan_tier_retention("main", KeepLast(1), tier="fast")
+        assert sorted(plan.delete) == [1, 2]  # durable: their parts may go from this host
+        plan.execute()
+        a, b = f"part:{tier_id(hosts[0])}", f"part:{tier_id(hosts[1])}"
+        for step in (1, 2):
+            assert parts(step) == {a: "deleted", b: "verified"}  # this host's part only; host b's is host b's
+            assert not any((hosts[0] / ".registry" / "parts" / "main").glob(f"step-0000000{step}/*"))
+        assert parts(3) == {a: "verified", b: "verified"}  # never durable: kept whatever the policy says
+        assert reg.catalog.get("main", 1).status == Status.VERIFIED  # type: ignore[union-attr]
+        into = template(1)
+        assert reg.load_into("main@1", into).step == 1 and fingerprint(into) == fingerprint(full_state(1))
+        ended = reg.plan_tier_retention("main", KeepLast(1), tier="durable")
+        assert sorted(ended.delete) == [1]
+        ended.execute()  # its durable copy was its last: the step ends, every host's part with it
+        assert reg.catalog.get("main", 1).status == Status.DELETED  # type: ignore[union-attr]
+        assert parts(1) == {a: "deleted", b: "deleted"}
+    with Registry.open(catalog_url, root=hosts[1], durable=durable) as reg:
+        report = reg.fsck(repair=True)
+        assert [(p.kind, p.step) for p in report.problems] == [("unfinished-copy-deletion", 1)], report.problems
+        assert not reg.fsck(repair=False).problems
+        left = [p for p in (hosts[1] / ".registry" / "parts" / "main").glob("step-00000001/*")]
+        assert left == []
