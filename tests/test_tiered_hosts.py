@@ -115,10 +115,14 @@ def test_hosts_lost_before_replicating_fall_back_and_replicate_when_back(
     assert loaded(results, "latest", seed=1, step=1)["fell_back"] is True
     lost = same_on_both(results, "lost")
     assert not lost["ok"] and lost["type"] == "NoCopyError", lost
-    with Registry.open(catalog_url, root=tmp_path / "host-e", durable=durable) as reg:
-        with pytest.raises(NoCopyError):
-            reg.load_into("main@2", template(2))
-        assert reg.catalog.get("main", 2).status == Status.VERIFIED  # type: ignore[union-attr]  # never condemned
+    for host in (tmp_path / "host-e", hosts[0]):  # a fresh host, and one holding a part
+        with Registry.open(catalog_url, root=host, durable=durable) as reg:
+            with pytest.raises(NoCopyError):
+                reg.load_into("main@2", template(2))
+            verdicts = {r.step: r for r in reg.verify("main")}
+            assert verdicts[1].ok and not verdicts[2].ok, verdicts
+            assert reg.catalog.get("main", 2).status == Status.VERIFIED  # type: ignore[union-attr]  # never condemned
+            assert not reg.fsck(repair=False).problems
     # the hosts come back: their next publish's round replicates the step they hold, then the new one
     results, codes = launch(tmp_path, catalog_url, hosts, durable, [
         {"name": "fsck", "op": "fsck"},
