@@ -55,7 +55,8 @@ def main() -> None:
                     from registry.distributed.parts import _ROUNDS
                     _ROUNDS.submit(threading.Event().wait)
                 info = reg.publish(sc["run"], sc["step"], state, sharded=True, timeout=20,
-                                   config={"rank": rank}, blocking=not sc.get("async"))
+                                   config={"rank": rank}, blocking=not sc.get("async"),
+                                   overwrite=sc.get("overwrite", False))
                 if sc.get("async"):
                     info = info.result(timeout=120)
                 results[name] = {"ok": True, "step": info.step, "status": str(info.status),

@@ -142,12 +142,16 @@ def test_a_publish_from_several_hosts_is_blocking_and_never_overwrites(
     hosts = [tmp_path / "host-a", tmp_path / "host-b"]
     results, codes = launch(tmp_path, catalog_url, hosts, durable, [
         {"name": "async", "op": "publish", "run": "main", "step": 1, "seed": 1, "async": True},
+        {"name": "overwrite", "op": "publish", "run": "main", "step": 1, "seed": 1, "overwrite": True},
     ])
     assert codes == [0, 0], results
     got = same_on_both(results, "async")
     assert not got["ok"] and got["type"] == "InvalidStateError" and "2 hosts runs blocking" in got["msg"], got
+    got = same_on_both(results, "overwrite")
+    assert not got["ok"] and got["type"] == "InvalidStateError" and "cannot overwrite" in got["msg"], got
     with Registry.open(catalog_url, root=tmp_path / "host-e", durable=durable) as reg:
         assert reg.catalog.get("main", 1) is None
+    assert not [p for h in hosts for p in (h / ".registry" / "parts").rglob("*")]  # nothing written anywhere
 
 
 def test_a_host_killed_after_installing_its_part_leaves_nothing_fsck_does_not_remove(

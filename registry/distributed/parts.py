@@ -40,7 +40,6 @@ durable: loads fall back to the newest step with a copy.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
@@ -53,9 +52,9 @@ from registry.errors import PublishError, RegistryError, StorageError
 from registry.format.layout import attempt_relpath, part_relpath
 from registry.format.manifest import CONFIG, MANIFEST, META, digest_bytes, parse_manifest
 from registry.format.sharding import DCP_METADATA
-from registry.fs.store import FileProblem, check_written, discard, fsync_dir, install, new_staging
+from registry.fs.store import FileProblem, check_written, discard, fsync_dir, install
 from registry.pools import Pool
-from registry.roots.landing import Previous, os_cause
+from registry.roots.directory import DirectoryLanding
 from registry.roots.shards import Shards
 
 if TYPE_CHECKING:
@@ -120,47 +119,15 @@ class PartStart:
 
 
 @dataclass
-class PartLanding:
-    """Rank 0's host's part as the publish sequence's landing: a staging directory renamed to the part. Only
-    this host's files are checked here (``mine``, set once every rank wrote); the other hosts check theirs."""
+class PartLanding(DirectoryLanding):
+    """Rank 0's host's part as the publish sequence's landing: a directory root's (a staging sibling renamed to
+    the part), checking only this host's files (``mine``, set once every rank wrote); the other hosts check
+    theirs (:func:`install_part`)."""
 
-    final: Path
     mine: set[str] = field(default_factory=set)
-    shares_inodes: bool = False
-
-    @property
-    def where(self) -> str:
-        return str(self.final)
-
-    @property
-    def path(self) -> Path:
-        return self.final
-
-    def prepare(self, claim: Previous) -> Path:
-        return new_staging(self.final)
 
     def check(self, dest: Path, written: Written) -> list[FileProblem]:
         return check_written(dest, held(written, self.mine))
-
-    def install(self, dest: Path) -> None:
-        install(dest, self.final)
-
-    def discard(self, dest: Path) -> None:
-        discard(dest)
-
-    def old_intact(self) -> bool:
-        return False
-
-    def undo(self, dest: Path, retired: Any) -> bool:
-        discard(self.final)
-        return False
-
-    def settle(self, retired: Any) -> None:
-        pass
-
-    def failure(self, exc: OSError) -> RegistryError:
-        return PublishError(f"could not publish the part {self.final}: {os_cause(exc, self.final)}",
-                            errno=exc.errno, path=self.final)
 
 
 @dataclass
@@ -192,7 +159,8 @@ class PartPublish:
     @classmethod
     def of(cls, hosts: Hosts, run: str, step: int, inner: CommitHooks) -> PartPublish:
         rel = part_relpath(run, step)
-        return cls(hosts=hosts, relpath=rel, landing=PartLanding(hosts.root / rel), hooks=PartHooks(inner))
+        return cls(hosts=hosts, relpath=rel, landing=PartLanding(hosts.root / rel, shares_inodes=False),
+                   hooks=PartHooks(inner))
 
     def tail(self, where: str, **tail: Any) -> Written:
         """The tail as a directory's, without a directory's check that every rank's files are here: each host
@@ -242,13 +210,15 @@ def install_part(hosts: Hosts, start: PartStart, small: Mapping[str, bytes], fil
                  *, verify: bool) -> None:
     """On another host's first rank: write the small files beside the host's shards (the manifest last),
     fsync, check this host's files against the manifest, and rename the staging directory to the part."""
+    from registry.fs.dcpfiles import write_small
     staging, final = hosts.root / start.staging, hosts.root / start.part
-    for name, raw in small.items():
-        if name != MANIFEST:
-            _write_synced(staging / name, raw)
-    _write_synced(staging / MANIFEST, small[MANIFEST])
-    fsync_dir(staging)
     manifest = parse_manifest(small[MANIFEST], path=staging / MANIFEST)
+    for name, raw in small.items():
+        if name != MANIFEST and write_small(staging / name, raw).sha256 != manifest.files[name].sha256:
+            raise PublishError(f"{name} as received on host {hosts.here} differs from the manifest",
+                               path=staging / name)
+    write_small(staging / MANIFEST, small[MANIFEST])
+    fsync_dir(staging)
     mine = {f for rank in hosts.ranks_on(hosts.here) for f in files[rank]}
     if verify:
         from registry.fs.payloadfiles import Written
@@ -265,17 +235,6 @@ def undo_part(hosts: Hosts, start: PartStart) -> None:
     """On another host's first rank, after the publish failed: its staging directory or part goes."""
     discard(hosts.root / start.staging)
     discard(hosts.root / start.part)
-
-
-def _write_synced(path: Path, raw: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        view = memoryview(raw)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # --------------------------------------------------------------------------- replication
@@ -356,8 +315,13 @@ def replicate_round(comm: Comm | Solo, hosts: Hosts, *, run: str, objects: Objec
     """Every rank: replicate ``run``'s steps that have parts and no durable copy; how many became durable.
     ``coordinator`` is rank 0's."""
     try:
-        plan = comm.broadcast_object(unreplicated(coordinator.catalog, run, hosts) if coordinator is not None else None,
-                                     "sending the steps to replicate")
+        plan: list[PartStep] | Failure | None = None
+        if coordinator is not None:
+            got, failure = status(lambda: unreplicated(coordinator.catalog, run, hosts), 0)
+            plan = failure if failure is not None else got
+        plan = comm.broadcast_object(plan, "sending the steps to replicate")
+        if isinstance(plan, Failure):
+            raise plan.error()
         done = 0
         for step in plan:
             done += _replicate_step(comm, hosts, step, objects=objects, coordinator=coordinator)
@@ -384,17 +348,16 @@ def _replicate_step(comm: Comm | Solo, hosts: Hosts, step: PartStep, *, objects:
     where = hosts.root / step.path
     mine = hosts.share(hosts.here, step.files.get(hosts.here, ()))
 
-    def upload() -> dict[str, bytes]:
+    def upload() -> None:
         raw = (where / MANIFEST).read_bytes()
         if digest_bytes(raw) != item.manifest_sha256:
             raise PublishError(f"the part {where} holds another payload of {item.run}@{item.step}", path=where)
         from registry.fs.objectwrite import upload_files
         manifest = parse_manifest(raw, path=where / MANIFEST)
-        heads, problems = upload_files(objects, claim.path, where, manifest, mine)
+        _, problems = upload_files(objects, claim.path, where, manifest, mine)  # DCP files: no safetensors heads
         if problems:
             raise PublishError(f"{item.run}@{item.step}'s part on host {hosts.here} differs from its manifest: "
                                f"{problems[0].name}: {problems[0].problem}", path=where / problems[0].name)
-        return heads
 
     if coordinator is None:
         _, failure = status(upload, comm.rank)
@@ -403,7 +366,6 @@ def _replicate_step(comm: Comm | Solo, hosts: Hosts, step: PartStep, *, objects:
     writer = coordinator.writer()
     from registry.catalog.replicas import ReplicaCatalog
     replicas = ReplicaCatalog(coordinator.catalog)
-    ok = False
     try:
         with beating(lambda: replicas.touch_durable(claim, writer=writer)):
             _, failure = status(upload, comm.rank)
@@ -411,19 +373,28 @@ def _replicate_step(comm: Comm | Solo, hosts: Hosts, step: PartStep, *, objects:
             if failure is not None:
                 raise failure.error()
             _finish_upload(objects, claim, where, step)
-        ok = replicas.finish_durable(claim, writer=writer)
-        if not ok:  # the step ended (or the claim was taken over) meanwhile: nothing of it stays durable here
-            _remove(objects, claim.path)
-        elif claim.stale is not None:
-            _remove(objects, claim.stale)
-        if ok:
-            log.info("%s@%s is durable at %s (from %d hosts' parts)", item.run, item.step, objects.url(claim.path),
-                     len(step.files))
-    except (RegistryError, OSError) as exc:
+    except Exception as exc:  # noqa: BLE001 - whatever failed, the claim ends and its objects go
         log.warning("%s@%s was not replicated from its parts: %s; the next publish from these hosts tries again",
                     item.run, item.step, exc)
         _remove(objects, claim.path)
         replicas.drop_claim(claim, writer=writer)
+        comm.broadcast_object(False, "sending the durable copy's outcome")
+        return 0
+    try:
+        ok = replicas.finish_durable(claim, writer=writer)
+    except Exception as exc:  # noqa: BLE001 - the commit may have landed: the row decides, not this error
+        log.warning("%s@%s: the commit of its durable copy at %s failed (%s); the upload is whole and stays, for "
+                    "fsck to record or give up once this process is gone", item.run, item.step,
+                    objects.url(claim.path), exc)
+        ok = False
+    else:
+        if not ok:  # the step ended (or the claim was taken over) meanwhile: nothing of it stays durable here
+            _remove(objects, claim.path)
+        else:
+            if claim.stale is not None:
+                _remove(objects, claim.stale)
+            log.info("%s@%s is durable at %s (from %d hosts' parts)", item.run, item.step, objects.url(claim.path),
+                     len(step.files))
     comm.broadcast_object(ok, "sending the durable copy's outcome")
     return int(ok)
 

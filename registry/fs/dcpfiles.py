@@ -150,7 +150,7 @@ def write_sharded_tail(staging: Path, *, entries: Mapping[str, FileEntry], layou
     ``entries`` are the DCP files every rank wrote, as their writers hashed them.
     """
     from registry.fs.store import fsync_dir
-    written = sharded_tail(lambda name, raw: _write_small(staging / name, raw), entries=entries, layout=layout,
+    written = sharded_tail(lambda name, raw: write_small(staging / name, raw), entries=entries, layout=layout,
                            tensors=tensors, meta=meta, meta_raw=meta_raw, config_raw=config_raw)
     fsync_dir(staging)
     return written
@@ -173,7 +173,8 @@ def sharded_tail(put: Callable[[str, bytes], FileEntry], *, entries: Mapping[str
     return Written(manifest=manifest, manifest_sha256=entry.sha256, total_bytes=manifest.total_bytes + len(raw))
 
 
-def _write_small(path: Path, raw: bytes) -> FileEntry:
+def write_small(path: Path, raw: bytes) -> FileEntry:
+    """Write one small file of a step (meta, config, manifest, ``.metadata``), hashed and fsync'd; its entry."""
     with HashingWriter(path) as out:
         out.write(raw)
     assert out.sha256 is not None
@@ -318,5 +319,5 @@ def check_share(directory: Path, manifest: Manifest, share: list[tuple[str, int]
 
 
 __all__ = ["check_piece", "check_share", "checked_metadata", "dcp_failures", "full_state", "hashing_writer",
-           "piece_share", "quiet", "sharded_tail", "unpickle_metadata", "wanted", "write_sharded_tail",
+           "piece_share", "quiet", "sharded_tail", "unpickle_metadata", "wanted", "write_sharded_tail", "write_small",
            "write_threads"]

@@ -51,7 +51,7 @@ tier fails is a failure line, never a verdict.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from types import MappingProxyType
@@ -232,13 +232,22 @@ class TierFsck(FsckPass):
                     rel = final.relative_to(self.tiers.fast.root).as_posix()
                     if rel in named or not entry.is_dir() or entry.is_symlink():
                         continue
-                    row = self.catalog.get(run_dir.name, step)
-                    if row is not None and row.status == Status.STAGING:
-                        continue  # being published (a dead claim is the judge's; the part goes at the next fsck)
+                    unowned = functools.partial(self._unowned_part, run_dir.name, step, rel)
+                    if not unowned():  # committed or being published since the snapshot was read
+                        continue
                     p = self._found("leftover-part", run_dir.name, step, entry,
                                     "a part of a publish from several hosts that no row names (its publish "
                                     "failed or was killed)")
-                    self._fix(p, functools.partial(_remove_leftover, entry))
+                    self._fix(p, functools.partial(_remove_leftover, entry, unowned))
+
+    def _unowned_part(self, run: str, step: int, rel: str) -> bool:
+        """Whether no part row of this tier names ``rel`` and the step is not being published, read now: a publish
+        may have committed the part since the snapshot (a dead claim is the judge's; its part goes next time)."""
+        row = self.catalog.get(run, step)
+        if row is not None and row.status == Status.STAGING:
+            return False
+        return not any(c.location == self.tiers.part_location and c.path == rel
+                       for c in self.replicas.replicas(run, step))
 
     def _fast_here(self, run: str, step: int, path: str, digest: str | None) -> bool:
         try:
@@ -375,7 +384,9 @@ class DurableRows:
         return True
 
 
-def _remove_leftover(path: Path) -> bool:
+def _remove_leftover(path: Path, unowned: Callable[[], bool]) -> bool | str:
+    if not unowned():
+        return "a publish committed it or is publishing its step meanwhile"
     remove_tree(path)
     return True
 
