@@ -6,8 +6,9 @@ rank opens the same catalog, the same fast directory (``root``, the ranks of
 one host; a list: each rank's own, ranks on several hosts) and the same durable
 tier. A scenario publishes (``hold``: rank 0
 keeps its replicator from starting, then the group dies at once, a host lost
-before it replicated), waits for a step's durable copy (rank 0), or loads into
-zeros and reports a fingerprint of the full tensors. Outcomes go to
+before it replicated; ``stall``: the rounds never run, and the ranks go on),
+waits for a step's durable copy (rank 0), or loads into zeros and reports a
+fingerprint of the full tensors and the warnings the load gave. Outcomes go to
 ``OUT/rank<N>.json`` after each scenario.
 """
 
@@ -37,6 +38,7 @@ def main() -> None:
     from registry import Registry
 
     results: dict[str, Any] = {}
+    stalled = False
     root = spec["root"][rank] if isinstance(spec["root"], list) else spec["root"]
     reg = Registry.open(url=spec["url"], root=root, durable=spec["durable"])
     for sc in spec["scenarios"]:
@@ -51,9 +53,10 @@ def main() -> None:
                 if sc.get("hold") and rank == 0:  # the host dies before its replicator ever runs
                     held = reg._replication()._drain_lock
                     held.acquire()
-                if sc.get("hold"):  # from several hosts: the replication rounds queue behind one that never ends
+                if sc.get("hold") or sc.get("stall"):  # several hosts: the rounds queue behind one that never ends
                     from registry.distributed.parts import _ROUNDS
                     _ROUNDS.submit(threading.Event().wait)
+                    stalled = True
                 info = reg.publish(sc["run"], sc["step"], state, sharded=True, timeout=20,
                                    config={"rank": rank}, blocking=not sc.get("async"),
                                    overwrite=sc.get("overwrite", False))
@@ -71,10 +74,13 @@ def main() -> None:
                 dist.barrier()
             elif sc["op"] == "load":
                 template = zeros_like(state)
-                got = reg.load_into(sc["ref"], template, timeout=20)
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    got = reg.load_into(sc["ref"], template, timeout=20)
                 results[name] = {"ok": True, "step": got.step, "fp": fingerprint(gathered(template)),
                                  "extra": template["extra"], "config": got.config,
-                                 "fell_back": got.fallback is not None}
+                                 "fell_back": got.fallback is not None,
+                                 "warned": [str(w.message) for w in caught if w.category is RuntimeWarning]}
         except Exception as exc:  # recorded for the parent to compare across ranks
             results[name] = {"ok": False, "type": type(exc).__name__, "msg": str(exc)}
         (out / f"rank{rank}.json").write_text(json.dumps(results))
@@ -84,7 +90,8 @@ def main() -> None:
         if held is not None or sc.get("hold"):
             sys.stdout.flush()
             os._exit(0)  # lost with the host: nothing replicated, nothing closed
-    reg.close()
+    if not stalled:  # closing waits for the replication rounds, which a stall keeps from ever running
+        reg.close()
     sys.stdout.flush()
     os._exit(0)
 

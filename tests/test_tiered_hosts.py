@@ -212,3 +212,67 @@ def test_each_host_retains_its_own_parts_and_an_ended_step_takes_them_all(
         assert not reg.fsck(repair=False).problems
         left = [p for p in (hosts[1] / ".registry" / "parts" / "main").glob("step-00000001/*")]
         assert left == []
+
+
+def test_the_same_hosts_read_their_own_parts_before_and_after_the_step_is_durable(
+        catalog_url: str, durable: str, tmp_path: Path) -> None:
+    hosts = [tmp_path / "host-a", tmp_path / "host-b"]
+    results, codes = launch(tmp_path, catalog_url, hosts, durable, [
+        {"name": "one", "op": "publish", "run": "main", "step": 1, "seed": 1},
+        {"name": "durable", "op": "wait_durable", "run": "main", "step": 1},
+        {"name": "two", "op": "publish", "run": "main", "step": 2, "seed": 2, "stall": True},
+        {"name": "latest", "op": "load", "ref": "main@latest", "seed": 2},
+        {"name": "one", "op": "load", "ref": "main@1", "seed": 1},
+    ])
+    assert codes == [0, 0] and same_on_both(results, "two")["ok"], results
+    got = loaded(results, "latest", seed=2, step=2)  # not durable: each host's part, the replicated values sent
+    assert not got["fell_back"] and not got["warned"], got
+    assert not loaded(results, "one", seed=1, step=1)["warned"]
+    with Registry.open(catalog_url, root=tmp_path / "host-e", durable=durable) as reg:
+        assert {r.location for r in reg.replicas("main", 2)} == {f"part:{tier_id(h)}" for h in hosts}
+        copy = reg.wait_durable("main", 1, timeout=1)
+        data = [k for k in durable_keys(reg, copy.path) if k.endswith(".distcp")]
+        assert len(data) == 2
+        assert reg.tiers is not None
+        reg.tiers.durable.delete(data)  # behind the catalog's back: only a read of the durable copy would notice
+    results, codes = launch(tmp_path, catalog_url, hosts, durable, [
+        {"name": "one", "op": "load", "ref": "main@1", "seed": 1},
+        {"name": "two", "op": "load", "ref": "main@2", "seed": 2},
+    ])
+    assert codes == [0, 0], results
+    assert not loaded(results, "one", seed=1, step=1)["warned"]  # every byte from the hosts' own disks
+    assert not loaded(results, "two", seed=2, step=2)["warned"]
+    with Registry.open(catalog_url, root=tmp_path / "host-e", durable=durable) as reg:
+        assert reg.wait_durable("main", 1, timeout=1).status == "verified"  # nothing read it, nothing marked
+
+
+def test_a_damaged_part_is_read_around_and_condemns_nothing(
+        catalog_url: str, durable: str, tmp_path: Path) -> None:
+    hosts = [tmp_path / "host-a", tmp_path / "host-b"]
+    results, codes = launch(tmp_path, catalog_url, hosts, durable, [
+        {"name": "one", "op": "publish", "run": "main", "step": 1, "seed": 1},
+        {"name": "durable", "op": "wait_durable", "run": "main", "step": 1},
+        {"name": "two", "op": "publish", "run": "main", "step": 2, "seed": 2, "stall": True},
+    ])
+    assert codes == [0, 0] and same_on_both(results, "two")["ok"], results
+    with Registry.open(catalog_url, root=tmp_path / "host-e", durable=durable) as reg:
+        for step in (1, 2):  # one byte flipped in host b's data file of each step
+            part = next(r for r in reg.replicas("main", step) if r.location == f"part:{tier_id(hosts[1])}")
+            assert part.files
+            shard = hosts[1] / part.path / part.files[0]
+            raw = bytearray(shard.read_bytes())
+            raw[len(raw) // 2] ^= 0xFF
+            shard.write_bytes(bytes(raw))
+    results, codes = launch(tmp_path, catalog_url, hosts, durable, [
+        {"name": "one", "op": "load", "ref": "main@1", "seed": 1},
+        {"name": "latest", "op": "load", "ref": "main@latest", "seed": 1},
+    ])
+    assert codes == [0, 0], results
+    got = loaded(results, "one", seed=1, step=1)  # durable: host b's share read from the durable copy instead
+    assert any("a host's part of it could not be read" in w for w in got["warned"]), got
+    got = loaded(results, "latest", seed=1, step=1)  # not durable: step 2 has no readable copy, step 1 does
+    assert got["fell_back"], got
+    with Registry.open(catalog_url, root=tmp_path / "host-e", durable=durable) as reg:
+        for step in (1, 2):
+            assert reg.catalog.get("main", step).status == Status.VERIFIED  # type: ignore[union-attr]
+            assert {r.status for r in reg.replicas("main", step)} == {"verified"}

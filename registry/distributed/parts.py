@@ -12,11 +12,15 @@ renames the staging directory to the host's *part*
 (``<fast>/.registry/parts/RUN/step-N/a-<hex>``, the same path on every host)
 before rank 0 commits. The commit records one ``part:<tier id>`` row per host
 with the data files it holds (:class:`~registry.catalog.records.PartRecord`),
-and no ``fast:`` copy: a part is never a copy of the step, nothing reads a
-step from it, and until the step is durable a load finds no copy it can read
-(``NoCopyError``, which ``@latest`` passes over and which never condemns
-the step). A failed publish is undone on every host: rank 0's landing
-removes its part, the other hosts remove theirs when they hear the failure.
+and no ``fast:`` copy: a part is never a copy of the step. A load on the
+hosts that hold the parts reads each host's share from its part
+(:func:`part_read`: the few ranges a rank reads of another host's files are
+sent by that host, each piece checked on arrival), with the durable copy
+for the rest once there is one; a part that fails a read is read around,
+never a verdict on the step; a load whose hosts lack a part before the step
+is durable finds no copy (``NoCopyError``, which ``@latest`` passes over
+and which never condemns the step). A failed publish is undone on every
+host: rank 0's landing removes its part, the other hosts remove theirs when they hear the failure.
 A rank killed mid-way leaves at most parts no row names, which ``fsck`` of
 that host removes once no live claim is publishing the step.
 
@@ -50,12 +54,12 @@ from registry.catalog.records import CommitRecord, PartRecord, PayloadRecord
 from registry.distributed.collectives import Comm, Failure, Solo, first_failure, status
 from registry.errors import PublishError, RegistryError, StorageError
 from registry.format.layout import attempt_relpath, part_relpath
-from registry.format.manifest import CONFIG, MANIFEST, META, digest_bytes, parse_manifest
+from registry.format.manifest import CONFIG, MANIFEST, META, Manifest, digest_bytes, parse_manifest
 from registry.format.sharding import DCP_METADATA
 from registry.fs.store import FileProblem, check_written, discard, fsync_dir, install
 from registry.pools import Pool
 from registry.roots.directory import DirectoryLanding
-from registry.roots.shards import Shards
+from registry.roots.shards import PartShards, Shards
 
 if TYPE_CHECKING:
     from registry.catalog import Catalog
@@ -235,6 +239,65 @@ def undo_part(hosts: Hosts, start: PartStart) -> None:
     """On another host's first rank, after the publish failed: its staging directory or part goes."""
     discard(hosts.root / start.staging)
     discard(hosts.root / start.part)
+
+
+# --------------------------------------------------------------------------- load
+
+PEER_BYTES = 256 << 20  # the most a load moves between the hosts' parts: replicated values, never a reshard
+
+
+def part_read(comm: Comm | Solo, part: PartShards | None, wanted: Mapping[str, list[tuple[int, int]]],
+              manifest: Manifest) -> PartShards | None:
+    """Every rank, for a step published from several hosts and not durable yet: this rank's host's part, with
+    the pieces of the files it reads that its host does not hold (DCP writes each replicated value, a step counter
+    or an optimizer's scalars, on one rank only) sent by a rank of a host that holds them, each checked by the
+    reader as it lands. None on every rank alike when some rank's host holds no part, a file no host holds is
+    wanted, or more than ``PEER_BYTES`` would cross (a load at another world size is the durable copy's)."""
+    from registry.fs.dcpobjects import piece_ranges
+    lacks = part.lacks(wanted) if part is not None else {}
+    seen = comm.all_gather_object((None if part is None else sorted(part.files), lacks),
+                                  "finding what each host's part holds")
+    holder: dict[str, int] = {}
+    for rank, (files, _) in enumerate(seen):
+        if files is None:
+            return None
+        for name in files:
+            holder.setdefault(name, rank)
+    asked: dict[tuple[str, int, int], int] = {}
+    for _, lack in seen:
+        for name, ranges in lack.items():
+            if name not in holder or name not in manifest.files:
+                return None
+            for start, end, _piece in piece_ranges(manifest.files[name], ranges, verify=True):
+                asked[(name, start, end)] = holder[name]
+    if sum(end - start for _, start, end in asked) > PEER_BYTES or part is None:
+        return None
+    sent = comm.all_gather_object(_read_pieces(part.where, [k for k, r in asked.items() if r == comm.rank]),
+                                  "sending the pieces of each host's part")
+    received: dict[str, dict[int, bytes | None]] = {}
+    for pieces in sent:
+        for (name, start, _end), data in pieces.items():
+            if name in lacks:
+                received.setdefault(name, {})[start] = data
+    return replace(part, received=received)
+
+
+def _read_pieces(where: Path, keys: Sequence[tuple[str, int, int]]) -> dict[tuple[str, int, int], bytes | None]:
+    """Byte ranges of this host's part's files, as stored (the receiver checks them); None where one is unreadable."""
+    import os
+
+    from registry.format.manifest import open_regular
+    out: dict[tuple[str, int, int], bytes | None] = {}
+    for name, start, end in keys:
+        try:
+            fd = open_regular(where, name)
+            try:
+                out[(name, start, end)] = os.pread(fd, end - start, start)
+            finally:
+                os.close(fd)
+        except (RegistryError, OSError):
+            out[(name, start, end)] = None
+    return out
 
 
 # --------------------------------------------------------------------------- replication
@@ -435,6 +498,6 @@ def _remove(objects: ObjectRoot, prefix: str) -> None:
                     objects.url(prefix), exc)
 
 
-__all__ = ["Coordinator", "Groups", "Hosts", "PartLanding", "PartPublish", "PartReplication", "PartStart",
-           "find_hosts", "install_part", "replicate_round", "small_files", "staging_here",
+__all__ = ["PEER_BYTES", "Coordinator", "Groups", "Hosts", "PartLanding", "PartPublish", "PartReplication",
+           "PartStart", "find_hosts", "install_part", "part_read", "replicate_round", "small_files", "staging_here",
            "undo_part", "unreplicated"]

@@ -47,8 +47,10 @@ every piece it fetches before DCP sees it. On a root with
 tiers rank 0 locates the nearest copy: this host's fast or cached copy when
 every rank's host holds it, else the durable copy, read by ranged GETs as on
 ``s3://`` (a step no rank can reach is ``NoCopyError``, skipped by ``@latest``
-and never marked). The load
-succeeds only when every share checked out; otherwise the templates hold
+and never marked). Hosts that hold the parts of a step published from several
+hosts read them from their own disks
+(:func:`registry.distributed.parts.part_read`), before it is durable too. The
+load succeeds only when every share checked out; otherwise the templates hold
 whatever was read and the load fails, or a corrupt ``@latest`` falls back to
 an older step on every rank alike. Without a process group the same runs in
 one process.
@@ -72,8 +74,8 @@ from registry.crashpoints import crashpoint
 from registry.distributed.collectives import Comm, Failure, Solo, as_timedelta, first_failure, settle, status
 from registry.distributed.collectives import agree as agree_on
 from registry.distributed.loader import _Source
-from registry.distributed.parts import (Hosts, PartPublish, PartStart, install_part, small_files, staging_here,
-                                        undo_part)
+from registry.distributed.parts import (Hosts, PartPublish, PartStart, install_part, part_read, small_files,
+                                        staging_here, undo_part)
 from registry.errors import (CheckpointReadError, CorruptCheckpointError, DistributedError, InvalidStateError,
                              NoCopyError, PublishError, RegistryError)
 from registry.format.manifest import CONFIG, MANIFEST, META, Manifest, digest_bytes, parse_manifest
@@ -90,7 +92,8 @@ from registry.ops.reading import Access, CatalogRead, check_digest, report
 from registry.pools import Pool
 from registry.records import CheckpointInfo, Fallback
 from registry.format.refs import Ref
-from registry.roots.shards import Shards
+from registry.format.layout import in_part
+from registry.roots.shards import PartShards, Reading, Shards, StepParts
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
@@ -294,14 +297,17 @@ class ShardedLoad:
 class _Plan:
     """What rank 0 sends: the step, ``where`` its nearest copy is read (:meth:`Shards.locate`), and on a root
     whose steps have several copies (``several``, a root with tiers) its durable copy's ``where``, for ranks whose
-    host holds no directory of it. ``metadata``: the step's DCP ``.metadata``, its bytes checked against the manifest
-    and unpickled once, here, by the restricted unpickler; the other ranks get the records it built, checked, from
-    rank 0 of their own job."""
+    host holds no directory of it, and the hosts' ``parts`` of a step published from several hosts (each host's
+    ranks read their host's share there). ``metadata``: the step's DCP ``.metadata``, its bytes checked against
+    the manifest and unpickled once, here, by the restricted unpickler; the other ranks get the records it built,
+    checked, from rank 0 of their own job."""
 
     info: CheckpointInfo
     where: Path
     several: bool
     durable: Path | None
+    parts: StepParts | None
+    from_part: bool  # ``where`` is rank 0's host's part: the other hosts hold their own parts, not the step
     manifest_raw: bytes
     metadata: Metadata
     meta: dict[str, Any]
@@ -319,9 +325,20 @@ class _Judge(_Source):
 
     durable_prefix: Path | None = None
     durable_reread: set[int] = field(default_factory=set)
+    parts_bad: set[int] = field(default_factory=set)  # steps whose parts failed a read: read without them
 
     def judge(self, exc: BaseException) -> None:
         read, prefix = self.read, self.durable_prefix
+        if (read is not None and read.info is not None and read.info.step not in self.parts_bad
+                and isinstance(exc, (CorruptCheckpointError, CheckpointReadError)) and exc.path is not None
+                and in_part(exc.path)):
+            # a host's part is no copy of the step: its trouble is that host's, and no verdict on the step
+            info = read.info
+            self.parts_bad.add(info.step)
+            read.release()
+            read.notes.append(f"{info.run}@{info.step}: a host's part of it could not be read ({exc}); read "
+                              "without the hosts' parts")
+            return
         if prefix is None or read is None or read.info is None or not isinstance(exc, CorruptCheckpointError):
             return super().judge(exc)
         from registry.ops.tiercache import durable_read_failed
@@ -352,14 +369,26 @@ def _read_plan(judge: _Judge, shards: Shards) -> _Plan:
         info = read.candidate()
         try:
             copies = read.access.copies
-            where = shards.locate(copies.located(info))  # this host's fast or cached copy, else the durable one
             far = None  # the durable copy's prefix, on a root with tiers
+            parts, mine = None, None  # the hosts' parts, and rank 0's host's
             if copies.several:
                 from registry.ops.tiercache import durable_located
+                from registry.ops.tiers import step_parts
                 there = durable_located(copies.tiered("a sharded load"), read.access.catalog, info)
                 far = shards.locate(there) if there is not None else None
-                if far is not None and info.step in judge.fast_bad:
-                    where = far
+                if info.step not in judge.parts_bad:
+                    parts = step_parts(read.access.catalog, info)
+                    mine = shards.part(parts, info.manifest_sha256, durable=far) if parts is not None else None
+            try:
+                where = shards.locate(copies.located(info))  # this host's fast or cached copy, else the durable one
+            except NoCopyError:
+                if mine is None:
+                    raise
+                where = mine.where
+            if far is not None and info.step in judge.fast_bad:
+                where = far
+            if mine is not None and where == far:
+                where = mine.where  # the small files from this host's disk
             judge.durable_prefix = where if where == far else None
             manifest_raw = bytes(host_view(shards.read(where, MANIFEST)))
             manifest = parse_manifest(manifest_raw, path=where / MANIFEST)
@@ -377,7 +406,8 @@ def _read_plan(judge: _Judge, shards: Shards) -> _Plan:
             continue
         notes = tuple(read.notes)
         read.notes.clear()
-        return _Plan(info=info, where=where, several=copies.several, durable=far, manifest_raw=manifest_raw,
+        return _Plan(info=info, where=where, several=copies.several, durable=far, parts=parts,
+                     from_part=mine is not None and where == mine.where, manifest_raw=manifest_raw,
                      metadata=metadata, meta=meta, config=config, notes=notes, fallback=read.record(info))
 
 
@@ -406,14 +436,17 @@ def load_sharded(comm: Comm | Solo, access: Access | None, ref: Ref | None, aske
                 raise plan.error()
             for note in plan.notes:
                 warnings.warn(note, RuntimeWarning, stacklevel=3)
-            directory = _copy_read(comm, shards, plan)
-            if directory is None:
+            saved = {k for k in plan.metadata.state_dict_metadata if keys is None or wanted(k, keys)}
+            asked = {k for k in flat if keys is None or wanted(k, keys)}
+            found = _copy_read(comm, shards, plan, partial(_needed, plan.metadata, flat, asked & saved))
+            if found is None:
                 if settle(comm, judge, _no_copy(comm, plan), "agreeing on the copy to read"):
                     continue
                 raise AssertionError("rank 0's judge ends or retries a load with no copy")  # pragma: no cover
-            if judge is not None:
-                judge.durable_prefix = directory if directory == plan.durable else None
-            here = shards.at(directory)
+            directory, here = found
+            if judge is not None:  # a rank reading its host's part fetches the rest from the durable copy
+                judge.durable_prefix = (plan.durable if directory == plan.durable or isinstance(here, PartShards)
+                                        else None)
             manifest: Manifest = parse_manifest(plan.manifest_raw, path=directory / MANIFEST)
 
             share = here.share(manifest, comm.rank, comm.world) if verify else []
@@ -424,8 +457,6 @@ def load_sharded(comm: Comm | Solo, access: Access | None, ref: Ref | None, aske
                                        share if not overlap else []), comm.rank)
             if settle(comm, judge, mine, "agreeing on the checksums"):
                 continue
-            saved = {k for k in md.state_dict_metadata if keys is None or wanted(k, keys)}
-            asked = {k for k in flat if keys is None or wanted(k, keys)}
             missing, unexpected = tuple(sorted(asked - saved)), tuple(sorted(saved - asked))
 
             mismatch = (missing, unexpected) if strict and (missing or unexpected) else None
@@ -449,15 +480,47 @@ def load_sharded(comm: Comm | Solo, access: Access | None, ref: Ref | None, aske
 
 
 
-def _copy_read(comm: Comm | Solo, shards: Shards, plan: _Plan) -> Path | None:
-    """Where every rank reads ``plan``'s step: the copy rank 0 located when every rank's host holds it there (one
-    host, or a filesystem they share), else its durable copy by ranged GETs; None when some rank's host holds
-    no copy and it has no durable one. A root whose copy is the step's only one is read where it is."""
+def _copy_read(comm: Comm | Solo, shards: Shards, plan: _Plan,
+               needed: Callable[[], dict[str, list[tuple[int, int]]]]) -> tuple[Path, Reading] | None:
+    """Where this rank reads ``plan``'s step, and how: the copy rank 0 located when every rank's host holds it
+    there (one host, or a filesystem they share); else, for a step published from several hosts, each rank its
+    host's part, with what it reads of other files (``needed()``: the ranges its plan names) sent by the hosts
+    holding them when every rank's host holds its part and that is little (:func:`part_read`), else fetched from
+    the durable copy; else the durable copy by ranged GETs; None when some rank can read no copy of what it
+    needs. A root whose copy is the step's only one is read where it is."""
     if not plan.several:
-        return plan.where
-    seen = comm.all_gather_object(shards.holds(plan.where, plan.info.manifest_sha256),
-                                  "finding the copy every rank reads")
-    return plan.where if all(seen) else plan.durable
+        return plan.where, shards.at(plan.where)
+    digest = plan.info.manifest_sha256
+    common = not plan.from_part and shards.holds(plan.where, digest)
+    part = shards.part(plan.parts, digest, durable=plan.durable) if plan.parts is not None else None
+    seen = comm.all_gather_object((common, part is not None), "finding the copy every rank reads")
+    if all(c for c, _ in seen):
+        return plan.where, shards.at(plan.where)
+    if plan.parts is not None and all(p for _, p in seen):  # every rank's host holds its part
+        try:
+            wanted = needed()
+        except Exception:  # noqa: BLE001 - dcp.load makes the same plan, and reports its failure on every rank
+            wanted = {}
+        manifest = parse_manifest(plan.manifest_raw, path=plan.where / MANIFEST)
+        sent = part_read(comm, part, wanted, manifest)
+        if sent is not None:
+            return sent.where, sent
+    if plan.durable is None:
+        return None
+    return (part.where, part) if part is not None else (plan.durable, shards.at(plan.durable))
+
+
+def _needed(metadata: Metadata, flat: dict[str, Any], keys: set[str]) -> dict[str, list[tuple[int, int]]]:
+    """The (offset, length) ranges of each data file this rank's plan reads to load ``keys`` of ``flat``: DCP's own
+    local plan, made the way ``dcp.load`` makes it, before anything is read."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    planner = DefaultLoadPlanner(allow_partial_load=True)
+    planner.set_up_planner({k: flat[k] for k in keys}, metadata, False)
+    wanted: dict[str, list[tuple[int, int]]] = {}
+    for item in planner.create_local_plan().items:
+        info = metadata.storage_data[item.storage_index]
+        wanted.setdefault(info.relative_path, []).append((info.offset, info.length))
+    return wanted
 
 
 def _no_copy(comm: Comm | Solo, plan: _Plan) -> Failure | None:
@@ -465,12 +528,13 @@ def _no_copy(comm: Comm | Solo, plan: _Plan) -> Failure | None:
     if comm.rank != 0:
         return None
     info = plan.info
-    return Failure.of(NoCopyError(f"{info.run}@{info.step} has no copy every rank can read: it is at {plan.where} "
-                                  "on rank 0's host only, and has no verified durable copy yet",
-                                  run=info.run, step=info.step, path=info.path), 0)
+    where = (f"its hosts' parts ({len(plan.parts.files)}) do not hold on each rank's host what that rank reads"
+             if plan.parts is not None else f"it is at {plan.where} on rank 0's host only")
+    return Failure.of(NoCopyError(f"{info.run}@{info.step} has no copy every rank can read: {where}, and it has no "
+                                  "verified durable copy yet", run=info.run, step=info.step, path=info.path), 0)
 
 
-def _check_plan(shards: Shards, directory: Path, manifest: Manifest, metadata: Any,
+def _check_plan(shards: Reading, directory: Path, manifest: Manifest, metadata: Any,
                 share: list[tuple[str, int]]) -> Any:
     """The step's ``.metadata`` (rank 0's, checked), and this rank's share of the pieces when they are checked up
     front."""
@@ -479,7 +543,7 @@ def _check_plan(shards: Shards, directory: Path, manifest: Manifest, metadata: A
     return metadata
 
 
-def _load_checked(comm: Comm | Solo, shards: Shards, info: CheckpointInfo, directory: Path, md: Any,
+def _load_checked(comm: Comm | Solo, shards: Reading, info: CheckpointInfo, directory: Path, md: Any,
                   flat: dict[str, Any], keys: set[str], *, mismatch: tuple[Sequence[str], Sequence[str]] | None,
                   manifest: Manifest, verify: bool, trust_pickle: bool,
                   pending_check: list[tuple[str, int]] | None) -> None:

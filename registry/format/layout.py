@@ -120,6 +120,11 @@ def part_relpath(run: str, step: int) -> str:
     return f"{PARTS_DIR}/{attempt_relpath(run, step)}"
 
 
+def in_part(path: Path) -> bool:
+    """Whether ``path`` lies in a host's part (under ``<fast>/.registry/parts/``)."""
+    return f"/{PARTS_DIR}/" in path.as_posix()
+
+
 def attempt_relpath(run: str, step: int) -> str:
     """A fresh attempt prefix ``RUN/step-00001000/a-<16 hex>`` (relative to the root, no slash at either end)."""
     return f"{run}/{step_dirname(step)}/a-{secrets.token_hex(8)}"
@@ -150,5 +155,5 @@ def parse_attempt_key(rel: str) -> AttemptKey | None:
 
 
 __all__ = ["PARTS_DIR", "AttemptKey", "HiddenKind", "StepDir", "StepDirKind", "attempt_relpath", "hidden_sibling",
-           "hidden_siblings", "parse_attempt_key", "parse_hidden", "parse_step_dirname", "scan_run",
+           "hidden_siblings", "in_part", "parse_attempt_key", "parse_hidden", "parse_step_dirname", "scan_run",
            "step_dirname"]

@@ -19,7 +19,9 @@ Reading: :class:`ObjectDcpReader` is the restricted reader
 :func:`registry.fs.dcpfiles.check_piece` on the thread that fetched it before
 DCP sees a byte of it; without, the exact ranges. Every rank reads only what
 its own shards need; at another world size DCP's plan reshards as on a
-directory.
+directory. :func:`part_dcp_reader` is the same reader for a host's part of a
+step: the files the host holds are mapped, pieces other hosts sent are
+taken as they came, and only the rest is fetched; each piece read is checked.
 """
 
 from __future__ import annotations
@@ -196,7 +198,7 @@ def read_object(root: ObjectRoot, prefix: str, name: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8) if len(raw) else torch.empty(0, dtype=torch.uint8)
 
 
-def _ranges(entry: FileEntry, wanted: list[tuple[int, int]], *, verify: bool) -> list[tuple[int, int, int | None]]:
+def piece_ranges(entry: FileEntry, wanted: list[tuple[int, int]], *, verify: bool) -> list[tuple[int, int, int | None]]:
     """``(start, end, piece)`` GETs covering ``wanted`` (offset, length) ranges of one file: whole pieces when
     ``verify`` and the file has pieces, else the whole file (a whole-file digest), else the ranges merged and cut
     into ``PIECE_SIZE`` GETs (one range is many GETs in flight, not one stream)."""
@@ -230,7 +232,8 @@ def fetch_ranges(root: ObjectRoot, prefix: str, manifest: Manifest, wanted: Mapp
         if entry is None:
             raise ManifestError(f"manifest of {root.url(prefix)} does not cover {name!r}")
         buffers[name] = host_view(torch.empty(entry.size, dtype=torch.uint8))
-        jobs.extend((name, entry, start, end, piece) for start, end, piece in _ranges(entry, ranges, verify=verify))
+        jobs.extend((name, entry, start, end, piece)
+                    for start, end, piece in piece_ranges(entry, ranges, verify=verify))
     heads = dict(zip(wanted, _POOL.map(lambda n: root.head(f"{prefix}/{n}"), list(wanted))))
     for name, head in heads.items():
         path = Path(root.url(f"{prefix}/{name}"))
@@ -254,24 +257,92 @@ def fetch_ranges(root: ObjectRoot, prefix: str, manifest: Manifest, wanted: Mapp
     return buffers
 
 
+def map_ranges(directory: Path, manifest: Manifest, wanted: Mapping[str, list[tuple[int, int]]], *,
+               verify: bool) -> dict[str, memoryview]:
+    """The ``wanted`` files of a directory of this host, mapped (each size checked against the manifest first),
+    and with ``verify`` every piece the ``wanted`` ranges touch checked, as :func:`fetch_ranges` checks what it
+    fetches; name -> buffer. What a rank reads from its own host's share of a step, beside ranged GETs of the rest."""
+    from registry.fs.mapping import host_view, map_file
+    buffers: dict[str, memoryview] = {}
+    jobs: list[tuple[str, FileEntry, int, int, int]] = []
+    for name, ranges in sorted(wanted.items()):
+        entry = manifest.files.get(name)
+        if entry is None:
+            raise ManifestError(f"manifest of {directory} does not cover {name!r}", path=directory / name)
+        buffers[name] = host_view(map_file(directory, name, expected_size=entry.size))
+        if verify:
+            jobs.extend((name, entry, start, end, piece or 0)
+                        for start, end, piece in piece_ranges(entry, ranges, verify=True))
+
+    def one(name: str, entry: FileEntry, start: int, end: int, piece: int) -> None:
+        check_piece(directory / name, entry, piece, buffers[name][start:end])
+
+    _POOL.run_all(one, jobs)
+    return buffers
+
+
+def received_ranges(directory: Path, manifest: Manifest, wanted: Mapping[str, list[tuple[int, int]]],
+                    received: Mapping[str, Mapping[int, bytes | None]], *, verify: bool) -> dict[str, memoryview]:
+    """The ``wanted`` ranges of files another host sent (name -> offset -> the whole piece it read there, None if it
+    could not), put into a buffer of each file's size, with ``verify`` each piece checked as it lands, as a ranged
+    GET's is; name -> buffer. ``directory`` (this host's part) names the files in errors: a piece missing or bad
+    is a ``CorruptCheckpointError`` of a part, which condemns nothing."""
+    import torch
+
+    from registry.fs.mapping import host_view
+    buffers: dict[str, memoryview] = {}
+    for name, ranges in sorted(wanted.items()):
+        entry = manifest.files.get(name)
+        if entry is None:
+            raise ManifestError(f"manifest of {directory} does not cover {name!r}", path=directory / name)
+        buffers[name] = buf = host_view(torch.empty(entry.size, dtype=torch.uint8))
+        sent = received.get(name, {})
+        for start, end, piece in piece_ranges(entry, ranges, verify=True):
+            data = sent.get(start)
+            if data is None or len(data) != end - start:  # that host's part lacks what its row names
+                raise CorruptCheckpointError(f"the host holding {name} could not read bytes {start}-{end - 1} of "
+                                             "it from its part", path=directory / name)
+            if verify:
+                check_piece(directory / name, entry, piece or 0, data)
+            buf[start:end] = data
+    return buffers
+
+
 def _object_reader() -> type:
     from registry.format.dcp_metadata import RestrictedFileSystemReader
 
     class _Reader(RestrictedFileSystemReader):
-        def __init__(self, root: ObjectRoot, prefix: str, *, metadata: Metadata, manifest: Manifest, verify: bool,
-                     trust_pickle: bool) -> None:
+        def __init__(self, root: ObjectRoot | None, prefix: str | None, *, metadata: Metadata, manifest: Manifest,
+                     verify: bool, trust_pickle: bool, local: Path | None = None,
+                     local_files: frozenset[str] = frozenset(),
+                     received: Mapping[str, Mapping[int, bytes | None]] | None = None) -> None:
             self._fetched: dict[str, memoryview] = {}
-            super().__init__(prefix, metadata=metadata, buffers=self._fetched, trust_pickle=trust_pickle)
+            super().__init__(prefix or str(local), metadata=metadata, buffers=self._fetched,
+                             trust_pickle=trust_pickle)
             self._root, self._prefix, self._manifest, self._verify = root, prefix, manifest, verify
+            self._local, self._local_files, self._received = local, local_files, received or {}
 
         def read_data(self, plan: Any, planner: Any) -> Any:
             wanted: dict[str, list[tuple[int, int]]] = {}
             for item in plan.items:
                 info = self.storage_data[item.storage_index]
                 wanted.setdefault(info.relative_path, []).append((info.offset, info.length))
+            here = {n: r for n, r in wanted.items() if n in self._local_files}
+            sent = {n: r for n, r in wanted.items() if n not in here and n in self._received}
+            far = {n: r for n, r in wanted.items() if n not in here and n not in sent}
             self._fetched.clear()
-            self._fetched.update(fetch_ranges(self._root, self._prefix, self._manifest, wanted,
-                                              verify=self._verify))
+            if far:
+                if self._root is None or self._prefix is None:
+                    raise CheckpointReadError(f"{len(far)} files this rank reads are not in {self._local} and the "
+                                              f"step has no durable copy to fetch them from (first: {min(far)})",
+                                              path=self._local)
+                self._fetched.update(fetch_ranges(self._root, self._prefix, self._manifest, far,
+                                                  verify=self._verify))
+            if here or sent:
+                assert self._local is not None
+                self._fetched.update(map_ranges(self._local, self._manifest, here, verify=self._verify))
+                self._fetched.update(received_ranges(self._local, self._manifest, sent, self._received,
+                                                     verify=self._verify))
             try:
                 return super().read_data(plan, planner)
             finally:
@@ -287,4 +358,16 @@ def object_dcp_reader(root: ObjectRoot, prefix: str, *, metadata: Metadata, mani
                             trust_pickle=trust_pickle)
 
 
-__all__ = ["fetch_ranges", "object_dcp_reader", "object_dcp_writer", "read_object", "upload_sharded_tail"]
+def part_dcp_reader(local: Path, files: frozenset[str], root: ObjectRoot | None, prefix: str | None, *,
+                    received: Mapping[str, Mapping[int, bytes | None]], metadata: Metadata, manifest: Manifest,
+                    verify: bool, trust_pickle: bool) -> Any:
+    """A DCP ``StorageReader`` that maps ``files`` from ``local`` (a directory of this host holding a share of the
+    step), takes the pieces of other files other hosts ``received`` (:func:`received_ranges`) and fetches the
+    rest from ``prefix`` by ranged GETs, every piece read checked each way; a file in none of them is a
+    ``CheckpointReadError``."""
+    return _object_reader()(root, prefix, metadata=metadata, manifest=manifest, verify=verify,
+                            trust_pickle=trust_pickle, local=local, local_files=files, received=received)
+
+
+__all__ = ["fetch_ranges", "map_ranges", "object_dcp_reader", "object_dcp_writer", "part_dcp_reader", "piece_ranges",
+           "read_object", "received_ranges", "upload_sharded_tail"]

@@ -43,6 +43,7 @@ from registry.fs.store import Store, fsync_dir
 from registry.ops.tiercache import cache_relpath, note, read_cached, read_uncached
 from registry.ops.verdicts import read_again
 from registry.records import CheckpointInfo
+from registry.roots.shards import StepParts
 
 if TYPE_CHECKING:
     from registry.catalog import Catalog
@@ -344,6 +345,20 @@ def located_here(tiers: Tiers, catalog: Catalog, info: CheckpointInfo) -> Checkp
     if copy is not None and copy.status == "verified":
         return info.at(tiers.durable.url(copy.path))
     return info
+
+
+def step_parts(catalog: Catalog, info: CheckpointInfo) -> StepParts | None:
+    """The verified parts holding ``info``'s payload (a sharded step published from ranks on several hosts), or
+    None: what a load on those hosts reads each host's share of the step from."""
+    from registry.catalog.replicas import PART
+    rows = [r for r in ReplicaCatalog(catalog).replicas(info.run, info.step)
+            if r.location.startswith(PART) and r.status == "verified" and r.files is not None
+            and info.manifest_sha256 is not None and r.manifest_sha256 == info.manifest_sha256]
+    if not rows:
+        return None
+    path = rows[0].path  # one publish's parts share their path; an identical later one's rows replaced these
+    return StepParts(path=path, files={r.location[len(PART):]: frozenset(r.files or ()) for r in rows
+                                       if r.path == path})
 
 
 def local_copy(tiers: Tiers, catalog: Catalog, info: CheckpointInfo, *, holder: str) -> CheckpointInfo:

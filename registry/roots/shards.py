@@ -21,13 +21,15 @@ each range checked as it lands, with no whole download on any host
 (:meth:`Shards.locate` turns the located step into ``where``, :meth:`Shards.at`
 the ``where`` into the shards that read it). Its :meth:`Shards.host` names the
 host a rank writes on: ranks on several hosts publish each host's files as
-that host's part (``registry.distributed.parts``).
+that host's part (``registry.distributed.parts``), and :meth:`Shards.part`
+reads a host's part (:class:`PartShards`: its files mapped here, other
+hosts' pieces as they sent them, the rest from the durable copy).
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -43,6 +45,15 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class StepParts:
+    """A step's parts (published from ranks on several hosts): the part's path relative to every host's fast root,
+    and the data files each host (tier id) holds there, as the catalog records them."""
+
+    path: str
+    files: Mapping[str, frozenset[str]]
+
+
+@dataclass(frozen=True)
 class Host:
     """Where a rank of a tiered root writes: its host's fast directory (``root``), named by its tier id (``id``).
     Ranks whose hosts differ publish each host's files as that host's part (``registry.distributed.parts``)."""
@@ -51,22 +62,8 @@ class Host:
     root: Path
 
 
-class Shards(Protocol):
-    """A root's sharded files (see the module's docstring)."""
-
-    def host(self) -> Host | None:
-        """This rank's host-local place of writing, on a root whose ranks may each write to their own host; None
-        where every rank writes to one place (a directory, shared or refused at the tail; a bucket)."""
-
-    def writer(self, where: str, *, threads: int) -> Any:
-        """A DCP ``StorageWriter`` into ``where`` whose ``.written`` gives name -> ``FileEntry`` as hashed."""
-
-    def tail(self, where: str, *, entries: Mapping[str, FileEntry], layout: ShardedLayout,
-             tensors: Collection[str], meta: Mapping[str, Any], meta_raw: bytes, config_raw: bytes) -> Written:
-        """``meta.json``, ``config.json`` and the manifest, last, beside every rank's ``entries``."""
-
-    def read(self, where: Path, name: str) -> torch.Tensor:
-        """One small file of a placed step (manifest, ``.metadata``, meta, config) as a uint8 buffer."""
+class Reading(Protocol):
+    """How a load reads and checks one copy of a sharded step's data files."""
 
     def share(self, manifest: Manifest, rank: int, world: int) -> list[tuple[str, int]]:
         """The (file, piece) pairs ``rank`` checks beside the read; empty where the reader checks what it reads."""
@@ -77,6 +74,29 @@ class Shards(Protocol):
     def reader(self, where: Path, metadata: Metadata, *, manifest: Manifest, verify: bool,
                trust_pickle: bool) -> Any:
         """A DCP ``StorageReader`` of the step at ``where`` (``metadata`` checked against ``manifest``)."""
+
+
+class Shards(Reading, Protocol):
+    """A root's sharded files (see the module's docstring)."""
+
+    def host(self) -> Host | None:
+        """This rank's host-local place of writing, on a root whose ranks may each write to their own host; None
+        where every rank writes to one place (a directory, shared or refused at the tail; a bucket)."""
+
+    def part(self, parts: StepParts, digest: str | None, *, durable: Path | None) -> PartShards | None:
+        """This host's part of a step published from several hosts, read here with the rest of the step from its
+        durable copy at ``durable`` (None: not durable yet); None when this host holds no part of payload
+        ``digest``."""
+
+    def writer(self, where: str, *, threads: int) -> Any:
+        """A DCP ``StorageWriter`` into ``where`` whose ``.written`` gives name -> ``FileEntry`` as hashed."""
+
+    def tail(self, where: str, *, entries: Mapping[str, FileEntry], layout: ShardedLayout,
+             tensors: Collection[str], meta: Mapping[str, Any], meta_raw: bytes, config_raw: bytes) -> Written:
+        """``meta.json``, ``config.json`` and the manifest, last, beside every rank's ``entries``."""
+
+    def read(self, where: Path, name: str) -> torch.Tensor:
+        """One small file of a placed step (manifest, ``.metadata``, meta, config) as a uint8 buffer."""
 
     def locate(self, info: CheckpointInfo) -> Path:
         """``where`` the step ``info`` (placed, or located at its nearest copy) is read; ``NoCopyError`` when this
@@ -95,6 +115,9 @@ class FileShards:
     """A directory's: DCP's files written hashed and fsync'd, mapped to read, a share of pieces per rank."""
 
     def host(self) -> Host | None:
+        return None
+
+    def part(self, parts: StepParts, digest: str | None, *, durable: Path | None) -> PartShards | None:
         return None
 
     def writer(self, where: str, *, threads: int) -> Any:
@@ -153,6 +176,9 @@ class ObjectShards:
     def host(self) -> Host | None:
         return None
 
+    def part(self, parts: StepParts, digest: str | None, *, durable: Path | None) -> PartShards | None:
+        return None
+
     def writer(self, where: str, *, threads: int) -> Any:
         from registry.fs.dcpobjects import object_dcp_writer
         return object_dcp_writer(self.objects, where, threads=threads)
@@ -203,6 +229,15 @@ class TieredShards:
     def host(self) -> Host | None:
         return self.here
 
+    def part(self, parts: StepParts, digest: str | None, *, durable: Path | None) -> PartShards | None:
+        """This host's part when the catalog records one here and its directory holds payload ``digest``."""
+        from registry.fs.removal import manifest_digest
+        files = parts.files.get(self.here.id)
+        where = self.here.root / parts.path
+        if files is None or digest is None or manifest_digest(where) != digest:
+            return None
+        return PartShards(where=where, files=files, durable=self.durable, prefix=durable)
+
     def writer(self, where: str, *, threads: int) -> Any:
         return self.files.writer(where, threads=threads)
 
@@ -246,4 +281,38 @@ class TieredShards:
         return self.at(where).holds(where, digest)
 
 
-__all__ = ["FileShards", "Host", "ObjectShards", "Shards", "TieredShards"]
+@dataclass(frozen=True)
+class PartShards:
+    """One host's part of a step published from several hosts (``where``, holding ``files`` and the small files):
+    a rank of that host maps the files its plan names from here, and reads the rest from the step's durable copy
+    (``prefix``) by ranged GETs, or before there is one, from the pieces the hosts holding them sent
+    (``received``: name -> offset -> bytes, ``registry.distributed.parts``); each way the reader checks each
+    piece it reads."""
+
+    where: Path
+    files: frozenset[str]
+    durable: ObjectShards
+    prefix: Path | None
+    received: Mapping[str, Mapping[int, bytes | None]] = field(default_factory=dict)
+
+    def lacks(self, wanted: Mapping[str, list[tuple[int, int]]]) -> dict[str, list[tuple[int, int]]]:
+        """The (offset, length) ranges of ``wanted`` in files this part does not hold."""
+        return {name: ranges for name, ranges in wanted.items() if name not in self.files}
+
+    def share(self, manifest: Manifest, rank: int, world: int) -> list[tuple[str, int]]:
+        return []
+
+    def check(self, where: Path, manifest: Manifest, share: list[tuple[str, int]]) -> None:
+        if share:
+            raise ValueError("a part's reader checks the pieces it reads; there is no share")
+
+    def reader(self, where: Path, metadata: Metadata, *, manifest: Manifest, verify: bool,
+               trust_pickle: bool) -> Any:
+        from registry.fs.dcpobjects import part_dcp_reader
+        prefix = None if self.prefix is None else self.prefix.as_posix()
+        return part_dcp_reader(self.where, self.files, self.durable.objects if prefix else None, prefix,
+                               received=self.received, metadata=metadata, manifest=manifest, verify=verify,
+                               trust_pickle=trust_pickle)
+
+
+__all__ = ["FileShards", "Host", "ObjectShards", "PartShards", "Reading", "Shards", "StepParts", "TieredShards"]
