@@ -276,3 +276,35 @@ def test_a_damaged_part_is_read_around_and_condemns_nothing(
         for step in (1, 2):
             assert reg.catalog.get("main", step).status == Status.VERIFIED  # type: ignore[union-attr]
             assert {r.status for r in reg.replicas("main", step)} == {"verified"}
+
+
+def test_parts_of_a_step_published_again_from_one_host_are_removed_by_each_hosts_fsck(
+        catalog_url: str, durable: str, tmp_path: Path) -> None:
+    hosts = [tmp_path / "host-a", tmp_path / "host-b"]
+    results, codes = launch(tmp_path, catalog_url, hosts, durable, [
+        {"name": "one", "op": "publish", "run": "main", "step": 1, "seed": 1},
+        {"name": "durable", "op": "wait_durable", "run": "main", "step": 1},
+    ])
+    assert codes == [0, 0] and same_on_both(results, "one")["ok"], results
+    with Registry.open(catalog_url, root=hosts[0], durable=durable) as reg:
+        old = {r.location: r for r in reg.replicas("main", 1) if r.location.startswith("part:")}
+        assert len(old) == 2
+        again = full_state(3)
+        reg.publish("main", 1, {**again, "extra": {"lr": 0.1, "names": ["a", "b"]}}, sharded=True, overwrite=True)
+        reg.wait_durable("main", 1, timeout=60)  # the new payload's (the old one's copy was superseded)
+        into = template(1)
+        assert reg.load_into("main@1", into).step == 1 and fingerprint(into) == fingerprint(again)
+    for host in hosts:
+        part = old[f"part:{tier_id(host)}"]
+        assert (host / part.path).is_dir()
+        with Registry.open(catalog_url, root=host, durable=durable) as reg:
+            report = reg.fsck(repair=True)
+            assert [(p.kind, p.step, p.path) for p in report.problems] == [
+                ("superseded-part", 1, host / part.path)], report.problems
+            assert not (host / part.path).exists()
+            assert not reg.fsck(repair=False).problems
+            now = {r.location: r.status for r in reg.replicas("main", 1) if r.location.startswith("part:")}
+            assert now[f"part:{tier_id(host)}"] == "deleted"
+    with Registry.open(catalog_url, root=tmp_path / "host-e", durable=durable) as reg:
+        into = template(1)  # another host: the new payload's durable copy
+        assert reg.load_into("main@1", into).step == 1 and fingerprint(into) == fingerprint(again)

@@ -33,6 +33,10 @@ the replica rows, this host's own:
   never damage to the step, even when this host holds the step's new payload in
   its cache (that copy has a row of its own); ``--repair`` removes that
   directory (digest-checked) and marks this host's fast copy ``deleted``;
+* ``superseded-part``: this host's part of a live step (published from
+  several hosts) that holds an older payload, the step published again
+  since; ``--repair`` removes it (digest-checked) and marks its row
+  ``deleted``;
 * ``unfinished-copy-deletion``: this host's copy (fast, or in its cache)
   marked ``deleted`` whose files are still there (their removal failed, or
   the process was killed after the mark); ``--repair`` removes them if the
@@ -183,6 +187,18 @@ class TierFsck(FsckPass):
                                          manifest_sha256=copy.manifest_sha256, only_from=("published", "verified"),
                                          actor=self.actor, reason="an older payload of the step")
         return True
+
+    def superseded_parts(self) -> None:
+        """This host's parts of live steps that hold an older payload: the step was published again since (from
+        one host), so nothing reads them again and no replication takes them."""
+        for copy, status, digest, _path in self._before:
+            if (copy.location == self.tiers.part_location and status in LIVE
+                    and copy.status in ("published", "verified") and copy.manifest_sha256 != digest
+                    and self._fast_here(copy.run, copy.step, copy.path, copy.manifest_sha256)):
+                where = self.tiers.fast.root / copy.path
+                p = self._found("superseded-part", copy.run, copy.step, where,
+                                "this host's part of an older payload of the step, which was published again since")
+                self._fix(p, functools.partial(self._remove_older, copy, where))
 
     def left_copies(self) -> list[LeftCopy]:
         """This host's copies marked deleted whose payload is still on disk, as the snapshot before the checks
@@ -410,6 +426,7 @@ def run_tier_fsck(*, catalog: Catalog, tiers: Tiers, scan: Scan, durable_scan: S
                     copy_at=tiers.location, theirs=retired)
     tier.condemned_copies(condemned)
     tier.older_payloads(superseded)
+    tier.superseded_parts()
     tier.downloads()
     tier.fast_deletions()
     tier.leftover_parts()

@@ -98,6 +98,7 @@ REPAIRS = {
     "stale-cached-copy": "remove it",
     "unfinished-copy-deletion": "remove the copy's files",
     "leftover-part": "remove it",
+    "superseded-part": "remove the older payload",
     "uncommitted-replication": "record the durable copy (roll forward)",
     "abandoned-replication": "give up the claim, replicate again",
     "invalid-replication": "mark the copy corrupt",
