@@ -20,7 +20,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypedDict, overload
+from typing import TYPE_CHECKING, Any, Literal, TypedDict, TypeVar, overload
 
 from registry.ops.background import BackgroundPublisher
 from registry.catalog import Catalog, CommitRecord, PayloadRecord
@@ -73,10 +73,12 @@ if TYPE_CHECKING:  # and what only some methods use, imported there: a CLI listi
     from registry.progress import ProgressFn
     from registry.ops.retention import RetentionPlan, RetentionResult
     from registry.retention import Policy
-    from registry.ops.policy import PolicyCache, PolicyPlan, FoldInfo
+    from registry.ops.folds import AnchorInfo, FoldInfo
+    from registry.ops.policy import PolicyCache, PolicyPlan
     from registry.catalog.policy import MarkerInfo
 
 log = logging.getLogger(__name__)
+P = TypeVar("P")  # a retention plan (plain, or a tier's)
 
 MAX_NOTE = 4096  # characters of a tag's note
 
@@ -1142,8 +1144,8 @@ class Registry:
 
     def fold(self, run: str, a: int, b: int) -> FoldInfo:
         """A delta from policy version ``a`` of ``run`` to version ``b``, checked against ``b``'s digest and stored
-        under the run's ``.policy-folds/`` (for a consumer that holds ``a``); see :mod:`registry.ops.policy`."""
-        from registry.ops.policy import fold
+        under the run's ``.policy-folds/`` (for a consumer that holds ``a``); see :mod:`registry.ops.folds`."""
+        from registry.ops.folds import fold
         check_run_name(run)
         check_step(a)
         check_step(b)
@@ -1154,7 +1156,7 @@ class Registry:
         """The stored fold from policy version ``a`` of ``run`` to ``b`` (see :meth:`fold`), read through the root
         (a file, or an object on an ``s3://`` or tiered root) and checked against its recorded sha256; a fold
         whose bytes differ is marked corrupt. ``CheckpointNotFoundError`` when no usable fold is stored."""
-        from registry.ops.policy import stored_fold
+        from registry.ops.folds import stored_fold
         check_run_name(run)
         check_step(a)
         check_step(b)
@@ -1419,8 +1421,8 @@ class Registry:
     # ------------------------------------------------------------------ retention
 
     def plan_retention(self, run: str, policy: Policy, *, now: datetime | None = None,
-                       protect: Mapping[int, str] | None = None,
-                       allow_missing_metrics: bool = False, keep_fork_parents: bool = True) -> RetentionPlan:
+                       protect: Mapping[int, str] | None = None, allow_missing_metrics: bool = False,
+                       keep_fork_parents: bool = True, reanchor: bool = False) -> RetentionPlan:
         """What ``policy`` would keep and delete in ``run`` (a ``RetentionPlan``); changes nothing.
 
         ``protect`` adds ``{step: reason}`` protections on top of the invariants;
@@ -1428,18 +1430,54 @@ class Registry:
         ``KeepBest`` over a metric none of the run's checkpoints has raises
         ``UnknownMetricError`` (a ``PolicyError``) unless ``allow_missing_metrics``.
         A step that a live fork names as its parent is kept unless ``keep_fork_parents=False``.
+        A kept policy delta step keeps its chain; with ``reanchor`` the delta steps whose chain stays only for
+        them (``plan.anchorable``) are re-anchored first (:meth:`reanchor`, which stores a file), and the plan
+        then deletes the chains' older steps.
         """
         from registry.ops.retention import RetentionScope, RootDeletion, make_plan
         if self.root.can.tiers:
             raise InvalidStateError(f"{self.root_url} has a durable tier: retention is per tier, "
                                     "plan_tier_retention(run, policy, tier='fast' or 'durable')")
+        check_flags(reanchor=reanchor)
         scope = RetentionScope(catalog=self.catalog, storage=RootDeletion(self.root), actor=self.writer)
-        return make_plan(scope, run, policy, now=now, protect=protect or {},
-                         allow_missing_metrics=allow_missing_metrics, keep_fork_parents=keep_fork_parents)
+
+        def plan() -> RetentionPlan:
+            return make_plan(scope, run, policy, now=now, protect=protect or {},
+                             allow_missing_metrics=allow_missing_metrics, keep_fork_parents=keep_fork_parents)
+        return self._reanchored(run, plan) if reanchor else plan()
+
+    def _reanchored(self, run: str, plan: Callable[[], P]) -> P:
+        """``plan()`` again after re-anchoring what the first one names ``anchorable``; a re-anchoring that fails
+        is logged and its chain kept."""
+        from registry.catalog.policy import policy_steps
+        first = plan()
+        steps = first.anchorable  # type: ignore[attr-defined]
+        if not steps:
+            return first
+        self._require_writable("reanchor")
+        for step, row in policy_steps(self.catalog, run, steps).items():
+            try:
+                if row.version is not None:
+                    self.reanchor(run, row.version)
+            except RegistryError as exc:
+                log.warning("%s@%d was not re-anchored, so its chain stays: %s", run, step, exc)
+        return plan()
+
+    def reanchor(self, run: str, version: int) -> AnchorInfo:
+        """Store policy version ``version`` of ``run`` whole beside its delta step (the ``model.safetensors`` a full
+        publish writes, checked against the version's digest and read back), so the step reads without its chain
+        and retention may take the chain's older steps. The step itself is untouched: its row, payload, tags,
+        metrics, leases and loads. See :mod:`registry.ops.policy`."""
+        from registry.ops.folds import reanchor
+        check_run_name(run)
+        check_step(version)
+        self._require_writable("reanchor")
+        return reanchor(self._reader(), run, version)
 
     def plan_tier_retention(self, run: str, policy: Policy, *, tier: str = "fast", force: bool = False,
                             now: datetime | None = None, protect: Mapping[int, str] | None = None,
-                            allow_missing_metrics: bool = False, keep_fork_parents: bool = True) -> TierPlan:
+                            allow_missing_metrics: bool = False, keep_fork_parents: bool = True,
+                            reanchor: bool = False) -> TierPlan:
         """What ``policy`` keeps and deletes of ``run``'s copies on one tier (``fast`` or ``durable``).
 
         See :mod:`registry.ops.tierretention`: deleting a copy of a step that
@@ -1449,17 +1487,22 @@ class Registry:
         """
         from registry.ops.tierretention import make_tier_plan
         tiers = self._tiers("plan_tier_retention (use plan_retention)")
-        check_flags(force=force, allow_missing_metrics=allow_missing_metrics, keep_fork_parents=keep_fork_parents)
-        return make_tier_plan(self.catalog, tiers, run, policy, tier=tier, force=force,  # type: ignore[arg-type]
-                              aside=self.root.aside(), now=now, protect=protect or {},
-                              allow_missing_metrics=allow_missing_metrics, keep_fork_parents=keep_fork_parents,
-                              actor=self.writer)
+        check_flags(force=force, allow_missing_metrics=allow_missing_metrics, keep_fork_parents=keep_fork_parents,
+                    reanchor=reanchor)
+
+        def plan() -> TierPlan:
+            return make_tier_plan(self.catalog, tiers, run, policy, tier=tier,  # type: ignore[arg-type]
+                                  force=force, aside=self.root.aside(), now=now, protect=protect or {},
+                                  allow_missing_metrics=allow_missing_metrics, keep_fork_parents=keep_fork_parents,
+                                  actor=self.writer)
+        return self._reanchored(run, plan) if reanchor else plan()
 
     def apply_retention(self, run: str, policy: Policy, *, protect: Mapping[int, str] | None = None,
-                        allow_missing_metrics: bool = False, keep_fork_parents: bool = True) -> RetentionResult:
+                        allow_missing_metrics: bool = False, keep_fork_parents: bool = True,
+                        reanchor: bool = False) -> RetentionResult:
         """Plan and execute at once; returns the ``RetentionResult``."""
         return self.plan_retention(run, policy, protect=protect, allow_missing_metrics=allow_missing_metrics,
-                                   keep_fork_parents=keep_fork_parents).execute()
+                                   keep_fork_parents=keep_fork_parents, reanchor=reanchor).execute()
 
     @staticmethod
     def _check_retention(retention: object) -> None:

@@ -346,8 +346,14 @@ class PolicyVersionInfo:
     total_bytes: int
     status: str                     # the step's status; ``marker`` for a marker
     created_at: datetime | None
+    anchored: bool = False          # a delta step stored whole beside it too: it reads without its chain
+
+    @property
+    def storage(self) -> str:
+        """``kind``, and for a delta step with an anchor, so."""
+        return f"{self.kind} (anchored)" if self.anchored else self.kind
 
     def to_json(self) -> dict[str, Any]:
         return {"run": self.run, "version": self.version, "step": self.step, "kind": self.kind,
                 "base_step": self.base_step, "total_bytes": self.total_bytes, "status": self.status,
-                "created_at": _iso(self.created_at)}
+                "created_at": _iso(self.created_at), "anchored": self.anchored}

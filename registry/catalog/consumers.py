@@ -27,7 +27,8 @@ from typing import Any
 from sqlalchemy import Connection, and_, delete, func, insert, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 
-from registry.catalog.models import CheckpointRow, PolicyConsumer, PolicyLoad, PolicyMarker, PolicyStep, Run
+from registry.catalog.models import (CheckpointRow, PolicyConsumer, PolicyFold, PolicyLoad, PolicyMarker, PolicyStep,
+                                     Run)
 from registry.catalog.queries import Catalog
 from registry.catalog.session import aware, utcnow
 from registry.errors import InvalidStateError, RegistryError
@@ -397,15 +398,18 @@ class ConsumersCatalog:
         """Every policy version of ``run``: its steps (not failed ones) and its markers, by version."""
         def fn(conn: Connection) -> list[PolicyVersionInfo]:
             run_id = self.catalog.require_run(conn, run)
-            c, p = CheckpointRow.c, PolicyStep.c
+            c, p, f = CheckpointRow.c, PolicyStep.c, PolicyFold.c
+            anchored = select(f.id).where(f.run_id == run_id, f.from_step == c.step, f.to_step == c.step,
+                                          f.status == "verified").exists()
             rows = conn.execute(select(c.step, c.policy_version, c.status, c.total_bytes, c.created_at, p.kind,
-                                       p.base_step)
+                                       p.base_step, anchored.label("anchored"))
                                 .outerjoin(PolicyStep, p.checkpoint_id == c.id)
                                 .where(c.run_id == run_id, c.policy_version.is_not(None),
                                        c.status != Status.FAILED)).all()
             found = [PolicyVersionInfo(run=run, version=int(r.policy_version), step=int(r.step),
                                        kind=r.kind or "full", base_step=r.base_step, total_bytes=int(r.total_bytes),
-                                       status=str(r.status), created_at=aware(r.created_at)) for r in rows]
+                                       status=str(r.status), created_at=aware(r.created_at),
+                                       anchored=bool(r.anchored)) for r in rows]
             m = PolicyMarker.c
             found += [PolicyVersionInfo(run=run, version=int(r.version), step=None, kind="marker", base_step=None,
                                         total_bytes=0, status="marker", created_at=aware(r.created_at))

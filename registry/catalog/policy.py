@@ -6,7 +6,10 @@ transaction that commits it (:func:`record_policy_step`, called from
 ``delta`` (a ``delta.safetensors`` against ``base_step``), and the
 ``full_sha256`` every reconstruction is checked against. A reader rebuilds a
 delta step from its chain (:func:`chain_steps`, full first); retention keeps
-every base of a kept delta (:func:`delta_bases`).
+every base of a kept delta (:func:`delta_bases`). A fold from a step to
+itself is that step's *anchor*: its version stored whole (the very
+``model.safetensors`` a full publish writes), so the step reads without its
+chain and no longer keeps its bases.
 
 Knows SQL and nothing of torch or files.
 """
@@ -64,6 +67,11 @@ class FoldRecord:
     sha256: str
     status: str
     created_at: datetime | None
+
+    @property
+    def anchor(self) -> bool:
+        """A fold from a step to itself: the step's version stored whole (see the module's docstring)."""
+        return self.from_step == self.to_step
 
 
 # The chain from a step back to its full: each delta's base, by checkpoint id, until a step that is not a delta
@@ -205,12 +213,15 @@ def newest_base(catalog: Transactions, run: str, *, below: int | None = None) ->
 
 
 def delta_bases(conn: Connection, run_id: int) -> dict[int, int]:
-    """step -> the step its delta is made against, for every delta step of the run that still has a payload:
-    what retention keeps whole (a kept delta step keeps its base, transitively)."""
-    c, p = CheckpointRow.c, PolicyStep.c
+    """step -> the step its delta is made against, for every delta step of the run that still has a payload and
+    no verified anchor: what retention keeps whole (a kept delta step keeps its base, transitively; an anchored
+    one reads without it)."""
+    c, p, f = CheckpointRow.c, PolicyStep.c, PolicyFold.c
+    anchored = select(f.id).where(f.run_id == run_id, f.from_step == c.step, f.to_step == c.step,
+                                  f.status == "verified").exists()
     rows = conn.execute(select(c.step, p.base_step).join(PolicyStep, p.checkpoint_id == c.id)
                         .where(c.run_id == run_id, p.kind == "delta", p.base_step.is_not(None),
-                               c.status.in_(HAS_PAYLOAD)))
+                               c.status.in_(HAS_PAYLOAD), ~anchored))
     return {int(r.step): int(r.base_step) for r in rows}
 
 

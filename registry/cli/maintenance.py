@@ -145,6 +145,8 @@ def verify(state: State, targets: tuple[str, ...], as_json: bool) -> None:
               help="With --durable: the tier whose copies the policy is for (default: the plan of both, "
                    "the policy applied to the fast tier only).")
 @click.option("--force", is_flag=True, help="With --durable: let the fast tier delete copies not yet durable.")
+@click.option("--reanchor", is_flag=True, help="First store whole each policy delta step whose chain stays only for "
+              "it (registry policy reanchor), so the chain's older steps go too.")
 @click.option("--dry-run", is_flag=True, help="Print the plan; delete nothing.")
 @click.option("--yes", "-y", is_flag=True, help="Delete without asking (on a terminal gc shows the plan and asks "
                                                 "first; scripts and --json are never asked).")
@@ -153,7 +155,7 @@ def verify(state: State, targets: tuple[str, ...], as_json: bool) -> None:
 @command
 def gc(state: State, run: str, keep_last: int | None, keep_best: tuple[str, ...], keep_every: int | None,
        max_bytes: int | None, policy_file: str | None, allow_missing_metric: bool, release_fork_parents: bool,
-       tier: str | None, force: bool, dry_run: bool, yes: bool, as_json: bool) -> None:
+       tier: str | None, force: bool, reanchor: bool, dry_run: bool, yes: bool, as_json: bool) -> None:
     """Delete the checkpoints of RUN that no policy keeps.
 
     Options combine: a step is kept if any of them keeps it. Whatever they
@@ -177,12 +179,13 @@ def gc(state: State, run: str, keep_last: int | None, keep_best: tuple[str, ...]
     reg = state.registry()
     if reg.root.can.tiers:
         tier_gc(state, reg, run, policy, tier=tier, force=force, allow_missing_metric=allow_missing_metric,
-                keep_fork_parents=not release_fork_parents, dry_run=dry_run, yes=yes, as_json=as_json)
+                keep_fork_parents=not release_fork_parents, reanchor=reanchor, dry_run=dry_run, yes=yes,
+                as_json=as_json)
         return
     if tier is not None or force:
         raise click.UsageError("--tier and --force apply to a root with a --durable tier")
     plan = reg.plan_retention(run, policy, allow_missing_metrics=allow_missing_metric,
-                              keep_fork_parents=not release_fork_parents)
+                              keep_fork_parents=not release_fork_parents, reanchor=reanchor and not dry_run)
     from registry.views import gc_doc, plan_shared_bytes
     shared = plan_shared_bytes(plan)
     if not as_json:
@@ -193,6 +196,7 @@ def gc(state: State, run: str, keep_last: int | None, keep_best: tuple[str, ...]
         verb = "would delete" if dry_run else "planned to delete"
         click.echo(f"{verb} {len(plan.delete)} of {plural(len(plan.decisions), 'checkpoint')}, "
                    f"{human_bytes(plan.bytes_freed)}; keeping {human_bytes(plan.bytes_kept)}")
+        _anchorable(plan, reanchor=reanchor)
         if shared:
             click.echo(f"{human_bytes(shared)} of what they hold is stored once with kept steps (dedup): "
                        "it stays on disk and is not counted as freed")
@@ -218,12 +222,23 @@ def gc(state: State, run: str, keep_last: int | None, keep_best: tuple[str, ...]
         sys.exit(1)
 
 
+def _anchorable(plan: Any, *, reanchor: bool) -> None:
+    """What re-anchoring would free, when the plan keeps chains only for some delta steps."""
+    if plan.anchorable:
+        steps = ", ".join(str(s) for s in plan.anchorable)
+        click.echo(f"the chains of delta steps {steps} stay only for them: "
+                   + ("gc --reanchor stores those steps whole first, and the chains go" if not reanchor else
+                      "--reanchor stores them whole first (not on a dry run)"))
+
+
 def tier_gc(state: State, reg: Any, run: str, policy: Any, *, tier: str | None, force: bool,
-            allow_missing_metric: bool, keep_fork_parents: bool, dry_run: bool, yes: bool, as_json: bool) -> None:
+            allow_missing_metric: bool, keep_fork_parents: bool, reanchor: bool, dry_run: bool, yes: bool,
+            as_json: bool) -> None:
     """``gc`` on a root with a durable tier: the plan of each tier shown, the policy's tier executed."""
     chosen = tier or "fast"
     plans = {t: reg.plan_tier_retention(run, policy, tier=t, force=force, allow_missing_metrics=allow_missing_metric,
-                                        keep_fork_parents=keep_fork_parents)
+                                        keep_fork_parents=keep_fork_parents,
+                                        reanchor=reanchor and not dry_run and t == chosen)
              for t in ((chosen,) if tier is not None else ("fast", "durable"))}
     if not as_json:
         for name, plan in plans.items():
@@ -233,6 +248,7 @@ def tier_gc(state: State, reg: Any, run: str, policy: Any, *, tier: str | None, 
                   [[d.step, (d.action.upper() if d.action == "delete" else d.action)
                     + (" (last copy)" if d.ends_step else ""), human_bytes(d.total_bytes), "; ".join(d.reasons)]
                    for d in plan.decisions])
+            _anchorable(plan, reanchor=reanchor)
     plan = plans[chosen]
     if not dry_run and plan.delete and not (yes or as_json) and stdin_is_terminal() and not click.confirm(
             f"delete {plural(len(plan.delete), 'copy', 'copies')} on the {chosen} tier?", default=False):

@@ -49,7 +49,7 @@ def policy_ls(state: State, run: str, as_json: bool) -> None:
         return
     from registry.records import human_bytes
     table(["VERSION", "STEP", "KIND", "BASE STEP", "SIZE", "STATUS"],
-          [[v.version, "-" if v.step is None else v.step, v.kind, "-" if v.base_step is None else v.base_step,
+          [[v.version, "-" if v.step is None else v.step, v.storage, "-" if v.base_step is None else v.base_step,
             "-" if v.kind == "marker" else human_bytes(v.total_bytes), v.status] for v in found])
 
 
@@ -161,6 +161,33 @@ def policy_pull(state: State, ref: str, dest: str) -> None:
     from pathlib import Path
     path = state.registry().materialize(ref, Path(dest))
     click.echo(str(path))
+
+
+@policy.command("reanchor")
+@click.argument("run")
+@click.argument("version", type=int)
+@json_option
+@click.pass_obj
+@command
+def policy_reanchor(state: State, run: str, version: int, as_json: bool) -> None:
+    """Store policy VERSION of RUN whole beside its delta step, so it reads without its chain.
+
+    The very model.safetensors a full publish writes, checked against the version's digest and read back;
+    the step itself is untouched (tags, metrics, leases). Retention may then delete the chain's older steps
+    (gc --reanchor does this for every delta step whose chain stays only for it).
+
+    \b
+    Example:
+        registry policy reanchor demo 12
+    """
+    from dataclasses import asdict
+
+    from registry.records import human_bytes
+    got = state.registry().reanchor(run, version)
+    if as_json:
+        emit_json({k: (str(v) if v is not None and k == "path" else v) for k, v in asdict(got).items()})
+    else:
+        click.echo(f"{run}@pv:{version} (step {got.step}) stored whole at {got.url} ({human_bytes(got.size)})")
 
 
 @policy.command("prune")

@@ -185,7 +185,8 @@ def materialize_patched(access: Access, info: CheckpointInfo, dest: Path, held: 
 
 def _fold_from(access: Access, info: CheckpointInfo, held: str) -> bytes | None:
     """The bytes of a stored, verified fold from the version whose full digest is ``held`` to ``info``'s."""
-    stored = [f for f in folds(access.catalog, info.run) if f.to_step == info.step and f.status == "verified"]
+    stored = [f for f in folds(access.catalog, info.run)
+              if f.to_step == info.step and f.status == "verified" and not f.anchor]
     starts = policy_steps(access.catalog, info.run, [f.from_step for f in stored]) if stored else {}
     for fold_row in stored:
         start = starts.get(fold_row.from_step)

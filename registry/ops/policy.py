@@ -22,6 +22,13 @@ reads the chain back to its full (``policy_steps.base_step``), decodes each
 delta in order (each checks its base's digest and every tensor's) and
 checks the result against the step's ``full_sha256``: a damaged delta is a
 corrupt copy, never wrong weights.
+
+Re-anchoring (:func:`registry.ops.folds.reanchor`) stores a delta step's version whole beside
+it, as a fold from the step to itself (the very ``model.safetensors`` a full
+publish writes, checked against ``full_sha256`` and read back before it is
+relied on): the rebuild then starts there, and retention no longer keeps the
+step's bases for it. The step itself is untouched (its row, payload, tags,
+metrics, leases and loads), so nothing a reader or consumer holds moves.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from registry.catalog.policy import (FoldRecord, PolicyStepInfo, chain_steps, condemn_fold, folds, newest_base,
-                                     policy_steps, record_fold, version_step)
+                                     policy_steps, version_step)
 from registry.catalog.records import CommitRecord, PayloadRecord, PolicyRecord
 from registry.errors import (CheckpointNotFoundError, CorruptCheckpointError, DeltaBaseError, InvalidStateError,
                              PolicyVersionConflictError, RegistryError)
@@ -76,7 +83,8 @@ class Access(Protocol):
 
 FULL_EVERY = 8
 PAYS = 0.5          # a delta larger than this share of the full is stored as a full under "auto"
-FOLDS = ".policy-folds"  # under a run's directory: derived deltas between two policy steps
+FOLDS = ".policy-folds"  # under a run's directory: derived deltas between two policy steps, and anchors
+ANCHOR = "full.safetensors"  # an anchor's file under FOLDS: STEP-STEP.full.safetensors
 
 
 def check_delta(delta: object, policy_version: int | None) -> DeltaMode | None:
@@ -312,8 +320,12 @@ def rebuild(access: Access, info: CheckpointInfo, loaded: Loaded, *, verify: boo
         return replace(loaded, state_dict=_placed(folded, map_location), delta=None)
     start = next((i for i in range(len(chain) - 1, -1, -1)
                   if held is not None and rows[chain[i]].full_sha256 == held[0]), None)
-    if held is not None and start is not None:
-        state: Mapping[str, torch.Tensor] = held[1]
+    anchored = _anchored(access, run, chain, rows, after=start)
+    state: Mapping[str, torch.Tensor]
+    if anchored is not None:
+        start, state = anchored
+    elif held is not None and start is not None:
+        state = held[1]
     else:
         start = 0
         state = _read_part(access, run, chain[0], verify=verify, broken=broken).state_dict
@@ -333,6 +345,35 @@ def rebuild(access: Access, info: CheckpointInfo, loaded: Loaded, *, verify: boo
     return replace(loaded, state_dict=_placed(state, map_location), delta=None)
 
 
+def _anchored(access: Access, run: str, chain: list[int], rows: Mapping[int, PolicyStepInfo], *,
+              after: int | None) -> tuple[int, dict[str, torch.Tensor]] | None:
+    """The newest step of ``chain`` past index ``after`` with a usable anchor, as (its index, its tensors); None
+    when there is none (an anchor that cannot be read is passed over: the chain is read instead)."""
+    import torch
+
+    from registry.fs.filemaps import tensors_of
+    stored = {f.to_step: f for f in anchors(access.catalog, run)}
+    for i in range(len(chain) - 1, 0 if after is None else after, -1):
+        fold_row = stored.get(chain[i])
+        if fold_row is None or fold_row.sha256 != rows[chain[i]].full_sha256:
+            continue
+        data = read_fold(access, fold_row)
+        if data is None:
+            continue
+        try:
+            tensors = tensors_of(torch.frombuffer(bytearray(data), dtype=torch.uint8),
+                                 Path(access.home.aside().where(fold_row.path)))
+        except RegistryError:
+            continue
+        return i, tensors
+    return None
+
+
+def anchors(catalog: Catalog, run: str) -> list[FoldRecord]:
+    """The run's verified anchors (folds from a step to itself, see the module's docstring)."""
+    return [f for f in folds(catalog, run) if f.anchor and f.status == "verified"]
+
+
 def _placed(state: Mapping[str, torch.Tensor], map_location: Any) -> dict[str, torch.Tensor]:
     if map_location is not None and map_location != "cpu":
         return {k: v.to(map_location) for k, v in state.items()}
@@ -343,7 +384,8 @@ def _from_fold(access: Access, info: CheckpointInfo, row: PolicyStepInfo, held: 
     """The version of ``info`` from a stored fold that starts at the version ``held`` is, when there is one and
     it reads back whole; None otherwise (the chain is read instead: a bad fold is never the step's fault)."""
     from registry.format.delta import decode, read_header
-    stored = [f for f in folds(access.catalog, info.run) if f.to_step == info.step and f.status == "verified"]
+    stored = [f for f in folds(access.catalog, info.run)
+              if f.to_step == info.step and f.status == "verified" and not f.anchor]
     starts = policy_steps(access.catalog, info.run, [f.from_step for f in stored]) if stored else {}
     for fold_row in stored:
         start = starts.get(fold_row.from_step)
@@ -423,96 +465,6 @@ def _condemn_base(access: Access, info: CheckpointInfo, exc: CorruptCheckpointEr
         pass  # no verdict rests on a read that failed for another reason
 
 
-# ---------------------------------------------------------------------------------------------------- folds
-
-
-@dataclass(frozen=True, kw_only=True)
-class FoldInfo:
-    """A stored fold: the delta from policy version ``from_version`` (step ``from_step``) to ``to_version``."""
-
-    run: str
-    from_version: int
-    to_version: int
-    from_step: int
-    to_step: int
-    path: Path | None  # on this host's filesystem; None on an object store (``url`` names it)
-    size: int
-    sha256: str
-    base_sha256: str
-    target_sha256: str
-    url: str = ""  # where the root keeps it: an absolute path, or an s3:// URL
-
-
-def _version_row(access: Access, run: str, version: int) -> PolicyStepInfo:
-    row = version_step(access.catalog, run, version)
-    if row is None or row.status not in LIVE:
-        raise CheckpointNotFoundError(f"{run}@pv:{version}: no published or verified checkpoint with policy "
-                                      f"version {version}", run=run)
-    return row
-
-
-def fold(access: Access, run: str, a: int, b: int) -> FoldInfo:
-    """The delta from policy version ``a`` to ``b`` of ``run``, stored under the run's ``.policy-folds/``.
-
-    Both versions are read through the reader (a delta step rebuilt from its
-    chain), the fold is ``encode(a, b)`` and is checked against ``b``'s
-    ``full_sha256`` before it is written (atomically) and recorded.
-    """
-    import hashlib
-
-    from registry.format.delta import encode, read_header
-    if a == b:
-        raise InvalidStateError(f"fold({run!r}, {a}, {b}) needs two different versions")
-    ra, rb = _version_row(access, run, a), _version_row(access, run, b)
-    states = []
-    for row in (ra, rb):
-        info = access.catalog.get(run, row.step)
-        assert info is not None
-        lease = access.catalog.acquire_lease(run, row.step, holder=access.holder, ttl=access.lease_ttl)
-        if lease is None:
-            raise CheckpointNotFoundError(f"{run}@{row.step} was deleted while being folded", run=run, step=row.step)
-        try:
-            states.append(read_rebuilt(access, access.home.place(info), verify=True, extras=False).state_dict)
-        finally:
-            access.catalog.release_lease(lease)
-    data = encode(states[0], states[1], base_sha256=ra.full_sha256)
-    header = read_header(data)
-    if header.target_sha256 != rb.full_sha256:
-        raise CorruptCheckpointError(f"the fold of {run} from version {a} to {b} does not end at version {b}'s "
-                                     "digest; nothing was stored", run=run, step=rb.step)
-    rel = f"{run}/{FOLDS}/{ra.step}-{rb.step}.delta.safetensors"
-    digest = hashlib.sha256(data).hexdigest()
-    aside = access.home.aside()
-    aside.put(rel, data)
-    try:
-        record_fold(access.catalog, FoldRecord(run=run, from_step=ra.step, to_step=rb.step, path=rel,
-                                               size=len(data), sha256=digest, status="verified", created_at=None))
-    except CheckpointNotFoundError:
-        try:  # no row names it: left behind, fsck --repair would remove it as an orphan
-            aside.delete(rel)
-        except OSError:
-            pass
-        raise
-    return FoldInfo(run=run, from_version=a, to_version=b, from_step=ra.step, to_step=rb.step,
-                    path=aside.local(rel), size=len(data), sha256=digest, base_sha256=header.base_sha256,
-                    target_sha256=header.target_sha256, url=aside.where(rel))
-
-
-def stored_fold(access: Access, run: str, a: int, b: int) -> bytes:
-    """The checked bytes of the stored fold from version ``a`` of ``run`` to ``b`` (:func:`read_fold`);
-    ``CheckpointNotFoundError`` when none is stored, or the one stored cannot be used."""
-    ra, rb = _version_row(access, run, a), _version_row(access, run, b)
-    for row in folds(access.catalog, run):
-        if (row.from_step, row.to_step, row.status) == (ra.step, rb.step, "verified"):
-            data = read_fold(access, row)
-            if data is not None:
-                return data
-            raise CheckpointNotFoundError(f"the fold of {run} from version {a} to {b} cannot be read (see the log); "
-                                          "fold it again", run=run, step=rb.step)
-    raise CheckpointNotFoundError(f"no stored fold of {run} from version {a} to {b}: Registry.fold makes one",
-                                  run=run, step=rb.step)
-
-
-__all__ = ["FOLDS", "FULL_EVERY", "DeltaMode", "FoldInfo", "Held", "PolicyCache", "PolicyHooks", "PolicyPlan",
-           "buffer_view", "check_delta", "fold", "legacy_record", "plan_publish", "read_fold", "read_rebuilt",
-           "rebuild", "stored_fold"]
+__all__ = ["ANCHOR", "FOLDS", "FULL_EVERY", "DeltaMode", "Held", "PolicyCache", "PolicyHooks", "PolicyPlan",
+           "anchors", "buffer_view", "check_delta", "legacy_record", "plan_publish", "read_fold", "read_rebuilt",
+           "rebuild"]

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -47,7 +47,7 @@ from registry.format.refs import check_run_name, check_step
 from registry.ops.checkouts import reclaim as reclaim_checkouts
 from registry.ops.protocol import keep_fallback_apart, restore_fallback
 from registry.progress import Counter, ProgressFn
-from registry.records import CheckpointInfo, Status
+from registry.records import LIVE, CheckpointInfo, Status
 from registry.retention import Policy, RetentionContext, evaluate
 from registry.roots.base import Root
 
@@ -272,6 +272,18 @@ def with_bases(snap: RunSnapshot, protected: Mapping[int, str], staying: Iterabl
     return merged
 
 
+def anchorable(snap: RunSnapshot, before: Mapping[int, str], after: Mapping[int, str],
+               staying: Collection[int]) -> tuple[int, ...]:
+    """The delta steps that stay for their own sake (``staying``, or protected in ``before``) whose base stays only
+    as a chain base (in ``after``, :func:`with_bases`' result, and nowhere else): with each of them re-anchored
+    (its version stored whole, :func:`registry.ops.policy.reanchor`), the plan takes the chains' older steps."""
+    status = {c.step: c.status for c in snap.checkpoints}
+    only_base = {s for s in after if s not in before and s not in staying and status.get(s) in CANDIDATES}
+    return tuple(sorted(step for step, base in snap.delta_bases.items()
+                        if base in only_base and step not in only_base and status.get(step) in LIVE
+                        and (step in staying or step in before)))
+
+
 @dataclass(frozen=True, kw_only=True)
 class RetentionResult:
     """What :meth:`RetentionPlan.execute` did."""
@@ -305,6 +317,7 @@ class RetentionPlan:
     scope: RetentionScope | None = field(default=None, repr=False, compare=False)
     physical_freed: int | None = None    # measured by make_plan: see bytes_freed
     physical_kept: int | None = None
+    anchorable: tuple[int, ...] = ()     # delta steps whose re-anchoring frees their chains (see anchorable)
 
     @property
     def keep(self) -> Mapping[int, str]:
@@ -344,7 +357,7 @@ class RetentionPlan:
                 "keep": [d.step for d in self.decisions if d.action == "keep"],
                 "delete": [d.step for d in self.decisions if d.action == "delete"],
                 "bytes_freed": self.bytes_freed, "bytes_kept": self.bytes_kept,
-                "decisions": [d.to_json() for d in self.decisions]}
+                "decisions": [d.to_json() for d in self.decisions], "anchorable": list(self.anchorable)}
 
     def execute(self, *, progress: ProgressFn | None = None) -> RetentionResult:
         """Delete what the plan deletes and is still deletable now; see the module docstring.
@@ -375,7 +388,8 @@ def make_plan(scope: RetentionScope, run: str, policy: Policy, *, now: datetime 
     kept = evaluate(policy, candidates, RetentionContext(run=run, now=now, protected=protected,
                                                          allow_missing_metrics=allow_missing_metrics,
                                                          held=scope.storage.held))
-    protected = with_bases(snap, protected, kept)
+    before, protected = protected, with_bases(snap, protected, kept)
+    staying = {*kept, *(c.step for c in snap.checkpoints if c.status not in CANDIDATES)}
     decisions = []
     located: dict[int, CheckpointInfo] = {}
     for c in snap.checkpoints:
@@ -394,7 +408,8 @@ def make_plan(scope: RetentionScope, run: str, policy: Policy, *, now: datetime 
                          physical_freed=scope.storage.freed_bytes(
                              [located[d.step] for d in decisions if d.action == "delete"]),
                          physical_kept=scope.storage.kept_bytes(
-                             [located[d.step] for d in decisions if d.action == "keep"]))
+                             [located[d.step] for d in decisions if d.action == "keep"]),
+                         anchorable=anchorable(snap, before, protected, staying))
 
 
 def still_doomed(snap: RunSnapshot, planned: Mapping[int, str], policy: Policy, candidates: Sequence[CheckpointInfo],
@@ -591,5 +606,5 @@ def _deleted_info(run: str, row: DeletedRow) -> CheckpointInfo:
 
 
 __all__ = ["Decision", "Deletion", "Doomed", "Executed", "RetentionPlan", "RetentionResult", "RetentionScope",
-           "RootDeletion", "chain_bases", "execute_deletions", "finish_interrupted", "guard_fallback", "make_plan",
-           "protections", "still_doomed", "with_bases"]
+           "RootDeletion", "anchorable", "chain_bases", "execute_deletions", "finish_interrupted", "guard_fallback",
+           "make_plan", "protections", "still_doomed", "with_bases"]

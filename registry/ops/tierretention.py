@@ -60,8 +60,8 @@ from registry.format.layout import parse_hidden
 from registry.fs.removal import manifest_digest, remove_checkpoint_dir, remove_tree
 from registry.ops.checkouts import reclaim as reclaim_checkouts
 from registry.ops.protocol import restore_fallback
-from registry.ops.retention import (Doomed, RetentionScope, execute_deletions, guard_fallback, plan_options,
-                                    protections, with_bases)
+from registry.ops.retention import (Doomed, RetentionScope, anchorable, execute_deletions, guard_fallback,
+                                    plan_options, protections, with_bases)
 from registry.ops.tiers import Tiers
 from registry.progress import ProgressFn
 from registry.records import CheckpointInfo, Status
@@ -134,6 +134,7 @@ class TierPlan:
     keep_fork_parents: bool = True   # see registry.ops.retention.protections
     actor: str | None = None
     protect: Mapping[int, str] = field(default_factory=dict)
+    anchorable: tuple[int, ...] = ()  # see registry.ops.retention.anchorable
 
     @property
     def keep(self) -> Mapping[int, str]:
@@ -149,6 +150,7 @@ class TierPlan:
 
     def to_json(self) -> dict[str, Any]:
         return {"run": self.run, "tier": self.tier, "decisions": [d.to_json() for d in self.decisions],
+                "anchorable": list(self.anchorable),
                 "bytes_freed": self.bytes_freed}
 
     def execute(self, progress: ProgressFn | None = None) -> TierResult:
@@ -269,7 +271,8 @@ def make_tier_plan(catalog: Catalog, tiers: Tiers, run: str, policy: Policy, *, 
                     RetentionContext(run=run, now=now, protected=protected,
                                      allow_missing_metrics=allow_missing_metrics))
     # a step with no copy on this tier stays whatever this plan does: what stays keeps its delta chain
-    protected = with_bases(snap, protected, {*kept, *(c.step for c in snap.checkpoints if c.step not in on_tier)})
+    staying = {*kept, *(c.step for c in snap.checkpoints if c.step not in on_tier)}
+    before, protected = protected, with_bases(snap, protected, staying)
     decisions = [TierDecision(step=c.step, action="delete", reasons=("this host's copy is corrupt",),
                               path=condemned[c.step], location=tiers.location, total_bytes=c.total_bytes,
                               condemned=True)
@@ -294,7 +297,7 @@ def make_tier_plan(catalog: Catalog, tiers: Tiers, run: str, policy: Policy, *, 
     return TierPlan(run=run, tier=tier, decisions=tuple(decisions), catalog=catalog, tiers=tiers, aside=aside,
                     policy=policy, now=now, allow_missing_metrics=allow_missing_metrics,
                     keep_fork_parents=keep_fork_parents, actor=actor,
-                    protect=MappingProxyType(dict(protect)))
+                    protect=MappingProxyType(dict(protect)), anchorable=anchorable(snap, before, protected, staying))
 
 
 @dataclass(frozen=True)

@@ -190,7 +190,8 @@ def policy_section(doc: dict[str, Any]) -> str:
     """The run's newest policy versions and its consumers, with the lag (``registry policy ls``/``consumers``)."""
     lag = doc["lag"]
     rows = "".join(f'<tr><td>{v["version"]}</td><td>{"-" if v["step"] is None else v["step"]}</td>'
-                   f'<td>{escape(v["kind"])}</td><td>{"-" if v["base_step"] is None else v["base_step"]}</td>'
+                   f'<td>{escape(v["kind"])}{" (anchored)" if v.get("anchored") else ""}</td>'
+                   f'<td>{"-" if v["base_step"] is None else v["base_step"]}</td>'
                    f'<td>{"-" if v["kind"] == "marker" else human_bytes(v["total_bytes"])}</td>'
                    f'<td>{escape(v["status"])}</td></tr>' for v in reversed(doc["versions"]))
     consumers = "".join(

@@ -1,0 +1,181 @@
+"""Derived files of the policy channel, stored beside a run's steps under ``.policy-folds/`` (the root's
+:meth:`~registry.roots.base.Root.aside`): folds, a delta from one version to another for a consumer that holds the
+first, and anchors, a delta step's version stored whole so it reads without its chain (see
+:mod:`registry.ops.policy`, which reads both). Each is checked against its target's digest before it is stored,
+recorded with its sha256, and lives only while its steps do (retention and fsck end it with them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from registry.catalog.policy import FoldRecord, PolicyStepInfo, folds, record_fold, version_step
+from registry.errors import CheckpointNotFoundError, CorruptCheckpointError, InvalidStateError
+from registry.ops.policy import ANCHOR, FOLDS, Access, anchors, read_fold, read_rebuilt
+from registry.records import LIVE
+
+
+@dataclass(frozen=True, kw_only=True)
+class FoldInfo:
+    """A stored fold: the delta from policy version ``from_version`` (step ``from_step``) to ``to_version``."""
+
+    run: str
+    from_version: int
+    to_version: int
+    from_step: int
+    to_step: int
+    path: Path | None  # on this host's filesystem; None on an object store (``url`` names it)
+    size: int
+    sha256: str
+    base_sha256: str
+    target_sha256: str
+    url: str = ""  # where the root keeps it: an absolute path, or an s3:// URL
+
+
+def _version_row(access: Access, run: str, version: int) -> PolicyStepInfo:
+    row = version_step(access.catalog, run, version)
+    if row is None or row.status not in LIVE:
+        raise CheckpointNotFoundError(f"{run}@pv:{version}: no published or verified checkpoint with policy "
+                                      f"version {version}", run=run)
+    return row
+
+
+def fold(access: Access, run: str, a: int, b: int) -> FoldInfo:
+    """The delta from policy version ``a`` to ``b`` of ``run``, stored under the run's ``.policy-folds/``.
+
+    Both versions are read through the reader (a delta step rebuilt from its
+    chain), the fold is ``encode(a, b)`` and is checked against ``b``'s
+    ``full_sha256`` before it is written (atomically) and recorded.
+    """
+    import hashlib
+
+    from registry.format.delta import encode, read_header
+    if a == b:
+        raise InvalidStateError(f"fold({run!r}, {a}, {b}) needs two different versions")
+    ra, rb = _version_row(access, run, a), _version_row(access, run, b)
+    states = []
+    for row in (ra, rb):
+        info = access.catalog.get(run, row.step)
+        assert info is not None
+        lease = access.catalog.acquire_lease(run, row.step, holder=access.holder, ttl=access.lease_ttl)
+        if lease is None:
+            raise CheckpointNotFoundError(f"{run}@{row.step} was deleted while being folded", run=run, step=row.step)
+        try:
+            states.append(read_rebuilt(access, access.home.place(info), verify=True, extras=False).state_dict)
+        finally:
+            access.catalog.release_lease(lease)
+    data = encode(states[0], states[1], base_sha256=ra.full_sha256)
+    header = read_header(data)
+    if header.target_sha256 != rb.full_sha256:
+        raise CorruptCheckpointError(f"the fold of {run} from version {a} to {b} does not end at version {b}'s "
+                                     "digest; nothing was stored", run=run, step=rb.step)
+    rel = f"{run}/{FOLDS}/{ra.step}-{rb.step}.delta.safetensors"
+    digest = hashlib.sha256(data).hexdigest()
+    aside = access.home.aside()
+    aside.put(rel, data)
+    try:
+        record_fold(access.catalog, FoldRecord(run=run, from_step=ra.step, to_step=rb.step, path=rel,
+                                               size=len(data), sha256=digest, status="verified", created_at=None))
+    except CheckpointNotFoundError:
+        try:  # no row names it: left behind, fsck --repair would remove it as an orphan
+            aside.delete(rel)
+        except OSError:
+            pass
+        raise
+    return FoldInfo(run=run, from_version=a, to_version=b, from_step=ra.step, to_step=rb.step,
+                    path=aside.local(rel), size=len(data), sha256=digest, base_sha256=header.base_sha256,
+                    target_sha256=header.target_sha256, url=aside.where(rel))
+
+
+def stored_fold(access: Access, run: str, a: int, b: int) -> bytes:
+    """The checked bytes of the stored fold from version ``a`` of ``run`` to ``b`` (:func:`read_fold`);
+    ``CheckpointNotFoundError`` when none is stored, or the one stored cannot be used."""
+    ra, rb = _version_row(access, run, a), _version_row(access, run, b)
+    for row in folds(access.catalog, run):
+        if (row.from_step, row.to_step, row.status) == (ra.step, rb.step, "verified") and not row.anchor:
+            data = read_fold(access, row)
+            if data is not None:
+                return data
+            raise CheckpointNotFoundError(f"the fold of {run} from version {a} to {b} cannot be read (see the log); "
+                                          "fold it again", run=run, step=rb.step)
+    raise CheckpointNotFoundError(f"no stored fold of {run} from version {a} to {b}: Registry.fold makes one",
+                                  run=run, step=rb.step)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AnchorInfo:
+    """A stored anchor: policy version ``version`` (step ``step``) whole, as a full publish writes it."""
+
+    run: str
+    version: int
+    step: int
+    path: Path | None  # on this host's filesystem; None on an object store (``url`` names it)
+    size: int
+    sha256: str
+    url: str = ""
+
+
+def reanchor(access: Access, run: str, version: int) -> AnchorInfo:
+    """Store policy version ``version`` of ``run`` whole beside its delta step (see the module's docstring).
+
+    The version is rebuilt through the reader, encoded as a full publish
+    encodes it, checked against its ``full_sha256``, stored under the run's
+    ``.policy-folds/``, recorded, and read back from storage before this
+    returns; an anchor stored and readable already is kept. A full step has
+    no chain: ``InvalidStateError``.
+    """
+    import hashlib
+    import io
+
+    from registry.format.safetensors import PUBLISH_METADATA, Encoded
+    row = _version_row(access, run, version)
+    if row.kind != "delta":
+        raise InvalidStateError(f"{run}@pv:{version} (step {row.step}) is stored whole already: no chain to "
+                                "re-anchor", run=run, step=row.step)
+    aside = access.home.aside()
+    for stored in anchors(access.catalog, run):
+        if stored.to_step == row.step and stored.sha256 == row.full_sha256 and read_fold(access, stored):
+            return _anchor_info(aside, run, version, stored)
+    info = access.catalog.get(run, row.step)
+    lease = access.catalog.acquire_lease(run, row.step, holder=access.holder, ttl=access.lease_ttl)
+    if info is None or lease is None:
+        raise CheckpointNotFoundError(f"{run}@{row.step} was deleted while being re-anchored", run=run,
+                                      step=row.step)
+    try:
+        state = read_rebuilt(access, access.home.place(info), verify=True, extras=False).state_dict
+    finally:
+        access.catalog.release_lease(lease)
+    out = io.BytesIO()
+    Encoded(state, PUBLISH_METADATA).write(out)
+    data = out.getvalue()
+    del state, out
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != row.full_sha256:
+        raise CorruptCheckpointError(f"{run}@pv:{version} rebuilt whole hashes to {digest[:12]}, not its version's "
+                                     f"{row.full_sha256[:12]}; nothing was stored", run=run, step=row.step)
+    rel = f"{run}/{FOLDS}/{row.step}-{row.step}.{ANCHOR}"
+    aside.put(rel, data)
+    record = FoldRecord(run=run, from_step=row.step, to_step=row.step, path=rel, size=len(data), sha256=digest,
+                        status="verified", created_at=None)
+    try:
+        record_fold(access.catalog, record)
+    except CheckpointNotFoundError:
+        try:  # no row names it: left behind, fsck --repair would remove it as an orphan
+            aside.delete(rel)
+        except OSError:
+            pass
+        raise
+    if read_fold(access, record) is None:  # what storage holds, before any base may go for it
+        raise CorruptCheckpointError(f"the anchor of {run}@pv:{version} at {aside.where(rel)} did not read back "
+                                     "as written (see the log); its chain is kept", run=run, step=row.step)
+    return _anchor_info(aside, run, version, record)
+
+
+def _anchor_info(aside: Any, run: str, version: int, record: FoldRecord) -> AnchorInfo:
+    return AnchorInfo(run=run, version=version, step=record.to_step, path=aside.local(record.path),
+                      size=record.size, sha256=record.sha256, url=aside.where(record.path))
+
+
+__all__ = ["AnchorInfo", "FoldInfo", "fold", "reanchor", "stored_fold"]
