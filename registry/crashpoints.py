@@ -37,6 +37,7 @@ POINTS = (
     "cache-evict-after-mark",  # tiers: a stale cached copy's row marked deleted, its directory still in place
     "migrate-before-commit",  # schema migration: every revision applied, its transaction not yet committed
     "outbox-after-commit",    # webhooks: a transaction that wrote outbox rows committed, no deliverer told yet
+    "reanchor-after-store",   # policy: a delta step's version stored whole beside it, its anchor row not yet written
     "materialize-patch-midway",  # materialize: a patched copy of the held model.safetensors partly written under a
                                  # temporary name, not yet checked or renamed
 )

@@ -58,6 +58,8 @@ def trainer(url: str, root: str, end: int, kill_version: int, kill_point: str) -
                 arm(kill_point)
             reg.publish(RUN, version * STEP, weights(version), policy_version=version, delta="auto",
                         retention=KeepLast(2))
+            if version % 3 == 2:  # kept deltas stored whole, so their chains' older steps go
+                reg.apply_retention(RUN, KeepLast(2), reanchor=True)
             if version % 4 == 3:
                 try:
                     reg.fold(RUN, version - 2, version)

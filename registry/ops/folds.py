@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from registry.crashpoints import crashpoint
 from registry.catalog.policy import FoldRecord, PolicyStepInfo, folds, record_fold, version_step
 from registry.errors import CheckpointNotFoundError, CorruptCheckpointError, InvalidStateError
 from registry.ops.policy import ANCHOR, FOLDS, Access, anchors, read_fold, read_rebuilt
@@ -157,6 +158,7 @@ def reanchor(access: Access, run: str, version: int) -> AnchorInfo:
                                      f"{row.full_sha256[:12]}; nothing was stored", run=run, step=row.step)
     rel = f"{run}/{FOLDS}/{row.step}-{row.step}.{ANCHOR}"
     aside.put(rel, data)
+    crashpoint("reanchor-after-store")
     record = FoldRecord(run=run, from_step=row.step, to_step=row.step, path=rel, size=len(data), sha256=digest,
                         status="verified", created_at=None)
     try:
