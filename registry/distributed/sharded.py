@@ -490,9 +490,10 @@ def _copy_read(comm: Comm | Solo, shards: Shards, plan: _Plan,
     needs. A root whose copy is the step's only one is read where it is."""
     if not plan.several:
         return plan.where, shards.at(plan.where)
-    digest = plan.info.manifest_sha256
-    common = not plan.from_part and shards.holds(plan.where, digest)
-    part = shards.part(plan.parts, digest, durable=plan.durable) if plan.parts is not None else None
+    digest, far = plan.info.manifest_sha256, plan.durable
+    # every rank reaches the durable copy: a rank whose host holds a part reads that instead
+    common = not plan.from_part and plan.where != far and shards.holds(plan.where, digest)
+    part = shards.part(plan.parts, digest, durable=far) if plan.parts is not None else None
     seen = comm.all_gather_object((common, part is not None), "finding the copy every rank reads")
     if all(c for c, _ in seen):
         return plan.where, shards.at(plan.where)
@@ -505,9 +506,9 @@ def _copy_read(comm: Comm | Solo, shards: Shards, plan: _Plan,
         sent = part_read(comm, part, wanted, manifest)
         if sent is not None:
             return sent.where, sent
-    if plan.durable is None:
+    if far is None:
         return None
-    return (part.where, part) if part is not None else (plan.durable, shards.at(plan.durable))
+    return (part.where, part) if part is not None else (far, shards.at(far))
 
 
 def _needed(metadata: Metadata, flat: dict[str, Any], keys: set[str]) -> dict[str, list[tuple[int, int]]]:
