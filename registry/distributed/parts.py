@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from registry.catalog.records import CommitRecord, PartRecord, PayloadRecord
 from registry.distributed.collectives import Comm, Failure, Solo, first_failure, status
-from registry.errors import PublishError, RegistryError, StorageError
+from registry.errors import CorruptCheckpointError, PublishError, RegistryError, StorageError
 from registry.format.layout import attempt_relpath, part_relpath
 from registry.format.manifest import CONFIG, MANIFEST, META, Manifest, digest_bytes, parse_manifest
 from registry.format.sharding import DCP_METADATA
@@ -245,15 +245,18 @@ def undo_part(hosts: Hosts, start: PartStart) -> None:
 
 PEER_BYTES = 256 << 20  # the most a load moves between the hosts' parts: replicated values, never a reshard
 
+Sent = tuple[bytes, str] | None  # a range as its host read it, with its xxh3-128; None: that host could not read it
+
 
 def part_read(comm: Comm | Solo, part: PartShards | None, wanted: Mapping[str, list[tuple[int, int]]],
-              manifest: Manifest) -> PartShards | None:
-    """Every rank, for a step published from several hosts and not durable yet: this rank's host's part, with
-    the pieces of the files it reads that its host does not hold (DCP writes each replicated value, a step counter
-    or an optimizer's scalars, on one rank only) sent by a rank of a host that holds them, each checked by the
-    reader as it lands. None on every rank alike when some rank's host holds no part, a file no host holds is
-    wanted, or more than ``PEER_BYTES`` would cross (a load at another world size is the durable copy's)."""
-    from registry.fs.dcpobjects import piece_ranges
+              manifest: Manifest, *, verify: bool) -> PartShards | None:
+    """Every rank, for a step published from several hosts: this rank's host's part, with the byte ranges it reads
+    of files its host does not hold (DCP writes each replicated value, a step counter or an optimizer's scalars,
+    on one rank only) sent by a rank of a host that holds them. That rank checks the manifest pieces the ranges lie
+    in, as it would check its own, and sends each range with its digest; the reader checks the digest as the
+    range lands (the wire's own check). None on every rank alike when some rank's host holds no part, a file no
+    host holds is wanted, or more than ``PEER_BYTES`` would cross (a load at another world size: the durable
+    copy's)."""
     lacks = part.lacks(wanted) if part is not None else {}
     seen = comm.all_gather_object((None if part is None else sorted(part.files), lacks),
                                   "finding what each host's part holds")
@@ -268,35 +271,54 @@ def part_read(comm: Comm | Solo, part: PartShards | None, wanted: Mapping[str, l
         for name, ranges in lack.items():
             if name not in holder or name not in manifest.files:
                 return None
-            for start, end, _piece in piece_ranges(manifest.files[name], ranges, verify=True):
-                asked[(name, start, end)] = holder[name]
-    if sum(end - start for _, start, end in asked) > PEER_BYTES or part is None:
+            for offset, length in ranges:
+                asked[(name, offset, length)] = holder[name]
+    if sum(length for _, _, length in asked) > PEER_BYTES or part is None:
         return None
-    sent = comm.all_gather_object(_read_pieces(part.where, [k for k, r in asked.items() if r == comm.rank]),
-                                  "sending the pieces of each host's part")
-    received: dict[str, dict[int, bytes | None]] = {}
-    for pieces in sent:
-        for (name, start, _end), data in pieces.items():
+    mine = sorted(k for k, r in asked.items() if r == comm.rank)
+    sent = comm.all_gather_object(_send_ranges(part.where, manifest, mine, verify=verify),
+                                  "sending the ranges each host's part holds")
+    received: dict[str, dict[tuple[int, int], Sent]] = {}
+    for ranges in sent:
+        for (name, offset, length), data in ranges.items():
             if name in lacks:
-                received.setdefault(name, {})[start] = data
+                received.setdefault(name, {})[(offset, length)] = data
     return replace(part, received=received)
 
 
-def _read_pieces(where: Path, keys: Sequence[tuple[str, int, int]]) -> dict[tuple[str, int, int], bytes | None]:
-    """Byte ranges of this host's part's files, as stored (the receiver checks them); None where one is unreadable."""
-    import os
+def _send_ranges(where: Path, manifest: Manifest, keys: Sequence[tuple[str, int, int]], *,
+                 verify: bool) -> dict[tuple[str, int, int], Sent]:
+    """Byte ranges of this host's part's files, each piece they lie in checked against the manifest first (with
+    ``verify``), with each range's digest; None for a range that could not be read or whose piece differs (the
+    receiver raises it as the part's trouble)."""
+    import xxhash
 
-    from registry.format.manifest import open_regular
-    out: dict[tuple[str, int, int], bytes | None] = {}
-    for name, start, end in keys:
-        try:
-            fd = open_regular(where, name)
+    from registry.fs.dcpfiles import check_piece
+    from registry.fs.dcpobjects import piece_ranges
+    from registry.fs.mapping import host_view, map_file
+    out: dict[tuple[str, int, int], Sent] = {}
+    views: dict[str, memoryview | None] = {}
+    checked: set[tuple[str, int]] = set()
+    for name, offset, length in keys:
+        entry = manifest.files[name]
+        if name not in views:
             try:
-                out[(name, start, end)] = os.pread(fd, end - start, start)
-            finally:
-                os.close(fd)
-        except (RegistryError, OSError):
-            out[(name, start, end)] = None
+                views[name] = host_view(map_file(where, name, expected_size=entry.size))
+            except (RegistryError, OSError):
+                views[name] = None
+        view = views[name]
+        try:
+            if view is None:
+                raise CorruptCheckpointError(f"{where / name} cannot be read", path=where / name)
+            for start, end, piece in piece_ranges(entry, [(offset, length)], verify=verify):
+                if verify and (name, start) not in checked:
+                    check_piece(where / name, entry, piece or 0, view[start:end])
+                    checked.add((name, start))
+        except CorruptCheckpointError:
+            out[(name, offset, length)] = None
+            continue
+        data = bytes(view[offset:offset + length])
+        out[(name, offset, length)] = (data, xxhash.xxh3_128_hexdigest(data))
     return out
 
 

@@ -438,7 +438,7 @@ def load_sharded(comm: Comm | Solo, access: Access | None, ref: Ref | None, aske
                 warnings.warn(note, RuntimeWarning, stacklevel=3)
             saved = {k for k in plan.metadata.state_dict_metadata if keys is None or wanted(k, keys)}
             asked = {k for k in flat if keys is None or wanted(k, keys)}
-            found = _copy_read(comm, shards, plan, partial(_needed, plan.metadata, flat, asked & saved))
+            found = _copy_read(comm, shards, plan, partial(_needed, plan.metadata, flat, asked & saved), verify=verify)
             if found is None:
                 if settle(comm, judge, _no_copy(comm, plan), "agreeing on the copy to read"):
                     continue
@@ -480,8 +480,8 @@ def load_sharded(comm: Comm | Solo, access: Access | None, ref: Ref | None, aske
 
 
 
-def _copy_read(comm: Comm | Solo, shards: Shards, plan: _Plan,
-               needed: Callable[[], dict[str, list[tuple[int, int]]]]) -> tuple[Path, Reading] | None:
+def _copy_read(comm: Comm | Solo, shards: Shards, plan: _Plan, needed: Callable[[], dict[str, list[tuple[int, int]]]],
+               *, verify: bool) -> tuple[Path, Reading] | None:
     """Where this rank reads ``plan``'s step, and how: the copy rank 0 located when every rank's host holds it
     there (one host, or a filesystem they share); else, for a step published from several hosts, each rank its
     host's part, with what it reads of other files (``needed()``: the ranges its plan names) sent by the hosts
@@ -503,7 +503,7 @@ def _copy_read(comm: Comm | Solo, shards: Shards, plan: _Plan,
         except Exception:  # noqa: BLE001 - dcp.load makes the same plan, and reports its failure on every rank
             wanted = {}
         manifest = parse_manifest(plan.manifest_raw, path=plan.where / MANIFEST)
-        sent = part_read(comm, part, wanted, manifest)
+        sent = part_read(comm, part, wanted, manifest, verify=verify)
         if sent is not None:
             return sent.where, sent
     if far is None:

@@ -20,8 +20,8 @@ Reading: :class:`ObjectDcpReader` is the restricted reader
 DCP sees a byte of it; without, the exact ranges. Every rank reads only what
 its own shards need; at another world size DCP's plan reshards as on a
 directory. :func:`part_dcp_reader` is the same reader for a host's part of a
-step: the files the host holds are mapped, pieces other hosts sent are
-taken as they came, and only the rest is fetched; each piece read is checked.
+step: the files the host holds are mapped, ranges other hosts sent are
+taken as they came (their digests checked), and only the rest is fetched.
 """
 
 from __future__ import annotations
@@ -282,12 +282,15 @@ def map_ranges(directory: Path, manifest: Manifest, wanted: Mapping[str, list[tu
 
 
 def received_ranges(directory: Path, manifest: Manifest, wanted: Mapping[str, list[tuple[int, int]]],
-                    received: Mapping[str, Mapping[int, bytes | None]], *, verify: bool) -> dict[str, memoryview]:
-    """The ``wanted`` ranges of files another host sent (name -> offset -> the whole piece it read there, None if it
-    could not), put into a buffer of each file's size, with ``verify`` each piece checked as it lands, as a ranged
-    GET's is; name -> buffer. ``directory`` (this host's part) names the files in errors: a piece missing or bad
-    is a ``CorruptCheckpointError`` of a part, which condemns nothing."""
+                    received: Mapping[str, Mapping[tuple[int, int], tuple[bytes, str] | None]], *,
+                    verify: bool) -> dict[str, memoryview]:
+    """The ``wanted`` ranges of files another host sent (name -> (offset, length) -> the bytes it read there, checked
+    against the manifest's pieces by that host, and their xxh3-128; None where it could not), put into a buffer of
+    each file's size, with ``verify`` each range's digest checked as it lands; name -> buffer. ``directory`` (this
+    host's part) names the files in errors: a range missing or changed is a ``CorruptCheckpointError`` of a
+    part, which condemns nothing."""
     import torch
+    import xxhash
 
     from registry.fs.mapping import host_view
     buffers: dict[str, memoryview] = {}
@@ -297,14 +300,12 @@ def received_ranges(directory: Path, manifest: Manifest, wanted: Mapping[str, li
             raise ManifestError(f"manifest of {directory} does not cover {name!r}", path=directory / name)
         buffers[name] = buf = host_view(torch.empty(entry.size, dtype=torch.uint8))
         sent = received.get(name, {})
-        for start, end, piece in piece_ranges(entry, ranges, verify=True):
-            data = sent.get(start)
-            if data is None or len(data) != end - start:  # that host's part lacks what its row names
-                raise CorruptCheckpointError(f"the host holding {name} could not read bytes {start}-{end - 1} of "
-                                             "it from its part", path=directory / name)
-            if verify:
-                check_piece(directory / name, entry, piece or 0, data)
-            buf[start:end] = data
+        for offset, length in ranges:
+            got = sent.get((offset, length))
+            if got is None or len(got[0]) != length or verify and xxhash.xxh3_128_hexdigest(got[0]) != got[1]:
+                raise CorruptCheckpointError(f"bytes {offset}-{offset + length - 1} of {name} did not arrive whole "
+                                             "from the host whose part holds them", path=directory / name)
+            buf[offset:offset + length] = got[0]
     return buffers
 
 
@@ -315,7 +316,7 @@ def _object_reader() -> type:
         def __init__(self, root: ObjectRoot | None, prefix: str | None, *, metadata: Metadata, manifest: Manifest,
                      verify: bool, trust_pickle: bool, local: Path | None = None,
                      local_files: frozenset[str] = frozenset(),
-                     received: Mapping[str, Mapping[int, bytes | None]] | None = None) -> None:
+                     received: Mapping[str, Mapping[tuple[int, int], tuple[bytes, str] | None]] | None = None) -> None:
             self._fetched: dict[str, memoryview] = {}
             super().__init__(prefix or str(local), metadata=metadata, buffers=self._fetched,
                              trust_pickle=trust_pickle)
@@ -359,11 +360,11 @@ def object_dcp_reader(root: ObjectRoot, prefix: str, *, metadata: Metadata, mani
 
 
 def part_dcp_reader(local: Path, files: frozenset[str], root: ObjectRoot | None, prefix: str | None, *,
-                    received: Mapping[str, Mapping[int, bytes | None]], metadata: Metadata, manifest: Manifest,
-                    verify: bool, trust_pickle: bool) -> Any:
+                    received: Mapping[str, Mapping[tuple[int, int], tuple[bytes, str] | None]], metadata: Metadata,
+                    manifest: Manifest, verify: bool, trust_pickle: bool) -> Any:
     """A DCP ``StorageReader`` that maps ``files`` from ``local`` (a directory of this host holding a share of the
-    step), takes the pieces of other files other hosts ``received`` (:func:`received_ranges`) and fetches the
-    rest from ``prefix`` by ranged GETs, every piece read checked each way; a file in none of them is a
+    step), takes the ranges of other files other hosts sent (``received``, :func:`received_ranges`) and fetches
+    the rest from ``prefix`` by ranged GETs, what it reads checked each way; a file in none of them is a
     ``CheckpointReadError``."""
     return _object_reader()(root, prefix, metadata=metadata, manifest=manifest, verify=verify,
                             trust_pickle=trust_pickle, local=local, local_files=files, received=received)

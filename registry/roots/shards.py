@@ -285,15 +285,14 @@ class TieredShards:
 class PartShards:
     """One host's part of a step published from several hosts (``where``, holding ``files`` and the small files):
     a rank of that host maps the files its plan names from here, and reads the rest from the step's durable copy
-    (``prefix``) by ranged GETs, or before there is one, from the pieces the hosts holding them sent
-    (``received``: name -> offset -> bytes, ``registry.distributed.parts``); each way the reader checks each
-    piece it reads."""
+    (``prefix``) by ranged GETs, or the ranges the hosts holding them sent (``received``: name -> (offset, length) ->
+    bytes and digest, :func:`registry.distributed.parts.part_read`); each way what it reads is checked."""
 
     where: Path
     files: frozenset[str]
     durable: ObjectShards
     prefix: Path | None
-    received: Mapping[str, Mapping[int, bytes | None]] = field(default_factory=dict)
+    received: Mapping[str, Mapping[tuple[int, int], tuple[bytes, str] | None]] = field(default_factory=dict)
 
     def lacks(self, wanted: Mapping[str, list[tuple[int, int]]]) -> dict[str, list[tuple[int, int]]]:
         """The (offset, length) ranges of ``wanted`` in files this part does not hold."""
