@@ -137,21 +137,45 @@ def test_hosts_lost_before_replicating_fall_back_and_replicate_when_back(
         assert reg.wait_durable("main", 2, timeout=1).status == "verified"
 
 
-def test_a_publish_from_several_hosts_is_blocking_and_never_overwrites(
-        catalog_url: str, durable: str, tmp_path: Path) -> None:
+def test_a_publish_from_several_hosts_is_blocking(catalog_url: str, durable: str, tmp_path: Path) -> None:
     hosts = [tmp_path / "host-a", tmp_path / "host-b"]
     results, codes = launch(tmp_path, catalog_url, hosts, durable, [
         {"name": "async", "op": "publish", "run": "main", "step": 1, "seed": 1, "async": True},
-        {"name": "overwrite", "op": "publish", "run": "main", "step": 1, "seed": 1, "overwrite": True},
     ])
     assert codes == [0, 0], results
     got = same_on_both(results, "async")
     assert not got["ok"] and got["type"] == "InvalidStateError" and "2 hosts runs blocking" in got["msg"], got
-    got = same_on_both(results, "overwrite")
-    assert not got["ok"] and got["type"] == "InvalidStateError" and "cannot overwrite" in got["msg"], got
     with Registry.open(catalog_url, root=tmp_path / "host-e", durable=durable) as reg:
         assert reg.catalog.get("main", 1) is None
     assert not [p for h in hosts for p in (h / ".registry" / "parts").rglob("*")]  # nothing written anywhere
+
+
+def test_a_step_published_again_from_several_hosts_replaces_every_copy(
+        catalog_url: str, durable: str, tmp_path: Path) -> None:
+    hosts = [tmp_path / "host-a", tmp_path / "host-b"]
+    results, codes = launch(tmp_path, catalog_url, hosts, durable, [
+        {"name": "one", "op": "publish", "run": "main", "step": 1, "seed": 1},
+        {"name": "durable", "op": "wait_durable", "run": "main", "step": 1},
+        {"name": "again", "op": "publish", "run": "main", "step": 1, "seed": 2, "overwrite": True},
+        {"name": "redurable", "op": "wait_durable", "run": "main", "step": 1},
+        {"name": "load", "op": "load", "ref": "main@1", "seed": 2},
+    ])
+    assert codes == [0, 0] and same_on_both(results, "again")["ok"], results
+    loaded(results, "load", seed=2, step=1)
+    first, second = results[0]["durable"]["path"], results[0]["redurable"]["path"]
+    assert first != second
+    for host in hosts:
+        with Registry.open(catalog_url, root=host, durable=durable) as reg:
+            part = next(r for r in reg.replicas("main", 1) if r.location == f"part:{tier_id(host)}")
+            older = [p for p in (host / part.path).parent.iterdir() if p.name != Path(part.path).name]
+            assert len(older) == 1  # the first payload's part, which no row names now
+            report = reg.fsck(repair=True)
+            assert [(p.kind, p.step, p.path) for p in report.problems] == [("leftover-part", 1, older[0])]
+            assert not older[0].exists() and not reg.fsck(repair=False).problems
+            assert durable_keys(reg, first) == []  # the first payload's durable copy went with its claim
+    with Registry.open(catalog_url, root=tmp_path / "host-e", durable=durable) as reg:
+        into = template(1)  # another host, world size 1: the new payload's durable copy
+        assert reg.load_into("main@1", into).step == 1 and fingerprint(into) == fingerprint(full_state(2))
 
 
 def test_a_host_killed_after_installing_its_part_leaves_nothing_fsck_does_not_remove(

@@ -109,7 +109,7 @@ def publish_sharded_call(publisher: Publisher[J], run: str, step: int, state_dic
         hosts = find_hosts(comm, publisher.shards)
         payload, tags = sharded_job(run, step, state_dict, rank=comm.rank, **options)
         if hosts is not None:
-            several_hosts(run, step, hosts.ids, background=background, overwrite=options["overwrite"])
+            several_hosts(run, step, hosts.ids, background=background)
         publisher.check_retention(options["retention"])
         publisher.settle_queue(wait=not background)
         if payload is not None:
@@ -152,16 +152,12 @@ def publish_sharded_call(publisher: Publisher[J], run: str, step: int, state_dic
     return info
 
 
-def several_hosts(run: str, step: int, hosts: tuple[str, ...], *, background: bool, overwrite: object) -> None:
+def several_hosts(run: str, step: int, hosts: tuple[str, ...], *, background: bool) -> None:
     """What a publish from several hosts does not do (yet), refused on every rank before anything is written."""
-    where = f"{run}@{step}"
     if background:
-        raise InvalidStateError(f"a sharded publish of {where} from ranks on {len(set(hosts))} hosts runs blocking: "
-                                "each host's ranks write to its fast directory and the trainer goes on, while the "
-                                "durable copy is made in the background; call it without blocking=False")
-    if overwrite is True:
-        raise InvalidStateError(f"a sharded publish of {where} from ranks on {len(set(hosts))} hosts cannot "
-                                "overwrite a step; publish a new step")
+        raise InvalidStateError(f"a sharded publish of {run}@{step} from ranks on {len(set(hosts))} hosts runs "
+                                "blocking: each host's ranks write to its fast directory and the trainer goes on, "
+                                "while the durable copy is made in the background; call it without blocking=False")
 
 
 __all__ = ["Job", "Publisher", "publish_sharded_call"]

@@ -228,8 +228,9 @@ class TierFsck(FsckPass):
     def leftover_parts(self) -> None:
         """This host's part directories (``<fast>/.registry/parts/RUN/step-N/``) that no part row of this tier
         names, and their staging directories, while the step is not being published: a publish from several hosts
-        whose rank was killed, or whose commit failed on another host. Never a part a row names, whatever its
-        status (a part marked deleted is :meth:`fast_deletions`' to finish)."""
+        whose rank was killed, or whose commit failed on another host, or a part of a payload the step was
+        published again over from several hosts (this host's row names the new one). Never a part a row names,
+        whatever its status (a part marked deleted is :meth:`fast_deletions`' to finish)."""
         named = {c.path for c, *_ in self._before if c.location == self.tiers.part_location}
         base = self.tiers.fast.root / PARTS_DIR
         try:
