@@ -209,7 +209,8 @@ class _Publishing:
         from registry.distributed.parts import PartPublish
         return PartPublish.of(hosts, job.run, job.step, self.reg._hooks(job, copy=False))
 
-    def replicate_parts(self, comm: Comm | Solo, hosts: Hosts, run: str) -> None:
+    def replicate_parts(self, comm: Comm | Solo, hosts: Hosts, run: str,
+                        after: Future[CheckpointInfo] | None = None) -> None:
         reg = self.reg
         if reg._part_replication is None:
             from registry.distributed.parts import PartReplication
@@ -218,7 +219,7 @@ class _Publishing:
         from registry.distributed.parts import Coordinator
         coordinator = Coordinator(catalog=reg.catalog, writer=reg._writer) if comm.rank == 0 else None
         reg._part_replication.after_publish(comm, hosts, run=run, objects=reg._tiers("parts").durable,
-                                            coordinator=coordinator)
+                                            coordinator=coordinator, after=after)
 
     def retain(self, run: str, step: int, policy: Policy) -> object:
         return self.reg._retention_after_publish(run, step, policy)

@@ -137,17 +137,26 @@ def test_hosts_lost_before_replicating_fall_back_and_replicate_when_back(
         assert reg.wait_durable("main", 2, timeout=1).status == "verified"
 
 
-def test_a_publish_from_several_hosts_is_blocking(catalog_url: str, durable: str, tmp_path: Path) -> None:
+def test_a_publish_from_several_hosts_in_the_background(catalog_url: str, durable: str, tmp_path: Path) -> None:
     hosts = [tmp_path / "host-a", tmp_path / "host-b"]
     results, codes = launch(tmp_path, catalog_url, hosts, durable, [
-        {"name": "async", "op": "publish", "run": "main", "step": 1, "seed": 1, "async": True},
+        {"name": "one", "op": "publish", "run": "main", "step": 1, "seed": 1, "async": True},
+        {"name": "two", "op": "publish", "run": "main", "step": 2, "seed": 2, "async": True},
+        {"name": "durable", "op": "wait_durable", "run": "main", "step": 2},
+        {"name": "latest", "op": "load", "ref": "main@latest", "seed": 2},
+        {"name": "fsck", "op": "fsck"},
     ])
     assert codes == [0, 0], results
-    got = same_on_both(results, "async")
-    assert not got["ok"] and got["type"] == "InvalidStateError" and "2 hosts runs blocking" in got["msg"], got
+    assert same_on_both(results, "one")["ok"] and same_on_both(results, "two")["status"] == "verified", results
+    loaded(results, "latest", seed=2, step=2)
+    assert [r["fsck"] for r in results] == [{"ok": True, "problems": []}] * 2, results
     with Registry.open(catalog_url, root=tmp_path / "host-e", durable=durable) as reg:
-        assert reg.catalog.get("main", 1) is None
-    assert not [p for h in hosts for p in (h / ".registry" / "parts").rglob("*")]  # nothing written anywhere
+        for step in (1, 2):  # each host its part, one durable copy (the first one's round waited for it)
+            reg.wait_durable("main", step, timeout=60)
+            assert sorted(r.location for r in reg.replicas("main", step)) == sorted(
+                [DURABLE, *(f"part:{tier_id(h)}" for h in hosts)])
+        into = template(1)
+        assert reg.load_into("main@1", into).step == 1 and fingerprint(into) == fingerprint(full_state(1))
 
 
 def test_a_step_published_again_from_several_hosts_replaces_every_copy(

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from registry.errors import InvalidStateError, RegistryError
+from registry.errors import RegistryError
 from registry.records import CheckpointInfo
 
 if TYPE_CHECKING:
@@ -80,8 +80,10 @@ class Publisher(Protocol[J]):
     def parts(self, job: J, hosts: Hosts) -> PartPublish:
         """Rank 0's part landing and commit hooks for ``job`` published from ``hosts``."""
 
-    def replicate_parts(self, comm: Comm | Solo, hosts: Hosts, run: str) -> None:
-        """Queue the background replication of ``run``'s parts (every rank, after a publish from several hosts)."""
+    def replicate_parts(self, comm: Comm | Solo, hosts: Hosts, run: str,
+                        after: Future[CheckpointInfo] | None = None) -> None:
+        """Queue the background replication of ``run``'s parts (every rank, after a publish from several hosts;
+        ``after``: a background publish the round waits for first)."""
 
     def retain(self, run: str, step: int, policy: Policy) -> object:
         """Retention after a commit (rank 0 only, once every rank has the outcome)."""
@@ -108,8 +110,6 @@ def publish_sharded_call(publisher: Publisher[J], run: str, step: int, state_dic
         set_timeout(comm, timeout)
         hosts = find_hosts(comm, publisher.shards)
         payload, tags = sharded_job(run, step, state_dict, rank=comm.rank, **options)
-        if hosts is not None:
-            several_hosts(run, step, hosts.ids, background=background)
         publisher.check_retention(options["retention"])
         publisher.settle_queue(wait=not background)
         if payload is not None:
@@ -139,10 +139,14 @@ def publish_sharded_call(publisher: Publisher[J], run: str, step: int, state_dic
         def finished() -> None:
             if release is not None:
                 release()
-        return publish_in_background(comm, publisher.groups, run=run, step=step, request=request,
-                                     local_error=error, snap=snap, run_publish=publish,
-                                     payload=job.payload if job else None, shards=publisher.shards, after=after,
-                                     submit=publisher.submit, finished=finished)
+        future = publish_in_background(comm, publisher.groups, run=run, step=step, request=request,
+                                       local_error=error, snap=snap, run_publish=publish,
+                                       payload=job.payload if job else None, shards=publisher.shards, after=after,
+                                       submit=publisher.submit, finished=finished, hosts=hosts, parts=parts,
+                                       verify=bool(options["verify"]))
+        if hosts is not None:  # queued now (its group made here, on every rank), run once the publish ended
+            publisher.replicate_parts(comm, hosts, run, after=future)
+        return future
     info = publish_sharded(
         comm, run=run, step=step, state=state_dict if isinstance(state_dict, Mapping) else {},
         request=request, local_error=error, run_publish=publish, payload=job.payload if job else None,
@@ -150,14 +154,6 @@ def publish_sharded_call(publisher: Publisher[J], run: str, step: int, state_dic
     if hosts is not None:
         publisher.replicate_parts(comm, hosts, run)
     return info
-
-
-def several_hosts(run: str, step: int, hosts: tuple[str, ...], *, background: bool) -> None:
-    """What a publish from several hosts does not do (yet), refused on every rank before anything is written."""
-    if background:
-        raise InvalidStateError(f"a sharded publish of {run}@{step} from ranks on {len(set(hosts))} hosts runs "
-                                "blocking: each host's ranks write to its fast directory and the trainer goes on, "
-                                "while the durable copy is made in the background; call it without blocking=False")
 
 
 __all__ = ["Job", "Publisher", "publish_sharded_call"]

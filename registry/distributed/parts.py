@@ -360,13 +360,18 @@ class PartReplication:
         self._pending: list[Future[int]] = []
 
     def after_publish(self, comm: Comm | Solo, hosts: Hosts, *, run: str, objects: ObjectRoot,
-                      coordinator: Coordinator | None) -> None:
-        """Queue a round for ``run`` on every rank (in the caller's thread: the group is made there first)."""
+                      coordinator: Coordinator | None, after: Future[Any] | None = None) -> None:
+        """Queue a round for ``run`` on every rank (in the caller's thread: the group is made there first); with
+        ``after`` (a publish in the background), the round starts once that publish ended, however it did."""
         group = self.groups.comm(comm)
         background = Comm(timeout=None, group=group.group) if isinstance(group, Comm) else group
+
+        def round_after() -> int:
+            if after is not None:
+                after.exception()  # its own failure is the publish's caller's to hear
+            return replicate_round(background, hosts, run=run, objects=objects, coordinator=coordinator)
         self._pending = [f for f in self._pending if not f.done()]
-        self._pending.append(_ROUNDS.submit(replicate_round, background, hosts, run=run, objects=objects,
-                                            coordinator=coordinator))
+        self._pending.append(_ROUNDS.submit(round_after))
 
     def wait(self) -> None:
         """Until every queued round ended (a round logs its own failures)."""

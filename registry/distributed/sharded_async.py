@@ -48,6 +48,7 @@ from registry.fs.snapshot import Snapshotter
 from registry.records import CheckpointInfo
 
 if TYPE_CHECKING:
+    from registry.distributed.parts import Hosts, PartPublish
     from registry.fs.payloadfiles import Payload, Written
     from registry.roots.shards import Shards
 
@@ -164,8 +165,10 @@ def publish_in_background(comm: Comm | Solo, groups: PublishGroups, *, run: str,
                           payload: Payload | None, shards: Shards,
                           after: Callable[[CheckpointInfo], object] | None = None,
                           submit: Callable[[str, Callable[[], CheckpointInfo]], Future[CheckpointInfo]],
-                          finished: Callable[[], None]) -> Future[CheckpointInfo]:
-    """Agree (in the caller's thread, on the trainer's group), then queue the publish on the publish group.
+                          finished: Callable[[], None], hosts: Hosts | None = None,
+                          parts: PartPublish | None = None, verify: bool = True) -> Future[CheckpointInfo]:
+    """Agree (in the caller's thread, on the trainer's group), then queue the publish on the publish group
+    (``hosts``, ``parts``, ``verify``: as :func:`registry.distributed.sharded.publish_sharded` takes them).
 
     ``finished`` runs once this rank is done with the publish, however it
     ended (the caller's bookkeeping of queued steps). Every rank's future
@@ -185,7 +188,7 @@ def publish_in_background(comm: Comm | Solo, groups: PublishGroups, *, run: str,
         try:
             return publish_sharded(background, run=run, step=step, state=snap.state, request=request,
                                    local_error=None, run_publish=run_publish, payload=payload, shards=shards,
-                                   after=after)
+                                   after=after, hosts=hosts, parts=parts, verify=verify)
         finally:
             snap.release()
             finished()
