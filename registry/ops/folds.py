@@ -75,16 +75,8 @@ def fold(access: Access, run: str, a: int, b: int) -> FoldInfo:
     rel = f"{run}/{FOLDS}/{ra.step}-{rb.step}.delta.safetensors"
     digest = hashlib.sha256(data).hexdigest()
     aside = access.home.aside()
-    aside.put(rel, data)
-    try:
-        record_fold(access.catalog, FoldRecord(run=run, from_step=ra.step, to_step=rb.step, path=rel,
-                                               size=len(data), sha256=digest, status="verified", created_at=None))
-    except CheckpointNotFoundError:
-        try:  # no row names it: left behind, fsck --repair would remove it as an orphan
-            aside.delete(rel)
-        except OSError:
-            pass
-        raise
+    _store(access, FoldRecord(run=run, from_step=ra.step, to_step=rb.step, path=rel, size=len(data), sha256=digest,
+                              status="verified", created_at=None), data)
     return FoldInfo(run=run, from_version=a, to_version=b, from_step=ra.step, to_step=rb.step,
                     path=aside.local(rel), size=len(data), sha256=digest, base_sha256=header.base_sha256,
                     target_sha256=header.target_sha256, url=aside.where(rel))
@@ -157,22 +149,31 @@ def reanchor(access: Access, run: str, version: int) -> AnchorInfo:
         raise CorruptCheckpointError(f"{run}@pv:{version} rebuilt whole hashes to {digest[:12]}, not its version's "
                                      f"{row.full_sha256[:12]}; nothing was stored", run=run, step=row.step)
     rel = f"{run}/{FOLDS}/{row.step}-{row.step}.{ANCHOR}"
-    aside.put(rel, data)
-    crashpoint("reanchor-after-store")
     record = FoldRecord(run=run, from_step=row.step, to_step=row.step, path=rel, size=len(data), sha256=digest,
                         status="verified", created_at=None)
-    try:
-        record_fold(access.catalog, record)
-    except CheckpointNotFoundError:
-        try:  # no row names it: left behind, fsck --repair would remove it as an orphan
-            aside.delete(rel)
-        except OSError:
-            pass
-        raise
+    _store(access, record, data, point="reanchor-after-store")
     if read_fold(access, record) is None:  # what storage holds, before any base may go for it
         raise CorruptCheckpointError(f"the anchor of {run}@pv:{version} at {aside.where(rel)} did not read back "
                                      "as written (see the log); its chain is kept", run=run, step=row.step)
     return _anchor_info(aside, run, version, record)
+
+
+def _store(access: Access, record: FoldRecord, data: bytes, *, point: str | None = None) -> None:
+    """Store a fold's (or an anchor's) bytes at ``record.path``, then its row; ``CheckpointNotFoundError`` (the
+    file removed again) when one of its steps was deleted meanwhile. A crash in between (``point``) leaves a file
+    no row names, which fsck removes as an orphan."""
+    aside = access.home.aside()
+    aside.put(record.path, data)
+    if point is not None:
+        crashpoint(point)
+    try:
+        record_fold(access.catalog, record)
+    except CheckpointNotFoundError:
+        try:  # no row names it: left behind, fsck --repair would remove it as an orphan
+            aside.delete(record.path)
+        except OSError:
+            pass
+        raise
 
 
 def _anchor_info(aside: Any, run: str, version: int, record: FoldRecord) -> AnchorInfo:
