@@ -20,7 +20,8 @@ for the rest once there is one; a part that fails a read is read around,
 never a verdict on the step; a load whose hosts lack a part before the step
 is durable finds no copy (``NoCopyError``, which ``@latest`` passes over
 and which never condemns the step). A failed publish is undone on every
-host: rank 0's landing removes its part, the other hosts remove theirs when they hear the failure.
+host: rank 0's landing removes its part, the other hosts remove theirs when
+they hear the failure.
 A rank killed mid-way leaves at most parts no row names, which ``fsck`` of
 that host removes once no live claim is publishing the step.
 
@@ -304,7 +305,7 @@ def _send_ranges(where: Path, manifest: Manifest, keys: Sequence[tuple[str, int,
         if name not in views:
             try:
                 views[name] = host_view(map_file(where, name, expected_size=entry.size))
-            except (RegistryError, OSError):
+            except (RegistryError, OSError, ValueError):  # whatever it is, every rank must reach the gather
                 views[name] = None
         view = views[name]
         try:
