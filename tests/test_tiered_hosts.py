@@ -214,6 +214,8 @@ def test_each_host_retains_its_own_parts_and_an_ended_step_takes_them_all(
     results, codes = launch(tmp_path, catalog_url, hosts, durable, [
         {"name": "one", "op": "publish", "run": "main", "step": 1, "seed": 1},
         {"name": "two", "op": "publish", "run": "main", "step": 2, "seed": 2},
+        # before the hosts go: a round still uploading step 2 would die with them
+        {"name": "durable", "op": "wait_durable", "run": "main", "step": 2},
         {"name": "three", "op": "publish", "run": "main", "step": 3, "seed": 3, "hold": True},
     ])
     assert codes == [0, 0] and same_on_both(results, "three")["ok"], results
