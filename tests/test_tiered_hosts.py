@@ -21,6 +21,7 @@ import pytest
 
 from registry import Registry
 from registry.catalog.replicas import DURABLE
+from registry.distributed.parts import Hosts, unreplicated
 from registry.errors import NoCopyError
 from registry.format.manifest import MANIFEST
 from registry.format.sharding import DCP_METADATA
@@ -343,3 +344,35 @@ def test_parts_of_a_step_published_again_from_one_host_are_removed_by_each_hosts
     with Registry.open(catalog_url, root=tmp_path / "host-e", durable=durable) as reg:
         into = template(1)  # another host: the new payload's durable copy
         assert reg.load_into("main@1", into).step == 1 and fingerprint(into) == fingerprint(again)
+
+
+def test_verify_knows_each_hosts_part_of_a_step_not_durable_yet(
+        catalog_url: str, durable: str, tmp_path: Path) -> None:
+    hosts = [tmp_path / "host-a", tmp_path / "host-b"]
+    results, codes = launch(tmp_path, catalog_url, hosts, durable, [
+        {"name": "one", "op": "publish", "run": "main", "step": 1, "seed": 1, "stall": True},
+    ])
+    assert codes == [0, 0] and same_on_both(results, "one")["ok"], results
+    with Registry.open(catalog_url, root=hosts[0], durable=durable) as reg:
+        [got] = reg.verify("main@1")
+        assert (got.ok, got.status) == (False, "unreadable") and "is intact" in got.problems[0], got
+    with Registry.open(catalog_url, root=hosts[1], durable=durable) as reg:
+        part = next(r for r in reg.replicas("main", 1) if r.location == f"part:{tier_id(hosts[1])}")
+        assert part.files
+        shard = hosts[1] / part.path / part.files[0]
+        raw = bytearray(shard.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        shard.write_bytes(bytes(raw))
+        [got] = reg.verify("main@1")
+        assert (got.ok, got.status) == (False, "corrupt-part") and part.files[0] in got.problems[0], got
+        statuses = {r.location: r.status for r in reg.replicas("main", 1)}
+        assert statuses == {f"part:{tier_id(hosts[0])}": "verified", f"part:{tier_id(hosts[1])}": "corrupt"}
+        assert reg.catalog.get("main", 1).status == Status.VERIFIED  # type: ignore[union-attr]  # never the step's
+        group = Hosts(ids=(tier_id(hosts[0]), tier_id(hosts[1])), rank=0, root=hosts[0])
+        assert unreplicated(reg.catalog, "main", group) == []  # no round uploads a step it cannot make whole
+        raw[len(raw) // 2] ^= 0xFF  # put back: the next verify finds it intact and says so
+        shard.write_bytes(bytes(raw))
+        [got] = reg.verify("main@1")
+        assert got.status == "unreadable" and "is intact" in got.problems[0], got
+        assert {r.status for r in reg.replicas("main", 1)} == {"verified"}
+        assert [s.item.step for s in unreplicated(reg.catalog, "main", group)] == [1]

@@ -190,8 +190,8 @@ class PartPublish:
 
 def held(written: Written, names: set[str]) -> Written:
     """``written`` as far as one host's part holds it: its data files and the small files."""
-    files = {n: e for n, e in written.manifest.files.items() if n in names or n in SMALL}
-    return replace(written, manifest=replace(written.manifest, files=files))
+    from registry.fs.dcpfiles import part_of
+    return replace(written, manifest=part_of(written.manifest, names))
 
 
 def staging_here(hosts: Hosts, start: PartStart) -> Path:
@@ -383,20 +383,24 @@ class PartReplication:
 
 def unreplicated(catalog: Catalog, run: str, hosts: Hosts) -> list[PartStep]:
     """Rank 0: ``run``'s verified steps with no durable copy whose payload has a part on every host that wrote it,
-    each of those hosts a host of this group, oldest first."""
+    each of those hosts a host of this group and none of those parts found damaged, oldest first."""
     from registry.catalog.replicas import PART, ReplicaCatalog
     replicas = ReplicaCatalog(catalog)
     parts: dict[tuple[int, str], dict[str, tuple[str, ...]]] = {}
     paths: dict[tuple[int, str], str] = {}
+    damaged: set[tuple[int, str]] = set()  # a part found damaged (verify): the step cannot be made durable whole
     for r in replicas.replicas(run):
-        if r.location.startswith(PART) and r.status == "verified" and r.files is not None and r.manifest_sha256:
+        if r.location.startswith(PART) and r.files is not None and r.manifest_sha256:
             key = (r.step, r.manifest_sha256)
-            parts.setdefault(key, {})[r.location[len(PART):]] = r.files
-            paths[key] = r.path
+            if r.status == "corrupt":
+                damaged.add(key)
+            if r.status == "verified":
+                parts.setdefault(key, {})[r.location[len(PART):]] = r.files
+                paths[key] = r.path
     found = []
     for item in replicas.queue(run=run):
         key = (item.step, item.manifest_sha256)
-        if key in parts and set(parts[key]) <= set(hosts.ids):
+        if key in parts and key not in damaged and set(parts[key]) <= set(hosts.ids):
             found.append(PartStep(item=item, path=paths[key], files=parts[key]))
     return found
 

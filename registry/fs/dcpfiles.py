@@ -247,6 +247,13 @@ def wanted(key: str, keys: Collection[str]) -> bool:
     return key in keys or any(key.startswith(prefix + ".") for prefix in keys)
 
 
+def part_of(manifest: Manifest, names: Collection[str]) -> Manifest:
+    """``manifest`` as far as one host's part of a sharded step holds it (``registry.distributed.parts``): the data
+    files ``names`` and every file that is not a data file (the small files every part holds)."""
+    data = set(manifest.layout.data_files) if manifest.layout is not None else set()
+    return replace(manifest, files={n: e for n, e in manifest.files.items() if n in names or n not in data})
+
+
 def piece_share(manifest: Manifest, rank: int, world: int) -> list[tuple[str, int]]:
     """The (file, piece) pairs of the DCP data files that ``rank`` of ``world`` checks."""
     assert manifest.layout is not None

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from registry.catalog import Catalog
-from registry.catalog.replicas import DURABLE, ReplicaCatalog
+from registry.catalog.replicas import DURABLE, ReplicaCatalog, ReplicaInfo
 from registry.errors import CheckpointReadError, CorruptCheckpointError
 from registry.format.manifest import MANIFEST, Manifest
 from registry.records import HAS_PAYLOAD, CheckpointInfo, Status
@@ -44,7 +44,8 @@ class VerifyResult:
     ``corrupt-copy`` (on a root with tiers: the copy read, this host's fast copy or, when this host holds none,
     the durable copy, is damaged and recorded so; the step stands on another copy); ``changed`` (another writer
     replaced or deleted the step while it was hashed) or ``unreadable`` (this host could not read it): nothing
-    recorded. ``ok`` only for ``verified``."""
+    recorded; ``corrupt-part`` (a step published from several hosts, not durable yet: this host's part of it is
+    damaged and recorded so, the step itself untouched). ``ok`` only for ``verified``."""
     run: str
     step: int
     ok: bool
@@ -199,6 +200,11 @@ def scrub(catalog: Catalog, infos: Sequence[CheckpointInfo], *, actor: str,
         copy = next((r for r in replicas.replicas(info.run, info.step) if r.location == DURABLE
                      and r.manifest_sha256 == info.manifest_sha256 and r.status in ("verified", "corrupt")), None)
         if copy is None:
+            part = next((r for r in replicas.replicas(info.run, info.step) if r.location == tiers.part_location
+                         and r.manifest_sha256 == info.manifest_sha256 and r.status in ("verified", "corrupt")
+                         and r.files is not None), None)
+            if part is not None:
+                return this_part(info, part)
             return unreadable(info, f"this host holds no copy of its payload ({info.path}) and it has no verified "
                                     "durable copy: verify it on the host that holds it")
         at = replace(info, path=Path(copy.path))
@@ -228,6 +234,38 @@ def scrub(catalog: Catalog, infos: Sequence[CheckpointInfo], *, actor: str,
                and r.manifest_sha256 == info.manifest_sha256 for r in replicas.replicas(info.run, info.step)):
             return result(info, "corrupt-copy", *where)
         return record(info, info.manifest_sha256, where, copy_only=False)
+
+    def this_part(info: CheckpointInfo, part: ReplicaInfo) -> VerifyResult:
+        """Re-hash this host's part of a step published from several hosts that is not durable yet: the step
+        has no copy to verify, but damage to this host's share of it is this host's to know (and to keep out of
+        loads and replication), never a verdict on the step."""
+        from registry.fs.dcpfiles import part_of
+        tiers = copies.tiered("verifying a part")
+        at = replace(info, path=tiers.fast.root / part.path)
+
+        def hashed() -> _Read:
+            manifest, digest = _manifest(home, at)
+            if manifest is None:
+                return _Read(digest=None, files={}, problems=(digest,))
+            if digest != info.manifest_sha256:
+                return _Read(digest=digest, files={}, problems=(f"{MANIFEST}: not the one the catalog records",))
+            mine = part_of(manifest, part.files or ())
+            try:
+                damaged = home.rehash(at, mine, on_bytes=lambda n: counter.advance(n, item=f"{info.run}@{info.step}"))
+            except CheckpointReadError as exc:
+                raise _Unreadable(str(exc)) from None
+            return _Read(digest=digest, files={n: (e.size, e.sha256) for n, e in mine.files.items()},
+                         problems=tuple(f"{p.name}: {p.problem}" for p in damaged))
+        problems = _confirmed(info, hashed(), hashed, where=f": this host's part {at.path}").problems
+        replicas, to = ReplicaCatalog(catalog), "corrupt" if problems else "verified"
+        if part.status != to and not replicas.set_replica_status(
+                info.run, info.step, part.location, to, path=part.path, manifest_sha256=info.manifest_sha256,
+                only_from=(part.status,), actor=actor, reason="; ".join(problems) or "its bytes read intact again"):
+            return changed(info)
+        if problems:
+            return result(info, "corrupt-part", *(f"this host's part {at.path}: {p}" for p in problems))
+        return unreadable(info, f"not durable yet: this host's part of it ({len(part.files or ())} data files, "
+                                f"{at.path}) is intact; the other parts are on their hosts")
 
     def check(info: CheckpointInfo) -> VerifyResult:
         try:
