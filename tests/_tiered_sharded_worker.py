@@ -62,6 +62,8 @@ def main() -> None:
                                    overwrite=sc.get("overwrite", False))
                 if sc.get("async"):
                     info = info.result(timeout=120)
+                if sc.get("hold") or sc.get("stall"):  # no rank leaves (taking the store with it) mid-collective
+                    dist.barrier()
                 results[name] = {"ok": True, "step": info.step, "status": str(info.status),
                                  "path": info.path.as_posix()}
             elif sc["op"] == "fsck":

@@ -351,8 +351,10 @@ def test_verify_knows_each_hosts_part_of_a_step_not_durable_yet(
     hosts = [tmp_path / "host-a", tmp_path / "host-b"]
     results, codes = launch(tmp_path, catalog_url, hosts, durable, [
         {"name": "one", "op": "publish", "run": "main", "step": 1, "seed": 1, "stall": True},
+        {"name": "load", "op": "load", "ref": "main@1", "seed": 1},  # and no rank leaves before the other is done
     ])
     assert codes == [0, 0] and same_on_both(results, "one")["ok"], results
+    loaded(results, "load", seed=1, step=1)
     with Registry.open(catalog_url, root=hosts[0], durable=durable) as reg:
         [got] = reg.verify("main@1")
         assert (got.ok, got.status) == (False, "unreadable") and "is intact" in got.problems[0], got
