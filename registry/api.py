@@ -1468,7 +1468,7 @@ class Registry:
         """Store policy version ``version`` of ``run`` whole beside its delta step (the ``model.safetensors`` a full
         publish writes, checked against the version's digest and read back), so the step reads without its chain
         and retention may take the chain's older steps. The step itself is untouched: its row, payload, tags,
-        metrics, leases and loads. See :mod:`registry.ops.policy`."""
+        metrics, leases and loads. See :mod:`registry.ops.folds`."""
         from registry.ops.folds import reanchor
         check_run_name(run)
         check_step(version)

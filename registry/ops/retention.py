@@ -276,7 +276,7 @@ def anchorable(snap: RunSnapshot, before: Mapping[int, str], after: Mapping[int,
                staying: Collection[int]) -> tuple[int, ...]:
     """The delta steps that stay for their own sake (``staying``, or protected in ``before``) whose base stays only
     as a chain base (in ``after``, :func:`with_bases`' result, and nowhere else): with each of them re-anchored
-    (its version stored whole, :func:`registry.ops.policy.reanchor`), the plan takes the chains' older steps."""
+    (its version stored whole, :func:`registry.ops.folds.reanchor`), the plan takes the chains' older steps."""
     status = {c.step: c.status for c in snap.checkpoints}
     only_base = {s for s in after if s not in before and s not in staying and status.get(s) in CANDIDATES}
     return tuple(sorted(step for step, base in snap.delta_bases.items()
