@@ -19,7 +19,7 @@ A step or copy marked corrupt whose bytes read intact now is verified again.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -97,11 +97,18 @@ def _manifest(home: Root, info: CheckpointInfo) -> tuple[Manifest | None, str]:
         raise _Unreadable(str(exc)) from None
 
 
-def _read(home: Root, info: CheckpointInfo, counter: Counter) -> _Read:
-    """Read and re-hash the step as stored now (through its root); raises ``_Unreadable`` when this host cannot."""
+def _read(home: Root, info: CheckpointInfo, counter: Counter, *, part: Collection[str] | None = None) -> _Read:
+    """Read and re-hash the step as stored now (through its root); raises ``_Unreadable`` when this host cannot.
+    ``part``: ``info`` is a host's part of the step holding these data files (``registry.distributed.parts``),
+    re-hashed only when its manifest is the catalog's."""
     manifest, digest = _manifest(home, info)
     if manifest is None:
         return _Read(digest=None, files={}, problems=(digest,))
+    if part is not None:
+        if digest != info.manifest_sha256:
+            return _Read(digest=digest, files={}, problems=(f"{MANIFEST}: not the one the catalog records",))
+        from registry.fs.dcpfiles import part_of
+        manifest = part_of(manifest, part)
     try:
         damaged = home.rehash(info, manifest, on_bytes=lambda n: counter.advance(n, item=f"{info.run}@{info.step}"))
     except CheckpointReadError as exc:
@@ -239,23 +246,11 @@ def scrub(catalog: Catalog, infos: Sequence[CheckpointInfo], *, actor: str,
         """Re-hash this host's part of a step published from several hosts that is not durable yet: the step
         has no copy to verify, but damage to this host's share of it is this host's to know (and to keep out of
         loads and replication), never a verdict on the step."""
-        from registry.fs.dcpfiles import part_of
         tiers = copies.tiered("verifying a part")
         at = replace(info, path=tiers.fast.root / part.path)
 
         def hashed() -> _Read:
-            manifest, digest = _manifest(home, at)
-            if manifest is None:
-                return _Read(digest=None, files={}, problems=(digest,))
-            if digest != info.manifest_sha256:
-                return _Read(digest=digest, files={}, problems=(f"{MANIFEST}: not the one the catalog records",))
-            mine = part_of(manifest, part.files or ())
-            try:
-                damaged = home.rehash(at, mine, on_bytes=lambda n: counter.advance(n, item=f"{info.run}@{info.step}"))
-            except CheckpointReadError as exc:
-                raise _Unreadable(str(exc)) from None
-            return _Read(digest=digest, files={n: (e.size, e.sha256) for n, e in mine.files.items()},
-                         problems=tuple(f"{p.name}: {p.problem}" for p in damaged))
+            return _read(home, at, counter, part=part.files or ())
         problems = _confirmed(info, hashed(), hashed, where=f": this host's part {at.path}").problems
         replicas, to = ReplicaCatalog(catalog), "corrupt" if problems else "verified"
         if part.status != to and not replicas.set_replica_status(
