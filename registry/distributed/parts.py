@@ -15,7 +15,7 @@ with the data files it holds (:class:`~registry.catalog.records.PartRecord`),
 and no ``fast:`` copy: a part is never a copy of the step. A load on the
 hosts that hold the parts reads each host's share from its part
 (:func:`part_read`: the few ranges a rank reads of another host's files are
-sent by that host, each piece checked on arrival), with the durable copy
+sent by that host, checked there and on arrival), with the durable copy
 for the rest once there is one; a part that fails a read is read around,
 never a verdict on the step; a load whose hosts lack a part before the step
 is durable finds no copy (``NoCopyError``, which ``@latest`` passes over
