@@ -196,7 +196,7 @@ def gc(state: State, run: str, keep_last: int | None, keep_best: tuple[str, ...]
         verb = "would delete" if dry_run else "planned to delete"
         click.echo(f"{verb} {len(plan.delete)} of {plural(len(plan.decisions), 'checkpoint')}, "
                    f"{human_bytes(plan.bytes_freed)}; keeping {human_bytes(plan.bytes_kept)}")
-        _anchorable(plan, reanchor=reanchor)
+        _anchorable(plan, reanchor=reanchor, dry_run=dry_run)
         if shared:
             click.echo(f"{human_bytes(shared)} of what they hold is stored once with kept steps (dedup): "
                        "it stays on disk and is not counted as freed")
@@ -222,13 +222,14 @@ def gc(state: State, run: str, keep_last: int | None, keep_best: tuple[str, ...]
         sys.exit(1)
 
 
-def _anchorable(plan: Any, *, reanchor: bool) -> None:
+def _anchorable(plan: Any, *, reanchor: bool, dry_run: bool) -> None:
     """What re-anchoring would free, when the plan keeps chains only for some delta steps."""
     if plan.anchorable:
         steps = ", ".join(str(s) for s in plan.anchorable)
-        click.echo(f"the chains of delta steps {steps} stay only for them: "
-                   + ("gc --reanchor stores those steps whole first, and the chains go" if not reanchor else
-                      "--reanchor stores them whole first (not on a dry run)"))
+        then = ("gc --reanchor stores those steps whole first, and the chains go" if not reanchor else
+                "--reanchor stores them whole first (not on a dry run)" if dry_run else
+                "they could not be stored whole (see the log), so their chains stay")
+        click.echo(f"the chains of delta steps {steps} stay only for them: {then}")
 
 
 def tier_gc(state: State, reg: Any, run: str, policy: Any, *, tier: str | None, force: bool,
@@ -248,7 +249,7 @@ def tier_gc(state: State, reg: Any, run: str, policy: Any, *, tier: str | None, 
                   [[d.step, (d.action.upper() if d.action == "delete" else d.action)
                     + (" (last copy)" if d.ends_step else ""), human_bytes(d.total_bytes), "; ".join(d.reasons)]
                    for d in plan.decisions])
-            _anchorable(plan, reanchor=reanchor)
+            _anchorable(plan, reanchor=reanchor, dry_run=dry_run or name != chosen)
     plan = plans[chosen]
     if not dry_run and plan.delete and not (yes or as_json) and stdin_is_terminal() and not click.confirm(
             f"delete {plural(len(plan.delete), 'copy', 'copies')} on the {chosen} tier?", default=False):
