@@ -35,13 +35,15 @@ pytestmark = pytest.mark.distributed
 
 def launch(tmp_path: Path, url: str, roots: list[Path], durable: str,
            scenarios: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[int]]:
+    """One gloo group of ``len(roots)`` ranks, rank r on the host whose fast directory is ``roots[r]``."""
     out = tmp_path / f"out-{time.monotonic_ns()}"
     out.mkdir()
     spec = out / "spec.json"
     spec.write_text(json.dumps({"url": url, "root": [str(r) for r in roots], "durable": durable, "out": str(out),
                                 "scenarios": scenarios, "pg_timeout": 15}))
-    codes = run_ranks("tests._tiered_sharded_worker", 2, spec, deadline_s=120)
-    results = [json.loads(p.read_text()) if (p := out / f"rank{r}.json").exists() else {} for r in range(2)]
+    world = len(roots)
+    codes = run_ranks("tests._tiered_sharded_worker", world, spec, deadline_s=120)
+    results = [json.loads(p.read_text()) if (p := out / f"rank{r}.json").exists() else {} for r in range(world)]
     return results, codes
 
 
@@ -378,3 +380,30 @@ def test_verify_knows_each_hosts_part_of_a_step_not_durable_yet(
         assert got.status == "unreadable" and "is intact" in got.problems[0], got
         assert {r.status for r in reg.replicas("main", 1)} == {"verified"}
         assert [s.item.step for s in unreplicated(reg.catalog, "main", group)] == [1]
+
+
+def test_two_ranks_per_host_publish_replicate_and_resume_on_the_same_hosts_at_any_world_size(
+        catalog_url: str, durable: str, tmp_path: Path) -> None:
+    a, b = tmp_path / "host-a", tmp_path / "host-b"
+    results, codes = launch(tmp_path, catalog_url, [a, a, b, b], durable, [
+        {"name": "one", "op": "publish", "run": "main", "step": 1, "seed": 1, "stall": True},
+        {"name": "four", "op": "load", "ref": "main@1", "seed": 1},  # not durable: each host's part, four ranks
+    ])
+    assert codes == [0] * 4, results
+    assert all(r["one"] == results[0]["one"] and r["four"] == results[0]["four"] for r in results), results
+    loaded(results[:2], "four", seed=1, step=1)
+    with Registry.open(catalog_url, root=tmp_path / "host-e", durable=durable) as reg:
+        parts = {r.location: r.files for r in reg.replicas("main", 1) if r.location.startswith("part:")}
+        assert sorted(parts) == sorted(f"part:{tier_id(h)}" for h in (a, b))
+        assert all(len(files or ()) == 2 for files in parts.values())  # each host its two ranks' files
+    results, codes = launch(tmp_path, catalog_url, [a, b], durable, [
+        {"name": "two", "op": "load", "ref": "main@1", "seed": 1},  # the same hosts, half the ranks: resharded
+        {"name": "next", "op": "publish", "run": "main", "step": 2, "seed": 2},
+        {"name": "durable", "op": "wait_durable", "run": "main", "step": 2},
+    ])
+    assert codes == [0, 0], results
+    loaded(results, "two", seed=1, step=1)
+    with Registry.open(catalog_url, root=tmp_path / "host-e", durable=durable) as reg:
+        reg.wait_durable("main", 1, timeout=60)  # the round after step 2 took step 1 too: both hosts' parts
+        into = template(1)
+        assert reg.load_into("main@1", into).step == 1 and fingerprint(into) == fingerprint(full_state(1))
