@@ -20,7 +20,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypedDict, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypedDict, TypeVar, overload
 
 from registry.ops.background import BackgroundPublisher
 from registry.catalog import Catalog, CommitRecord, PayloadRecord
@@ -78,7 +78,14 @@ if TYPE_CHECKING:  # and what only some methods use, imported there: a CLI listi
     from registry.catalog.policy import MarkerInfo
 
 log = logging.getLogger(__name__)
-P = TypeVar("P")  # a retention plan (plain, or a tier's)
+
+
+class _Anchors(Protocol):
+    @property
+    def anchorable(self) -> tuple[int, ...]: ...
+
+
+P = TypeVar("P", bound=_Anchors)  # a retention plan (plain, or a tier's)
 
 MAX_NOTE = 4096  # characters of a tag's note
 
@@ -1452,7 +1459,7 @@ class Registry:
         is logged and its chain kept."""
         from registry.catalog.policy import policy_steps
         first = plan()
-        steps = first.anchorable  # type: ignore[attr-defined]
+        steps = first.anchorable
         if not steps:
             return first
         self._require_writable("reanchor")

@@ -27,8 +27,8 @@ from typing import Any
 from sqlalchemy import Connection, and_, delete, func, insert, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 
-from registry.catalog.models import (CheckpointRow, PolicyConsumer, PolicyFold, PolicyLoad, PolicyMarker, PolicyStep,
-                                     Run)
+from registry.catalog.models import CheckpointRow, PolicyConsumer, PolicyLoad, PolicyMarker, PolicyStep, Run
+from registry.catalog.policy import anchored
 from registry.catalog.queries import Catalog
 from registry.catalog.session import aware, utcnow
 from registry.errors import InvalidStateError, RegistryError
@@ -398,11 +398,9 @@ class ConsumersCatalog:
         """Every policy version of ``run``: its steps (not failed ones) and its markers, by version."""
         def fn(conn: Connection) -> list[PolicyVersionInfo]:
             run_id = self.catalog.require_run(conn, run)
-            c, p, f = CheckpointRow.c, PolicyStep.c, PolicyFold.c
-            anchored = select(f.id).where(f.run_id == run_id, f.from_step == c.step, f.to_step == c.step,
-                                          f.status == "verified").exists()
+            c, p = CheckpointRow.c, PolicyStep.c
             rows = conn.execute(select(c.step, c.policy_version, c.status, c.total_bytes, c.created_at, p.kind,
-                                       p.base_step, anchored.label("anchored"))
+                                       p.base_step, anchored(run_id).label("anchored"))
                                 .outerjoin(PolicyStep, p.checkpoint_id == c.id)
                                 .where(c.run_id == run_id, c.policy_version.is_not(None),
                                        c.status != Status.FAILED)).all()

@@ -212,16 +212,21 @@ def newest_base(catalog: Transactions, run: str, *, below: int | None = None) ->
     return result
 
 
+def anchored(run_id: int) -> Any:
+    """The condition that the checkpoint row of the run ``run_id`` in the query has a verified anchor."""
+    c, f = CheckpointRow.c, PolicyFold.c
+    return select(f.id).where(f.run_id == run_id, f.from_step == c.step, f.to_step == c.step,
+                              f.status == "verified").exists()
+
+
 def delta_bases(conn: Connection, run_id: int) -> dict[int, int]:
     """step -> the step its delta is made against, for every delta step of the run that still has a payload and
     no verified anchor: what retention keeps whole (a kept delta step keeps its base, transitively; an anchored
     one reads without it)."""
-    c, p, f = CheckpointRow.c, PolicyStep.c, PolicyFold.c
-    anchored = select(f.id).where(f.run_id == run_id, f.from_step == c.step, f.to_step == c.step,
-                                  f.status == "verified").exists()
+    c, p = CheckpointRow.c, PolicyStep.c
     rows = conn.execute(select(c.step, p.base_step).join(PolicyStep, p.checkpoint_id == c.id)
                         .where(c.run_id == run_id, p.kind == "delta", p.base_step.is_not(None),
-                               c.status.in_(HAS_PAYLOAD), ~anchored))
+                               c.status.in_(HAS_PAYLOAD), ~anchored(run_id)))
     return {int(r.step): int(r.base_step) for r in rows}
 
 
@@ -373,6 +378,6 @@ def stale_folds(catalog: Transactions, path: str) -> int:
     return result
 
 
-__all__ = ["FoldRecord", "MarkerInfo", "PolicyRecord", "PolicyStepInfo", "add_marker", "chain_steps", "condemn_fold",
-           "delta_bases", "end_folds", "folds", "markers", "newest_base", "policy_steps", "record_fold",
+__all__ = ["FoldRecord", "MarkerInfo", "PolicyRecord", "PolicyStepInfo", "add_marker", "anchored", "chain_steps",
+           "condemn_fold", "delta_bases", "end_folds", "folds", "markers", "newest_base", "policy_steps", "record_fold",
            "record_policy_step", "stale_folds", "usable_folds", "version_step"]

@@ -246,8 +246,6 @@ def undo_part(hosts: Hosts, start: PartStart) -> None:
 
 PEER_BYTES = 256 << 20  # the most a load moves between the hosts' parts: replicated values, never a reshard
 
-Sent = tuple[bytes, str] | None  # a range as its host read it, with its xxh3-128; None: that host could not read it
-
 
 def part_read(comm: Comm | Solo, part: PartShards | None, wanted: Mapping[str, list[tuple[int, int]]],
               manifest: Manifest, *, verify: bool) -> PartShards | None:
@@ -279,7 +277,7 @@ def part_read(comm: Comm | Solo, part: PartShards | None, wanted: Mapping[str, l
     mine = sorted(k for k, r in asked.items() if r == comm.rank)
     sent = comm.all_gather_object(_send_ranges(part.where, manifest, mine, verify=verify),
                                   "sending the ranges each host's part holds")
-    received: dict[str, dict[tuple[int, int], Sent]] = {}
+    received: dict[str, dict[tuple[int, int], tuple[bytes, str] | None]] = {}  # a Received
     for ranges in sent:
         for (name, offset, length), data in ranges.items():
             if name in lacks:
@@ -288,7 +286,7 @@ def part_read(comm: Comm | Solo, part: PartShards | None, wanted: Mapping[str, l
 
 
 def _send_ranges(where: Path, manifest: Manifest, keys: Sequence[tuple[str, int, int]], *,
-                 verify: bool) -> dict[tuple[str, int, int], Sent]:
+                 verify: bool) -> dict[tuple[str, int, int], tuple[bytes, str] | None]:
     """Byte ranges of this host's part's files, each piece they lie in checked against the manifest first (with
     ``verify``), with each range's digest; None for a range that could not be read or whose piece differs (the
     receiver raises it as the part's trouble)."""
@@ -297,7 +295,7 @@ def _send_ranges(where: Path, manifest: Manifest, keys: Sequence[tuple[str, int,
     from registry.fs.dcpfiles import check_piece
     from registry.fs.dcpobjects import piece_ranges
     from registry.fs.mapping import host_view, map_file
-    out: dict[tuple[str, int, int], Sent] = {}
+    out: dict[tuple[str, int, int], tuple[bytes, str] | None] = {}
     views: dict[str, memoryview | None] = {}
     checked: set[tuple[str, int]] = set()
     for name, offset, length in keys:

@@ -257,6 +257,11 @@ def fetch_ranges(root: ObjectRoot, prefix: str, manifest: Manifest, wanted: Mapp
     return buffers
 
 
+# what a rank got of the files another host holds: name -> (offset, length) -> the bytes as read there and their
+# xxh3-128, or None where that host could not read them (registry.distributed.parts)
+Received = Mapping[str, Mapping[tuple[int, int], tuple[bytes, str] | None]]
+
+
 def map_ranges(directory: Path, manifest: Manifest, wanted: Mapping[str, list[tuple[int, int]]], *,
                verify: bool) -> dict[str, memoryview]:
     """The ``wanted`` files of a directory of this host, mapped (each size checked against the manifest first),
@@ -282,7 +287,7 @@ def map_ranges(directory: Path, manifest: Manifest, wanted: Mapping[str, list[tu
 
 
 def received_ranges(directory: Path, manifest: Manifest, wanted: Mapping[str, list[tuple[int, int]]],
-                    received: Mapping[str, Mapping[tuple[int, int], tuple[bytes, str] | None]], *,
+                    received: Received, *,
                     verify: bool) -> dict[str, memoryview]:
     """The ``wanted`` ranges of files another host sent (name -> (offset, length) -> the bytes it read there, checked
     against the manifest's pieces by that host, and their xxh3-128; None where it could not), put into a buffer of
@@ -316,7 +321,7 @@ def _object_reader() -> type:
         def __init__(self, root: ObjectRoot | None, prefix: str | None, *, metadata: Metadata, manifest: Manifest,
                      verify: bool, trust_pickle: bool, local: Path | None = None,
                      local_files: frozenset[str] = frozenset(),
-                     received: Mapping[str, Mapping[tuple[int, int], tuple[bytes, str] | None]] | None = None) -> None:
+                     received: Received | None = None) -> None:
             self._fetched: dict[str, memoryview] = {}
             super().__init__(prefix or str(local), metadata=metadata, buffers=self._fetched,
                              trust_pickle=trust_pickle)
@@ -360,7 +365,7 @@ def object_dcp_reader(root: ObjectRoot, prefix: str, *, metadata: Metadata, mani
 
 
 def part_dcp_reader(local: Path, files: frozenset[str], root: ObjectRoot | None, prefix: str | None, *,
-                    received: Mapping[str, Mapping[tuple[int, int], tuple[bytes, str] | None]], metadata: Metadata,
+                    received: Received, metadata: Metadata,
                     manifest: Manifest, verify: bool, trust_pickle: bool) -> Any:
     """A DCP ``StorageReader`` that maps ``files`` from ``local`` (a directory of this host holding a share of the
     step), takes the ranges of other files other hosts sent (``received``, :func:`received_ranges`) and fetches
@@ -370,5 +375,5 @@ def part_dcp_reader(local: Path, files: frozenset[str], root: ObjectRoot | None,
                             trust_pickle=trust_pickle, local=local, local_files=files, received=received)
 
 
-__all__ = ["fetch_ranges", "map_ranges", "object_dcp_reader", "object_dcp_writer", "part_dcp_reader", "piece_ranges",
-           "read_object", "received_ranges", "upload_sharded_tail"]
+__all__ = ["Received", "fetch_ranges", "map_ranges", "object_dcp_reader", "object_dcp_writer", "part_dcp_reader",
+           "piece_ranges", "read_object", "received_ranges", "upload_sharded_tail"]

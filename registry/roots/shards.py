@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
     from registry.format.manifest import FileEntry, Manifest
     from registry.format.sharding import ShardedLayout
+    from registry.fs.dcpobjects import Received
     from registry.fs.objects import ObjectRoot
     from registry.fs.payloadfiles import Written
     from registry.records import CheckpointInfo
@@ -292,7 +293,7 @@ class PartShards:
     files: frozenset[str]
     durable: ObjectShards
     prefix: Path | None
-    received: Mapping[str, Mapping[tuple[int, int], tuple[bytes, str] | None]] = field(default_factory=dict)
+    received: Received = field(default_factory=dict)
 
     def lacks(self, wanted: Mapping[str, list[tuple[int, int]]]) -> dict[str, list[tuple[int, int]]]:
         """The (offset, length) ranges of ``wanted`` in files this part does not hold."""
