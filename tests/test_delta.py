@@ -122,6 +122,24 @@ def test_non_contiguous_inputs_give_the_contiguous_result() -> None:
     assert_exact(delta.decode(base, data), {k: v.contiguous() for k, v in target.items()})
 
 
+@pytest.mark.parametrize("chunk", [8, 1000, delta.CHUNK])
+def test_any_chunk_size_gives_the_same_delta_and_advance_leaves_the_base_equal_to_the_target(
+        monkeypatch: pytest.MonkeyPatch, chunk: int) -> None:
+    g = torch.Generator().manual_seed(7)
+    base = {"w": random_tensor((1000, 37), torch.bfloat16, g), "t": random_tensor((50, 30), torch.float32, g).t(),
+            "x": random_tensor((5,), torch.int8, g), "same": random_tensor((9,), torch.int64, g)}
+    target = {name: changed_at(t, t.numel() // 10, g)[0] if name != "same" else t.clone() for name, t in base.items()}
+    kept = {name: t.clone() for name, t in base.items()}
+    want = delta.encode(base, target)
+    monkeypatch.setattr(delta, "CHUNK", chunk)
+    assert delta.encode(base, target) == want
+    owned = {name: t.clone() for name, t in base.items()}  # "t" stays non-contiguous: advanced by a copy
+    assert not owned["t"].is_contiguous()
+    assert delta.encode(owned, target, advance=True) == want
+    assert_exact(owned, target)
+    assert_exact(delta.decode(kept, want), target)
+
+
 def test_no_change_is_an_empty_delta_that_decodes_to_the_base(tmp_path: Path) -> None:
     base = make_state(0)
     data = delta.encode(base, {k: v.clone() for k, v in base.items()})

@@ -198,8 +198,7 @@ def plan_publish(access: Access, cache: PolicyCache, run: str, step: int, state:
     base = mine if mine is not None else _read_base(access, run, base_row.step)
     target: Mapping[str, torch.Tensor] = state if owned else _host_copy(state)
     try:
-        data = encode(base, target, base_sha256=base_row.full_sha256,
-                      then=(lambda name: base[name].copy_(state[name])) if owned else None)
+        data = encode(base, target, base_sha256=base_row.full_sha256, advance=owned)
     except DeltaBaseError as exc:  # raised before any base tensor was written
         if mode is True:
             if held is not None:
