@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import xxhash
 import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -87,7 +88,7 @@ def test_round_trip_at_every_rate_and_dtype(dtype: torch.dtype, percent: int) ->
     assert header.changed == count == header.tensors["w"].changed
     assert header.tensors["other"].changed == 0 and header.tensors["empty"].changed == 0
     assert header.base_sha256 == delta.full_sha256(base) and header.target_sha256 == delta.full_sha256(target)
-    assert header.tensors["w"].sha256 == hashlib.sha256(raw(target["w"])).hexdigest()
+    assert header.tensors["w"].digest == xxhash.xxh3_128_hexdigest(raw(target["w"]))
     decoded = delta.decode(base, data)
     assert_exact(decoded, target)
     if count:
@@ -208,7 +209,7 @@ def test_a_wrong_base_is_refused() -> None:
     with pytest.raises(DeltaBaseError, match="not this delta's"):
         delta.decode({k: v for k, v in base.items() if k != "mask"}, data)
     # a caller that vouches for a base it did not check: every decoded tensor is checked all the same
-    with pytest.raises(CorruptCheckpointError, match="do not match its sha256"):
+    with pytest.raises(CorruptCheckpointError, match="do not match its xxh3_128"):
         delta.decode(other, data, base_sha256=delta.full_sha256(base))
     assert_exact(delta.decode(base, data, base_sha256=delta.full_sha256(base)), target)
 
@@ -273,7 +274,7 @@ def test_a_delta_that_lies_is_corrupt_never_wrong_weights() -> None:
         "bytes after a frame": rebuilt(data, streams={
             "positions:w": z.compress(delta._planes(np.array([3, 46, 48], dtype=np.int64), 1)) + b"\x00",
             "values:w": z.compress(values)}),
-        "another version": rebuilt(data, version="2"),
+        "another version": rebuilt(data, version="3"),
         "a stream of an unchanged tensor": rebuilt(data, tensors={"w": {**records["w"], "changed": 0,
                                                                          "gap_width": 0}}),
         "a count beyond the tensor": rebuilt(data, tensors={"w": {**records["w"], "changed": 101}}),
@@ -284,17 +285,37 @@ def test_a_delta_that_lies_is_corrupt_never_wrong_weights() -> None:
         with pytest.raises(CorruptCheckpointError):
             delta.decode(base, liar)
             pytest.fail(why)
-    with pytest.raises(CorruptCheckpointError, match="version '2'"):
+    with pytest.raises(CorruptCheckpointError, match="version '3'"):
         delta.read_header(liars["another version"])
 
     # a bool element of 2 whose digest the liar wrote to match: still refused
     flags = {"f": torch.zeros(4, dtype=torch.bool)}
     data = delta.encode(flags, {"f": torch.tensor([False, True, False, False])})
-    two = hashlib.sha256(bytes([0, 2, 0, 0])).hexdigest()
+    two = xxhash.xxh3_128_hexdigest(bytes([0, 2, 0, 0]))
     liar = rebuilt(data, streams={"positions:f": z.compress(bytes([1])), "values:f": z.compress(bytes([2]))},
-                   tensors={"f": {**delta.read_header(data).tensors["f"].to_json(), "sha256": two}})
+                   tensors={"f": {**delta.read_header(data).tensors["f"].to_json(), "xxh3_128": two}})
     with pytest.raises(CorruptCheckpointError, match="bool element"):
         delta.decode(flags, liar)
+
+
+def test_a_version_1_file_with_sha256_tensor_digests_still_reads_and_is_checked() -> None:
+    g = torch.Generator().manual_seed(3)
+    base = {"w": random_tensor((300,), torch.bfloat16, g), "n": random_tensor((4,), torch.float32, g)}
+    target = {"w": changed_at(base["w"], 20, g)[0], "n": base["n"]}
+    data = delta.encode(base, target)
+    old = {n: {k: v for k, v in r.to_json().items() if k != "xxh3_128"} | {"sha256": hashlib.sha256(
+        raw(target[n])).hexdigest()} for n, r in delta.read_header(data).tensors.items()}
+    v1 = rebuilt(data, version="1", tensors=old)
+    header = delta.read_header(v1)
+    assert {r.algorithm for r in header.tensors.values()} == {"sha256"}
+    assert header.tensors["w"].to_json() == old["w"]
+    assert_exact(delta.decode(base, v1), target)
+    wrong = rebuilt(data, version="1", tensors={**old, "w": {**old["w"], "sha256": "0" * 64}})
+    with pytest.raises(CorruptCheckpointError, match="do not match its sha256"):
+        delta.decode(base, wrong)
+    mixed = rebuilt(data, version="1")  # version 1 with version 2's records
+    with pytest.raises(CorruptCheckpointError, match="malformed fields"):
+        delta.read_header(mixed)
 
 
 def test_fold_is_the_delta_from_first_to_last() -> None:
