@@ -18,7 +18,8 @@ Groups (each reuses the dedicated bench's workloads and helpers):
 * Lightning ``trainer.save_checkpoint`` with its own ``TorchCheckpointIO``
   (then fsync) against the same call with ``RegistryCheckpointIO``, and the
   Hugging Face ``Trainer._save_checkpoint`` of a tiny Llama (``--hf-mib``),
-  then fsync, against the same save published by ``RegistryCallback``;
+  then fsync, against the same save published by ``RegistryCallback``
+  (blocking, and with ``blocking=False`` the time the Trainer is blocked);
 * 2 ranks on gloo (``--dist-mib``): a broadcast load (``bench distributed``'s
   rank loop) and a sharded FSDP2 publish and load (``bench sharded``'s rank
   loop), small variants of those benches run here;
@@ -321,7 +322,7 @@ def _lightning(mib: int, runs: int, work: Path, cmd: str) -> Row:
                per_round(times, "registry", {"TorchCheckpointIO + fsync": "lightning"}), cmd)
 
 
-def _hugging_face(mib: int, runs: int, work: Path, cmd: str) -> Row:
+def _hugging_face(mib: int, runs: int, work: Path, cmd: str) -> list[Row]:
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
     from transformers.utils import logging as hf_logging
 
@@ -353,6 +354,7 @@ def _hugging_face(mib: int, runs: int, work: Path, cmd: str) -> Row:
         trainer.train()
     reg = Registry.open(url=f"sqlite:///{work / 'hf.db'}", root=work / "hf-root")
     callback = RegistryCallback(reg, "hf")
+    background = RegistryCallback(reg, "hf-background", blocking=False)
     steps = iter(range(1, 10**9))
     outputs = Outputs(out, make=False)  # the Trainer makes its output folder
     published, clean = outputs.published, outputs.clean
@@ -370,16 +372,30 @@ def _hugging_face(mib: int, runs: int, work: Path, cmd: str) -> Row:
         published.append(reg.resolve(f"hf@{trainer.state.global_step}").path)
         return seconds
 
+    def ours_background() -> float:
+        def run() -> None:
+            folder = save()
+            background.publish_directory(folder, step=trainer.state.global_step, epoch=0)
+        seconds = timed(run)
+        reg.wait()  # untimed: the adoption ends before the next variant starts
+        background._remove_published(wait=True)
+        published.append(reg.resolve(f"hf-background@{trainer.state.global_step}").path)
+        return seconds
+
     def theirs() -> float:
         return timed(lambda: fsync_tree(save()))
 
     size = sum(p.numel() * p.element_size() for p in model.parameters())
-    times = interleaved({"registry": ours, "hf": theirs}, runs, before=clean).times
+    times = interleaved({"registry": ours, "background": ours_background, "hf": theirs}, runs, before=clean).times
     reg.close()
     clean()
-    return Row(f"Hugging Face Trainer._save_checkpoint, Llama {size / 2**20:.0f} MiB + AdamW",
-               statistics.median(times["registry"]),
-               per_round(times, "registry", {"_save_checkpoint + fsync": "hf"}), cmd)
+    return [Row(f"Hugging Face Trainer._save_checkpoint, Llama {size / 2**20:.0f} MiB + AdamW",
+                statistics.median(times["registry"]),
+                per_round(times, "registry", {"_save_checkpoint + fsync": "hf"}), cmd),
+            Row("Hugging Face callback, blocking=False: time the Trainer is blocked",
+                statistics.median(times["background"]),
+                per_round(times, "background", {"_save_checkpoint + fsync": "hf", "blocking callback": "registry"}),
+                cmd)]
 
 
 # --------------------------------------------------------------------------- two ranks
@@ -524,7 +540,7 @@ def main() -> None:
                 rows += single_process(args.mib, args.runs, work / group, cmd[group])
             elif group == "trainers":
                 rows.append(_lightning(args.hf_mib, args.runs, work / group, cmd[group]))
-                rows.append(_hugging_face(args.hf_mib, args.runs, work / group, cmd[group]))
+                rows.extend(_hugging_face(args.hf_mib, args.runs, work / group, cmd[group]))
             elif group == "ranks":
                 rows += two_ranks(args.dist_mib, args.runs, cmd[group])
             elif args.checkpoints:

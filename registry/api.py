@@ -1587,11 +1587,32 @@ class Registry:
         self._kick_replication()
         return self.placed(info)
 
+    @overload
+    def publish_files(self, path: str | os.PathLike[str], *, run: str, step: int, files: Collection[str],
+                      meta: Mapping[str, Any] | None = ..., extra: Mapping[str, Any] | None = ...,
+                      epoch: int = ..., optimizer_step: int | None = ..., tags: Iterable[str] = ...,
+                      retention: Policy | None = ..., overwrite: bool = ..., adopt: bool = ...,
+                      trust_pickle: bool = ..., blocking: Literal[True] = ...) -> CheckpointInfo: ...
+
+    @overload
+    def publish_files(self, path: str | os.PathLike[str], *, run: str, step: int, files: Collection[str],
+                      meta: Mapping[str, Any] | None = ..., extra: Mapping[str, Any] | None = ...,
+                      epoch: int = ..., optimizer_step: int | None = ..., tags: Iterable[str] = ...,
+                      retention: Policy | None = ..., overwrite: bool = ..., adopt: bool = ...,
+                      trust_pickle: bool = ..., blocking: Literal[False]) -> Future[CheckpointInfo]: ...
+
+    @overload
+    def publish_files(self, path: str | os.PathLike[str], *, run: str, step: int, files: Collection[str],
+                      meta: Mapping[str, Any] | None = ..., extra: Mapping[str, Any] | None = ...,
+                      epoch: int = ..., optimizer_step: int | None = ..., tags: Iterable[str] = ...,
+                      retention: Policy | None = ..., overwrite: bool = ..., adopt: bool = ...,
+                      trust_pickle: bool = ..., blocking: bool = ...) -> CheckpointInfo | Future[CheckpointInfo]: ...
+
     def publish_files(self, path: str | os.PathLike[str], *, run: str, step: int, files: Collection[str],
                       meta: Mapping[str, Any] | None = None, extra: Mapping[str, Any] | None = None,
                       epoch: int = 0, optimizer_step: int | None = None, tags: Iterable[str] = (),
                       retention: Policy | None = None, overwrite: bool = False, adopt: bool = False,
-                      trust_pickle: bool = False) -> CheckpointInfo:
+                      trust_pickle: bool = False, blocking: bool = True) -> CheckpointInfo | Future[CheckpointInfo]:
         """Publish ``files`` of a directory a trainer just saved (its weights among them) as ``run@step``.
 
         As :meth:`publish` does (the run's buffered metrics in the same
@@ -1602,6 +1623,13 @@ class Registry:
         the files are hard-linked into the step when the directory is on the
         root's filesystem (copied otherwise): write them no more, and remove
         the directory once this returns. A crash leaves the directory as it was.
+
+        ``blocking=False`` returns a future once the arguments are checked and
+        the files found: the hashing, the pickle check and the commit run on
+        the background publisher, in call order with :meth:`publish`'s. The
+        files must stay as they are until the future is done (remove an
+        adopted directory then); :meth:`wait` waits for it and a failure is
+        raised as by a background publish.
         """
         from registry.fs.importer import Hashing, Own, check_pickles, scan, stage
         from registry.ops.protocol import Target, publish_sequence
@@ -1609,7 +1637,7 @@ class Registry:
         self._background.raise_error()
         check_run_name(run)
         check_step(step)
-        check_flags(overwrite=overwrite, adopt=adopt, trust_pickle=trust_pickle)
+        check_flags(overwrite=overwrite, adopt=adopt, trust_pickle=trust_pickle, blocking=blocking)
         self._check_retention(retention)
         tags = check_tags(tags)
         source = as_directory(path, what="publish_files source")
@@ -1617,32 +1645,38 @@ class Registry:
             check_outside_root(source, self.store.root, what="publish_files(adopt=True) source",
                                catalog=self._catalog_file())
         foreign = scan(source, files)
-        # on one filesystem the files are read (hashed) from now on: the checks and the claim overlap the reads
-        hashing = Hashing(foreign) if adopt and os.stat(foreign.directory).st_dev == os.stat(
-            self.store.root).st_dev else None
-        try:
-            own = Own.checked(meta=meta, extra=extra, epoch=epoch, trust_pickle=trust_pickle,
-                              optimizer_step=step if optimizer_step is None else optimizer_step,
-                              timestamp=now_timestamp())
-            own.check_beside(foreign)
-            check_pickles(foreign, trust_pickle=trust_pickle)
-            relpath = self.root.new_relpath(run, step)
-            target = Target(run=run, step=step, root=self._local_root(), relpath=relpath, writer=self.writer,
-                            overwrite=overwrite, epoch=own.meta["epoch"])
-            hooks = self._copy_hooks(self._attempts.hooks(run, step, metrics=(), tags=tags, lineage=None), run,
-                                     step)
-            self._background.wait()  # publishes commit in call order, background ones first
-            self._background.raise_error()
-            info = publish_sequence(self.catalog, target, lambda staging, _reuse: stage(
-                foreign, staging, move=adopt, own=own, copy_across=True, hashing=hashing), hooks,
-                self.root.landing(relpath))
-        finally:
-            if hashing is not None:
-                hashing.wait()
-        self._kick_replication()
-        if retention is not None:
-            self._retention_after_publish(run, step, retention)
-        return self.placed(info)
+        own = Own.checked(meta=meta, extra=extra, epoch=epoch, trust_pickle=trust_pickle,
+                          optimizer_step=step if optimizer_step is None else optimizer_step, timestamp=now_timestamp())
+        own.check_beside(foreign)
+
+        def publish(queued: bool) -> CheckpointInfo:
+            # on one filesystem the files are read (hashed) from now on: the checks and the claim overlap the reads
+            hashing = Hashing(foreign) if adopt and os.stat(foreign.directory).st_dev == os.stat(
+                self.store.root).st_dev else None
+            try:
+                check_pickles(foreign, trust_pickle=trust_pickle)
+                relpath = self.root.new_relpath(run, step)
+                target = Target(run=run, step=step, root=self._local_root(), relpath=relpath, writer=self.writer,
+                                overwrite=overwrite, epoch=own.meta["epoch"])
+                hooks = self._copy_hooks(self._attempts.hooks(run, step, metrics=(), tags=tags, lineage=None), run,
+                                         step)
+                if not queued:
+                    self._background.wait()  # publishes commit in call order, background ones first
+                    self._background.raise_error()
+                info = publish_sequence(self.catalog, target, lambda staging, _reuse: stage(
+                    foreign, staging, move=adopt, own=own, copy_across=True, hashing=hashing), hooks,
+                    self.root.landing(relpath))
+            finally:
+                if hashing is not None:
+                    hashing.wait()
+            self._kick_replication()
+            if retention is not None:
+                self._retention_after_publish(run, step, retention)
+            return self.placed(info)
+
+        if not blocking:
+            return self._background.submit(f"{run}@{step}", lambda: publish(queued=True))
+        return publish(queued=False)
 
     # ------------------------------------------------------------------ lineage and diff
 

@@ -19,6 +19,7 @@ import signal
 import tempfile
 from fractions import Fraction
 from pathlib import Path
+from concurrent.futures import Future
 from typing import Any
 
 import pytest
@@ -27,7 +28,8 @@ from safetensors.torch import save_file
 
 from registry import Registry
 from registry.crashpoints import arm
-from registry.errors import CorruptCheckpointError, InvalidStateError, UnsafePathError, UnsafePickleError
+from registry.errors import (AsyncPublishError, CorruptCheckpointError, InvalidStateError, UnsafePathError,
+                             UnsafePickleError)
 from registry.format.manifest import read_manifest
 from tests.helpers import IN_CI
 from tests.killharness import (CRASH_TABLE, Tally, catalog_view, check_before_repair, check_invariants, context,
@@ -149,6 +151,52 @@ def test_what_cannot_be_adopted_is_refused_before_anything_is_claimed(sqlite_reg
     assert info.status == "verified"
 
 
+def test_a_background_adoption_links_hashes_and_commits_on_the_publisher(sqlite_reg: Registry,
+                                                                          tmp_path: Path) -> None:
+    folder = tmp_path / "checkpoint-3"
+    files = trainer_folder(folder, 3)
+    inodes = {name: os.stat(folder / name).st_ino for name in ADOPTED}
+    future = sqlite_reg.publish_files(folder, run=RUN, step=3, files=ADOPTED, meta={"seed": 3}, adopt=True,
+                                      blocking=False)
+    assert isinstance(future, Future)
+    info = future.result()
+    assert info.status == "verified" and sqlite_reg.resolve(f"{RUN}@latest").step == 3
+    assert {name: os.stat(Path(info.path) / name).st_ino for name in ADOPTED} == inodes
+    assert contents(folder) == files  # the caller removes it once the future is done
+    # a failure in the background: nothing claimed, the folder as it was, the error raised by the next call
+    bad = tmp_path / "checkpoint-4"
+    files = trainer_folder(bad, 4)
+    torch.save({"lr": Fraction(1, 3)}, bad / "unsafe.pt")  # needs full unpickling
+    future = sqlite_reg.publish_files(bad, run=RUN, step=4, files=[*ADOPTED, "unsafe.pt"], adopt=True,
+                                      blocking=False)
+    with pytest.raises(UnsafePickleError, match="trust_pickle"):
+        future.result()
+    assert contents(bad) == {**files, "unsafe.pt": (bad / "unsafe.pt").read_bytes()}
+    with pytest.raises(AsyncPublishError, match=f"{RUN}@4"):
+        sqlite_reg.publish_files(bad, run=RUN, step=4, files=ADOPTED, adopt=True)
+    assert [i.step for i in sqlite_reg.checkpoints(RUN)] == [3]
+    with pytest.raises(CorruptCheckpointError, match="missing"):  # checked before anything is queued
+        sqlite_reg.publish_files(bad, run=RUN, step=4, files=[*ADOPTED, "missing.pt"], adopt=True, blocking=False)
+
+
+def test_a_background_adoption_that_fails_gives_the_trainer_its_folder_back(sqlite_reg: Registry,
+                                                                            tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    from registry.integrations.transformers import RegistryCallback
+    callback = RegistryCallback(sqlite_reg, RUN, blocking=False)
+    folder = tmp_path / "out" / "checkpoint-5"
+    trainer_folder(folder, 5)
+    torch.save({"state": {}, "param_groups": [{"lr": Fraction(1, 3)}]}, folder / "optimizer.pt")  # full unpickling
+    files = contents(folder)
+    callback.publish_directory(folder, step=5, epoch=0)
+    with pytest.warns(RuntimeWarning, match="is kept: publishing it failed"):
+        callback._remove_published(wait=True)
+    assert contents(folder) == files and [p.name for p in folder.parent.iterdir()] == ["checkpoint-5"]
+    assert RUN not in {r.name for r in sqlite_reg.runs()}
+    with pytest.raises(AsyncPublishError, match="trust_pickle"):
+        sqlite_reg.wait()
+
+
 def test_a_sigkill_at_every_crash_point_leaves_the_step_whole_and_the_folder_as_it_was(catalog_url: str,
                                                                                      tmp_path: Path) -> None:
     root = tmp_path / "root"
@@ -223,6 +271,13 @@ def test_the_callback_adopts_each_save_and_training_resumes_from_it(reg: Registr
     t.train(resume_from_checkpoint=cb.resume_from(create=False))
     assert cb.resumed_at == 2 and [i.step for i in reg.checkpoints(RUN)] == [2, 4]
 
+    t, cb, probe = trainer(4, "background", blocking=False)  # adopted from a held folder on the publisher
+    t.train(resume_from_checkpoint=cb.resume_from())
+    for step in (2, 4):
+        step_dir = Path(reg.resolve(f"background@{step}").path)
+        assert {n: os.stat(step_dir / n).st_ino for n in adopted} == {n: probe.seen[step][n][0] for n in adopted}
+    assert list((tmp_path / "background").iterdir()) == []  # neither checkpoint-N nor a held folder is left
+
     t, cb, probe = trainer(2, "kept", remove_trainer_checkpoints=False)  # a folder kept is a folder copied
     t.train(resume_from_checkpoint=cb.resume_from())
     step_dir = Path(reg.resolve("kept@2").path)
@@ -245,9 +300,18 @@ def test_a_folder_left_linked_to_its_published_step_is_removed_before_training(r
     own = trainer_folder(copied, 4)
     reg.publish_files(copied, run=RUN, step=4, files=ADOPTED, meta={"seed": 4})  # copied: its files are its own
 
+    held = out / ".registry-adopting-checkpoint-6"  # killed after its background publish committed
+    trainer_folder(held, 6)
+    reg.publish_files(held, run=RUN, step=6, files=ADOPTED, meta={"seed": 6}, adopt=True)
+    not_committed = trainer_folder(out / ".registry-adopting-checkpoint-7", 7)  # killed before
+    trainer_folder(out / ".registry-adopting-checkpoint-8", 8)
+    taken = trainer_folder(out / "checkpoint-8", 18)  # its name was taken since: both stay
+
     removed = RegistryCallback(reg, RUN).remove_adopted_leftovers(out)
 
-    assert removed == [leftover] and not leftover.exists()
+    assert removed == [held, leftover] and not leftover.exists() and not held.exists()
+    assert contents(out / "checkpoint-7") == not_committed and not (out / ".registry-adopting-checkpoint-7").exists()
+    assert contents(out / "checkpoint-8") == taken and (out / ".registry-adopting-checkpoint-8").is_dir()
     assert contents(Path(info.path)) == published
     assert reg.load(f"{RUN}@2", verify=True).step == 2
     assert contents(out / "checkpoint-3") == unpublished and contents(copied) == own

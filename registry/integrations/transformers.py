@@ -14,7 +14,10 @@ then removes ``checkpoint-N`` (the registry's copy is the checkpoint now;
 ``remove_trainer_checkpoints=False`` keeps it). On a filesystem root the
 files are adopted, not rewritten (``Registry.publish_files``): hard-linked
 into the step and read once to hash them, so a save costs the Trainer's
-write, one read and the fsync. An evaluation after step N
+write, one read and the fsync. With ``blocking=False`` the Trainer waits
+for none of that: ``checkpoint-N`` is renamed to a hidden
+``.registry-adopting-checkpoint-N`` (out of the Trainer's way) and adopted
+from there on the background publisher. An evaluation after step N
 was published lands as a late metric, so ``run@best:eval_loss`` re-ranks at
 once. ``save_total_limit`` is replaced by ``keep``, a retention policy
 applied after each publish (which never deletes the newest step, a tagged
@@ -108,7 +111,8 @@ class RegistryCallback(TrainerCallback):
 
     ``blocking=False`` publishes in the background (``on_train_end`` waits
     for it; a ``checkpoint-N`` directory is removed once its publish
-    committed). ``keep`` is a retention policy applied after each publish.
+    committed, and one whose publish failed is kept under its name).
+    ``keep`` is a retention policy applied after each publish.
     The Trainer's timings (``eval_runtime``, ``eval_samples_per_second``,
     ``eval_steps_per_second``, ...) are not stored as metrics unless
     ``speed_metrics=True``.
@@ -129,7 +133,8 @@ class RegistryCallback(TrainerCallback):
         self.speed_metrics = speed_metrics
         self.published: set[int] = set()
         self.checkout: Checkout | None = None
-        self._pending: list[tuple[Any, Path]] = []  # (publish result or future, checkpoint-N directory)
+        # (publish result or future, the directory to remove once it committed, checkpoint-N)
+        self._pending: list[tuple[Any, Path, Path]] = []
         self.resumed_at: int | None = None  # steps above it belong to the abandoned timeline: replaced
 
     # ------------------------------------------------------------------ resume
@@ -234,13 +239,19 @@ class RegistryCallback(TrainerCallback):
             meta[META_KEY] = json.loads((folder / TRAINER_STATE).read_text())
         overwrite = self.resumed_at is not None and step > self.resumed_at
         files = self._adoptable(folder)
+        held = folder if self.blocking or files is None else _hold(folder)
         result: Any
-        if files is not None:
-            result = self.registry.publish_files(
-                folder, run=self.run, step=step, files=files, meta=meta, extra=extra, epoch=epoch,
-                optimizer_step=step, retention=self.keep, tags=self.tags, overwrite=overwrite,
-                adopt=self.remove_trainer_checkpoints, trust_pickle=self.trust_pickle)
+        if files is not None and held is not None:
+            try:
+                result = self.registry.publish_files(
+                    held, run=self.run, step=step, files=files, meta=meta, extra=extra, epoch=epoch,
+                    optimizer_step=step, retention=self.keep, tags=self.tags, overwrite=overwrite,
+                    adopt=self.remove_trainer_checkpoints, trust_pickle=self.trust_pickle, blocking=self.blocking)
+            except BaseException:
+                _release(held, folder)
+                raise
         else:
+            held = folder
             from registry.checkpoint import Checkpoint
             names = [n for n in PUBLISHED_EXTRAS if (folder / f"{n}.pt").is_file()]
             ckpt = Checkpoint.load(folder, trust_pickle=self.trust_pickle, extras=names)
@@ -250,19 +261,21 @@ class RegistryCallback(TrainerCallback):
                 trust_pickle=self.trust_pickle, overwrite=overwrite)
         self.published.add(step)
         if self.remove_trainer_checkpoints:
-            self._pending.append((result, folder))
+            self._pending.append((result, held, folder))
         self._remove_published()
 
     def _adoptable(self, folder: Path) -> list[str] | None:
         """The files of ``folder`` a publish adopts as they are, or None where it reads and republishes them.
 
-        Adopting needs the root's filesystem on this host and a publish that
-        returns once committed: a background publish must not depend on files
-        the Trainer may rotate away meanwhile. The weights are one
-        ``model.safetensors`` or an index and its shards.
+        Adopting needs the root's filesystem on this host; in the background,
+        a folder the callback may take from the Trainer (one it removes
+        anyway), so that the Trainer rotates nothing away meanwhile. The
+        weights are one ``model.safetensors`` or an index and its shards.
         """
         root = self.registry.root
-        if not (self.blocking and root.can.local_import) or root.can.tiers or self.registry.dedup:
+        if not root.can.local_import or root.can.tiers or self.registry.dedup:
+            return None
+        if not (self.blocking or self.remove_trainer_checkpoints):
             return None
         if (folder / WEIGHTS).is_file():
             weights = [WEIGHTS]
@@ -286,39 +299,73 @@ class RegistryCallback(TrainerCallback):
         earlier step) rewrites those files in place, and with them the
         published step's bytes: the leftovers go before training starts. A
         folder whose step is not published, or whose files are its own, is
-        the ``Trainer``'s and stays. Returns what was removed.
+        the ``Trainer``'s and stays; one held for a background publish that
+        did not commit gets its name back. Returns what was removed.
         """
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
         removed = []
-        for folder in sorted(output_dir.glob(f"{PREFIX_CHECKPOINT_DIR}-*")):
-            suffix = folder.name[len(PREFIX_CHECKPOINT_DIR) + 1:]
+        prefix = f"{PREFIX_CHECKPOINT_DIR}-"
+        for folder in sorted([*output_dir.glob(f"{prefix}*"), *output_dir.glob(f"{HELD}{prefix}*")]):
+            name = folder.name.removeprefix(HELD)
+            suffix = name[len(prefix):]
             if not suffix.isdigit() or not folder.is_dir() or folder.is_symlink():
                 continue
             try:
                 info = self.registry.resolve(f"{self.run}@{int(suffix)}")
             except CheckpointNotFoundError:
-                continue
-            if _shares_files(folder, Path(info.path)):
+                info = None
+            if info is not None and _shares_files(folder, Path(info.path)):
                 log.warning("removing %s: a leftover of %s@%s's publish (killed before it was removed), whose "
                             "files are the step's own", folder, self.run, suffix)
                 shutil.rmtree(folder)
                 removed.append(folder)
+            elif folder.name != name:
+                _release(folder, output_dir / name)
         return removed
 
     def _remove_published(self, *, wait: bool = False) -> None:
-        """Remove the ``checkpoint-N`` directories whose publish committed; a failed one is kept."""
+        """Remove the ``checkpoint-N`` directories whose publish committed; a failed one is kept, under its name."""
         left = []
-        for result, folder in self._pending:
+        for result, held, folder in self._pending:
             if isinstance(result, Future):
                 if not (wait or result.done()):
-                    left.append((result, folder))
+                    left.append((result, held, folder))
                     continue
                 if result.exception() is not None:
+                    _release(held, folder)
                     warnings.warn(f"{folder} is kept: publishing it failed: {result.exception()}", RuntimeWarning,
                                   stacklevel=2)
                     continue
-            shutil.rmtree(folder, ignore_errors=True)
+            shutil.rmtree(held, ignore_errors=True)
         self._pending = left
+
+
+HELD = ".registry-adopting-"  # the name a checkpoint-N folder takes while it is adopted in the background
+
+
+def _hold(folder: Path) -> Path | None:
+    """``folder`` renamed out of the Trainer's sight (its rotation lists ``checkpoint-*``), or None if it cannot be."""
+    held = folder.with_name(HELD + folder.name)
+    try:
+        if held.exists():
+            return None
+        os.rename(folder, held)
+    except OSError:
+        return None
+    return held
+
+
+def _release(held: Path, folder: Path) -> None:
+    """A held folder given back its ``checkpoint-N`` name, unless that name was taken since (then it stays held)."""
+    if held == folder:
+        return
+    try:
+        if not folder.exists():
+            os.rename(held, folder)
+            return
+    except OSError:
+        pass
+    log.warning("%s stays as it is: %s exists", held, folder)
 
 
 def _shares_files(folder: Path, step_dir: Path) -> bool:
