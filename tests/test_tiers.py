@@ -911,10 +911,12 @@ def test_fsck_repairs_a_damaged_fast_copy_by_marking_the_copy_when_a_durable_cop
 
 
 def test_an_older_payload_left_on_another_host_is_never_a_verdict_on_the_step(migrated_url: str, durable: str,
-                                                                               tmp_path: Path) -> None:
+                                                                               tmp_path: Path,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """Host B published step 2, host A published it again: B's directory holds B's older payload. Loads on B
     do not read it, and neither a load, verify nor fsck there condemns the step, whose only good copy is A's
-    until it is durable; fsck --repair removes B's leftover."""
+    until it is durable; fsck --repair removes B's leftover (its row marked first: a removal that fails leaves
+    a deleted row over the files, which the next repair finishes)."""
     host_a, host_b = tmp_path / "host-a", tmp_path / "host-b"
     with Registry.open(migrated_url, root=host_b, durable=durable) as b:
         b.publish("run", 1, make_state(1), durable=True)
@@ -932,6 +934,17 @@ def test_an_older_payload_left_on_another_host_is_never_a_verdict_on_the_step(mi
                 assert [(p.kind, p.step) for p in report.problems] == [("superseded-fast-copy", 2)]
                 assert b.catalog.get("run", 2).status == Status.VERIFIED  # type: ignore[union-attr]
                 assert not [e for e in b.events("run") if e.kind == "corrupt"]
+                from registry.ops import tierfsck
+
+                def refused(*_: object) -> bool:
+                    raise PermissionError(13, "refused by the test")
+                with monkeypatch.context() as m:
+                    m.setattr(tierfsck, "remove_checkpoint_dir", refused)
+                    failed = b.fsck(repair=True)
+                assert not failed.repaired and "refused by the test" in failed.failures[0]
+                assert (host_b / "run" / "step-00000002").is_dir()
+                # marked first: the files left are that row's unfinished deletion, never damage to the step
+                assert [(p.kind, p.step) for p in b.fsck().problems] == [("unfinished-copy-deletion", 2)]
                 assert b.fsck(repair=True).repaired
                 assert not (host_b / "run" / "step-00000002").exists() and b.fsck().clean
                 assert (host_b / "run" / "step-00000001").is_dir()

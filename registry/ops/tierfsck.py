@@ -181,11 +181,15 @@ class TierFsck(FsckPass):
             self._fix(p, functools.partial(self._remove_older, copy, where))
 
     def _remove_older(self, copy: ReplicaInfo, where: Path) -> bool | str:
+        # marked first: a kill after the mark leaves a row saying deleted over files unfinished-copy-deletion
+        # removes, never a live row naming a directory that is gone
+        if not self.replicas.set_replica_status(copy.run, copy.step, copy.location, "deleted", path=copy.path,
+                                                manifest_sha256=copy.manifest_sha256,
+                                                only_from=("published", "verified"), actor=self.actor,
+                                                reason="an older payload of the step"):
+            return "its row changed meanwhile"
         if not remove_checkpoint_dir(where, copy.manifest_sha256):  # digest-checked: only the payload seen
-            return "its directory changed meanwhile"
-        self.replicas.set_replica_status(copy.run, copy.step, copy.location, "deleted", path=copy.path,
-                                         manifest_sha256=copy.manifest_sha256, only_from=("published", "verified"),
-                                         actor=self.actor, reason="an older payload of the step")
+            return "marked deleted, but its directory changed meanwhile: left as it is"
         return True
 
     def superseded_parts(self) -> None:
@@ -418,8 +422,11 @@ def run_tier_fsck(*, catalog: Catalog, tiers: Tiers, scan: Scan, durable_scan: S
                     checksums=checksums, actor=actor, progress=progress)
     superseded = tier.superseded()
     condemned = tier.condemned()
-    # the fast root's checks leave these alone: this pass reports them, never as damage to the step
-    skip = set(superseded) | {key for key, (_copy, own) in condemned.items() if own}
+    # the fast root's checks leave these alone: this pass reports them, never as damage to the step (a copy marked
+    # deleted whose removal did not finish, an older payload among them, is unfinished-copy-deletion's)
+    unfinished = {(left.copy.run, left.copy.step) for left in tier.left_copies()
+                  if left.copy.location == tiers.location and tiers.fast.root / left.copy.path in left.paths}
+    skip = set(superseded) | {key for key, (_copy, own) in condemned.items() if own} | unfinished
     # a copy's removal killed after its rename: the retired directory is that copy's unfinished deletion
     retired = {path for left in tier.left_copies() for path in left.paths if parse_hidden(path.name) is not None}
     fast = run_fsck(catalog=catalog, scan=scan, repair=repair, checksums=checksums, actor=actor,
