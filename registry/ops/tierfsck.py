@@ -31,12 +31,12 @@ the replica rows, this host's own:
 * ``superseded-fast-copy``: this host's directory of a live step holds an
   older payload of it (the step was published again on another host since):
   never damage to the step, even when this host holds the step's new payload in
-  its cache (that copy has a row of its own); ``--repair`` removes that
-  directory (digest-checked) and marks this host's fast copy ``deleted``;
+  its cache (that copy has a row of its own); ``--repair`` marks this host's
+  fast copy ``deleted``, then removes that directory (digest-checked);
 * ``superseded-part``: this host's part of a live step (published from
   several hosts) that holds an older payload, the step published again
-  since; ``--repair`` removes it (digest-checked) and marks its row
-  ``deleted``;
+  since; ``--repair`` marks its row ``deleted``, then removes it
+  (digest-checked);
 * ``unfinished-copy-deletion``: this host's copy (fast, or in its cache)
   marked ``deleted`` whose files are still there (their removal failed, or
   the process was killed after the mark); ``--repair`` removes them if the
