@@ -208,8 +208,9 @@ class RegistryCallback(TrainerCallback):
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
         if state.is_world_process_zero:
-            self.registry.wait()
+            # the folders first: one whose background publish failed gets its name back before wait() raises
             self._remove_published(wait=True)
+            self.registry.wait()
             self.registry.flush(self.run)
         if self.checkout is not None:
             checkout, self.checkout = self.checkout, None
