@@ -37,7 +37,7 @@ from tests.helpers import IN_CI, PG_ADMIN, REFERENCE_MODULE, pg_connect, pg_sche
 SLOW_MODULES = frozenset({
     "test_kill", "test_stress", "test_crash_states", "test_retention_crash", "test_concurrency",
     "test_distributed", "test_sharded", "test_integration_lightning", "test_integration_transformers",
-    "test_web_browser", "test_s3_kill",
+    "test_web_browser", "test_s3_kill", "test_tiered_hosts",
 })
 
 
@@ -46,7 +46,8 @@ SLOW_MODULES = frozenset({
 # idle for its length. ``scripts/test`` passes ``--no-loadscope-reorder``: xdist would otherwise order the files by
 # their number of tests, which puts the few long tests of a trainer's or a process group's file last.
 LONG_FIRST = (
-    "test_tiers", "test_policy_publish", "test_sharded_resume_roots", "test_docs", "test_mlflow_mirror",
+    "test_tiers", "test_policy_publish", "test_sharded_resume_roots", "test_tiered_hosts", "test_docs",
+    "test_mlflow_mirror",
     "test_sharded", "test_retention", "test_s3_faults", "test_conformance_crashes", "test_integration_lightning",
     "test_policy_consumers", "test_bench_scripts", "test_params", "test_web_browser", "test_hostile",
     "test_integration_transformers", "test_tier_copies", "test_load_faults", "test_webhooks", "test_dedup_fate",
@@ -56,6 +57,7 @@ LONG_FIRST = (
     "test_lineage", "test_layers", "test_s3_maintenance", "test_import", "test_cli_first_hour", "test_fsck",
     "test_distributed", "test_policy_folds", "test_stress", "test_publish", "test_refs", "test_s3_sharded",
     "test_demo", "test_s3_root", "test_conformance_publish", "test_conformance_storage", "test_policy_mix",
+    "test_policy_anchors",
 )
 # After the long files, before the short ones: ``scripts/test`` builds its venv in the background meanwhile
 # (see ``vllm_python``).
