@@ -300,9 +300,11 @@ def test_a_receiver_down_for_a_while_then_back_gets_the_event(reg: Registry) -> 
     reg.add_webhook(f"http://127.0.0.1:{port}/hook", events=["step.published"], secret=SECRET, max_attempts=50)
     reg.publish("run", 1, make_state())
     report = reg.deliver_webhooks()
-    assert (report.delivered, report.retried) == (0, 1)
+    # once, or again within the same call when the pass outlasts the 50 ms backoff on a loaded machine
+    assert report.delivered == 0 and report.retried >= 1
     (entry,) = reg.webhook_log()
-    assert entry.status == "pending" and "ConnectionRefusedError" in str(entry.attempts[0].error)
+    assert entry.status == "pending" and len(entry.attempts) == report.retried
+    assert all("ConnectionRefusedError" in str(a.error) for a in entry.attempts)
     back = Receiver(port=port)
     try:
         stop = threading.Event()
