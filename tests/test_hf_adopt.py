@@ -59,18 +59,23 @@ def contents(path: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
 
 
-def publish(reg: Registry, folder: Path, step: int, seed: int, *, overwrite: bool = False) -> Any:
-    """What the callback does with a save: adopt it, then remove the folder once the publish returned."""
-    info = reg.publish_files(folder, run=RUN, step=step, files=ADOPTED, meta={"seed": seed},
-                             extra={"rng_state": {"cpu": torch.arange(4)}}, adopt=True, overwrite=overwrite)
+def publish(reg: Registry, folder: Path, step: int, seed: int, *, overwrite: bool = False,
+            blocking: bool = True) -> Any:
+    """What the callback does with a save: adopt it (on the background publisher unless ``blocking``), then remove
+    the folder once the publish committed."""
+    done = reg.publish_files(folder, run=RUN, step=step, files=ADOPTED, meta={"seed": seed},
+                             extra={"rng_state": {"cpu": torch.arange(4)}}, adopt=True, overwrite=overwrite,
+                             blocking=blocking)
+    info = done.result() if isinstance(done, Future) else done
     shutil.rmtree(folder)
     return info
 
 
-def adopt_worker(url: str, root: str, folder: str, step: int, seed: int, overwrite: bool, crash_at: str) -> None:
+def adopt_worker(url: str, root: str, folder: str, step: int, seed: int, overwrite: bool, crash_at: str,
+                 blocking: bool) -> None:
     arm(crash_at)
     with Registry.open(url=url, root=root) as reg:
-        publish(reg, Path(folder), step, seed, overwrite=overwrite)
+        publish(reg, Path(folder), step, seed, overwrite=overwrite, blocking=blocking)
 
 
 def test_adopted_files_become_the_steps_own_without_a_copy(reg: Registry, tmp_path: Path) -> None:
@@ -197,8 +202,10 @@ def test_a_background_adoption_that_fails_gives_the_trainer_its_folder_back(sqli
     assert RUN not in {r.name for r in sqlite_reg.runs()}
 
 
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "background"])
 def test_a_sigkill_at_every_crash_point_leaves_the_step_whole_and_the_folder_as_it_was(catalog_url: str,
-                                                                                     tmp_path: Path) -> None:
+                                                                                     tmp_path: Path,
+                                                                                     blocking: bool) -> None:
     root = tmp_path / "root"
     tally = Tally()
     with Registry.open(url=catalog_url, root=root) as reg:
@@ -214,7 +221,7 @@ def test_a_sigkill_at_every_crash_point_leaves_the_step_whole_and_the_folder_as_
             view = catalog_view(reg, (RUN,))
             before, latest = snapshot_live(view), latest_verified(view)
             proc = context().Process(target=adopt_worker, daemon=True, args=(
-                worker_url(catalog_url), str(root), str(folder), step, seed, op == "overwrite", point))
+                worker_url(catalog_url), str(root), str(folder), step, seed, op == "overwrite", point, blocking))
             proc.start()
             proc.join(120)
             assert proc.exitcode == -signal.SIGKILL, f"{op} at {point}: exit code {proc.exitcode}"
