@@ -70,7 +70,44 @@ def _start_order(stem: str) -> int:
     return len(LONG_FIRST) + (stem != AFTER_THE_LONG)
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+# Scenario files whose subject is not the catalog (copies, tiers, hosts, faults, trainers): each of their tests runs on
+# one catalog backend, alternating test by test, PostgreSQL first, so every such file runs on both backends. Run
+# twice, they were a third of the suite's time; the catalog's own behaviour (queries, claims, leases, verdicts,
+# retention, concurrency, kills) keeps both backends in every test. ``REGISTRY_TEST_BACKENDS=both`` runs every test
+# of these files on both too.
+ONE_BACKEND_EACH = frozenset({
+    "test_tiered_hosts", "test_tiers", "test_policy_publish", "test_tier_copies", "test_s3_faults",
+    "test_mlflow_mirror", "test_web_browser", "test_dedup_fate", "test_tiered_sharded", "test_hf_adopt",
+    "test_load_faults",
+})
+BACKENDS = ("postgresql", "sqlite")
+
+
+def _one_backend_each(items: list[pytest.Item]) -> tuple[list[pytest.Item], list[pytest.Item]]:
+    """``items`` without the other backend's run of each test of the ``ONE_BACKEND_EACH`` files, and those runs."""
+    if os.environ.get("REGISTRY_TEST_BACKENDS", "").lower() == "both":
+        return items, []
+    functions: dict[Path, dict[str, int]] = {}  # each file's tests with a backend, in order
+    kept: list[pytest.Item] = []
+    dropped: list[pytest.Item] = []
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        backend = next((v for v in params.values() if isinstance(v, str) and v in BACKENDS), None)
+        function = getattr(item, "originalname", item.name)
+        if item.path.stem not in ONE_BACKEND_EACH or backend not in BACKENDS:
+            kept.append(item)
+            continue
+        seen = functions.setdefault(item.path, {})
+        index = seen.setdefault(function, len(seen))
+        (kept if backend == BACKENDS[index % 2] else dropped).append(item)
+    return kept, dropped
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    kept, dropped = _one_backend_each(items)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
     for item in items:
         if item.path.stem in SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
