@@ -397,13 +397,18 @@ from registry import Registry
 registry.ops.background.NICE = 10  # opt in
 with tempfile.TemporaryDirectory() as tmp, Registry.open(root=tmp) as reg:
     seen = {}
+    noted = threading.Event()
     def note():
-        for t in threading.enumerate():
-            seen[t.name.rsplit("_", 1)[0]] = os.getpriority(os.PRIO_PROCESS, t.native_id)
+        try:
+            for t in threading.enumerate():
+                seen[t.name.rsplit("_", 1)[0]] = os.getpriority(os.PRIO_PROCESS, t.native_id)
+        finally:
+            noted.set()
     # 64 MiB: big enough that the hash pool's workers are started, by the background publisher's thread
     future = reg.publish("run", 1, {"w": torch.ones(16 << 20)}, blocking=False)
     future.add_done_callback(lambda _: note())  # on the publisher's thread, with the pool workers alive
     future.result(timeout=60)
+    noted.wait(60)  # a Future wakes its waiters before it runs its callbacks
     print(json.dumps({"process": os.getpriority(os.PRIO_PROCESS, os.getpid()), **seen}))
 """
 
