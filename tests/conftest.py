@@ -73,8 +73,9 @@ def _start_order(stem: str) -> int:
 # Scenario files whose subject is not the catalog (copies, tiers, hosts, faults, trainers): each of their tests runs on
 # one catalog backend, alternating test by test, PostgreSQL first, so every such file runs on both backends. Run
 # twice, they were a third of the suite's time; the catalog's own behaviour (queries, claims, leases, verdicts,
-# retention, concurrency, kills) keeps both backends in every test. ``REGISTRY_TEST_BACKENDS=both`` runs every test
-# of these files on both too.
+# retention, concurrency, kills) keeps both backends in every test, and so does a test of these files marked
+# ``both_backends`` (a race or a kill that the catalog decides). ``REGISTRY_TEST_BACKENDS=both`` runs every test of
+# these files on both.
 ONE_BACKEND_EACH = frozenset({
     "test_tiered_hosts", "test_tiers", "test_policy_publish", "test_tier_copies", "test_s3_faults",
     "test_mlflow_mirror", "test_web_browser", "test_dedup_fate", "test_tiered_sharded", "test_hf_adopt",
@@ -94,7 +95,8 @@ def _one_backend_each(items: list[pytest.Item]) -> tuple[list[pytest.Item], list
         params = getattr(getattr(item, "callspec", None), "params", {})
         backend = next((v for v in params.values() if isinstance(v, str) and v in BACKENDS), None)
         function = getattr(item, "originalname", item.name)
-        if item.path.stem not in ONE_BACKEND_EACH or backend not in BACKENDS:
+        if (item.path.stem not in ONE_BACKEND_EACH or backend not in BACKENDS
+                or item.get_closest_marker("both_backends") is not None):
             kept.append(item)
             continue
         seen = functions.setdefault(item.path, {})

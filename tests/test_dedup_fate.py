@@ -202,6 +202,7 @@ def _gc_killed(url: str, root: str) -> None:
         reg.apply_retention("run", KeepTagged("keep"))
 
 
+@pytest.mark.both_backends
 def test_kill_while_unsharing_leaves_every_step_whole(catalog_url: str, root: Path) -> None:
     with Registry.open(url=catalog_url, root=root, dedup=True) as reg:
         states = {step: publish(reg, "run", step) for step in (1, 2, 3)}

@@ -194,6 +194,7 @@ def test_corrupt_verdict_is_compare_and_set_on_the_digest_read(catalog_url: str,
         assert corrupt_events(reader) == []
 
 
+@pytest.mark.both_backends
 def test_two_readers_condemning_the_same_payload_both_fall_back(catalog_url: str, root: Path) -> None:
     with Registry.open(url=catalog_url, root=root) as first, Registry.open(url=catalog_url, root=root) as second:
         first.publish("run", 1, make_state(1))

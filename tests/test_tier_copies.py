@@ -117,6 +117,7 @@ def overlapping(catalog_url: str) -> Iterator[threading.Event]:
             time.sleep(0.01)
 
 
+@pytest.mark.both_backends
 def test_fast_and_durable_retention_at_once_never_take_both_copies(catalog_url: str, fast: Path,
                                                                    durable: str) -> None:
     with Registry.open(catalog_url, root=fast, durable=durable) as a, \
@@ -142,6 +143,7 @@ def test_fast_and_durable_retention_at_once_never_take_both_copies(catalog_url: 
 # --------------------------------------------------------------------------- forced fast gc during replication
 
 
+@pytest.mark.both_backends
 def test_a_step_deleted_while_it_replicates_leaves_no_durable_copy(treg: Registry,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     from registry.ops import replicator

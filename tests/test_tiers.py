@@ -182,6 +182,7 @@ def test_plain_root_has_no_latest_durable_and_refuses_durable_calls(migrated_url
             reg.publish("run", 2, make_state(), durable=True)
 
 
+@pytest.mark.both_backends
 def test_two_registries_of_one_process_never_take_over_each_others_live_claims(
         migrated_url: str, fast: Path, durable: str) -> None:
     """Each registry is a writer of its own: while one holds a step's durable claim, another registry of
@@ -655,6 +656,7 @@ def test_durable_retention_and_the_last_copy_ends_the_step(treg: Registry) -> No
     assert treg.fsck().clean
 
 
+@pytest.mark.both_backends
 def test_a_durable_plan_made_while_the_fast_copy_existed_never_deletes_the_last_copy(treg: Registry) -> None:
     """The plan saw two copies and planned a copy-only deletion; the fast copy went before it ran (a trainer's
     fast retention): deleting the durable copy now would leave a live step with no copy, so it is skipped."""
