@@ -126,10 +126,15 @@ def pg_connect(dsn: str):  # type: ignore[no-untyped-def]
     return psycopg.connect(dsn, autocommit=True, connect_timeout=5)
 
 
-def pg_schema_url(pg_database: str) -> str:
+def pg_schema_url(pg_database: str, *, conn: Any = None) -> str:
+    """A new, empty schema of ``pg_database`` and the URL of a catalog in it; ``conn``: an open connection to that
+    database to make it with (else one is opened for it)."""
     schema = f"t{next(_schema_counter)}_{uuid.uuid4().hex[:6]}"
-    with pg_connect(pg_database) as conn:
+    if conn is not None:
         conn.execute(f'CREATE SCHEMA "{schema}"')
+    else:
+        with pg_connect(pg_database) as opened:
+            opened.execute(f'CREATE SCHEMA "{schema}"')
     return pg_database.replace("postgresql://", "postgresql+psycopg://") + f"?options=-csearch_path%3D{schema}"
 
 

@@ -29,8 +29,8 @@ def big_state(seed: int) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture
-def reg(catalog_url: str, root: Path) -> Iterator[Registry]:
-    with Registry.open(url=catalog_url, root=root, dedup=True) as registry:
+def reg(migrated_url: str, root: Path) -> Iterator[Registry]:
+    with Registry.open(url=migrated_url, root=root, dedup=True) as registry:
         yield registry
 
 

@@ -26,8 +26,8 @@ from tests.test_fsck import dead_claim, payload
 
 
 @pytest.fixture
-def s3reg(catalog_url: str, s3_root: str) -> Iterator[Registry]:
-    with Registry.open(url=catalog_url, root=s3_root) as registry:
+def s3reg(migrated_url: str, s3_root: str) -> Iterator[Registry]:
+    with Registry.open(url=migrated_url, root=s3_root) as registry:
         yield registry
 
 

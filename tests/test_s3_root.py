@@ -19,8 +19,8 @@ from tests import s3server
 
 
 @pytest.fixture
-def s3reg(catalog_url: str, s3_root: str) -> Iterator[Registry]:
-    with Registry.open(catalog_url, root=s3_root) as reg:
+def s3reg(migrated_url: str, s3_root: str) -> Iterator[Registry]:
+    with Registry.open(migrated_url, root=s3_root) as reg:
         yield reg
 
 

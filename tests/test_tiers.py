@@ -7,8 +7,7 @@ import json
 import shutil
 import signal
 import threading
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from registry.format.manifest import MANIFEST
 from registry.records import Status
 from tests import s3proxy, s3server
 from tests._tiers_worker import group_rank_load, in_child, load_latest, publish_three
-from tests.helpers import assert_state_equal, child_env, durable_keys, make_state, pg_schema_url
+from tests.helpers import assert_state_equal, child_env, durable_keys, make_state
 from tests.killharness import context
 
 
@@ -43,52 +42,6 @@ def damage_durable(reg: Registry, run: str, step: int) -> str:
     raw[-2] ^= 0xFF
     obstore.put(reg.tiers.durable.store, key, bytes(raw))
     return key
-
-
-class CatalogsAhead:
-    """PostgreSQL catalogs at head, each made on a thread while the test before it runs: the few dozen statements
-    of a migration take the server a few hundred milliseconds, and every test here opens a catalog of its own."""
-
-    def __init__(self) -> None:
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="catalogs-ahead")
-        self.next: Future[str] | None = None
-
-    def take(self, templates: Any, request: pytest.FixtureRequest) -> str:
-        database = request.getfixturevalue("pg_database")
-        made, self.next = self.next, None
-        if made is None:  # the first (or the one after a failure): made here, with the template
-            url = pg_schema_url(database)
-            templates.fill(url, request)
-        else:
-            url = made.result()
-
-        def make() -> str:
-            ahead = pg_schema_url(database)
-            templates._fill_postgresql(ahead, database)  # fill() less the request, which is not the thread's
-            return ahead
-        self.next = self.pool.submit(make)
-        return url
-
-    def close(self) -> None:
-        self.pool.shutdown(wait=True)
-
-
-@pytest.fixture(scope="module")
-def catalogs_ahead() -> Iterator[CatalogsAhead]:
-    ahead = CatalogsAhead()
-    yield ahead
-    ahead.close()
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def migrated_url(request: pytest.FixtureRequest, tmp_path: Path, catalog_templates: Any,
-                 catalogs_ahead: CatalogsAhead) -> str:
-    """The shared ``migrated_url``, a catalog at head of this test's own, with PostgreSQL's made ahead."""
-    if request.param == "sqlite":
-        url = f"sqlite:///{tmp_path / 'catalog.db'}"
-        catalog_templates.fill(url, request)
-        return url
-    return catalogs_ahead.take(catalog_templates, request)
 
 
 @pytest.fixture(scope="module", autouse=True)
