@@ -211,9 +211,12 @@ def shared_server(directory: Path) -> Server:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, even if this worker dies
         if state.exists():
             server = Server(endpoint=json.loads(state.read_text())["endpoint"])
-            if not _answers(server):
-                raise RuntimeError(f"the run's SeaweedFS at {server.endpoint} does not answer; its log: "
-                                   f"{directory / 'data' / 'weed.log'}")
+            deadline = time.monotonic() + 60  # a probe on a loaded machine can fail once: a bound, not a wait
+            while not _answers(server):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the run's SeaweedFS at {server.endpoint} does not answer; its log: "
+                                       f"{directory / 'data' / 'weed.log'}")
+                time.sleep(0.1)
             return server
         started = start(directory / "data")
         assert started.process is not None
