@@ -43,9 +43,6 @@ def run_ranks(module: str, world: int, spec_path: Path, *, deadline_s: float,
     the kill harness's forkserver, which imported torch once: a fresh interpreter
     spends seconds importing it, per rank and per group.
     """
-    import pytest
-
-    from tests.killharness import context
     port = free_port()
     env = {**child_env(), "OMP_NUM_THREADS": "1"}
     env.pop("REGISTRY_CRASH_AT", None)
@@ -58,24 +55,41 @@ def run_ranks(module: str, world: int, spec_path: Path, *, deadline_s: float,
             procs.append(subprocess.Popen([*(wrap or {})[r], sys.executable, "-m", module, *argv], cwd=REPO, env=env,
                                           stderr=subprocess.DEVNULL if quiet else None))
         else:
-            log = None if quiet else str(logs / f"rank{r}.log")
-            proc = context().Process(target=_forked_rank, args=(module, argv, env, log), daemon=True)
-            proc.start()
-            procs.append(proc)
+            procs.append(forked(module, argv, env, None if quiet else logs / f"rank{r}.log"))
+    try:
+        return exit_codes(procs, deadline_s=deadline_s, what=f"a {world}-rank group")
+    finally:
+        for log_path in sorted(logs.iterdir()):  # what the ranks wrote, into this test's captured stderr
+            sys.stderr.write(log_path.read_text(errors="replace"))
+
+
+def forked(module: str, argv: list[str], env: dict[str, str], log: Path | None, *, daemon: bool = True) -> Any:
+    """Start ``python -m module *argv`` with ``env``, forked from the kill harness's forkserver, which imported
+    torch, the registry, DCP and Lightning once (a fresh interpreter spends seconds on each, per process); its
+    output into ``log``. The process: ``exitcode`` (negative: the signal that ended it), ``join``, ``kill``."""
+    from tests.killharness import context
+    proc = context().Process(target=_forked_rank, args=(module, argv, env, None if log is None else str(log)),
+                             daemon=daemon)
+    proc.start()
+    return proc
+
+
+def exit_codes(procs: list[Any], *, deadline_s: float, what: str) -> list[int]:
+    """The exit codes of ``procs`` (``subprocess.Popen`` objects or forked processes); past ``deadline_s`` (a hang
+    detector for them all) the test fails and every one still running is killed."""
+    import pytest
     end = time.monotonic() + deadline_s
     codes: list[int] = []
     try:
         for p in procs:
             codes.append(_wait(p, max(1.0, end - time.monotonic())))
     except subprocess.TimeoutExpired:
-        pytest.fail(f"a {world}-rank group was still running after {deadline_s}s: a rank hung")
+        pytest.fail(f"{what} was still running after {deadline_s}s: a process hung")
     finally:
         for p in procs:
             if _running(p):
                 p.kill()
                 _wait(p, None)
-        for log_path in sorted(logs.iterdir()):  # what the ranks wrote, into this test's captured stderr
-            sys.stderr.write(log_path.read_text(errors="replace"))
     return codes
 
 
@@ -106,7 +120,8 @@ def _forked_rank(module: str, argv: list[str], env: dict[str, str], log: str | N
     os.dup2(out, 1)
     os.dup2(out, 2)
     random.seed()  # every child of the forkserver starts from its state; a fresh interpreter would not
-    torch.set_num_threads(int(env["OMP_NUM_THREADS"]))  # read when torch was imported, in the forkserver
+    if "OMP_NUM_THREADS" in env:
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))  # read when torch was imported, in the forkserver
     arm(env.get("REGISTRY_CRASH_AT"))  # likewise
     sys.argv = [module, *argv]
     runpy.run_module(module, run_name="__main__", alter_sys=True)

@@ -208,14 +208,15 @@ _CTX: Any = None
 
 def context() -> Any:
     """A forkserver that has imported torch and the registry once, for cheap workers (and the ranks of
-    ``tests.helpers.run_ranks``: DCP and FSDP take seconds more to import)."""
+    ``tests.helpers.run_ranks``: DCP and FSDP take seconds more to import; the Lightning trainers of
+    ``tests.helpers.forked``: Lightning takes five, torchmetrics and transformers with it, where installed)."""
     global _CTX
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
         _CTX.set_forkserver_preload(["torch", "registry.api", "registry.ops.fsck", "tests.killharness", "psycopg",
                                      "sqlalchemy.dialects.postgresql.psycopg", "sqlalchemy.dialects.sqlite",
                                      "torch.distributed.checkpoint", "torch.distributed.fsdp",
-                                     "registry.distributed.sharded"])
+                                     "registry.distributed.sharded", "lightning.pytorch"])
     return _CTX
 
 

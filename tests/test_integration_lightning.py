@@ -15,8 +15,7 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -25,27 +24,40 @@ import torch
 
 from registry import Registry
 from registry.errors import UnsafePickleError
-from tests.helpers import REPO, child_env, flip_stored_byte, free_port, stored_file
+from tests.helpers import child_env, exit_codes, flip_stored_byte, forked, free_port, stored_file
 
 pytest.importorskip("lightning")
 
-WORKER = str(REPO / "tests" / "_lightning_worker.py")
+MODULE = "tests._lightning_worker"
 
 
 def env() -> dict[str, str]:
     return {k: v for k, v in child_env().items() if not k.startswith("PL_")} | {"CUDA_VISIBLE_DEVICES": ""}
 
 
-def worker(root: Path | str, mode: str, *, url: str | None = None) -> tuple[int, dict[str, Any]]:
+def launch(args: list[str], envs: list[dict[str, str]], logs: Path) -> tuple[list[int], list[str]]:
+    """One ``tests/_lightning_worker.py ARGS`` process per environment of ``envs``, forked from the forkserver
+    that imported Lightning once (``tests.helpers.forked``); their exit codes and output."""
+    logs.mkdir(parents=True, exist_ok=True)
+    paths = [logs / f"worker-{time.monotonic_ns()}-{i}.log" for i in range(len(envs))]
+    procs = [forked(MODULE, args, environment, log, daemon=False) for environment, log in zip(envs, paths)]
+    codes = exit_codes(procs, deadline_s=300, what="a Lightning worker")
+    return codes, [p.read_text(errors="replace") if p.exists() else "" for p in paths]
+
+
+def json_lines(out: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in out.splitlines() if line.startswith('{"')]
+
+
+def worker(root: Path | str, mode: str, *, logs: Path, url: str | None = None) -> tuple[int, dict[str, Any]]:
     """Run the worker in ``mode``; its return code and first JSON line. Its publishes and resumes print no
     Lightning notice about ``weights_only`` (Lightning logs one per save unless the caller says it)."""
     extra = {"REGISTRY_URL": url} if url else {}
-    out = subprocess.run([sys.executable, WORKER, str(root), mode], capture_output=True, text=True,
-                         env=env() | extra, timeout=300)
-    docs = [json.loads(line) for line in out.stdout.splitlines() if line.startswith('{"')]
-    assert docs, out.stderr[-3000:]
-    assert "weights_only" not in out.stdout + out.stderr, out.stderr[-3000:]
-    return out.returncode, docs[0]
+    (code,), (out,) = launch([str(root), mode], [env() | extra], logs)
+    docs = json_lines(out)
+    assert docs, out[-3000:]
+    assert "weights_only" not in out, out[-3000:]
+    return code, docs[0]
 
 
 def steps(reg: Registry, run: str) -> list[int]:
@@ -65,7 +77,7 @@ def test_kill_resume_retention_and_corrupt_fallback(tmp_path: Path, s3_root: str
               {"name": "s3", "url": f"sqlite:///{tmp_path / 'catalog-s3.db'}", "root": s3_root, "durable": None}]
     spec = tmp_path / "places.json"
     spec.write_text(json.dumps(places))
-    code, first = worker(spec, "first")
+    code, first = worker(spec, "first", logs=tmp_path / "logs")
     assert code == -signal.SIGKILL  # killed mid-fit, right after the second epoch's publish on the last root
     full_live = {}
     for place in places:
@@ -83,7 +95,7 @@ def test_kill_resume_retention_and_corrupt_fallback(tmp_path: Path, s3_root: str
             flip_stored_byte(reg, reg.resolve("full@16"), "model.safetensors")
         place["full"] = full
 
-    code, again = worker(spec, "resume")
+    code, again = worker(spec, "resume", logs=tmp_path / "logs")
     assert code == 0
     for place in places:
         full, done = place["full"], again[place["name"]]
@@ -103,14 +115,11 @@ def test_ddp_rank_zero_publishes_and_every_rank_resumes_the_same_step(tmp_path: 
     root = tmp_path / "root"
     Registry.open(root=root).close()  # the catalog exists before two ranks open it
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, WORKER, str(root), "ddp"], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True,
-                              env=env() | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
-                                           "NODE_RANK": "0", "RANK": str(r), "LOCAL_RANK": str(r)})
-             for r in (0, 1)]
-    outs = [p.communicate(timeout=300) for p in procs]
-    docs = [json.loads(next(line for line in out.splitlines() if line.startswith('{"'))) for out, _ in outs]
-    assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
+    codes, outs = launch([str(root), "ddp"], [env() | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                                                        "WORLD_SIZE": "2", "NODE_RANK": "0", "RANK": str(r),
+                                                        "LOCAL_RANK": str(r)} for r in (0, 1)], tmp_path / "logs")
+    assert codes == [0, 0], outs[0][-2000:] + outs[1][-2000:]
+    docs = [json_lines(out)[0] for out in outs]
     assert [d["again"]["rank"] for d in docs] == [0, 1]
     assert [d["again"]["resumed_at"] for d in docs] == [4, 4]  # both ranks restored the newest step
     with Registry.open(root=root) as reg:

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -26,7 +24,7 @@ import torch
 
 from registry import Registry
 from tests._dcp_loop_worker import fingerprint
-from tests.helpers import REPO, flip_stored_byte, free_port, pg_schema_url, run_ranks, stored_file
+from tests.helpers import flip_stored_byte, free_port, pg_schema_url, run_ranks, stored_file
 
 pytestmark = pytest.mark.distributed
 
@@ -103,24 +101,18 @@ def test_a_dcp_loop_killed_mid_run_resumes_from_latest_bit_exactly(loop_case: tu
         assert fingerprint(state) == first[0]["ref"]["fp"]
 
 
-LIGHTNING = str(REPO / "tests" / "_lightning_worker.py")
-
-
 def lightning(tmp_path: Path, places: list[dict[str, Any]], mode: str) -> tuple[list[int], list[dict[str, Any]],
                                                                                 str]:
-    """Two ranks of ``tests/_lightning_worker.py`` in ``mode`` on each of ``places`` in turn (one process a rank:
-    Lightning's import is most of a short fit's time)."""
-    from tests.test_integration_lightning import env
+    """Two ranks of ``tests/_lightning_worker.py`` in ``mode`` on each of ``places`` in turn (one process a rank,
+    forked from a server that imported Lightning once: its import is most of a short fit's time)."""
+    from tests.test_integration_lightning import env, json_lines, launch
     spec = tmp_path / "places.json"
     spec.write_text(json.dumps(places))
     port = free_port()
     extra = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2", "NODE_RANK": "0"}
-    procs = [subprocess.Popen([sys.executable, LIGHTNING, str(spec), mode], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True,
-                              env=env() | extra | {"RANK": str(r), "LOCAL_RANK": str(r)}) for r in (0, 1)]
-    outs = [p.communicate(timeout=300) for p in procs]
-    docs = [json.loads(line) for out, _ in outs for line in out.splitlines()[:50] if line.startswith('{"')]
-    return [p.returncode for p in procs], docs, outs[0][1][-2000:] + outs[1][1][-2000:]
+    codes, outs = launch([str(spec), mode], [env() | extra | {"RANK": str(r), "LOCAL_RANK": str(r)} for r in (0, 1)],
+                         tmp_path / "logs")
+    return codes, [doc for out in outs for doc in json_lines(out)], outs[0][-2000:] + outs[1][-2000:]
 
 
 def test_lightning_fsdp_publishes_every_shard_and_resumes_from_latest(tmp_path: Path, s3_root: str) -> None:
