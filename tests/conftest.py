@@ -263,6 +263,7 @@ class CatalogTemplates:
         self.postgresql: list[tuple[str, Any, bool]] | None = None
         self._template_schema: str | None = None
         self._shape: tuple[Any, ...] | None = None
+        self._head: Any = None  # the template's alembic_version
         self._tables: list[str] = []
         self._seeded: list[str] = []
         self._sequences: list[str] = []
@@ -348,6 +349,7 @@ class CatalogTemplates:
                 conn.execute(f'DROP SCHEMA "{schema}"')
                 conn.execute(f'ALTER SCHEMA "{kept}" RENAME TO "{schema}"')
         except psycopg.Error:
+            self._emptied.append(kept)  # still emptied: for the next test
             return False
         return True
 
@@ -365,8 +367,7 @@ class CatalogTemplates:
                     return
                 if self._shape is None:
                     self._learn(conn)
-                if (conn.execute(_SHAPE, (schema,)).fetchone() != self._shape
-                        or _version(conn, schema) != _version(conn, self._template_schema)):
+                if conn.execute(_SHAPE, (schema,)).fetchone() != self._shape or _version(conn, schema) != self._head:
                     return
                 conn.execute("SET LOCAL session_replication_role = replica")  # no foreign-key order to follow
                 conn.execute("; ".join([*(f'DELETE FROM "{schema}"."{t}"' for t in self._tables),
@@ -380,9 +381,10 @@ class CatalogTemplates:
         self._emptied.append(kept)
 
     def _learn(self, conn: Any) -> None:
-        """The template's shape, tables, sequences and the tables it has rows in."""
+        """The template's shape, migration, tables, sequences and the tables it has rows in."""
         template = self._template_schema
         self._shape = conn.execute(_SHAPE, (template,)).fetchone()
+        self._head = _version(conn, template)
         self._tables = [t for (t,) in conn.execute("SELECT tablename FROM pg_tables WHERE schemaname = %s "
                                                     "ORDER BY tablename", (template,))]
         self._sequences = [s for (s,) in conn.execute("SELECT sequencename FROM pg_sequences WHERE schemaname = %s "

@@ -46,7 +46,7 @@ def one_error_line(result, status: int = 1) -> str:  # type: ignore[no-untyped-d
 # ---------------------------------------------------------------------- retention by an unknown metric
 
 
-@pytest.mark.usefixtures("migrated_url")  # opened at once: start it at head
+@pytest.mark.usefixtures("migrated_url")
 def test_keep_best_typo_is_refused_naming_the_known_metrics(populated, catalog_url: str, root: Path) -> None:
     before = files_under(root)
     with Registry.open(url=catalog_url, root=root) as reg:
@@ -64,7 +64,7 @@ def test_keep_best_typo_is_refused_naming_the_known_metrics(populated, catalog_u
     assert files_under(root) == before
 
 
-@pytest.mark.usefixtures("migrated_url")  # opened at once: start it at head
+@pytest.mark.usefixtures("migrated_url")
 def test_keep_best_missing_metric_when_intended(populated, catalog_url: str, root: Path) -> None:
     with Registry.open(url=catalog_url, root=root) as reg:
         assert list(reg.plan_retention("alpha", KeepBest(1, "nope", missing_ok=True) | KeepLast(1)).keep) == [400]
@@ -79,7 +79,7 @@ def test_keep_best_missing_metric_when_intended(populated, catalog_url: str, roo
             KeepBest(1, "x", missing_ok="yes")  # type: ignore[arg-type]
 
 
-@pytest.mark.usefixtures("migrated_url")  # opened at once: start it at head
+@pytest.mark.usefixtures("migrated_url")
 def test_keep_policy_versions_on_a_run_that_records_none(populated, catalog_url: str, root: Path) -> None:
     with Registry.open(url=catalog_url, root=root) as reg:
         for policy in (KeepPolicyVersions(2) | KeepLast(1), KeepPolicyVersions(versions=[3])):
@@ -89,7 +89,7 @@ def test_keep_policy_versions_on_a_run_that_records_none(populated, catalog_url:
     assert live(catalog_url, root) == {s: "verified" for s in (100, 200, 300, 400)}
 
 
-@pytest.mark.usefixtures("migrated_url")  # opened at once: start it at head
+@pytest.mark.usefixtures("migrated_url")
 def test_publish_retention_with_a_typo_deletes_nothing(catalog_url: str, root: Path) -> None:
     with Registry.open(url=catalog_url, root=root) as reg:
         for step in (10, 20, 30):
@@ -105,7 +105,7 @@ def test_publish_retention_with_a_typo_deletes_nothing(catalog_url: str, root: P
     assert sorted(p.name for p in (root / "run").iterdir()) == [f"step-{s:08d}" for s in (10, 20, 30, 40)]
 
 
-@pytest.mark.usefixtures("migrated_url")  # opened at once: start it at head
+@pytest.mark.usefixtures("migrated_url")
 def test_gc_keep_best_typo_exits_2(cli, populated, catalog_url: str, root: Path,  # type: ignore[no-untyped-def]
                                    tmp_path: Path) -> None:
     before = files_under(root)
@@ -220,7 +220,7 @@ def test_tag_by_ref_and_by_run_step(cli, populated, catalog_url: str, root: Path
         assert {i.step: i.tags for i in reg.checkpoints("alpha")}[300] == ("release",)
 
 
-@pytest.mark.usefixtures("migrated_url")  # opened at once: start it at head
+@pytest.mark.usefixtures("migrated_url")
 def test_show_deleted_and_failed_steps(cli, populated, catalog_url: str, root: Path,  # type: ignore[no-untyped-def]
                                        monkeypatch: pytest.MonkeyPatch) -> None:
     assert cli("gc", "alpha", "--keep-last", "1").exit_code == 0

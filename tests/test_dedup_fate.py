@@ -72,7 +72,7 @@ def disk_bytes(root: Path) -> int:
     return sum(seen.values())
 
 
-@pytest.mark.usefixtures("migrated_url")  # opened at once: start it at head
+@pytest.mark.usefixtures("migrated_url")
 def test_identical_configs_across_steps_and_runs_never_share_one_fate(catalog_url: str, root: Path) -> None:
     """The issue's case: every step has the same config.json. One flipped byte of it takes one step, not
     the run, and never another run."""
@@ -88,7 +88,7 @@ def test_identical_configs_across_steps_and_runs_never_share_one_fate(catalog_ur
             assert [r.status for r in reg.verify(f"{a}@2", f"{a}@1", b)] == ["verified"] * 5
 
 
-@pytest.mark.usefixtures("migrated_url")  # opened at once: start it at head
+@pytest.mark.usefixtures("migrated_url")
 @pytest.mark.parametrize("threshold", [dedup.MIN_LINK_BYTES, 1])
 def test_one_bad_inode_anywhere_never_takes_a_runs_fallback(catalog_url: str, root: Path, threshold: int,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
@@ -137,7 +137,7 @@ def _restore(path: Path, original: bytes) -> None:
         f.write(original)
 
 
-@pytest.mark.usefixtures("migrated_url")  # opened at once: start it at head
+@pytest.mark.usefixtures("migrated_url")
 def test_dedup_is_off_by_default(catalog_url: str, root: Path) -> None:
     with Registry.open(url=catalog_url, root=root) as reg:
         for step in (1, 2, 3):
@@ -155,7 +155,7 @@ def test_dedup_is_off_by_default(catalog_url: str, root: Path) -> None:
         assert os.stat(five).st_nlink == 1
 
 
-@pytest.mark.usefixtures("migrated_url")  # opened at once: start it at head
+@pytest.mark.usefixtures("migrated_url")
 def test_max_bytes_counts_a_frozen_shard_once(catalog_url: str, root: Path) -> None:
     """Five steps over a frozen 1 MiB base: the budget of what the disk holds deletes nothing; one byte
     less deletes only the oldest step, and the bytes reported freed are the bytes the disk got back."""
@@ -175,7 +175,7 @@ def test_max_bytes_counts_a_frozen_shard_once(catalog_url: str, root: Path) -> N
         assert result.deleted == (1,) and result.bytes_freed == private == total - disk_bytes(root)
 
 
-@pytest.mark.usefixtures("migrated_url")  # opened at once: start it at head
+@pytest.mark.usefixtures("migrated_url")
 def test_retention_deleting_the_second_newest_leaves_the_newest_two_independent(catalog_url: str,
                                                                                 root: Path) -> None:
     with Registry.open(url=catalog_url, root=root, dedup=True) as reg:
@@ -192,7 +192,7 @@ def test_retention_deleting_the_second_newest_leaves_the_newest_two_independent(
             assert_state_equal(reg.load(f"run@{step}").state_dict, states[step])
 
 
-@pytest.mark.usefixtures("migrated_url")  # opened at once: start it at head
+@pytest.mark.usefixtures("migrated_url")
 def test_an_overwrite_that_leaves_the_chain_keeps_the_newest_two_independent(catalog_url: str,
                                                                             root: Path) -> None:
     with Registry.open(url=catalog_url, root=root, dedup=True) as reg:
@@ -208,7 +208,7 @@ def _gc_killed(url: str, root: str) -> None:
         reg.apply_retention("run", KeepTagged("keep"))
 
 
-@pytest.mark.usefixtures("migrated_url")  # opened at once: start it at head
+@pytest.mark.usefixtures("migrated_url")
 @pytest.mark.both_backends
 def test_kill_while_unsharing_leaves_every_step_whole(catalog_url: str, root: Path) -> None:
     with Registry.open(url=catalog_url, root=root, dedup=True) as reg:
@@ -227,7 +227,7 @@ def test_kill_while_unsharing_leaves_every_step_whole(catalog_url: str, root: Pa
         assert [r.status for r in reg.verify("run")] == ["verified", "verified"]
 
 
-@pytest.mark.usefixtures("migrated_url")  # opened at once: start it at head
+@pytest.mark.usefixtures("migrated_url")
 def test_identical_files_is_bounded_per_digest(catalog_url: str, root: Path) -> None:
     with Registry.open(url=catalog_url, root=root) as reg:
         for step in range(1, 13):
@@ -247,7 +247,7 @@ class _Only(Policy):
         return {s: "kept" for s in self.steps}
 
 
-@pytest.mark.usefixtures("migrated_url")  # opened at once: start it at head
+@pytest.mark.usefixtures("migrated_url")
 def test_shared_bytes_count_only_what_kept_steps_hold(catalog_url: str, root: Path, tmp_path: Path) -> None:
     """Two doomed steps linking only each other free their file; a name outside the steps (a checkout's
     link) is not a step sharing it."""
@@ -268,7 +268,7 @@ def test_shared_bytes_count_only_what_kept_steps_hold(catalog_url: str, root: Pa
         assert step_view(reg, "run@4").shared_bytes == next(four.glob("model-00001-*")).stat().st_size
 
 
-@pytest.mark.usefixtures("migrated_url")  # opened at once: start it at head
+@pytest.mark.usefixtures("migrated_url")
 def test_a_failed_rename_of_a_link_fails_the_publish_and_leaves_nothing(catalog_url: str, root: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     with Registry.open(url=catalog_url, root=root, dedup=True) as reg:
@@ -290,7 +290,7 @@ def test_a_failed_rename_of_a_link_fails_the_publish_and_leaves_nothing(catalog_
         assert reg.fsck(checksums=True).clean
 
 
-@pytest.mark.usefixtures("migrated_url")  # opened at once: start it at head
+@pytest.mark.usefixtures("migrated_url")
 def test_a_copy_that_cannot_be_made_keeps_the_step_instead(catalog_url: str, root: Path,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """A full disk while gc would give step 3 its own copy: step 2, the fallback's independent copy, stays."""

@@ -46,7 +46,7 @@ def after(original: Callable[..., Any], then: Callable[[], None]) -> Callable[..
     return wrapper
 
 
-@pytest.mark.usefixtures("migrated_url")  # opened at once: start it at head
+@pytest.mark.usefixtures("migrated_url")
 def test_repair_keeps_a_step_republished_after_the_snapshot(catalog_url: str, root: Path,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """A deleted step re-published (verified) after fsck's snapshot is not removed as an unfinished deletion."""
@@ -71,7 +71,7 @@ def test_repair_keeps_a_step_republished_after_the_snapshot(catalog_url: str, ro
         assert reg.fsck(checksums=True).clean
 
 
-@pytest.mark.usefixtures("migrated_url")  # opened at once: start it at head
+@pytest.mark.usefixtures("migrated_url")
 def test_repair_puts_back_a_payload_installed_after_the_row_was_read_again(catalog_url: str, root: Path,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """The re-publish lands after fsck re-read the deleted row: gc's digest check keeps the new payload."""
@@ -100,7 +100,7 @@ def test_repair_puts_back_a_payload_installed_after_the_row_was_read_again(catal
         assert reg.fsck(checksums=True).clean
 
 
-@pytest.mark.usefixtures("migrated_url")  # opened at once: start it at head
+@pytest.mark.usefixtures("migrated_url")
 def test_repair_does_not_condemn_a_step_published_after_the_scan(catalog_url: str, root: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """A publish that commits between fsck's disk scan and its catalog read is not a missing payload."""
@@ -120,7 +120,7 @@ def test_repair_does_not_condemn_a_step_published_after_the_scan(catalog_url: st
         assert_state_equal(reg.load("run@2", verify=True).state_dict, make_state(2))
 
 
-@pytest.mark.usefixtures("migrated_url")  # opened at once: start it at head
+@pytest.mark.usefixtures("migrated_url")
 def test_overwrite_while_fsck_hashes_a_step_is_not_damage(catalog_url: str, root: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """An overwrite lands between fsck's manifest read and its re-hash: no verdict on either payload."""
@@ -146,7 +146,7 @@ def test_overwrite_while_fsck_hashes_a_step_is_not_damage(catalog_url: str, root
         assert_state_equal(reg.load("run@1", verify=True).state_dict, make_state(9))
 
 
-@pytest.mark.usefixtures("migrated_url")  # opened at once: start it at head
+@pytest.mark.usefixtures("migrated_url")
 @pytest.mark.parametrize("checksums", [False, True])
 def test_gc_removing_a_step_fsck_is_checking(catalog_url: str, root: Path, monkeypatch: pytest.MonkeyPatch,
                                             checksums: bool) -> None:
@@ -177,7 +177,7 @@ def test_gc_removing_a_step_fsck_is_checking(catalog_url: str, root: Path, monke
         assert kinds(reg.fsck(checksums=True)) == [("run", 4, "corrupt-step")]
 
 
-@pytest.mark.usefixtures("migrated_url")  # opened at once: start it at head
+@pytest.mark.usefixtures("migrated_url")
 def test_stray_step_beyond_the_catalog_range_is_reported_and_the_rest_repaired(catalog_url: str,
                                                                               root: Path) -> None:
     with Registry.open(url=catalog_url, root=root) as reg:
@@ -193,7 +193,7 @@ def test_stray_step_beyond_the_catalog_range_is_reported_and_the_rest_repaired(c
         assert huge.is_dir() and reg.catalog.get("run", 0) is None  # reported, never touched
 
 
-@pytest.mark.usefixtures("migrated_url")  # opened at once: start it at head
+@pytest.mark.usefixtures("migrated_url")
 def test_a_repair_the_catalog_refuses_is_reported_and_the_rest_still_run(catalog_url: str, root: Path) -> None:
     """A stray checkpoint whose manifest holds a 65-bit optimizer_step: SQLite and PostgreSQL refuse the row."""
     with Registry.open(url=catalog_url, root=root) as reg:
@@ -212,7 +212,7 @@ def test_a_repair_the_catalog_refuses_is_reported_and_the_rest_still_run(catalog
         assert bad.is_dir() and reg.catalog.get("a", 1) is None
 
 
-@pytest.mark.usefixtures("migrated_url")  # opened at once: start it at head
+@pytest.mark.usefixtures("migrated_url")
 def test_corrupt_steps_are_listed_with_what_to_do(catalog_url: str, root: Path) -> None:
     with Registry.open(url=catalog_url, root=root) as reg:
         reg.publish("run", 1, make_state(1))
@@ -272,7 +272,7 @@ def test_fsck_refuses_a_root_that_vanished_and_marks_nothing(reg: Registry) -> N
     assert not any(e.kind not in ("publish",) for e in reg.events("run"))
 
 
-@pytest.mark.usefixtures("migrated_url")  # opened at once: start it at head
+@pytest.mark.usefixtures("migrated_url")
 def test_gc_removing_a_step_between_its_hash_and_its_manifest_stat(catalog_url: str, root: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """The last look at a payload finds its manifest gone: the step moved, it is not damaged."""
@@ -298,7 +298,7 @@ def test_gc_removing_a_step_between_its_hash_and_its_manifest_stat(catalog_url: 
             "deleted", "verified", "verified", "verified"]
 
 
-@pytest.mark.usefixtures("migrated_url")  # opened at once: start it at head
+@pytest.mark.usefixtures("migrated_url")
 @pytest.mark.parametrize("when", ["before-scan", "after-snapshot"])
 def test_a_root_unmounted_while_fsck_runs_condemns_nothing(catalog_url: str, root: Path, tmp_path: Path,
                                                            monkeypatch: pytest.MonkeyPatch, when: str) -> None:
@@ -332,7 +332,7 @@ def test_a_root_unmounted_while_fsck_runs_condemns_nothing(catalog_url: str, roo
         assert not reg.fsck(checksums=True).problems
 
 
-@pytest.mark.usefixtures("migrated_url")  # opened at once: start it at head
+@pytest.mark.usefixtures("migrated_url")
 def test_a_deleted_step_republished_before_fsck_finishes_its_deletion(catalog_url: str, root: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """Between fsck's verdict on an unfinished deletion and its repair, a trainer publishes the step again:

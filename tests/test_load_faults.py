@@ -128,7 +128,7 @@ def test_a_missing_step_directory_fails_the_load_and_leaves_the_verdict_to_fsck(
 # --------------------------------------------------------------------------- races with a writer
 
 
-@pytest.mark.usefixtures("migrated_url")  # opened at once: start it at head
+@pytest.mark.usefixtures("migrated_url")
 def test_overwrite_between_resolve_and_read_loads_the_new_payload(catalog_url: str, root: Path) -> None:
     with Registry.open(url=catalog_url, root=root) as reader, Registry.open(url=catalog_url, root=root) as writer:
         writer.publish("run", 5, make_state(1))
@@ -173,7 +173,7 @@ def test_a_step_deleted_between_resolve_and_lease_is_resolved_again(reg: Registr
     assert statuses(reg) == {1: "verified", 2: "deleted"} and corrupt_events(reg) == []
 
 
-@pytest.mark.usefixtures("migrated_url")  # opened at once: start it at head
+@pytest.mark.usefixtures("migrated_url")
 def test_corrupt_verdict_is_compare_and_set_on_the_digest_read(catalog_url: str, root: Path) -> None:
     """The reader finds real damage, but a writer replaces the step just before the verdict is written."""
     with Registry.open(url=catalog_url, root=root) as reader, Registry.open(url=catalog_url, root=root) as writer:
@@ -196,7 +196,7 @@ def test_corrupt_verdict_is_compare_and_set_on_the_digest_read(catalog_url: str,
         assert corrupt_events(reader) == []
 
 
-@pytest.mark.usefixtures("migrated_url")  # opened at once: start it at head
+@pytest.mark.usefixtures("migrated_url")
 @pytest.mark.both_backends
 def test_two_readers_condemning_the_same_payload_both_fall_back(catalog_url: str, root: Path) -> None:
     with Registry.open(url=catalog_url, root=root) as first, Registry.open(url=catalog_url, root=root) as second:
@@ -258,7 +258,7 @@ def test_a_fallback_record_spans_every_step_skipped(reg: Registry) -> None:
 # --------------------------------------------------------------------------- explicit resumption
 
 
-@pytest.mark.usefixtures("migrated_url")  # opened at once: start it at head
+@pytest.mark.usefixtures("migrated_url")
 def test_loading_a_reference_step_does_not_resume_from_it(catalog_url: str, root: Path) -> None:
     with Registry.open(url=catalog_url, root=root) as dead:
         for step, loss in ((100, 4.0), (200, 3.0), (300, 1.0), (400, 2.0)):
@@ -273,7 +273,7 @@ def test_loading_a_reference_step_does_not_resume_from_it(catalog_url: str, root
         assert resumes == [400]
 
 
-@pytest.mark.usefixtures("migrated_url")  # opened at once: start it at head
+@pytest.mark.usefixtures("migrated_url")
 def test_resume_can_be_forced_or_refused(catalog_url: str, root: Path) -> None:
     with Registry.open(url=catalog_url, root=root) as dead:
         for step, loss in ((100, 4.0), (200, 1.0), (300, 2.0)):
@@ -398,7 +398,7 @@ def run_group(world: int, spec: dict[str, Any]) -> list[dict[str, Any]]:
     return [json.loads((Path(spec["out"]) / f"rank{r}.json").read_text()) for r in range(world)]
 
 
-@pytest.mark.usefixtures("migrated_url")  # opened at once: start it at head
+@pytest.mark.usefixtures("migrated_url")
 @pytest.mark.distributed
 def test_rank_zero_shares_the_local_read_path(catalog_url: str, root: Path, tmp_path: Path) -> None:
     with Registry.open(url=catalog_url, root=root) as reg:

@@ -33,7 +33,7 @@ def current(reg: Registry, key: str | None = None) -> dict[tuple[int, str], floa
     return {(p.step, p.key): p.value for p in reg.metrics("run", key)}
 
 
-@pytest.mark.usefixtures("migrated_url")  # opened at once: start it at head
+@pytest.mark.usefixtures("migrated_url")
 def test_crash_leaves_no_metrics_for_an_unpublished_step(catalog_url: str, root: Path) -> None:
     child = run_child(catalog_url, root, """
         reg.log_metrics("run", 5, {"train/loss": 5.0})
@@ -105,7 +105,7 @@ def test_numeric_scalars_are_accepted(reg: Registry) -> None:
     assert current(reg) == {(1, "a"): 0.5, (1, "b"): 3.0, (1, "c"): 0.25, (1, "d"): 0.25, (1, "e"): 7.0}
 
 
-@pytest.mark.usefixtures("migrated_url")  # opened at once: start it at head
+@pytest.mark.usefixtures("migrated_url")
 def test_resume_supersedes_the_dead_attempts_later_points(catalog_url: str, root: Path) -> None:
     dead = Registry.open(url=catalog_url, root=root)
     for step, loss in ((10, 3.0), (20, 2.0), (30, 0.5)):
@@ -169,7 +169,7 @@ def test_overwrite_supersedes_other_attempts_scores_of_the_old_weights(reg: Regi
     assert reg.resolve("run@10").metrics == {"train/loss": 2.0}
 
 
-@pytest.mark.usefixtures("migrated_url")  # opened at once: start it at head
+@pytest.mark.usefixtures("migrated_url")
 def test_racing_writers_leave_one_current_point(catalog_url: str, root: Path) -> None:
     """Two processes' worth of writers (own Registry, own connections) log the same (step, key) at once."""
     import threading

@@ -302,7 +302,7 @@ def test_bad_policies_are_clear_errors(reg: Registry) -> None:
     assert live(reg, "run") == [10, 20]
 
 
-@pytest.mark.usefixtures("migrated_url")  # opened at once: start it at head
+@pytest.mark.usefixtures("migrated_url")
 def test_reader_resolves_again_when_gc_wins_the_race(catalog_url: str, root: Path) -> None:
     """A reader resolves @latest, a publish moves latest and gc deletes the old step before the
     reader takes its lease: the reader must load the new step, not a directory being deleted."""
@@ -400,7 +400,7 @@ def wait_for_lock_waiter(reg: Registry, deadline: float = 120.0) -> None:
     raise AssertionError("no backend ever waited on the lock")
 
 
-@pytest.mark.usefixtures("migrated_url")  # opened at once: start it at head
+@pytest.mark.usefixtures("migrated_url")
 def test_lease_taken_while_gc_marks_gets_refused(catalog_url: str, root: Path) -> None:
     """gc holds its marking transaction open; a reader asks for a lease meanwhile: the reader
     waits (PostgreSQL row lock, SQLite write lock) and then gets None, never a lease on a doomed step."""
@@ -455,7 +455,7 @@ def test_gc_waits_for_a_lease_being_taken_on_postgresql(pg_database: str, tmp_pa
         assert status(reg, "run", 20) == "verified"
 
 
-@pytest.mark.usefixtures("migrated_url")  # opened at once: start it at head
+@pytest.mark.usefixtures("migrated_url")
 def test_a_step_republished_while_gc_removes_it_survives(catalog_url: str, root: Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """A ``deleted`` row may be claimed again. If a trainer re-publishes the step between gc's mark
@@ -553,7 +553,7 @@ def test_retention_and_fsck_do_not_import_the_facade() -> None:
         assert "registry.api" not in imported, module
 
 
-@pytest.mark.usefixtures("migrated_url")  # opened at once: start it at head
+@pytest.mark.usefixtures("migrated_url")
 def test_gc_finishes_a_deletion_interrupted_after_the_retire_and_says_so(catalog_url: str, root: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """A gc stopped between hiding a payload and removing it leaves a ``.retired-`` copy; the next gc

@@ -33,7 +33,7 @@ def statuses(catalog_url: str, root: Path, run: str = "alpha") -> dict[int, str]
         return {i.step: i.status for i in reg.checkpoints(run, include_deleted=True)}
 
 
-@pytest.mark.usefixtures("migrated_url")  # opened at once: start it at head
+@pytest.mark.usefixtures("migrated_url")
 def test_gc_dry_run_table_and_json(cli, populated, catalog_url: str, root: Path) -> None:  # type: ignore[no-untyped-def]
     result = cli("gc", "alpha", "--keep-last", "1", "--keep-best", "eval/loss=1", "--dry-run")
     assert result.exit_code == 0, result.output
@@ -54,7 +54,7 @@ def test_gc_dry_run_table_and_json(cli, populated, catalog_url: str, root: Path)
     assert set(statuses(catalog_url, root).values()) == {"verified"}
 
 
-@pytest.mark.usefixtures("migrated_url")  # opened at once: start it at head
+@pytest.mark.usefixtures("migrated_url")
 def test_gc_executes_with_a_policy_file(cli, populated, catalog_url: str, root: Path,  # type: ignore[no-untyped-def]
                                         tmp_path: Path) -> None:
     policy_file = tmp_path / "keep.py"
@@ -83,7 +83,7 @@ def test_gc_byte_budget(cli, populated, catalog_url: str, root: Path) -> None:  
     assert doc["bytes_kept"] == budget
 
 
-@pytest.mark.usefixtures("migrated_url")  # opened at once: start it at head
+@pytest.mark.usefixtures("migrated_url")
 def test_gc_errors(cli, populated, tmp_path: Path, catalog_url: str, root: Path) -> None:  # type: ignore[no-untyped-def]
     no_policy = tmp_path / "none.py"
     no_policy.write_text("keep = 3\n")
@@ -143,7 +143,7 @@ def test_scripts_are_runnable() -> None:
         assert result.returncode == 0 and "usage:" in result.stdout, result.stderr
 
 
-@pytest.mark.usefixtures("migrated_url")  # opened at once: start it at head
+@pytest.mark.usefixtures("migrated_url")
 def test_cron_script_across_runs(populated, catalog_url: str, root: Path,  # type: ignore[no-untyped-def]
                                  capsys: pytest.CaptureFixture[str]) -> None:
     cron = load_script("retention_cron.py")

@@ -72,7 +72,7 @@ def private(tmp_path: Path, s3_env: s3server.Server, monkeypatch: pytest.MonkeyP
         server.kill()
 
 
-@pytest.mark.usefixtures("migrated_url")  # opened at once: start it at head
+@pytest.mark.usefixtures("migrated_url")
 def test_server_killed_mid_upload(catalog_url: str, private: Private) -> None:
     bucket = s3server.new_bucket(private.server)
     with s3proxy.running(private.endpoint) as proxy:
@@ -113,7 +113,7 @@ def test_server_killed_mid_upload(catalog_url: str, private: Private) -> None:
             repaired_clean(reg)
 
 
-@pytest.mark.usefixtures("migrated_url")  # opened at once: start it at head
+@pytest.mark.usefixtures("migrated_url")
 def test_slow_down_storm(catalog_url: str, s3_env: s3server.Server) -> None:
     bucket = s3server.new_bucket(s3_env)
     with s3proxy.running(s3_env.endpoint) as proxy:
@@ -146,7 +146,7 @@ def test_slow_down_storm(catalog_url: str, s3_env: s3server.Server) -> None:
             repaired_clean(reg)
 
 
-@pytest.mark.usefixtures("migrated_url")  # opened at once: start it at head
+@pytest.mark.usefixtures("migrated_url")
 def test_credentials_refused_after_open(catalog_url: str, s3_env: s3server.Server) -> None:
     bucket = s3server.new_bucket(s3_env)
     with s3proxy.running(s3_env.endpoint) as proxy:
@@ -171,7 +171,7 @@ def test_credentials_refused_after_open(catalog_url: str, s3_env: s3server.Serve
             repaired_clean(reg)
 
 
-@pytest.mark.usefixtures("migrated_url")  # opened at once: start it at head
+@pytest.mark.usefixtures("migrated_url")
 @pytest.mark.parametrize("size", ["small", "multipart"])
 def test_a_byte_changed_on_the_wire_is_refused_not_published(catalog_url: str, s3_env: s3server.Server,
                                                              size: str) -> None:
@@ -197,7 +197,7 @@ def test_a_byte_changed_on_the_wire_is_refused_not_published(catalog_url: str, s
             repaired_clean(reg)
 
 
-@pytest.mark.usefixtures("migrated_url")  # opened at once: start it at head
+@pytest.mark.usefixtures("migrated_url")
 def test_without_body_checksums_a_changed_byte_is_stored_and_verify_finds_it(catalog_url: str,
                                                                             s3_env: s3server.Server) -> None:
     """What the checksum header guards against: the server stores what it got, signed or not."""
@@ -210,7 +210,7 @@ def test_without_body_checksums_a_changed_byte_is_stored_and_verify_finds_it(cat
             assert [r.status for r in reg.verify("run")] == [Status.CORRUPT]
 
 
-@pytest.mark.usefixtures("migrated_url")  # opened at once: start it at head
+@pytest.mark.usefixtures("migrated_url")
 def test_bucket_gone_after_open(catalog_url: str, s3_env: s3server.Server) -> None:
     """fsck, verify and load never take a missing bucket for missing steps. (SeaweedFS makes a bucket on
     the first PUT, so a publish here would recreate it; on AWS that PUT fails NoSuchBucket.)"""
@@ -230,7 +230,7 @@ def test_bucket_gone_after_open(catalog_url: str, s3_env: s3server.Server) -> No
         assert [reg.catalog.get("run", s).status for s in (1, 2)] == [Status.VERIFIED, Status.VERIFIED]
 
 
-@pytest.mark.usefixtures("migrated_url")  # opened at once: start it at head
+@pytest.mark.usefixtures("migrated_url")
 def test_server_down_under_gc_and_verify(catalog_url: str, private: Private) -> None:
     bucket = s3server.new_bucket(private.server)
     with Registry.open(catalog_url, root=f"s3://{bucket}/ckpt", storage_options=FAST) as reg:

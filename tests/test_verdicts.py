@@ -46,7 +46,7 @@ def durable_rows(reg: Registry, run: str, step: int) -> list[str]:
 # --------------------------------------------------------------------------- an s3:// root
 
 
-@pytest.mark.usefixtures("migrated_url")  # opened at once: start it at head
+@pytest.mark.usefixtures("migrated_url")
 def test_a_byte_damaged_on_the_wire_is_read_again_and_the_step_stands(catalog_url: str,
                                                                       s3_env: s3server.Server) -> None:
     with proxied(s3_env) as (proxy, root, options), \
@@ -68,7 +68,7 @@ def test_a_byte_damaged_on_the_wire_is_read_again_and_the_step_stands(catalog_ur
         assert proxy.flip_get_suffix == ""
 
 
-@pytest.mark.usefixtures("migrated_url")  # opened at once: start it at head
+@pytest.mark.usefixtures("migrated_url")
 def test_bytes_changed_in_the_bucket_still_condemn_the_step(catalog_url: str, s3_env: s3server.Server) -> None:
     with proxied(s3_env) as (_, root, options), Registry.open(catalog_url, root=root, storage_options=options) as reg:
         for step in (1, 2):
@@ -83,7 +83,7 @@ def test_bytes_changed_in_the_bucket_still_condemn_the_step(catalog_url: str, s3
 # --------------------------------------------------------------------------- a tiered root
 
 
-@pytest.mark.usefixtures("migrated_url")  # opened at once: start it at head
+@pytest.mark.usefixtures("migrated_url")
 @pytest.mark.parametrize("damage", ["wire", "stored"])
 def test_a_durable_copy_read_on_a_host_with_no_fast_copy(catalog_url: str, s3_env: s3server.Server, tmp_path: Path,
                                                         damage: str) -> None:
@@ -113,7 +113,7 @@ def test_a_durable_copy_read_on_a_host_with_no_fast_copy(catalog_url: str, s3_en
             assert b.catalog.get("run", 2).status == Status.VERIFIED  # type: ignore[union-attr]
 
 
-@pytest.mark.usefixtures("migrated_url")  # opened at once: start it at head
+@pytest.mark.usefixtures("migrated_url")
 def test_verify_on_another_host_restores_a_durable_copy_marked_corrupt_whose_bytes_are_intact(
         catalog_url: str, s3_root: str, tmp_path: Path) -> None:
     with Registry.open(catalog_url, root=tmp_path / "host-a", durable=s3_root) as a:
@@ -132,7 +132,7 @@ def test_verify_on_another_host_restores_a_durable_copy_marked_corrupt_whose_byt
         assert_state_equal(ck.state_dict, make_state(1))
 
 
-@pytest.mark.usefixtures("migrated_url")  # opened at once: start it at head
+@pytest.mark.usefixtures("migrated_url")
 def test_verify_restores_this_hosts_fast_copy_marked_corrupt_whose_bytes_are_intact(catalog_url: str,
                                                                                    s3_root: str,
                                                                                    tmp_path: Path) -> None:
@@ -151,7 +151,7 @@ def test_verify_restores_this_hosts_fast_copy_marked_corrupt_whose_bytes_are_int
 # --------------------------------------------------------------------------- dedup: the fallback stays apart
 
 
-@pytest.mark.usefixtures("migrated_url")  # opened at once: start it at head
+@pytest.mark.usefixtures("migrated_url")
 @pytest.mark.parametrize("by", ["load", "verify", "fsck"])
 def test_a_condemned_middle_step_leaves_the_newest_two_independent(catalog_url: str, root: Path, by: str) -> None:
     with Registry.open(url=catalog_url, root=root, dedup=True) as reg:
@@ -187,7 +187,7 @@ def test_a_condemned_middle_step_leaves_the_newest_two_independent(catalog_url: 
 # --------------------------------------------------------------------------- a full cache disk
 
 
-@pytest.mark.usefixtures("migrated_url")  # opened at once: start it at head
+@pytest.mark.usefixtures("migrated_url")
 def test_a_download_onto_a_full_fast_disk_is_one_line_and_leaves_nothing(
         catalog_url: str, s3_root: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with Registry.open(catalog_url, root=tmp_path / "host-a", durable=s3_root) as a:
