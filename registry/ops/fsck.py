@@ -43,7 +43,7 @@ durable copies' rows: :mod:`registry.ops.tierfsck`).
 | damaged-payload | published/verified row, files differ from the catalog | mark corrupt |
 | corrupt-step | corrupt row | none: says what to do (restore, ``registry verify``; or gc) |
 | expired-checkout | registry-owned checkout whose reader lease expired or was released | remove it |
-| orphan-fold | a file under a run's ``.policy-folds/`` with no ``verified`` fold row of live steps | remove it |
+| orphan-fold | a file in ``.policy-folds/`` no ``verified`` row of live steps names; a write of it killed | remove it |
 
 On an ``s3://`` root (:mod:`registry.roots.objectscan`) the same kinds name the
 same states, with an attempt prefix in place of a directory, plus two:
@@ -74,6 +74,7 @@ from typing import Protocol
 from registry.catalog import Catalog
 from registry.catalog.fsck import RowState, record_payload, set_status_if, snapshot, unchanged
 from registry.catalog.policy import stale_folds, usable_folds
+from registry.errors import CheckpointNotFoundError
 from registry.format.refs import MAX_STEP
 from registry.ops.checkouts import expired as expired_checkouts, remove_owned
 from registry.ops.verdicts import (REPAIRS, REPORTED, CopyOnly, FsckPass, FsckReport, Problem, Repair, _RootVanished,
@@ -81,7 +82,7 @@ from registry.ops.verdicts import (REPAIRS, REPORTED, CopyOnly, FsckPass, FsckRe
 from registry.ops.writers import writer_alive
 from registry.progress import ProgressFn
 from registry.records import LIVE, Status
-from registry.roots.aside import Aside
+from registry.roots.aside import Aside, Unfinished
 from registry.roots.scan import Leftover, Scan, StepFound, Stored, Valid
 
 
@@ -418,10 +419,13 @@ class Fsck(FsckPass):
         return why or left.remove()
 
 
-def _fold_step(rel: str) -> int:
-    """The step a fold's file name starts at (``<from>-<to>.delta.safetensors``), 0 for a name fold never writes."""
-    head = rel.rsplit("/", 1)[-1].split("-", 1)[0]
-    return int(head) if head.isdigit() and int(head) <= MAX_STEP else 0
+def _fold_ends(rel: str) -> tuple[int, int]:
+    """The steps a fold's file name (``<from>-<to>.<kind>.safetensors``) starts and ends at; (0, 0) for a name
+    fold never writes."""
+    ends = rel.rsplit("/", 1)[-1].split(".", 1)[0].split("-")
+    if len(ends) == 2 and all(e.isdigit() and int(e) <= MAX_STEP for e in ends):
+        return int(ends[0]), int(ends[1])
+    return 0, 0
 
 
 def check_folds(fsck: FsckPass, aside: Aside, runs: Collection[str], *,
@@ -430,7 +434,10 @@ def check_folds(fsck: FsckPass, aside: Aside, runs: Collection[str], *,
     with a payload) is an ``orphan-fold``: a fold whose step was deleted, whose bytes were found corrupt, or
     whose write died before its row. ``--repair`` marks a row whose step is gone ``deleted`` and removes the
     file, unless a row made it usable meanwhile: a fold recorded after the listing is never taken for an
-    orphan, since the catalog is read after it. ``where(rel)``: the problem's path and URL."""
+    orphan, since the catalog is read after it. So is the unfinished write of one (a temporary file, an
+    incomplete multipart upload), unless one of its steps is leased: its writer holds their leases from
+    before the write until its row is in, so a write in flight is left alone (``in_progress``), and
+    ``--repair`` asks again just before it removes one. ``where(rel)``: the problem's path and URL."""
     from registry.ops.policy import FOLDS
     listed = {run: aside.names(f"{run}/{FOLDS}") for run in runs}
     usable = usable_folds(fsck.catalog)
@@ -439,10 +446,36 @@ def check_folds(fsck: FsckPass, aside: Aside, runs: Collection[str], *,
             if rel in usable:
                 continue
             path, url = where(rel)
-            p = fsck._found("orphan-fold", run, _fold_step(rel), path,
+            p = fsck._found("orphan-fold", run, _fold_ends(rel)[0], path,
                             "policy fold no verified row of live steps names (a step deleted, or found corrupt)",
                             url=url)
             fsck._fix(p, functools.partial(_drop_fold, fsck.catalog, aside, rel))
+        for unfinished in aside.unfinished(f"{run}/{FOLDS}"):
+            path, url = where(unfinished.rel)
+            ends = _fold_ends(unfinished.rel)
+            steps = set(ends)
+            if steps & _leased(fsck.catalog, run):
+                fsck.in_progress.append(Problem(
+                    kind="in-progress", run=run, step=ends[0], path=path, url=url, repair=None,
+                    detail=f"{unfinished.detail}, of a leased step: a fold or re-anchor in flight, left alone"))
+                continue
+            p = fsck._found("orphan-fold", run, ends[0], path, unfinished.detail, url=url)
+            fsck._fix(p, functools.partial(_drop_unfinished, fsck.catalog, run, steps, unfinished))
+
+
+def _leased(catalog: Catalog, run: str) -> set[int]:
+    try:
+        return catalog.leased_steps(run)
+    except CheckpointNotFoundError:  # a run the catalog does not know: nothing of it is read or written
+        return set()
+
+
+def _drop_unfinished(catalog: Catalog, run: str, steps: set[int], unfinished: Unfinished) -> bool | str:
+    """A fold's write that never completed, removed (a multipart upload aborted) unless its step is leased by now:
+    the writer of a fold or an anchor holds its steps' leases until the write is stored and recorded."""
+    if steps & _leased(catalog, run):
+        return "its step is leased now: a fold or re-anchor may be writing it"
+    return unfinished.remove()
 
 
 def _drop_fold(catalog: Catalog, aside: Aside, rel: str) -> bool | str:

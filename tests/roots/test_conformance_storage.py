@@ -116,3 +116,26 @@ def test_verify_marks_intact_steps_verified(kind_reg: Registry) -> None:
     assert all(i.verified_at is not None for i in reg.checkpoints("run"))
     assert sum(e.kind == "verify" for e in reg.events("run")) == 2
     assert reg.resolve("run@latest").step == 2
+
+
+def test_a_file_beside_the_steps_streams_in_and_out_whole_or_not_at_all(kind_reg: Registry) -> None:
+    aside = kind_reg.root.aside()
+    data = bytes(range(256)) * (40 << 10)  # 10 MiB: more than one part of an object store's upload
+    out = aside.writer("run/.policy-folds/1-1.full.safetensors")
+    for start in range(0, len(data), 3 << 20):
+        out.write(data[start:start + (3 << 20)])
+    assert aside.names("run/.policy-folds") == []  # nothing is stored before the commit
+    out.commit()
+    assert aside.names("run/.policy-folds") == ["run/.policy-folds/1-1.full.safetensors"]
+    assert b"".join(bytes(b) for b in aside.chunks("run/.policy-folds/1-1.full.safetensors")) == data
+    dropped = aside.writer("run/.policy-folds/1-1.full.safetensors")  # a second write, aborted: the first stays
+    dropped.write(b"other bytes" * (1 << 20))
+    dropped.abort()
+    assert aside.get("run/.policy-folds/1-1.full.safetensors") == data
+    # an object store's upload of the aborted write may stay incomplete (the client cannot abort it): fsck's
+    assert [u.rel for u in aside.unfinished("run/.policy-folds")] in ([], ["run/.policy-folds/1-1.full.safetensors"])
+    kind_reg.publish("run", 1, make_state(1))
+    kind_reg.fsck(repair=True)
+    assert aside.unfinished("run/.policy-folds") == []
+    with pytest.raises(FileNotFoundError):
+        b"".join(bytes(b) for b in aside.chunks("run/.policy-folds/2-2.full.safetensors"))
