@@ -16,7 +16,9 @@ import torch
 from registry import InvalidStateError, Registry
 from registry.catalog.policy import folds
 from registry.format import delta as deltas
+from registry.fs import multipart
 from registry.retention import KeepLast
+from registry.roots.aside import ObjectAside
 from tests.test_policy_publish import assert_same, kinds, policy_state, step_of
 
 ANCHOR = "rl/.policy-folds/50-50.full.safetensors"
@@ -96,6 +98,44 @@ def test_a_damaged_anchor_is_never_used_and_its_chain_is_kept_again(reg: Registr
     assert_same(reg.load("rl@50").state_dict, states[5])
 
 
+def test_an_anchor_write_killed_midway_is_left_while_its_step_is_leased_then_removed(reg: Registry) -> None:
+    states = _publish_five(reg, 67)
+    aside = reg.root.aside()
+    killed = aside.writer(ANCHOR)  # a re-anchor killed mid-write: neither committed nor aborted
+    killed.write(b"part of a model")
+    assert aside.names("rl/.policy-folds") == []  # never taken for a stored file
+    lease = reg.catalog.acquire_lease("rl", 50, holder="reanchor-in-flight", ttl=timedelta(minutes=5))
+    assert lease is not None
+    report = reg.fsck(repair=True)  # the writer's lease: a write in flight, left alone
+    assert not report.problems and [(p.kind, p.step) for p in report.in_progress] == [("in-progress", 50)]
+    assert len(aside.unfinished("rl/.policy-folds")) == 1
+    reg.catalog.release_lease(lease)
+    report = reg.fsck()
+    assert [(p.kind, p.step) for p in report.problems] == [("orphan-fold", 50)] and not report.repaired
+    assert "never completed" in report.problems[0].detail and len(aside.unfinished("rl/.policy-folds")) == 1
+    assert [(p.kind, p.step) for p in reg.fsck(repair=True).repaired] == [("orphan-fold", 50)]
+    assert aside.unfinished("rl/.policy-folds") == [] and not reg.fsck().problems
+    killed.abort()  # this test's handle on the removed file
+    anchor = reg.reanchor("rl", 5)  # the step, its chain and a new re-anchor are as if nothing happened
+    assert aside.names("rl/.policy-folds") == [ANCHOR] and anchor.sha256 == deltas.full_sha256(states[5])
+    assert_same(reg.load("rl@50").state_dict, states[5])
+
+
+def test_an_anchor_that_does_not_hash_to_its_version_is_never_stored(reg: Registry) -> None:
+    from registry import CorruptCheckpointError
+    from registry.ops.folds import _write_whole
+    states = _publish_five(reg, 68)
+    aside = reg.root.aside()
+    with pytest.raises(CorruptCheckpointError, match="nothing was stored"):
+        _write_whole(aside, ANCHOR, states[4], expected=deltas.full_sha256(states[5]), what="version 5", run="rl",
+                     step=50)
+    assert aside.names("rl/.policy-folds") == [] and aside.unfinished("rl/.policy-folds") == []
+    size, digest = _write_whole(aside, ANCHOR, states[5], expected=deltas.full_sha256(states[5]), what="version 5",
+                                run="rl", step=50)
+    assert (size, digest) == (len(aside.get(ANCHOR)), hashlib.sha256(aside.get(ANCHOR)).hexdigest())
+    assert aside.get(ANCHOR) == b"".join(bytes(b) for b in aside.chunks(ANCHOR))
+
+
 def test_reanchoring_a_full_is_refused(reg: Registry) -> None:
     reg.publish("rl", 10, policy_state(63), policy_version=1, delta="auto")
     with pytest.raises(InvalidStateError, match="stored whole already"):
@@ -107,9 +147,20 @@ def test_anchors_on_an_object_store(migrated_url: str, s3_root: str) -> None:
     with Registry.open(migrated_url, s3_root) as reg:
         states = _publish_five(reg, 64)
         assert reg.apply_retention("rl", KeepLast(1), reanchor=True).deleted == (10, 20, 30, 40)
-        assert reg.root.aside().names("rl/.policy-folds") == [ANCHOR]
+        aside = reg.root.aside()
+        assert aside.names("rl/.policy-folds") == [ANCHOR]
         assert_same(reg.load("rl@latest-policy").state_dict, states[5])
         assert not reg.fsck().problems
+        assert b"".join(bytes(b) for b in aside.chunks(ANCHOR)) == aside.get(ANCHOR)
+        assert isinstance(aside, ObjectAside)  # a re-anchor killed mid-upload leaves an incomplete upload
+        objects = aside.objects
+        multipart.start_upload(objects.config, objects.key("rl/.policy-folds/40-40.full.safetensors"))
+        assert aside.names("rl/.policy-folds") == [ANCHOR]
+        assert [u.rel for u in aside.unfinished("rl/.policy-folds")] == ["rl/.policy-folds/40-40.full.safetensors"]
+        report = reg.fsck(repair=True)
+        assert [(p.kind, p.step) for p in report.repaired] == [("orphan-fold", 40)]
+        assert aside.unfinished("rl/.policy-folds") == [] and not reg.fsck().problems
+        assert aside.names("rl/.policy-folds") == [ANCHOR]
 
 
 def test_anchors_on_a_tiered_root_live_on_its_durable_tier(treg: Registry) -> None:

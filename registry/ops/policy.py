@@ -35,11 +35,11 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 from registry.catalog.policy import (FoldRecord, PolicyStepInfo, chain_steps, condemn_fold, folds, newest_base,
                                      policy_steps, version_step)
@@ -61,6 +61,7 @@ if TYPE_CHECKING:
 DeltaMode = bool | Literal["auto"]
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 
 class Access(Protocol):
@@ -408,18 +409,40 @@ def read_fold(access: Access, fold_row: FoldRecord) -> bytes | None:
     ``corrupt`` (never used again), one that does not was this host's or the wire's; a read that fails (a file
     gone, a server down) says nothing about the fold and marks nothing."""
     import hashlib
-
-    from registry.ops.verdicts import read_again
     aside = access.home.aside()
-    where = aside.where(fold_row.path)
 
-    def checked() -> bytes:
+    def whole() -> tuple[str, bytes]:
         data = aside.get(fold_row.path)
-        digest = hashlib.sha256(data).hexdigest()
+        return hashlib.sha256(data).hexdigest(), data
+    return _checked_fold(access, fold_row, whole)
+
+
+def fold_intact(access: Access, fold_row: FoldRecord) -> bool:
+    """Whether a stored fold reads back as its row's sha256, with :func:`read_fold`'s verdicts; read as a stream,
+    never held whole (an anchor is a whole model)."""
+    import hashlib
+    aside = access.home.aside()
+
+    def streamed() -> tuple[str, bool]:
+        sha = hashlib.sha256()
+        for block in aside.chunks(fold_row.path):
+            sha.update(block)
+        return sha.hexdigest(), True
+    return _checked_fold(access, fold_row, streamed) is not None
+
+
+def _checked_fold(access: Access, fold_row: FoldRecord, read: Callable[[], tuple[str, _T]]) -> _T | None:
+    """What ``read`` (the sha256 of the fold's bytes, and what it keeps of them) gives, when the digest is the
+    row's; the verdicts of :func:`read_fold`."""
+    from registry.ops.verdicts import read_again
+    where = access.home.aside().where(fold_row.path)
+
+    def checked() -> _T:
+        digest, value = read()
         if digest != fold_row.sha256:
             raise CorruptCheckpointError(f"policy fold {where} has sha256 {digest}, its row records "
                                          f"{fold_row.sha256}", run=fold_row.run)
-        return data
+        return value
 
     try:
         try:
@@ -465,5 +488,5 @@ def _condemn_base(access: Access, info: CheckpointInfo, exc: CorruptCheckpointEr
 
 
 __all__ = ["ANCHOR", "FOLDS", "FULL_EVERY", "DeltaMode", "Held", "PolicyCache", "PolicyHooks", "PolicyPlan",
-           "anchors", "buffer_view", "check_delta", "legacy_record", "plan_publish", "read_fold", "read_rebuilt",
-           "rebuild"]
+           "anchors", "buffer_view", "check_delta", "fold_intact", "legacy_record", "plan_publish", "read_fold",
+           "read_rebuilt", "rebuild"]
