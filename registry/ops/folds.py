@@ -91,7 +91,7 @@ def stored_fold(access: Access, run: str, a: int, b: int) -> bytes:
         if (row.from_step, row.to_step, row.status) == (ra.step, rb.step, "verified") and not row.anchor:
             data = read_fold(access, row)
             if data is not None:
-                return data
+                return bytes(data)
             raise CheckpointNotFoundError(f"the fold of {run} from version {a} to {b} cannot be read (see the log); "
                                           "fold it again", run=run, step=rb.step)
     raise CheckpointNotFoundError(f"no stored fold of {run} from version {a} to {b}: Registry.fold makes one",

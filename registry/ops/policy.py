@@ -361,7 +361,7 @@ def _anchored(access: Access, run: str, chain: list[int], rows: Mapping[int, Pol
         if data is None:
             continue
         try:
-            tensors = tensors_of(torch.frombuffer(bytearray(data), dtype=torch.uint8),
+            tensors = tensors_of(torch.frombuffer(data, dtype=torch.uint8),
                                  Path(access.home.aside().where(fold_row.path)))
         except RegistryError:
             continue
@@ -403,18 +403,32 @@ def _from_fold(access: Access, info: CheckpointInfo, row: PolicyStepInfo, held: 
     return None
 
 
-def read_fold(access: Access, fold_row: FoldRecord) -> bytes | None:
+def read_fold(access: Access, fold_row: FoldRecord) -> bytearray | None:
     """A stored fold's bytes, read through the root and checked against its row's sha256; None when they cannot
     be used. Bytes that differ are read once more from storage: a mismatch that stands marks the row
     ``corrupt`` (never used again), one that does not was this host's or the wire's; a read that fails (a file
-    gone, a server down) says nothing about the fold and marks nothing."""
+    gone, a server down) says nothing about the fold and marks nothing. They stream into one buffer of the
+    row's size, hashed as they arrive: an anchor (a model whole) is never held twice, and its tensors are
+    views over that buffer."""
     import hashlib
     aside = access.home.aside()
 
-    def whole() -> tuple[str, bytes]:
-        data = aside.get(fold_row.path)
-        return hashlib.sha256(data).hexdigest(), data
-    return _checked_fold(access, fold_row, whole)
+    def filled() -> tuple[str, bytearray]:
+        buf = bytearray(fold_row.size)
+        view, sha, at = memoryview(buf), hashlib.sha256(), 0
+        for block in aside.chunks(fold_row.path):
+            part = memoryview(block).cast("B")
+            if at + len(part) > len(buf):
+                break
+            view[at:at + len(part)] = part
+            sha.update(part)
+            at += len(part)
+        else:
+            if at == len(buf):
+                return sha.hexdigest(), buf
+        raise CorruptCheckpointError(f"policy fold {aside.where(fold_row.path)} is not the {fold_row.size} bytes "
+                                     "its row records", run=fold_row.run)
+    return _checked_fold(access, fold_row, filled)
 
 
 def fold_intact(access: Access, fold_row: FoldRecord) -> bool:
