@@ -136,6 +136,17 @@ def test_an_anchor_that_does_not_hash_to_its_version_is_never_stored(reg: Regist
     assert aside.get(ANCHOR) == b"".join(bytes(b) for b in aside.chunks(ANCHOR))
 
 
+def test_a_truncated_anchor_is_read_again_then_marked_corrupt_and_the_chain_read(reg: Registry) -> None:
+    states = _publish_five(reg, 69)
+    anchor = reg.reanchor("rl", 5)
+    assert anchor.path is not None
+    with open(anchor.path, "r+b") as f:
+        f.truncate(anchor.size - 1)
+    assert_same(reg.load("rl@50").state_dict, states[5])
+    assert [(f.to_step, f.status) for f in folds(reg.catalog, "rl")] == [(50, "corrupt")]
+    assert reg.catalog.get("rl", 50).status == "verified"  # type: ignore[union-attr]
+
+
 def test_reanchoring_a_full_is_refused(reg: Registry) -> None:
     reg.publish("rl", 10, policy_state(63), policy_version=1, delta="auto")
     with pytest.raises(InvalidStateError, match="stored whole already"):
