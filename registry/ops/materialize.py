@@ -183,7 +183,7 @@ def materialize_patched(access: Access, info: CheckpointInfo, dest: Path, held: 
     return _write_config(dest, loaded)
 
 
-def _fold_from(access: Access, info: CheckpointInfo, held: str) -> bytearray | None:
+def _fold_from(access: Access, info: CheckpointInfo, held: str) -> bytearray | memoryview | None:
     """The bytes of a stored, verified fold from the version whose full digest is ``held`` to ``info``'s."""
     stored = [f for f in folds(access.catalog, info.run)
               if f.to_step == info.step and f.status == "verified" and not f.anchor]

@@ -403,17 +403,23 @@ def _from_fold(access: Access, info: CheckpointInfo, row: PolicyStepInfo, held: 
     return None
 
 
-def read_fold(access: Access, fold_row: FoldRecord) -> bytearray | None:
+def read_fold(access: Access, fold_row: FoldRecord) -> bytearray | memoryview | None:
     """A stored fold's bytes, read through the root and checked against its row's sha256; None when they cannot
     be used. Bytes that differ are read once more from storage: a mismatch that stands marks the row
     ``corrupt`` (never used again), one that does not was this host's or the wire's; a read that fails (a file
-    gone, a server down) says nothing about the fold and marks nothing. They stream into one buffer of the
-    row's size, hashed as they arrive: an anchor (a model whole) is never held twice, and its tensors are
-    views over that buffer."""
+    gone, a server down) says nothing about the fold and marks nothing. A file of this host is mapped (the
+    page cache's own pages, copy-on-write, as a step's files are); elsewhere the bytes stream into one buffer
+    of the row's size, hashed as they arrive. Either way an anchor (a model whole) is never held twice, and
+    its tensors are views over what this returns."""
     import hashlib
     aside = access.home.aside()
 
-    def filled() -> tuple[str, bytearray]:
+    def filled() -> tuple[str, bytearray | memoryview]:
+        local = aside.local(fold_row.path)
+        if local is not None and local.is_file():  # one that is gone is read below: a failed read, no verdict
+            from registry.fs.mapping import host_view, map_file
+            view = host_view(map_file(local.parent, local.name, expected_size=fold_row.size, what="policy fold"))
+            return hashlib.sha256(view).hexdigest(), view
         buf = bytearray(fold_row.size)
         view, sha, at = memoryview(buf), hashlib.sha256(), 0
         for block in aside.chunks(fold_row.path):
