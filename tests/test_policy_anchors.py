@@ -16,6 +16,7 @@ import torch
 from registry import InvalidStateError, Registry
 from registry.catalog.policy import folds
 from registry.format import delta as deltas
+from registry.format.pieces import PIECE_SIZE, piece_digests
 from registry.fs import multipart
 from registry.retention import KeepLast
 from registry.roots.aside import ObjectAside
@@ -130,9 +131,10 @@ def test_an_anchor_that_does_not_hash_to_its_version_is_never_stored(reg: Regist
         _write_whole(aside, ANCHOR, states[4], expected=deltas.full_sha256(states[5]), what="version 5", run="rl",
                      step=50)
     assert aside.names("rl/.policy-folds") == [] and aside.unfinished("rl/.policy-folds") == []
-    size, digest = _write_whole(aside, ANCHOR, states[5], expected=deltas.full_sha256(states[5]), what="version 5",
-                                run="rl", step=50)
+    size, digest, pieces = _write_whole(aside, ANCHOR, states[5], expected=deltas.full_sha256(states[5]),
+                                        what="version 5", run="rl", step=50)
     assert (size, digest) == (len(aside.get(ANCHOR)), hashlib.sha256(aside.get(ANCHOR)).hexdigest())
+    assert pieces == piece_digests(aside.get(ANCHOR), PIECE_SIZE)
     assert aside.get(ANCHOR) == b"".join(bytes(b) for b in aside.chunks(ANCHOR))
 
 
@@ -145,6 +147,28 @@ def test_a_truncated_anchor_is_read_again_then_marked_corrupt_and_the_chain_read
     assert_same(reg.load("rl@50").state_dict, states[5])
     assert [(f.to_step, f.status) for f in folds(reg.catalog, "rl")] == [(50, "corrupt")]
     assert reg.catalog.get("rl", 50).status == "verified"  # type: ignore[union-attr]
+
+
+def test_an_anchor_is_checked_by_its_pieces_and_a_row_without_them_by_its_sha256(reg: Registry) -> None:
+    from sqlalchemy import update
+
+    from registry.catalog.models import PolicyFold
+    states = _publish_five(reg, 70)
+    anchor = reg.reanchor("rl", 5)
+    (row,) = folds(reg.catalog, "rl")
+    assert anchor.path is not None and row.piece_size == PIECE_SIZE
+    assert row.xxh3_128_pieces == piece_digests(anchor.path.read_bytes(), PIECE_SIZE)
+    reg.catalog.write(lambda conn: conn.execute(update(PolicyFold).values(pieces=None)))  # a row from before them
+    assert folds(reg.catalog, "rl")[0].xxh3_128_pieces is None
+    with Registry.open(url=reg.url, root=reg.root_url) as fresh:  # read from the anchor, checked by its sha256
+        assert_same(fresh.load("rl@50").state_dict, states[5])
+    assert [(f.to_step, f.status) for f in folds(reg.catalog, "rl")] == [(50, "verified")]
+    data = bytearray(anchor.path.read_bytes())
+    data[-1] ^= 0x01
+    anchor.path.write_bytes(bytes(data))
+    with Registry.open(url=reg.url, root=reg.root_url) as fresh:
+        assert_same(fresh.load("rl@50").state_dict, states[5])  # from the chain
+    assert [(f.to_step, f.status) for f in folds(reg.catalog, "rl")] == [(50, "corrupt")]
 
 
 def test_reanchoring_a_full_is_refused(reg: Registry) -> None:

@@ -312,6 +312,7 @@ PolicyFold = Table(
     Column("path", String(1024), nullable=False),
     Column("size", BigInteger, nullable=False),
     Column("sha256", String(64), nullable=False),
+    Column("pieces", Text),  # {"piece_size": N, "xxh3_128": [...]} of its bytes; NULL: checked by sha256 alone
     Column("status", String(16), nullable=False),
     Column("created_at", DateTime(timezone=True), nullable=False),
     UniqueConstraint("run_id", "from_step", "to_step"),

@@ -16,6 +16,7 @@ Knows SQL and nothing of torch or files.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -67,11 +68,33 @@ class FoldRecord:
     sha256: str
     status: str
     created_at: datetime | None
+    piece_size: int | None = None  # with xxh3_128_pieces: the digests of its bytes' pieces, checked on every core
+    xxh3_128_pieces: tuple[str, ...] | None = None  # None (a row from before they were recorded): sha256 alone
 
     @property
     def anchor(self) -> bool:
         """A fold from a step to itself: the step's version stored whole (see the module's docstring)."""
         return self.from_step == self.to_step
+
+    def pieces_json(self) -> str | None:
+        if self.piece_size is None or self.xxh3_128_pieces is None:
+            return None
+        return json.dumps({"piece_size": self.piece_size, "xxh3_128": list(self.xxh3_128_pieces)})
+
+
+def _fold_of(r: Any, run: str) -> FoldRecord:
+    """A ``policy_folds`` row as a record; pieces that do not parse are no pieces (its sha256 still checks it)."""
+    piece_size, pieces = None, None
+    try:
+        parsed = json.loads(r.pieces) if r.pieces else None
+        if (isinstance(parsed, dict) and isinstance(parsed.get("piece_size"), int) and parsed["piece_size"] > 0
+                and isinstance(parsed.get("xxh3_128"), list) and all(isinstance(d, str) for d in parsed["xxh3_128"])):
+            piece_size, pieces = int(parsed["piece_size"]), tuple(parsed["xxh3_128"])
+    except ValueError:
+        pass
+    return FoldRecord(run=run, from_step=int(r.from_step), to_step=int(r.to_step), path=r.path, size=int(r.size),
+                      sha256=r.sha256, status=str(r.status), created_at=aware(r.created_at), piece_size=piece_size,
+                      xxh3_128_pieces=pieces)
 
 
 # The chain from a step back to its full: each delta's base, by checkpoint id, until a step that is not a delta
@@ -297,7 +320,8 @@ def record_fold(catalog: Transactions, fold: FoldRecord) -> None:
             raise CheckpointNotFoundError(f"{fold.run}: step {fold.from_step} or {fold.to_step} was deleted while "
                                           "being folded; nothing was recorded", run=fold.run)
         f = PolicyFold.c
-        values = dict(path=fold.path, size=fold.size, sha256=fold.sha256, status=fold.status, created_at=utcnow())
+        values = dict(path=fold.path, size=fold.size, sha256=fold.sha256, pieces=fold.pieces_json(),
+                      status=fold.status, created_at=utcnow())
         changed = conn.execute(update(PolicyFold).where(f.run_id == run_id, f.from_step == fold.from_step,
                                                         f.to_step == fold.to_step).values(**values)).rowcount
         if not changed:
@@ -312,8 +336,7 @@ def folds(catalog: Transactions, run: str) -> list[FoldRecord]:
         f = PolicyFold.c
         rows = conn.execute(select(PolicyFold).join(Run, Run.c.id == f.run_id).where(Run.c.name == run)
                             .order_by(f.from_step, f.to_step))
-        return [FoldRecord(run=run, from_step=int(r.from_step), to_step=int(r.to_step), path=r.path, size=int(r.size),
-                           sha256=r.sha256, status=str(r.status), created_at=aware(r.created_at)) for r in rows]
+        return [_fold_of(r, run) for r in rows]
     result: list[FoldRecord] = catalog.read(fn)
     return result
 
@@ -327,8 +350,7 @@ def end_folds(conn: Connection, run_id: int, steps: Sequence[int]) -> list[FoldR
     touching = (f.run_id == run_id, f.status != "deleted",
                 or_(f.from_step.in_(sorted(set(steps))), f.to_step.in_(sorted(set(steps)))))
     run = conn.scalar(select(Run.c.name).where(Run.c.id == run_id))
-    gone = [FoldRecord(run=str(run), from_step=int(r.from_step), to_step=int(r.to_step), path=r.path,
-                       size=int(r.size), sha256=r.sha256, status=str(r.status), created_at=aware(r.created_at))
+    gone = [_fold_of(r, str(run))
             for r in conn.execute(select(PolicyFold).where(*touching).order_by(f.from_step, f.to_step))]
     if gone:
         conn.execute(update(PolicyFold).where(*touching).values(status="deleted"))
@@ -358,9 +380,7 @@ def usable_folds(catalog: Transactions) -> dict[str, FoldRecord]:
                 for col in (f.from_step, f.to_step)]
         rows = conn.execute(select(PolicyFold, Run.c.name.label("run_name")).join(Run, Run.c.id == f.run_id)
                             .where(f.status == "verified", *ends))
-        return {r.path: FoldRecord(run=r.run_name, from_step=int(r.from_step), to_step=int(r.to_step), path=r.path,
-                                   size=int(r.size), sha256=r.sha256, status=str(r.status),
-                                   created_at=aware(r.created_at)) for r in rows}
+        return {r.path: _fold_of(r, r.run_name) for r in rows}
     result: dict[str, FoldRecord] = catalog.read(fn)
     return result
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from registry.crashpoints import crashpoint
 from registry.catalog.policy import FoldRecord, PolicyStepInfo, folds, record_fold, version_step
 from registry.errors import CheckpointNotFoundError, CorruptCheckpointError, InvalidStateError
+from registry.format.pieces import PIECE_SIZE, PieceHasher, piece_digests
 from registry.ops.policy import ANCHOR, FOLDS, Access, anchors, fold_intact, read_fold, read_rebuilt
 from registry.records import LIVE, CheckpointInfo
 
@@ -74,7 +75,8 @@ def fold(access: Access, run: str, a: int, b: int) -> FoldInfo:
                                          "digest; nothing was stored", run=run, step=rb.step)
         digest = hashlib.sha256(data).hexdigest()
         record = FoldRecord(run=run, from_step=ra.step, to_step=rb.step, path=rel, size=len(data), sha256=digest,
-                            status="verified", created_at=None)
+                            status="verified", created_at=None, piece_size=PIECE_SIZE,
+                            xxh3_128_pieces=piece_digests(data, PIECE_SIZE))
         access.home.aside().put(rel, data)
         _record(access, record)
     aside = access.home.aside()
@@ -133,11 +135,11 @@ def reanchor(access: Access, run: str, version: int) -> AnchorInfo:
     rel = f"{run}/{FOLDS}/{row.step}-{row.step}.{ANCHOR}"
     with _leased(access, run, (row.step,), "re-anchored") as (info,):
         state = read_rebuilt(access, access.home.place(info), verify=True, extras=False).state_dict
-        size, digest = _write_whole(aside, rel, state, expected=row.full_sha256,
-                                    what=f"{run}@pv:{version} rebuilt whole", run=run, step=row.step)
+        size, digest, pieces = _write_whole(aside, rel, state, expected=row.full_sha256,
+                                            what=f"{run}@pv:{version} rebuilt whole", run=run, step=row.step)
         del state
         record = FoldRecord(run=run, from_step=row.step, to_step=row.step, path=rel, size=size, sha256=digest,
-                            status="verified", created_at=None)
+                            status="verified", created_at=None, piece_size=PIECE_SIZE, xxh3_128_pieces=pieces)
         _record(access, record, point="reanchor-after-store")
     if not fold_intact(access, record):  # what storage holds, before any base may go for it
         raise CorruptCheckpointError(f"the anchor of {run}@pv:{version} at {aside.where(rel)} did not read back "
@@ -167,25 +169,28 @@ def _leased(access: Access, run: str, steps: tuple[int, ...], doing: str) -> Ite
 
 
 class _Digesting:
-    """A writer that hashes (sha256) what it passes on, and counts it."""
+    """A writer that hashes what it passes on (sha256, and the xxh3-128 of each ``PIECE_SIZE`` piece), and counts
+    it."""
 
     def __init__(self, out: AsideWrite) -> None:
         self.out = out
         self.sha = hashlib.sha256()
+        self.pieces = PieceHasher(PIECE_SIZE)
         self.size = 0
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         self.sha.update(view)
+        self.pieces.update(view)
         self.size += self.out.write(view)
         return len(view)
 
 
 def _write_whole(aside: Aside, rel: str, state: Mapping[str, torch.Tensor], *, expected: str, what: str, run: str,
-                 step: int) -> tuple[int, str]:
+                 step: int) -> tuple[int, str, tuple[str, ...]]:
     """``state`` encoded as a full publish encodes it, streamed to ``rel`` while it is hashed, and stored only
-    if it hashes to ``expected``: the encoding is never held in memory beside the state. Returns its size
-    and sha256."""
+    if it hashes to ``expected``: the encoding is never held in memory beside the state. Returns its size,
+    sha256 and piece digests."""
     from registry.format.safetensors import PUBLISH_METADATA, Encoded
     out = aside.writer(rel)
     try:
@@ -199,7 +204,7 @@ def _write_whole(aside: Aside, rel: str, state: Mapping[str, torch.Tensor], *, e
         out.abort()
         raise
     out.commit()
-    return sink.size, digest
+    return sink.size, digest, sink.pieces.digests()
 
 
 def _record(access: Access, record: FoldRecord, *, point: str | None = None) -> None:

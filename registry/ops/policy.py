@@ -56,6 +56,7 @@ if TYPE_CHECKING:
     from registry.catalog import Catalog
     from registry.ops.copies import Copies
     from registry.ops.protocol import CommitHooks
+    from registry.roots.aside import Aside
     from registry.roots.base import Root
 
 DeltaMode = bool | Literal["auto"]
@@ -404,37 +405,61 @@ def _from_fold(access: Access, info: CheckpointInfo, row: PolicyStepInfo, held: 
 
 
 def read_fold(access: Access, fold_row: FoldRecord) -> bytearray | memoryview | None:
-    """A stored fold's bytes, read through the root and checked against its row's sha256; None when they cannot
-    be used. Bytes that differ are read once more from storage: a mismatch that stands marks the row
-    ``corrupt`` (never used again), one that does not was this host's or the wire's; a read that fails (a file
-    gone, a server down) says nothing about the fold and marks nothing. A file of this host is mapped (the
-    page cache's own pages, copy-on-write, as a step's files are); elsewhere the bytes stream into one buffer
-    of the row's size, hashed as they arrive. Either way an anchor (a model whole) is never held twice, and
-    its tensors are views over what this returns."""
-    import hashlib
+    """A stored fold's bytes, read through the root and checked against its row (its pieces' xxh3 on every
+    core where the row records them, else its sha256); None when they cannot be used. Bytes that differ are
+    read once more from storage: a mismatch that stands marks the row ``corrupt`` (never used again), one that
+    does not was this host's or the wire's; a read that fails (a file gone, a server down) says nothing about
+    the fold and marks nothing. A file of this host is mapped (the page cache's own pages, copy-on-write, as a
+    step's files are); elsewhere the bytes stream into one buffer of the row's size. Either way an anchor (a
+    model whole) is never held twice, and its tensors are views over what this returns."""
     aside = access.home.aside()
+    where = aside.where(fold_row.path)
 
-    def filled() -> tuple[str, bytearray | memoryview]:
+    def checked() -> bytearray | memoryview:
         local = aside.local(fold_row.path)
         if local is not None and local.is_file():  # one that is gone is read below: a failed read, no verdict
             from registry.fs.mapping import host_view, map_file
-            view = host_view(map_file(local.parent, local.name, expected_size=fold_row.size, what="policy fold"))
-            return hashlib.sha256(view).hexdigest(), view
-        buf = bytearray(fold_row.size)
-        view, sha, at = memoryview(buf), hashlib.sha256(), 0
-        for block in aside.chunks(fold_row.path):
-            part = memoryview(block).cast("B")
-            if at + len(part) > len(buf):
-                break
-            view[at:at + len(part)] = part
-            sha.update(part)
-            at += len(part)
+            data: bytearray | memoryview = host_view(map_file(local.parent, local.name, expected_size=fold_row.size,
+                                                              what="policy fold"))
         else:
-            if at == len(buf):
-                return sha.hexdigest(), buf
-        raise CorruptCheckpointError(f"policy fold {aside.where(fold_row.path)} is not the {fold_row.size} bytes "
-                                     "its row records", run=fold_row.run)
-    return _checked_fold(access, fold_row, filled)
+            data = _streamed(aside, fold_row, where)
+        _check_fold(data, fold_row, where)
+        return data
+    return _checked_fold(access, fold_row, checked)
+
+
+def _streamed(aside: Aside, fold_row: FoldRecord, where: str) -> bytearray:
+    """The fold's bytes streamed into one buffer of its row's size; ``CorruptCheckpointError`` when they are
+    not that size."""
+    buf = bytearray(fold_row.size)
+    view, at = memoryview(buf), 0
+    for block in aside.chunks(fold_row.path):
+        part = memoryview(block).cast("B")
+        if at + len(part) > len(buf):
+            break
+        view[at:at + len(part)] = part
+        at += len(part)
+    else:
+        if at == len(buf):
+            return buf
+    raise CorruptCheckpointError(f"policy fold {where} is not the {fold_row.size} bytes its row records",
+                                 run=fold_row.run)
+
+
+def _check_fold(data: bytearray | memoryview, fold_row: FoldRecord, where: str) -> None:
+    import hashlib
+
+    from registry.format.pieces import first_mismatch
+    if fold_row.piece_size is not None and fold_row.xxh3_128_pieces is not None:
+        bad = first_mismatch(data, fold_row.piece_size, fold_row.xxh3_128_pieces)
+        if bad is not None:
+            which = "its piece count" if bad < 0 else f"piece {bad} (bytes from {bad * fold_row.piece_size})"
+            raise CorruptCheckpointError(f"policy fold {where}: {which} differs from its row", run=fold_row.run)
+        return
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != fold_row.sha256:
+        raise CorruptCheckpointError(f"policy fold {where} has sha256 {digest}, its row records {fold_row.sha256}",
+                                     run=fold_row.run)
 
 
 def fold_intact(access: Access, fold_row: FoldRecord) -> bool:
@@ -442,33 +467,29 @@ def fold_intact(access: Access, fold_row: FoldRecord) -> bool:
     never held whole (an anchor is a whole model)."""
     import hashlib
     aside = access.home.aside()
+    where = aside.where(fold_row.path)
 
-    def streamed() -> tuple[str, bool]:
+    def streamed() -> bool:
         sha = hashlib.sha256()
         for block in aside.chunks(fold_row.path):
             sha.update(block)
-        return sha.hexdigest(), True
+        if sha.hexdigest() != fold_row.sha256:
+            raise CorruptCheckpointError(f"policy fold {where} has sha256 {sha.hexdigest()}, its row records "
+                                         f"{fold_row.sha256}", run=fold_row.run)
+        return True
     return _checked_fold(access, fold_row, streamed) is not None
 
 
-def _checked_fold(access: Access, fold_row: FoldRecord, read: Callable[[], tuple[str, _T]]) -> _T | None:
-    """What ``read`` (the sha256 of the fold's bytes, and what it keeps of them) gives, when the digest is the
-    row's; the verdicts of :func:`read_fold`."""
+def _checked_fold(access: Access, fold_row: FoldRecord, read: Callable[[], _T]) -> _T | None:
+    """What ``read`` gives (it raises ``CorruptCheckpointError`` for bytes that are not the row's), with the
+    verdicts of :func:`read_fold`."""
     from registry.ops.verdicts import read_again
     where = access.home.aside().where(fold_row.path)
-
-    def checked() -> _T:
-        digest, value = read()
-        if digest != fold_row.sha256:
-            raise CorruptCheckpointError(f"policy fold {where} has sha256 {digest}, its row records "
-                                         f"{fold_row.sha256}", run=fold_row.run)
-        return value
-
     try:
         try:
-            return checked()
+            return read()
         except CorruptCheckpointError as first:
-            return read_again(first, checked, what=f"policy fold {where}")
+            return read_again(first, read, what=f"policy fold {where}")
     except CorruptCheckpointError as stands:
         log.warning("%s; marked corrupt, never used", stands)
         condemn_fold(access.catalog, fold_row, to="corrupt")
