@@ -158,6 +158,9 @@ def test_an_anchor_is_checked_by_its_pieces_and_a_row_without_them_by_its_sha256
     (row,) = folds(reg.catalog, "rl")
     assert anchor.path is not None and row.piece_size == PIECE_SIZE
     assert row.xxh3_128_pieces == piece_digests(anchor.path.read_bytes(), PIECE_SIZE)
+    for unusable in ('{"piece_size": true, "xxh3_128": ["a"]}', "not json"):  # no pieces: its sha256 checks it
+        reg.catalog.write(lambda conn, u=unusable: conn.execute(update(PolicyFold).values(pieces=u)))
+        assert folds(reg.catalog, "rl")[0].xxh3_128_pieces is None
     reg.catalog.write(lambda conn: conn.execute(update(PolicyFold).values(pieces=None)))  # a row from before them
     assert folds(reg.catalog, "rl")[0].xxh3_128_pieces is None
     with Registry.open(url=reg.url, root=reg.root_url) as fresh:  # read from the anchor, checked by its sha256

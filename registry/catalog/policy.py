@@ -86,10 +86,11 @@ def _fold_of(r: Any, run: str) -> FoldRecord:
     """A ``policy_folds`` row as a record; pieces that do not parse are no pieces (its sha256 still checks it)."""
     piece_size, pieces = None, None
     try:
-        parsed = json.loads(r.pieces) if r.pieces else None
-        if (isinstance(parsed, dict) and isinstance(parsed.get("piece_size"), int) and parsed["piece_size"] > 0
-                and isinstance(parsed.get("xxh3_128"), list) and all(isinstance(d, str) for d in parsed["xxh3_128"])):
-            piece_size, pieces = int(parsed["piece_size"]), tuple(parsed["xxh3_128"])
+        parsed = json.loads(r.pieces) if r.pieces else {}
+        size, digests = (parsed.get("piece_size"), parsed.get("xxh3_128")) if isinstance(parsed, dict) else (0, 0)
+        if (isinstance(size, int) and not isinstance(size, bool) and size > 0 and isinstance(digests, list)
+                and all(isinstance(d, str) for d in digests)):
+            piece_size, pieces = size, tuple(digests)
     except ValueError:
         pass
     return FoldRecord(run=run, from_step=int(r.from_step), to_step=int(r.to_step), path=r.path, size=int(r.size),

@@ -456,7 +456,10 @@ def _check_fold(data: bytearray | memoryview, fold_row: FoldRecord, where: str) 
             which = "its piece count" if bad < 0 else f"piece {bad} (bytes from {bad * fold_row.piece_size})"
             raise CorruptCheckpointError(f"policy fold {where}: {which} differs from its row", run=fold_row.run)
         return
-    digest = hashlib.sha256(data).hexdigest()
+    _check_sha256(hashlib.sha256(data).hexdigest(), fold_row, where)
+
+
+def _check_sha256(digest: str, fold_row: FoldRecord, where: str) -> None:
     if digest != fold_row.sha256:
         raise CorruptCheckpointError(f"policy fold {where} has sha256 {digest}, its row records {fold_row.sha256}",
                                      run=fold_row.run)
@@ -473,9 +476,7 @@ def fold_intact(access: Access, fold_row: FoldRecord) -> bool:
         sha = hashlib.sha256()
         for block in aside.chunks(fold_row.path):
             sha.update(block)
-        if sha.hexdigest() != fold_row.sha256:
-            raise CorruptCheckpointError(f"policy fold {where} has sha256 {sha.hexdigest()}, its row records "
-                                         f"{fold_row.sha256}", run=fold_row.run)
+        _check_sha256(sha.hexdigest(), fold_row, where)
         return True
     return _checked_fold(access, fold_row, streamed) is not None
 
