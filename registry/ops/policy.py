@@ -56,7 +56,6 @@ if TYPE_CHECKING:
     from registry.catalog import Catalog
     from registry.ops.copies import Copies
     from registry.ops.protocol import CommitHooks
-    from registry.roots.aside import Aside
     from registry.roots.base import Root
 
 DeltaMode = bool | Literal["auto"]
@@ -409,41 +408,16 @@ def read_fold(access: Access, fold_row: FoldRecord) -> bytearray | memoryview | 
     core where the row records them, else its sha256); None when they cannot be used. Bytes that differ are
     read once more from storage: a mismatch that stands marks the row ``corrupt`` (never used again), one that
     does not was this host's or the wire's; a read that fails (a file gone, a server down) says nothing about
-    the fold and marks nothing. A file of this host is mapped (the page cache's own pages, copy-on-write, as a
-    step's files are); elsewhere the bytes stream into one buffer of the row's size. Either way an anchor (a
-    model whole) is never held twice, and its tensors are views over what this returns."""
+    the fold and marks nothing. The bytes are one buffer (:meth:`~registry.roots.aside.Aside.whole`): an
+    anchor (a model whole) is never held twice, and its tensors are views over what this returns."""
     aside = access.home.aside()
     where = aside.where(fold_row.path)
 
     def checked() -> bytearray | memoryview:
-        local = aside.local(fold_row.path)
-        if local is not None and local.is_file():  # one that is gone is read below: a failed read, no verdict
-            from registry.fs.mapping import host_view, map_file
-            data: bytearray | memoryview = host_view(map_file(local.parent, local.name, expected_size=fold_row.size,
-                                                              what="policy fold"))
-        else:
-            data = _streamed(aside, fold_row, where)
+        data = aside.whole(fold_row.path, fold_row.size)
         _check_fold(data, fold_row, where)
         return data
     return _checked_fold(access, fold_row, checked)
-
-
-def _streamed(aside: Aside, fold_row: FoldRecord, where: str) -> bytearray:
-    """The fold's bytes streamed into one buffer of its row's size; ``CorruptCheckpointError`` when they are
-    not that size."""
-    buf = bytearray(fold_row.size)
-    view, at = memoryview(buf), 0
-    for block in aside.chunks(fold_row.path):
-        part = memoryview(block).cast("B")
-        if at + len(part) > len(buf):
-            break
-        view[at:at + len(part)] = part
-        at += len(part)
-    else:
-        if at == len(buf):
-            return buf
-    raise CorruptCheckpointError(f"policy fold {where} is not the {fold_row.size} bytes its row records",
-                                 run=fold_row.run)
 
 
 def _check_fold(data: bytearray | memoryview, fold_row: FoldRecord, where: str) -> None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from registry.errors import ObjectExistsError, ObjectNotFoundError
+from registry.errors import CorruptCheckpointError, ObjectExistsError, ObjectNotFoundError
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -78,6 +78,11 @@ class Aside(Protocol):
 
     def chunks(self, rel: str) -> Iterator[Buffer]:
         """The bytes at ``rel`` in order, a few MiB at a time (errors as :meth:`get`'s)."""
+
+    def whole(self, rel: str, size: int) -> bytearray | memoryview:
+        """The ``size`` bytes at ``rel`` as one writable buffer that tensors may view, never copied twice: on
+        this host's disk the file mapped copy-on-write (as a step's files are), elsewhere streamed into one
+        buffer. ``CorruptCheckpointError`` when there are not ``size`` bytes; other errors as :meth:`get`'s."""
 
     def delete(self, rel: str) -> bool:
         """Remove ``rel``; False when nothing was there."""
@@ -172,6 +177,13 @@ class DirectoryAside:
             while block := f.read(CHUNK):
                 yield block
 
+    def whole(self, rel: str, size: int) -> bytearray | memoryview:
+        from registry.fs.mapping import host_view, map_file
+        path = self.directory / rel
+        if not path.is_file():  # gone: a failed read, which says nothing about the bytes
+            raise FileNotFoundError(f"no file {path}")
+        return host_view(map_file(path.parent, path.name, expected_size=size, what="file"))
+
     def delete(self, rel: str) -> bool:
         try:
             (self.directory / rel).unlink()
@@ -245,6 +257,20 @@ class ObjectAside:
             yield from self.objects.chunks(rel, CHUNK)
         except ObjectNotFoundError as exc:
             raise FileNotFoundError(str(exc)) from None
+
+    def whole(self, rel: str, size: int) -> bytearray | memoryview:
+        buf = bytearray(size)
+        view, at = memoryview(buf), 0
+        for block in self.chunks(rel):
+            part = memoryview(block).cast("B")
+            if at + len(part) > size:
+                break
+            view[at:at + len(part)] = part
+            at += len(part)
+        else:
+            if at == size:
+                return buf
+        raise CorruptCheckpointError(f"{self.where(rel)} is not the {size} bytes recorded for it")
 
     def delete(self, rel: str) -> bool:
         if self.objects.head(rel) is None:

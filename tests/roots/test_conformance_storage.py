@@ -128,6 +128,10 @@ def test_a_file_beside_the_steps_streams_in_and_out_whole_or_not_at_all(kind_reg
     out.commit()
     assert aside.names("run/.policy-folds") == ["run/.policy-folds/1-1.full.safetensors"]
     assert b"".join(bytes(b) for b in aside.chunks("run/.policy-folds/1-1.full.safetensors")) == data
+    assert bytes(aside.whole("run/.policy-folds/1-1.full.safetensors", len(data))) == data  # one buffer, whole
+    for wrong in (len(data) - 1, len(data) + 1):
+        with pytest.raises(CorruptCheckpointError):
+            aside.whole("run/.policy-folds/1-1.full.safetensors", wrong)
     dropped = aside.writer("run/.policy-folds/1-1.full.safetensors")  # a second write, aborted: the first stays
     dropped.write(b"other bytes" * (1 << 20))
     dropped.abort()
@@ -139,3 +143,5 @@ def test_a_file_beside_the_steps_streams_in_and_out_whole_or_not_at_all(kind_reg
     assert aside.unfinished("run/.policy-folds") == []
     with pytest.raises(FileNotFoundError):
         b"".join(bytes(b) for b in aside.chunks("run/.policy-folds/2-2.full.safetensors"))
+    with pytest.raises(FileNotFoundError):
+        aside.whole("run/.policy-folds/2-2.full.safetensors", 1)
